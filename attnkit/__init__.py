@@ -1,0 +1,66 @@
+"""attnkit: one attention API across kernel backends, with one semantic contract (docs/semantics.md)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from attnkit.api import attend, explain
+from attnkit.backend import (
+    AttentionInputs,
+    Backend,
+    Capabilities,
+    Framework,
+    Gradients,
+    Problem,
+    capability_reasons,
+)
+from attnkit.config import configure, current_config, use_backend, use_config
+from attnkit.errors import (
+    AttnkitError,
+    BackendUnavailableError,
+    ConfigError,
+    InvalidInputError,
+    InvalidInputTypeError,
+    UnknownBackendError,
+)
+from attnkit.registry import backends, get_backend, register_backend, unregister_backend
+from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
+
+__version__ = "0.1.0"
+
+if os.environ.get("ATTNKIT_LOG", "").lower() == "debug":
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("%(message)s"))
+    logging.getLogger("attnkit").addHandler(_handler)
+    logging.getLogger("attnkit").setLevel(logging.DEBUG)
+
+__all__ = [
+    "AttentionInputs",
+    "AttentionSpec",
+    "AttnkitError",
+    "Backend",
+    "BackendUnavailableError",
+    "Capabilities",
+    "CausalAlignment",
+    "ConfigError",
+    "Framework",
+    "Gradients",
+    "InvalidInputError",
+    "InvalidInputTypeError",
+    "Layout",
+    "Problem",
+    "UnknownBackendError",
+    "Variant",
+    "attend",
+    "backends",
+    "capability_reasons",
+    "configure",
+    "current_config",
+    "explain",
+    "get_backend",
+    "register_backend",
+    "unregister_backend",
+    "use_backend",
+    "use_config",
+]

@@ -1,0 +1,180 @@
+"""Configuration: which backend ``auto`` picks, per device and per spec feature.
+
+Sources, later ones winning: ``configs/default.toml`` shipped with the package, the file named by
+``ATTNKIT_CONFIG``, :func:`configure`, then the scoped overrides :func:`use_config` and
+:func:`use_backend` (ContextVars, so thread- and asyncio-safe). ``ATTNKIT_BACKEND=name`` forces a
+backend for the whole process. Environment variables are read when the base config is first built
+and on every :func:`configure` call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import tomllib
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
+from importlib.resources import files
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from attnkit import registry
+from attnkit.backend import ALL_FEATURES
+from attnkit.errors import ConfigError
+
+DEVICES = frozenset({"cpu", "cuda"})
+
+
+class Refinement(BaseModel):
+    """A priority list used instead of the device default when every feature in ``when`` is used."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    when: frozenset[str]
+    priority: dict[str, tuple[str, ...]]
+
+    @field_validator("when")
+    @classmethod
+    def _known_features(cls, value: frozenset[str]) -> frozenset[str]:
+        unknown = value - ALL_FEATURES
+        if unknown:
+            raise ValueError(f"unknown feature(s) {sorted(unknown)} (allowed: {sorted(ALL_FEATURES)})")
+        return value
+
+    def __hash__(self) -> int:
+        return hash((self.when, tuple(sorted(self.priority.items()))))
+
+
+class Config(BaseModel):
+    """The validated configuration. Frozen and hashable: dispatch decisions are cached per config."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    priority: dict[str, tuple[str, ...]]
+    refine: tuple[Refinement, ...] = ()
+    backend: str | None = None
+
+    def __hash__(self) -> int:
+        return hash((tuple(sorted(self.priority.items())), self.refine, self.backend))
+
+    def priority_for(self, device: str, features: frozenset[str]) -> tuple[str, ...]:
+        for refinement in self.refine:
+            if refinement.when <= features and device in refinement.priority:
+                return refinement.priority[device]
+        return self.priority.get(device, ())
+
+
+def _check_names(config: Config, source: str) -> None:
+    known = set(registry.backends())
+    allowed = ", ".join(sorted(known))
+
+    def check(key: str, names: Mapping[str, tuple[str, ...]]) -> None:
+        for device, order in names.items():
+            if device not in DEVICES:
+                raise ConfigError(f"{source}: key {key}.{device}: unknown device (allowed: {sorted(DEVICES)})")
+            for name in order:
+                if name not in known:
+                    raise ConfigError(f"{source}: key {key}.{device}: unknown backend {name!r} (allowed: {allowed})")
+
+    check("priority", config.priority)
+    for index, refinement in enumerate(config.refine):
+        check(f"refine[{index}].priority", refinement.priority)
+    if config.backend is not None and config.backend not in known:
+        raise ConfigError(f"{source}: key backend: unknown backend {config.backend!r} (allowed: {allowed})")
+
+
+def load_config(source: str | Path | Mapping[str, Any], base: Config | None = None) -> Config:
+    """Validate a TOML file or dict. Keys it gives replace the same keys of ``base``."""
+    if isinstance(source, Mapping):
+        label, data = "config dict", dict(source)
+    else:
+        label = str(source)
+        try:
+            data = tomllib.loads(Path(source).read_text())
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise ConfigError(f"{label}: cannot read config: {error}") from error
+    merged = {**(base.model_dump() if base is not None else {}), **data}
+    if base is not None and "priority" in data:
+        merged["priority"] = {**base.priority, **data["priority"]}
+    try:
+        config = Config.model_validate(merged)
+    except ValidationError as error:
+        problems = "; ".join(
+            f"key {'.'.join(str(part) for part in item['loc'])}: {item['msg']}" for item in error.errors()
+        )
+        raise ConfigError(f"{label}: {problems}") from None
+    _check_names(config, label)
+    return config
+
+
+def default_config_path() -> Path:
+    return Path(str(files("attnkit.configs") / "default.toml"))
+
+
+_base_lock = threading.Lock()
+_base: Config | None = None
+_override: ContextVar[Config | None] = ContextVar("attnkit_config", default=None)
+_forced_backend: ContextVar[str | None] = ContextVar("attnkit_backend", default=None)
+
+
+def _build_base(extra: str | Path | Mapping[str, Any] | None = None) -> Config:
+    config = load_config(default_config_path())
+    user_file = os.environ.get("ATTNKIT_CONFIG")
+    if user_file:
+        config = load_config(user_file, base=config)
+    if extra is not None:
+        config = load_config(extra, base=config)
+    forced = os.environ.get("ATTNKIT_BACKEND")
+    if forced:
+        config = load_config({"backend": forced}, base=config)
+    return config
+
+
+def current_config() -> Config:
+    override = _override.get()
+    if override is not None:
+        return override
+    global _base
+    if _base is None:
+        with _base_lock:
+            if _base is None:
+                _base = _build_base()
+    return _base
+
+
+def forced_backend() -> str | None:
+    """The backend name forced by :func:`use_backend`, else by the config (``ATTNKIT_BACKEND``)."""
+    return _forced_backend.get() or current_config().backend
+
+
+def configure(source: str | Path | Mapping[str, Any] | None = None) -> Config:
+    """Set the process-wide config: the shipped default, ``ATTNKIT_CONFIG``, then ``source``."""
+    global _base
+    config = _build_base(source)
+    with _base_lock:
+        _base = config
+    return config
+
+
+@contextlib.contextmanager
+def use_config(source: str | Path | Mapping[str, Any]) -> Iterator[Config]:
+    """Within the block (this thread or task only), use ``source`` on top of the current config."""
+    token = _override.set(load_config(source, base=current_config()))
+    try:
+        yield _override.get()  # type: ignore[misc]
+    finally:
+        _override.reset(token)
+
+
+@contextlib.contextmanager
+def use_backend(name: str) -> Iterator[None]:
+    """Within the block (this thread or task only), run every call on backend ``name``."""
+    registry.get_backend(name)  # raises UnknownBackendError with the registered names
+    token = _forced_backend.set(name)
+    try:
+        yield
+    finally:
+        _forced_backend.reset(token)

@@ -1,0 +1,93 @@
+"""Choosing a backend for a call: the configured priority list, each backend's reasons, a cache."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from attnkit import config, registry
+from attnkit.backend import Backend, Problem
+from attnkit.errors import BackendUnavailableError
+from attnkit.spec import AttentionSpec
+
+_log = logging.getLogger("attnkit")
+_cache_lock = threading.Lock()
+_decisions: dict[tuple[object, ...], Backend] = {}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One row of the dispatch table: a backend, whether it would run, and why not."""
+
+    name: str
+    reasons: tuple[str, ...]
+    selected: bool = False
+    in_priority: bool = True
+
+    def __str__(self) -> str:
+        marker = "->" if self.selected else "  "
+        why = "ok" if not self.reasons else "; ".join(self.reasons)
+        return f"{marker} {self.name:<16} {why}"
+
+
+def _reasons(backend: Backend, spec: AttentionSpec, problem: Problem) -> tuple[str, ...]:
+    missing = backend.available()
+    if missing:
+        return tuple(f"unavailable: {reason}" for reason in missing)
+    return tuple(backend.supports(spec, problem))
+
+
+def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
+    """Every registered backend with its reasons, in the order ``auto`` would try them."""
+    all_backends = registry.backends()
+    forced = config.forced_backend()
+    if forced is not None:
+        order: tuple[str, ...] = (forced,)
+    else:
+        order = config.current_config().priority_for(problem.device, spec.features() | problem.features())
+    rows: list[Candidate] = []
+    chosen = False
+    for name in order:
+        if name not in all_backends:
+            registry.get_backend(name)  # raises UnknownBackendError naming the registered ones
+        reasons = _reasons(all_backends[name], spec, problem)
+        rows.append(Candidate(name, reasons, selected=not reasons and not chosen))
+        chosen = chosen or not reasons
+    for name in sorted(set(all_backends) - set(order)):
+        why = "forced backend is " + forced if forced else f"not in the priority list for device={problem.device}"
+        rows.append(Candidate(name, _reasons(all_backends[name], spec, problem) + (why,), in_priority=False))
+    return rows
+
+
+def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Backend:
+    """The backend that runs this call. ``backend`` is ``"auto"`` or a registered name."""
+    forced = backend if backend != "auto" else config.forced_backend()
+    key = (spec, problem, forced, config.current_config(), registry.generation())
+    hit = _decisions.get(key)
+    if hit is not None:
+        return hit
+    if forced is not None:
+        chosen = registry.get_backend(forced)
+        reasons = _reasons(chosen, spec, problem)
+        if reasons:
+            raise BackendUnavailableError(
+                f"backend={forced!r} cannot serve this call:\n  - " + "\n  - ".join(reasons)
+            )
+    else:
+        rows = candidates(spec, problem)
+        selected = [row for row in rows if row.selected]
+        if not selected:
+            table = "\n".join(str(row) for row in rows)
+            raise BackendUnavailableError(f"no backend can serve this call:\n{table}")
+        chosen = registry.get_backend(selected[0].name)
+    with _cache_lock:
+        if key not in _decisions:
+            _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
+        _decisions[key] = chosen
+    return chosen
+
+
+def clear_cache() -> None:
+    with _cache_lock:
+        _decisions.clear()

@@ -1,0 +1,30 @@
+"""Typed user errors. Every error attnkit raises for bad input derives from :class:`AttnkitError`."""
+
+from __future__ import annotations
+
+
+class AttnkitError(Exception):
+    """Base class of every error attnkit raises for a user mistake or an unservable call."""
+
+
+class InvalidInputError(AttnkitError, ValueError):
+    """A tensor argument has the wrong shape, range or relation to the others."""
+
+
+class InvalidInputTypeError(AttnkitError, TypeError):
+    """A tensor argument has the wrong type, dtype or device."""
+
+
+class UnknownBackendError(AttnkitError, ValueError):
+    """A backend name that is not registered."""
+
+
+class BackendUnavailableError(AttnkitError, RuntimeError):
+    """The requested backend (or every backend, for ``auto``) cannot serve this call.
+
+    The message lists every backend considered with the reasons it refused.
+    """
+
+
+class ConfigError(AttnkitError, ValueError):
+    """A configuration file or dict names an unknown key, backend or value."""

@@ -1,0 +1,105 @@
+"""JAX glue: metadata, and a jax.custom_vjp that calls the backend's backward (works under jit/grad)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnkit.backend import AttentionInputs, Backend, Framework, Problem
+from attnkit.errors import BackendUnavailableError
+from attnkit.spec import AttentionSpec
+
+
+def sum_to_shape(gradient: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Reduce a broadcast gradient back to the shape of the array that was broadcast."""
+    if gradient.shape == tuple(shape):
+        return gradient
+    leading = gradient.ndim - len(shape)
+    if leading:
+        gradient = gradient.sum(axis=tuple(range(leading)))
+    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and gradient.shape[axis] != 1)
+    return gradient.sum(axis=axes, keepdims=True) if axes else gradient
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(backend: Backend, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[jax.Array, jax.Array]:
+    return backend.forward(spec, inputs, need_lse=True)
+
+
+def _attend_fwd(backend: Backend, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, Any]:
+    out, lse = backend.forward(spec, inputs, need_lse=True)
+    return (out, lse), (inputs, out, lse)
+
+
+def _attend_bwd(backend: Backend, spec: AttentionSpec, residuals: Any, cotangents: Any) -> tuple[Any]:
+    inputs, out, lse = residuals
+    dout, dlse = cotangents
+    if "grad" not in backend.capabilities.features:
+        raise BackendUnavailableError(f"backend={backend.name!r} has no backward (grad is not supported)")
+    grads = backend.backward(spec, inputs, out, lse, dout, dlse)
+    dbias = None
+    if inputs.bias is not None:
+        dbias = sum_to_shape(grads.dbias, inputs.bias.shape).astype(inputs.bias.dtype)
+    zero_cotangent = AttentionInputs(
+        grads.dq,
+        grads.dk,
+        grads.dv,
+        mask=None if inputs.mask is None else _float0(inputs.mask),
+        bias=dbias,
+        q_lengths=None if inputs.q_lengths is None else _float0(inputs.q_lengths),
+        kv_lengths=None if inputs.kv_lengths is None else _float0(inputs.kv_lengths),
+    )
+    return (zero_cotangent,)
+
+
+def _float0(x: jax.Array) -> Any:
+    import numpy as np
+
+    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+jax.tree_util.register_dataclass(
+    AttentionInputs, data_fields=["q", "k", "v", "mask", "bias", "q_lengths", "kv_lengths"], meta_fields=[]
+)
+
+
+class JaxOps:
+    framework = Framework.JAX
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, jax.Array)
+
+    def dtype_name(self, x: jax.Array) -> str:
+        return str(x.dtype)
+
+    def device(self, x: jax.Array) -> str:
+        try:
+            platform = next(iter(x.devices())).platform
+        except Exception:  # a tracer under jit has no committed device: the default backend decides
+            platform = jax.default_backend()
+        return "cuda" if platform in ("gpu", "cuda", "rocm") else platform
+
+    def value_range(self, x: jax.Array) -> tuple[int, int]:
+        if isinstance(x, jax.core.Tracer) or x.size == 0:
+            return 0, 0  # values are unknown while tracing; backends clamp lengths to [0, L]
+        return int(jnp.min(x)), int(jnp.max(x))
+
+    def needs_grad(self, inputs: AttentionInputs) -> tuple[bool, bool]:
+        # JAX decides differentiation after the call; custom_vjp only runs the backward if asked.
+        return False, False
+
+    def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+        return x.reshape(shape)
+
+    def run(
+        self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs
+    ) -> tuple[Any, Any]:
+        return _attend(backend, spec, inputs)
+
+
+OPS = JaxOps()

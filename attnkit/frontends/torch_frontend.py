@@ -1,0 +1,103 @@
+"""torch glue: metadata, and a torch.autograd.Function that calls the backend's backward."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnkit.backend import AttentionInputs, Backend, Framework, Problem
+from attnkit.spec import AttentionSpec
+
+
+def sum_to_shape(gradient: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Reduce a broadcast gradient back to the shape of the tensor that was broadcast."""
+    if gradient.shape == shape:
+        return gradient
+    leading = gradient.dim() - len(shape)
+    if leading:
+        gradient = gradient.sum(dim=tuple(range(leading)))
+    axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and gradient.shape[axis] != 1)
+    return gradient.sum(dim=axes, keepdim=True) if axes else gradient
+
+
+class _AttendFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        backend: Backend,
+        spec: AttentionSpec,
+        return_lse: bool,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        bias: torch.Tensor | None,
+        mask: torch.Tensor | None,
+        q_lengths: torch.Tensor | None,
+        kv_lengths: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = AttentionInputs(q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths)
+        out, lse = backend.forward(spec, inputs, need_lse=True)
+        ctx.backend, ctx.spec, ctx.return_lse = backend, spec, return_lse
+        ctx.save_for_backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, bias, mask, q_lengths, kv_lengths, out, lse = ctx.saved_tensors
+        inputs = AttentionInputs(q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths)
+        grads = ctx.backend.backward(ctx.spec, inputs, out, lse, dout, dlse if ctx.return_lse else None)
+        dbias = None
+        if bias is not None and ctx.needs_input_grad[6]:
+            dbias = sum_to_shape(grads.dbias, bias.shape).to(bias.dtype)
+        return None, None, None, grads.dq, grads.dk, grads.dv, dbias, None, None, None
+
+
+class TorchOps:
+    framework = Framework.TORCH
+
+    def is_array(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def dtype_name(self, x: torch.Tensor) -> str:
+        return str(x.dtype).removeprefix("torch.")
+
+    def device(self, x: torch.Tensor) -> str:
+        return x.device.type
+
+    def value_range(self, x: torch.Tensor) -> tuple[int, int]:
+        if x.numel() == 0:
+            return 0, 0
+        low, high = torch.aminmax(x)
+        return int(low), int(high)
+
+    def needs_grad(self, inputs: AttentionInputs) -> tuple[bool, bool]:
+        if not torch.is_grad_enabled():
+            return False, False
+        bias_grad = inputs.bias is not None and inputs.bias.requires_grad
+        return bias_grad or inputs.q.requires_grad or inputs.k.requires_grad or inputs.v.requires_grad, bias_grad
+
+    def reshape(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        return x.reshape(shape)
+
+    def run(
+        self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs
+    ) -> tuple[Any, Any]:
+        if not problem.needs_grad:
+            return backend.forward(spec, inputs, need_lse=problem.return_lse)
+        out, lse = _AttendFunction.apply(
+            backend,
+            spec,
+            problem.return_lse,
+            inputs.q,
+            inputs.k,
+            inputs.v,
+            inputs.bias,
+            inputs.mask,
+            inputs.q_lengths,
+            inputs.kv_lengths,
+        )
+        return out, lse
+
+
+OPS = TorchOps()

@@ -1,0 +1,129 @@
+"""AttentionSpec: the semantics of an attention call, with no tensors in it (docs/semantics.md)."""
+
+from __future__ import annotations
+
+import enum
+import math
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, field_validator
+
+
+class CausalAlignment(str, enum.Enum):
+    BOTTOM_RIGHT = "bottom_right"
+    TOP_LEFT = "top_left"
+
+
+class Variant(str, enum.Enum):
+    DOT = "dot"
+    COSINE = "cosine"
+
+
+class Layout(str, enum.Enum):
+    BHSD = "bhsd"
+    BSHD = "bshd"
+
+
+COSINE_DEFAULT_SCALE = 16.0
+
+
+class AttentionSpec(BaseModel):
+    """What an attention call computes; see docs/semantics.md for the full contract.
+
+    Fields:
+        causal: restrict each query to keys at or before its aligned position.
+        causal_alignment: where the diagonal sits when Lq != Lk. For Lq=2, Lk=5
+            (``x`` = may attend)::
+
+                bottom_right (default, KV-cache)     top_left (torch SDPA is_causal)
+                     k0 k1 k2 k3 k4                      k0 k1 k2 k3 k4
+                q0 [ x  x  x  x  . ]                q0 [ x  .  .  .  . ]
+                q1 [ x  x  x  x  x ]                q1 [ x  x  .  .  . ]
+
+            The same alignment offset places the sliding ``window``.
+        window: ``(left, right)``, inclusive, either side ``None`` for unbounded;
+            query i sees key j iff ``i+off-left <= j <= i+off+right``.
+        scale: multiplies q·kᵀ; ``None`` means 1/sqrt(head_dim), or 16 for the cosine variant.
+        variant: ``"dot"`` or ``"cosine"`` (q and k L2-normalised along the head dim first).
+        softcap: ``c > 0`` maps scores S to ``c*tanh(S/c)`` after scaling; ``None`` disables.
+        layout: ``"bhsd"`` (batch, heads, seq, dim) or ``"bshd"`` (batch, seq, heads, dim).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+    causal: bool = False
+    causal_alignment: CausalAlignment = CausalAlignment.BOTTOM_RIGHT
+    window: tuple[int | None, int | None] | None = None
+    scale: float | None = None
+    variant: Variant = Variant.DOT
+    softcap: float | None = None
+    layout: Layout = Layout.BHSD
+
+    @field_validator("window", mode="before")
+    @classmethod
+    def _window_from_list(cls, value: Any) -> Any:
+        # JSON and TOML have no tuples and TOML has no null: accept a list, and "none" for an open side.
+        if isinstance(value, list):
+            value = tuple(None if side in ("none", "None") else side for side in value)
+        return value
+
+    @field_validator("window")
+    @classmethod
+    def _check_window(cls, value: tuple[int | None, int | None] | None) -> tuple[int | None, int | None] | None:
+        if value is None:
+            return None
+        for name, side in zip(("left", "right"), value):
+            if side is not None and side < 0:
+                raise ValueError(
+                    f"window {name}={side} must be >= 0 or None (unbounded); "
+                    "use window=None instead of -1 for no window"
+                )
+        if value == (None, None):
+            return None
+        return value
+
+    @field_validator("scale")
+    @classmethod
+    def _check_scale(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"scale={value} must be a finite number > 0, or None for the default")
+        return value
+
+    @field_validator("softcap")
+    @classmethod
+    def _check_softcap(cls, value: float | None) -> float | None:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"softcap={value} must be a finite number > 0, or None to disable it")
+        return value
+
+    def resolved_scale(self, head_dim: int) -> float:
+        """The scale actually applied for a given head dim."""
+        if self.scale is not None:
+            return self.scale
+        if self.variant is Variant.COSINE:
+            return COSINE_DEFAULT_SCALE
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+
+    def features(self) -> frozenset[str]:
+        """Names of the spec features in use, as backends' capabilities name them."""
+        used = set()
+        if self.causal:
+            used.add("causal")
+        if (self.causal or self.window is not None) and self.causal_alignment is CausalAlignment.TOP_LEFT:
+            used.add("top_left")
+        if self.window is not None:
+            used.add("window")
+        if self.variant is Variant.COSINE:
+            used.add("cosine")
+        if self.softcap is not None:
+            used.add("softcap")
+        if self.layout is Layout.BSHD:
+            used.add("bshd")
+        return frozenset(used)
+
+    def to_toml_dict(self) -> dict[str, Any]:
+        """A dict TOML can hold (no None): unset fields are left out, open window sides become "none"."""
+        data = self.model_dump(mode="json", exclude_none=True)
+        if self.window is not None:
+            data["window"] = ["none" if side is None else side for side in self.window]
+        return data

@@ -1,0 +1,197 @@
+"""Agreement with the float64 oracle, under the tolerance rule of docs/testing.md.
+
+Rule (after flash-attn's tests): for every output (out, lse, dq, dk, dv, dbias),
+
+    max|backend − oracle64|  ≤  2 · max|oracle@dtype − oracle64|  +  floor,
+    floor = FLOOR_ULPS · eps(dtype) · max(1, max|oracle64|)
+
+where oracle64 is torch-naive in float64 on the inputs already rounded to the case's dtype, and
+oracle@dtype is the same literal algorithm computed in the input's own dtype (no upcast). Beyond that,
+structure must match exactly: lse is −inf exactly where the oracle's is, and no NaN/Inf appears
+anywhere the oracle is finite.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from attnkit import registry
+from attnkit.backend import Framework
+from attnkit.testing.cases import Case, make_arrays
+from attnkit.testing.runners import RUNNERS, Results, run_torch
+
+FLOOR_ULPS = 32
+ORACLE = "torch-naive"
+_EPS = {
+    "float64": float(np.finfo(np.float64).eps),
+    "float32": float(np.finfo(np.float32).eps),
+    "float16": float(np.finfo(np.float16).eps),
+    "bfloat16": 2.0**-7,
+}
+
+
+@dataclass(frozen=True)
+class Comparison:
+    output: str
+    error: float
+    allowed: float
+
+    @property
+    def ratio(self) -> float:
+        """error / allowed: at most 1 passes."""
+        if self.error == 0:
+            return 0.0
+        return self.error / self.allowed if self.allowed > 0 else float("inf")
+
+    @property
+    def ok(self) -> bool:
+        return self.error <= self.allowed
+
+    def __str__(self) -> str:
+        return f"{self.output}: error {self.error:.3g} allowed {self.allowed:.3g} (ratio {self.ratio:.2f})"
+
+
+class DisagreementError(AssertionError):
+    """A backend disagrees with the float64 oracle beyond the tolerance rule."""
+
+
+def rounded(case: Case, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The inputs as the case's dtype holds them (back in float64), so every backend and the oracle see equal values."""
+    import torch
+
+    result = dict(arrays)
+    for name in ("q", "k", "v", "bias", "dout"):
+        if name in arrays:
+            result[name] = torch.tensor(arrays[name]).to(getattr(torch, case.dtype)).double().numpy()
+    if "dlse" in arrays:
+        result["dlse"] = arrays["dlse"].astype(np.float32).astype(np.float64)
+    return result
+
+
+def oracle_results(case: Case, arrays: dict[str, np.ndarray]) -> tuple[Results, Results]:
+    """(oracle64, oracle at the input's own dtype) for rounded inputs."""
+    exact = run_torch(case.with_(dtype="float64"), arrays, ORACLE)
+    if case.dtype == "float64":
+        return exact, exact
+    return exact, _literal_at_own_precision(case, arrays)
+
+
+def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Results:
+    import torch
+
+    from attnkit.api import _prepare
+    from attnkit.backends.reference.torch_naive import naive_attention
+
+    dtype = getattr(torch, case.dtype)
+    tensors = {
+        name: torch.tensor(value, dtype=dtype) if name in ("q", "k", "v", "bias") else torch.tensor(value)
+        for name, value in arrays.items()
+        if name not in ("dout", "dlse")
+    }
+    names = [name for name in ("q", "k", "v", "bias") if name in tensors and (name != "bias" or case.bias_grad)]
+    for name in names:
+        tensors[name].requires_grad_(True)
+    _, _, inputs, was_3d = _prepare(
+        case.spec,
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        tensors.get("mask"),
+        tensors.get("bias"),
+        tensors.get("q_lengths"),
+        tensors.get("kv_lengths"),
+        True,
+    )
+    out, lse = naive_attention(case.spec, inputs, dtype)
+    if was_3d:
+        out = out.reshape(tensors["q"].shape[:-1] + (out.shape[-1],))
+        lse = lse.reshape(lse.shape[0], lse.shape[2])
+    results = {"out": out, "lse": lse}
+    if case.grad:
+        dout = torch.tensor(arrays["dout"], dtype=dtype)
+        dlse = torch.tensor(arrays["dlse"], dtype=dtype)
+        finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+        grads = torch.autograd.grad((out, finite_lse), [tensors[n] for n in names], (dout, dlse), allow_unused=True)
+        for name, grad in zip(names, grads):
+            results["d" + name] = grad if grad is not None else torch.zeros_like(tensors[name])
+    return {name: value.detach().double().numpy() for name, value in results.items()}
+
+
+def _max_error(actual: np.ndarray, expected: np.ndarray) -> float:
+    if actual.shape != expected.shape:
+        return float("inf")
+    if actual.size == 0:
+        return 0.0
+    expected_inf = np.isinf(expected)
+    if not np.array_equal(np.isinf(actual) & (actual < 0), expected_inf & (expected < 0)):
+        return float("inf")  # −inf rows of lse must match exactly
+    finite = ~expected_inf
+    if np.isnan(actual[finite]).any() or np.isinf(actual[finite]).any():
+        return float("inf")
+    return float(np.max(np.abs(actual[finite] - expected[finite]), initial=0.0))
+
+
+def compare(case: Case, results: Results, exact: Results, baseline: Results) -> list[Comparison]:
+    comparisons = []
+    eps = _EPS[case.dtype]
+    for name, expected in exact.items():
+        if name not in results:
+            comparisons.append(Comparison(name, float("inf"), 0.0))
+            continue
+        finite = expected[np.isfinite(expected)]
+        scale = max(1.0, float(np.max(np.abs(finite), initial=0.0)))
+        baseline_error = _max_error(baseline[name], expected) if name in baseline else 0.0
+        if not np.isfinite(baseline_error):
+            baseline_error = 0.0  # the low-precision literal algorithm overflowed: the floor alone decides
+        allowed = 2.0 * baseline_error + FLOOR_ULPS * eps * scale
+        comparisons.append(Comparison(name, _max_error(results[name], expected), allowed))
+    return comparisons
+
+
+def backends_for(case: Case, names: list[str] | None = None) -> dict[str, list[str]]:
+    """For each backend (all registered, or ``names``): the reasons it cannot run this case, [] if it can."""
+    table = {}
+    for name, backend in registry.backends().items():
+        if names is not None and name not in names:
+            continue
+        reasons = list(backend.available())
+        if not reasons:
+            for framework in (Framework.TORCH, Framework.JAX):
+                if framework in backend.capabilities.frameworks:
+                    reasons = backend.supports(case.spec, case.problem(framework))
+                    break
+        table[name] = reasons
+    return table
+
+
+def check_backend(case: Case, backend: str, oracle: tuple[Results, Results] | None = None) -> list[Comparison]:
+    """Run ``backend`` on ``case`` and compare every output and gradient with the oracle."""
+    arrays = rounded(case, make_arrays(case))
+    exact, baseline = oracle if oracle is not None else oracle_results(case, arrays)
+    frameworks = registry.get_backend(backend).capabilities.frameworks
+    framework = Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX
+    results = RUNNERS[framework](case, arrays, backend)
+    return compare(case, results, exact, baseline)
+
+
+def assert_backends_agree(case: Case, backends: list[str] | None = None) -> dict[str, list[Comparison]]:
+    """Every named (default: every available) backend that can serve ``case`` agrees with the oracle.
+
+    Raises :class:`DisagreementError` listing each output outside the tolerance rule. Returns the
+    comparisons per backend that ran (backends that refuse the case with reasons are left out).
+    """
+    arrays = rounded(case, make_arrays(case))
+    oracle = oracle_results(case, arrays)
+    report = {}
+    failures = []
+    for name, reasons in backends_for(case, backends).items():
+        if reasons:
+            continue
+        comparisons = check_backend(case, name, oracle)
+        report[name] = comparisons
+        failures += [f"{name} {comparison}" for comparison in comparisons if not comparison.ok]
+    if failures:
+        raise DisagreementError(f"{case.describe()}\n  " + "\n  ".join(failures))
+    return report

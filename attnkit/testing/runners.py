@@ -1,0 +1,97 @@
+"""Run a case on a backend in its own framework; results come back as float64 NumPy arrays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from attnkit import api
+from attnkit.backend import Framework
+from attnkit.testing.cases import Case
+
+Results = dict[str, np.ndarray]
+DIFFERENTIABLE = ("q", "k", "v", "bias")
+OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths")
+
+
+def run_torch(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None) -> Results:
+    """attend() on torch tensors through the public API, with autograd; ``dtype`` overrides the case's."""
+    import torch
+
+    torch_dtype = getattr(torch, dtype or case.dtype)
+    tensors: dict[str, Any] = {}
+    for name, value in arrays.items():
+        if name in ("q", "k", "v", "dout"):
+            tensors[name] = torch.tensor(value, dtype=torch_dtype)
+        elif name in ("bias", "dlse"):
+            tensors[name] = torch.tensor(value, dtype=torch.float32 if name == "dlse" else torch_dtype)
+        else:
+            tensors[name] = torch.tensor(value)
+    leaves = [tensors[name] for name in DIFFERENTIABLE if name in tensors]
+    if case.grad:
+        for name in DIFFERENTIABLE:
+            if name in tensors and (name != "bias" or case.bias_grad):
+                tensors[name].requires_grad_(True)
+    out, lse = api.attend(
+        case.spec,
+        tensors["q"],
+        tensors["k"],
+        tensors["v"],
+        **{name: tensors.get(name) for name in OPTIONAL},
+        return_lse=True,
+        backend=backend,
+    )
+    results = {"out": out, "lse": lse}
+    if case.grad:
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = torch.autograd.grad((out, lse), wanted, (tensors["dout"], tensors["dlse"]), allow_unused=True)
+        names = [name for name in DIFFERENTIABLE if name in tensors and tensors[name].requires_grad]
+        for name, grad, leaf in zip(names, grads, wanted):
+            results["d" + name] = grad if grad is not None else torch.zeros_like(leaf)
+    return {name: value.detach().double().numpy() for name, value in results.items()}
+
+
+def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None) -> Results:
+    """attend() on JAX arrays through the public API, differentiated with jax.vjp."""
+    import jax
+    import jax.numpy as jnp
+
+    jax_dtype = jnp.dtype(dtype or case.dtype)
+    converted: dict[str, Any] = {}
+    for name, value in arrays.items():
+        if name in ("q", "k", "v", "dout", "bias"):
+            converted[name] = jnp.asarray(value, dtype=jax_dtype)
+        elif name == "dlse":
+            converted[name] = jnp.asarray(value, dtype=jnp.float32)
+        elif name in ("q_lengths", "kv_lengths"):
+            converted[name] = jnp.asarray(value, dtype=jnp.int32)
+        else:
+            converted[name] = jnp.asarray(value)
+    names = [name for name in DIFFERENTIABLE if name in converted and (name != "bias" or case.bias_grad)]
+    fixed = {name: converted.get(name) for name in ("q", "k", "v", *OPTIONAL) if name not in names}
+
+    def call(*differentiable: Any) -> tuple[Any, Any]:
+        tensors = {**fixed, **dict(zip(names, differentiable))}
+        return api.attend(
+            case.spec,
+            tensors["q"],
+            tensors["k"],
+            tensors["v"],
+            **{name: tensors.get(name) for name in OPTIONAL},
+            return_lse=True,
+            backend=backend,
+        )
+
+    primals = [converted[name] for name in names]
+    if case.grad:
+        (out, lse), pullback = jax.vjp(call, *primals)
+        grads = pullback((converted["dout"], converted["dlse"]))
+        results = {"out": out, "lse": lse, **{"d" + name: grad for name, grad in zip(names, grads)}}
+    else:
+        out, lse = call(*primals)
+        results = {"out": out, "lse": lse}
+    return {name: np.asarray(value, dtype=np.float64) for name, value in results.items()}
+
+
+RUNNERS = {Framework.TORCH: run_torch, Framework.JAX: run_jax}

@@ -1,0 +1,113 @@
+"""Hypothesis strategies that draw valid conformance cases, optionally limited to a backend's capabilities."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from hypothesis import strategies as st
+
+from attnkit.backend import ALL_FEATURES, Capabilities
+from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
+from attnkit.testing.cases import Case
+
+SMALL_HEAD_DIMS = (16, 24, 32, 40)
+HEAD_DIMS = (16, 24, 32, 40, 64, 80, 96, 128, 160, 256)
+
+
+@st.composite
+def specs(draw: st.DrawFn, features: frozenset[str] = ALL_FEATURES) -> AttentionSpec:
+    """Specs using only ``features`` (names as in attnkit.backend.SPEC_FEATURES)."""
+    causal = "causal" in features and draw(st.booleans())
+    window = None
+    if "window" in features and draw(st.booleans()):
+        side = st.one_of(st.none(), st.integers(0, 12))
+        window = draw(st.tuples(side, side).filter(lambda sides: sides != (None, None)))
+    alignment = CausalAlignment.BOTTOM_RIGHT
+    if "top_left" in features and (causal or window is not None):
+        alignment = draw(st.sampled_from(list(CausalAlignment)))
+    cosine = "cosine" in features and draw(st.booleans())
+    softcap = draw(st.one_of(st.none(), st.floats(2.0, 50.0))) if "softcap" in features else None
+    scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
+    layout = draw(st.sampled_from(list(Layout))) if "bshd" in features else Layout.BHSD
+    return AttentionSpec(
+        causal=causal,
+        causal_alignment=alignment,
+        window=window,
+        scale=scale,
+        variant=Variant.COSINE if cosine else Variant.DOT,
+        softcap=softcap,
+        layout=layout,
+    )
+
+
+def _broadcast_shapes(batch: int, heads: int, len_q: int, len_k: int, three_d: bool) -> list[tuple[int, ...]]:
+    if three_d:
+        return [(batch, len_q, len_k), (1, len_q, len_k), (len_q, len_k), (batch, 1, len_k)]
+    return [(batch, heads, len_q, len_k), (batch, 1, len_q, len_k), (len_q, len_k), (1, heads, 1, len_k)]
+
+
+@st.composite
+def cases(
+    draw: st.DrawFn,
+    capabilities: Capabilities | None = None,
+    dtypes: Iterable[str] = ("float32", "float16", "bfloat16"),
+    max_len: int = 24,
+    head_dims: Iterable[int] = SMALL_HEAD_DIMS,
+) -> Case:
+    """Valid cases: Lq ≠ Lk both ways, Lq = 1 decode, GQA/MQA, non-power-of-two head dims, masks with fully
+    masked rows, bias (with and without its gradient), lengths including 0, both layouts, 3-D inputs.
+
+    With ``capabilities``, only the features, dtypes and head dims that backend declares are drawn.
+    """
+    features = capabilities.features if capabilities is not None else ALL_FEATURES
+    allowed_dtypes = [d for d in dtypes if capabilities is None or d in capabilities.dtypes]
+    low, high = capabilities.head_dims if capabilities is not None else (1, 1 << 30)
+    allowed_dims = [d for d in head_dims if low <= d <= high]
+    spec = draw(specs(frozenset(features)))
+    three_d = draw(st.booleans()) if draw(st.integers(0, 9)) == 0 else False
+    batch = draw(st.integers(1, 3))
+    heads_kv = 1 if three_d else draw(st.integers(1, 2))
+    heads_q = heads_kv * (1 if three_d else draw(st.sampled_from([1, 2, 4])))
+    len_q = draw(st.one_of(st.just(1), st.integers(1, max_len)))
+    len_k = draw(st.integers(1, max_len))
+    head_dim = draw(st.sampled_from(allowed_dims))
+    head_dim_v = draw(st.one_of(st.just(head_dim), st.sampled_from(allowed_dims)))
+    dtype = draw(st.sampled_from(allowed_dtypes))
+    mask_shape = None
+    masked_rows: tuple[int, ...] = ()
+    if "mask" in features and draw(st.booleans()):
+        mask_shape = draw(st.sampled_from(_broadcast_shapes(batch, heads_q, len_q, len_k, three_d)))
+        if draw(st.booleans()):
+            masked_rows = tuple(sorted(draw(st.sets(st.integers(0, len_q - 1), min_size=1, max_size=2))))
+    bias_shape = None
+    bias_grad = False
+    if "bias" in features and draw(st.booleans()):
+        bias_shape = draw(st.sampled_from(_broadcast_shapes(batch, heads_q, len_q, len_k, three_d)))
+        bias_grad = "dbias" in features and draw(st.booleans())
+    lengths = st.lists(st.integers(0, max_len), min_size=batch, max_size=batch)
+    q_lengths = None
+    if "q_lengths" in features and draw(st.booleans()):
+        q_lengths = tuple(min(n, len_q) for n in draw(lengths))
+    kv_lengths = None
+    if "kv_lengths" in features and draw(st.booleans()):
+        kv_lengths = tuple(min(n, len_k) for n in draw(lengths))
+    return Case(
+        spec=spec,
+        batch=batch,
+        heads_q=heads_q,
+        heads_kv=heads_kv,
+        len_q=len_q,
+        len_k=len_k,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        dtype=dtype,
+        mask_shape=mask_shape,
+        masked_rows=masked_rows,
+        bias_shape=bias_shape,
+        bias_grad=bias_grad,
+        q_lengths=q_lengths,
+        kv_lengths=kv_lengths,
+        three_d=three_d,
+        seed=draw(st.integers(0, 2**31 - 1)),
+        grad="grad" in features,
+    )

@@ -1,0 +1,107 @@
+"""Pieces of the contract shared by the torch reference backends: visibility, scores, layouts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Layout, Variant
+
+COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
+
+
+def to_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
+
+
+def from_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
+
+
+def normalize_if_cosine(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
+    return F.normalize(x, dim=-1, eps=COSINE_EPS) if spec.variant is Variant.COSINE else x
+
+
+def visibility(
+    spec: AttentionSpec,
+    inputs: AttentionInputs,
+    len_q: int,
+    len_k: int,
+    rows: slice | None = None,
+    cols: slice | None = None,
+) -> torch.Tensor | None:
+    """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §3). None = all visible.
+
+    Causal and window use the alignment offset, per batch element when lengths are given:
+    ``off = kv_len[b] - q_len[b]`` for bottom-right, 0 for top-left.
+    """
+    device = inputs.q.device
+    rows = rows or slice(0, len_q)
+    cols = cols or slice(0, len_k)
+    i = torch.arange(rows.start, rows.stop, device=device).view(1, 1, -1, 1)
+    j = torch.arange(cols.start, cols.stop, device=device).view(1, 1, 1, -1)
+    q_len = inputs.q_lengths.view(-1, 1, 1, 1).long() if inputs.q_lengths is not None else None
+    kv_len = inputs.kv_lengths.view(-1, 1, 1, 1).long() if inputs.kv_lengths is not None else None
+    visible: torch.Tensor | None = None
+
+    def conjoin(condition: torch.Tensor) -> None:
+        nonlocal visible
+        visible = condition if visible is None else visible & condition
+
+    if spec.causal or spec.window is not None:
+        if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT:
+            offset = (kv_len if kv_len is not None else len_k) - (q_len if q_len is not None else len_q)
+        else:
+            offset = 0
+        aligned = i + offset
+        if spec.causal:
+            conjoin(j <= aligned)
+        if spec.window is not None:
+            left, right = spec.window
+            if left is not None:
+                conjoin(j >= aligned - left)
+            if right is not None:
+                conjoin(j <= aligned + right)
+    if kv_len is not None:
+        conjoin(j < kv_len)
+    if q_len is not None:
+        conjoin(i < q_len)
+    if inputs.mask is not None:
+        conjoin(inputs.mask[:, :, rows, cols])
+    return visible
+
+
+def scores(
+    spec: AttentionSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    bias: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """S = softcap(scale · q kᵀ) + bias for bhsd q (B, Hq, Lq, D) and k (B, Hkv, Lk, D), without repeating k.
+
+    Returns (B, Hq, Lq, Lk). q and k must already be normalised for the cosine variant.
+    """
+    batch, heads_q, len_q, head_dim = q.shape
+    heads_kv = k.shape[1]
+    group = heads_q // heads_kv
+    grouped = q.reshape(batch, heads_kv, group * len_q, head_dim)
+    s = torch.matmul(grouped, k.transpose(-1, -2)).reshape(batch, heads_q, len_q, k.shape[2]) * scale
+    if spec.softcap is not None:
+        s = torch.tanh(s / spec.softcap) * spec.softcap
+    if bias is not None:
+        s = s + bias
+    return s
+
+
+def weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """P (B, Hq, Lq, Lk) times v (B, Hkv, Lk, Dv) for grouped heads, without repeating v."""
+    batch, heads_q, len_q, len_k = p.shape
+    heads_kv = v.shape[1]
+    grouped = p.reshape(batch, heads_kv, (heads_q // heads_kv) * len_q, len_k)
+    return torch.matmul(grouped, v).reshape(batch, heads_q, len_q, v.shape[-1])
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 accumulation for the half types (docs/semantics.md §6); float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
