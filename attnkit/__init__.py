@@ -12,6 +12,7 @@ from attnkit.backend import (
     Capabilities,
     Framework,
     Gradients,
+    MissingPackageBackend,
     Problem,
     capability_reasons,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "InvalidInputError",
     "InvalidInputTypeError",
     "Layout",
+    "MissingPackageBackend",
     "Problem",
     "UnknownBackendError",
     "Variant",

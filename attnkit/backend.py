@@ -164,3 +164,30 @@ class Backend(Protocol):
     ) -> Gradients:
         """Gradients of (out, lse) given their cotangents; ``dlse`` None means zero."""
         ...
+
+
+class MissingPackageBackend:
+    """Stands in for a built-in backend whose package is not installed, so configs naming it stay valid
+    and ``attnkit info`` says what to install."""
+
+    def __init__(self, name: str, package: str, extra: str) -> None:
+        self.name = name
+        self.package = package
+        self.extra = extra
+        self.capabilities = Capabilities(
+            frameworks=frozenset(), dtypes=frozenset(), devices=frozenset(), features=frozenset()
+        )
+
+    def available(self) -> list[str]:
+        return [f"{self.package} is not installed (pip install 'attnkit[{self.extra}]')"]
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        return self.available()
+
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
+        raise RuntimeError(self.available()[0])
+
+    def backward(
+        self, spec: AttentionSpec, inputs: AttentionInputs, out: Any, lse: Any, dout: Any, dlse: Any | None
+    ) -> Gradients:
+        raise RuntimeError(self.available()[0])

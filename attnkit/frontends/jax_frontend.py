@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from attnkit.backend import AttentionInputs, Backend, Framework, Problem
 from attnkit.errors import BackendUnavailableError
@@ -30,38 +31,44 @@ def _attend(backend: Backend, spec: AttentionSpec, inputs: AttentionInputs) -> t
 
 
 def _attend_fwd(backend: Backend, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, Any]:
+    # symbolic_zeros: each leaf arrives as CustomVJPPrimal(value, perturbed), so the backward knows
+    # whether bias is being differentiated. That choice rides in the residuals' tree structure (an
+    # empty tuple or None), never as a Python bool leaf, which jit could turn into a tracer.
+    perturbed = jax.tree.map(lambda leaf: leaf.perturbed, inputs, is_leaf=_is_primal)
+    inputs = jax.tree.map(lambda leaf: leaf.value, inputs, is_leaf=_is_primal)
     out, lse = backend.forward(spec, inputs, need_lse=True)
-    return (out, lse), (inputs, out, lse)
+    wants_dbias = () if inputs.bias is not None and perturbed.bias else None
+    return (out, lse), (inputs, out, lse, wants_dbias)
 
 
 def _attend_bwd(backend: Backend, spec: AttentionSpec, residuals: Any, cotangents: Any) -> tuple[Any]:
-    inputs, out, lse = residuals
+    inputs, out, lse, wants_dbias = residuals
     dout, dlse = cotangents
     if "grad" not in backend.capabilities.features:
         raise BackendUnavailableError(f"backend={backend.name!r} has no backward (grad is not supported)")
+    if wants_dbias is not None and "dbias" not in backend.capabilities.features:
+        raise BackendUnavailableError(
+            f"backend={backend.name!r} cannot differentiate with respect to bias (dbias is not supported)"
+        )
+    # Only lse used: out's cotangent is a symbolic zero, but backends take an array for dout.
+    if isinstance(dout, SymbolicZero):
+        dout = jnp.zeros(out.shape, out.dtype)
+    # Backends read dlse=None as zero and skip that term.
+    if isinstance(dlse, SymbolicZero):
+        dlse = None
     grads = backend.backward(spec, inputs, out, lse, dout, dlse)
     dbias = None
-    if inputs.bias is not None:
+    if wants_dbias is not None:
         dbias = sum_to_shape(grads.dbias, inputs.bias.shape).astype(inputs.bias.dtype)
-    zero_cotangent = AttentionInputs(
-        grads.dq,
-        grads.dk,
-        grads.dv,
-        mask=None if inputs.mask is None else _float0(inputs.mask),
-        bias=dbias,
-        q_lengths=None if inputs.q_lengths is None else _float0(inputs.q_lengths),
-        kv_lengths=None if inputs.kv_lengths is None else _float0(inputs.kv_lengths),
-    )
-    return (zero_cotangent,)
+    # None is a zero cotangent: right for bool mask and integer lengths, and for a bias not differentiated.
+    return (AttentionInputs(grads.dq, grads.dk, grads.dv, bias=dbias),)
 
 
-def _float0(x: jax.Array) -> Any:
-    import numpy as np
-
-    return np.zeros(x.shape, dtype=jax.dtypes.float0)
+def _is_primal(leaf: Any) -> bool:
+    return isinstance(leaf, CustomVJPPrimal)
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
 
 jax.tree_util.register_dataclass(
     AttentionInputs, data_fields=["q", "k", "v", "mask", "bias", "q_lengths", "kv_lengths"], meta_fields=[]

@@ -1,0 +1,347 @@
+"""jax-reference: the contract in jax.numpy, FlashAttention-2 style, over key blocks with lax.scan.
+
+The forward keeps a running max, running sum and rescaled accumulator per query row and saves only
+(out, lse); the backward recomputes the probabilities of each key block from lse. Neither pass holds
+more than one (Lq, block) slab of scores. Everything is pure jax, so the backend runs under jit, under
+the frontend's custom_vjp (grad) and under vmap, with mask, bias and lengths as tracers.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    CausalAlignment,
+    Framework,
+    Gradients,
+    Layout,
+    Problem,
+    Variant,
+    capability_reasons,
+)
+from attnkit.backend import ALL_FEATURES
+
+try:
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+except ImportError as error:  # the package imports without jax; available() says why it cannot run
+    _JAX_ERROR: str | None = f"jax is not installed ({error})"
+else:
+    _JAX_ERROR = None
+
+COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
+DEFAULT_BLOCK_K = 128
+
+
+class _Operands(NamedTuple):
+    """One call in the shapes the scans use: bhsd, compute dtype, G = Hq // Hkv query heads per kv head.
+
+    ``keys`` is the scan's xs: per key block its first index, k, v, and the mask and bias columns
+    (None when absent). A mask or bias broadcast along keys (size 1) is repeated per block, not padded.
+    """
+
+    q: Any  # (B, Hkv, G, Lq, D), unit rows for cosine
+    keys: tuple[Any, Any, Any, Any, Any]  # (n,), (n, B, Hkv, blk, D), (n, B, Hkv, blk, Dv), (n, ...blk|1) x2
+    q_limit: Any  # rows i >= q_limit see nothing: int, or (B, 1, 1, 1, 1)
+    kv_limit: Any  # keys j >= kv_limit are invisible (this also hides the padding)
+    offset: Any  # alignment offset of causal and window
+    scale: float
+    q_normalization: Any  # (q_hat, denominator, norm) for the cosine backward, else None
+    k_normalization: Any
+
+
+def _operands(
+    spec: AttentionSpec, block: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any
+) -> _Operands:
+    """All the plumbing: layout, upcast, GQA grouping, cosine normalisation, lengths, key padding."""
+    if spec.layout is Layout.BSHD:
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    dtype = _compute_dtype(q.dtype)
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    scale = spec.resolved_scale(q.shape[-1])
+    q_normalization = k_normalization = None
+    if spec.variant is Variant.COSINE:
+        q, q_normalization = _normalize(q)
+        k, k_normalization = _normalize(k)
+    heads_kv, len_k = k.shape[1], k.shape[2]
+    len_q = q.shape[2]
+    q = _group(q, heads_kv)
+    mask = None if mask is None else _group(mask, heads_kv)
+    bias = None if bias is None else _group(bias.astype(dtype), heads_kv)
+
+    # Lengths may be tracers, so they are clamped here rather than trusted to have been checked.
+    q_limit = len_q if q_lengths is None else jnp.clip(q_lengths, 0, len_q).reshape(-1, 1, 1, 1, 1)
+    kv_limit = len_k if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k).reshape(-1, 1, 1, 1, 1)
+    offset = kv_limit - q_limit if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT else 0
+
+    count = -(-len_k // block)
+    starts = jnp.arange(count, dtype=jnp.int32) * block
+    keys = (
+        starts,
+        _key_blocks(k, -2, block, count, 0),
+        _key_blocks(v, -2, block, count, 0),
+        None if mask is None else _key_blocks(mask, -1, block, count, False),
+        None if bias is None else _key_blocks(bias, -1, block, count, 0),
+    )
+    return _Operands(q, keys, q_limit, kv_limit, offset, scale, q_normalization, k_normalization)
+
+
+def _compute_dtype(dtype: Any) -> Any:
+    """float32 accumulation for the half types (docs/semantics.md §6); float64 stays float64."""
+    return jnp.float64 if dtype == jnp.float64 else jnp.float32
+
+
+def _group(x: Any, heads_kv: int) -> Any:
+    """(B|1, Hq|1, ...) -> (B|1, Hkv|1, G|1, ...): query head h reads kv head h // G, without a repeat."""
+    if x.shape[1] == 1:
+        return x.reshape(x.shape[0], 1, 1, *x.shape[2:])
+    return x.reshape(x.shape[0], heads_kv, x.shape[1] // heads_kv, *x.shape[2:])
+
+
+def _ungroup(x: Any) -> Any:
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2], *x.shape[3:])
+
+
+def _key_blocks(x: Any, axis: int, block: int, count: int, fill: Any) -> Any:
+    """Split the key axis into ``count`` blocks on a new leading axis; padding takes ``fill``."""
+    axis %= x.ndim
+    if x.shape[axis] == 1:  # broadcast along keys: every block sees the same column
+        return jnp.broadcast_to(x[None], (count, *x.shape))
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, count * block - x.shape[axis])
+    x = jnp.pad(x, pad, constant_values=fill)
+    x = x.reshape(*x.shape[:axis], count, block, *x.shape[axis + 1 :])
+    return jnp.moveaxis(x, axis, 0)
+
+
+def _from_key_blocks(x: Any, axis: int, len_k: int, broadcast: bool = False) -> Any:
+    """Inverse of :func:`_key_blocks` for per-block results (n, ...) stacked by the scan."""
+    if broadcast:  # the operand was repeated per block, so its gradient sums over blocks
+        return x.sum(axis=0)
+    axis %= x.ndim - 1
+    x = jnp.moveaxis(x, 0, axis)
+    x = x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2 :])
+    return lax.slice_in_dim(x, 0, len_k, axis=axis)
+
+
+def _normalize(x: Any) -> tuple[Any, tuple[Any, Any, Any]]:
+    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+    denominator = jnp.maximum(norm, COSINE_EPS)
+    unit = x / denominator
+    return unit, (unit, denominator, norm)
+
+
+def _normalize_backward(normalization: tuple[Any, Any, Any], d_unit: Any) -> Any:
+    # x̂ = x / max(‖x‖, eps): dx = (dx̂ − x̂ (x̂·dx̂)) / ‖x‖; where eps wins (torch's clamp_min keeps
+    # the tie) the denominator is constant and only the division contributes.
+    unit, denominator, norm = normalization
+    radial = jnp.where(norm >= COSINE_EPS, jnp.sum(unit * d_unit, axis=-1, keepdims=True), 0)
+    return (d_unit - unit * radial) / denominator
+
+
+def _matmul(subscripts: str, a: Any, b: Any) -> Any:
+    # HIGHEST: a reference must not drop to TF32/bf16 passes on GPUs.
+    return jnp.einsum(subscripts, a, b, precision=lax.Precision.HIGHEST)
+
+
+def _block_scores(spec: AttentionSpec, ops: _Operands, keys: tuple[Any, ...]) -> tuple[Any, Any]:
+    """S = softcap(scale·q·kᵀ) + bias against one key block, −inf where not visible: (B, Hkv, G, Lq, blk).
+
+    Also returns tanh(raw / c), which the softcap derivative needs (None without softcap).
+    """
+    start, k, _, mask, bias = keys
+    s = _matmul("bhgqd,bhkd->bhgqk", ops.q, k) * ops.scale
+    tanh = None
+    if spec.softcap is not None:
+        tanh = jnp.tanh(s / spec.softcap)
+        s = tanh * spec.softcap
+    if bias is not None:
+        s = s + bias
+    i = jnp.arange(ops.q.shape[3])[:, None]
+    j = start + jnp.arange(k.shape[2])[None, :]
+    visible = (j < ops.kv_limit) & (i < ops.q_limit)
+    aligned = i + ops.offset
+    if spec.causal:
+        visible = visible & (j <= aligned)
+    if spec.window is not None:
+        left, right = spec.window
+        if left is not None:
+            visible = visible & (j >= aligned - left)
+        if right is not None:
+            visible = visible & (j <= aligned + right)
+    if mask is not None:
+        visible = visible & mask
+    return jnp.where(visible, s, -jnp.inf), tanh
+
+
+def _forward_block(spec: AttentionSpec, ops: _Operands, carry: tuple[Any, Any, Any], keys: tuple[Any, ...]) -> Any:
+    m, l, acc = carry
+    s, _ = _block_scores(spec, ops, keys)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # Rows with nothing visible yet keep m = −inf; shifting them by 0 keeps exp() at 0 instead of NaN.
+    shift = jnp.where(m_new == -jnp.inf, 0, m_new)
+    p = jnp.exp(s - shift[..., None])
+    alpha = jnp.exp(m - shift)
+    l = alpha * l + p.sum(axis=-1)
+    acc = alpha[..., None] * acc + _matmul("bhgqk,bhkv->bhgqv", p, keys[2])
+    return (m_new, l, acc), None
+
+
+def _forward(
+    spec: AttentionSpec, block: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any
+) -> tuple[Any, Any]:
+    ops = _operands(spec, block, q, k, v, mask, bias, q_lengths, kv_lengths)
+    rows = ops.q.shape[:-1]
+    init = (
+        jnp.full(rows, -jnp.inf, ops.q.dtype),
+        jnp.zeros(rows, ops.q.dtype),
+        jnp.zeros((*rows, v.shape[-1]), ops.q.dtype),
+    )
+    # Online softmax over key blocks (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'),
+    # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; finally O = acc / l, lse = m + log l.
+    (m, l, acc), _ = lax.scan(functools.partial(_forward_block, spec, ops), init, ops.keys)
+    # l == 0 only where no key is visible (out 0, lse −inf); a NaN l still propagates NaN to both.
+    empty = l == 0
+    safe_l = jnp.where(empty, 1, l)
+    out = jnp.where(empty[..., None], 0, acc / safe_l[..., None])
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(safe_l))
+    out = _ungroup(out).astype(q.dtype)
+    if spec.layout is Layout.BSHD:
+        out = jnp.swapaxes(out, 1, 2)
+    return out, _ungroup(lse).astype(jnp.float32)
+
+
+def _backward_block(
+    spec: AttentionSpec,
+    ops: _Operands,
+    rows: tuple[Any, Any, Any],
+    dq: Any,
+    keys: tuple[Any, ...],
+) -> Any:
+    lse, delta, dout = rows
+    _, k, v, _, bias = keys
+    s, tanh = _block_scores(spec, ops, keys)
+    p = jnp.exp(s - lse[..., None])
+    ds = p * (_matmul("bhgqv,bhkv->bhgqk", dout, v) - delta[..., None])
+    dbias = None
+    if bias is not None:
+        axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1 and ds.shape[axis] != 1)
+        dbias = ds.sum(axis=axes, keepdims=True)
+    if tanh is not None:
+        ds = ds * (1 - tanh * tanh)
+    dq = dq + _matmul("bhgqk,bhkd->bhgqd", ds, k) * ops.scale
+    dk = _matmul("bhgqk,bhgqd->bhkd", ds, ops.q) * ops.scale
+    dv = _matmul("bhgqk,bhgqv->bhkv", p, dout)
+    return dq, (dk, dv, dbias)
+
+
+def _backward(
+    spec: AttentionSpec,
+    block: int,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    q_lengths: Any,
+    kv_lengths: Any,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    dlse: Any,
+) -> tuple[Any, Any, Any, Any]:
+    ops = _operands(spec, block, q, k, v, mask, bias, q_lengths, kv_lengths)
+    head_axis = 2 if spec.layout is Layout.BSHD else 1
+    heads_kv, len_k = k.shape[head_axis], k.shape[3 - head_axis]
+    if spec.layout is Layout.BSHD:
+        out, dout = jnp.swapaxes(out, 1, 2), jnp.swapaxes(dout, 1, 2)
+    dtype = ops.q.dtype
+    out, dout = (_group(x.astype(dtype), heads_kv) for x in (out, dout))
+    lse = _group(lse.astype(dtype), heads_kv)
+    delta = jnp.sum(dout * out, axis=-1)
+    if dlse is not None:
+        delta = delta - _group(dlse.astype(dtype), heads_kv)
+    # A row with no visible key (lse −inf) gets P = exp(−inf − +inf) = 0, so every gradient is 0.
+    lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
+    # Per key block, P recomputed from lse: P = exp(S − lse), dV = Pᵀ·dO, dP = dO·Vᵀ,
+    # dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse (= dbias), then through softcap:
+    # dS ⊙ (1 − tanh²); dQ += scale·dS·K (carried), dK = scale·dSᵀ·Q, dV per block.
+    dq, (dk, dv, dbias) = lax.scan(
+        functools.partial(_backward_block, spec, ops, (lse, delta, dout)), jnp.zeros_like(ops.q), ops.keys
+    )
+    dq = _ungroup(dq)
+    dk, dv = (_from_key_blocks(x, -2, len_k) for x in (dk, dv))
+    if spec.variant is Variant.COSINE:
+        dq = _normalize_backward(ops.q_normalization, dq)
+        dk = _normalize_backward(ops.k_normalization, dk)
+    if spec.layout is Layout.BSHD:
+        dq, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq, dk, dv))
+    if dbias is not None:
+        dbias = _from_key_blocks(dbias, -1, len_k, bias.shape[-1] == 1).reshape(bias.shape).astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+
+
+@functools.cache
+def _compiled() -> tuple[Any, Any]:
+    # jit for eager callers (one XLA program instead of op-by-op dispatch); nested under a caller's jit
+    # it is inlined. spec and block are static: spec is a frozen, hashable pydantic model.
+    return jax.jit(_forward, static_argnums=(0, 1)), jax.jit(_backward, static_argnums=(0, 1))
+
+
+class JaxReferenceBackend:
+    name = "jax-reference"
+    capabilities = Capabilities(
+        frameworks=frozenset({Framework.JAX}),
+        dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
+        devices=frozenset({"cpu", "cuda"}),
+        features=ALL_FEATURES,
+        description="FlashAttention-2 in jax.numpy: key blocks under lax.scan, online softmax; jit/grad/vmap",
+        notes=("float64 needs jax_enable_x64",),
+    )
+
+    def __init__(self, block_k: int = DEFAULT_BLOCK_K) -> None:
+        if block_k < 1:
+            raise ValueError(f"block_k={block_k} must be >= 1")
+        self.block_k = block_k
+
+    def available(self) -> list[str]:
+        return [_JAX_ERROR] if _JAX_ERROR is not None else []
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        reasons = capability_reasons(self.capabilities, spec, problem)
+        if problem.dtype == "float64" and _JAX_ERROR is None and not jax.config.read("jax_enable_x64"):
+            reasons.append("dtype=float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
+        return reasons
+
+    def _block(self, len_k: int) -> int:
+        # Never wider than the keys: short calls then run as one unpadded block.
+        return max(1, min(self.block_k, len_k))
+
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
+        forward, _ = _compiled()
+        len_k = inputs.k.shape[1 if spec.layout is Layout.BSHD else 2]
+        return forward(spec, self._block(len_k), *_arrays(inputs))
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: Any,
+        lse: Any,
+        dout: Any,
+        dlse: Any | None,
+    ) -> Gradients:
+        _, backward = _compiled()
+        len_k = inputs.k.shape[1 if spec.layout is Layout.BSHD else 2]
+        dq, dk, dv, dbias = backward(spec, self._block(len_k), *_arrays(inputs), out, lse, dout, dlse)
+        return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias)
+
+
+def _arrays(inputs: AttentionInputs) -> tuple[Any, ...]:
+    return inputs.q, inputs.k, inputs.v, inputs.mask, inputs.bias, inputs.q_lengths, inputs.kv_lengths
+

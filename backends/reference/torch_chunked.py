@@ -1,0 +1,412 @@
+"""torch-chunked: the FlashAttention-2 algorithm in torch tensor ops, memory linear in sequence length.
+
+Queries and keys are cut into tiles; the forward keeps a running max and sum per row (online softmax) and
+saves only ``out`` and ``lse``; the backward recomputes each probability tile from ``lse``. Tiles that the
+causal/window/length geometry hides entirely are never computed, and tiles it shows entirely are never masked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    CausalAlignment,
+    Framework,
+    Gradients,
+    Layout,
+    Problem,
+    Variant,
+    capability_reasons,
+)
+from attnkit.backend import ALL_FEATURES
+
+from .torch_common import COSINE_EPS, compute_dtype, from_bhsd, to_bhsd
+
+NEG_INF = float("-inf")
+
+# Measured on a 2-core CPU at B=1, H=8, L=4096, D=64, float32, causal forward+backward (benchmarks/bench_chunked.py).
+DEFAULT_BLOCK_Q = 256
+DEFAULT_BLOCK_K = 256
+
+# Internal layouts. Query-side tensors (q, out, dout, dq) are (B, Hkv, L, G, D) with G = Hq // Hkv, and per-row
+# statistics (lse, delta) are (B, Hkv, L, G): the rows of one query tile for all G heads sharing a kv head are then
+# contiguous, so a tile is a (B, Hkv, tile_q * G, D) view and one batched matmul against the (B, Hkv, Lk, D) keys
+# serves every query head, without repeating K or V. Mask and bias are viewed as (B|1, Hkv|1, Lq|1, G|1, Lk|1) so
+# they broadcast onto a score tile seen as (B, Hkv, tile_q, G, tile_k).
+
+
+def _query_side(x: torch.Tensor, heads_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """bhsd (B, Hq, L, D), any strides -> contiguous (B, Hkv, L, G, D) in ``dtype``, in one copy."""
+    batch, heads_q, length, dim = x.shape
+    grouped = x.unflatten(1, (heads_kv, heads_q // heads_kv)).transpose(2, 3)
+    return torch.empty(grouped.shape, dtype=dtype, device=x.device).copy_(grouped)
+
+
+def _from_query_side(spec: AttentionSpec, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, Hkv, L, G, D) -> the spec's layout, (B, Hq, L, D) or (B, L, Hq, D)."""
+    order = (0, 2, 1, 3, 4) if spec.layout is Layout.BSHD else (0, 1, 3, 2, 4)
+    x = x.permute(order)
+    x = x.flatten(1, 2) if spec.layout is Layout.BHSD else x.flatten(2, 3)
+    return x.to(dtype)
+
+
+def _row_stats(x: torch.Tensor, heads_kv: int, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row values (B, Hq, L) -> contiguous (B, Hkv, L, G) in ``dtype``."""
+    grouped = x.unflatten(1, (heads_kv, x.shape[1] // heads_kv)).transpose(2, 3)
+    return torch.empty(grouped.shape, dtype=dtype, device=x.device).copy_(grouped)
+
+
+def _grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
+    """A 4-D mask or bias (B|1, Hq|1, Lq|1, Lk|1) as a (B|1, Hkv|1, Lq|1, G|1, Lk|1) view."""
+    x = x.unsqueeze(2) if x.shape[1] == 1 else x.unflatten(1, (heads_kv, x.shape[1] // heads_kv))
+    return x.transpose(2, 3)
+
+
+def _tile(x: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+    """The (rows, cols) tile of a grouped mask or bias, leaving broadcast (size-1) axes whole."""
+    rows = slice(r0, r1) if x.shape[2] != 1 else slice(None)
+    cols = slice(c0, c1) if x.shape[4] != 1 else slice(None)
+    return x[:, :, rows, :, cols]
+
+
+def _rows(x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0:r1 of a contiguous query-side tensor as a (B, Hkv, (r1 - r0) * G, ...) view (writes go through)."""
+    return x[:, :, r0:r1].view(*x.shape[:2], -1, *x.shape[4:])
+
+
+class _Geometry:
+    """Which (query, key) pairs causal, window and lengths allow, per tile and in aggregate over the batch.
+
+    Query i sees key j iff ``lo <= j - i - off[b] <= hi`` (``lo``/``hi`` None when unbounded),
+    ``i < q_len[b]``, ``j < kv_len[b]`` and the user mask allows it.
+    """
+
+    def __init__(self, spec: AttentionSpec, inputs: AttentionInputs, heads_kv: int, len_q: int, len_k: int) -> None:
+        device = inputs.q.device
+        batch = inputs.q.shape[0]
+        self.mask = _grouped(inputs.mask, heads_kv) if inputs.mask is not None else None
+        self.lo = -spec.window[0] if spec.window is not None and spec.window[0] is not None else None
+        highs = ([0] if spec.causal else []) + ([spec.window[1]] if spec.window and spec.window[1] is not None else [])
+        self.hi = min(highs) if highs else None
+
+        # Lengths are read to the host once per call: tile skipping is decided in Python.
+        q_lens = inputs.q_lengths.tolist() if inputs.q_lengths is not None else [len_q] * batch
+        kv_lens = inputs.kv_lengths.tolist() if inputs.kv_lengths is not None else [len_k] * batch
+        self.q_len = inputs.q_lengths.to(device, torch.long).view(-1, 1, 1) if inputs.q_lengths is not None else None
+        self.kv_len = inputs.kv_lengths.to(device, torch.long).view(-1, 1, 1) if inputs.kv_lengths is not None else None
+        self.q_max, self.q_min = (max(q_lens), min(q_lens)) if batch else (0, 0)
+        self.kv_max, self.kv_min = (max(kv_lens), min(kv_lens)) if batch else (0, 0)
+        bottom_right = spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
+        offsets = [kv - q for q, kv in zip(q_lens, kv_lens, strict=True)] if bottom_right else [0] * batch
+        self.off_min, self.off_max = (min(offsets), max(offsets)) if batch else (0, 0)
+        self.off: int | torch.Tensor = self.off_min
+        if self.off_min != self.off_max:
+            self.off = (self._len(self.kv_len, len_k) - self._len(self.q_len, len_q)).view(-1, 1, 1)
+        self.rows = torch.arange(len_q, device=device)
+        self.cols = torch.arange(len_k, device=device)
+
+    @staticmethod
+    def _len(lengths: torch.Tensor | None, default: int) -> torch.Tensor | int:
+        return lengths if lengths is not None else default
+
+    def key_span(self, r0: int, r1: int) -> tuple[int, int]:
+        """Keys [first, last] any query in rows r0:r1 may see for some batch element; first > last: none."""
+        last_row = min(r1, self.q_max) - 1
+        if last_row < r0:
+            return 0, -1
+        first = 0 if self.lo is None else max(0, r0 + self.off_min + self.lo)
+        last = self.kv_max - 1 if self.hi is None else min(self.kv_max - 1, last_row + self.off_max + self.hi)
+        return first, last
+
+    def is_full(self, r0: int, r1: int, c0: int, c1: int) -> bool:
+        """True when every pair in the tile is visible for every batch element, so it needs no masking."""
+        return (
+            self.mask is None
+            and r1 <= self.q_min
+            and c1 <= self.kv_min
+            and (self.hi is None or (c1 - 1) - r0 <= self.off_min + self.hi)
+            and (self.lo is None or c0 - (r1 - 1) >= self.off_max + self.lo)
+        )
+
+    def visible(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """Boolean (B|1, Hkv|1, tile_q, G|1, tile_k): may query i see key j."""
+        i = self.rows[r0:r1].view(-1, 1)
+        j = self.cols[c0:c1].view(1, -1)
+        visible = torch.ones((1, 1, 1), dtype=torch.bool, device=i.device)
+        if self.lo is not None or self.hi is not None:
+            relative = j - i - self.off
+            if self.lo is not None:
+                visible = visible & (relative >= self.lo)
+            if self.hi is not None:
+                visible = visible & (relative <= self.hi)
+        if self.kv_len is not None:
+            visible = visible & (j < self.kv_len)
+        if self.q_len is not None:
+            visible = visible & (i < self.q_len)
+        visible = visible.unsqueeze(1).unsqueeze(3)
+        if self.mask is not None:
+            visible = visible & _tile(self.mask, r0, r1, c0, c1)
+        return visible
+
+
+# One entry per query tile with anything visible: (r0, r1, [(c0, c1, needs_mask), ...]).
+Plan = list[tuple[int, int, list[tuple[int, int, bool]]]]
+
+
+def _plan(geometry: _Geometry, len_q: int, len_k: int, block_q: int, block_k: int) -> Plan:
+    plan: Plan = []
+    for r0 in range(0, len_q, block_q):
+        r1 = min(r0 + block_q, len_q)
+        first, last = geometry.key_span(r0, r1)
+        key_tiles = []
+        for c0 in range(first - first % block_k, last + 1, block_k):
+            c1 = min(c0 + block_k, len_k)
+            key_tiles.append((c0, c1, not geometry.is_full(r0, r1, c0, c1)))
+        if key_tiles:
+            plan.append((r0, r1, key_tiles))
+    return plan
+
+
+def _by_key_tile(plan: Plan) -> list[tuple[int, int, list[tuple[int, int, bool]]]]:
+    """The same tiles, grouped by key tile: the backward accumulates dK and dV per key tile."""
+    columns: dict[tuple[int, int], list[tuple[int, int, bool]]] = {}
+    for r0, r1, key_tiles in plan:
+        for c0, c1, needs_mask in key_tiles:
+            columns.setdefault((c0, c1), []).append((r0, r1, needs_mask))
+    return [(c0, c1, rows) for (c0, c1), rows in sorted(columns.items())]
+
+
+@dataclass(frozen=True)
+class _Operands:
+    """What the tile loops read, in the internal layouts.
+
+    ``q`` is the (normalised) query times ``q_scale`` = scale (÷ softcap), so ``q kᵀ`` is the tanh argument
+    directly; ``softcap`` then multiplies tanh back. ``bias`` is the grouped view, in the caller's dtype.
+    """
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    bias: torch.Tensor | None
+    q_scale: float
+    softcap: float | None
+    geometry: _Geometry
+
+    @property
+    def group(self) -> int:
+        return self.q.shape[3]
+
+
+def _score_tile(
+    ops: _Operands, q: torch.Tensor, r0: int, r1: int, c0: int, c1: int, needs_mask: bool, keep_tanh: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """S for one tile as (B, Hkv, tile_q * G, tile_k), hidden pairs -inf; with ``keep_tanh``, also tanh(q kᵀ)."""
+    s = torch.matmul(q, ops.k[:, :, c0:c1].transpose(-1, -2))
+    tanh = None
+    if ops.softcap is not None:
+        if keep_tanh:
+            tanh = s.tanh_()
+            s = tanh * ops.softcap
+        else:
+            s = s.tanh_().mul_(ops.softcap)
+    tiled = s.view(*s.shape[:2], r1 - r0, ops.group, c1 - c0)
+    if ops.bias is not None:
+        tiled.add_(_tile(ops.bias, r0, r1, c0, c1).to(s.dtype))
+    if needs_mask:
+        tiled.masked_fill_(~ops.geometry.visible(r0, r1, c0, c1), NEG_INF)
+    return s, tanh
+
+
+def _forward_tiles(ops: _Operands, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (B, Hkv, Lq, G, Dv) and lse (B, Hkv, Lq, G) in the compute dtype."""
+    batch, heads_kv, len_q, group, _ = ops.q.shape
+    out = ops.q.new_zeros(batch, heads_kv, len_q, group, ops.v.shape[-1])
+    lse = ops.q.new_full((batch, heads_kv, len_q, group), NEG_INF)
+    # Per query tile, over its key tiles (online softmax):
+    #   m' = max(m, rowmax S);  α = exp(m − m');  P = exp(S − m')
+    #   l' = α·l + rowsum P;    acc' = α·acc + P V
+    # then out = acc / l and lse = m + log l once at the end. A row that has seen no key keeps m = −inf: its
+    # shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
+    for r0, r1, key_tiles in plan:
+        q = _rows(ops.q, r0, r1)
+        row_max = q.new_full((*q.shape[:-1], 1), NEG_INF)
+        row_sum = q.new_zeros(row_max.shape)
+        acc = q.new_zeros(*q.shape[:-1], ops.v.shape[-1])
+        for c0, c1, needs_mask in key_tiles:
+            s, _ = _score_tile(ops, q, r0, r1, c0, c1, needs_mask)
+            new_max = torch.maximum(row_max, s.amax(dim=-1, keepdim=True))
+            shift = torch.where(torch.isneginf(new_max), 0.0, new_max)
+            p = s.sub_(shift).exp_()
+            alpha = row_max.sub_(shift).exp_()
+            row_sum.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
+            acc.mul_(alpha).add_(torch.matmul(p, ops.v[:, :, c0:c1]))
+            row_max = new_max
+        has_keys = ~torch.isneginf(row_max)
+        safe_sum = torch.where(has_keys, row_sum, 1.0)
+        _rows(out, r0, r1).copy_(torch.where(has_keys, acc / safe_sum, 0.0))
+        _rows(lse, r0, r1).copy_(torch.where(has_keys, row_max + torch.log(safe_sum), NEG_INF).squeeze(-1))
+    return out, lse
+
+
+def _refine_lse(ops: _Operands, plan: Plan, lse: torch.Tensor) -> torch.Tensor:
+    """lse to the compute dtype's precision from its float32 copy: lse + log Σ exp(S − lse).
+
+    The saved lse is float32 by contract; in float64 its rounding (~1e-7) would show in every gradient.
+    """
+    refined = lse.clone()
+    for r0, r1, key_tiles in plan:
+        q = _rows(ops.q, r0, r1)
+        start = _rows(lse, r0, r1).unsqueeze(-1)
+        shift = torch.where(torch.isneginf(start), 0.0, start)
+        total = torch.zeros_like(start)
+        for c0, c1, needs_mask in key_tiles:
+            s, _ = _score_tile(ops, q, r0, r1, c0, c1, needs_mask)
+            total.add_(s.sub_(shift).exp_().sum(dim=-1, keepdim=True))
+        refined_rows = torch.where(torch.isneginf(start), NEG_INF, start + torch.log(total))
+        _rows(refined, r0, r1).copy_(refined_rows.squeeze(-1))
+    return refined
+
+
+def _backward_tiles(
+    ops: _Operands,
+    plan: Plan,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    bias_shape: torch.Size | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Gradients wrt ops.q (the scaled query), k, v and the bias (in the bias's own 4-D shape)."""
+    dq, dk, dv = torch.zeros_like(ops.q), torch.zeros_like(ops.k), torch.zeros_like(ops.v)
+    dbias = ops.q.new_zeros(bias_shape) if bias_shape is not None else None
+    dbias_grouped = _grouped(dbias, ops.k.shape[1]) if dbias is not None else None
+    # A row with no visible key has lse = −inf; shifting it by +inf makes its P exactly 0.
+    lse_shift = torch.where(torch.isneginf(lse), float("inf"), lse)
+    # Per key tile, over the query tiles that see it (U = q kᵀ, the tanh argument when softcapped):
+    #   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse
+    #   dbias += dS;  dU = dS ⊙ c(1 − tanh²U) (softcap) or dS;  dq += dU K;  dK += dUᵀ q
+    for c0, c1, query_tiles in _by_key_tile(plan):
+        k, v = ops.k[:, :, c0:c1], ops.v[:, :, c0:c1]
+        dk_tile, dv_tile = dk[:, :, c0:c1], dv[:, :, c0:c1]
+        for r0, r1, needs_mask in query_tiles:
+            q, do = _rows(ops.q, r0, r1), _rows(dout, r0, r1)
+            s, tanh = _score_tile(ops, q, r0, r1, c0, c1, needs_mask, keep_tanh=True)
+            p = s.sub_(_rows(lse_shift, r0, r1).unsqueeze(-1)).exp_()
+            dv_tile.add_(torch.matmul(p.transpose(-1, -2), do))
+            ds = torch.matmul(do, v.transpose(-1, -2)).sub_(_rows(delta, r0, r1).unsqueeze(-1)).mul_(p)
+            if dbias_grouped is not None:
+                _accumulate_dbias(_tile(dbias_grouped, r0, r1, c0, c1), ds.view(*ds.shape[:2], r1 - r0, -1, c1 - c0))
+            if tanh is not None:
+                ds.mul_(torch.addcmul(torch.ones_like(tanh), tanh, tanh, value=-1.0)).mul_(ops.softcap)
+            _rows(dq, r0, r1).add_(torch.matmul(ds, k))
+            dk_tile.add_(torch.matmul(ds.transpose(-1, -2), q))
+    return dq, dk, dv, dbias
+
+
+def _accumulate_dbias(target: torch.Tensor, ds: torch.Tensor) -> None:
+    """target += ds summed over the axes along which the bias was broadcast."""
+    axes = [axis for axis in range(5) if target.shape[axis] == 1 and ds.shape[axis] != 1]
+    target.add_(ds.sum(dim=axes, keepdim=True) if axes else ds)
+
+
+class TorchChunkedBackend:
+    name = "torch-chunked"
+    capabilities = Capabilities(
+        frameworks=frozenset({Framework.TORCH}),
+        dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
+        devices=frozenset({"cpu", "cuda"}),
+        features=ALL_FEATURES,
+        description="FlashAttention-2 in torch ops: tiled online softmax, memory linear in sequence length",
+    )
+
+    def __init__(self, block_q: int = DEFAULT_BLOCK_Q, block_k: int = DEFAULT_BLOCK_K) -> None:
+        if block_q < 1 or block_k < 1:
+            raise ValueError(f"block_q={block_q} and block_k={block_k} must both be >= 1")
+        self.block_q, self.block_k = block_q, block_k
+
+    def __repr__(self) -> str:
+        return f"TorchChunkedBackend(block_q={self.block_q}, block_k={self.block_k})"
+
+    def available(self) -> list[str]:
+        return []
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        return capability_reasons(self.capabilities, spec, problem)
+
+    def _prepare(
+        self, spec: AttentionSpec, inputs: AttentionInputs, track_normalisation: bool = False
+    ) -> tuple[_Operands, Plan, tuple[torch.Tensor | None, ...]]:
+        """Bring q, k, v to the internal layouts in the compute dtype and plan the tiles.
+
+        Returns (operands, plan, (q, qn, k, kn)); with ``track_normalisation`` (cosine backward) q and k are
+        leaves and qn, kn their normalised values with autograd history, else all four are None.
+        """
+        dtype = compute_dtype(inputs.q.dtype)
+        k = to_bhsd(spec, inputs.k)
+        heads_kv, len_k = k.shape[1], k.shape[2]
+        q = _query_side(to_bhsd(spec, inputs.q), heads_kv, dtype)
+        # detach: when no copy is needed these alias the caller's tensors, and cosine marks k as a leaf.
+        k = k.detach().to(dtype).contiguous()
+        v = to_bhsd(spec, inputs.v).detach().to(dtype).contiguous()
+        len_q = q.shape[2]
+        scale = spec.resolved_scale(q.shape[-1])
+        q_scale = scale / spec.softcap if spec.softcap is not None else scale
+        tracked = (None, None, None, None)
+        if spec.variant is Variant.COSINE:
+            if track_normalisation:
+                q, k = q.requires_grad_(True), k.requires_grad_(True)
+                with torch.enable_grad():
+                    qn, kn = F.normalize(q, dim=-1, eps=COSINE_EPS), F.normalize(k, dim=-1, eps=COSINE_EPS)
+                tracked = (q, qn, k, kn)
+                q, k = qn.detach(), kn.detach()
+            else:
+                q, k = F.normalize(q, dim=-1, eps=COSINE_EPS), F.normalize(k, dim=-1, eps=COSINE_EPS)
+        geometry = _Geometry(spec, inputs, heads_kv, len_q, len_k)
+        bias = _grouped(inputs.bias, heads_kv) if inputs.bias is not None else None
+        ops = _Operands(q * q_scale, k, v, bias, q_scale, spec.softcap, geometry)
+        return ops, _plan(geometry, len_q, len_k, self.block_q, self.block_k), tracked
+
+    def forward(
+        self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            ops, plan, _ = self._prepare(spec, inputs)
+            out, lse = _forward_tiles(ops, plan)
+        return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).float()
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+    ) -> Gradients:
+        with torch.no_grad():
+            ops, plan, (q_leaf, qn, k_leaf, kn) = self._prepare(spec, inputs, track_normalisation=True)
+            dtype, heads_kv = ops.q.dtype, ops.k.shape[1]
+            lse = _row_stats(lse, heads_kv, dtype)
+            if dtype == torch.float64:
+                lse = _refine_lse(ops, plan, lse)
+            dout = _query_side(to_bhsd(spec, dout), heads_kv, dtype)
+            delta = (dout * _query_side(to_bhsd(spec, out), heads_kv, dtype)).sum(dim=-1)
+            if dlse is not None:
+                delta -= _row_stats(dlse, heads_kv, dtype)
+            bias_shape = inputs.bias.shape if inputs.bias is not None else None
+            dq, dk, dv, dbias = _backward_tiles(ops, plan, lse, dout, delta, bias_shape)
+            dq.mul_(ops.q_scale)
+        if qn is not None:
+            with torch.enable_grad():
+                dq, dk = torch.autograd.grad((qn, kn), (q_leaf, k_leaf), (dq, dk))
+        return Gradients(
+            dq=_from_query_side(spec, dq, inputs.q.dtype),
+            dk=from_bhsd(spec, dk).to(inputs.k.dtype),
+            dv=from_bhsd(spec, dv).to(inputs.v.dtype),
+            dbias=dbias.to(inputs.bias.dtype) if dbias is not None else None,
+        )

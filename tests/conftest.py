@@ -1,0 +1,27 @@
+"""Shared fixtures: hypothesis profiles and the list of backends every agreement test runs on."""
+
+from __future__ import annotations
+
+import pytest
+
+import attnkit
+from attnkit.testing import register_profiles
+
+PROFILE = register_profiles()
+
+
+def available_backends() -> list[str]:
+    """Every registered backend that can run here: the parametrisation of the agreement tests."""
+    return sorted(name for name, backend in attnkit.backends().items() if not backend.available())
+
+
+def pytest_report_header() -> list[str]:
+    return [f"hypothesis profile: {PROFILE}", f"attnkit backends here: {', '.join(available_backends())}"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_config():
+    """Each test starts from the shipped config and an empty decision cache."""
+    attnkit.configure()
+    yield
+    attnkit.configure()
