@@ -23,9 +23,11 @@ from attnkit.errors import (
     ConfigError,
     InvalidInputError,
     InvalidInputTypeError,
+    InvalidSpecError,
     UnknownBackendError,
 )
-from attnkit.registry import backends, get_backend, register_backend, unregister_backend
+from attnkit.registry import backends as registered_backends
+from attnkit.registry import get_backend, register_backend, unregister_backend
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 
 __version__ = "0.1.0"
@@ -49,13 +51,14 @@ __all__ = [
     "Gradients",
     "InvalidInputError",
     "InvalidInputTypeError",
+    "InvalidSpecError",
     "Layout",
     "MissingPackageBackend",
     "Problem",
     "UnknownBackendError",
     "Variant",
     "attend",
-    "backends",
+    "registered_backends",
     "capability_reasons",
     "configure",
     "current_config",

@@ -73,7 +73,9 @@ def _prepare(
         raise InvalidInputError(f"v has {len_v} keys, expected k's {len_k}")
     if heads_v != heads_kv:
         raise InvalidInputError(f"v has num_heads_kv={heads_v}, expected k's {heads_kv}")
-    if heads_kv == 0 or heads_q % heads_kv:
+    if heads_q == 0 or heads_kv == 0:
+        raise InvalidInputError(f"{heads_q=} and {heads_kv=} must both be positive")
+    if heads_q % heads_kv:
         raise InvalidInputError(f"{heads_q=} (query heads) is not a multiple of {heads_kv=} (key/value heads)")
 
     full = (batch, heads_q, len_q, len_k)

@@ -11,6 +11,10 @@ class InvalidInputError(AttnkitError, ValueError):
     """A tensor argument has the wrong shape, range or relation to the others."""
 
 
+class InvalidSpecError(AttnkitError, ValueError):
+    """An AttentionSpec field has an invalid value; the message names the field and the fix."""
+
+
 class InvalidInputTypeError(AttnkitError, TypeError):
     """A tensor argument has the wrong type, dtype or device."""
 

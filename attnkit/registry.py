@@ -8,7 +8,7 @@ import threading
 from importlib.metadata import entry_points
 
 from attnkit.backend import Backend
-from attnkit.errors import UnknownBackendError
+from attnkit.errors import InvalidInputError, InvalidInputTypeError, UnknownBackendError
 
 ENTRY_POINT_GROUP = "attnkit.backends"
 # Subpackages of attnkit.backends that register the built-in backends when imported.
@@ -24,11 +24,11 @@ _generation = 0  # bumped on every change, so decision caches keyed on it never 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
     """Add a backend under ``backend.name``. Re-registering a name needs ``replace=True``."""
     if not isinstance(backend, Backend):
-        raise TypeError(f"backend={backend!r} does not implement attnkit.Backend (see attnkit/backend.py)")
+        raise InvalidInputTypeError(f"backend={backend!r} does not implement attnkit.Backend (see attnkit/backend.py)")
     global _generation
     with _lock:
         if backend.name in _backends and not replace and _backends[backend.name] is not backend:
-            raise ValueError(f"a backend named {backend.name!r} is already registered; pass replace=True")
+            raise InvalidInputError(f"a backend named {backend.name!r} is already registered; pass replace=True")
         _backends[backend.name] = backend
         _generation += 1
 

@@ -6,7 +6,9 @@ import enum
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+from attnkit.errors import InvalidSpecError
 
 
 class CausalAlignment(str, enum.Enum):
@@ -59,6 +61,26 @@ class AttentionSpec(BaseModel):
     softcap: float | None = None
     layout: Layout = Layout.BHSD
 
+    def __init__(self, **fields: Any) -> None:
+        try:
+            super().__init__(**fields)
+        except ValidationError as error:
+            raise InvalidSpecError(_describe(error)) from None
+
+    @classmethod
+    def model_validate(cls, obj: Any, **options: Any) -> AttentionSpec:  # type: ignore[override]
+        try:
+            return super().model_validate(obj, **options)
+        except ValidationError as error:
+            raise InvalidSpecError(_describe(error)) from None
+
+    @classmethod
+    def model_validate_json(cls, json_data: str | bytes, **options: Any) -> AttentionSpec:  # type: ignore[override]
+        try:
+            return super().model_validate_json(json_data, **options)
+        except ValidationError as error:
+            raise InvalidSpecError(_describe(error)) from None
+
     @field_validator("window", mode="before")
     @classmethod
     def _window_from_list(cls, value: Any) -> Any:
@@ -96,6 +118,10 @@ class AttentionSpec(BaseModel):
             raise ValueError(f"softcap={value} must be a finite number > 0, or None to disable it")
         return value
 
+    def replace(self, **changes: Any) -> AttentionSpec:
+        """A copy with ``changes`` applied and validated (``model_copy(update=...)`` skips validation)."""
+        return AttentionSpec.model_validate({**self.model_dump(), **changes})
+
     def resolved_scale(self, head_dim: int) -> float:
         """The scale actually applied for a given head dim."""
         if self.scale is not None:
@@ -127,3 +153,13 @@ class AttentionSpec(BaseModel):
         if self.window is not None:
             data["window"] = ["none" if side is None else side for side in self.window]
         return data
+
+
+def _describe(error: ValidationError) -> str:
+    """One line per invalid field, naming it, what was given and what is allowed."""
+    lines = []
+    for item in error.errors():
+        field = ".".join(str(part) for part in item["loc"]) or "spec"
+        given = item.get("input")
+        lines.append(f"AttentionSpec.{field}={given!r}: {item['msg']}")
+    return "; ".join(lines)

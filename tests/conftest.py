@@ -12,7 +12,7 @@ PROFILE = register_profiles()
 
 def available_backends() -> list[str]:
     """Every registered backend that can run here: the parametrisation of the agreement tests."""
-    return sorted(name for name, backend in attnkit.backends().items() if not backend.available())
+    return sorted(name for name, backend in attnkit.registered_backends().items() if not backend.available())
 
 
 def pytest_report_header() -> list[str]:

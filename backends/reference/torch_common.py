@@ -22,6 +22,15 @@ def normalize_if_cosine(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
     return F.normalize(x, dim=-1, eps=COSINE_EPS) if spec.variant is Variant.COSINE else x
 
 
+def zero_padding(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """bhsd x with positions at or beyond lengths[b] set to 0: padding is never read (§5), so garbage
+    there, NaN included, cannot leak through 0·NaN."""
+    if lengths is None:
+        return x
+    positions = torch.arange(x.shape[2], device=x.device).view(1, 1, -1, 1)
+    return torch.where(positions < lengths.view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
 def visibility(
     spec: AttentionSpec,
     inputs: AttentionInputs,
@@ -30,7 +39,7 @@ def visibility(
     rows: slice | None = None,
     cols: slice | None = None,
 ) -> torch.Tensor | None:
-    """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §3). None = all visible.
+    """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §4). None = all visible.
 
     Causal and window use the alignment offset, per batch element when lengths are given:
     ``off = kv_len[b] - q_len[b]`` for bottom-right, 0 for top-left.
@@ -103,5 +112,5 @@ def weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float32 accumulation for the half types (docs/semantics.md §6); float64 stays float64."""
+    """float32 accumulation for the half types (docs/semantics.md §7); float64 stays float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -23,6 +23,7 @@ from .torch_common import (
     to_bhsd,
     visibility,
     weighted_values,
+    zero_padding,
 )
 
 
@@ -35,9 +36,9 @@ def naive_attention(
     key give out 0 and lse -inf, and (because every -inf and 0/0 is kept out of the graph with
     ``where``) zero, finite gradients.
     """
-    q = normalize_if_cosine(spec, to_bhsd(spec, inputs.q).to(dtype))
-    k = normalize_if_cosine(spec, to_bhsd(spec, inputs.k).to(dtype))
-    v = to_bhsd(spec, inputs.v).to(dtype)
+    q = normalize_if_cosine(spec, zero_padding(to_bhsd(spec, inputs.q).to(dtype), inputs.q_lengths))
+    k = normalize_if_cosine(spec, zero_padding(to_bhsd(spec, inputs.k).to(dtype), inputs.kv_lengths))
+    v = zero_padding(to_bhsd(spec, inputs.v).to(dtype), inputs.kv_lengths)
     bias = inputs.bias.to(dtype) if inputs.bias is not None else None
     len_q, len_k = q.shape[2], k.shape[2]
     s = scores(spec, q, k, bias, spec.resolved_scale(q.shape[-1]))

@@ -1,0 +1,101 @@
+"""Bad input (issue §9, docs/semantics.md §11): a typed AttnkitError naming the argument, expected and actual."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import attnkit
+from attnkit import (
+    AttentionSpec,
+    AttnkitError,
+    BackendUnavailableError,
+    InvalidInputError,
+    InvalidInputTypeError,
+    UnknownBackendError,
+)
+
+SPEC = AttentionSpec()
+
+
+def qkv(**shapes):
+    q = torch.randn(shapes.get("q", (2, 4, 5, 16)))
+    k = torch.randn(shapes.get("k", (2, 2, 6, 16)))
+    v = torch.randn(shapes.get("v", (2, 2, 6, 8)))
+    return q, k, v
+
+
+CASES = [
+    ("batch", dict(shapes={"k": (3, 2, 6, 16)}), InvalidInputError, "batch sizes differ: q has 2, k has 3"),
+    ("head dim", dict(shapes={"k": (2, 2, 6, 32)}), InvalidInputError, "k has head_dim=32, expected q's head_dim=16"),
+    ("kv length", dict(shapes={"v": (2, 2, 7, 8)}), InvalidInputError, "v has 7 keys, expected k's 6"),
+    ("kv heads", dict(shapes={"v": (2, 1, 6, 8)}), InvalidInputError, "v has num_heads_kv=1, expected k's 2"),
+    ("gqa", dict(shapes={"q": (2, 3, 5, 16)}), InvalidInputError, r"heads_q=3 \(query heads\) is not a multiple of heads_kv=2"),
+    ("ndim", dict(shapes={"q": (2, 4, 5, 16, 1)}), InvalidInputError, "must all be 4-D"),
+    ("mask dtype", dict(mask=torch.ones(5, 6)), InvalidInputTypeError, "mask has dtype float32, expected bool"),
+    ("mask shape", dict(mask=torch.ones(5, 7, dtype=torch.bool)), InvalidInputError, r"mask has shape \(5, 7\)"),
+    ("bias shape", dict(bias=torch.zeros(3, 4, 5, 6)), InvalidInputError, r"bias has shape \(3, 4, 5, 6\), expected"),
+    ("bias dtype", dict(bias=torch.zeros(5, 6, dtype=torch.int32)), InvalidInputTypeError, "bias has dtype int32"),
+    ("lengths dtype", dict(kv_lengths=torch.tensor([1.0, 2.0])), InvalidInputTypeError, "kv_lengths has dtype float32"),
+    ("lengths shape", dict(kv_lengths=torch.tensor([1, 2, 3])), InvalidInputError, r"kv_lengths has shape \(3,\)"),
+    ("lengths range", dict(kv_lengths=torch.tensor([1, 7])), InvalidInputError, r"kv_lengths values must lie in \[0, 6\], got min=1, max=7"),
+    ("negative lengths", dict(q_lengths=torch.tensor([-1, 2])), InvalidInputError, "q_lengths values must lie in"),
+]
+
+
+@pytest.mark.parametrize(("name", "kwargs", "error", "message"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_names_argument_expected_and_actual(name, kwargs, error, message) -> None:
+    kwargs = dict(kwargs)
+    q, k, v = qkv(**kwargs.pop("shapes", {}))
+    with pytest.raises(error, match=message) as raised:
+        attnkit.attend(SPEC, q, k, v, **kwargs)
+    assert isinstance(raised.value, AttnkitError)
+
+
+def test_dtype_mismatch() -> None:
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputTypeError, match="k has dtype float64, expected q's dtype float32"):
+        attnkit.attend(SPEC, q, k.double(), v)
+
+
+def test_non_floating_input() -> None:
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputTypeError, match="q has dtype int64, expected a floating dtype"):
+        attnkit.attend(SPEC, q.long(), k.long(), v.long())
+
+
+def test_mixed_frameworks_and_numpy() -> None:
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputTypeError, match="k must be the same kind of array as q"):
+        attnkit.attend(SPEC, q, k.numpy(), v)
+    with pytest.raises(InvalidInputTypeError, match="q must be a torch.Tensor or a jax.Array, got numpy.ndarray"):
+        attnkit.attend(SPEC, np.zeros((1, 1, 1, 4)), k, v)
+
+
+def test_spec_must_be_a_spec() -> None:
+    q, k, v = qkv()
+    with pytest.raises(InvalidInputTypeError, match="spec must be an attnkit.AttentionSpec"):
+        attnkit.attend({"causal": True}, q, k, v)  # type: ignore[arg-type]
+
+
+def test_unknown_backend_lists_registered_ones() -> None:
+    q, k, v = qkv()
+    with pytest.raises(UnknownBackendError, match="backend='flash' is not registered .*torch-naive"):
+        attnkit.attend(SPEC, q, k, v, backend="flash")
+
+
+def test_zero_heads() -> None:
+    q, k, v = qkv(q=(2, 0, 5, 16))
+    with pytest.raises(InvalidInputError, match="heads_q=0 and heads_kv=2 must both be positive"):
+        attnkit.attend(SPEC, q, k, v)
+
+
+def test_named_backend_that_cannot_serve_lists_reasons_and_never_falls_back() -> None:
+    q, k, v = qkv()
+    jax_only = [n for n, b in attnkit.registered_backends().items() if attnkit.Framework.TORCH not in b.capabilities.frameworks]
+    if not jax_only:
+        pytest.skip("no backend here refuses torch tensors")
+    with pytest.raises(BackendUnavailableError, match=f"backend='{jax_only[0]}' cannot serve this call") as raised:
+        attnkit.attend(SPEC, q, k, v, backend=jax_only[0])
+    assert "framework=torch" in str(raised.value)
