@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 import attnkit
+from attnkit import registry
 from attnkit.backend import ALL_FEATURES, CALL_FEATURES, SPEC_FEATURES, Backend, Framework, Problem
 from attnkit.errors import AttnkitError
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
@@ -111,7 +112,7 @@ def capability_markdown(registered: Mapping[str, Backend] | None = None) -> str:
     Deliberately machine-independent: availability (installed packages, devices) is left out, so the
     committed file only goes stale when a backend's declaration changes.
     """
-    registered = attnkit.backends() if registered is None else registered
+    registered = registry.backends() if registered is None else registered
     header, rows = capability_matrix(registered)
     parts = [
         "# Backends",
@@ -150,7 +151,7 @@ def availability_lines(registered: Mapping[str, Backend]) -> list[str]:
 
 
 def run_info(args: argparse.Namespace, out: TextIO) -> int:
-    registered = attnkit.backends()
+    registered = registry.backends()
     if args.markdown:
         text = capability_markdown(registered)
         if args.output == "-":
@@ -437,7 +438,7 @@ def run_check(args: argparse.Namespace, out: TextIO) -> int:
     except ImportError as error:
         print(f"attnkit check needs torch and hypothesis ({error}); pip install 'attnkit[torch,test]'", file=out)
         return 2
-    registered = attnkit.backends()
+    registered = registry.backends()
     names = args.backend or sorted(name for name, backend in registered.items() if not backend.available())
     unknown = [name for name in names if name not in registered]
     if unknown:

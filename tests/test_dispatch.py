@@ -1,0 +1,202 @@
+"""Registry and dispatch (issue §3): priority order, named backends, explain, caching, threads, plugins."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch
+from attnkit.backends.reference.torch_naive import TorchNaiveBackend
+
+
+class CountingBackend(TorchNaiveBackend):
+    """torch-naive under another name, counting its forward calls and supports() queries."""
+
+    def __init__(self, name: str, features: frozenset[str] | None = None) -> None:
+        self.name = name
+        base = TorchNaiveBackend.capabilities
+        self.capabilities = Capabilities(
+            frameworks=base.frameworks, dtypes=base.dtypes, devices=base.devices,
+            features=base.features if features is None else features,
+        )
+        self.forward_calls = 0
+        self.supports_calls = 0
+
+    def supports(self, spec, problem):
+        self.supports_calls += 1
+        return super().supports(spec, problem)
+
+    def forward(self, spec, inputs, need_lse):
+        self.forward_calls += 1
+        return super().forward(spec, inputs, need_lse)
+
+
+@pytest.fixture
+def plugin():
+    backend = CountingBackend("test-plugin", features=frozenset({"causal", "grad", "lse"}))
+    attnkit.register_backend(backend)
+    try:
+        yield backend
+    finally:
+        attnkit.unregister_backend("test-plugin")
+
+
+def tensors() -> tuple[Any, Any, Any]:
+    return torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+
+
+def test_auto_runs_first_backend_in_priority_that_can_serve(plugin: CountingBackend) -> None:
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin", "torch-naive"]}}):
+        attnkit.attend(AttentionSpec(causal=True), *tensors())
+        assert plugin.forward_calls == 1
+        # softcap is not declared by the plugin: auto moves on to torch-naive, and explain says why
+        attnkit.attend(AttentionSpec(softcap=3.0), *tensors())
+        assert plugin.forward_calls == 1
+        table = attnkit.explain(AttentionSpec(softcap=3.0), *tensors())
+    assert "test-plugin" in table and "softcap is not supported" in table
+    assert "-> torch-naive" in table
+
+
+def test_named_backend_raises_with_its_reasons_instead_of_falling_back(plugin: CountingBackend) -> None:
+    with pytest.raises(BackendUnavailableError, match="(?s)backend=.test-plugin. cannot serve.*softcap is not supported"):
+        attnkit.attend(AttentionSpec(softcap=3.0), *tensors(), backend="test-plugin")
+    assert plugin.forward_calls == 0
+
+
+def test_no_backend_can_serve_lists_every_backend_with_reasons(plugin: CountingBackend) -> None:
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}}):
+        with pytest.raises(BackendUnavailableError, match="no backend can serve this call") as raised:
+            attnkit.attend(AttentionSpec(softcap=3.0), *tensors())
+    message = str(raised.value)
+    for name in attnkit.registered_backends():
+        assert name in message
+
+
+def test_decision_is_cached_per_spec_and_problem(plugin: CountingBackend) -> None:
+    dispatch.clear_cache()
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}}):
+        for _ in range(5):
+            attnkit.attend(AttentionSpec(causal=True), *tensors())
+        assert plugin.supports_calls == 1
+        attnkit.attend(AttentionSpec(causal=True), torch.randn(1, 2, 5, 8), *tensors()[1:])  # new shape
+        assert plugin.supports_calls == 2
+
+
+def test_use_backend_forces_a_backend_for_the_block(plugin: CountingBackend) -> None:
+    with attnkit.use_backend("test-plugin"):
+        attnkit.attend(AttentionSpec(), *tensors())
+    assert plugin.forward_calls == 1
+    attnkit.attend(AttentionSpec(), *tensors())
+    assert plugin.forward_calls == 1
+
+
+def test_environment_forces_a_backend(plugin: CountingBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNKIT_BACKEND", "test-plugin")
+    attnkit.configure()
+    attnkit.attend(AttentionSpec(), *tensors())
+    assert plugin.forward_calls == 1
+
+
+def test_concurrent_calls_and_registrations_are_safe() -> None:
+    """Many threads dispatching while others register and unregister backends: no error, right answers."""
+    spec = AttentionSpec(causal=True)
+    q, k, v = tensors()
+    expected = attnkit.attend(spec, q, k, v, backend="torch-naive")
+    stop = threading.Event()
+
+    def churn() -> None:
+        index = 0
+        while not stop.is_set():
+            name = f"churn-{index % 4}"
+            attnkit.register_backend(CountingBackend(name), replace=True)
+            attnkit.unregister_backend(name)
+            index += 1
+
+    def call(_: int) -> torch.Tensor:
+        return attnkit.attend(spec, q, k, v)
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            results = list(pool.map(call, range(400)))
+    finally:
+        stop.set()
+        churner.join()
+    for result in results:
+        torch.testing.assert_close(result, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_use_backend_is_per_thread(plugin: CountingBackend) -> None:
+    barrier = threading.Barrier(2)
+    chosen: dict[str, str] = {}
+
+    def worker(label: str, forced: str | None) -> None:
+        problem = attnkit.Problem(Framework.TORCH, "cpu", "float32", 1, 2, 2, 3, 4, 8, 8)
+        if forced:
+            with attnkit.use_backend(forced):
+                barrier.wait()
+                chosen[label] = dispatch.select(AttentionSpec(), problem).name
+        else:
+            barrier.wait()
+            chosen[label] = dispatch.select(AttentionSpec(), problem).name
+
+    threads = [threading.Thread(target=worker, args=("forced", "test-plugin")),
+               threading.Thread(target=worker, args=("free", None))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert chosen["forced"] == "test-plugin" and chosen["free"] != "test-plugin"
+
+
+def test_register_rejects_non_backends_and_duplicates(plugin: CountingBackend) -> None:
+    with pytest.raises(attnkit.InvalidInputTypeError, match="does not implement attnkit.Backend"):
+        attnkit.register_backend(object())  # type: ignore[arg-type]
+    with pytest.raises(attnkit.InvalidInputError, match="already registered"):
+        attnkit.register_backend(CountingBackend("test-plugin"))
+
+
+def test_entry_point_plugins_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit import registry
+
+    class FakeEntryPoint:
+        name = "fake"
+
+        def load(self):
+            return lambda: CountingBackend("entry-point-plugin")
+
+    monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "attnkit.backends" else [])
+    monkeypatch.setattr(registry, "_loaded", False)
+    try:
+        assert "entry-point-plugin" in attnkit.registered_backends()
+    finally:
+        attnkit.unregister_backend("entry-point-plugin")
+
+
+def test_debug_log_once_per_decision(plugin: CountingBackend, caplog: pytest.LogCaptureFixture) -> None:
+    dispatch.clear_cache()
+    with caplog.at_level(logging.DEBUG, logger="attnkit"):
+        for _ in range(3):
+            attnkit.attend(AttentionSpec(causal=True), *tensors())
+    decisions = [r for r in caplog.records if "->" in r.getMessage()]
+    assert len(decisions) == 1
+
+
+def test_capability_reasons_name_value_and_allowed() -> None:
+    caps = Capabilities(frameworks=frozenset({Framework.TORCH}), dtypes=frozenset({"float16"}),
+                        devices=frozenset({"cuda"}), features=frozenset(), head_dims=(16, 256))
+    problem = attnkit.Problem(Framework.JAX, "cpu", "float32", 1, 2, 2, 3, 4, 320, 8, has_mask=True)
+    reasons = attnkit.capability_reasons(caps, AttentionSpec(causal=True), problem)
+    assert "framework=jax (supported: torch)" in reasons
+    assert "device=cpu (supported: cuda)" in reasons
+    assert "dtype=float32 (supported: float16)" in reasons
+    assert "head_dim=320 (supported: 16..256)" in reasons
+    assert "head_dim_v=8 (supported: 16..256)" in reasons
+    assert "causal is not supported" in reasons and "mask is not supported" in reasons
