@@ -12,9 +12,7 @@ from attnkit.spec import AttentionSpec, Layout
 
 
 def _broadcastable(argument: str, shape: tuple[int, ...], target: tuple[int, ...], names: str) -> None:
-    if len(shape) > len(target) or any(
-        size not in (1, want) for size, want in zip(shape[::-1], target[::-1])
-    ):
+    if len(shape) > len(target) or any(size not in (1, want) for size, want in zip(shape[::-1], target[::-1])):
         raise InvalidInputError(
             f"{argument} has shape {tuple(shape)}, expected a shape broadcastable to {names}={target}"
         )

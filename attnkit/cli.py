@@ -7,13 +7,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import math
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
@@ -431,6 +432,21 @@ def failure_details(reports: Sequence[BackendReport]) -> list[str]:
     return lines
 
 
+@contextlib.contextmanager
+def single_threaded_torch() -> Iterator[None]:
+    """Conformance cases are tiny: intra-op threads only add synchronisation, and on a busy machine
+    oversubscribed spinning threads made the suite ten times slower. Restored afterwards, since tests
+    call main() in-process."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def run_check(args: argparse.Namespace, out: TextIO) -> int:
     try:
         import hypothesis  # noqa: F401
@@ -453,7 +469,8 @@ def run_check(args: argparse.Namespace, out: TextIO) -> int:
         examples = int(profile_settings(profile).max_examples) if args.profile else DEFAULT_EXAMPLES
     print(f"checking {', '.join(names)}: {examples} drawn cases each (seed {args.seed}) + edge cases", file=out)
     width = max(len(name) for name in names) + 1
-    reports = [check_one_backend(registered[name], examples, profile, args.seed, out, width) for name in names]
+    with single_threaded_torch():
+        reports = [check_one_backend(registered[name], examples, profile, args.seed, out, width) for name in names]
     print("\n" + results_table(reports), file=out)
     print("(ratio = error / allowed by the tolerance rule; <= 1 passes, ! fails, err = raised or refused)", file=out)
     for report in reports:

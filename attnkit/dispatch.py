@@ -71,9 +71,7 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
         chosen = registry.get_backend(forced)
         reasons = _reasons(chosen, spec, problem)
         if reasons:
-            raise BackendUnavailableError(
-                f"backend={forced!r} cannot serve this call:\n  - " + "\n  - ".join(reasons)
-            )
+            raise BackendUnavailableError(f"backend={forced!r} cannot serve this call:\n  - " + "\n  - ".join(reasons))
     else:
         rows = candidates(spec, problem)
         selected = [row for row in rows if row.selected]

@@ -15,8 +15,8 @@ from attnkit.config import current_config, default_config_path, load_config
 PROBLEM = attnkit.Problem(attnkit.Framework.TORCH, "cpu", "float32", 1, 2, 2, 3, 4, 8, 8)
 
 
-def chosen(spec: AttentionSpec = AttentionSpec()) -> str:
-    return dispatch.select(spec, PROBLEM).name
+def chosen(spec: AttentionSpec | None = None) -> str:
+    return dispatch.select(spec or AttentionSpec(), PROBLEM).name
 
 
 def test_shipped_default_is_valid_and_names_registered_backends() -> None:
@@ -82,7 +82,10 @@ def test_use_backend_is_async_task_local() -> None:
 @pytest.mark.parametrize(
     ("source", "message"),
     [
-        ({"priority": {"cpu": ["flash"]}}, r"config dict: key priority.cpu: unknown backend 'flash' \(allowed: .*torch-naive"),
+        (
+            {"priority": {"cpu": ["flash"]}},
+            r"config dict: key priority.cpu: unknown backend 'flash' \(allowed: .*torch-naive",
+        ),
         ({"priority": {"tpu": ["torch-naive"]}}, r"key priority.tpu: unknown device \(allowed"),
         ({"priorty": {}}, "key priorty: Extra inputs are not permitted"),
         ({"backend": "nope"}, "key backend: unknown backend 'nope'"),

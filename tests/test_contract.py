@@ -119,9 +119,7 @@ def test_nan_at_a_visible_position_propagates(backend: str, tensor: str) -> None
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(
-    "extent", [{"batch": 0}, {"len_q": 0}, {"len_k": 0}], ids=["B=0", "Lq=0", "Lk=0"]
-)
+@pytest.mark.parametrize("extent", [{"batch": 0}, {"len_q": 0}, {"len_k": 0}], ids=["B=0", "Lq=0", "Lk=0"])
 def test_empty_extents_work(backend: str, extent: dict[str, int]) -> None:
     """§9: empty batch or queries give empty outputs; no keys give zeros and lse -inf."""
     case = Case(spec=AttentionSpec(causal=True), **extent)

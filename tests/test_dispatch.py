@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 
 import attnkit
 from attnkit import AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch
-from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 
 
 class CountingBackend(TorchNaiveBackend):
@@ -22,7 +22,9 @@ class CountingBackend(TorchNaiveBackend):
         self.name = name
         base = TorchNaiveBackend.capabilities
         self.capabilities = Capabilities(
-            frameworks=base.frameworks, dtypes=base.dtypes, devices=base.devices,
+            frameworks=base.frameworks,
+            dtypes=base.dtypes,
+            devices=base.devices,
             features=base.features if features is None else features,
         )
         self.forward_calls = 0
@@ -64,7 +66,9 @@ def test_auto_runs_first_backend_in_priority_that_can_serve(plugin: CountingBack
 
 
 def test_named_backend_raises_with_its_reasons_instead_of_falling_back(plugin: CountingBackend) -> None:
-    with pytest.raises(BackendUnavailableError, match="(?s)backend=.test-plugin. cannot serve.*softcap is not supported"):
+    with pytest.raises(
+        BackendUnavailableError, match="(?s)backend=.test-plugin. cannot serve.*softcap is not supported"
+    ):
         attnkit.attend(AttentionSpec(softcap=3.0), *tensors(), backend="test-plugin")
     assert plugin.forward_calls == 0
 
@@ -147,8 +151,10 @@ def test_use_backend_is_per_thread(plugin: CountingBackend) -> None:
             barrier.wait()
             chosen[label] = dispatch.select(AttentionSpec(), problem).name
 
-    threads = [threading.Thread(target=worker, args=("forced", "test-plugin")),
-               threading.Thread(target=worker, args=("free", None))]
+    threads = [
+        threading.Thread(target=worker, args=("forced", "test-plugin")),
+        threading.Thread(target=worker, args=("free", None)),
+    ]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -172,7 +178,9 @@ def test_entry_point_plugins_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None
         def load(self):
             return lambda: CountingBackend("entry-point-plugin")
 
-    monkeypatch.setattr(registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "attnkit.backends" else [])
+    monkeypatch.setattr(
+        registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "attnkit.backends" else []
+    )
     monkeypatch.setattr(registry, "_loaded", False)
     try:
         assert "entry-point-plugin" in attnkit.registered_backends()
@@ -190,8 +198,13 @@ def test_debug_log_once_per_decision(plugin: CountingBackend, caplog: pytest.Log
 
 
 def test_capability_reasons_name_value_and_allowed() -> None:
-    caps = Capabilities(frameworks=frozenset({Framework.TORCH}), dtypes=frozenset({"float16"}),
-                        devices=frozenset({"cuda"}), features=frozenset(), head_dims=(16, 256))
+    caps = Capabilities(
+        frameworks=frozenset({Framework.TORCH}),
+        dtypes=frozenset({"float16"}),
+        devices=frozenset({"cuda"}),
+        features=frozenset(),
+        head_dims=(16, 256),
+    )
     problem = attnkit.Problem(Framework.JAX, "cpu", "float32", 1, 2, 2, 3, 4, 320, 8, has_mask=True)
     reasons = attnkit.capability_reasons(caps, AttentionSpec(causal=True), problem)
     assert "framework=jax (supported: torch)" in reasons

@@ -31,7 +31,12 @@ CASES = [
     ("head dim", dict(shapes={"k": (2, 2, 6, 32)}), InvalidInputError, "k has head_dim=32, expected q's head_dim=16"),
     ("kv length", dict(shapes={"v": (2, 2, 7, 8)}), InvalidInputError, "v has 7 keys, expected k's 6"),
     ("kv heads", dict(shapes={"v": (2, 1, 6, 8)}), InvalidInputError, "v has num_heads_kv=1, expected k's 2"),
-    ("gqa", dict(shapes={"q": (2, 3, 5, 16)}), InvalidInputError, r"heads_q=3 \(query heads\) is not a multiple of heads_kv=2"),
+    (
+        "gqa",
+        dict(shapes={"q": (2, 3, 5, 16)}),
+        InvalidInputError,
+        r"heads_q=3 \(query heads\) is not a multiple of heads_kv=2",
+    ),
     ("ndim", dict(shapes={"q": (2, 4, 5, 16, 1)}), InvalidInputError, "must all be 4-D"),
     ("mask dtype", dict(mask=torch.ones(5, 6)), InvalidInputTypeError, "mask has dtype float32, expected bool"),
     ("mask shape", dict(mask=torch.ones(5, 7, dtype=torch.bool)), InvalidInputError, r"mask has shape \(5, 7\)"),
@@ -39,7 +44,12 @@ CASES = [
     ("bias dtype", dict(bias=torch.zeros(5, 6, dtype=torch.int32)), InvalidInputTypeError, "bias has dtype int32"),
     ("lengths dtype", dict(kv_lengths=torch.tensor([1.0, 2.0])), InvalidInputTypeError, "kv_lengths has dtype float32"),
     ("lengths shape", dict(kv_lengths=torch.tensor([1, 2, 3])), InvalidInputError, r"kv_lengths has shape \(3,\)"),
-    ("lengths range", dict(kv_lengths=torch.tensor([1, 7])), InvalidInputError, r"kv_lengths values must lie in \[0, 6\], got min=1, max=7"),
+    (
+        "lengths range",
+        dict(kv_lengths=torch.tensor([1, 7])),
+        InvalidInputError,
+        r"kv_lengths values must lie in \[0, 6\], got min=1, max=7",
+    ),
     ("negative lengths", dict(q_lengths=torch.tensor([-1, 2])), InvalidInputError, "q_lengths values must lie in"),
 ]
 
@@ -93,7 +103,9 @@ def test_zero_heads() -> None:
 
 def test_named_backend_that_cannot_serve_lists_reasons_and_never_falls_back() -> None:
     q, k, v = qkv()
-    jax_only = [n for n, b in attnkit.registered_backends().items() if attnkit.Framework.TORCH not in b.capabilities.frameworks]
+    jax_only = [
+        n for n, b in attnkit.registered_backends().items() if attnkit.Framework.TORCH not in b.capabilities.frameworks
+    ]
     if not jax_only:
         pytest.skip("no backend here refuses torch tensors")
     with pytest.raises(BackendUnavailableError, match=f"backend='{jax_only[0]}' cannot serve this call") as raised:

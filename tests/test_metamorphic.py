@@ -36,8 +36,9 @@ def _run(backend: str, case: Case, arrays: dict[str, np.ndarray]) -> dict[str, n
 def test_key_permutation_invariance(backend: str, spec: AttentionSpec, seed: int) -> None:
     """Without causal/window/lengths, attention is a set operation over keys: permuting k, v, mask and
     bias columns together leaves out and lse unchanged, and permutes dk, dv, dbias the same way."""
-    case = Case(spec=spec, len_q=5, len_k=9, mask_shape=(2, 2, 5, 9), bias_shape=(2, 2, 5, 9), bias_grad=True,
-                seed=seed)
+    case = Case(
+        spec=spec, len_q=5, len_k=9, mask_shape=(2, 2, 5, 9), bias_shape=(2, 2, 5, 9), bias_grad=True, seed=seed
+    )
     arrays = make_arrays(case)
     permutation = np.random.default_rng(seed).permutation(case.len_k)
     permuted = dict(arrays)

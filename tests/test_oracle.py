@@ -127,8 +127,21 @@ def test_oracle_matches_literal_loops(case: Case) -> None:
 )
 def test_oracle_gradients_match_finite_differences(spec: AttentionSpec) -> None:
     """§8: dq, dk, dv, dbias and the gradient through lse, by central differences in float64."""
-    case = Case(spec=spec, batch=1, heads_q=2, heads_kv=1, len_q=3, len_k=5, head_dim=4, head_dim_v=3,
-                bias_shape=(1, 2, 3, 5), bias_grad=True, kv_lengths=(4,), mask_shape=(3, 5), masked_rows=(0,))
+    case = Case(
+        spec=spec,
+        batch=1,
+        heads_q=2,
+        heads_kv=1,
+        len_q=3,
+        len_k=5,
+        head_dim=4,
+        head_dim_v=3,
+        bias_shape=(1, 2, 3, 5),
+        bias_grad=True,
+        kv_lengths=(4,),
+        mask_shape=(3, 5),
+        masked_rows=(0,),
+    )
     arrays = make_arrays(case)
     tensors = {name: torch.tensor(arrays[name], requires_grad=True) for name in ("q", "k", "v", "bias")}
     fixed = {"mask": torch.tensor(arrays["mask"]), "kv_lengths": torch.tensor(arrays["kv_lengths"])}

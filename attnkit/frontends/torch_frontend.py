@@ -80,9 +80,7 @@ class TorchOps:
     def reshape(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return x.reshape(shape)
 
-    def run(
-        self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs
-    ) -> tuple[Any, Any]:
+    def run(self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs) -> tuple[Any, Any]:
         if not problem.needs_grad:
             return backend.forward(spec, inputs, need_lse=problem.return_lse)
         out, lse = _AttendFunction.apply(
