@@ -10,11 +10,12 @@ Results are plain dicts (JSON-ready); ``format_*`` turn them into tables.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 DISPATCH_SHAPE = {"batch": 1, "heads": 8, "len_q": 1, "len_k": 128, "head_dim": 64}
@@ -35,6 +36,20 @@ def environment(device: str) -> dict[str, Any]:
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int | None) -> Iterator[None]:
+    """Run with ``threads`` intra-op threads (None: leave torch's choice), restoring the previous count."""
+    import torch
+
+    previous = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _synchronizer(device: str) -> Callable[[], None]:
@@ -199,7 +214,7 @@ def _device_banner(result: dict[str, Any]) -> str:
     if env["device"] == "cuda":
         return f"GPU figures: {env.get('gpu', 'cuda')}, torch {env['torch']}"
     return (
-        f"CPU figures (torch {env['torch']}, {env['cpu_threads']} threads, {env['machine']}): "
+        f"CPU figures (torch {env['torch']}, threads={env['cpu_threads']}, {env['machine']}): "
         "they say nothing about GPU kernels"
     )
 

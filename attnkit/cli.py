@@ -266,8 +266,12 @@ def edge_cases() -> list[tuple[str, Case]]:
 
 def run_case(backend: str, label: str, case: Case, expect_support: bool) -> Outcome:
     """Compare one case with the oracle, turning every way of going wrong into a recorded failure."""
-    from attnkit.testing import backends_for, check_backend
+    from attnkit.testing import backends_for, check_backend, make_arrays
 
+    try:
+        make_arrays(case)  # cheap; a case the harness cannot build must not be blamed on the backend
+    except Exception as error:
+        return Outcome(label, case, error=f"the harness cannot build this case (not the backend's fault): {error!r}")
     if expect_support:
         reasons = backends_for(case, [backend])[backend]
         if reasons:
@@ -352,23 +356,32 @@ def applicable_edge_cases(backend: Backend, report: BackendReport) -> list[tuple
 
 
 class Progress:
-    """``name  [k/n]`` rewritten in place on a terminal; one line per backend when it ends otherwise."""
+    """``name  [k/n]`` rewritten in place on a terminal. Elsewhere (CI logs, pipes) a plain line at most every
+    ``PLAIN_INTERVAL_S`` seconds, so a slow backend still shows signs of life without flooding the log."""
+
+    PLAIN_INTERVAL_S = 10.0
 
     def __init__(self, out: TextIO, name: str, total: int, width: int) -> None:
-        self.out, self.name, self.total, self.width, self.done = out, name, total, width, 0
+        self.out, self.name, self.total, self.width = out, name, total, width
         self.interactive = out.isatty()
-        self.failed = 0
+        self.done = self.failed = 0
+        self.last_plain_line = time.monotonic()
 
     def step(self, outcome: Outcome) -> None:
         self.done += 1
         self.failed += not outcome.ok
         if self.interactive:
-            self.out.write("\r" + self._line())
-            self.out.flush()
+            self._write("\r" + self._line())
+        elif self.done < self.total and time.monotonic() - self.last_plain_line >= self.PLAIN_INTERVAL_S:
+            self.last_plain_line = time.monotonic()
+            self._write(self._line() + "\n")
 
     def finish(self, report: BackendReport) -> None:
-        summary = f"{self._line()}  {len(report.failures)} failed, {len(report.skipped)} skipped, {report.seconds:.1f}s"
-        self.out.write(("\r" if self.interactive else "") + summary + "\n")
+        summary = f"{len(report.failures)} failed, {len(report.skipped)} skipped, {report.seconds:.1f}s"
+        self._write(("\r" if self.interactive else "") + f"{self._line()}  {summary}\n")
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
         self.out.flush()
 
     def _line(self) -> str:
@@ -407,7 +420,10 @@ def check_one_backend(
 def ratio_text(ratio: float | None) -> str:
     if ratio is None:
         return "-"
-    text = "err" if math.isinf(ratio) else f"{ratio:.2f}"
+    if math.isinf(ratio):
+        text = "err"
+    else:
+        text = f"{ratio:.2f}" if ratio < 100 else f"{ratio:.0f}"
     return text + ("!" if ratio > 1 else "")
 
 
@@ -447,30 +463,30 @@ def single_threaded_torch() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def run_check(args: argparse.Namespace, out: TextIO) -> int:
-    try:
-        import hypothesis  # noqa: F401
-        import torch  # noqa: F401
-    except ImportError as error:
-        print(f"attnkit check needs torch and hypothesis ({error}); pip install 'attnkit[torch,test]'", file=out)
-        return 2
+def backends_to_check(requested: list[str] | None, out: TextIO) -> list[Backend] | None:
+    """The named backends (each once, in order), or every available one; None after printing why not."""
     registered = registry.backends()
-    names = args.backend or sorted(name for name, backend in registered.items() if not backend.available())
+    names = (
+        list(dict.fromkeys(requested)) if requested else sorted(n for n, b in registered.items() if not b.available())
+    )
     unknown = [name for name in names if name not in registered]
     if unknown:
         print(f"unknown backend(s) {', '.join(unknown)}; registered: {', '.join(sorted(registered))}", file=out)
-        return 2
+        return None
     if not names:
         print("no backend can run here: see `attnkit info`", file=out)
-        return 1
-    profile = args.profile or "ci"
-    examples = args.examples
-    if examples is None:
-        examples = int(profile_settings(profile).max_examples) if args.profile else DEFAULT_EXAMPLES
-    print(f"checking {', '.join(names)}: {examples} drawn cases each (seed {args.seed}) + edge cases", file=out)
-    width = max(len(name) for name in names) + 1
-    with single_threaded_torch():
-        reports = [check_one_backend(registered[name], examples, profile, args.seed, out, width) for name in names]
+        return None
+    return [registered[name] for name in names]
+
+
+def examples_per_backend(args: argparse.Namespace) -> int:
+    if args.examples is not None:
+        return int(args.examples)
+    return int(profile_settings(args.profile).max_examples) if args.profile else DEFAULT_EXAMPLES
+
+
+def print_summary(reports: Sequence[BackendReport], out: TextIO) -> int:
+    """The ratio table, skips and failures; returns the exit status (1 on any failure)."""
     print("\n" + results_table(reports), file=out)
     print("(ratio = error / allowed by the tolerance rule; <= 1 passes, ! fails, err = raised or refused)", file=out)
     for report in reports:
@@ -488,6 +504,26 @@ def run_check(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def run_check(args: argparse.Namespace, out: TextIO) -> int:
+    try:
+        import hypothesis  # noqa: F401
+        import torch  # noqa: F401
+    except ImportError as error:
+        print(f"attnkit check needs torch and hypothesis ({error}); pip install 'attnkit[torch,test]'", file=out)
+        return 2
+    selected = backends_to_check(args.backend, out)
+    if selected is None:
+        return 2 if args.backend else 1
+    examples = examples_per_backend(args)
+    profile = args.profile or "ci"
+    plan = f"{examples} drawn cases each (seed {args.seed}) + {len(edge_cases())} edge cases"
+    print(f"checking {', '.join(backend.name for backend in selected)}: {plan}", file=out)
+    width = max(len(backend.name) for backend in selected) + 1
+    with single_threaded_torch():
+        reports = [check_one_backend(backend, examples, profile, args.seed, out, width) for backend in selected]
+    return print_summary(reports, out)
+
+
 # ---------------------------------------------------------------------------------------------- explain
 
 
@@ -501,13 +537,8 @@ def window_side(text: str) -> int | None:
 
 
 def spec_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> AttentionSpec:
-    flag_given = (
-        any(
-            value is not None
-            for value in (args.causal, args.causal_alignment, args.window, args.scale, args.variant, args.softcap)
-        )
-        or args.layout is not None
-    )
+    spec_flags = (args.causal, args.causal_alignment, args.window, args.scale, args.variant, args.softcap, args.layout)
+    flag_given = any(value is not None for value in spec_flags)
     try:
         if args.spec is not None:
             if flag_given:
@@ -534,9 +565,12 @@ def spec_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) ->
 
 def problem_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Problem:
     heads_kv = args.heads_kv if args.heads_kv is not None else args.heads_q
-    for name in ("batch", "heads_q", "len_q", "head_dim"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    # Empty sequences are valid calls (every row then sees no key); empty batches, heads or head dims are not.
+    minimum = {"batch": 1, "heads_q": 1, "head_dim": 1, "len_q": 0, "len_k": 0, "head_dim_v": 1}
+    for name, low in minimum.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            parser.error(f"--{name.replace('_', '-')} must be >= {low}")
     if heads_kv < 1 or args.heads_q % heads_kv:
         parser.error(f"--heads-q={args.heads_q} must be a multiple of --heads-kv={heads_kv}")
     return Problem(
@@ -575,12 +609,15 @@ def run_explain(args: argparse.Namespace, out: TextIO, parser: argparse.Argument
 def run_bench(args: argparse.Namespace, out: TextIO) -> int:
     from attnkit import bench
 
-    if args.what == "dispatch":
-        result = bench.bench_dispatch(rounds=args.rounds, calls=args.calls, device=args.device)
-        text = bench.format_dispatch(result)
-    else:
-        result = bench.bench_chunked(seq_len=args.seq_len, repeats=args.repeats, warmup=args.warmup, device=args.device)
-        text = bench.format_chunked(result)
+    with bench.torch_threads(args.threads):
+        if args.what == "dispatch":
+            result = bench.bench_dispatch(rounds=args.rounds, calls=args.calls, device=args.device)
+            text = bench.format_dispatch(result)
+        else:
+            result = bench.bench_chunked(
+                seq_len=args.seq_len, repeats=args.repeats, warmup=args.warmup, device=args.device
+            )
+            text = bench.format_chunked(result)
     print(text, file=out)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -653,6 +690,7 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--seq-len", type=int, default=4096, help="chunked: sequence length (default %(default)s)")
     bench.add_argument("--repeats", type=int, default=3, help="chunked: timed repeats (default %(default)s)")
     bench.add_argument("--warmup", type=int, default=1, help="chunked: untimed repeats (default %(default)s)")
+    bench.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 

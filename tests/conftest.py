@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import attnkit
 from attnkit.testing import register_profiles
 
 PROFILE = register_profiles()
+
+# The suite runs thousands of tiny calls: on a shared 2-core machine torch's intra-op threads cost more
+# in synchronisation than they gain (about 10x on decode-size calls, measured by `attnkit bench`).
+torch.set_num_threads(1)
 
 
 def available_backends() -> list[str]:

@@ -1,0 +1,129 @@
+"""The attnkit command, run in-process: info, explain, check (passing and failing) and the generated docs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import attnkit
+from attnkit import registry
+from attnkit.backend import ALL_FEATURES
+from attnkit.cli import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown, main
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+WRONG_BACKEND = "test-cli-wrong"
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def test_info_lists_every_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "info")
+    assert code == 0
+    for name in registry.backends():
+        assert name in out
+    for feature in ALL_FEATURES:
+        assert feature in out
+
+
+def test_info_markdown_writes_capability_markdown(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "backends.md"
+    assert run(capsys, "info", "--markdown", "--output", str(target))[0] == 0
+    assert target.read_text() == capability_markdown()
+    assert run(capsys, "info", "--markdown", "--output", "-") == (0, capability_markdown())
+
+
+def test_committed_backends_md_is_current() -> None:
+    missing = [name for name, b in registry.backends().items() if isinstance(b, attnkit.MissingPackageBackend)]
+    if missing:
+        pytest.skip(f"capabilities of {missing} are unknown without their packages")
+    committed = (REPO_ROOT / "docs" / "backends.md").read_text()
+    assert committed == capability_markdown(), STALE_MARKDOWN_MESSAGE
+
+
+def test_every_feature_has_a_meaning() -> None:
+    assert set(FEATURE_MEANINGS) == ALL_FEATURES
+
+
+def test_explain_marks_selected_backend_and_gives_reasons(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "explain", "--causal", "--len-q", "1", "--len-k", "37", "--grad")
+    assert code == 0
+    rows = {line.split()[1] if line.startswith("->") else line.split()[0]: line for line in out.splitlines()[2:]}
+    assert set(rows) == set(registry.backends())
+    assert sum(line.startswith("->") for line in rows.values()) == 1
+    # jax-reference cannot take torch tensors (or is not installed): its row says why.
+    assert not rows["jax-reference"].rstrip().endswith(" ok")
+    assert "framework=torch" in rows["jax-reference"] or "unavailable" in rows["jax-reference"]
+
+
+def test_explain_accepts_spec_json_and_open_window_sides(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "explain", "--spec", '{"causal": true, "window": [4, 0]}', "--framework", "jax")
+    assert code == 0 and '"window":[4,0]' in out
+    code, out = run(capsys, "explain", "--window", "none", "0", "--heads-q", "8", "--heads-kv", "2", "--bias-grad")
+    assert code == 0 and '"window":[null,0]' in out and "needs_bias_grad=True" in out
+
+
+def test_explain_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--window", "-1", "0"], ["--heads-q", "3", "--heads-kv", "2"], ["--spec", "{}", "--causal"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["explain", *argv])
+        assert exit_info.value.code == 2
+
+
+def test_check_passes_on_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "check", "--backend", "torch-naive", "--examples", "3")
+    assert code == 0, out
+    assert "worst ratio" in out and "bfloat16" in out
+    assert "torch-naive" in out and "0 failed" in out
+
+
+class OffByATenth:
+    """torch-naive with 0.1 added to out: a backend that check must catch."""
+
+    def __init__(self) -> None:
+        self.inner = registry.get_backend("torch-naive")
+        self.name = WRONG_BACKEND
+        self.capabilities = self.inner.capabilities
+
+    def available(self) -> list[str]:
+        return self.inner.available()
+
+    def supports(self, spec: Any, problem: Any) -> list[str]:
+        return self.inner.supports(spec, problem)
+
+    def forward(self, spec: Any, inputs: Any, need_lse: bool) -> tuple[Any, Any]:
+        out, lse = self.inner.forward(spec, inputs, need_lse)
+        return out + 0.1, lse
+
+    def backward(self, spec: Any, inputs: Any, out: Any, lse: Any, dout: Any, dlse: Any) -> Any:
+        return self.inner.backward(spec, inputs, out, lse, dout, dlse)
+
+
+def test_check_fails_on_a_wrong_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    attnkit.register_backend(OffByATenth())
+    try:
+        code, out = run(capsys, "check", "--backend", WRONG_BACKEND, "--examples", "2")
+    finally:
+        attnkit.unregister_backend(WRONG_BACKEND)
+    assert code == 1
+    assert f"FAIL {WRONG_BACKEND}" in out and "! out: error" in out
+    assert "FAILED" in out
+
+
+def test_check_rejects_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "check", "--backend", "no-such-backend")
+    assert code == 2 and "no-such-backend" in out
+
+
+def test_bench_runs_and_writes_json(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "dispatch.json"
+    code, out = run(capsys, "bench", "--what", "dispatch", "--rounds", "2", "--calls", "5", "--json", str(target))
+    assert code == 0 and "CPU figures" in out and "dispatch overhead" in out
+    assert {"attend_auto_us", "direct_forward_us", "overhead_us", "environment"} <= set(json.loads(target.read_text()))
+    code, out = run(capsys, "bench", "--what", "chunked", "--seq-len", "32", "--repeats", "1", "--warmup", "0")
+    assert code == 0 and "torch sdpa" in out and "torch-naive" in out
