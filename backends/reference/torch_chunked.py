@@ -26,7 +26,7 @@ from attnkit import (
 )
 from attnkit.backend import ALL_FEATURES
 
-from .torch_common import COSINE_EPS, compute_dtype, from_bhsd, to_bhsd
+from .torch_common import COSINE_EPS, compute_dtype, from_bhsd, to_bhsd, zero_padding
 
 NEG_INF = float("-inf")
 
@@ -43,9 +43,11 @@ DEFAULT_BLOCK_K = 128
 
 
 def _query_side(x: torch.Tensor, heads_kv: int, dtype: torch.dtype) -> torch.Tensor:
-    """bhsd (B, Hq, L, D), any strides -> contiguous (B, Hkv, L, G, D) in ``dtype``, in one copy."""
-    batch, heads_q, length, dim = x.shape
-    grouped = x.unflatten(1, (heads_kv, heads_q // heads_kv)).transpose(2, 3)
+    """(B, Hq, L, ...) with any strides -> contiguous (B, Hkv, L, G, ...) in ``dtype``, in one copy.
+
+    For bhsd q, out, dout (B, Hq, L, D) and for per-row values such as lse (B, Hq, L).
+    """
+    grouped = x.unflatten(1, (heads_kv, x.shape[1] // heads_kv)).transpose(2, 3)
     return torch.empty(grouped.shape, dtype=dtype, device=x.device).copy_(grouped)
 
 
@@ -55,12 +57,6 @@ def _from_query_side(spec: AttentionSpec, x: torch.Tensor, dtype: torch.dtype) -
     x = x.permute(order)
     x = x.flatten(1, 2) if spec.layout is Layout.BHSD else x.flatten(2, 3)
     return x.to(dtype)
-
-
-def _row_stats(x: torch.Tensor, heads_kv: int, dtype: torch.dtype) -> torch.Tensor:
-    """Per-row values (B, Hq, L) -> contiguous (B, Hkv, L, G) in ``dtype``."""
-    grouped = x.unflatten(1, (heads_kv, x.shape[1] // heads_kv)).transpose(2, 3)
-    return torch.empty(grouped.shape, dtype=dtype, device=x.device).copy_(grouped)
 
 
 def _grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
@@ -92,8 +88,9 @@ class _Geometry:
         device = inputs.q.device
         batch = inputs.q.shape[0]
         self.mask = _grouped(inputs.mask, heads_kv) if inputs.mask is not None else None
-        self.lo = -spec.window[0] if spec.window is not None and spec.window[0] is not None else None
-        highs = ([0] if spec.causal else []) + ([spec.window[1]] if spec.window and spec.window[1] is not None else [])
+        left, right = spec.window or (None, None)
+        self.lo = -left if left is not None else None
+        highs = [bound for bound in (0 if spec.causal else None, right) if bound is not None]
         self.hi = min(highs) if highs else None
 
         # Lengths are read to the host once per call: tile skipping is decided in Python.
@@ -107,14 +104,11 @@ class _Geometry:
         offsets = [kv - q for q, kv in zip(q_lens, kv_lens, strict=True)] if bottom_right else [0] * batch
         self.off_min, self.off_max = (min(offsets), max(offsets)) if batch else (0, 0)
         self.off: int | torch.Tensor = self.off_min
-        if self.off_min != self.off_max:
-            self.off = (self._len(self.kv_len, len_k) - self._len(self.q_len, len_q)).view(-1, 1, 1)
+        if self.off_min != self.off_max:  # only with lengths, which then give per-batch offsets
+            kv_len = self.kv_len if self.kv_len is not None else len_k
+            self.off = kv_len - (self.q_len if self.q_len is not None else len_q)
         self.rows = torch.arange(len_q, device=device)
         self.cols = torch.arange(len_k, device=device)
-
-    @staticmethod
-    def _len(lengths: torch.Tensor | None, default: int) -> torch.Tensor | int:
-        return lengths if lengths is not None else default
 
     def key_span(self, r0: int, r1: int) -> tuple[int, int]:
         """Keys [first, last] any query in rows r0:r1 may see for some batch element; first > last: none."""
@@ -205,23 +199,25 @@ class _Operands:
 
 
 def _score_tile(
-    ops: _Operands, q: torch.Tensor, r0: int, r1: int, c0: int, c1: int, needs_mask: bool, keep_tanh: bool = False
+    ops: _Operands, q: torch.Tensor, r0: int, r1: int, c0: int, c1: int, needs_mask: bool, softcap_grad: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """S for one tile as (B, Hkv, tile_q * G, tile_k), hidden pairs -inf; with ``keep_tanh``, also tanh(q kᵀ)."""
+    """S for one tile as (B, Hkv, tile_q * G, tile_k), hidden pairs -inf.
+
+    With ``softcap_grad`` and a softcap c, also dS/dU = c·(1 − tanh²U) for U = q kᵀ (else None).
+    """
     s = torch.matmul(q, ops.k[:, :, c0:c1].transpose(-1, -2))
-    tanh = None
+    derivative = None
     if ops.softcap is not None:
-        if keep_tanh:
-            tanh = s.tanh_()
-            s = tanh * ops.softcap
-        else:
-            s = s.tanh_().mul_(ops.softcap)
+        s = s.tanh_()
+        if softcap_grad:
+            derivative = torch.addcmul(torch.ones_like(s), s, s, value=-1.0).mul_(ops.softcap)
+        s.mul_(ops.softcap)
     tiled = s.view(*s.shape[:2], r1 - r0, ops.group, c1 - c0)
     if ops.bias is not None:
         tiled.add_(_tile(ops.bias, r0, r1, c0, c1).to(s.dtype))
     if needs_mask:
         tiled.masked_fill_(~ops.geometry.visible(r0, r1, c0, c1), NEG_INF)
-    return s, tanh
+    return s, derivative
 
 
 def _forward_tiles(ops: _Operands, plan: Plan) -> tuple[torch.Tensor, torch.Tensor]:
@@ -296,14 +292,14 @@ def _backward_tiles(
         dk_tile, dv_tile = dk[:, :, c0:c1], dv[:, :, c0:c1]
         for r0, r1, needs_mask in query_tiles:
             q, do = _rows(ops.q, r0, r1), _rows(dout, r0, r1)
-            s, tanh = _score_tile(ops, q, r0, r1, c0, c1, needs_mask, keep_tanh=True)
+            s, softcap_derivative = _score_tile(ops, q, r0, r1, c0, c1, needs_mask, softcap_grad=True)
             p = s.sub_(_rows(lse_shift, r0, r1).unsqueeze(-1)).exp_()
             dv_tile.add_(torch.matmul(p.transpose(-1, -2), do))
             ds = torch.matmul(do, v.transpose(-1, -2)).sub_(_rows(delta, r0, r1).unsqueeze(-1)).mul_(p)
             if dbias_grouped is not None:
                 _accumulate_dbias(_tile(dbias_grouped, r0, r1, c0, c1), ds.view(*ds.shape[:2], r1 - r0, -1, c1 - c0))
-            if tanh is not None:
-                ds.mul_(torch.addcmul(torch.ones_like(tanh), tanh, tanh, value=-1.0)).mul_(ops.softcap)
+            if softcap_derivative is not None:
+                ds.mul_(softcap_derivative)
             _rows(dq, r0, r1).add_(torch.matmul(ds, k))
             dk_tile.add_(torch.matmul(ds.transpose(-1, -2), q))
     return dq, dk, dv, dbias
@@ -341,23 +337,25 @@ class TorchChunkedBackend:
 
     def _prepare(
         self, spec: AttentionSpec, inputs: AttentionInputs, track_normalisation: bool = False
-    ) -> tuple[_Operands, Plan, tuple[torch.Tensor | None, ...]]:
+    ) -> tuple[_Operands, Plan, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None]:
         """Bring q, k, v to the internal layouts in the compute dtype and plan the tiles.
 
-        Returns (operands, plan, (q, qn, k, kn)); with ``track_normalisation`` (cosine backward) q and k are
-        leaves and qn, kn their normalised values with autograd history, else all four are None.
+        Returns (operands, plan, tracked). With ``track_normalisation`` and the cosine variant, tracked is
+        (q, qn, k, kn): q and k leaves, qn and kn their normalised values with autograd history; else None.
         """
         dtype = compute_dtype(inputs.q.dtype)
-        k = to_bhsd(spec, inputs.k)
+        # Padding (beyond the lengths) is zeroed, not only masked: a tile spanning a length boundary would
+        # otherwise carry NaN there into dq, dk or P·V through 0·NaN (docs/semantics.md §5).
+        k = zero_padding(to_bhsd(spec, inputs.k), inputs.kv_lengths)
         heads_kv, len_k = k.shape[1], k.shape[2]
-        q = _query_side(to_bhsd(spec, inputs.q), heads_kv, dtype)
+        q = _query_side(zero_padding(to_bhsd(spec, inputs.q), inputs.q_lengths), heads_kv, dtype)
         # detach: when no copy is needed these alias the caller's tensors, and cosine marks k as a leaf.
         k = k.detach().to(dtype).contiguous()
-        v = to_bhsd(spec, inputs.v).detach().to(dtype).contiguous()
+        v = zero_padding(to_bhsd(spec, inputs.v), inputs.kv_lengths).detach().to(dtype).contiguous()
         len_q = q.shape[2]
         scale = spec.resolved_scale(q.shape[-1])
         q_scale = scale / spec.softcap if spec.softcap is not None else scale
-        tracked = (None, None, None, None)
+        tracked = None
         if spec.variant is Variant.COSINE:
             if track_normalisation:
                 q, k = q.requires_grad_(True), k.requires_grad_(True)
@@ -370,7 +368,7 @@ class TorchChunkedBackend:
         geometry = _Geometry(spec, inputs, heads_kv, len_q, len_k)
         bias = _grouped(inputs.bias, heads_kv) if inputs.bias is not None else None
         # q is a fresh copy here except when it is the detached normalised value autograd still holds.
-        q = q * q_scale if tracked[1] is not None else q.mul_(q_scale)
+        q = q * q_scale if tracked is not None else q.mul_(q_scale)
         ops = _Operands(q, k, v, bias, q_scale, spec.softcap, geometry)
         return ops, _plan(geometry, len_q, len_k, self.block_q, self.block_k), tracked
 
@@ -392,19 +390,20 @@ class TorchChunkedBackend:
         dlse: torch.Tensor | None,
     ) -> Gradients:
         with torch.no_grad():
-            ops, plan, (q_leaf, qn, k_leaf, kn) = self._prepare(spec, inputs, track_normalisation=True)
+            ops, plan, tracked = self._prepare(spec, inputs, track_normalisation=True)
             dtype, heads_kv = ops.q.dtype, ops.k.shape[1]
-            lse = _row_stats(lse, heads_kv, dtype)
+            lse = _query_side(lse, heads_kv, dtype)
             if dtype == torch.float64:
                 lse = _refine_lse(ops, plan, lse)
             dout = _query_side(to_bhsd(spec, dout), heads_kv, dtype)
             delta = (dout * _query_side(to_bhsd(spec, out), heads_kv, dtype)).sum(dim=-1)
             if dlse is not None:
-                delta -= _row_stats(dlse, heads_kv, dtype)
+                delta -= _query_side(dlse, heads_kv, dtype)
             bias_shape = inputs.bias.shape if inputs.bias is not None else None
             dq, dk, dv, dbias = _backward_tiles(ops, plan, lse, dout, delta, bias_shape)
             dq.mul_(ops.q_scale)
-        if qn is not None:
+        if tracked is not None:
+            q_leaf, qn, k_leaf, kn = tracked
             with torch.enable_grad():
                 dq, dk = torch.autograd.grad((qn, kn), (q_leaf, k_leaf), (dq, dk))
         return Gradients(
