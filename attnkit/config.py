@@ -19,7 +19,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 
 from attnkit import registry
 from attnkit.backend import ALL_FEATURES
@@ -57,8 +57,14 @@ class Config(BaseModel):
     refine: tuple[Refinement, ...] = ()
     backend: str | None = None
 
+    _hash: int = PrivateAttr(default=0)
+
+    def model_post_init(self, context: Any) -> None:
+        # Hashed on every dispatch: compute once (the model is frozen).
+        self._hash = hash((tuple(sorted(self.priority.items())), self.refine, self.backend))
+
     def __hash__(self) -> int:
-        return hash((tuple(sorted(self.priority.items())), self.refine, self.backend))
+        return self._hash
 
     def priority_for(self, device: str, features: frozenset[str]) -> tuple[str, ...]:
         for refinement in self.refine:
@@ -143,6 +149,11 @@ def current_config() -> Config:
             if _base is None:
                 _base = _build_base()
     return _base
+
+
+def state_key() -> tuple[str | None, Config]:
+    """What dispatch depends on besides the call: the scoped forced backend and the config in force."""
+    return _forced_backend.get(), current_config()
 
 
 def forced_backend() -> str | None:

@@ -213,3 +213,18 @@ def test_capability_reasons_name_value_and_allowed() -> None:
     assert "head_dim=320 (supported: 16..256)" in reasons
     assert "head_dim_v=8 (supported: 16..256)" in reasons
     assert "causal is not supported" in reasons and "mask is not supported" in reasons
+
+
+def test_repeated_calls_still_check_length_values_and_follow_config(plugin: CountingBackend) -> None:
+    """The per-signature fast path re-checks what is data (length values) and what can change (config)."""
+    q, k, v = tensors()
+    attnkit.attend(AttentionSpec(), q, k, v, kv_lengths=torch.tensor([4]))
+    with pytest.raises(attnkit.InvalidInputError, match=r"kv_lengths values must lie in \[0, 4\], got min=5"):
+        attnkit.attend(AttentionSpec(), q, k, v, kv_lengths=torch.tensor([5]))
+    spec = AttentionSpec(causal=True)
+    attnkit.attend(spec, q, k, v)
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}}):
+        attnkit.attend(spec, q, k, v)
+    assert plugin.forward_calls == 1
+    with pytest.raises(attnkit.InvalidInputTypeError, match="k has dtype float64"):
+        attnkit.attend(spec, q, k.double(), v)

@@ -23,6 +23,11 @@ class FrameworkOps(Protocol):
 
     def needs_grad(self, inputs: AttentionInputs) -> tuple[bool, bool]: ...
 
+    def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
+        """A hashable summary of everything validation and dispatch read from the arrays (never their
+        values), or None where the framework offers no cheap one."""
+        ...
+
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any: ...
 
     def run(

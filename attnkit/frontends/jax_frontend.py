@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from attnkit.backend import AttentionInputs, Backend, Framework, Problem
@@ -94,7 +95,12 @@ class JaxOps:
     def value_range(self, x: jax.Array) -> tuple[int, int]:
         if isinstance(x, jax.core.Tracer) or x.size == 0:
             return 0, 0  # values are unknown while tracing; backends clamp lengths to [0, L]
-        return int(jnp.min(x)), int(jnp.max(x))
+        # numpy, not jnp: inside a jit trace jnp.min of a closed-over concrete array is a tracer.
+        values = np.asarray(x)
+        return int(values.min()), int(values.max())
+
+    def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
+        return None  # JAX calls are traced once under jit; the per-call validation cost does not recur there
 
     def needs_grad(self, inputs: AttentionInputs) -> tuple[bool, bool]:
         # JAX decides differentiation after the call; custom_vjp only runs the backward if asked.
@@ -103,9 +109,7 @@ class JaxOps:
     def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         return x.reshape(shape)
 
-    def run(
-        self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs
-    ) -> tuple[Any, Any]:
+    def run(self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs) -> tuple[Any, Any]:
         return _attend(backend, spec, inputs)
 
 

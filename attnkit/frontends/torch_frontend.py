@@ -77,6 +77,34 @@ class TorchOps:
         bias_grad = inputs.bias is not None and inputs.bias.requires_grad
         return bias_grad or inputs.q.requires_grad or inputs.k.requires_grad or inputs.v.requires_grad, bias_grad
 
+    def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
+        optional = []
+        for tensor in (mask, bias, q_lengths, kv_lengths):
+            if tensor is None:
+                optional.append(None)
+            elif type(tensor) is torch.Tensor:
+                optional.append((tensor.shape, tensor.dtype, tensor.device))
+            else:
+                return None  # the full validation path names the wrong type
+        if type(k) is not torch.Tensor or type(v) is not torch.Tensor or type(q) is not torch.Tensor:
+            return None
+        bias_grad = bias is not None and bias.requires_grad
+        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or bias_grad)
+        return (
+            q.shape,
+            k.shape,
+            v.shape,
+            q.dtype,
+            k.dtype,
+            v.dtype,
+            q.device,
+            k.device,
+            v.device,
+            grad,
+            bias_grad,
+            *optional,
+        )
+
     def reshape(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return x.reshape(shape)
 
