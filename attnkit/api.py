@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import threading
+from typing import Any
 
 from attnkit import config, dispatch, registry
 from attnkit.backend import AttentionInputs, Backend, Problem

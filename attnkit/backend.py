@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from attnkit.spec import AttentionSpec
 
@@ -79,9 +79,11 @@ class Problem:
         return frozenset(used)
 
 
-@dataclass(frozen=True, slots=True)
-class AttentionInputs:
-    """The tensors of one call, in one framework. Optional ones are None."""
+class AttentionInputs(NamedTuple):
+    """The tensors of one call, in one framework. Optional ones are None.
+
+    A NamedTuple: built on every call (a frozen dataclass costs twice as much), and a JAX pytree as is.
+    """
 
     q: Any
     k: Any

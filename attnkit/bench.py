@@ -4,6 +4,8 @@
   ``forward`` directly, on a decode-sized call where that overhead matters most.
 * :func:`bench_chunked`: torch-chunked forward and forward+backward against torch's
   ``scaled_dot_product_attention`` and torch-naive, in the same process and interleaved.
+* :func:`bench_memory`: peak extra host memory of one forward+backward of torch-chunked and torch SDPA, each in a
+  fresh process (Linux: the peak-RSS mark is reset through ``/proc/self/clear_refs``).
 
 Results are plain dicts (JSON-ready); ``format_*`` turn them into tables.
 """
@@ -12,8 +14,12 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import json
+import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -31,11 +37,22 @@ def environment(device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu_model": _cpu_model(),
+        "cpu_count": os.cpu_count(),
         "cpu_threads": torch.get_num_threads(),
+        "load_average": [round(load, 2) for load in os.getloadavg()],
     }
     if device == "cuda":
         info["gpu"] = torch.cuda.get_device_name()
     return info
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as cpuinfo:
+        for line in cpuinfo:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"
 
 
 @contextlib.contextmanager
@@ -69,12 +86,31 @@ def _per_call_ns(function: Callable[[], Any], calls: int, synchronize: Callable[
     return (time.perf_counter_ns() - start) / calls
 
 
+def _interleaved(
+    first: Callable[[], Any], second: Callable[[], Any], rounds: int, calls: int, synchronize: Callable[[], None]
+) -> tuple[list[float], list[float]]:
+    """Per-call ns of ``first`` and ``second`` in each of ``rounds`` rounds; the order alternates per round."""
+    samples: tuple[list[float], list[float]] = ([], [])
+    for _ in range(max(1, calls // 10)):  # warm-up: allocator, caches, lazy imports
+        first()
+        second()
+    for round_index in range(rounds):
+        pair = [(samples[0], first), (samples[1], second)]
+        for into, function in pair if round_index % 2 == 0 else pair[::-1]:
+            into.append(_per_call_ns(function, calls, synchronize))
+    return samples
+
+
 def bench_dispatch(rounds: int = 20, calls: int = 2000, device: str = "cpu") -> dict[str, Any]:
     """Median per-call time of attend(backend="auto") and of the chosen backend's forward, interleaved.
 
     Rounds alternate which of the two goes first, so drift (clock boost, cache warmth) hits both alike;
-    the overhead reported is the median of the per-round differences.
+    the overhead reported is the median of the per-round differences. On a busy machine that difference of two
+    noisy forward times is itself noisy, so the same pair is measured again with the backend's ``forward``
+    replaced by a stub that returns a precomputed result: what is left is attend()'s own work, alone.
     """
+    from unittest import mock
+
     import torch
 
     import attnkit
@@ -109,17 +145,15 @@ def bench_dispatch(rounds: int = 20, calls: int = 2000, device: str = "cpu") -> 
         return chosen.forward(spec, inputs, need_lse=False)
 
     synchronize = _synchronizer(device)
-    attend_ns: list[float] = []
-    direct_ns: list[float] = []
     with torch.no_grad():
-        for _ in range(max(1, calls // 10)):  # warm-up: allocator, caches, lazy imports
-            through_attend()
-            direct()
-        for round_index in range(rounds):
-            pair = [(attend_ns, through_attend), (direct_ns, direct)]
-            for samples, function in pair if round_index % 2 == 0 else pair[::-1]:
-                samples.append(_per_call_ns(function, calls, synchronize))
-    differences = [a - d for a, d in zip(attend_ns, direct_ns, strict=True)]
+        attend_ns, direct_ns = _interleaved(through_attend, direct, rounds, calls, synchronize)
+        result = direct()
+        with mock.patch.object(chosen, "forward", lambda *args, **kwargs: result):
+            stub_attend_ns, stub_direct_ns = _interleaved(through_attend, direct, rounds, calls, synchronize)
+
+    def overhead_us(attend: list[float], direct: list[float]) -> float:
+        return statistics.median(a - d for a, d in zip(attend, direct, strict=True)) / 1000
+
     return {
         "what": "dispatch",
         "environment": environment(device),
@@ -129,10 +163,40 @@ def bench_dispatch(rounds: int = 20, calls: int = 2000, device: str = "cpu") -> 
         "calls_per_round": calls,
         "attend_auto_us": statistics.median(attend_ns) / 1000,
         "direct_forward_us": statistics.median(direct_ns) / 1000,
-        "overhead_us": statistics.median(differences) / 1000,
+        "overhead_us": overhead_us(attend_ns, direct_ns),
+        "stubbed_overhead_us": overhead_us(stub_attend_ns, stub_direct_ns),
         "attend_rounds_us": [value / 1000 for value in attend_ns],
         "direct_rounds_us": [value / 1000 for value in direct_ns],
+        "stubbed_overhead_rounds_us": [(a - d) / 1000 for a, d in zip(stub_attend_ns, stub_direct_ns, strict=True)],
     }
+
+
+def _chunked_inputs(seq_len: int, device: str) -> tuple[Any, ...]:
+    """q, k, v and the output gradient of the chunked benchmarks, (B, H, L, D) float32."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    size = (CHUNKED_SHAPE["batch"], CHUNKED_SHAPE["heads"], seq_len, CHUNKED_SHAPE["head_dim"])
+    return tuple(torch.randn(size, generator=generator).to(device) for _ in range(4))
+
+
+def _implementations() -> dict[str, Callable[..., Any]]:
+    """The causal attentions compared: name -> function(q, k, v) -> out."""
+    import torch.nn.functional as F
+
+    import attnkit
+
+    spec = attnkit.AttentionSpec(causal=True)  # Lq == Lk, so bottom-right equals SDPA's top-left is_causal
+    return {
+        "torch-chunked": lambda q, k, v: attnkit.attend(spec, q, k, v, backend="torch-chunked"),
+        "torch sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+        "torch-naive": lambda q, k, v: attnkit.attend(spec, q, k, v, backend="torch-naive"),
+    }
+
+
+def _forward_backward(function: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> None:
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    function(*leaves).backward(dout)
 
 
 def bench_chunked(seq_len: int = 4096, repeats: int = 3, warmup: int = 1, device: str = "cpu") -> dict[str, Any]:
@@ -141,22 +205,9 @@ def bench_chunked(seq_len: int = 4096, repeats: int = 3, warmup: int = 1, device
     Each repeat runs every implementation once, so they share the machine's state; medians over repeats.
     """
     import torch
-    import torch.nn.functional as F
 
-    import attnkit
-
-    shape = {**CHUNKED_SHAPE, "len": seq_len}
-    spec = attnkit.AttentionSpec(causal=True)  # Lq == Lk, so bottom-right equals SDPA's top-left is_causal
-    generator = torch.Generator().manual_seed(0)
-    q, k, v, dout = (
-        torch.randn(shape["batch"], shape["heads"], seq_len, shape["head_dim"], generator=generator).to(device)
-        for _ in range(4)
-    )
-    implementations: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
-        "torch-chunked": lambda a, b, c: attnkit.attend(spec, a, b, c, backend="torch-chunked"),
-        "torch sdpa": lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True),
-        "torch-naive": lambda a, b, c: attnkit.attend(spec, a, b, c, backend="torch-naive"),
-    }
+    q, k, v, dout = _chunked_inputs(seq_len, device)
+    implementations = _implementations()
     synchronize = _synchronizer(device)
 
     def forward_ms(function: Callable[..., torch.Tensor]) -> tuple[float, torch.Tensor]:
@@ -168,13 +219,11 @@ def bench_chunked(seq_len: int = 4096, repeats: int = 3, warmup: int = 1, device
         return (time.perf_counter_ns() - start) / 1e6, out
 
     def forward_backward_ms(function: Callable[..., torch.Tensor]) -> float:
-        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
         synchronize()
         start = time.perf_counter_ns()
-        function(*leaves).backward(dout)
+        _forward_backward(function, q, k, v, dout)
         synchronize()
         elapsed = (time.perf_counter_ns() - start) / 1e6
-        del leaves
         gc.collect()  # the naive backend's (L, L) buffers must not linger into the next timing
         return elapsed
 
@@ -202,21 +251,78 @@ def bench_chunked(seq_len: int = 4096, repeats: int = 3, warmup: int = 1, device
     return {
         "what": "chunked",
         "environment": environment(device),
-        "shape": {**shape, "dtype": "float32", "causal": True},
+        "shape": {**CHUNKED_SHAPE, "len": seq_len, "dtype": "float32", "causal": True},
         "repeats": repeats,
         "warmup": warmup,
         "results": rows,
     }
 
 
+MEMORY_MEASURED = ("torch-chunked", "torch sdpa")  # torch-naive materialises (B, H, L, L): see bench_memory
+_MEMORY_CHILD = "import sys; from attnkit.bench import _memory_child as m; m(sys.argv[1], *map(int, sys.argv[2:]))"
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _memory_child(name: str, seq_len: int, threads: int) -> None:
+    """In a fresh process: print the peak RSS growth of one forward+backward of ``name``, as JSON."""
+    import torch
+
+    torch.set_num_threads(threads)
+    function = _implementations()[name]
+    _forward_backward(function, *_chunked_inputs(64, "cpu"))  # load modules and kernels before measuring
+    inputs = _chunked_inputs(seq_len, "cpu")
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
+    before = _status_kib("VmRSS")
+    start = time.perf_counter()
+    _forward_backward(function, *inputs)
+    seconds = time.perf_counter() - start
+    print(json.dumps({"peak_extra_bytes": (_status_kib("VmHWM") - before) * 1024, "seconds": seconds}))
+
+
+def bench_memory(seq_len: int = 16384) -> dict[str, Any]:
+    """Peak extra host memory of one causal forward+backward on CPU, each implementation in a fresh process.
+
+    Peak extra = VmHWM after the call minus VmRSS before it, with q, k, v and dout already allocated: it counts
+    the output, the gradients and every temporary. Runs with the calling process's torch thread count. Linux only.
+    torch-naive is not run: its float32 (B, H, L, L) score matrix alone is reported instead.
+    """
+    import torch
+
+    threads = torch.get_num_threads()
+    rows = {}
+    for name in MEMORY_MEASURED:
+        command = [sys.executable, "-c", _MEMORY_CHILD, name, str(seq_len), str(threads)]
+        child = subprocess.run(command, capture_output=True, text=True)
+        if child.returncode != 0:
+            raise RuntimeError(f"memory run of {name} failed (exit {child.returncode}):\n{child.stderr[-2000:]}")
+        rows[name] = json.loads(child.stdout.strip().splitlines()[-1])
+    shape = CHUNKED_SHAPE
+    return {
+        "what": "memory",
+        "environment": environment("cpu"),
+        "shape": {**shape, "len": seq_len, "dtype": "float32", "causal": True},
+        "results": rows,
+        "naive_score_matrix_bytes": shape["batch"] * shape["heads"] * seq_len**2 * 4,
+    }
+
+
 def _device_banner(result: dict[str, Any]) -> str:
     env = result["environment"]
-    if env["device"] == "cuda":
-        return f"GPU figures: {env.get('gpu', 'cuda')}, torch {env['torch']}"
-    return (
-        f"CPU figures (torch {env['torch']}, threads={env['cpu_threads']}, {env['machine']}): "
-        "they say nothing about GPU kernels"
+    host = (
+        f"{env['cpu_model']}, {env['cpu_count']} CPUs, {env['machine']}, torch {env['torch']}, "
+        f"threads={env['cpu_threads']}, load average {' '.join(f'{load:.2f}' for load in env['load_average'])}"
     )
+    if env["device"] == "cuda":
+        return f"GPU figures: {env.get('gpu', 'cuda')} (host: {host})"
+    return f"CPU figures ({host}): they say nothing about GPU kernels"
 
 
 def format_dispatch(result: dict[str, Any]) -> str:
@@ -228,6 +334,7 @@ def format_dispatch(result: dict[str, Any]) -> str:
         ['attend(backend="auto")', f"{result['attend_auto_us']:.2f}"],
         [f"{result['backend']}.forward direct", f"{direct:.2f}"],
         ["dispatch overhead", f"{result['overhead_us']:.2f} ({100 * result['overhead_us'] / direct:.0f}% of forward)"],
+        ["dispatch overhead, forward stubbed", f"{result['stubbed_overhead_us']:.2f}"],
     ]
     return "\n".join(
         [
@@ -262,5 +369,27 @@ def format_chunked(result: dict[str, Any]) -> str:
             f"causal attention B={shape['batch']} H={shape['heads']} L={shape['len']} D={shape['head_dim']} float32; "
             f"median of {result['repeats']} repeats after {result['warmup']} warm-up",
             format_table(["implementation", "fwd ms", "fwd+bwd ms", "fwd+bwd vs sdpa", "max|out-sdpa|"], rows),
+        ]
+    )
+
+
+def format_memory(result: dict[str, Any]) -> str:
+    from attnkit.cli import format_table
+
+    shape = result["shape"]
+    rows = [
+        [name, f"{row['peak_extra_bytes'] / 2**20:.0f}", f"{row['seconds']:.2f}"]
+        for name, row in result["results"].items()
+    ]
+    score_bytes = result["naive_score_matrix_bytes"]
+    return "\n".join(
+        [
+            _device_banner(result),
+            f"peak extra memory of one causal forward+backward, B={shape['batch']} H={shape['heads']} "
+            f"L={shape['len']} D={shape['head_dim']} float32: VmHWM after minus VmRSS before (q, k, v, dout "
+            "already allocated), each in a fresh process",
+            format_table(["implementation", "peak extra MiB", "fwd+bwd s"], rows),
+            f"torch-naive not run: its float32 (B, H, L, L) score matrix alone is {score_bytes / 2**20:.0f} MiB "
+            f"({score_bytes / 1e9:.1f} GB)",
         ]
     )

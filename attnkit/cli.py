@@ -609,15 +609,21 @@ def run_explain(args: argparse.Namespace, out: TextIO, parser: argparse.Argument
 def run_bench(args: argparse.Namespace, out: TextIO) -> int:
     from attnkit import bench
 
+    if args.what == "memory" and args.device != "cpu":
+        print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
+        return 2
     with bench.torch_threads(args.threads):
         if args.what == "dispatch":
             result = bench.bench_dispatch(rounds=args.rounds, calls=args.calls, device=args.device)
             text = bench.format_dispatch(result)
-        else:
+        elif args.what == "chunked":
             result = bench.bench_chunked(
-                seq_len=args.seq_len, repeats=args.repeats, warmup=args.warmup, device=args.device
+                seq_len=args.seq_len or 4096, repeats=args.repeats, warmup=args.warmup, device=args.device
             )
             text = bench.format_chunked(result)
+        else:
+            result = bench.bench_memory(seq_len=args.seq_len or 16384)
+            text = bench.format_memory(result)
     print(text, file=out)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
@@ -682,12 +688,14 @@ def _add_explain(commands: Any) -> argparse.ArgumentParser:
 
 
 def _add_bench(commands: Any) -> None:
-    bench = commands.add_parser("bench", help="dispatch overhead, or torch-chunked against SDPA and torch-naive")
-    bench.add_argument("--what", choices=("dispatch", "chunked"), default="dispatch")
+    bench = commands.add_parser(
+        "bench", help="dispatch overhead; torch-chunked against SDPA and torch-naive in time or peak memory"
+    )
+    bench.add_argument("--what", choices=("dispatch", "chunked", "memory"), default="dispatch")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bench.add_argument("--rounds", type=int, default=20, help="dispatch: interleaved rounds (default %(default)s)")
     bench.add_argument("--calls", type=int, default=2000, help="dispatch: calls per round (default %(default)s)")
-    bench.add_argument("--seq-len", type=int, default=4096, help="chunked: sequence length (default %(default)s)")
+    bench.add_argument("--seq-len", type=int, help="chunked, memory: sequence length (default 4096, 16384)")
     bench.add_argument("--repeats", type=int, default=3, help="chunked: timed repeats (default %(default)s)")
     bench.add_argument("--warmup", type=int, default=1, help="chunked: untimed repeats (default %(default)s)")
     bench.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")

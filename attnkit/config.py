@@ -10,6 +10,7 @@ and on every :func:`configure` call.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 import tomllib
@@ -19,7 +20,7 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from attnkit import registry
 from attnkit.backend import ALL_FEATURES
@@ -57,14 +58,8 @@ class Config(BaseModel):
     refine: tuple[Refinement, ...] = ()
     backend: str | None = None
 
-    _hash: int = PrivateAttr(default=0)
-
-    def model_post_init(self, context: Any) -> None:
-        # Hashed on every dispatch: compute once (the model is frozen).
-        self._hash = hash((tuple(sorted(self.priority.items())), self.refine, self.backend))
-
     def __hash__(self) -> int:
-        return self._hash
+        return hash((tuple(sorted(self.priority.items())), self.refine, self.backend))
 
     def priority_for(self, device: str, features: frozenset[str]) -> tuple[str, ...]:
         for refinement in self.refine:
@@ -121,8 +116,11 @@ def default_config_path() -> Path:
 
 
 _base_lock = threading.Lock()
-_base: Config | None = None
-_override: ContextVar[Config | None] = ContextVar("attnkit_config", default=None)
+# Each config in force carries a serial number: dispatch caches key on it, which is cheaper than hashing the
+# config and, unlike id(), never reused by a later config.
+_serials = itertools.count()
+_base: tuple[Config, int] | None = None
+_override: ContextVar[tuple[Config, int] | None] = ContextVar("attnkit_config", default=None)
 _forced_backend: ContextVar[str | None] = ContextVar("attnkit_backend", default=None)
 
 
@@ -140,6 +138,10 @@ def _build_base(extra: str | Path | Mapping[str, Any] | None = None) -> Config:
 
 
 def current_config() -> Config:
+    return _active()[0]
+
+
+def _active() -> tuple[Config, int]:
     override = _override.get()
     if override is not None:
         return override
@@ -147,13 +149,13 @@ def current_config() -> Config:
     if _base is None:
         with _base_lock:
             if _base is None:
-                _base = _build_base()
+                _base = (_build_base(), next(_serials))
     return _base
 
 
-def state_key() -> tuple[str | None, Config]:
-    """What dispatch depends on besides the call: the scoped forced backend and the config in force."""
-    return _forced_backend.get(), current_config()
+def state_key() -> tuple[str | None, int]:
+    """What dispatch depends on besides the call: the scoped forced backend and the serial of the config in force."""
+    return _forced_backend.get(), _active()[1]
 
 
 def forced_backend() -> str | None:
@@ -166,16 +168,17 @@ def configure(source: str | Path | Mapping[str, Any] | None = None) -> Config:
     global _base
     config = _build_base(source)
     with _base_lock:
-        _base = config
+        _base = (config, next(_serials))
     return config
 
 
 @contextlib.contextmanager
 def use_config(source: str | Path | Mapping[str, Any]) -> Iterator[Config]:
     """Within the block (this thread or task only), use ``source`` on top of the current config."""
-    token = _override.set(load_config(source, base=current_config()))
+    config = load_config(source, base=current_config())
+    token = _override.set((config, next(_serials)))
     try:
-        yield _override.get()  # type: ignore[misc]
+        yield config
     finally:
         _override.reset(token)
 

@@ -124,6 +124,22 @@ def test_bench_runs_and_writes_json(capsys: pytest.CaptureFixture[str], tmp_path
     target = tmp_path / "dispatch.json"
     code, out = run(capsys, "bench", "--what", "dispatch", "--rounds", "2", "--calls", "5", "--json", str(target))
     assert code == 0 and "CPU figures" in out and "dispatch overhead" in out
-    assert {"attend_auto_us", "direct_forward_us", "overhead_us", "environment"} <= set(json.loads(target.read_text()))
+    keys = {"attend_auto_us", "direct_forward_us", "overhead_us", "stubbed_overhead_us", "environment"}
+    assert keys <= set(json.loads(target.read_text()))
     code, out = run(capsys, "bench", "--what", "chunked", "--seq-len", "32", "--repeats", "1", "--warmup", "0")
     assert code == 0 and "torch sdpa" in out and "torch-naive" in out
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak-RSS reset needs Linux /proc")
+def test_bench_memory_measures_in_a_child(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from attnkit import bench
+
+    monkeypatch.setattr(bench, "MEMORY_MEASURED", ("torch-chunked",))  # one child process (a torch import) only
+    target = tmp_path / "memory.json"
+    code, out = run(capsys, "bench", "--what", "memory", "--seq-len", "256", "--threads", "1", "--json", str(target))
+    assert code == 0 and "torch-chunked" in out and "torch-naive not run: its float32 (B, H, L, L) score" in out
+    assert "score matrix alone is 2 MiB" in out
+    assert json.loads(target.read_text())["results"]["torch-chunked"]["peak_extra_bytes"] > 0
+    assert run(capsys, "bench", "--what", "memory", "--device", "cuda")[0] == 2

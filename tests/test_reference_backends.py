@@ -53,7 +53,6 @@ def test_tile_size_does_not_change_results(name: str, backend: object, case: Cas
 def test_chunked_skips_tiles_the_geometry_hides() -> None:
     """Causal does about half the work of non-causal; a window does a band; nothing is skipped by a mask."""
     import torch
-
     from attnkit.backends.reference.torch_chunked import _Geometry, _plan
 
     length, block = 4096, 128

@@ -71,10 +71,6 @@ def _is_primal(leaf: Any) -> bool:
 
 _attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
 
-jax.tree_util.register_dataclass(
-    AttentionInputs, data_fields=["q", "k", "v", "mask", "bias", "q_lengths", "kv_lengths"], meta_fields=[]
-)
-
 
 class JaxOps:
     framework = Framework.JAX

@@ -78,7 +78,7 @@ class TorchOps:
         return bias_grad or inputs.q.requires_grad or inputs.k.requires_grad or inputs.v.requires_grad, bias_grad
 
     def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
-        optional = []
+        optional: list[Any] = []
         for tensor in (mask, bias, q_lengths, kv_lengths):
             if tensor is None:
                 optional.append(None)
