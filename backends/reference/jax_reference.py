@@ -29,8 +29,8 @@ try:
     import jax
     import jax.numpy as jnp
     from jax import lax
-except ImportError as error:  # the package imports without jax; available() says why it cannot run
-    _JAX_ERROR: str | None = f"jax is not installed ({error})"
+except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
+    _JAX_ERROR: str | None = f"jax cannot be imported ({type(error).__name__}: {error})"
 else:
     _JAX_ERROR = None
 
@@ -59,25 +59,25 @@ def _operands(
     spec: AttentionSpec, block: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any
 ) -> _Operands:
     """All the plumbing: layout, upcast, GQA grouping, cosine normalisation, lengths, key padding."""
-    if spec.layout is Layout.BSHD:
-        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     dtype = _compute_dtype(q.dtype)
-    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    q, k, v = (_bhsd(spec, x).astype(dtype) for x in (q, k, v))
+    heads_kv, len_q, len_k = k.shape[1], q.shape[2], k.shape[2]
+    # Lengths may be tracers, so they are clamped here rather than trusted to have been checked.
+    q_limit = len_q if q_lengths is None else jnp.clip(q_lengths, 0, len_q).reshape(-1, 1, 1, 1, 1)
+    kv_limit = len_k if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k).reshape(-1, 1, 1, 1, 1)
+    offset = kv_limit - q_limit if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT else 0
+    # Padding is not input (§5): zeroed, its garbage (NaN included) cannot leak through 0·NaN in P·V.
+    q = _zero_padding(q, q_lengths, q_limit)
+    k, v = (_zero_padding(x, kv_lengths, kv_limit) for x in (k, v))
+
     scale = spec.resolved_scale(q.shape[-1])
     q_normalization = k_normalization = None
     if spec.variant is Variant.COSINE:
         q, q_normalization = _normalize(q)
         k, k_normalization = _normalize(k)
-    heads_kv, len_k = k.shape[1], k.shape[2]
-    len_q = q.shape[2]
     q = _group(q, heads_kv)
     mask = None if mask is None else _group(mask, heads_kv)
     bias = None if bias is None else _group(bias.astype(dtype), heads_kv)
-
-    # Lengths may be tracers, so they are clamped here rather than trusted to have been checked.
-    q_limit = len_q if q_lengths is None else jnp.clip(q_lengths, 0, len_q).reshape(-1, 1, 1, 1, 1)
-    kv_limit = len_k if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k).reshape(-1, 1, 1, 1, 1)
-    offset = kv_limit - q_limit if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT else 0
 
     count = -(-len_k // block)
     starts = jnp.arange(count, dtype=jnp.int32) * block
@@ -91,8 +91,21 @@ def _operands(
     return _Operands(q, keys, q_limit, kv_limit, offset, scale, q_normalization, k_normalization)
 
 
+def _bhsd(spec: AttentionSpec, x: Any) -> Any:
+    """bshd <-> bhsd (its own inverse); bhsd stays."""
+    return jnp.swapaxes(x, 1, 2) if spec.layout is Layout.BSHD else x
+
+
+def _zero_padding(x: Any, lengths: Any, limit: Any) -> Any:
+    """bhsd x with the positions at or beyond each batch element's length set to 0."""
+    if lengths is None:
+        return x
+    positions = jnp.arange(x.shape[2])[:, None]
+    return jnp.where(positions < limit[:, :, 0], x, 0)
+
+
 def _compute_dtype(dtype: Any) -> Any:
-    """float32 accumulation for the half types (docs/semantics.md §6); float64 stays float64."""
+    """float32 accumulation for the half types (docs/semantics.md §7); float64 stays float64."""
     return jnp.float64 if dtype == jnp.float64 else jnp.float32
 
 
@@ -108,7 +121,10 @@ def _ungroup(x: Any) -> Any:
 
 
 def _key_blocks(x: Any, axis: int, block: int, count: int, fill: Any) -> Any:
-    """Split the key axis into ``count`` blocks on a new leading axis; padding takes ``fill``."""
+    """Split the key axis into ``count`` blocks on a new leading axis; padding takes ``fill``.
+
+    An operand of key size 1 (a mask or bias broadcast along keys) is repeated per block instead.
+    """
     axis %= x.ndim
     if x.shape[axis] == 1:  # broadcast along keys: every block sees the same column
         return jnp.broadcast_to(x[None], (count, *x.shape))
@@ -137,8 +153,9 @@ def _normalize(x: Any) -> tuple[Any, tuple[Any, Any, Any]]:
 
 
 def _normalize_backward(normalization: tuple[Any, Any, Any], d_unit: Any) -> Any:
-    # x̂ = x / max(‖x‖, eps): dx = (dx̂ − x̂ (x̂·dx̂)) / ‖x‖; where eps wins (torch's clamp_min keeps
-    # the tie) the denominator is constant and only the division contributes.
+    # x̂ = x / max(‖x‖, eps): dx = (dx̂ − x̂ (x̂·dx̂)) / ‖x‖. Below eps the denominator is a constant and
+    # only the division contributes (no NaN for a zero vector); at a tie torch's clamp_min passes the
+    # gradient through the norm, and so does this.
     unit, denominator, norm = normalization
     radial = jnp.where(norm >= COSINE_EPS, jnp.sum(unit * d_unit, axis=-1, keepdims=True), 0)
     return (d_unit - unit * radial) / denominator
@@ -180,40 +197,42 @@ def _block_scores(spec: AttentionSpec, ops: _Operands, keys: tuple[Any, ...]) ->
 
 
 def _forward_block(spec: AttentionSpec, ops: _Operands, carry: tuple[Any, Any, Any], keys: tuple[Any, ...]) -> Any:
-    m, l, acc = carry
+    row_max, row_sum, acc = carry
     s, _ = _block_scores(spec, ops, keys)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    # Rows with nothing visible yet keep m = −inf; shifting them by 0 keeps exp() at 0 instead of NaN.
-    shift = jnp.where(m_new == -jnp.inf, 0, m_new)
+    new_max = jnp.maximum(row_max, s.max(axis=-1))
+    # Rows with nothing visible yet keep max −inf; shifting them by 0 keeps exp() at 0 instead of NaN.
+    shift = jnp.where(new_max == -jnp.inf, 0, new_max)
     p = jnp.exp(s - shift[..., None])
-    alpha = jnp.exp(m - shift)
-    l = alpha * l + p.sum(axis=-1)
+    alpha = jnp.exp(row_max - shift)
+    row_sum = alpha * row_sum + p.sum(axis=-1)
     acc = alpha[..., None] * acc + _matmul("bhgqk,bhkv->bhgqv", p, keys[2])
-    return (m_new, l, acc), None
+    return (new_max, row_sum, acc), None
+
+
+def _online_softmax(spec: AttentionSpec, ops: _Operands) -> tuple[Any, Any]:
+    """(out, lse) in the compute dtype, grouped: (B, Hkv, G, Lq, Dv) and (B, Hkv, G, Lq)."""
+    rows = ops.q.shape[:-1]
+    init = (
+        jnp.full(rows, -jnp.inf, ops.q.dtype),
+        jnp.zeros(rows, ops.q.dtype),
+        jnp.zeros((*rows, ops.keys[2].shape[-1]), ops.q.dtype),
+    )
+    # Online softmax over key blocks (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'),
+    # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; finally O = acc / l, lse = m + log l.
+    (row_max, row_sum, acc), _ = lax.scan(functools.partial(_forward_block, spec, ops), init, ops.keys)
+    # l = 0 only where no key is visible (out 0, lse −inf); a NaN l still propagates NaN to both.
+    empty = row_sum == 0
+    safe_sum = jnp.where(empty, 1, row_sum)
+    out = jnp.where(empty[..., None], 0, acc / safe_sum[..., None])
+    lse = jnp.where(empty, -jnp.inf, row_max + jnp.log(safe_sum))
+    return out, lse
 
 
 def _forward(
     spec: AttentionSpec, block: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any
 ) -> tuple[Any, Any]:
-    ops = _operands(spec, block, q, k, v, mask, bias, q_lengths, kv_lengths)
-    rows = ops.q.shape[:-1]
-    init = (
-        jnp.full(rows, -jnp.inf, ops.q.dtype),
-        jnp.zeros(rows, ops.q.dtype),
-        jnp.zeros((*rows, v.shape[-1]), ops.q.dtype),
-    )
-    # Online softmax over key blocks (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'),
-    # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; finally O = acc / l, lse = m + log l.
-    (m, l, acc), _ = lax.scan(functools.partial(_forward_block, spec, ops), init, ops.keys)
-    # l == 0 only where no key is visible (out 0, lse −inf); a NaN l still propagates NaN to both.
-    empty = l == 0
-    safe_l = jnp.where(empty, 1, l)
-    out = jnp.where(empty[..., None], 0, acc / safe_l[..., None])
-    lse = jnp.where(empty, -jnp.inf, m + jnp.log(safe_l))
-    out = _ungroup(out).astype(q.dtype)
-    if spec.layout is Layout.BSHD:
-        out = jnp.swapaxes(out, 1, 2)
-    return out, _ungroup(lse).astype(jnp.float32)
+    out, lse = _online_softmax(spec, _operands(spec, block, q, k, v, mask, bias, q_lengths, kv_lengths))
+    return _bhsd(spec, _ungroup(out)).astype(q.dtype), _ungroup(lse).astype(jnp.float32)
 
 
 def _backward_block(
@@ -256,21 +275,21 @@ def _backward(
     dlse: Any,
 ) -> tuple[Any, Any, Any, Any]:
     ops = _operands(spec, block, q, k, v, mask, bias, q_lengths, kv_lengths)
-    head_axis = 2 if spec.layout is Layout.BSHD else 1
-    heads_kv, len_k = k.shape[head_axis], k.shape[3 - head_axis]
-    if spec.layout is Layout.BSHD:
-        out, dout = jnp.swapaxes(out, 1, 2), jnp.swapaxes(dout, 1, 2)
+    heads_kv, len_k = _bhsd(spec, k).shape[1:3]
     dtype = ops.q.dtype
-    out, dout = (_group(x.astype(dtype), heads_kv) for x in (out, dout))
-    lse = _group(lse.astype(dtype), heads_kv)
+    out, dout = (_group(_bhsd(spec, x).astype(dtype), heads_kv) for x in (out, dout))
+    if dtype == lse.dtype:
+        lse = _group(lse, heads_kv)
+    else:  # lse is float32 by contract; P for float64 inputs needs it to float64 precision: recompute it
+        _, lse = _online_softmax(spec, ops)
     delta = jnp.sum(dout * out, axis=-1)
     if dlse is not None:
         delta = delta - _group(dlse.astype(dtype), heads_kv)
     # A row with no visible key (lse −inf) gets P = exp(−inf − +inf) = 0, so every gradient is 0.
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
     # Per key block, P recomputed from lse: P = exp(S − lse), dV = Pᵀ·dO, dP = dO·Vᵀ,
-    # dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse (= dbias), then through softcap:
-    # dS ⊙ (1 − tanh²); dQ += scale·dS·K (carried), dK = scale·dSᵀ·Q, dV per block.
+    # dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse; dS is dbias. Through the softcap
+    # dS' = dS ⊙ (1 − tanh²); then dQ += scale·dS'·K (carried), dK = scale·dS'ᵀ·Q per block.
     dq, (dk, dv, dbias) = lax.scan(
         functools.partial(_backward_block, spec, ops, (lse, delta, dout)), jnp.zeros_like(ops.q), ops.keys
     )
@@ -279,11 +298,9 @@ def _backward(
     if spec.variant is Variant.COSINE:
         dq = _normalize_backward(ops.q_normalization, dq)
         dk = _normalize_backward(ops.k_normalization, dk)
-    if spec.layout is Layout.BSHD:
-        dq, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq, dk, dv))
     if dbias is not None:
         dbias = _from_key_blocks(dbias, -1, len_k, bias.shape[-1] == 1).reshape(bias.shape).astype(bias.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+    return (*(_bhsd(spec, x).astype(q.dtype) for x in (dq, dk, dv)), dbias)
 
 
 @functools.cache
@@ -318,14 +335,15 @@ class JaxReferenceBackend:
             reasons.append("dtype=float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
         return reasons
 
-    def _block(self, len_k: int) -> int:
+    def _block(self, spec: AttentionSpec, inputs: AttentionInputs) -> int:
         # Never wider than the keys: short calls then run as one unpadded block.
+        len_k = inputs.k.shape[1 if spec.layout is Layout.BSHD else 2]
         return max(1, min(self.block_k, len_k))
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
+        # lse is always computed: the online softmax has it for free.
         forward, _ = _compiled()
-        len_k = inputs.k.shape[1 if spec.layout is Layout.BSHD else 2]
-        return forward(spec, self._block(len_k), *_arrays(inputs))
+        return forward(spec, self._block(spec, inputs), *_arrays(inputs))
 
     def backward(
         self,
@@ -337,11 +355,9 @@ class JaxReferenceBackend:
         dlse: Any | None,
     ) -> Gradients:
         _, backward = _compiled()
-        len_k = inputs.k.shape[1 if spec.layout is Layout.BSHD else 2]
-        dq, dk, dv, dbias = backward(spec, self._block(len_k), *_arrays(inputs), out, lse, dout, dlse)
+        dq, dk, dv, dbias = backward(spec, self._block(spec, inputs), *_arrays(inputs), out, lse, dout, dlse)
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias)
 
 
 def _arrays(inputs: AttentionInputs) -> tuple[Any, ...]:
     return inputs.q, inputs.k, inputs.v, inputs.mask, inputs.bias, inputs.q_lengths, inputs.kv_lengths
-
