@@ -114,6 +114,8 @@ def test_nan_at_a_visible_position_propagates(backend: str, tensor: str) -> None
     framework = min(attnkit.get_backend(backend).capabilities.frameworks, key=lambda f: f.value != "torch")
     results = RUNNERS[framework](case, arrays, backend)
     assert np.isnan(results["out"][0, 0, 0]).any()
+    if tensor != "v":
+        assert np.isnan(results["lse"][0, 0, 0]), "a NaN score must give a NaN lse, not -inf or a number"
     if tensor != "q":
         assert np.isnan(results["out"][0, 0]).any(axis=-1).all(), "key 0 is visible to every row"
 

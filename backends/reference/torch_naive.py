@@ -50,7 +50,7 @@ def naive_attention(
     row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
     weights = torch.exp(s - row_max)
     total = weights.sum(dim=-1, keepdim=True)
-    has_keys = total > 0
+    has_keys = total != 0  # NaN counts as having keys: NaN in gives NaN lse, never a quiet -inf (§5)
     safe_total = torch.where(has_keys, total, torch.ones_like(total))
     lse = torch.where(has_keys, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
     out = weighted_values(weights / safe_total, v)
