@@ -45,21 +45,15 @@ class Refinement(BaseModel):
             raise ValueError(f"unknown feature(s) {sorted(unknown)} (allowed: {sorted(ALL_FEATURES)})")
         return value
 
-    def __hash__(self) -> int:
-        return hash((self.when, tuple(sorted(self.priority.items()))))
-
 
 class Config(BaseModel):
-    """The validated configuration. Frozen and hashable: dispatch decisions are cached per config."""
+    """The validated configuration. Frozen: dispatch caches key on the serial number it is put in force with."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     priority: dict[str, tuple[str, ...]]
     refine: tuple[Refinement, ...] = ()
     backend: str | None = None
-
-    def __hash__(self) -> int:
-        return hash((tuple(sorted(self.priority.items())), self.refine, self.backend))
 
     def priority_for(self, device: str, features: frozenset[str]) -> tuple[str, ...]:
         for refinement in self.refine:

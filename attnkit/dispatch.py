@@ -63,7 +63,7 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
 def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Backend:
     """The backend that runs this call. ``backend`` is ``"auto"`` or a registered name."""
     forced = backend if backend != "auto" else config.forced_backend()
-    key = (spec, problem, forced, config.current_config(), registry.generation())
+    key = (spec, problem, backend, config.state_key(), registry.generation())
     hit = _decisions.get(key)
     if hit is not None:
         return hit

@@ -13,7 +13,9 @@ import torch
 import attnkit
 from attnkit import AttentionSpec
 from attnkit.testing import Case, assert_backends_agree, backends_for, check_backend
-from attnkit.testing.runners import RUNNERS
+from attnkit.testing.agreement import rounded
+from attnkit.testing.cases import make_arrays
+from attnkit.testing.runners import native_framework, run_backend
 from tests.conftest import available_backends
 
 BACKENDS = available_backends()
@@ -69,11 +71,7 @@ def test_clause_agrees_with_oracle(clause: str, backend: str) -> None:
 
 
 def _run(case: Case, backend: str) -> dict[str, np.ndarray]:
-    from attnkit.testing.agreement import rounded
-    from attnkit.testing.cases import make_arrays
-
-    framework = min(attnkit.get_backend(backend).capabilities.frameworks, key=lambda f: f.value != "torch")
-    return RUNNERS[framework](case, rounded(case, make_arrays(case)), backend)
+    return run_backend(case, rounded(case, make_arrays(case)), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -107,12 +105,9 @@ def test_nan_at_a_visible_position_propagates(backend: str, tensor: str) -> None
     """§5: NaN in never becomes a quiet 0."""
     case = Case(spec=AttentionSpec(causal=True), batch=1, heads_q=1, len_q=4, len_k=4, grad=False)
     _runnable(case, backend)
-    from attnkit.testing.cases import make_arrays
-
     arrays = make_arrays(case)
     arrays[tensor][0, 0, 0, 0] = np.nan  # query 0 / key 0 are visible to row 0 (and key 0 to every row)
-    framework = min(attnkit.get_backend(backend).capabilities.frameworks, key=lambda f: f.value != "torch")
-    results = RUNNERS[framework](case, arrays, backend)
+    results = run_backend(case, arrays, backend)
     assert np.isnan(results["out"][0, 0, 0]).any()
     if tensor != "v":
         assert np.isnan(results["lse"][0, 0, 0]), "a NaN score must give a NaN lse, not -inf or a number"
@@ -143,8 +138,7 @@ def test_gradient_flows_through_lse_alone(backend: str) -> None:
     comparisons = {c.output: c for c in check_backend(case.with_(dtype="float32"), backend)}
     assert all(c.ok for c in comparisons.values()), comparisons
     # and separately, with dout = 0, through the public API
-    framework = min(attnkit.get_backend(backend).capabilities.frameworks, key=lambda f: f.value != "torch")
-    if framework.value != "torch":
+    if native_framework(backend) is not attnkit.Framework.TORCH:
         return
     q = torch.randn(1, 2, 5, 16, dtype=torch.float32, requires_grad=True)
     k, v = torch.randn(1, 1, 5, 16), torch.randn(1, 1, 5, 16)

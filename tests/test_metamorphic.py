@@ -8,10 +8,9 @@ import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
-import attnkit
-from attnkit import AttentionSpec, Framework
+from attnkit import AttentionSpec
 from attnkit.testing import Case, backends_for, make_arrays
-from attnkit.testing.runners import RUNNERS
+from attnkit.testing.runners import run_backend
 from attnkit.testing.strategies import specs
 from tests.conftest import available_backends
 
@@ -19,16 +18,11 @@ BACKENDS = available_backends()
 TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}  # float32 inputs: the two calls differ only in summation order
 
 
-def _framework(backend: str) -> Framework:
-    frameworks = attnkit.get_backend(backend).capabilities.frameworks
-    return Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX
-
-
 def _run(backend: str, case: Case, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     reasons = backends_for(case, [backend])[backend]
     if reasons:
         pytest.skip(f"{backend}: {reasons}")
-    return RUNNERS[_framework(backend)](case, arrays, backend)
+    return run_backend(case, arrays, backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

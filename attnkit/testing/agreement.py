@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnkit import registry
-from attnkit.backend import Framework
 from attnkit.testing.cases import Case, make_arrays
-from attnkit.testing.runners import RUNNERS, Results, run_torch
+from attnkit.testing.runners import Results, native_framework, run_backend, run_torch
 
 FLOOR_ULPS = 32
 ORACLE = "torch-naive"
@@ -162,22 +161,16 @@ def backends_for(case: Case, names: list[str] | None = None) -> dict[str, list[s
             continue
         reasons = list(backend.available())
         if not reasons:
-            for framework in (Framework.TORCH, Framework.JAX):
-                if framework in backend.capabilities.frameworks:
-                    reasons = backend.supports(case.spec, case.problem(framework))
-                    break
+            reasons = backend.supports(case.spec, case.problem(native_framework(name)))
         table[name] = reasons
     return table
 
 
-def check_backend(case: Case, backend: str, oracle: tuple[Results, Results] | None = None) -> list[Comparison]:
+def check_backend(case: Case, backend: str) -> list[Comparison]:
     """Run ``backend`` on ``case`` and compare every output and gradient with the oracle."""
     arrays = rounded(case, make_arrays(case))
-    exact, baseline = oracle if oracle is not None else oracle_results(case, arrays)
-    frameworks = registry.get_backend(backend).capabilities.frameworks
-    framework = Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX
-    results = RUNNERS[framework](case, arrays, backend)
-    return compare(case, results, exact, baseline)
+    exact, baseline = oracle_results(case, arrays)
+    return compare(case, run_backend(case, arrays, backend), exact, baseline)
 
 
 def assert_backends_agree(case: Case, backends: list[str] | None = None) -> dict[str, list[Comparison]]:
@@ -193,7 +186,7 @@ def assert_backends_agree(case: Case, backends: list[str] | None = None) -> dict
     for name, reasons in backends_for(case, backends).items():
         if reasons:
             continue
-        comparisons = check_backend(case, name, oracle)
+        comparisons = compare(case, run_backend(case, arrays, name), *oracle)
         report[name] = comparisons
         failures += [f"{name} {comparison}" for comparison in comparisons if not comparison.ok]
     if failures:

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from attnkit import api
+from attnkit import api, registry
 from attnkit.backend import Framework
 from attnkit.testing.cases import Case
 
@@ -95,3 +95,14 @@ def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str 
 
 
 RUNNERS = {Framework.TORCH: run_torch, Framework.JAX: run_jax}
+
+
+def native_framework(backend: str) -> Framework:
+    """The framework a backend is run in by the harness: torch where it takes torch tensors, else JAX."""
+    frameworks = registry.get_backend(backend).capabilities.frameworks
+    return Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX
+
+
+def run_backend(case: Case, arrays: dict[str, np.ndarray], backend: str) -> Results:
+    """attend() on ``backend`` in its native framework, with gradients when the case asks for them."""
+    return RUNNERS[native_framework(backend)](case, arrays, backend)
