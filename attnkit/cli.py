@@ -718,6 +718,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, explain_parser = build_parser()
     args = parser.parse_args(argv)
     out = sys.stdout
+    # Every command sees the backends this machine can run: without a GPU, Triton's kernels run interpreted.
+    from attnkit.testing.environment import interpret_triton_without_gpu
+
+    interpret_triton_without_gpu()
     try:
         if args.command == "info":
             return run_info(args, out)

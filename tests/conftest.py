@@ -6,9 +6,11 @@ import pytest
 import torch
 
 import attnkit
-from attnkit.testing import register_profiles
+from attnkit.testing import interpret_triton_without_gpu, register_profiles
 
 PROFILE = register_profiles()
+# Before any backend loads: without a GPU the triton backend runs its kernels in the Triton interpreter.
+interpret_triton_without_gpu()
 
 # The suite runs thousands of tiny calls: on a shared 2-core machine torch's intra-op threads cost more
 # in synchronisation than they gain (about 10x on decode-size calls, measured by `attnkit bench`).

@@ -19,6 +19,7 @@ from attnkit.testing.agreement import (
     check_backend,
 )
 from attnkit.testing.cases import Case, make_arrays
+from attnkit.testing.environment import interpret_triton_without_gpu
 from attnkit.testing.profiles import register_profiles
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "assert_backends_agree",
     "backends_for",
     "check_backend",
+    "interpret_triton_without_gpu",
     "make_arrays",
     "register_profiles",
 ]

@@ -1,0 +1,121 @@
+"""The ``triton`` backend: FlashAttention-2 Triton kernels for the whole contract of docs/semantics.md."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    Framework,
+    Gradients,
+    Layout,
+    Problem,
+    Variant,
+    capability_reasons,
+)
+from attnkit.backend import ALL_FEATURES
+
+from . import launch
+
+MAX_HEAD_DIM = 256
+
+
+def _zero_padding(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
+    """bhsd x with rows at or beyond lengths[b] zeroed, so the cosine normalisation's backward never reads them."""
+    if lengths is None:
+        return x
+    positions = torch.arange(x.shape[2], device=x.device).view(1, 1, -1, 1)
+    return torch.where(positions < lengths.to(x.device).view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype))
+
+
+def _from_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
+
+
+class TritonBackend:
+    """FlashAttention-2 in Triton. Compiled for CUDA tensors, or, in a process started with TRITON_INTERPRET=1,
+    interpreted on CPU tensors (how CI and ``attnkit check`` run it without a GPU)."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        mode = (
+            "interpreted: TRITON_INTERPRET=1, CPU tensors only (slow; for conformance, not performance)"
+            if launch.INTERPRETED
+            else "compiled: CUDA tensors, tiles autotuned per (head dim, dtype, causal, window)"
+        )
+        self.capabilities = Capabilities(
+            frameworks=frozenset({Framework.TORCH}),
+            dtypes=frozenset({"float16", "bfloat16", "float32"}),
+            devices=frozenset({launch.KERNEL_DEVICE}),
+            features=ALL_FEATURES,
+            head_dims=(1, MAX_HEAD_DIM),
+            description=f"FlashAttention-2 Triton kernels, {mode}",
+            notes=(
+                "float32 dots in IEEE float32 (no TF32); float16/bfloat16 dots on tensor cores, float32 accumulation",
+                "cosine: q and k are normalised in float32 before the kernels, in the input dtype",
+                "dbias is computed at full (B, Hq, Lq, Lk) float32, then summed to the bias's shape",
+                "float64: not supported by the kernels (torch-chunked serves it)",
+                "without a CUDA device, start the process with TRITON_INTERPRET=1 to run the kernels interpreted",
+            ),
+        )
+
+    def available(self) -> list[str]:
+        if not launch.INTERPRETED and not torch.cuda.is_available():
+            return [
+                "no CUDA device (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 before attnkit "
+                "loads its backends to run the kernels in the Triton interpreter on CPU tensors"
+            ]
+        return []
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        return capability_reasons(self.capabilities, spec, problem)
+
+    def forward(
+        self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return launch.attention_forward(spec, inputs)
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+    ) -> Gradients:
+        need_dbias = inputs.bias is not None and inputs.bias.requires_grad
+        if spec.variant is not Variant.COSINE:
+            with torch.no_grad():
+                dq, dk, dv, dscores = launch.attention_backward(
+                    spec, inputs, out, lse, dout, dlse, None, None, need_dbias
+                )
+        else:
+            # The kernels differentiate wrt q̂ = q/‖q‖ and k̂; autograd chains through the normalisation.
+            q_leaf = _zero_padding(launch.bhsd(spec, inputs.q), inputs.q_lengths).float().requires_grad_(True)
+            k_leaf = _zero_padding(launch.bhsd(spec, inputs.k), inputs.kv_lengths).float().requires_grad_(True)
+            with torch.enable_grad():
+                q_unit = F.normalize(q_leaf, dim=-1, eps=launch.COSINE_EPS)
+                k_unit = F.normalize(k_leaf, dim=-1, eps=launch.COSINE_EPS)
+            normalised = (q_unit.detach().to(inputs.q.dtype), k_unit.detach().to(inputs.k.dtype))
+            with torch.no_grad():
+                dq_unit, dk_unit, dv, dscores = launch.attention_backward(
+                    spec, inputs, out, lse, dout, dlse, normalised, torch.float32, need_dbias
+                )
+            dq, dk = torch.autograd.grad((q_unit, k_unit), (q_leaf, k_leaf), (dq_unit, dk_unit))
+        dbias = None
+        if dscores is not None:
+            bias = inputs.bias
+            axes = [axis for axis in range(4) if bias.shape[axis] == 1 and dscores.shape[axis] != 1]
+            dbias = (dscores.sum(dim=axes, keepdim=True) if axes else dscores).to(bias.dtype)
+        return Gradients(
+            dq=_from_bhsd(spec, dq).to(inputs.q.dtype),
+            dk=_from_bhsd(spec, dk).to(inputs.k.dtype),
+            dv=_from_bhsd(spec, dv).to(inputs.v.dtype),
+            dbias=dbias,
+        )

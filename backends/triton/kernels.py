@@ -1,0 +1,675 @@
+"""FlashAttention-2 forward and backward as Triton kernels: the math only.
+
+The launch code (grids, strides, tile configurations, the interpreter) is in ``launch.py``. Every kernel works
+on one (batch, head) and one tile of rows or keys; tensors arrive as bhsd strides, so bshd and non-contiguous
+inputs need no copy. Feature switches are ``tl.constexpr``: a call without a feature compiles without its code.
+
+Visibility (docs/semantics.md §4) is one band on ``rel = j − i − off_b``: ``LOWER ≤ rel ≤ UPPER``, where the
+window's left side gives ``LOWER = −left`` and causal and the window's right side give ``UPPER = min(0, right)``;
+``off_b`` is the per-batch bottom-right offset ``kv_len_b − q_len_b`` (0 for top-left). Rows ``i ≥ q_len_b`` and
+keys ``j ≥ kv_len_b`` are padding: never loaded, never visible. The band also gives the loop bounds, so tiles it
+hides entirely are never loaded or multiplied.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _dot(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """a @ b with float32 accumulation.
+
+    UPCAST_DOT is set only by launch.py when the Triton *interpreter* runs bfloat16 operands: its CPU dot returns
+    garbage for them (Triton 3.9). The values are already bfloat16-rounded, so the float32 dot computes the same
+    products; compiled GPU kernels never set it and keep bfloat16 tensor-core dots.
+    """
+    if UPCAST_DOT:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _tanh(x):
+    # 1 − 2/(exp(2x) + 1): exact limits ±1 for large |x| (exp overflows to inf, or underflows to 0).
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
+def _batch_geometry(
+    QLengths,
+    KvLengths,
+    batch,
+    len_q,
+    len_k,
+    HAS_Q_LENGTHS: tl.constexpr,
+    HAS_KV_LENGTHS: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+):
+    """(q_len_b, kv_len_b, off_b) for one batch element."""
+    q_len = len_q
+    kv_len = len_k
+    if HAS_Q_LENGTHS:
+        q_len = tl.load(QLengths + batch)
+    if HAS_KV_LENGTHS:
+        kv_len = tl.load(KvLengths + batch)
+    offset = 0
+    if BOTTOM_RIGHT:
+        offset = kv_len - q_len
+    return q_len, kv_len, offset
+
+
+@triton.jit
+def _key_span(
+    row_start,
+    q_len,
+    kv_len,
+    offset,
+    lower,
+    upper,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+):
+    """[first, end) of the key tiles rows row_start..row_start+BLOCK_M may see; first is tile-aligned."""
+    last_row = tl.minimum(row_start + BLOCK_M, q_len) - 1
+    first = 0
+    end = tl.where(row_start < q_len, kv_len, 0)
+    if HAS_LOWER:
+        first = tl.maximum(row_start + offset + lower, 0)
+    if HAS_UPPER:
+        end = tl.minimum(end, last_row + offset + upper + 1)
+    return first // BLOCK_N * BLOCK_N, end
+
+
+@triton.jit
+def _query_span(
+    key_start,
+    q_len,
+    kv_len,
+    offset,
+    lower,
+    upper,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+):
+    """[first, end) of the query tiles that may see keys key_start..key_start+BLOCK_N; first is tile-aligned."""
+    last_key = tl.minimum(key_start + BLOCK_N, kv_len) - 1
+    first = 0
+    end = tl.where(key_start < kv_len, q_len, 0)
+    if HAS_UPPER:
+        first = tl.maximum(key_start - offset - upper, 0)
+    if HAS_LOWER:
+        end = tl.minimum(end, last_key - offset - lower + 1)
+    return first // BLOCK_M * BLOCK_M, end
+
+
+@triton.jit
+def _score_tile(
+    q,
+    k,
+    rows,
+    cols,
+    q_len,
+    kv_len,
+    offset,
+    lower,
+    upper,
+    BiasTile,
+    stride_bias_m,
+    stride_bias_n,
+    MaskTile,
+    stride_mask_m,
+    stride_mask_n,
+    qk_scale,
+    softcap,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """S for one (BLOCK_M, BLOCK_N) tile, −inf where hidden, and tanh(U / c) for the softcap derivative.
+
+    U = scale · q kᵀ;  S = c · tanh(U / c) if softcapped, else U;  S += bias.
+    ``qk_scale`` is scale / c when softcapped, so the product is already the tanh argument.
+    """
+    scores = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale
+    tanh_u = scores
+    if HAS_SOFTCAP:
+        tanh_u = _tanh(scores)
+        scores = softcap * tanh_u
+    inside = (rows[:, None] < q_len) & (cols[None, :] < kv_len)
+    if HAS_BIAS:
+        bias = tl.load(BiasTile + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n, mask=inside, other=0.0)
+        scores += bias.to(tl.float32)
+    visible = inside
+    if HAS_LOWER:
+        visible = visible & (cols[None, :] - rows[:, None] - offset >= lower)
+    if HAS_UPPER:
+        visible = visible & (cols[None, :] - rows[:, None] - offset <= upper)
+    if HAS_MASK:
+        allowed = tl.load(
+            MaskTile + rows[:, None] * stride_mask_m + cols[None, :] * stride_mask_n, mask=inside, other=0
+        )
+        visible = visible & (allowed != 0)
+    return tl.where(visible, scores, float("-inf")), tanh_u
+
+
+@triton.jit
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    Out,
+    Lse,
+    Bias,
+    Mask,
+    QLengths,
+    KvLengths,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_bias_b,
+    stride_bias_h,
+    stride_bias_m,
+    stride_bias_n,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    heads_q,
+    group,
+    len_q,
+    len_k,
+    qk_scale,
+    softcap,
+    lower,
+    upper,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_Q_LENGTHS: tl.constexpr,
+    HAS_KV_LENGTHS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One query tile of one (batch, query head): out and lse. Grid (query tiles, Hq, B)."""
+    row_start = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    head_kv = head // group
+    q_len, kv_len, offset = _batch_geometry(
+        QLengths, KvLengths, batch, len_q, len_k, HAS_Q_LENGTHS, HAS_KV_LENGTHS, BOTTOM_RIGHT
+    )
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    batch64 = batch.to(tl.int64)
+    q = tl.load(
+        Q + batch64 * stride_qb + head * stride_qh + rows[:, None] * stride_qm + dims[None, :],
+        mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    KTile = K + batch64 * stride_kb + head_kv * stride_kh
+    VTile = V + batch64 * stride_vb + head_kv * stride_vh
+    BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
+    MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
+
+    first, end = _key_span(row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    # Online softmax over the key tiles (FlashAttention-2):
+    #   m' = max(m, rowmax S);  α = exp(m − m');  P = exp(S − m');  l' = α·l + rowsum P;  acc' = α·acc + P V
+    # and once at the end: out = acc / l, lse = m + log l. A row that has seen no visible key keeps m = −inf;
+    # its shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
+    for key_start in range(first, end, BLOCK_N):
+        cols = key_start + tl.arange(0, BLOCK_N)
+        k = tl.load(
+            KTile + cols[:, None] * stride_kn + dims[None, :],
+            mask=(cols[:, None] < kv_len) & (dims[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        scores, _ = _score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            q_len,
+            kv_len,
+            offset,
+            lower,
+            upper,
+            BiasTile,
+            stride_bias_m,
+            stride_bias_n,
+            MaskTile,
+            stride_mask_m,
+            stride_mask_n,
+            qk_scale,
+            softcap,
+            HAS_LOWER,
+            HAS_UPPER,
+            HAS_MASK,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            UPCAST_DOT,
+            DOT_PRECISION,
+        )
+        new_max = tl.maximum(row_max, tl.max(scores, 1))
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp(scores - shift[:, None])
+        alpha = tl.exp(row_max - shift)
+        row_sum = row_sum * alpha + tl.sum(p, 1)
+        v = tl.load(
+            VTile + cols[:, None] * stride_vn + dims_v[None, :],
+            mask=(cols[:, None] < kv_len) & (dims_v[None, :] < HEAD_DIM_V),
+            other=0.0,
+        )
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+        row_max = new_max
+
+    # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
+    # give NaN out and lse, never the empty row's 0 and −inf.
+    empty = row_sum == 0.0
+    safe_sum = tl.where(empty, 1.0, row_sum)
+    out = tl.where(empty[:, None], 0.0, acc / safe_sum[:, None])
+    lse = tl.where(empty, float("-inf"), row_max + tl.log(safe_sum))
+    tl.store(
+        Out + batch64 * stride_ob + head * stride_oh + rows[:, None] * stride_om + dims_v[None, :],
+        out.to(Out.dtype.element_ty),
+        mask=(rows[:, None] < len_q) & (dims_v[None, :] < HEAD_DIM_V),
+    )
+    tl.store(Lse + (batch64 * heads_q + head) * len_q + rows, lse, mask=rows < len_q)
+
+
+@triton.jit
+def _bwd_delta_kernel(
+    Out,
+    DOut,
+    DLse,
+    Delta,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    heads_q,
+    len_q,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
+):
+    """Δ = rowsum(dO ⊙ O) − dlse for one row tile of one (batch, query head). Grid (row tiles, Hq, B)."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    head = tl.program_id(1)
+    batch64 = tl.program_id(2).to(tl.int64)
+    dims_v = tl.arange(0, BLOCK_DV)
+    inside = (rows[:, None] < len_q) & (dims_v[None, :] < HEAD_DIM_V)
+    out = tl.load(
+        Out + batch64 * stride_ob + head * stride_oh + rows[:, None] * stride_om + dims_v[None, :],
+        mask=inside,
+        other=0.0,
+    )
+    dout = tl.load(
+        DOut + batch64 * stride_dob + head * stride_doh + rows[:, None] * stride_dom + dims_v[None, :],
+        mask=inside,
+        other=0.0,
+    )
+    delta = tl.sum(out.to(tl.float32) * dout.to(tl.float32), 1)
+    row_index = (batch64 * heads_q + head) * len_q + rows
+    if HAS_DLSE:
+        delta -= tl.load(DLse + row_index, mask=rows < len_q, other=0.0)
+    tl.store(Delta + row_index, delta, mask=rows < len_q)
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DOut,
+    Lse,
+    Delta,
+    DQ,
+    Bias,
+    Mask,
+    QLengths,
+    KvLengths,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_bias_b,
+    stride_bias_h,
+    stride_bias_m,
+    stride_bias_n,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    heads_q,
+    group,
+    len_q,
+    len_k,
+    qk_scale,
+    softcap,
+    grad_scale,
+    lower,
+    upper,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_Q_LENGTHS: tl.constexpr,
+    HAS_KV_LENGTHS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B)."""
+    row_start = tl.program_id(0) * BLOCK_M
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    head_kv = head // group
+    q_len, kv_len, offset = _batch_geometry(
+        QLengths, KvLengths, batch, len_q, len_k, HAS_Q_LENGTHS, HAS_KV_LENGTHS, BOTTOM_RIGHT
+    )
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    batch64 = batch.to(tl.int64)
+    live_rows = rows < q_len
+    q = tl.load(
+        Q + batch64 * stride_qb + head * stride_qh + rows[:, None] * stride_qm + dims[None, :],
+        mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    dout = tl.load(
+        DOut + batch64 * stride_dob + head * stride_doh + rows[:, None] * stride_dom + dims_v[None, :],
+        mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
+        other=0.0,
+    )
+    row_index = (batch64 * heads_q + head) * len_q + rows
+    lse = tl.load(Lse + row_index, mask=live_rows, other=float("-inf"))
+    # An empty row (lse = −inf) is shifted by +inf, so every P of it is exactly 0.
+    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    delta = tl.load(Delta + row_index, mask=live_rows, other=0.0)
+    KTile = K + batch64 * stride_kb + head_kv * stride_kh
+    VTile = V + batch64 * stride_vb + head_kv * stride_vh
+    BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
+    MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
+
+    first, end = _key_span(row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # P = exp(S − lse);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K
+    for key_start in range(first, end, BLOCK_N):
+        cols = key_start + tl.arange(0, BLOCK_N)
+        live_cols = cols[:, None] < kv_len
+        k = tl.load(
+            KTile + cols[:, None] * stride_kn + dims[None, :], mask=live_cols & (dims[None, :] < HEAD_DIM), other=0.0
+        )
+        v = tl.load(
+            VTile + cols[:, None] * stride_vn + dims_v[None, :],
+            mask=live_cols & (dims_v[None, :] < HEAD_DIM_V),
+            other=0.0,
+        )
+        scores, tanh_u = _score_tile(
+            q,
+            k,
+            rows,
+            cols,
+            q_len,
+            kv_len,
+            offset,
+            lower,
+            upper,
+            BiasTile,
+            stride_bias_m,
+            stride_bias_n,
+            MaskTile,
+            stride_mask_m,
+            stride_mask_n,
+            qk_scale,
+            softcap,
+            HAS_LOWER,
+            HAS_UPPER,
+            HAS_MASK,
+            HAS_BIAS,
+            HAS_SOFTCAP,
+            UPCAST_DOT,
+            DOT_PRECISION,
+        )
+        p = tl.exp(scores - lse[:, None])
+        dp = _dot(dout, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - tanh_u * tanh_u)
+        dq += _dot(ds.to(k.dtype), k, UPCAST_DOT, DOT_PRECISION)
+    dq = dq * grad_scale
+    tl.store(
+        DQ + batch64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqm + dims[None, :],
+        dq.to(DQ.dtype.element_ty),
+        mask=(rows[:, None] < len_q) & (dims[None, :] < HEAD_DIM),
+    )
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DOut,
+    Lse,
+    Delta,
+    DK,
+    DV,
+    DBias,
+    Bias,
+    Mask,
+    QLengths,
+    KvLengths,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_bias_b,
+    stride_bias_h,
+    stride_bias_m,
+    stride_bias_n,
+    stride_mask_b,
+    stride_mask_h,
+    stride_mask_m,
+    stride_mask_n,
+    heads_q,
+    group,
+    len_q,
+    len_k,
+    qk_scale,
+    softcap,
+    grad_scale,
+    lower,
+    upper,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    BOTTOM_RIGHT: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
+    HAS_Q_LENGTHS: tl.constexpr,
+    HAS_KV_LENGTHS: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """dk, dv (and dS into the full-shape dbias) for one key tile of one (batch, kv head).
+
+    Grid (key tiles, Hkv, B). The G query heads sharing the kv head are summed here, so no atomics are needed.
+    """
+    key_start = tl.program_id(0) * BLOCK_N
+    head_kv = tl.program_id(1)
+    batch = tl.program_id(2)
+    q_len, kv_len, offset = _batch_geometry(
+        QLengths, KvLengths, batch, len_q, len_k, HAS_Q_LENGTHS, HAS_KV_LENGTHS, BOTTOM_RIGHT
+    )
+    cols = key_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    batch64 = batch.to(tl.int64)
+    live_cols = cols[:, None] < kv_len
+    k = tl.load(
+        K + batch64 * stride_kb + head_kv * stride_kh + cols[:, None] * stride_kn + dims[None, :],
+        mask=live_cols & (dims[None, :] < HEAD_DIM),
+        other=0.0,
+    )
+    v = tl.load(
+        V + batch64 * stride_vb + head_kv * stride_vh + cols[:, None] * stride_vn + dims_v[None, :],
+        mask=live_cols & (dims_v[None, :] < HEAD_DIM_V),
+        other=0.0,
+    )
+
+    first, end = _query_span(key_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    # Over the G query heads of this kv head and the query tiles that see this key tile:
+    #   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
+    #   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q
+    for head in range(head_kv * group, head_kv * group + group):
+        BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
+        MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
+        QHead = Q + batch64 * stride_qb + head * stride_qh
+        DOutHead = DOut + batch64 * stride_dob + head * stride_doh
+        row_base = (batch64 * heads_q + head) * len_q
+        for row_start in range(first, end, BLOCK_M):
+            rows = row_start + tl.arange(0, BLOCK_M)
+            live_rows = rows < q_len
+            q = tl.load(
+                QHead + rows[:, None] * stride_qm + dims[None, :],
+                mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
+                other=0.0,
+            )
+            dout = tl.load(
+                DOutHead + rows[:, None] * stride_dom + dims_v[None, :],
+                mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
+                other=0.0,
+            )
+            lse = tl.load(Lse + row_base + rows, mask=live_rows, other=float("-inf"))
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            delta = tl.load(Delta + row_base + rows, mask=live_rows, other=0.0)
+            scores, tanh_u = _score_tile(
+                q,
+                k,
+                rows,
+                cols,
+                q_len,
+                kv_len,
+                offset,
+                lower,
+                upper,
+                BiasTile,
+                stride_bias_m,
+                stride_bias_n,
+                MaskTile,
+                stride_mask_m,
+                stride_mask_n,
+                qk_scale,
+                softcap,
+                HAS_LOWER,
+                HAS_UPPER,
+                HAS_MASK,
+                HAS_BIAS,
+                HAS_SOFTCAP,
+                UPCAST_DOT,
+                DOT_PRECISION,
+            )
+            p = tl.exp(scores - lse[:, None])
+            dv += _dot(tl.trans(p.to(dout.dtype)), dout, UPCAST_DOT, DOT_PRECISION)
+            dp = _dot(dout, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            if HAS_DBIAS:
+                tl.store(
+                    DBias + row_base * len_k + rows[:, None] * len_k + cols[None, :],
+                    ds,
+                    mask=live_rows[:, None] & (cols[None, :] < kv_len),
+                )
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - tanh_u * tanh_u)
+            dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST_DOT, DOT_PRECISION)
+    dk = dk * grad_scale
+    in_keys = cols[:, None] < len_k
+    tl.store(
+        DK + batch64 * stride_dkb + head_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
+        dk.to(DK.dtype.element_ty),
+        mask=in_keys & (dims[None, :] < HEAD_DIM),
+    )
+    tl.store(
+        DV + batch64 * stride_dvb + head_kv * stride_dvh + cols[:, None] * stride_dvn + dims_v[None, :],
+        dv.to(DV.dtype.element_ty),
+        mask=in_keys & (dims_v[None, :] < HEAD_DIM_V),
+    )
