@@ -4,6 +4,8 @@
   ``forward`` directly, on a decode-sized call where that overhead matters most.
 * :func:`bench_chunked`: torch-chunked forward and forward+backward against torch's
   ``scaled_dot_product_attention`` and torch-naive, in the same process and interleaved.
+* :func:`bench_backend`: one backend's forward, backward and forward+backward in TFLOP/s at the FlashAttention-2
+  paper's shapes, against the framework's own attention (torch SDPA) in the same run.
 * :func:`bench_memory`: peak extra host memory of one forward+backward of torch-chunked and torch SDPA, each in a
   fresh process (Linux: the peak-RSS mark is reset through ``/proc/self/clear_refs``).
 
@@ -256,6 +258,176 @@ def bench_chunked(seq_len: int = 4096, repeats: int = 3, warmup: int = 1, device
         "warmup": warmup,
         "results": rows,
     }
+
+
+# FlashAttention-2 paper, section 4.1: 16k tokens per batch (B = 16384 / L), hidden size 2048 (H = 2048 / D).
+PAPER_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+PAPER_TOKENS = 16384
+PAPER_HIDDEN = 2048
+# The Triton and Pallas interpreters run one program at a time in NumPy: a CPU run only shows the benchmark works.
+CPU_SEQ_LENS = (128,)
+CPU_TOKENS = 256
+CPU_HIDDEN = 128
+
+
+def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool, pass_name: str) -> float:
+    """The paper's count: 4·B·H·L²·D for the forward (two matmuls), 2.5x that for the backward (five), halved
+    when causal."""
+    forward = 4.0 * batch * heads * seq_len * seq_len * head_dim / (2 if causal else 1)
+    return forward * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pass_name]
+
+
+def _timer(device: str, warmup: int, repeats: int) -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of a function: CUDA events on a GPU, perf_counter on CPU, after warm-up."""
+    import torch
+
+    def measure(function: Callable[[], Any]) -> float:
+        for _ in range(warmup):
+            function()
+        samples = []
+        for _ in range(repeats):
+            if device == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                function()
+                end.record()
+                torch.cuda.synchronize()
+                samples.append(start.elapsed_time(end))
+            else:
+                began = time.perf_counter_ns()
+                function()
+                samples.append((time.perf_counter_ns() - began) / 1e6)
+        return statistics.median(samples)
+
+    return measure
+
+
+def _torch_passes(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> dict[str, Callable[[], Any]]:
+    """fwd, bwd (backward only, on a graph built outside the timing) and fwd+bwd of one attention function."""
+    import torch
+
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    graph: dict[str, Any] = {}
+
+    def forward() -> Any:
+        with torch.no_grad():
+            return attention(q, k, v)
+
+    def build() -> None:
+        graph["out"] = attention(*leaves)
+
+    def backward() -> None:
+        torch.autograd.grad(graph["out"], leaves, dout, retain_graph=True)
+
+    def forward_backward() -> None:
+        torch.autograd.grad(attention(*leaves), leaves, dout)
+
+    return {"fwd": forward, "build": build, "bwd": backward, "fwd+bwd": forward_backward}
+
+
+def bench_backend(
+    name: str,
+    device: str = "cpu",
+    seq_lens: tuple[int, ...] | None = None,
+    head_dims: tuple[int, ...] = (64, 128),
+    dtype: str = "bfloat16",
+    repeats: int = 10,
+    warmup: int = 3,
+) -> dict[str, Any]:
+    """fwd, bwd and fwd+bwd TFLOP/s of a torch backend and of torch SDPA, causal and not, at the FlashAttention-2
+    paper's shapes on a GPU (tiny shapes on CPU, where the figures are not performance figures)."""
+    import torch
+    import torch.nn.functional as F
+
+    import attnkit
+    from attnkit.backend import Framework
+
+    backend = attnkit.get_backend(name)
+    if Framework.TORCH not in backend.capabilities.frameworks:
+        raise attnkit.InvalidInputError(f"backend={name!r} does not take torch tensors; bench_backend times torch")
+    on_gpu = device == "cuda"
+    seq_lens = seq_lens or (PAPER_SEQ_LENS if on_gpu else CPU_SEQ_LENS)
+    tokens, hidden = (PAPER_TOKENS, PAPER_HIDDEN) if on_gpu else (CPU_TOKENS, CPU_HIDDEN)
+    measure = _timer(device, warmup, repeats)
+    torch_dtype = getattr(torch, dtype)
+    rows = []
+    for head_dim in head_dims:
+        for seq_len in seq_lens:
+            batch, heads = max(1, tokens // seq_len), max(1, hidden // head_dim)
+            generator = torch.Generator().manual_seed(0)
+            q, k, v, dout = (
+                torch.randn(batch, heads, seq_len, head_dim, generator=generator).to(device, torch_dtype)
+                for _ in range(4)
+            )
+            for causal in (False, True):
+                spec = attnkit.AttentionSpec(causal=causal)  # Lq == Lk: bottom-right equals SDPA's top-left
+                implementations = {
+                    name: lambda q, k, v, spec=spec: attnkit.attend(spec, q, k, v, backend=name),
+                    "torch sdpa": lambda q, k, v, causal=causal: F.scaled_dot_product_attention(
+                        q, k, v, is_causal=causal
+                    ),
+                }
+                for implementation, attention in implementations.items():
+                    passes = _torch_passes(attention, q, k, v, dout)
+                    passes["build"]()
+                    row: dict[str, Any] = {
+                        "implementation": implementation,
+                        "seq_len": seq_len,
+                        "head_dim": head_dim,
+                        "batch": batch,
+                        "heads": heads,
+                        "causal": causal,
+                    }
+                    for pass_name in ("fwd", "bwd", "fwd+bwd"):
+                        milliseconds = measure(passes[pass_name])
+                        flops = attention_flops(batch, heads, seq_len, head_dim, causal, pass_name)
+                        row[f"{pass_name}_ms"] = milliseconds
+                        row[f"{pass_name}_tflops"] = flops / (milliseconds * 1e9)
+                    rows.append(row)
+    return {
+        "what": "backend",
+        "backend": name,
+        "backend_description": backend.capabilities.description,
+        "environment": environment(device),
+        "dtype": dtype,
+        "repeats": repeats,
+        "warmup": warmup,
+        "results": rows,
+    }
+
+
+def format_backend(result: dict[str, Any]) -> str:
+    from attnkit.cli import format_table
+
+    peer = {
+        (row["head_dim"], row["seq_len"], row["causal"]): row
+        for row in result["results"]
+        if row["implementation"] == "torch sdpa"
+    }
+    rows = [
+        [
+            row["implementation"],
+            "yes" if row["causal"] else "no",
+            str(row["head_dim"]),
+            str(row["seq_len"]),
+            f"{row['batch']}x{row['heads']}",
+            *(f"{row[f'{name}_tflops']:.3g} ({row[f'{name}_ms']:.3g} ms)" for name in ("fwd", "bwd", "fwd+bwd")),
+            f"{row['fwd+bwd_tflops'] / peer[row['head_dim'], row['seq_len'], row['causal']]['fwd+bwd_tflops']:.2f}x",
+        ]
+        for row in result["results"]
+    ]
+    lines = [_device_banner(result)]
+    if result["environment"]["device"] != "cuda":
+        lines.append(
+            f"NOT A PERFORMANCE FIGURE: on CPU, {result['backend']} runs as {result['backend_description']!r}; "
+            "this run only shows the benchmark works. Run it on a CUDA machine with --device cuda."
+        )
+    lines += [
+        f"{result['backend']} against torch SDPA, {result['dtype']}, TFLOP/s (median ms) of "
+        f"{result['repeats']} repeats after {result['warmup']} warm-up; FLOPs as in the FlashAttention-2 paper",
+        format_table(["implementation", "causal", "D", "L", "BxH", "fwd", "bwd", "fwd+bwd", "fwd+bwd vs sdpa"], rows),
+    ]
+    return "\n".join(lines)
 
 
 MEMORY_MEASURED = ("torch-chunked", "torch sdpa")  # torch-naive materialises (B, H, L, L): see bench_memory

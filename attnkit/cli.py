@@ -613,7 +613,17 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
     with bench.torch_threads(args.threads):
-        if args.what == "dispatch":
+        if args.backend is not None:
+            result = bench.bench_backend(
+                args.backend,
+                device=args.device,
+                seq_lens=(args.seq_len,) if args.seq_len else None,
+                dtype=args.dtype,
+                repeats=args.repeats,
+                warmup=args.warmup,
+            )
+            text = bench.format_backend(result)
+        elif args.what == "dispatch":
             result = bench.bench_dispatch(rounds=args.rounds, calls=args.calls, device=args.device)
             text = bench.format_dispatch(result)
         elif args.what == "chunked":
@@ -692,12 +702,23 @@ def _add_bench(commands: Any) -> None:
         "bench", help="dispatch overhead; torch-chunked against SDPA and torch-naive in time or peak memory"
     )
     bench.add_argument("--what", choices=("dispatch", "chunked", "memory"), default="dispatch")
+    bench.add_argument(
+        "--backend",
+        metavar="NAME",
+        help="time this backend's fwd, bwd, fwd+bwd in TFLOP/s against torch SDPA at the FlashAttention-2 paper's "
+        "shapes (replaces --what)",
+    )
+    bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bench.add_argument("--rounds", type=int, default=20, help="dispatch: interleaved rounds (default %(default)s)")
     bench.add_argument("--calls", type=int, default=2000, help="dispatch: calls per round (default %(default)s)")
-    bench.add_argument("--seq-len", type=int, help="chunked, memory: sequence length (default 4096, 16384)")
-    bench.add_argument("--repeats", type=int, default=3, help="chunked: timed repeats (default %(default)s)")
-    bench.add_argument("--warmup", type=int, default=1, help="chunked: untimed repeats (default %(default)s)")
+    bench.add_argument(
+        "--seq-len", type=int, help="chunked, memory, --backend: sequence length (default 4096, 16384, paper's)"
+    )
+    bench.add_argument("--repeats", type=int, default=3, help="chunked, --backend: timed repeats (default %(default)s)")
+    bench.add_argument(
+        "--warmup", type=int, default=1, help="chunked, --backend: untimed repeats (default %(default)s)"
+    )
     bench.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 

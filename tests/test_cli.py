@@ -143,3 +143,15 @@ def test_bench_memory_measures_in_a_child(
     assert "score matrix alone is 2 MiB" in out
     assert json.loads(target.read_text())["results"]["torch-chunked"]["peak_extra_bytes"] > 0
     assert run(capsys, "bench", "--what", "memory", "--device", "cuda")[0] == 2
+
+
+def test_bench_backend_times_every_pass_against_sdpa(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    target = tmp_path / "backend.json"
+    args = ("bench", "--backend", "torch-chunked", "--seq-len", "32", "--repeats", "1", "--warmup", "0")
+    code, out = run(capsys, *args, "--json", str(target))
+    assert code == 0 and "NOT A PERFORMANCE FIGURE" in out
+    rows = json.loads(target.read_text())["results"]
+    assert {(row["implementation"], row["causal"], row["head_dim"]) for row in rows} == {
+        (name, causal, dim) for name in ("torch-chunked", "torch sdpa") for causal in (False, True) for dim in (64, 128)
+    }
+    assert all(row[f"{name}_tflops"] > 0 for row in rows for name in ("fwd", "bwd", "fwd+bwd"))
