@@ -21,14 +21,21 @@ from attnkit.backend import ALL_FEATURES
 from . import launch
 
 MAX_HEAD_DIM = 256
+COSINE_EPS = 1e-12  # as torch.nn.functional.normalize and kernels._inverse_norms
 
 
-def _zero_padding(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """bhsd x with rows at or beyond lengths[b] zeroed, so the cosine normalisation's backward never reads them."""
-    if lengths is None:
-        return x
-    positions = torch.arange(x.shape[2], device=x.device).view(1, 1, -1, 1)
-    return torch.where(positions < lengths.to(x.device).view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype))
+def _through_normalisation(x: torch.Tensor, lengths: torch.Tensor | None, grad_unit: torch.Tensor) -> torch.Tensor:
+    """The gradient wrt bhsd x of F.normalize(x) (eps 1e-12), given the gradient wrt the normalised x.
+
+    Rows at or beyond lengths[b] are padding: zeroed first, so garbage there (NaN) cannot reach their zero gradient.
+    """
+    if lengths is not None:
+        positions = torch.arange(x.shape[2], device=x.device).view(1, 1, -1, 1)
+        x = torch.where(positions < lengths.to(x.device).view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype))
+    leaf = x.detach().float().requires_grad_(True)
+    with torch.enable_grad():
+        unit = F.normalize(leaf, dim=-1, eps=COSINE_EPS)
+    return torch.autograd.grad(unit, leaf, grad_unit)[0]
 
 
 def _from_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
@@ -56,7 +63,7 @@ class TritonBackend:
             description=f"FlashAttention-2 Triton kernels, {mode}",
             notes=(
                 "float32 dots in IEEE float32 (no TF32); float16/bfloat16 dots on tensor cores, float32 accumulation",
-                "cosine: q and k are normalised in float32 before the kernels, in the input dtype",
+                "cosine: q·k on the raw inputs, scaled by both inverse norms in float32 (q̂ is never rounded)",
                 "dbias is computed at full (B, Hq, Lq, Lk) float32, then summed to the bias's shape",
                 "float64: not supported by the kernels (torch-chunked serves it)",
                 "without a CUDA device, start the process with TRITON_INTERPRET=1 to run the kernels interpreted",
@@ -90,24 +97,14 @@ class TritonBackend:
         dlse: torch.Tensor | None,
     ) -> Gradients:
         need_dbias = inputs.bias is not None and inputs.bias.requires_grad
-        if spec.variant is not Variant.COSINE:
-            with torch.no_grad():
-                dq, dk, dv, dscores = launch.attention_backward(
-                    spec, inputs, out, lse, dout, dlse, None, None, need_dbias
-                )
-        else:
-            # The kernels differentiate wrt q̂ = q/‖q‖ and k̂; autograd chains through the normalisation.
-            q_leaf = _zero_padding(launch.bhsd(spec, inputs.q), inputs.q_lengths).float().requires_grad_(True)
-            k_leaf = _zero_padding(launch.bhsd(spec, inputs.k), inputs.kv_lengths).float().requires_grad_(True)
-            with torch.enable_grad():
-                q_unit = F.normalize(q_leaf, dim=-1, eps=launch.COSINE_EPS)
-                k_unit = F.normalize(k_leaf, dim=-1, eps=launch.COSINE_EPS)
-            normalised = (q_unit.detach().to(inputs.q.dtype), k_unit.detach().to(inputs.k.dtype))
-            with torch.no_grad():
-                dq_unit, dk_unit, dv, dscores = launch.attention_backward(
-                    spec, inputs, out, lse, dout, dlse, normalised, torch.float32, need_dbias
-                )
-            dq, dk = torch.autograd.grad((q_unit, k_unit), (q_leaf, k_leaf), (dq_unit, dk_unit))
+        cosine = spec.variant is Variant.COSINE
+        with torch.no_grad():
+            dq, dk, dv, dscores = launch.attention_backward(
+                spec, inputs, out, lse, dout, dlse, torch.float32 if cosine else None, need_dbias
+            )
+        if cosine:  # the kernels differentiate wrt q̂ = q/‖q‖ and k̂
+            dq = _through_normalisation(launch.bhsd(spec, inputs.q), inputs.q_lengths, dq)
+            dk = _through_normalisation(launch.bhsd(spec, inputs.k), inputs.kv_lengths, dk)
         dbias = None
         if dscores is not None:
             bias = inputs.bias

@@ -38,6 +38,20 @@ def _tanh(x):
 
 
 @triton.jit
+def _inverse_norms(x, COSINE: tl.constexpr):
+    """1 / max(‖x‖₂, 1e-12) per row in float32, as torch.nn.functional.normalize; 1.0 without the cosine variant.
+
+    The cosine variant never rounds q̂ = q/‖q‖ to the input dtype: the dot takes the raw q and k (tensor cores,
+    exact products) and the score tile is scaled by both inverse norms in float32.
+    """
+    if COSINE:
+        squares = x.to(tl.float32) * x.to(tl.float32)
+        return 1.0 / tl.maximum(tl.sqrt(tl.sum(squares, 1)), 1e-12)
+    else:
+        return 1.0
+
+
+@triton.jit
 def _batch_geometry(
     QLengths,
     KvLengths,
@@ -113,6 +127,8 @@ def _query_span(
 def _score_tile(
     q,
     k,
+    q_inv_norm,
+    k_inv_norm,
     rows,
     cols,
     q_len,
@@ -133,15 +149,19 @@ def _score_tile(
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    COSINE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """S for one (BLOCK_M, BLOCK_N) tile, −inf where hidden, and tanh(U / c) for the softcap derivative.
 
-    U = scale · q kᵀ;  S = c · tanh(U / c) if softcapped, else U;  S += bias.
-    ``qk_scale`` is scale / c when softcapped, so the product is already the tanh argument.
+    U = scale · q̂ k̂ᵀ (q̂ = q, or q/‖q‖ for the cosine variant);  S = c · tanh(U / c) if softcapped, else U;
+    S += bias.  ``qk_scale`` is scale / c when softcapped, so the product is already the tanh argument.
     """
-    scores = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION) * qk_scale
+    scores = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)
+    if COSINE:
+        scores = scores * q_inv_norm[:, None] * k_inv_norm[None, :]
+    scores = scores * qk_scale
     tanh_u = scores
     if HAS_SOFTCAP:
         tanh_u = _tanh(scores)
@@ -214,6 +234,7 @@ def _fwd_kernel(
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    COSINE: tl.constexpr,
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -236,6 +257,7 @@ def _fwd_kernel(
         mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
+    q_inv_norm = _inverse_norms(q, COSINE)
     KTile = K + batch64 * stride_kb + head_kv * stride_kh
     VTile = V + batch64 * stride_vb + head_kv * stride_vh
     BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
@@ -256,9 +278,12 @@ def _fwd_kernel(
             mask=(cols[:, None] < kv_len) & (dims[None, :] < HEAD_DIM),
             other=0.0,
         )
+        k_inv_norm = _inverse_norms(k, COSINE)
         scores, _ = _score_tile(
             q,
             k,
+            q_inv_norm,
+            k_inv_norm,
             rows,
             cols,
             q_len,
@@ -279,6 +304,7 @@ def _fwd_kernel(
             HAS_MASK,
             HAS_BIAS,
             HAS_SOFTCAP,
+            COSINE,
             UPCAST_DOT,
             DOT_PRECISION,
         )
@@ -408,6 +434,7 @@ def _bwd_dq_kernel(
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    COSINE: tl.constexpr,
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
@@ -431,6 +458,7 @@ def _bwd_dq_kernel(
         mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
+    q_inv_norm = _inverse_norms(q, COSINE)
     dout = tl.load(
         DOut + batch64 * stride_dob + head * stride_doh + rows[:, None] * stride_dom + dims_v[None, :],
         mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
@@ -455,6 +483,7 @@ def _bwd_dq_kernel(
         k = tl.load(
             KTile + cols[:, None] * stride_kn + dims[None, :], mask=live_cols & (dims[None, :] < HEAD_DIM), other=0.0
         )
+        k_inv_norm = _inverse_norms(k, COSINE)
         v = tl.load(
             VTile + cols[:, None] * stride_vn + dims_v[None, :],
             mask=live_cols & (dims_v[None, :] < HEAD_DIM_V),
@@ -463,6 +492,8 @@ def _bwd_dq_kernel(
         scores, tanh_u = _score_tile(
             q,
             k,
+            q_inv_norm,
+            k_inv_norm,
             rows,
             cols,
             q_len,
@@ -483,6 +514,7 @@ def _bwd_dq_kernel(
             HAS_MASK,
             HAS_BIAS,
             HAS_SOFTCAP,
+            COSINE,
             UPCAST_DOT,
             DOT_PRECISION,
         )
@@ -491,6 +523,8 @@ def _bwd_dq_kernel(
         ds = p * (dp - delta[:, None])
         if HAS_SOFTCAP:
             ds = ds * (1.0 - tanh_u * tanh_u)
+        if COSINE:  # dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
+            ds = ds * k_inv_norm[None, :]
         dq += _dot(ds.to(k.dtype), k, UPCAST_DOT, DOT_PRECISION)
     dq = dq * grad_scale
     tl.store(
@@ -562,6 +596,7 @@ def _bwd_dkdv_kernel(
     HAS_MASK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    COSINE: tl.constexpr,
     HAS_DBIAS: tl.constexpr,
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
@@ -588,6 +623,7 @@ def _bwd_dkdv_kernel(
         mask=live_cols & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
+    k_inv_norm = _inverse_norms(k, COSINE)
     v = tl.load(
         V + batch64 * stride_vb + head_kv * stride_vh + cols[:, None] * stride_vn + dims_v[None, :],
         mask=live_cols & (dims_v[None, :] < HEAD_DIM_V),
@@ -614,6 +650,7 @@ def _bwd_dkdv_kernel(
                 mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
                 other=0.0,
             )
+            q_inv_norm = _inverse_norms(q, COSINE)
             dout = tl.load(
                 DOutHead + rows[:, None] * stride_dom + dims_v[None, :],
                 mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
@@ -625,6 +662,8 @@ def _bwd_dkdv_kernel(
             scores, tanh_u = _score_tile(
                 q,
                 k,
+                q_inv_norm,
+                k_inv_norm,
                 rows,
                 cols,
                 q_len,
@@ -645,6 +684,7 @@ def _bwd_dkdv_kernel(
                 HAS_MASK,
                 HAS_BIAS,
                 HAS_SOFTCAP,
+                COSINE,
                 UPCAST_DOT,
                 DOT_PRECISION,
             )
@@ -660,6 +700,8 @@ def _bwd_dkdv_kernel(
                 )
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - tanh_u * tanh_u)
+            if COSINE:  # dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
+                ds = ds * q_inv_norm[:, None]
             dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST_DOT, DOT_PRECISION)
     dk = dk * grad_scale
     in_keys = cols[:, None] < len_k

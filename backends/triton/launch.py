@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -21,7 +20,6 @@ from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Layout, Var
 
 from . import kernels
 
-COSINE_EPS = 1e-12
 #: True when the kernels were decorated under TRITON_INTERPRET=1: they then run on CPU tensors only.
 INTERPRETED = isinstance(kernels._fwd_kernel, InterpretedFunction)
 #: The one device the kernels can take in this process.
@@ -53,12 +51,17 @@ GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
     "dq": {
         64: (TileConfig(64, 64, 4, 2), TileConfig(128, 32, 4, 3), TileConfig(64, 32, 4, 2)),
         128: (TileConfig(64, 64, 8, 2), TileConfig(128, 32, 8, 2), TileConfig(64, 32, 4, 2)),
-        256: (TileConfig(32, 32, 4, 2), TileConfig(64, 32, 8, 2), TileConfig(32, 64, 8, 2)),
+        # 64 query rows: the smallest wgmma M, so sm_90 runs every dot as HGMMA, spill-free with 8 warps.
+        256: (TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(32, 64, 8, 2)),
     },
     "dkdv": {
-        64: (TileConfig(64, 64, 4, 2), TileConfig(32, 128, 8, 2), TileConfig(32, 64, 4, 2)),
-        128: (TileConfig(64, 64, 8, 2), TileConfig(32, 128, 8, 2), TileConfig(32, 64, 4, 2)),
-        256: (TileConfig(32, 32, 4, 2), TileConfig(32, 64, 8, 2), TileConfig(16, 32, 4, 1)),
+        # One stage and 8 warps: (64, 64, 4, 2) and (64, 64, 8, 2) spill 12-76 B on sm_80 / sm_90; 64x64 keeps
+        # every dot on HGMMA on sm_90 (a 32-row tile is below wgmma's M = 64 and falls back to HMMA).
+        64: (TileConfig(64, 64, 8, 1), TileConfig(32, 128, 8, 2), TileConfig(32, 64, 4, 2)),
+        128: (TileConfig(64, 64, 8, 1), TileConfig(32, 128, 8, 2), TileConfig(32, 64, 4, 2)),
+        # Spills at any tile; 64x64 spills least in all (12 B sm_80, ~1 KB sm_90, against 14 KB and 1.6 KB for
+        # 32x32) and keeps HGMMA; (64, 32, 8, 1) is spill-free on sm_80.
+        256: (TileConfig(64, 64, 8, 1), TileConfig(64, 32, 8, 1), TileConfig(32, 64, 8, 2)),
     },
 }
 
@@ -71,6 +74,54 @@ def gpu_configs(kernel: str, block_d: int, dtype: torch.dtype) -> tuple[TileConf
     if dtype == torch.float32:
         configs = tuple(sorted(configs, key=lambda config: config.block_m * config.block_n))
     return configs
+
+
+# Constexprs: shared by _prepare and the static check (inspect.py), so the cubins it inspects are the ones launched.
+#: Rows per program of the Δ kernel when compiled (the interpreter uses INTERPRETER_CONFIG.block_m).
+DELTA_BLOCK_M = 64
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """BLOCK_D / BLOCK_DV: the head dim padded to a power of two, at least 16 (the smallest tensor-core K)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
+def kernel_constants(
+    head_dim: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    *,
+    has_lower: bool = False,
+    has_upper: bool = False,
+    bottom_right: bool = False,
+    has_mask: bool = False,
+    has_bias: bool = False,
+    has_softcap: bool = False,
+    cosine: bool = False,
+    has_q_lengths: bool = False,
+    has_kv_lengths: bool = False,
+) -> dict[str, Any]:
+    """The constexprs of the forward, dQ and dK/dV kernels, tiles aside (dK/dV adds HAS_DBIAS)."""
+    return dict(
+        HEAD_DIM=head_dim,
+        HEAD_DIM_V=head_dim_v,
+        BLOCK_D=padded_head_dim(head_dim),
+        BLOCK_DV=padded_head_dim(head_dim_v),
+        HAS_LOWER=has_lower,
+        HAS_UPPER=has_upper,
+        BOTTOM_RIGHT=bottom_right,
+        HAS_MASK=has_mask,
+        HAS_BIAS=has_bias,
+        HAS_SOFTCAP=has_softcap,
+        COSINE=cosine,
+        HAS_Q_LENGTHS=has_q_lengths,
+        HAS_KV_LENGTHS=has_kv_lengths,
+        # The one place the interpreter's bfloat16 dot bug is worked around (see kernels._dot).
+        UPCAST_DOT=INTERPRETED and dtype == torch.bfloat16,
+        # float32 operands multiply in IEEE float32, not TF32: TF32's 10-bit mantissa would miss the tolerance
+        # rule for float32 (docs/testing.md) by three orders of magnitude.
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
+    )
 
 
 class _Autotuner:
@@ -140,14 +191,6 @@ def band(spec: AttentionSpec) -> tuple[int | None, int | None]:
     return (-left if left is not None else None), (min(uppers) if uppers else None)
 
 
-def normalise(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The cosine variant's unit-norm q̂, k̂ in the input dtype, computed in float32 before the kernels run."""
-    return (
-        F.normalize(q.float(), dim=-1, eps=COSINE_EPS).to(q.dtype),
-        F.normalize(k.float(), dim=-1, eps=COSINE_EPS).to(k.dtype),
-    )
-
-
 @dataclass(frozen=True)
 class _Call:
     """What every kernel of one call shares: bhsd operands, the optional tensors with their strides, the
@@ -170,10 +213,8 @@ class _Call:
         return batch, heads_q, len_q, self.k.shape[1], self.k.shape[2]
 
 
-def _prepare(
-    spec: AttentionSpec, inputs: AttentionInputs, normalised: tuple[torch.Tensor, torch.Tensor] | None
-) -> _Call:
-    q, k = normalised if normalised is not None else (bhsd(spec, inputs.q), bhsd(spec, inputs.k))
+def _prepare(spec: AttentionSpec, inputs: AttentionInputs) -> _Call:
+    q, k = bhsd(spec, inputs.q), bhsd(spec, inputs.k)
     v = bhsd(spec, inputs.v)
     batch, heads_q, len_q, head_dim = q.shape
     heads_kv, len_k, head_dim_v = k.shape[1], k.shape[2], v.shape[3]
@@ -188,25 +229,20 @@ def _prepare(
         optional.append(lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else q)
     lower, upper = band(spec)
     scale = spec.resolved_scale(head_dim)
-    block_d, block_dv = max(16, triton.next_power_of_2(head_dim)), max(16, triton.next_power_of_2(head_dim_v))
-    constants = dict(
-        HEAD_DIM=head_dim,
-        HEAD_DIM_V=head_dim_v,
-        BLOCK_D=block_d,
-        BLOCK_DV=block_dv,
-        HAS_LOWER=lower is not None,
-        HAS_UPPER=upper is not None,
-        BOTTOM_RIGHT=spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT,
-        HAS_MASK=inputs.mask is not None,
-        HAS_BIAS=inputs.bias is not None,
-        HAS_SOFTCAP=spec.softcap is not None,
-        HAS_Q_LENGTHS=inputs.q_lengths is not None,
-        HAS_KV_LENGTHS=inputs.kv_lengths is not None,
-        # The one place the interpreter's bfloat16 dot bug is worked around (see kernels._dot).
-        UPCAST_DOT=INTERPRETED and q.dtype == torch.bfloat16,
-        # float32 operands multiply in IEEE float32, not TF32: TF32's 10-bit mantissa would miss the tolerance
-        # rule for float32 (docs/testing.md) by three orders of magnitude.
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    constants = kernel_constants(
+        head_dim,
+        head_dim_v,
+        q.dtype,
+        has_lower=lower is not None,
+        has_upper=upper is not None,
+        bottom_right=spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT,
+        has_mask=inputs.mask is not None,
+        has_bias=inputs.bias is not None,
+        has_softcap=spec.softcap is not None,
+        cosine=spec.variant is Variant.COSINE,
+        has_q_lengths=inputs.q_lengths is not None,
+        has_kv_lengths=inputs.kv_lengths is not None,
     )
     return _Call(
         q=q,
@@ -232,10 +268,7 @@ def _prepare(
 
 def attention_forward(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """out (spec layout, q's dtype) and lse (B, Hq, Lq) float32."""
-    normalised = None
-    if spec.variant is Variant.COSINE:
-        normalised = normalise(bhsd(spec, inputs.q), bhsd(spec, inputs.k))
-    call = _prepare(spec, inputs, normalised)
+    call = _prepare(spec, inputs)
     batch, heads_q, len_q, _, len_k = call.shape
     out = torch.empty((*inputs.q.shape[:3], inputs.v.shape[3]), dtype=inputs.q.dtype, device=inputs.q.device)
     lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=inputs.q.device)
@@ -269,13 +302,12 @@ def attention_backward(
     lse: torch.Tensor,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
-    normalised: tuple[torch.Tensor, torch.Tensor] | None,
     grad_dtype: torch.dtype | None,
     need_dbias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv as bhsd tensors (dtype ``grad_dtype``, else the inputs') and dS at full (B, Hq, Lq, Lk) float32
-    for dbias. ``normalised`` replaces q, k by the cosine variant's q̂, k̂; the gradients are then wrt q̂, k̂."""
-    call = _prepare(spec, inputs, normalised)
+    for dbias. For the cosine variant, dq and dk are the gradients wrt q̂ = q/‖q‖ and k̂."""
+    call = _prepare(spec, inputs)
     batch, heads_q, len_q, heads_kv, len_k = call.shape
 
     def gradient(like: torch.Tensor) -> torch.Tensor:
@@ -288,7 +320,7 @@ def attention_backward(
         return dq.zero_(), dk.zero_(), dv.zero_(), dbias
     out_view, dout_view, lse = bhsd(spec, out), bhsd(spec, dout), lse.contiguous()
     delta = torch.empty_like(lse)
-    block_rows = INTERPRETER_CONFIG.block_m if INTERPRETED else 64
+    block_rows = INTERPRETER_CONFIG.block_m if INTERPRETED else DELTA_BLOCK_M
     kernels._bwd_delta_kernel[(triton.cdiv(len_q, block_rows), heads_q, batch)](
         out_view,
         dout_view,
