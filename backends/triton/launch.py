@@ -39,7 +39,7 @@ class TileConfig:
 INTERPRETER_CONFIG = TileConfig(16, 16, 1, 1)
 
 # GPU candidates per kernel and padded head dim, the default first. The defaults were chosen to compile without
-# register spills on sm_80 and sm_90 (scripts/inspect_kernels.py, table in docs/performance.md); the others
+# register spills on sm_80 and sm_90 (python -m attnkit.backends.triton.inspect, docs/performance.md); the others
 # trade tile size for occupancy and are tried by the autotuner. Larger head dims need smaller tiles: the forward
 # holds a (BLOCK_M, D) accumulator, the dK/dV kernel two (BLOCK_N, D) ones, all in float32 registers.
 GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
@@ -55,12 +55,12 @@ GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
         256: (TileConfig(64, 32, 8, 2), TileConfig(32, 32, 4, 2), TileConfig(32, 64, 8, 2)),
     },
     "dkdv": {
-        # One stage and 8 warps: (64, 64, 4, 2) and (64, 64, 8, 2) spill 12-76 B on sm_80 / sm_90; 64x64 keeps
+        # One stage and 8 warps: (64, 64, 4, 2) and (64, 64, 8, 2) spill 24-52 B on sm_80 / sm_90; 64x64 keeps
         # every dot on HGMMA on sm_90 (a 32-row tile is below wgmma's M = 64 and falls back to HMMA).
         64: (TileConfig(64, 64, 8, 1), TileConfig(32, 128, 8, 2), TileConfig(32, 64, 4, 2)),
         128: (TileConfig(64, 64, 8, 1), TileConfig(32, 128, 8, 2), TileConfig(32, 64, 4, 2)),
-        # Spills at any tile; 64x64 spills least in all (12 B sm_80, ~1 KB sm_90, against 14 KB and 1.6 KB for
-        # 32x32) and keeps HGMMA; (64, 32, 8, 1) is spill-free on sm_80.
+        # Spills on sm_90 at every tile tried; 64x64 moves least (STL+LDL 12 B sm_80, 0.9 KB sm_90; 32x32: 11 KB,
+        # 1.1 KB) and keeps every dot on HGMMA; (64, 32, 8, 1) is spill-free on sm_80.
         256: (TileConfig(64, 64, 8, 1), TileConfig(64, 32, 8, 1), TileConfig(32, 64, 8, 2)),
     },
 }

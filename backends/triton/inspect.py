@@ -1,0 +1,454 @@
+"""Static GPU check of the Triton kernels: compile them ahead of time for sm_80 and sm_90, read the cubins.
+
+No GPU is needed. Every variant is compiled with ``triton.compile`` for ``GPUTarget("cuda", 80, 32)`` and
+``GPUTarget("cuda", 90, 32)`` from the constexprs the launcher uses (``launch.kernel_constants``, the default tile
+of ``launch.gpu_configs``), and its cubin is read with the ``cuobjdump`` bundled in the triton wheel:
+
+* registers, stack frame and local memory per thread: ``cuobjdump --dump-resource-usage``. Register spills go to
+  local memory, so ``STACK + LOCAL`` bytes is the spill footprint; the SASS's local stores and loads
+  (``STL`` / ``LDL``) are counted as well, in bytes, and both must be 0 for a spill-free kernel;
+* shared memory: Triton's dynamic shared memory (``metadata.shared``) plus the cubin's static ``SHARED``;
+* tensor-core instructions in ``cuobjdump -sass``: ``HMMA`` (mma.sync, sm_80 and up) and ``HGMMA`` (wgmma,
+  sm_90 only). float32 operands multiply in IEEE float32 (``DOT_PRECISION="ieee"``), on the FMA units.
+
+Runtime arguments are typed as a launch would type them: tensors as 16-byte aligned pointers, the strides of
+the dense operands divisible by 16 (true of every contiguous bhsd or bshd tensor with D a multiple of 16), every
+other integer a plain ``i32`` (so ``group`` is not specialised to 1: the GQA case, whose head loop is not
+unrolled), the scales ``fp32``.
+
+    python -m attnkit.backends.triton.inspect                     # every variant, a text table
+    python -m attnkit.backends.triton.inspect --markdown          # the table of docs/performance.md
+    python -m attnkit.backends.triton.inspect --scope required --check --json out.json
+
+``--check`` exits 1 when a requirement fails (:func:`violations`). The process must not have TRITON_INTERPRET=1
+in its environment (Triton decides when the kernels are decorated whether they are interpreted); when it has,
+:func:`main` runs itself again in a subprocess without it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from . import kernels, launch
+
+ARCHS = {"sm_80": 80, "sm_90": 90}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+HEAD_DIMS = (64, 128, 256)
+KERNELS = ("fwd", "delta", "dq", "dkdv")
+#: Kernels with a tl.dot: the ones that must use tensor cores for float16 / bfloat16.
+DOT_KERNELS = ("fwd", "dq", "dkdv")
+#: Head dims whose default configurations must compile without spills (256 is reported, spills allowed).
+NO_SPILL_HEAD_DIMS = (64, 128)
+#: The tensor-core instruction each arch must show in every float16 / bfloat16 dot-bearing kernel.
+REQUIRED_TENSOR_CORE = {"sm_80": "HMMA", "sm_90": "HGMMA"}
+
+#: Feature switches, each on by itself, then all at once (``launch.kernel_constants`` keywords, plus the dK/dV
+#: kernel's HAS_DBIAS and the Δ kernel's HAS_DLSE). Inspected at D = 128 bfloat16 on both archs.
+FEATURES: dict[str, dict[str, bool]] = {
+    "plain": {},
+    "upper": {"has_upper": True},  # causal, or a window's right side
+    "lower": {"has_lower": True},  # a window's left side
+    "mask": {"has_mask": True},
+    "bias": {"has_bias": True},
+    "softcap": {"has_softcap": True},
+    "lengths": {"has_q_lengths": True, "has_kv_lengths": True},
+    "cosine": {"cosine": True},
+    "dbias": {"has_dbias": True},  # dkdv only
+    "dlse": {"has_dlse": True},  # delta only
+    "all": {
+        "has_lower": True,
+        "has_upper": True,
+        "bottom_right": True,
+        "has_mask": True,
+        "has_bias": True,
+        "has_softcap": True,
+        "has_q_lengths": True,
+        "has_kv_lengths": True,
+        "cosine": True,
+        "has_dbias": True,
+        "has_dlse": True,
+    },
+}
+FEATURE_HEAD_DIM, FEATURE_DTYPE = 128, "bf16"
+_FEATURES_OF = {
+    "fwd": ("upper", "lower", "mask", "bias", "softcap", "lengths", "cosine", "all"),
+    "dq": ("upper", "lower", "mask", "bias", "softcap", "lengths", "cosine", "all"),
+    "dkdv": ("upper", "lower", "mask", "bias", "softcap", "lengths", "cosine", "dbias", "all"),
+    "delta": ("dlse",),
+}
+
+_KERNEL_FUNCTIONS = {
+    "fwd": "_fwd_kernel",
+    "delta": "_bwd_delta_kernel",
+    "dq": "_bwd_dq_kernel",
+    "dkdv": "_bwd_dkdv_kernel",
+}
+_FLOAT_ARGS = ("qk_scale", "softcap", "grad_scale")
+_FLOAT32_POINTERS = ("Lse", "Delta", "DLse", "DBias")
+_DENSE_STRIDE = re.compile(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]$")
+_FEATURE_STRIDE = re.compile(r"stride_(bias|mask)_([bhmn])$")
+_TRITON_TYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str  # fwd, delta, dq, dkdv
+    arch: str  # sm_80, sm_90
+    dtype: str  # fp16, bf16, fp32
+    head_dim: int
+    features: str = "plain"  # a key of FEATURES
+
+    @property
+    def has_dot(self) -> bool:
+        return self.kernel in DOT_KERNELS
+
+
+@dataclass(frozen=True)
+class Result:
+    variant: Variant
+    config: str  # BLOCK_MxBLOCK_N, warps, stages
+    registers: int
+    stack_bytes: int  # per thread, cuobjdump --dump-resource-usage
+    local_bytes: int
+    spill_store_bytes: int  # STL in the SASS
+    spill_load_bytes: int  # LDL in the SASS
+    shared_bytes: int  # dynamic (Triton) + static
+    hmma: int
+    hgmma: int
+    compile_s: float
+
+    @property
+    def spill_bytes(self) -> int:
+        """Every byte of local memory the kernel uses or touches: 0 for a spill-free kernel."""
+        return self.stack_bytes + self.local_bytes + self.spill_store_bytes + self.spill_load_bytes
+
+    @property
+    def tensor_core(self) -> str:
+        """The tensor-core instructions found, for the table."""
+        found = [f"{name} {count}" for name, count in (("HGMMA", self.hgmma), ("HMMA", self.hmma)) if count]
+        return ", ".join(found) or ("none" if self.variant.has_dot else "no dot")
+
+
+def variants(scope: str = "full") -> list[Variant]:
+    """``full``: every kernel × arch × dtype × head dim at the default tile, then the feature switches at D = 128
+    bfloat16. ``required``: only what :func:`violations` checks (dot kernels, fp16/bf16, D = 64 and 128, and the
+    feature switches all at once)."""
+    if scope not in ("full", "required"):
+        raise ValueError(f"scope must be 'full' or 'required', not {scope!r}")
+    required = scope == "required"
+    kernels_ = DOT_KERNELS if required else KERNELS
+    dtypes = ("fp16", "bf16") if required else tuple(DTYPES)
+    head_dims = NO_SPILL_HEAD_DIMS if required else HEAD_DIMS
+    plain = [
+        Variant(kernel, arch, dtype, head_dim)
+        for kernel in kernels_
+        for arch in ARCHS
+        for dtype in dtypes
+        for head_dim in head_dims
+    ]
+    featured = [
+        Variant(kernel, arch, FEATURE_DTYPE, FEATURE_HEAD_DIM, features)
+        for kernel in kernels_
+        for arch in ARCHS
+        for features in _FEATURES_OF[kernel]
+        if not required or features == "all"
+    ]
+    return plain + featured
+
+
+def _constants(variant: Variant, tile: launch.TileConfig | None = None) -> tuple[dict[str, Any], launch.TileConfig]:
+    """The constexprs of one variant, as launch.py passes them, and the tile: ``tile``, else the default of
+    gpu_configs."""
+    dtype = DTYPES[variant.dtype]
+    switches = FEATURES[variant.features]
+    block_dv = launch.padded_head_dim(variant.head_dim)
+    if variant.kernel == "delta":
+        tile = launch.TileConfig(launch.DELTA_BLOCK_M, 0, 4, 3)  # Triton's launch defaults: 4 warps, 3 stages
+        constants: dict[str, Any] = dict(
+            HEAD_DIM_V=variant.head_dim,
+            BLOCK_DV=block_dv,
+            BLOCK_M=tile.block_m,
+            HAS_DLSE=switches.get("has_dlse", False),
+        )
+        return constants, tile
+    tile = tile or launch.gpu_configs(variant.kernel, block_dv, dtype)[0]
+    shared = {key: value for key, value in switches.items() if key not in ("has_dbias", "has_dlse")}
+    constants = launch.kernel_constants(variant.head_dim, variant.head_dim, dtype, **shared)
+    constants.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
+    if variant.kernel == "dkdv":
+        constants["HAS_DBIAS"] = switches.get("has_dbias", False)
+    return constants, tile
+
+
+def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[dict[str, str], dict, dict[str, Any]]:
+    """The ASTSource signature, attributes and constexprs of one variant: the types, alignment and
+    specialisation a launch would give (see the module's docstring)."""
+    element = _TRITON_TYPE[variant.dtype]
+    present = {  # launch.py passes q in place of an absent optional tensor
+        "Bias": constants.get("HAS_BIAS", False),
+        "Mask": constants.get("HAS_MASK", False),
+        "QLengths": constants.get("HAS_Q_LENGTHS", False),
+        "KvLengths": constants.get("HAS_KV_LENGTHS", False),
+    }
+    present_type = {"Bias": element, "Mask": "u8", "QLengths": "i32", "KvLengths": "i32"}
+    divisible = [["tt.divisibility", 16]]
+    signature: dict[str, str] = {}
+    attrs: dict[tuple[int, ...], list] = {}
+    constexprs = dict(constants)
+    for index, param in enumerate(fn.params):
+        name = param.name
+        feature = _FEATURE_STRIDE.match(name)
+        if param.is_constexpr:
+            signature[name] = "constexpr"
+        elif name[0].isupper():  # a tensor
+            if name in _FLOAT32_POINTERS:
+                signature[name] = "*fp32"
+            elif name in present:
+                signature[name] = "*" + (present_type[name] if present[name] else element)
+            else:
+                signature[name] = "*" + element
+            attrs[(index,)] = divisible
+        elif name in _FLOAT_ARGS:
+            signature[name] = "fp32"
+        elif feature and feature.group(2) == "n" and present[feature.group(1).capitalize()]:
+            signature[name] = "constexpr"  # a contiguous last axis: Triton specialises an int equal to 1
+            constexprs[name] = 1
+        else:
+            signature[name] = "i32"
+            if _DENSE_STRIDE.match(name) or feature:  # feature strides: 0 (broadcast, absent) or Lk-multiples
+                attrs[(index,)] = divisible
+    takes = {p.name for p in fn.params if p.is_constexpr}
+    unknown, missing = set(constants) - takes, {p.name for p in fn.params if p.is_constexpr and not p.has_default}
+    if unknown or missing - set(constants):
+        raise RuntimeError(
+            f"{fn.__name__}: launch.py and kernels.py disagree on the constexprs (unknown {sorted(unknown)}, "
+            f"missing {sorted(missing - set(constants))})"
+        )
+    return signature, attrs, constexprs
+
+
+def tool(name: str) -> Path:
+    """A CUDA binary tool bundled in the triton wheel (cuobjdump, nvdisasm, ptxas)."""
+    import triton.backends.nvidia
+
+    return Path(triton.backends.nvidia.__file__).parent / "bin" / name
+
+
+_RESOURCES = re.compile(r"REG:(\d+)\s+STACK:(\d+)\s+SHARED:(\d+)\s+LOCAL:(\d+)")
+_OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_]*)((?:\.[A-Z0-9_]+)*)")
+_WIDTH = {".64": 8, ".128": 16}
+
+
+def read_cubin(cubin: bytes) -> dict[str, int]:
+    """Registers, stack, static shared and local memory, local store/load bytes and tensor-core counts of a cubin
+    with one kernel, from the bundled cuobjdump."""
+    cuobjdump = str(tool("cuobjdump"))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([cuobjdump, "--dump-resource-usage", str(path)], capture_output=True, text=True)
+        sass = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True, text=True)
+    for done in (usage, sass):
+        if done.returncode != 0:
+            raise RuntimeError(f"cuobjdump failed: {done.stderr.strip()}")
+    match = _RESOURCES.search(usage.stdout)
+    if match is None:
+        raise RuntimeError(f"no resource usage in cuobjdump's output:\n{usage.stdout}")
+    registers, stack, shared, local = map(int, match.groups())
+    counts = {"HMMA": 0, "HGMMA": 0, "STL": 0, "LDL": 0}
+    for opcode, suffixes in _OPCODE.findall(sass.stdout):
+        if opcode in ("HMMA", "HGMMA"):
+            counts[opcode] += 1
+        elif opcode in ("STL", "LDL"):  # .64 and .128 move 8 and 16 bytes, the others at most 4
+            counts[opcode] += max([_WIDTH.get(suffix, 4) for suffix in re.findall(r"\.\w+", suffixes)] + [4])
+    return dict(
+        registers=registers,
+        stack_bytes=stack,
+        static_shared=shared,
+        local_bytes=local,
+        spill_store_bytes=counts["STL"],
+        spill_load_bytes=counts["LDL"],
+        hmma=counts["HMMA"],
+        hgmma=counts["HGMMA"],
+    )
+
+
+def inspect_variant(variant: Variant, tile: launch.TileConfig | None = None) -> Result:
+    """Compile one variant for its arch, at ``tile`` or else the default tile, and read its cubin."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default (fusion on), without its warning
+    if launch.INTERPRETED:
+        raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1: run without it to compile them")
+    fn = getattr(kernels, _KERNEL_FUNCTIONS[variant.kernel])
+    constants, tile = _constants(variant, tile)
+    signature, attrs, constexprs = _signature(fn, variant, constants)
+    started = time.perf_counter()
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+        target=GPUTarget("cuda", ARCHS[variant.arch], 32),
+        options=dict(num_warps=tile.num_warps, num_stages=tile.num_stages),
+    )
+    compile_s = time.perf_counter() - started
+    read = read_cubin(compiled.asm["cubin"])
+    config = (
+        f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w/{tile.num_stages}s"
+        if tile.block_n
+        else f"{tile.block_m}/{tile.num_warps}w"
+    )
+    return Result(
+        variant=variant,
+        config=config,
+        registers=read["registers"],
+        stack_bytes=read["stack_bytes"],
+        local_bytes=read["local_bytes"],
+        spill_store_bytes=read["spill_store_bytes"],
+        spill_load_bytes=read["spill_load_bytes"],
+        shared_bytes=compiled.metadata.shared + read["static_shared"],
+        hmma=read["hmma"],
+        hgmma=read["hgmma"],
+        compile_s=round(compile_s, 2),
+    )
+
+
+def _worker_init() -> None:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+def inspect_all(selected: list[Variant], jobs: int = 1) -> Iterator[Result]:
+    """Results in the order of ``selected``; ``jobs`` > 1 compiles in a process pool."""
+    _worker_init()
+    if jobs <= 1:
+        yield from map(inspect_variant, selected)
+        return
+    # spawn: each worker imports the kernels afresh, in this process's (non-interpreted) environment.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_worker_init) as pool:
+        yield from pool.map(inspect_variant, selected)
+
+
+def violations(results: list[Result]) -> list[str]:
+    """The requirements of the static check, broken: no spills at the default tiles for D = 64 and 128 in the
+    float16 / bfloat16 dot kernels, HMMA on sm_80 and HGMMA on sm_90 in every float16 / bfloat16 dot kernel."""
+    broken = []
+    for result in results:
+        variant = result.variant
+        if not variant.has_dot or variant.dtype == "fp32":
+            continue
+        name = f"{variant.kernel} {variant.arch} {variant.dtype} D={variant.head_dim} {variant.features}"
+        if variant.head_dim in NO_SPILL_HEAD_DIMS and variant.features == "plain" and result.spill_bytes:
+            broken.append(
+                f"{name}: spills (stack {result.stack_bytes} B, local {result.local_bytes} B, "
+                f"STL {result.spill_store_bytes} B, LDL {result.spill_load_bytes} B)"
+            )
+        instruction = REQUIRED_TENSOR_CORE[variant.arch]
+        if not getattr(result, instruction.lower()):
+            broken.append(f"{name}: no {instruction} ({result.tensor_core})")
+    return broken
+
+
+_COLUMNS = (
+    "kernel",
+    "arch",
+    "dtype",
+    "D",
+    "features",
+    "tile",
+    "regs",
+    "local B",
+    "STL/LDL B",
+    "smem B",
+    "tensor cores",
+)
+
+
+def _row(result: Result) -> tuple[str, ...]:
+    variant = result.variant
+    return (
+        variant.kernel,
+        variant.arch,
+        variant.dtype,
+        str(variant.head_dim),
+        variant.features,
+        result.config,
+        str(result.registers),
+        str(result.stack_bytes + result.local_bytes),
+        f"{result.spill_store_bytes}/{result.spill_load_bytes}",
+        str(result.shared_bytes),
+        result.tensor_core,
+    )
+
+
+def text_table(results: list[Result]) -> str:
+    rows = [_COLUMNS, *map(_row, results)]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(_COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+def markdown_table(results: list[Result]) -> str:
+    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
+    lines += ["| " + " | ".join(_row(result)) + " |" for result in results]
+    return "\n".join(lines)
+
+
+def to_json(results: list[Result]) -> list[dict[str, Any]]:
+    return [
+        {**asdict(result), "spill_bytes": result.spill_bytes, "tensor_core": result.tensor_core} for result in results
+    ]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnkit.backends.triton.inspect", description=__doc__)
+    parser.add_argument("--json", type=Path, help="write every result to this file")
+    parser.add_argument("--markdown", action="store_true", help="print the table of docs/performance.md")
+    parser.add_argument("--scope", choices=("full", "required"), default="full")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a requirement fails")
+    args = parser.parse_args(argv)
+    if launch.INTERPRETED:  # the kernels here are interpreted: compile them in a process without the switch
+        env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+        command = [sys.executable, "-m", "attnkit.backends.triton.inspect", *(sys.argv[1:] if argv is None else argv)]
+        return subprocess.run(command, env=env).returncode
+    if not tool("cuobjdump").exists():
+        print(f"no cuobjdump at {tool('cuobjdump')}: this triton wheel does not bundle it", file=sys.stderr)
+        return 2
+    selected = variants(args.scope)
+    started = time.perf_counter()
+    results = []
+    for result in inspect_all(selected, args.jobs):
+        results.append(result)
+        if not args.markdown:
+            print(f"[{len(results)}/{len(selected)}] {' '.join(_row(result))}", file=sys.stderr, flush=True)
+    elapsed = time.perf_counter() - started
+    print(markdown_table(results) if args.markdown else text_table(results))
+    print(
+        f"\n{len(results)} variants, triton {triton.__version__}, {elapsed:.0f} s with {args.jobs} job(s)",
+        file=sys.stderr,
+    )
+    if args.json is not None:
+        args.json.write_text(json.dumps(to_json(results), indent=1) + "\n")
+    broken = violations(results)
+    for line in broken:
+        print(f"REQUIREMENT FAILED: {line}", file=sys.stderr)
+    return 1 if broken and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,87 @@
+"""The static GPU check of the Triton kernels (docs/performance.md, "Triton kernels on sm_80 / sm_90"): compiled
+ahead of time for sm_80 and sm_90, no GPU needed, the default tiles at D = 64 and 128 have no register spills and
+every float16 / bfloat16 dot-bearing kernel runs its dots on tensor cores (HMMA on sm_80, HGMMA on sm_90).
+
+The compilation runs in a subprocess: conftest sets TRITON_INTERPRET=1, under which the kernels are interpreted
+and cannot be compiled. ``--scope required`` compiles only what is asserted here (30 variants, about a minute on
+two cores); ``python -m attnkit.backends.triton.inspect`` compiles the full matrix.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cuobjdump() -> Path | None:
+    spec = importlib.util.find_spec("triton.backends.nvidia")
+    if spec is None or spec.origin is None:
+        return None
+    path = Path(spec.origin).parent / "bin" / "cuobjdump"
+    return path if path.exists() else None
+
+
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
+    pytest.mark.skipif(
+        importlib.util.find_spec("triton") is not None and _cuobjdump() is None,
+        reason="this triton wheel bundles no cuobjdump (triton/backends/nvidia/bin/cuobjdump)",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("inspect") / "required.json"
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    command = [sys.executable, "-m", "attnkit.backends.triton.inspect", "--scope", "required", "--json", str(out)]
+    done = subprocess.run([*command, "--jobs", "2"], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"{' '.join(command)} failed:\n{done.stdout}\n{done.stderr[-4000:]}"
+    return json.loads(out.read_text())
+
+
+def _name(record: dict) -> str:
+    variant = record["variant"]
+    return f"{variant['kernel']} {variant['arch']} {variant['dtype']} D={variant['head_dim']} {variant['features']}"
+
+
+def test_every_required_variant_compiles(results: list[dict]) -> None:
+    from attnkit.backends.triton.inspect import variants
+
+    expected = {(v.kernel, v.arch, v.dtype, v.head_dim, v.features) for v in variants("required")}
+    got = {tuple(record["variant"].values()) for record in results}
+    assert got == expected
+    # The feature switches all at once, on both archs, for every dot kernel.
+    assert {(r["variant"]["kernel"], r["variant"]["arch"]) for r in results if r["variant"]["features"] == "all"} == {
+        (kernel, arch) for kernel in ("fwd", "dq", "dkdv") for arch in ("sm_80", "sm_90")
+    }
+
+
+def test_default_tiles_do_not_spill(results: list[dict]) -> None:
+    spilling = [
+        f"{_name(r)} at {r['config']}: stack {r['stack_bytes']} B, local {r['local_bytes']} B, "
+        f"STL {r['spill_store_bytes']} B, LDL {r['spill_load_bytes']} B"
+        for r in results
+        if r["variant"]["features"] == "plain" and r["variant"]["head_dim"] in (64, 128) and r["spill_bytes"]
+    ]
+    assert not spilling, "register spills at a default tile (change GPU_CONFIGS in launch.py):\n" + "\n".join(spilling)
+
+
+def test_dots_run_on_tensor_cores(results: list[dict]) -> None:
+    required = {"sm_80": "hmma", "sm_90": "hgmma"}
+    missing = [
+        f"{_name(r)}: no {required[r['variant']['arch']].upper()} ({r['tensor_core']})"
+        for r in results
+        if not r[required[r["variant"]["arch"]]]
+    ]
+    assert not missing, "float16 / bfloat16 dots off the tensor cores:\n" + "\n".join(missing)
