@@ -59,7 +59,8 @@ class Static:
 def _dot(a: Any, b: Any, *, trans_a: bool = False, trans_b: bool = False) -> Any:
     """float32-accumulated product; float32 operands at full precision (no TF32), half types on tensor cores."""
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return pl.dot(a, b, trans_a=trans_a, trans_b=trans_b, precision=precision)
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _geometry(geom_ref: Any) -> tuple[Any, Any, Any, Any]:
