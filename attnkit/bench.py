@@ -4,6 +4,9 @@
   ``forward`` directly, on a decode-sized call where that overhead matters most.
 * :func:`bench_chunked`: torch-chunked forward and forward+backward against torch's
   ``scaled_dot_product_attention`` and torch-naive, in the same process and interleaved.
+* :func:`bench_backend`: any registered backend's forward, backward and forward+backward in TFLOP/s at the
+  FlashAttention-2 paper's shapes, against its framework's peer (torch SDPA or ``jax.nn.dot_product_attention``)
+  in the same run.
 * :func:`bench_memory`: peak extra host memory of one forward+backward of torch-chunked and torch SDPA, each in a
   fresh process (Linux: the peak-RSS mark is reset through ``/proc/self/clear_refs``).
 
@@ -13,6 +16,7 @@ Results are plain dicts (JSON-ready); ``format_*`` turn them into tables.
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -21,7 +25,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 DISPATCH_SHAPE = {"batch": 1, "heads": 8, "len_q": 1, "len_k": 128, "head_dim": 64}
@@ -393,3 +397,231 @@ def format_memory(result: dict[str, Any]) -> str:
             f"({score_bytes / 1e9:.1f} GB)",
         ]
     )
+
+
+# ------------------------------------------------------------------------------------------- any backend
+
+#: FlashAttention-2 paper (§4.1): 16k tokens per batch, hidden 2048 (heads = 2048 / D), bf16, causal and not.
+PAPER_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
+PAPER_HEAD_DIMS = (64, 128)
+PAPER_TOKENS, PAPER_HIDDEN = 16384, 2048
+#: On CPU a kernel backend may run interpreted (pallas): far smaller shapes, and the figures say so.
+CPU_SEQ_LENS, CPU_TOKENS = (128, 256), 512
+
+
+def _attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool) -> float:
+    """Forward FLOPs as the FlashAttention-2 paper counts them: 4·B·H·L²·D, halved under causal."""
+    return 4.0 * batch * heads * seq_len * seq_len * head_dim / (2 if causal else 1)
+
+
+class _Timed:
+    """Median wall time of a callable, with a device sync after each call; warm-up calls are not timed."""
+
+    def __init__(self, block: Callable[[Any], Any], repeats: int, warmup: int) -> None:
+        self.block, self.repeats, self.warmup = block, repeats, warmup
+
+    def __call__(self, function: Callable[[], Any]) -> float:
+        for _ in range(self.warmup):
+            self.block(function())
+        samples = []
+        for _ in range(self.repeats):
+            start = time.perf_counter_ns()
+            self.block(function())
+            samples.append((time.perf_counter_ns() - start) / 1e6)
+        return statistics.median(samples)
+
+
+def _jax_pair(name: str, spec: Any, q: Any, k: Any, v: Any) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    """(forward, forward+backward) closures for the backend and for jax.nn.dot_product_attention (bshd both)."""
+    import jax
+    import jax.numpy as jnp
+
+    import attnkit
+
+    def ours(q: Any, k: Any, v: Any) -> Any:
+        return attnkit.attend(spec, q, k, v, backend=name)
+
+    def peer(q: Any, k: Any, v: Any) -> Any:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=spec.causal)
+
+    pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {}
+    for label, function in ((name, ours), ("jax.nn.dot_product_attention", peer)):
+        forward = jax.jit(function)
+        loss = jax.jit(jax.grad(lambda q, k, v, f=function: f(q, k, v).astype(jnp.float32).sum(), argnums=(0, 1, 2)))
+        pairs[label] = (functools.partial(forward, q, k, v), functools.partial(loss, q, k, v))
+    return pairs
+
+
+def _torch_pair(name: str, spec: Any, q: Any, k: Any, v: Any) -> dict[str, tuple[Callable[[], Any], Callable[[], Any]]]:
+    import torch
+
+    import attnkit
+
+    def ours(q: Any, k: Any, v: Any) -> Any:
+        return attnkit.attend(spec, q, k, v, backend=name)
+
+    def peer(q: Any, k: Any, v: Any) -> Any:  # bshd -> SDPA's (B, H, L, D) and back
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=spec.causal
+        )
+        return out.transpose(1, 2)
+
+    pairs: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {}
+    for label, function in ((name, ours), ("torch sdpa", peer)):
+
+        def forward(function: Callable[..., Any] = function) -> Any:
+            with torch.no_grad():
+                return function(q, k, v)
+
+        def forward_backward(function: Callable[..., Any] = function) -> Any:
+            leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+            function(*leaves).float().sum().backward()
+            return leaves[0].grad
+
+        pairs[label] = (forward, forward_backward)
+    return pairs
+
+
+def _torch_block(device: str) -> Callable[[Any], None]:
+    synchronize = _synchronizer(device)
+    return lambda _: synchronize()
+
+
+def _backend_environment(framework: Any, device: str) -> dict[str, Any]:
+    """environment(), with the GPU named by the framework that runs (torch may be a CPU build next to JAX)."""
+    info = environment("cpu")
+    info["device"] = device
+    if framework.value == "jax":
+        import jax
+
+        info["jax"] = jax.__version__
+        if device == "cuda":
+            info["gpu"] = jax.devices()[0].device_kind
+    elif device == "cuda":
+        import torch
+
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def bench_backend(
+    name: str,
+    device: str = "cpu",
+    seq_lens: Sequence[int] | None = None,
+    head_dims: Sequence[int] = PAPER_HEAD_DIMS,
+    tokens: int | None = None,
+    dtype: str = "bfloat16",
+    repeats: int = 5,
+    warmup: int = 2,
+) -> dict[str, Any]:
+    """Forward, backward and forward+backward TFLOP/s of backend ``name`` and of its framework's peer.
+
+    Shapes follow the FlashAttention-2 paper: ``tokens`` per batch (16k) split into sequences of each length,
+    hidden 2048 so H = 2048 / D, causal and not, bf16, layout bshd. Backward is (forward+backward) − forward,
+    each the median of ``repeats`` after ``warmup`` calls (which also compile). JAX backends (those that take
+    JAX arrays, or name JAX as their ``native_framework``) run on JAX arrays against
+    ``jax.nn.dot_product_attention``; torch backends on torch tensors against SDPA. On CPU the defaults shrink to
+    sequences of 128 and 256 in 512 tokens; a backend that runs interpreted there measures its interpreter.
+    """
+    from attnkit import AttentionSpec, registry
+    from attnkit.backend import Framework
+
+    backend = registry.get_backend(name)
+    reasons = backend.available()
+    if reasons:
+        raise RuntimeError(f"backend={name!r} cannot run here: {'; '.join(reasons)}")
+    frameworks = backend.capabilities.frameworks
+    preferred = getattr(backend, "native_framework", None)
+    framework = (
+        preferred if preferred in frameworks else (Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX)
+    )
+    seq_lens = tuple(seq_lens or (PAPER_SEQ_LENS if device == "cuda" else CPU_SEQ_LENS))
+    tokens = tokens or (PAPER_TOKENS if device == "cuda" else CPU_TOKENS)
+    rows = []
+    for causal in (False, True):
+        spec = AttentionSpec(causal=causal, layout="bshd")
+        for head_dim in head_dims:
+            heads = max(1, PAPER_HIDDEN // head_dim)
+            for seq_len in seq_lens:
+                batch = max(1, tokens // seq_len)
+                shape = (batch, seq_len, heads, head_dim)
+                if framework is Framework.JAX:
+                    import jax
+                    import jax.numpy as jnp
+
+                    keys = jax.random.split(jax.random.PRNGKey(seq_len), 3)
+                    q, k, v = (jax.random.normal(key, shape, jnp.dtype(dtype)) for key in keys)  # type: ignore[misc]
+                    pairs, block = _jax_pair(name, spec, q, k, v), jax.block_until_ready
+                else:
+                    import torch
+
+                    q, k, v = (torch.randn(shape, dtype=getattr(torch, dtype), device=device) for _ in range(3))  # type: ignore[assignment]
+                    pairs, block = _torch_pair(name, spec, q, k, v), _torch_block(device)
+                timed = _Timed(block, repeats, warmup)
+                flops = _attention_flops(batch, heads, seq_len, head_dim, causal)
+                for label, (forward, forward_backward) in pairs.items():
+                    forward_ms, total_ms = timed(forward), timed(forward_backward)
+                    backward_ms = max(total_ms - forward_ms, 1e-9)
+                    rows.append(
+                        {
+                            "implementation": label,
+                            "causal": causal,
+                            "head_dim": head_dim,
+                            "seq_len": seq_len,
+                            "batch": batch,
+                            "heads": heads,
+                            "forward_ms": forward_ms,
+                            "backward_ms": backward_ms,
+                            "forward_backward_ms": total_ms,
+                            "forward_tflops": flops / forward_ms / 1e9,
+                            "backward_tflops": 2.5 * flops / backward_ms / 1e9,
+                            "forward_backward_tflops": 3.5 * flops / total_ms / 1e9,
+                        }
+                    )
+    interpreted = bool(getattr(backend, "interpret", lambda: False)()) if framework is Framework.JAX else False
+    return {
+        "environment": _backend_environment(framework, device),
+        "backend": name,
+        "framework": framework.value,
+        "interpreted": interpreted,
+        "dtype": dtype,
+        "tokens": tokens,
+        "repeats": repeats,
+        "warmup": warmup,
+        "results": rows,
+    }
+
+
+def format_backend(result: dict[str, Any]) -> str:
+    from attnkit.cli import format_table
+
+    rows = [
+        [
+            row["implementation"],
+            "yes" if row["causal"] else "no",
+            str(row["head_dim"]),
+            str(row["seq_len"]),
+            f"{row['batch']}x{row['heads']}",
+            f"{row['forward_ms']:.2f}",
+            f"{row['forward_tflops']:.3g}",
+            f"{row['backward_tflops']:.3g}",
+            f"{row['forward_backward_tflops']:.3g}",
+        ]
+        for row in result["results"]
+    ]
+    lines = [_device_banner(result)]
+    if result["interpreted"]:
+        lines.append(
+            f"{result['backend']} runs INTERPRETED here (Pallas interpret=True): these figures measure the "
+            "interpreter, not a kernel"
+        )
+    lines += [
+        f"{result['backend']} ({result['framework']}) against its framework's peer, {result['dtype']}, bshd, "
+        f"{result['tokens']} tokens per batch, hidden 2048; median of {result['repeats']} after "
+        f"{result['warmup']} warm-up; FLOPs as FlashAttention-2 counts them (bwd = 2.5 x fwd, causal halves)",
+        format_table(
+            ["implementation", "causal", "D", "seq", "BxH", "fwd ms", "fwd TFLOP/s", "bwd TFLOP/s", "fwd+bwd TFLOP/s"],
+            rows,
+        ),
+    ]
+    return "\n".join(lines)

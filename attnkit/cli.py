@@ -613,7 +613,16 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
     with bench.torch_threads(args.threads):
-        if args.what == "dispatch":
+        if args.backend:
+            result = bench.bench_backend(
+                args.backend,
+                device=args.device,
+                seq_lens=[args.seq_len] if args.seq_len else None,
+                repeats=args.repeats,
+                warmup=args.warmup,
+            )
+            text = bench.format_backend(result)
+        elif args.what == "dispatch":
             result = bench.bench_dispatch(rounds=args.rounds, calls=args.calls, device=args.device)
             text = bench.format_dispatch(result)
         elif args.what == "chunked":
@@ -698,6 +707,11 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--seq-len", type=int, help="chunked, memory: sequence length (default 4096, 16384)")
     bench.add_argument("--repeats", type=int, default=3, help="chunked: timed repeats (default %(default)s)")
     bench.add_argument("--warmup", type=int, default=1, help="chunked: untimed repeats (default %(default)s)")
+    bench.add_argument(
+        "--backend",
+        metavar="NAME",
+        help="any backend: fwd, bwd, fwd+bwd TFLOP/s at FlashAttention-2 shapes against its framework's peer",
+    )
     bench.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
