@@ -5,7 +5,7 @@
 * :func:`bench_chunked`: torch-chunked forward and forward+backward against torch's
   ``scaled_dot_product_attention`` and torch-naive, in the same process and interleaved.
 * :func:`bench_backend`: one backend's forward, backward and forward+backward in TFLOP/s at the FlashAttention-2
-  paper's shapes, against the framework's own attention (torch SDPA) in the same run.
+  paper's shapes, against its framework's own attention (torch SDPA, jax.nn.dot_product_attention) in the same run.
 * :func:`bench_memory`: peak extra host memory of one forward+backward of torch-chunked and torch SDPA, each in a
   fresh process (Linux: the peak-RSS mark is reset through ``/proc/self/clear_refs``).
 
@@ -325,6 +325,51 @@ def _torch_passes(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: A
     return {"fwd": forward, "build": build, "bwd": backward, "fwd+bwd": forward_backward}
 
 
+_PEERS = {"torch": "torch sdpa", "jax": "jax.nn.dot_product_attention"}
+
+
+def _bench_inputs(framework: Any, shape: tuple[int, ...], dtype: str, device: str) -> tuple[Any, ...]:
+    """q, k, v and the output cotangent, bhsd, in the backend's framework."""
+    if framework.value == "torch":
+        import torch
+
+        generator = torch.Generator().manual_seed(0)
+        return tuple(torch.randn(shape, generator=generator).to(device, getattr(torch, dtype)) for _ in range(4))
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    return tuple(jax.random.normal(key, shape, jnp.dtype(dtype)) for key in keys)
+
+
+def _peer(framework: Any, causal: bool) -> Callable[..., Any]:
+    """The framework's own attention on bhsd inputs: torch SDPA, or jax.nn.dot_product_attention (bshd)."""
+    if framework.value == "torch":
+        import torch.nn.functional as F
+
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    import jax
+
+    def jax_peer(q: Any, k: Any, v: Any) -> Any:
+        bshd = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
+        return jax.nn.dot_product_attention(*bshd, is_causal=causal).transpose(0, 2, 1, 3)
+
+    return jax_peer
+
+
+def _jax_passes(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> dict[str, Callable[[], Any]]:
+    """fwd and fwd+bwd of one attention function, each jitted and blocked on; bwd is their difference (JAX
+    cannot run a backward on its own without the forward's residuals)."""
+    import jax
+
+    forward = jax.jit(attention)
+    gradients = jax.jit(lambda q, k, v: jax.vjp(attention, q, k, v)[1](dout))
+    return {
+        "fwd": lambda: jax.block_until_ready(forward(q, k, v)),
+        "fwd+bwd": lambda: jax.block_until_ready(gradients(q, k, v)),
+    }
+
+
 def bench_backend(
     name: str,
     device: str = "cpu",
@@ -334,42 +379,39 @@ def bench_backend(
     repeats: int = 10,
     warmup: int = 3,
 ) -> dict[str, Any]:
-    """fwd, bwd and fwd+bwd TFLOP/s of a torch backend and of torch SDPA, causal and not, at the FlashAttention-2
-    paper's shapes on a GPU (tiny shapes on CPU, where the figures are not performance figures)."""
-    import torch
-    import torch.nn.functional as F
-
+    """fwd, bwd and fwd+bwd TFLOP/s of a backend and of its framework's peer (torch SDPA for torch backends,
+    jax.nn.dot_product_attention for JAX ones), causal and not, at the FlashAttention-2 paper's shapes on a GPU
+    (tiny shapes on CPU, where the figures are not performance figures)."""
     import attnkit
     from attnkit.backend import Framework
+    from attnkit.testing.runners import native_framework
 
     backend = attnkit.get_backend(name)
-    if Framework.TORCH not in backend.capabilities.frameworks:
-        raise attnkit.InvalidInputError(f"backend={name!r} does not take torch tensors; bench_backend times torch")
+    reasons = backend.available()
+    if reasons:
+        raise attnkit.BackendUnavailableError(f"backend={name!r} cannot run here: {'; '.join(reasons)}")
+    framework = native_framework(name)
     on_gpu = device == "cuda"
     seq_lens = seq_lens or (PAPER_SEQ_LENS if on_gpu else CPU_SEQ_LENS)
     tokens, hidden = (PAPER_TOKENS, PAPER_HIDDEN) if on_gpu else (CPU_TOKENS, CPU_HIDDEN)
-    measure = _timer(device, warmup, repeats)
-    torch_dtype = getattr(torch, dtype)
+    measure = _timer(device if framework is Framework.TORCH else "cpu", warmup, repeats)
     rows = []
     for head_dim in head_dims:
         for seq_len in seq_lens:
             batch, heads = max(1, tokens // seq_len), max(1, hidden // head_dim)
-            generator = torch.Generator().manual_seed(0)
-            q, k, v, dout = (
-                torch.randn(batch, heads, seq_len, head_dim, generator=generator).to(device, torch_dtype)
-                for _ in range(4)
-            )
+            q, k, v, dout = _bench_inputs(framework, (batch, heads, seq_len, head_dim), dtype, device)
             for causal in (False, True):
-                spec = attnkit.AttentionSpec(causal=causal)  # Lq == Lk: bottom-right equals SDPA's top-left
+                spec = attnkit.AttentionSpec(causal=causal)  # Lq == Lk: bottom-right equals the peers' top-left
                 implementations = {
                     name: lambda q, k, v, spec=spec: attnkit.attend(spec, q, k, v, backend=name),
-                    "torch sdpa": lambda q, k, v, causal=causal: F.scaled_dot_product_attention(
-                        q, k, v, is_causal=causal
-                    ),
+                    _PEERS[framework]: _peer(framework, causal),
                 }
                 for implementation, attention in implementations.items():
-                    passes = _torch_passes(attention, q, k, v, dout)
-                    passes["build"]()
+                    if framework is Framework.TORCH:
+                        passes = _torch_passes(attention, q, k, v, dout)
+                        passes["build"]()
+                    else:
+                        passes = _jax_passes(attention, q, k, v, dout)
                     row: dict[str, Any] = {
                         "implementation": implementation,
                         "seq_len": seq_len,
@@ -378,15 +420,21 @@ def bench_backend(
                         "heads": heads,
                         "causal": causal,
                     }
-                    for pass_name in ("fwd", "bwd", "fwd+bwd"):
-                        milliseconds = measure(passes[pass_name])
+                    for pass_name in ("fwd", "fwd+bwd", "bwd"):
+                        if pass_name in passes:
+                            milliseconds: float | None = measure(passes[pass_name])
+                        else:  # JAX: the backward is what fwd+bwd adds to fwd (None when noise hides it)
+                            difference = row["fwd+bwd_ms"] - row["fwd_ms"]
+                            milliseconds = difference if difference > 0 else None
                         flops = attention_flops(batch, heads, seq_len, head_dim, causal, pass_name)
                         row[f"{pass_name}_ms"] = milliseconds
-                        row[f"{pass_name}_tflops"] = flops / (milliseconds * 1e9)
+                        row[f"{pass_name}_tflops"] = flops / (milliseconds * 1e9) if milliseconds else None
                     rows.append(row)
     return {
         "what": "backend",
         "backend": name,
+        "framework": framework.value,
+        "peer": _PEERS[framework],
         "backend_description": backend.capabilities.description,
         "environment": environment(device),
         "dtype": dtype,
@@ -402,7 +450,7 @@ def format_backend(result: dict[str, Any]) -> str:
     peer = {
         (row["head_dim"], row["seq_len"], row["causal"]): row
         for row in result["results"]
-        if row["implementation"] == "torch sdpa"
+        if row["implementation"] == result["peer"]
     }
     rows = [
         [
@@ -411,7 +459,10 @@ def format_backend(result: dict[str, Any]) -> str:
             str(row["head_dim"]),
             str(row["seq_len"]),
             f"{row['batch']}x{row['heads']}",
-            *(f"{row[f'{name}_tflops']:.3g} ({row[f'{name}_ms']:.3g} ms)" for name in ("fwd", "bwd", "fwd+bwd")),
+            *(
+                f"{row[f'{name}_tflops']:.3g} ({row[f'{name}_ms']:.3g} ms)" if row[f"{name}_ms"] else "n/a"
+                for name in ("fwd", "bwd", "fwd+bwd")
+            ),
             f"{row['fwd+bwd_tflops'] / peer[row['head_dim'], row['seq_len'], row['causal']]['fwd+bwd_tflops']:.2f}x",
         ]
         for row in result["results"]
@@ -423,9 +474,9 @@ def format_backend(result: dict[str, Any]) -> str:
             "this run only shows the benchmark works. Run it on a CUDA machine with --device cuda."
         )
     lines += [
-        f"{result['backend']} against torch SDPA, {result['dtype']}, TFLOP/s (median ms) of "
+        f"{result['backend']} against {result['peer']}, {result['dtype']}, TFLOP/s (median ms) of "
         f"{result['repeats']} repeats after {result['warmup']} warm-up; FLOPs as in the FlashAttention-2 paper",
-        format_table(["implementation", "causal", "D", "L", "BxH", "fwd", "bwd", "fwd+bwd", "fwd+bwd vs sdpa"], rows),
+        format_table(["implementation", "causal", "D", "L", "BxH", "fwd", "bwd", "fwd+bwd", "fwd+bwd vs peer"], rows),
     ]
     return "\n".join(lines)
 

@@ -699,14 +699,16 @@ def _add_explain(commands: Any) -> argparse.ArgumentParser:
 
 def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
-        "bench", help="dispatch overhead; torch-chunked against SDPA and torch-naive in time or peak memory"
+        "bench",
+        help="dispatch overhead; torch-chunked against SDPA and torch-naive in time or peak memory; --backend NAME "
+        "in TFLOP/s against its framework's peer",
     )
     bench.add_argument("--what", choices=("dispatch", "chunked", "memory"), default="dispatch")
     bench.add_argument(
         "--backend",
         metavar="NAME",
-        help="time this backend's fwd, bwd, fwd+bwd in TFLOP/s against torch SDPA at the FlashAttention-2 paper's "
-        "shapes (replaces --what)",
+        help="time this backend's fwd, bwd, fwd+bwd in TFLOP/s against its framework's own attention (torch SDPA, "
+        "jax.nn.dot_product_attention) at the FlashAttention-2 paper's shapes (replaces --what)",
     )
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -98,8 +98,13 @@ RUNNERS = {Framework.TORCH: run_torch, Framework.JAX: run_jax}
 
 
 def native_framework(backend: str) -> Framework:
-    """The framework a backend is run in by the harness: torch where it takes torch tensors, else JAX."""
-    frameworks = registry.get_backend(backend).capabilities.frameworks
+    """The framework a backend is run in by the harness: the one its ``native_framework`` attribute names (a
+    backend written for JAX that also bridges torch tensors), else torch where it takes torch tensors, else JAX."""
+    chosen = registry.get_backend(backend)
+    frameworks = chosen.capabilities.frameworks
+    preferred = getattr(chosen, "native_framework", None)
+    if preferred in frameworks:
+        return Framework(preferred)
     return Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX
 
 

@@ -1,0 +1,458 @@
+"""pallas: attention in ``jax.experimental.pallas`` kernels (kernels.py), for JAX arrays and, bridged
+through DLPack, for torch tensors.
+
+This module is the plumbing around the kernels: layouts, padding to the block sizes, cosine normalisation and
+its backward, per-batch geometry, dbias reduced to the bias's shape, empty extents, and the torch bridge.
+Forward and backward are plain functions of arrays; the frontends' custom_vjp (JAX) and autograd.Function
+(torch) tie them together, so jit, grad and vmap work as for any backend.
+
+On a GPU the kernels lower through Pallas' Triton path; elsewhere they run with ``interpret=True`` (a
+``jax.jit`` of a loop over the grid), which is exact but slow: a test and debugging vehicle.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    CausalAlignment,
+    Framework,
+    Gradients,
+    Layout,
+    Problem,
+    Variant,
+    capability_reasons,
+)
+from attnkit.backend import ALL_FEATURES
+
+try:
+    import jax
+    import jax.numpy as jnp
+
+    from . import kernels
+except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
+    _JAX_ERROR: str | None = f"jax.experimental.pallas cannot be imported ({type(error).__name__}: {error})"
+else:
+    _JAX_ERROR = None
+
+COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
+MAX_HEAD_DIM = 256
+INTERPRET_BLOCK = 16  # interpreted on CPU: small tiles keep the padded work small, and still several per row
+
+
+class _Config(NamedTuple):
+    """The static part of a call (a jit static argument): everything else is an array argument."""
+
+    kernel: Any  # kernels.Static for the forward/dQ kernels
+    kernel_dkdv: Any  # kernels.Static for the dK/dV kernel
+    cosine: bool
+
+
+class _Sizes(NamedTuple):
+    batch: int
+    len_q: int
+    len_k: int
+    dim: int
+    dim_v: int
+    pad_q: int
+    pad_k: int
+
+
+def _pow2(n: int, low: int = 16) -> int:
+    return max(low, 1 << max(0, n - 1).bit_length())
+
+
+def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[int, int], tuple[int, int], int]:
+    """((block_q, block_k) forward/dQ, (block_q, block_k) dK/dV, num_warps): never wider than the padded length."""
+    if interpret:
+        fwd, bwd, warps = (INTERPRET_BLOCK, INTERPRET_BLOCK), (INTERPRET_BLOCK, INTERPRET_BLOCK), 4
+    elif dim <= 64:
+        fwd, bwd, warps = (128, 64), (32, 64), 4
+    elif dim <= 128:
+        fwd, bwd, warps = (64, 64), (32, 32), 8
+    else:
+        fwd, bwd, warps = (32, 32), (16, 32), 8
+
+    def clip(pair: tuple[int, int]) -> tuple[int, int]:
+        return min(pair[0], _pow2(len_q)), min(pair[1], _pow2(len_k))
+
+    return clip(fwd), clip(bwd), warps
+
+
+@functools.lru_cache(maxsize=4096)
+def _config(spec: AttentionSpec, len_q: int, len_k: int, dim: int, interpret: bool) -> _Config:
+    fwd, bwd, warps = _blocks(interpret, len_q, len_k, dim)
+    common = {"bshd": spec.layout is Layout.BSHD, "softcap": spec.softcap is not None, "interpret": interpret}
+    return _Config(
+        kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=warps, **common),
+        kernel_dkdv=kernels.Static(block_q=bwd[0], block_k=bwd[1], num_warps=warps, **common),
+        cosine=spec.variant is Variant.COSINE,
+    )
+
+
+def _band(spec: AttentionSpec) -> tuple[int, int]:
+    """(left, right) of the visible band around each query's aligned position; causal clips right at 0."""
+    left, right = spec.window if spec.window is not None else (None, None)
+    left = kernels.FAR if left is None else left
+    right = kernels.FAR if right is None else right
+    if spec.causal:
+        right = min(right, 0)
+    return left, right
+
+
+@functools.lru_cache(maxsize=4096)
+def _scalar_values(spec: AttentionSpec, dim: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
+    left, right = _band(spec)
+    bottom_right = int(spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT)
+    return (spec.resolved_scale(dim), spec.softcap or 1.0, 0.0, 0.0), (left, right, bottom_right)
+
+
+def _scalars(spec: AttentionSpec, dim: int) -> tuple[Any, Any]:
+    """Values that change without recompiling: params [scale, softcap, 0, 0] and band [left, right, bottom_right]."""
+    params, band = _scalar_values(spec, dim)
+    return jnp.asarray(params, jnp.float32), jnp.asarray(band, jnp.int32)
+
+
+# --------------------------------------------------------------------------------------------- array plumbing
+
+
+def _axes(config: _Config) -> tuple[int, int]:
+    return (1, 2) if config.kernel.bshd else (2, 1)
+
+
+def _sizes(config: _Config, q: Any, k: Any, v: Any) -> _Sizes:
+    seq_axis, _ = _axes(config)
+    len_q, len_k = q.shape[seq_axis], k.shape[seq_axis]
+    step_q = max(config.kernel.block_q, config.kernel_dkdv.block_q)
+    step_k = max(config.kernel.block_k, config.kernel_dkdv.block_k)
+    pad_q, pad_k = -(-len_q // step_q) * step_q, -(-len_k // step_k) * step_k
+    return _Sizes(q.shape[0], len_q, len_k, q.shape[-1], v.shape[-1], pad_q, pad_k)
+
+
+def _pad_axis(x: Any, axis: int, size: int, value: float = 0) -> Any:
+    axis %= x.ndim
+    if x.shape[axis] == size:
+        return x
+    pad = [(0, 0)] * x.ndim
+    pad[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, pad, constant_values=value)
+
+
+def _normalize(x: Any) -> tuple[Any, tuple[Any, Any, Any]]:
+    x = x.astype(jnp.float32)
+    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
+    denominator = jnp.maximum(norm, COSINE_EPS)
+    unit = x / denominator
+    return unit, (unit, denominator, norm)
+
+
+def _normalize_backward(normalization: tuple[Any, Any, Any], d_unit: Any) -> Any:
+    # x̂ = x / max(‖x‖, eps): dx = (dx̂ − x̂ (x̂·dx̂)) / ‖x‖; below eps only the division contributes.
+    unit, denominator, norm = normalization
+    radial = jnp.where(norm >= COSINE_EPS, jnp.sum(unit * d_unit, axis=-1, keepdims=True), 0)
+    return (d_unit - unit * radial) / denominator
+
+
+def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> tuple[Any, Any, Any]:
+    """(B, 4) int32 [q_len, kv_len, lo, hi] (kernels.py), and q_len, kv_len; lengths may be tracers: clamped."""
+    batch, len_q, len_k = sizes.batch, sizes.len_q, sizes.len_k
+    q_len = jnp.full((batch,), len_q, jnp.int32) if q_lengths is None else jnp.clip(q_lengths, 0, len_q)
+    kv_len = jnp.full((batch,), len_k, jnp.int32) if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k)
+    q_len, kv_len = q_len.astype(jnp.int32), kv_len.astype(jnp.int32)
+    offset = (kv_len - q_len) * band[2]
+    left, right = band[0], band[1]
+    lo = jnp.where(left >= kernels.FAR, -kernels.FAR, offset - left)
+    hi = jnp.where(right >= kernels.FAR, kernels.FAR, offset + right)
+    return jnp.stack([q_len, kv_len, lo, hi], axis=1), q_len, kv_len
+
+
+def _zero_beyond(config: _Config, x: Any, lengths: Any) -> Any:
+    """x with the sequence positions at or beyond each batch element's length set to 0 (padding: maybe NaN)."""
+    seq_axis, _ = _axes(config)
+    positions = jnp.arange(x.shape[seq_axis]).reshape((-1, 1, 1) if seq_axis == 1 else (-1, 1))
+    return jnp.where(positions < lengths.reshape(-1, *([1] * (x.ndim - 1))), x, 0)
+
+
+def _pairwise(x: Any, sizes: _Sizes, dtype: Any) -> Any:
+    """A 4-D mask/bias broadcastable to (B, Hq, Lq, Lk): sequence axes broadcast and padded, batch/head kept."""
+    x = jnp.broadcast_to(x, (*x.shape[:2], sizes.len_q, sizes.len_k)).astype(dtype)
+    return _pad_axis(_pad_axis(x, 2, sizes.pad_q), 3, sizes.pad_k)
+
+
+def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, Any]:
+    """Kernel operands: padded q, k, v (unit rows for cosine), int8 mask, float32 bias, geometry."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    sizes = _sizes(config, q, k, v)
+    seq_axis, _ = _axes(config)
+    geom, q_len, kv_len = _geometry(band, sizes, inputs.q_lengths, inputs.kv_lengths)
+    prepared: dict[str, Any] = {"geom": geom, "q_norm": None, "k_norm": None}
+    if config.cosine:  # padding zeroed first, so its NaN cannot reach the normalisation's backward
+        q, prepared["q_norm"] = _normalize(_zero_beyond(config, q, q_len))
+        k, prepared["k_norm"] = _normalize(_zero_beyond(config, k, kv_len))
+        q, k = q.astype(inputs.q.dtype), k.astype(inputs.k.dtype)
+    dim_p, dim_vp = _pow2(sizes.dim), _pow2(sizes.dim_v)
+    prepared["q"] = _pad_axis(_pad_axis(q, seq_axis, sizes.pad_q), -1, dim_p)
+    prepared["k"] = _pad_axis(_pad_axis(k, seq_axis, sizes.pad_k), -1, dim_p)
+    prepared["v"] = _pad_axis(_pad_axis(v, seq_axis, sizes.pad_k), -1, dim_vp)
+    prepared["mask"] = None if inputs.mask is None else _pairwise(inputs.mask, sizes, jnp.int8)
+    prepared["bias"] = None if inputs.bias is None else _pairwise(inputs.bias, sizes, jnp.float32)
+    return prepared
+
+
+def _unpad(config: _Config, x: Any, length: int, dim: int) -> Any:
+    seq_axis, _ = _axes(config)
+    return jax.lax.slice_in_dim(x, 0, length, axis=seq_axis)[..., :dim]
+
+
+def _empty(inputs: AttentionInputs, config: _Config) -> bool:
+    seq_axis, _ = _axes(config)
+    return 0 in (inputs.q.shape[0], inputs.q.shape[seq_axis], inputs.k.shape[seq_axis])
+
+
+def _empty_forward(inputs: AttentionInputs, config: _Config) -> tuple[Any, Any]:
+    q, v = inputs.q, inputs.v
+    seq_axis, head_axis = _axes(config)
+    out_shape = (*q.shape[:-1], v.shape[-1])
+    lse_shape = (q.shape[0], q.shape[head_axis], q.shape[seq_axis])
+    return jnp.zeros(out_shape, q.dtype), jnp.full(lse_shape, -jnp.inf, jnp.float32)
+
+
+class _Stages(NamedTuple):
+    """The pieces of a call. Jitted as one program (GPU, or under the caller's jit), or one jit each (the
+    interpreter on CPU: there compiling the interpreted kernels dominates, and a kernel jitted alone is shared
+    by every call that pads to the same tile grid)."""
+
+    prepare: Any
+    forward_kernel: Any
+    finish_forward: Any
+    backward_rows: Any
+    dkdv_kernel: Any
+    dq_kernel: Any
+    finish_backward: Any
+
+
+def _finish_forward(config: _Config, sizes: _Sizes, out: Any, lse: Any) -> tuple[Any, Any]:
+    return _unpad(config, out, sizes.len_q, sizes.dim_v), lse[:, :, : sizes.len_q]
+
+
+def _forward(stages: _Stages, config: _Config, params: Any, band: Any, inputs: AttentionInputs) -> tuple[Any, Any]:
+    if _empty(inputs, config):
+        return _empty_forward(inputs, config)
+    sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
+    p = stages.prepare(config, band, inputs)
+    out, lse = stages.forward_kernel(config.kernel, p["geom"], params, p["q"], p["k"], p["v"], p["mask"], p["bias"])
+    return stages.finish_forward(config, sizes, out, lse)
+
+
+def _backward_rows(config: _Config, sizes: _Sizes, out: Any, lse: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
+    """Padded dO, lse and Δ = rowsum(dO ⊙ O) − dlse; an empty row (lse −inf) gets lse +inf (so P = 0) and Δ 0."""
+    seq_axis, _ = _axes(config)
+    delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
+    delta = jnp.swapaxes(delta, 1, 2) if config.kernel.bshd else delta
+    if dlse is not None:
+        delta = delta - dlse.astype(jnp.float32)
+    empty = lse == -jnp.inf
+    delta = _pad_axis(jnp.where(empty, 0.0, delta), 2, sizes.pad_q)
+    lse = _pad_axis(jnp.where(empty, jnp.inf, lse), 2, sizes.pad_q, jnp.inf)
+    do = _pad_axis(_pad_axis(dout, seq_axis, sizes.pad_q), -1, _pow2(sizes.dim_v))
+    return do, lse, delta
+
+
+def _finish_backward(
+    config: _Config, sizes: _Sizes, inputs: AttentionInputs, prepared: dict[str, Any], grads: tuple[Any, ...]
+) -> tuple[Any, Any, Any, Any]:
+    dq, dk, dv, dbias = grads
+    q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
+    dq, dk = _unpad(config, dq, sizes.len_q, sizes.dim), _unpad(config, dk, sizes.len_k, sizes.dim)
+    dv = _unpad(config, dv, sizes.len_k, sizes.dim_v)
+    if config.cosine:
+        dq = _normalize_backward(prepared["q_norm"], dq)
+        dk = _normalize_backward(prepared["k_norm"], dk)
+    if dbias is not None:
+        dbias = dbias[:, :, : sizes.len_q, : sizes.len_k]
+        axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1 and dbias.shape[axis] != 1)
+        dbias = (dbias.sum(axis=axes, keepdims=True) if axes else dbias).astype(bias.dtype)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
+
+
+def _backward(
+    stages: _Stages,
+    config: _Config,
+    want_dbias: bool,
+    params: Any,
+    band: Any,
+    inputs: AttentionInputs,
+    out: Any,
+    lse: Any,
+    dout: Any,
+    dlse: Any,
+) -> tuple[Any, Any, Any, Any]:
+    if _empty(inputs, config):
+        dbias = None if not want_dbias else jnp.zeros(inputs.bias.shape, inputs.bias.dtype)
+        return jnp.zeros_like(inputs.q), jnp.zeros_like(inputs.k), jnp.zeros_like(inputs.v), dbias
+    sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
+    p = stages.prepare(config, band, inputs)
+    do, lse, delta = stages.backward_rows(config, sizes, out, lse, dout, dlse)
+    operands = (p["geom"], params, p["q"], p["k"], p["v"], do, lse, delta, p["mask"], p["bias"])
+    dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands)
+    dq, dbias = stages.dq_kernel(config.kernel, *operands, want_dbias)
+    return stages.finish_backward(config, sizes, inputs, p, (dq, dk, dv, dbias))
+
+
+_PLAIN = _Stages(
+    _prepare,
+    kernels.forward_call,
+    _finish_forward,
+    _backward_rows,
+    kernels.dkdv_call,
+    kernels.dq_call,
+    _finish_backward,
+)
+
+
+@functools.cache
+def _compiled() -> tuple[Any, Any, Any, Any]:
+    """(forward, backward) jitted whole, and (forward, backward) staged with one jit per piece.
+
+    Scale, softcap, window, alignment and lengths are array arguments: changing them does not recompile.
+    The interpreted kernels are compiled without XLA's backend optimisations (about 30% faster to compile,
+    the same to run at test sizes). Nested under a caller's jit, all of these are inlined.
+    """
+    fast = {"xla_backend_optimization_level": 0}
+    staged = _Stages(
+        jax.jit(_prepare, static_argnums=(0,)),
+        jax.jit(kernels.forward_call, static_argnums=(0,), compiler_options=fast),
+        jax.jit(_finish_forward, static_argnums=(0, 1)),
+        jax.jit(_backward_rows, static_argnums=(0, 1)),
+        jax.jit(kernels.dkdv_call, static_argnums=(0,), compiler_options=fast),
+        jax.jit(kernels.dq_call, static_argnums=(0, 11), compiler_options=fast),
+        jax.jit(_finish_backward, static_argnums=(0, 1)),
+    )
+    whole_forward = jax.jit(functools.partial(_forward, _PLAIN), static_argnums=(0,))
+    whole_backward = jax.jit(functools.partial(_backward, _PLAIN), static_argnums=(0, 1))
+    return (
+        whole_forward,
+        whole_backward,
+        functools.partial(_forward, staged),
+        functools.partial(_backward, staged),
+    )
+
+
+# ----------------------------------------------------------------------------------------------- torch bridge
+
+
+def _to_jax(x: Any) -> Any:
+    """torch -> JAX through DLPack. bool and int64 have no JAX twin by default, so they are narrowed first."""
+    import torch
+
+    if x is None:
+        return None
+    x = x.detach()
+    if x.dtype == torch.bool:
+        x = x.to(torch.int8)
+    elif not x.is_floating_point():
+        x = x.to(torch.int32)
+    return jax.dlpack.from_dlpack(x.contiguous())
+
+
+def _to_torch(x: Any) -> Any:
+    import torch
+
+    return None if x is None else torch.from_dlpack(x)
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch")
+
+
+def _mask_from_int8(inputs: AttentionInputs) -> AttentionInputs:
+    return inputs if inputs.mask is None else inputs._replace(mask=inputs.mask != 0)
+
+
+class PallasBackend:
+    name = "pallas"
+    capabilities = Capabilities(
+        frameworks=frozenset({Framework.JAX, Framework.TORCH}),
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        devices=frozenset({"cpu", "cuda"}),
+        features=ALL_FEATURES,
+        head_dims=(1, MAX_HEAD_DIM),
+        description=(
+            "FlashAttention-2 in jax.experimental.pallas kernels (Triton path on GPU); "
+            "torch tensors bridged through DLPack"
+        ),
+        notes=(
+            "on CPU the kernels run with interpret=True (a jit of a loop over the grid): exact but slow, "
+            "for testing; on a GPU they lower through Pallas' Triton path",
+            "float64: not declared (Triton's GPU dot has no float64 path)",
+            "head dims up to 256, padded to a power of two >= 16; sequences padded to the block size",
+            "dense mask/bias: their sequence axes are materialised (batch/head broadcast is kept)",
+        ),
+    )
+    #: The harness (attnkit.testing.runners) drives it through JAX; the torch bridge has its own tests.
+    native_framework = Framework.JAX
+
+    def __init__(self, interpret: bool | None = None) -> None:
+        self._interpret = interpret
+
+    def available(self) -> list[str]:
+        return [_JAX_ERROR] if _JAX_ERROR is not None else []
+
+    def interpret(self) -> bool:
+        """True where kernels run in Pallas' interpreter: no GPU in JAX's default backend."""
+        if self._interpret is not None:
+            return self._interpret
+        return jax.default_backend() not in ("gpu", "cuda")
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        reasons = capability_reasons(self.capabilities, spec, problem)
+        if problem.device == "cuda" and problem.framework is Framework.TORCH and _JAX_ERROR is None:
+            if jax.default_backend() not in ("gpu", "cuda"):
+                reasons.append("device=cuda torch tensors need JAX with CUDA (pip install 'jax[cuda13]')")
+        return reasons
+
+    def _call(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, Any, _Config, Any, Any]:
+        seq_axis = 1 if spec.layout is Layout.BSHD else 2
+        len_q, len_k, dim = inputs.q.shape[seq_axis], inputs.k.shape[seq_axis], inputs.q.shape[-1]
+        interpret = self.interpret()
+        config = _config(spec, len_q, len_k, max(dim, inputs.v.shape[-1]), interpret)
+        params, band = _scalars(spec, dim)
+        if any(isinstance(x, jax.core.Tracer) for x in inputs):  # under the caller's jit/vmap/grad: inline
+            return functools.partial(_forward, _PLAIN), functools.partial(_backward, _PLAIN), config, params, band
+        forward, backward, staged_forward, staged_backward = _compiled()
+        if interpret:
+            forward, backward = staged_forward, staged_backward
+        return forward, backward, config, params, band
+
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
+        if _is_torch(inputs.q):
+            jax_inputs = _mask_from_int8(AttentionInputs(*(_to_jax(x) for x in inputs)))
+            forward, _, *call = self._call(spec, jax_inputs)
+            out, lse = forward(*call, jax_inputs)
+            return _to_torch(out), _to_torch(lse)
+        forward, _, *call = self._call(spec, inputs)
+        return forward(*call, inputs)
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: Any,
+        lse: Any,
+        dout: Any,
+        dlse: Any | None,
+    ) -> Gradients:
+        # dbias is computed whenever there is a bias: the protocol does not say whether it is wanted.
+        want_dbias = inputs.bias is not None
+        if _is_torch(inputs.q):
+            jax_inputs = _mask_from_int8(AttentionInputs(*(_to_jax(x) for x in inputs)))
+            _, backward, config, params, band = self._call(spec, jax_inputs)
+            cotangents = (_to_jax(x) for x in (out, lse, dout, dlse))
+            grads = backward(config, want_dbias, params, band, jax_inputs, *cotangents)
+            return Gradients(*(_to_torch(x) for x in grads))
+        _, backward, config, params, band = self._call(spec, inputs)
+        return Gradients(*backward(config, want_dbias, params, band, inputs, out, lse, dout, dlse))

@@ -1,0 +1,477 @@
+"""The Pallas kernels: FlashAttention-2 forward, and a backward in two kernels (dK/dV, then dQ).
+
+Each kernel has a launcher (grid, BlockSpecs and index maps: ``forward_call``, ``dkdv_call``, ``dq_call``) and
+a tile function (``_fwd_tile``, ``_bwd_dkdv``, ``_bwd_dq``) that runs on one grid cell and holds the tiled loop.
+
+Operands arrive prepared by ``backend.py``: sequences padded to a multiple of the block sizes and head dims to a
+power of two (zeros), q/k already unit vectors for the cosine variant, mask as int8 and bias as float32 in
+(B|1, Hq|1, Lq_pad, Lk_pad). Two small operands carry everything that may change without recompiling:
+
+* ``geom`` (B, 4) int32, per batch element ``[q_len, kv_len, lo, hi]``: query ``i`` sees key ``j`` when
+  ``i < q_len``, ``j < kv_len`` and ``i + lo <= j <= i + hi``. That band is causal and window together
+  (docs/semantics.md §4): ``lo = off - left`` (or ``-FAR``), ``hi = off + right`` with ``right`` clipped at 0
+  under causal (or ``+FAR``), ``off`` the per-batch alignment offset.
+* ``params`` (4,) float32: ``[scale, softcap, 0, 0]``.
+
+GQA/MQA: query head ``h`` reads kv head ``h // G`` through the K/V index maps; the dK/dV kernel runs per kv head
+and loops over its G query heads, so nothing is repeated and nothing is written twice (no atomics).
+
+Loops run over the tiles the band and lengths leave visible and no others: hidden tiles are never loaded.
+Inside a tile, rows at or beyond ``q_len`` and keys at or beyond ``kv_len`` are zeroed after loading, so padding
+(NaN included) never reaches a product (§5).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
+
+
+@dataclass(frozen=True)
+class Static:
+    """What a kernel is specialised on (hashable; a jit static argument). Shapes come from the operands."""
+
+    bshd: bool  # q/k/v/out are (B, L, H, D) instead of (B, H, L, D)
+    softcap: bool
+    block_q: int
+    block_k: int
+    interpret: bool
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def compiler_params(self) -> Any:
+        # Triton, not Mosaic GPU: the Mosaic GPU path does not take these dot_general shapes.
+        return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+# ------------------------------------------------------------------------------------------ shared tile helpers
+
+
+def _dot(a: Any, b: Any, *, trans_a: bool = False, trans_b: bool = False) -> Any:
+    """float32-accumulated product; float32 operands at full precision (no TF32), half types on tensor cores."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _geometry(geom_ref: Any) -> tuple[Any, Any, Any, Any]:
+    return geom_ref[0], geom_ref[1], geom_ref[2], geom_ref[3]
+
+
+def _kv_range(geom: tuple[Any, ...], i0: Any, block_q: int, block_k: int) -> tuple[Any, Any]:
+    """[first, end) of the key tiles that rows [i0, i0 + block_q) can see (empty when none)."""
+    q_len, kv_len, lo, hi = geom
+    last_row = jnp.minimum(i0 + block_q, q_len) - 1
+    j_first = jnp.maximum(i0 + lo, 0)
+    j_last = jnp.minimum(last_row + hi, kv_len - 1)
+    first = lax.div(j_first, block_k)
+    empty = (last_row < i0) | (j_last < j_first)
+    return first, jnp.where(empty, first, lax.div(jnp.maximum(j_last, 0), block_k) + 1)
+
+
+def _q_range(geom: tuple[Any, ...], j0: Any, block_q: int, block_k: int) -> tuple[Any, Any]:
+    """[first, end) of the query tiles that can see keys [j0, j0 + block_k) (empty when none)."""
+    q_len, kv_len, lo, hi = geom
+    last_col = jnp.minimum(j0 + block_k, kv_len) - 1
+    i_first = jnp.maximum(j0 - hi, 0)
+    i_last = jnp.minimum(last_col - lo, q_len - 1)
+    first = lax.div(i_first, block_q)
+    empty = (last_col < j0) | (i_last < i_first)
+    return first, jnp.where(empty, first, lax.div(jnp.maximum(i_last, 0), block_q) + 1)
+
+
+def _visible(geom: tuple[Any, ...], i0: Any, j0: Any, block_q: int, block_k: int) -> Any:
+    q_len, kv_len, lo, hi = geom
+    i = i0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+    j = j0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    return (i < q_len) & (j < kv_len) & (j >= i + lo) & (j <= i + hi)
+
+
+def _valid_rows(x: Any, start: Any, length: Any) -> Any:
+    """x (n, d) with rows at or beyond ``length`` (padding: maybe NaN) set to 0."""
+    rows = start + lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
+    return jnp.where(rows < length, x, jnp.zeros_like(x))
+
+
+def _valid_vector(x: Any, start: Any, length: Any, fill: float) -> Any:
+    rows = start + lax.broadcasted_iota(jnp.int32, x.shape, 0)
+    return jnp.where(rows < length, x, jnp.full_like(x, fill))
+
+
+def _scores(q: Any, k: Any, params_ref: Any, static: Static, bias: Any, visible: Any) -> tuple[Any, Any]:
+    """S = softcap(scale·q·kᵀ) + bias, −inf where hidden; also tanh(raw/c) for the softcap derivative."""
+    s = _dot(q, k, trans_b=True) * params_ref[0]
+    tanh = None
+    if static.softcap:
+        cap = params_ref[1]
+        tanh = jnp.tanh(s / cap)
+        s = tanh * cap
+    if bias is not None:
+        s = s + bias
+    return jnp.where(visible, s, -jnp.inf), tanh
+
+
+def _tile_visibility(geom: Any, mask_ref: Any, i0: Any, j0: Any, static: Static, rows: Any = None) -> Any:
+    visible = _visible(geom, i0, j0, static.block_q, static.block_k)
+    if mask_ref is not None:
+        visible = visible & (_read(mask_ref, rows, i0, j0, static) != 0)
+    return visible
+
+
+def _read(ref: Any, head: Any, i0: Any, j0: Any, static: Static) -> Any:
+    """The (block_q, block_k) tile of a mask/bias ref that is (Lq, Lk), or (G, Lq, Lk) indexed by ``head``."""
+    rows, cols = pl.ds(i0, static.block_q), pl.ds(j0, static.block_k)
+    if head is None or len(ref.shape) == 2:
+        return ref[rows, cols]
+    return ref[head, rows, cols]
+
+
+def _split(refs: tuple[Any, ...], present: tuple[bool, ...]) -> list[Any]:
+    """Pop optional refs in order: ``present[n]`` says whether the n-th optional operand was passed."""
+    refs_list = list(refs)
+    return [refs_list.pop(0) if flag else None for flag in present] + refs_list
+
+
+# ------------------------------------------------------------------------------------------------- forward
+
+
+def _fwd_tile(
+    geom_ref: Any, params_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, static: Static, has: tuple
+) -> None:
+    mask_ref, bias_ref, o_ref, lse_ref = _split(refs, has)
+    block_q, block_k = static.block_q, static.block_k
+    geom = _geometry(geom_ref)
+    q_len, kv_len = geom[0], geom[1]
+    i0 = pl.program_id(2) * block_q
+    q = _valid_rows(q_ref[...], i0, q_len)
+
+    # Online softmax over the visible key tiles (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'),
+    # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; at the end O = acc / l, lse = m + log l.
+    # A row with nothing visible yet keeps m = −inf and is shifted by 0, so exp() stays 0 instead of NaN.
+    def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+        row_max, row_sum, acc = carry
+        j0 = tile * block_k
+        keys = pl.ds(j0, block_k)
+        k = _valid_rows(k_ref[keys, :], j0, kv_len)
+        v = _valid_rows(v_ref[keys, :], j0, kv_len)
+        bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
+        s, _ = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, i0, j0, static))
+        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
+        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
+        p = jnp.exp(s - shift[:, None])
+        alpha = jnp.exp(row_max - shift)
+        row_sum = alpha * row_sum + jnp.sum(p, axis=1)
+        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+        return new_max, row_sum, acc
+
+    first, end = _kv_range(geom, i0, block_q, block_k)
+    init = (
+        jnp.full((block_q,), -jnp.inf, jnp.float32),
+        jnp.zeros((block_q,), jnp.float32),
+        jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
+    )
+    row_max, row_sum, acc = lax.fori_loop(first, end, body, init)
+    # l = 0 only where no key is visible: out 0, lse −inf. A NaN l propagates to both.
+    empty = row_sum == 0
+    safe = jnp.where(empty, 1.0, row_sum)
+    o_ref[...] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log(safe))
+
+
+def _seq_spec(static: Static, block: int, dim: int, head: Any, index: Any) -> pl.BlockSpec:
+    """BlockSpec of a (block, dim) tile of a q/k/v-like operand in either layout.
+
+    ``head(b, h)`` and ``index(x)`` map the grid's head coordinate and tile coordinate.
+    """
+    if static.bshd:
+        return pl.BlockSpec((None, block, None, dim), lambda b, h, x: (b, index(x), head(h), 0))
+    return pl.BlockSpec((None, None, block, dim), lambda b, h, x: (b, head(h), index(x), 0))
+
+
+def _pair_spec(shape: tuple[int, ...], rows: int, cols: int, head: Any, row: Any, col: Any, group: int = 1) -> Any:
+    """BlockSpec of a mask/bias operand (B|1, Hq|1, Lq, Lk) whose batch/head axes may be broadcast (size 1).
+
+    ``group`` > 1 gives a (group, rows, cols) block of consecutive heads (the dK/dV kernel's G query heads).
+    """
+    batch_broadcast, head_broadcast = shape[0] == 1, shape[1] == 1
+    heads = None if head_broadcast else (group if group > 1 else None)
+
+    def index(b: Any, h: Any, x: Any) -> tuple[Any, ...]:
+        return (0 if batch_broadcast else b, 0 if head_broadcast else head(h), row(x), col(x))
+
+    return pl.BlockSpec((None, heads, rows, cols), index)
+
+
+def _geom_specs() -> list[pl.BlockSpec]:
+    return [pl.BlockSpec((None, 4), lambda b, h, x: (b, 0)), pl.BlockSpec((4,), lambda b, h, x: (0,))]
+
+
+def forward_call(
+    static: Static, geom: Any, params: Any, q: Any, k: Any, v: Any, mask: Any, bias: Any
+) -> tuple[Any, Any]:
+    """out (q's layout, Dv padded) and lse (B, Hq, Lq_pad) float32; grid (B, Hq, query tiles)."""
+    seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
+    batch, len_q, heads_q, dim = q.shape[0], q.shape[seq_axis], q.shape[head_axis], q.shape[-1]
+    len_k, heads_kv, dim_v = k.shape[seq_axis], k.shape[head_axis], v.shape[-1]
+    group = heads_q // heads_kv
+    block_q = static.block_q
+    same = lambda x: x  # noqa: E731
+    first = lambda x: 0  # noqa: E731
+    in_specs = [
+        *_geom_specs(),
+        _seq_spec(static, block_q, dim, same, same),
+        _seq_spec(static, len_k, dim, lambda h: h // group, first),
+        _seq_spec(static, len_k, dim_v, lambda h: h // group, first),
+    ]
+    operands = [geom, params, q, k, v]
+    for extra in (mask, bias):
+        if extra is not None:
+            in_specs.append(_pair_spec(extra.shape, block_q, len_k, same, same, first))
+            operands.append(extra)
+    out_shape = list(q.shape[:-1]) + [dim_v]
+    kernel = functools.partial(_fwd_tile, static=static, has=(mask is not None, bias is not None))
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads_q, len_q // block_q),
+        in_specs=in_specs,
+        out_specs=[
+            _seq_spec(static, block_q, dim_v, same, same),
+            pl.BlockSpec((None, None, block_q), lambda b, h, x: (b, h, x)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct(tuple(out_shape), q.dtype),
+            jax.ShapeDtypeStruct((batch, heads_q, len_q), jnp.float32),
+        ],
+        interpret=static.interpret,
+        compiler_params=static.compiler_params(),
+        name="attnkit_pallas_fwd",
+    )(*operands)
+
+
+# ------------------------------------------------------------------------------------------------ backward
+
+
+def _bwd_dkdv(
+    geom_ref: Any,
+    params_ref: Any,
+    q_ref: Any,
+    k_ref: Any,
+    v_ref: Any,
+    do_ref: Any,
+    lse_ref: Any,
+    delta_ref: Any,
+    *refs: Any,
+    static: Static,
+    has: tuple,
+    group: int,
+) -> None:
+    mask_ref, bias_ref, dk_ref, dv_ref = _split(refs, has)
+    block_q, block_k = static.block_q, static.block_k
+    geom = _geometry(geom_ref)
+    q_len, kv_len = geom[0], geom[1]
+    j0 = pl.program_id(2) * block_k
+    k = _valid_rows(k_ref[...], j0, kv_len)
+    v = _valid_rows(v_ref[...], j0, kv_len)
+
+    def q_tile(g: Any, rows: Any) -> tuple[Any, Any]:
+        if static.bshd:
+            return q_ref[rows, g, :], do_ref[rows, g, :]
+        return q_ref[g, rows, :], do_ref[g, rows, :]
+
+    # Per query tile of each of the G query heads reading this kv head, P recomputed from lse:
+    # P = exp(S − lse), dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse,
+    # dS' = dS ⊙ (1 − tanh²) through the softcap, dK += scale · dS'ᵀ·Q. Empty rows carry lse = +inf: P = 0.
+    def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+        g, dk, dv = carry
+        i0 = tile * block_q
+        rows = pl.ds(i0, block_q)
+        q, do = q_tile(g, rows)
+        q, do = _valid_rows(q, i0, q_len), _valid_rows(do, i0, q_len)
+        lse = _valid_vector(lse_ref[g, rows], i0, q_len, jnp.inf)
+        delta = _valid_vector(delta_ref[g, rows], i0, q_len, 0.0)
+        bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static)
+        visible = _tile_visibility(geom, mask_ref, i0, j0, static, rows=g)
+        s, tanh = _scores(q, k, params_ref, static, bias, visible)
+        p = jnp.exp(s - lse[:, None])
+        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        if tanh is not None:
+            ds = ds * (1.0 - tanh * tanh)
+        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
+        return g, dk, dv
+
+    def head(g: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
+        first, end = _q_range(geom, j0, block_q, block_k)
+        _, dk, dv = lax.fori_loop(first, end, body, (g, *carry))
+        return dk, dv
+
+    init = (jnp.zeros((block_k, k.shape[-1]), jnp.float32), jnp.zeros((block_k, v.shape[-1]), jnp.float32))
+    dk, dv = lax.fori_loop(0, group, head, init)
+    dk_ref[...] = (dk * params_ref[0]).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _bwd_dq(
+    geom_ref: Any,
+    params_ref: Any,
+    q_ref: Any,
+    k_ref: Any,
+    v_ref: Any,
+    do_ref: Any,
+    lse_ref: Any,
+    delta_ref: Any,
+    *refs: Any,
+    static: Static,
+    has: tuple,
+) -> None:
+    mask_ref, bias_ref, dq_ref, *dbias = _split(refs, has)
+    dbias_ref = dbias[0] if dbias else None
+    block_q, block_k = static.block_q, static.block_k
+    geom = _geometry(geom_ref)
+    q_len, kv_len = geom[0], geom[1]
+    i0 = pl.program_id(2) * block_q
+    q = _valid_rows(q_ref[...], i0, q_len)
+    do = _valid_rows(do_ref[...], i0, q_len)
+    lse = _valid_vector(lse_ref[...], i0, q_len, jnp.inf)
+    delta = _valid_vector(delta_ref[...], i0, q_len, 0.0)
+
+    # Per visible key tile: P = exp(S − lse), dS = P ⊙ (dO·Vᵀ − Δ) (this is dbias), dS' = dS ⊙ (1 − tanh²),
+    # dQ += scale · dS'·K.
+    def body(tile: Any, dq: Any) -> Any:
+        j0 = tile * block_k
+        keys = pl.ds(j0, block_k)
+        k = _valid_rows(k_ref[keys, :], j0, kv_len)
+        v = _valid_rows(v_ref[keys, :], j0, kv_len)
+        bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
+        s, tanh = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, i0, j0, static))
+        p = jnp.exp(s - lse[:, None])
+        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+        if dbias_ref is not None:
+            dbias_ref[:, keys] = ds
+        if tanh is not None:
+            ds = ds * (1.0 - tanh * tanh)
+        return dq + _dot(ds.astype(k.dtype), k)
+
+    first, end = _kv_range(geom, i0, block_q, block_k)
+    if dbias_ref is not None:  # tiles the loop skips hold no gradient: write their zeros
+        zeros = jnp.zeros((block_q, block_k), dbias_ref.dtype)
+
+        def clear(tile: Any, carry: Any) -> Any:
+            dbias_ref[:, pl.ds(tile * block_k, block_k)] = zeros
+            return carry
+
+        lax.fori_loop(0, first, clear, 0)
+        lax.fori_loop(end, dbias_ref.shape[-1] // block_k, clear, 0)
+    dq = lax.fori_loop(first, end, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32))
+    dq_ref[...] = (dq * params_ref[0]).astype(dq_ref.dtype)
+
+
+def dkdv_call(
+    static: Static, geom: Any, params: Any, q: Any, k: Any, v: Any, do: Any, lse: Any, delta: Any, mask: Any, bias: Any
+) -> tuple[Any, Any]:
+    """dk, dv float32 in k's layout; grid (B, Hkv, key tiles), each looping over its G query heads."""
+    seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
+    batch, len_q, heads_q, dim = q.shape[0], q.shape[seq_axis], q.shape[head_axis], q.shape[-1]
+    len_k, heads_kv, dim_v = k.shape[seq_axis], k.shape[head_axis], v.shape[-1]
+    group = heads_q // heads_kv
+    block_k = static.block_k
+    same = lambda x: x  # noqa: E731
+    first = lambda x: 0  # noqa: E731
+    if static.bshd:
+        grouped = [pl.BlockSpec((None, len_q, group, d), lambda b, h, x: (b, 0, h, 0)) for d in (dim, dim_v)]
+    else:
+        grouped = [pl.BlockSpec((None, group, len_q, d), lambda b, h, x: (b, h, 0, 0)) for d in (dim, dim_v)]
+    rows = pl.BlockSpec((None, group, len_q), lambda b, h, x: (b, h, 0))
+    in_specs = [
+        *_geom_specs(),
+        grouped[0],
+        _seq_spec(static, block_k, dim, same, same),
+        _seq_spec(static, block_k, dim_v, same, same),
+        grouped[1],
+        rows,
+        rows,
+    ]
+    operands = [geom, params, q, k, v, do, lse, delta]
+    for extra in (mask, bias):
+        if extra is not None:
+            in_specs.append(_pair_spec(extra.shape, len_q, block_k, same, first, same, group=group))
+            operands.append(extra)
+    kernel = functools.partial(_bwd_dkdv, static=static, has=(mask is not None, bias is not None), group=group)
+    return pl.pallas_call(
+        kernel,
+        grid=(batch, heads_kv, len_k // block_k),
+        in_specs=in_specs,
+        out_specs=[_seq_spec(static, block_k, dim, same, same), _seq_spec(static, block_k, dim_v, same, same)],
+        out_shape=[
+            jax.ShapeDtypeStruct(k.shape, jnp.float32),
+            jax.ShapeDtypeStruct(v.shape, jnp.float32),
+        ],
+        interpret=static.interpret,
+        compiler_params=static.compiler_params(),
+        name="attnkit_pallas_bwd_dkdv",
+    )(*operands)
+
+
+def dq_call(
+    static: Static,
+    geom: Any,
+    params: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    do: Any,
+    lse: Any,
+    delta: Any,
+    mask: Any,
+    bias: Any,
+    want_dbias: bool,
+) -> tuple[Any, Any]:
+    """dq float32 in q's layout and, when asked, dS as dbias (B, Hq, Lq_pad, Lk_pad); grid (B, Hq, query tiles)."""
+    seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
+    batch, len_q, heads_q, dim = q.shape[0], q.shape[seq_axis], q.shape[head_axis], q.shape[-1]
+    len_k, heads_kv, dim_v = k.shape[seq_axis], k.shape[head_axis], v.shape[-1]
+    group = heads_q // heads_kv
+    block_q = static.block_q
+    same = lambda x: x  # noqa: E731
+    first = lambda x: 0  # noqa: E731
+    rows = pl.BlockSpec((None, None, block_q), lambda b, h, x: (b, h, x))
+    in_specs = [
+        *_geom_specs(),
+        _seq_spec(static, block_q, dim, same, same),
+        _seq_spec(static, len_k, dim, lambda h: h // group, first),
+        _seq_spec(static, len_k, dim_v, lambda h: h // group, first),
+        _seq_spec(static, block_q, dim_v, same, same),
+        rows,
+        rows,
+    ]
+    operands = [geom, params, q, k, v, do, lse, delta]
+    for extra in (mask, bias):
+        if extra is not None:
+            in_specs.append(_pair_spec(extra.shape, block_q, len_k, same, same, first))
+            operands.append(extra)
+    out_specs = [_seq_spec(static, block_q, dim, same, same)]
+    out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
+    if want_dbias:
+        out_specs.append(pl.BlockSpec((None, None, block_q, len_k), lambda b, h, x: (b, h, x, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((batch, heads_q, len_q, len_k), jnp.float32))
+    kernel = functools.partial(_bwd_dq, static=static, has=(mask is not None, bias is not None))
+    results = pl.pallas_call(
+        kernel,
+        grid=(batch, heads_q, len_q // block_q),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=static.interpret,
+        compiler_params=static.compiler_params(),
+        name="attnkit_pallas_bwd_dq",
+    )(*operands)
+    return results[0], (results[1] if want_dbias else None)

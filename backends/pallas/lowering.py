@@ -1,0 +1,126 @@
+"""Lower every pallas kernel variant for a CUDA GPU, on a machine without one.
+
+With ``jax-cuda13-plugin`` (the same version as jaxlib) installed, ``jax.jit(fn).trace(...).lower(
+lowering_platforms=("cuda",))`` runs Pallas' Triton lowering of each kernel (the step that rejects what Triton
+cannot express: shapes, dtypes, ops) and yields ``__gpu$xla.gpu.triton`` custom calls, with
+``JAX_PLATFORMS=cpu``. What it does not run is Triton's own compile to PTX, which happens on the GPU.
+
+``python -m attnkit.backends.pallas.lowering`` prints one JSON line per variant:
+``{"variant": ..., "pass": "forward"|"backward", "ok": bool, "targets": [...], "error": ...}``.
+tests/test_pallas.py runs it in a subprocess (``JAX_PLATFORMS=cpu``) and checks every line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from typing import Any
+
+from attnkit import AttentionInputs, AttentionSpec
+
+TRITON_TARGET = "__gpu$xla.gpu.triton"
+
+
+def variants() -> dict[str, dict[str, Any]]:
+    """Each feature switch of the kernels, one at a time, at sizes that are not block multiples."""
+    causal = AttentionSpec(causal=True)
+    return {
+        "causal bf16 GQA": {"spec": causal},
+        "float32": {"spec": causal, "dtype": "float32"},
+        "float16": {"spec": causal, "dtype": "float16"},
+        "no mask": {"spec": AttentionSpec()},
+        "top_left window": {"spec": AttentionSpec(window=(64, 16), causal_alignment="top_left")},
+        "sliding causal": {"spec": AttentionSpec(causal=True, window=(128, 0))},
+        "softcap": {"spec": AttentionSpec(causal=True, softcap=30.0)},
+        "cosine": {"spec": AttentionSpec(variant="cosine")},
+        "bshd": {"spec": AttentionSpec(causal=True, layout="bshd")},
+        "bshd GQA bias": {"spec": AttentionSpec(layout="bshd"), "bias": (2, 4, 200, 300)},
+        "mask": {"spec": AttentionSpec(), "mask": (2, 4, 200, 300)},
+        "mask broadcast": {"spec": AttentionSpec(), "mask": (1, 1, 200, 300)},
+        "bias dbias": {"spec": AttentionSpec(softcap=20.0), "bias": (1, 4, 200, 300)},
+        "lengths": {"spec": causal, "lengths": True},
+        "MQA": {"spec": causal, "heads_kv": 1},
+        "MHA": {"spec": causal, "heads_kv": 4},
+        "GQA 3:1, B=3, mask per head": {"spec": causal, "batch": 3, "heads_q": 6, "mask": (3, 6, 200, 300)},
+        "decode Lq=1": {"spec": causal, "len_q": 1},
+        "head dim 40": {"spec": causal, "dim": 40, "dim_v": 40},
+        "head dim 128, Dv 64": {"spec": causal, "dim": 128, "dim_v": 64},
+        "head dim 256": {"spec": causal, "dim": 256, "dim_v": 256},
+    }
+
+
+def lower(
+    spec: AttentionSpec,
+    *,
+    batch: int = 2,
+    heads_q: int = 4,
+    heads_kv: int = 2,
+    len_q: int = 200,
+    len_k: int = 300,
+    dim: int = 64,
+    dim_v: int = 64,
+    dtype: str = "bfloat16",
+    mask: tuple[int, ...] | None = None,
+    bias: tuple[int, ...] | None = None,
+    lengths: bool = False,
+) -> dict[str, list[str]]:
+    """Custom-call targets of the forward and backward programs lowered for CUDA, by pass."""
+    import jax
+    import jax.numpy as jnp
+
+    from .backend import PallasBackend
+
+    def shape(heads: int, length: int, d: int) -> tuple[int, ...]:
+        return (batch, length, heads, d) if spec.layout.value == "bshd" else (batch, heads, length, d)
+
+    array = jax.ShapeDtypeStruct
+    q = array(shape(heads_q, len_q, dim), jnp.dtype(dtype))
+    k = array(shape(heads_kv, len_k, dim), jnp.dtype(dtype))
+    v = array(shape(heads_kv, len_k, dim_v), jnp.dtype(dtype))
+    length_array = array((batch,), jnp.int32) if lengths else None
+    inputs = AttentionInputs(
+        q,
+        k,
+        v,
+        None if mask is None else array(mask, jnp.bool_),
+        None if bias is None else array(bias, jnp.float32),
+        length_array,
+        length_array,
+    )
+    forward, backward, config, params, band = PallasBackend(interpret=False)._call(spec, inputs)
+    out = array((*q.shape[:-1], dim_v), q.dtype)
+    lse = array((batch, heads_q, len_q), jnp.float32)
+    programs = {
+        "forward": forward.trace(config, params, band, inputs),
+        "backward": backward.trace(config, bias is not None, params, band, inputs, out, lse, out, lse),
+    }
+    targets = {}
+    for name, traced in programs.items():
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        targets[name] = sorted(set(re.findall(r"custom_call @([\w$.]+)", text)))
+    return targets
+
+
+def main() -> int:
+    failures = 0
+    for name, variant in variants().items():
+        options = dict(variant)
+        spec = options.pop("spec")
+        try:
+            targets = lower(spec, **options)
+        except Exception as error:  # reported per variant, so one failure does not hide the others
+            failures += 1
+            message = f"{type(error).__name__}: {error}"[:2000]
+            for kernel_pass in ("forward", "backward"):
+                print(json.dumps({"variant": name, "pass": kernel_pass, "ok": False, "targets": [], "error": message}))
+            continue
+        for kernel_pass, found in targets.items():
+            ok = TRITON_TARGET in found
+            failures += not ok
+            print(json.dumps({"variant": name, "pass": kernel_pass, "ok": ok, "targets": found, "error": None}))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""Extras of the pallas backend (the conformance suite covers the contract through the registry):
+every kernel variant lowers for a CUDA GPU, jit/grad/vmap, the torch bridge, tiles the geometry hides are
+skipped, and lengths/blocks that do not divide."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import attnkit
+from attnkit import AttentionSpec
+from attnkit.testing import Case
+from attnkit.testing.agreement import compare, oracle_results, rounded
+from attnkit.testing.cases import make_arrays
+from attnkit.testing.runners import run_jax, run_torch
+
+pytestmark = pytest.mark.skipif(
+    bool(attnkit.get_backend("pallas").available()), reason="pallas is not available here (needs jax)"
+)
+
+
+def _plugin_reason() -> str | None:
+    """Why the GPU lowering check cannot run here, or None."""
+    try:
+        plugin = importlib.metadata.version("jax-cuda13-plugin")
+    except importlib.metadata.PackageNotFoundError:
+        return "jax-cuda13-plugin is not installed (pip install -e '.[pallas-gpu-check]')"
+    jaxlib = importlib.metadata.version("jaxlib")
+    if plugin != jaxlib:
+        return f"jax-cuda13-plugin {plugin} does not match jaxlib {jaxlib}"
+    if importlib.util.find_spec("absl") is None:
+        return "absl-py is not installed (pip install -e '.[pallas-gpu-check]')"
+    return None
+
+
+@pytest.fixture(scope="module")
+def lowered() -> dict[tuple[str, str], dict]:
+    """Every variant lowered for CUDA in one subprocess with JAX_PLATFORMS=cpu (no GPU needed)."""
+    reason = _plugin_reason()
+    if reason:
+        pytest.skip(reason)
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-m", "attnkit.backends.pallas.lowering"], env=env, capture_output=True, text=True
+    )
+    lines = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert lines, result.stdout + result.stderr
+    return {(line["variant"], line["pass"]): line for line in lines}
+
+
+def _variant_ids() -> list[tuple[str, str]]:
+    from attnkit.backends.pallas.lowering import variants
+
+    return [(name, kernel_pass) for name in variants() for kernel_pass in ("forward", "backward")]
+
+
+@pytest.mark.parametrize(("variant", "kernel_pass"), _variant_ids(), ids=[f"{v}-{p}" for v, p in _variant_ids()])
+def test_kernels_lower_for_gpu(lowered: dict, variant: str, kernel_pass: str) -> None:
+    """Pallas' Triton lowering accepts every kernel variant: a __gpu$xla.gpu.triton custom call comes out."""
+    line = lowered[(variant, kernel_pass)]
+    assert line["ok"], line["error"] or f"no Triton custom call among {line['targets']}"
+
+
+def test_under_jit_grad_and_vmap() -> None:
+    import jax
+    import jax.numpy as jnp
+
+    spec = AttentionSpec(causal=True, softcap=20.0)
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((2, 4, 6, 16)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 2, 9, 16)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((2, 2, 9, 16)), jnp.float32)
+    bias = jnp.asarray(rng.standard_normal((1, 4, 6, 9)), jnp.float32)
+    lengths = jnp.asarray([9, 4], jnp.int32)
+
+    def loss(backend, q, k, v, bias, lengths):
+        out, lse = attnkit.attend(spec, q, k, v, bias=bias, kv_lengths=lengths, return_lse=True, backend=backend)
+        return (out**2).sum() + jnp.where(jnp.isfinite(lse), lse, 0.0).sum()
+
+    grad = jax.grad(loss, argnums=(1, 2, 3, 4))
+    eager = grad("pallas", q, k, v, bias, lengths)
+    jitted = jax.jit(grad, static_argnums=0)("pallas", q, k, v, bias, lengths)
+    reference = grad("jax-reference", q, k, v, bias, lengths)
+    for a, b, c in zip(eager, jitted, reference):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-4)
+
+    # vmap over an extra leading axis, forward and gradient
+    stacked = jnp.stack([q, q * 0.5])
+    batched = jax.vmap(lambda x: attnkit.attend(spec, x, k, v, backend="pallas"))(stacked)
+    single = attnkit.attend(spec, q * 0.5, k, v, backend="pallas")
+    np.testing.assert_allclose(np.asarray(batched[1]), np.asarray(single), rtol=1e-5, atol=1e-6)
+    batched_grad = jax.vmap(lambda x: grad("pallas", x, k, v, bias, lengths)[0])(stacked)
+    np.testing.assert_allclose(np.asarray(batched_grad[0]), np.asarray(eager[0]), rtol=1e-5, atol=1e-5)
+
+
+TORCH_CASES = [
+    Case(spec=AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=9, len_k=20, kv_lengths=(20, 7)),
+    Case(
+        spec=AttentionSpec(window=(3, 1), softcap=5.0, layout="bshd", variant="cosine"),
+        len_q=20,
+        len_k=18,
+        mask_shape=(2, 1, 20, 18),
+        masked_rows=(3,),
+        bias_shape=(1, 2, 20, 18),
+        bias_grad=True,
+        dtype="bfloat16",
+    ),
+]
+
+
+@pytest.mark.parametrize("case", TORCH_CASES, ids=range(len(TORCH_CASES)))
+def test_torch_tensors_through_dlpack(case: Case) -> None:
+    """torch in, torch out, gradients through the frontend's autograd.Function into the JAX backward."""
+    arrays = rounded(case, make_arrays(case))
+    comparisons = compare(case, run_torch(case, arrays, "pallas"), *oracle_results(case, arrays))
+    failures = [str(c) for c in comparisons if not c.ok]
+    assert not failures, "\n".join(failures)
+
+
+def test_torch_non_contiguous_inputs() -> None:
+    import torch
+
+    spec = AttentionSpec(causal=True)
+    q = torch.randn(2, 6, 2, 32)[..., ::2].transpose(1, 2)
+    k = torch.randn(2, 7, 1, 16).transpose(1, 2)
+    v = torch.randn(2, 1, 16, 7).transpose(-1, -2)
+    out = attnkit.attend(spec, q, k, v, backend="pallas")
+    expected = attnkit.attend(spec, q.contiguous(), k.contiguous(), v.contiguous(), backend="torch-naive")
+    assert isinstance(out, torch.Tensor)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_tile_ranges_skip_what_the_geometry_hides() -> None:
+    """Loop bounds, not masking: causal visits about half the tiles, a window a band, lengths stop early."""
+    import jax.numpy as jnp
+    from attnkit.backends.pallas import kernels
+
+    length, block = 4096, 128
+
+    def tiles(lo: int, hi: int, q_len: int = length, kv_len: int = length) -> tuple[int, int]:
+        geom = (jnp.int32(q_len), jnp.int32(kv_len), jnp.int32(lo), jnp.int32(hi))
+        forward = backward = 0
+        for start in range(0, length, block):
+            first, end = kernels._kv_range(geom, jnp.int32(start), block, block)
+            forward += max(0, int(end) - int(first))
+            first, end = kernels._q_range(geom, jnp.int32(start), block, block)
+            backward += max(0, int(end) - int(first))
+        return forward, backward
+
+    full = (length // block) ** 2
+    assert tiles(-kernels.FAR, kernels.FAR) == (full, full)
+    causal = (length // block) * (length // block + 1) // 2
+    assert tiles(-kernels.FAR, 0) == (causal, causal)
+    band, _ = tiles(-256, 0)  # sliding window of 256 keys: at most 3 tiles per row of tiles
+    assert band <= 3 * (length // block)
+    short, _ = tiles(-kernels.FAR, kernels.FAR, kv_len=1000)  # keys past kv_len are never loaded
+    assert short == (length // block) * 8
+
+
+def test_hidden_tiles_are_never_read() -> None:
+    """A NaN in keys that only causally hidden tiles hold cannot reach rows whose tiles stop before them."""
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(1)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 1, 64, 16)), jnp.float32) for _ in range(3))
+    k = k.at[:, :, 48:].set(jnp.nan)
+    v = v.at[:, :, 48:].set(jnp.nan)
+    out = np.asarray(attnkit.attend(AttentionSpec(causal=True), q, k, v, backend="pallas"))
+    assert np.isfinite(out[0, 0, :48]).all()  # rows 0..47 stop at tile 2 (block 16 interpreted)
+    assert np.isnan(out[0, 0, 48:]).all()
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(spec=AttentionSpec(causal=True), len_q=37, len_k=29, heads_q=4, heads_kv=2, head_dim=40, head_dim_v=24),
+        Case(
+            spec=AttentionSpec(window=(5, 3), softcap=10.0),
+            len_q=33,
+            len_k=50,
+            bias_shape=(2, 1, 33, 1),
+            bias_grad=True,
+        ),
+        Case(spec=AttentionSpec(causal=True, causal_alignment="top_left"), len_q=21, len_k=40, kv_lengths=(40, 13)),
+    ],
+    ids=range(3),
+)
+def test_lengths_that_are_not_block_multiples(case: Case) -> None:
+    """Several tiles per row, tiles straddling lengths and the diagonal, broadcast bias along keys."""
+    arrays = rounded(case, make_arrays(case))
+    comparisons = compare(case, run_jax(case, arrays, "pallas"), *oracle_results(case, arrays))
+    failures = [str(c) for c in comparisons if not c.ok]
+    assert not failures, "\n".join(failures)
+
+
+def test_info_says_cpu_runs_interpreted() -> None:
+    from attnkit import cli
+
+    lines = []
+
+    class Out:
+        def write(self, text: str) -> None:
+            lines.append(text)
+
+    cli.run_info(type("Args", (), {"markdown": False})(), Out())  # type: ignore[arg-type]
+    assert "interpret=True" in "".join(lines)
