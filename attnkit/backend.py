@@ -16,6 +16,12 @@ Backends receive tensors of their own framework, already validated, in the spec'
 (4-D: a 3-D call gets a head axis of 1 added by the frontend). ``mask`` and ``bias`` are 4-D
 and broadcastable to (B, Hq, Lq, Lk); a backend may return ``dbias`` in that broadcast shape and the
 frontend sums it down to the caller's shape. ``lse`` is float32 (B, Hq, Lq).
+
+A backend whose forward is differentiable by the framework itself (it calls a library op that torch autograd or
+JAX autodiff already knows, as the native backends do) sets ``differentiable_forward = True``: the frontend then
+calls ``forward`` directly, with grad recording on and ``need_lse`` as the caller asked, instead of wrapping it in
+its own autograd.Function / custom_vjp, so the framework's own backward runs at the cost of a direct call.
+``backward`` is then only for callers of the protocol itself.
 """
 
 from __future__ import annotations

@@ -106,6 +106,8 @@ class JaxOps:
         return x.reshape(shape)
 
     def run(self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs) -> tuple[Any, Any]:
+        if getattr(backend, "differentiable_forward", False):
+            return backend.forward(spec, inputs, need_lse=problem.return_lse)
         return _attend(backend, spec, inputs)
 
 

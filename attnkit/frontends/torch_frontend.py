@@ -109,7 +109,7 @@ class TorchOps:
         return x.reshape(shape)
 
     def run(self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs) -> tuple[Any, Any]:
-        if not problem.needs_grad:
+        if not problem.needs_grad or getattr(backend, "differentiable_forward", False):
             return backend.forward(spec, inputs, need_lse=problem.return_lse)
         out, lse = _AttendFunction.apply(
             backend,
