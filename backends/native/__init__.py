@@ -17,3 +17,10 @@ if importlib.util.find_spec("torch") is not None:
     register_backend(TorchSdpaBackend())
 else:
     register_backend(MissingPackageBackend("torch-sdpa", "torch", "torch"))
+
+if importlib.util.find_spec("jax") is not None:
+    from .jax_xla import JaxXlaBackend
+
+    register_backend(JaxXlaBackend())
+else:
+    register_backend(MissingPackageBackend("jax-xla", "jax", "jax"))

@@ -1,0 +1,215 @@
+"""``jax-xla``: the contract lowered onto ``jax.nn.dot_product_attention`` (its XLA path; cuDNN on CUDA).
+
+* Layout: the call takes (B, T, N, H) = bshd; bhsd inputs are swapped in and out.
+* Causal: top-left (and bottom-right with Lq = Lk) is ``is_causal=True``. Bottom-right with Lq != Lk, windows
+  (jax's ``local_window_size`` is top-left aligned, with no per-batch offset) and lengths become one boolean mask,
+  ANDed with the user's: the XLA path materialises the (Lq, Lk) scores anyway.
+* Fully masked rows: jax fills hidden scores with a large *finite* negative, so an empty row outputs the mean of V;
+  here such rows are found from the visibility mask and set to 0, which also zeroes their cotangent.
+* Padding beyond lengths is zeroed first (0·NaN would otherwise reach visible rows).
+* Differentiated by JAX itself (``differentiable_forward``): jax.grad of attend is jax.grad of the library call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    CausalAlignment,
+    Framework,
+    Gradients,
+    Layout,
+    Problem,
+    Variant,
+    capability_reasons,
+)
+
+COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
+
+
+def _bshd(spec: AttentionSpec, x: Any) -> Any:
+    return x if spec.layout is Layout.BSHD else jnp.swapaxes(x, 1, 2)
+
+
+def _normalize(x: Any) -> Any:
+    wide = x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
+    norm = jnp.sqrt(jnp.sum(wide * wide, axis=-1, keepdims=True))
+    return (wide / jnp.maximum(norm, COSINE_EPS)).astype(x.dtype)
+
+
+def _zero_padding(x: Any, lengths: Any) -> Any:
+    """bshd x with rows at or beyond lengths[b] set to 0."""
+    if lengths is None:
+        return x
+    positions = jnp.arange(x.shape[1])[None, :, None, None]
+    return jnp.where(positions < lengths[:, None, None, None], x, jnp.zeros((), x.dtype))
+
+
+def _visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> Any:
+    """Boolean (B|1, Hq|1, Lq, Lk) per §4, or None when SDPA-style top-left causal (or nothing) expresses it."""
+    i = jnp.arange(len_q)[None, None, :, None]
+    j = jnp.arange(len_k)[None, None, None, :]
+    q_len = inputs.q_lengths.astype(jnp.int32)[:, None, None, None] if inputs.q_lengths is not None else None
+    kv_len = inputs.kv_lengths.astype(jnp.int32)[:, None, None, None] if inputs.kv_lengths is not None else None
+    visible = None
+
+    def conjoin(condition: Any) -> None:
+        nonlocal visible
+        visible = condition if visible is None else visible & condition
+
+    if spec.causal or spec.window is not None:
+        if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT:
+            offset = (kv_len if kv_len is not None else len_k) - (q_len if q_len is not None else len_q)
+        else:
+            offset = 0
+        aligned = i + offset
+        if spec.causal:
+            conjoin(j <= aligned)
+        if spec.window is not None:
+            left, right = spec.window
+            if left is not None:
+                conjoin(j >= aligned - left)
+            if right is not None:
+                conjoin(j <= aligned + right)
+    if kv_len is not None:
+        conjoin(j < kv_len)
+    if q_len is not None:
+        conjoin(i < q_len)
+    if inputs.mask is not None:
+        conjoin(inputs.mask)
+    return visible
+
+
+def _native_causal(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> bool:
+    """Whether is_causal=True expresses all of the visibility but the user mask."""
+    if inputs.q_lengths is not None or inputs.kv_lengths is not None or spec.window is not None:
+        return False
+    return spec.causal and (spec.causal_alignment is CausalAlignment.TOP_LEFT or len_q == len_k)
+
+
+def _lse(spec: AttentionSpec, inputs: AttentionInputs, q: Any, k: Any, bias: Any, scale: float) -> Any:
+    """float32 (B, Hq, Lq) logsumexp of the visible scores, −inf for empty rows; q, k bshd, prepared.
+
+    jax.nn.dot_product_attention does not return it, so the scores are computed once more (XLA materialises
+    them anyway)."""
+    len_q, len_k = q.shape[1], k.shape[1]
+    k = jnp.repeat(k, q.shape[2] // k.shape[2], axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    if bias is not None:
+        logits = logits + bias.astype(logits.dtype)
+    visible = _visibility(spec, inputs, len_q, len_k)
+    if visible is None:
+        return jax.nn.logsumexp(logits, axis=-1)
+    empty = ~jnp.any(visible, axis=-1)
+    # where twice: an empty row's −inf must not reach the gradient as −inf − (−inf).
+    safe = jnp.where(visible, logits, jnp.where(empty[..., None], 0.0, -jnp.inf))
+    return jnp.where(empty, -jnp.inf, jax.nn.logsumexp(safe, axis=-1))
+
+
+def xla_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool = False) -> tuple[Any, Any]:
+    """(out, lse | None). Jitted as a whole (eager JAX compiles each primitive of the lowering apart), except
+    float16: jax's CPU dot_general rejects the F16_F16_F32 dot that the jitted backward of
+    jax.nn.dot_product_attention contains (eager dispatch avoids it; under a user's jax.jit it is jax's limit)."""
+    if inputs.q.dtype == jnp.float16:
+        return _xla_attention(spec, inputs, need_lse)
+    return _jitted(spec, inputs, need_lse)
+
+
+def _xla_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool = False) -> tuple[Any, Any]:
+    q, k, v = _bshd(spec, inputs.q), _bshd(spec, inputs.k), _bshd(spec, inputs.v)
+    batch, len_q, heads_q, head_dim = q.shape
+    len_k, dim_v = k.shape[1], v.shape[-1]
+    if q.size == 0 or len_k == 0:  # §9
+        out = jnp.zeros((batch, len_q, heads_q, dim_v), q.dtype)
+        lse = jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
+        return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), lse
+    q = _zero_padding(q, inputs.q_lengths)
+    k, v = _zero_padding(k, inputs.kv_lengths), _zero_padding(v, inputs.kv_lengths)
+    if spec.variant is Variant.COSINE:
+        q, k = _normalize(q), _normalize(k)
+    # With a user mask, the whole visibility goes into one mask, so empty rows are found from all of it.
+    native = _native_causal(spec, inputs, len_q, len_k) and inputs.mask is None
+    visible = None if native else _visibility(spec, inputs, len_q, len_k)
+    width = max(head_dim, dim_v)
+    if width != head_dim or width != dim_v:  # the call wants one head size: zero columns change no score
+        pad = [(0, 0)] * 3
+        q, k, v = (jnp.pad(x, [*pad, (0, width - x.shape[-1])]) for x in (q, k, v))
+    bias = inputs.bias
+    if bias is not None and bias.dtype != jnp.float32:
+        bias = bias.astype(jnp.float32 if q.dtype != jnp.float64 else q.dtype)
+    out = jax.nn.dot_product_attention(
+        q, k, v, bias=bias, mask=visible, scale=spec.resolved_scale(head_dim), is_causal=native
+    )
+    out = out[..., :dim_v]
+    if visible is not None:  # empty rows: jax's finite fill gives the mean of V; the contract says 0
+        empty = ~jnp.any(visible, axis=-1)  # (B|1, Hq|1, Lq)
+        out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
+    lse = _lse(spec, inputs, q, k, bias, spec.resolved_scale(head_dim)) if need_lse else None
+    return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), lse
+
+
+_jitted = jax.jit(_xla_attention, static_argnums=(0, 2))
+
+
+class JaxXlaBackend:
+    """jax.nn.dot_product_attention on JAX arrays, differentiated by JAX."""
+
+    name = "jax-xla"
+    #: forward() is differentiated by JAX itself; the frontend does not wrap it in its custom_vjp.
+    differentiable_forward = True
+    capabilities = Capabilities(
+        frameworks=frozenset({Framework.JAX}),
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        devices=frozenset({"cpu", "cuda"}),
+        features=frozenset(
+            {
+                "causal",
+                "top_left",
+                "window",
+                "cosine",
+                "bshd",
+                "mask",
+                "bias",
+                "q_lengths",
+                "kv_lengths",
+                "lse",
+                "grad",
+                "dbias",
+            }
+        ),
+        description="jax.nn.dot_product_attention (XLA; materialises the (Lq, Lk) scores), differentiated by JAX",
+        notes=(
+            "lse: jax.nn.dot_product_attention does not return it; computed from the scores once more when asked",
+            "softcap: no score modifier in jax.nn.dot_product_attention",
+            "float64: its XLA path computes logits in float32",
+            "fully masked rows: set to 0 from the visibility mask (jax itself gives the mean of V)",
+        ),
+    )
+
+    def available(self) -> list[str]:
+        return []
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        return capability_reasons(self.capabilities, spec, problem)
+
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
+        return xla_attention(spec, inputs, need_lse)
+
+    def backward(
+        self, spec: AttentionSpec, inputs: AttentionInputs, out: Any, lse: Any, dout: Any, dlse: Any | None
+    ) -> Gradients:
+        """For callers of the protocol itself: jax.vjp of the forward."""
+        has_bias = inputs.bias is not None
+
+        def run(q: Any, k: Any, v: Any, bias: Any) -> Any:
+            return xla_attention(spec, inputs._replace(q=q, k=k, v=v, bias=bias), need_lse=dlse is not None)
+
+        (_, lse_again), vjp = jax.vjp(run, inputs.q, inputs.k, inputs.v, inputs.bias)
+        dq, dk, dv, dbias = vjp((dout, dlse if dlse is not None else lse_again))
+        return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias if has_bias else None)
