@@ -24,3 +24,10 @@ if importlib.util.find_spec("jax") is not None:
     register_backend(JaxXlaBackend())
 else:
     register_backend(MissingPackageBackend("jax-xla", "jax", "jax"))
+
+if importlib.util.find_spec("torch") is not None:
+    from .flash_attn import FlashAttnBackend
+
+    register_backend(FlashAttnBackend())
+else:
+    register_backend(MissingPackageBackend("flash-attn", "torch", "torch"))

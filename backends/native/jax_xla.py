@@ -127,8 +127,8 @@ def _xla_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool 
     len_k, dim_v = k.shape[1], v.shape[-1]
     if q.size == 0 or len_k == 0:  # §9
         out = jnp.zeros((batch, len_q, heads_q, dim_v), q.dtype)
-        lse = jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
-        return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), lse
+        empty_lse = jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
+        return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), empty_lse
     q = _zero_padding(q, inputs.q_lengths)
     k, v = _zero_padding(k, inputs.kv_lengths), _zero_padding(v, inputs.kv_lengths)
     if spec.variant is Variant.COSINE:

@@ -1,0 +1,101 @@
+"""``flash-attn``: the contract lowered onto flash-attn 2's ``flash_attn_func`` (CUDA, float16/bfloat16, bshd).
+
+Lowered exactly, and nothing else declared:
+
+* layout: flash-attn takes (B, L, H, D) = bshd; bhsd views are transposed (its autograd makes them contiguous);
+* causal: bottom-right, as flash-attn ≥ 2.1 (top-left is not declared: it has no top-left mode for Lq ≠ Lk);
+* window: ``window_size=(left, right)`` with ``-1`` for an unbounded side, aligned like causal (bottom-right);
+* softcap: ``softcap=c`` (flash-attn ≥ 2.6, applied after scale, as §3);
+* GQA: native, ``h // G``; scale: ``softmax_scale``; cosine: q, k normalised first;
+* grad: flash-attn's own backward (torch autograd; ``differentiable_forward``).
+
+Not declared: lse (its gradient is not supported by flash-attn), mask and bias (no arbitrary mask or bias),
+lengths (varlen needs unpadded cu_seqlens; not lowered here), float32/float64, Dv != D, head dims above 256.
+Fully masked rows (bottom-right causal with Lq > Lk, or a window) give out 0 in flash-attn, as the contract says.
+Not run on this project's CPU CI: available() says why.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    Framework,
+    Gradients,
+    Layout,
+    Problem,
+    Variant,
+    capability_reasons,
+)
+
+COSINE_EPS = 1e-12
+MAX_HEAD_DIM = 256
+
+
+class FlashAttnBackend:
+    name = "flash-attn"
+    differentiable_forward = True
+    capabilities = Capabilities(
+        frameworks=frozenset({Framework.TORCH}),
+        dtypes=frozenset({"float16", "bfloat16"}),
+        devices=frozenset({"cuda"}),
+        features=frozenset({"causal", "window", "softcap", "cosine", "bshd", "grad"}),
+        head_dims=(1, MAX_HEAD_DIM),
+        description="flash-attn 2 flash_attn_func (CUDA), its own forward and backward",
+        notes=(
+            "top_left: flash-attn causal is bottom-right only",
+            "lse: returned by flash-attn but its gradient is not supported",
+            "mask, bias: no arbitrary mask or bias in flash-attn; q_lengths/kv_lengths: varlen not lowered",
+            "Dv != D: rejected at call time (flash-attn needs equal head dims)",
+        ),
+    )
+
+    def available(self) -> list[str]:
+        reasons = []
+        if importlib.util.find_spec("flash_attn") is None:
+            reasons.append("flash_attn is not installed (pip install flash-attn; needs CUDA)")
+        if not torch.cuda.is_available():
+            reasons.append("no CUDA device (torch.cuda.is_available() is False)")
+        return reasons
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        reasons = capability_reasons(self.capabilities, spec, problem)
+        if problem.head_dim != problem.head_dim_v:
+            reasons.append(f"head_dim_v={problem.head_dim_v} (supported: equal to head_dim={problem.head_dim})")
+        return reasons
+
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
+        from flash_attn import flash_attn_func
+
+        q, k, v = inputs.q, inputs.k, inputs.v
+        if spec.layout is Layout.BHSD:
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        if spec.variant is Variant.COSINE:
+            q, k = (F.normalize(x.float(), dim=-1, eps=COSINE_EPS).to(x.dtype) for x in (q, k))
+        left, right = spec.window if spec.window is not None else (None, None)
+        out = flash_attn_func(
+            q,
+            k,
+            v,
+            softmax_scale=spec.resolved_scale(q.shape[-1]),
+            causal=spec.causal,
+            window_size=(-1 if left is None else left, -1 if right is None else right),
+            softcap=spec.softcap or 0.0,
+        )
+        return (out.transpose(1, 2) if spec.layout is Layout.BHSD else out), None
+
+    def backward(
+        self, spec: AttentionSpec, inputs: AttentionInputs, out: Any, lse: Any, dout: Any, dlse: Any | None
+    ) -> Gradients:
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]
+            again, _ = self.forward(spec, inputs._replace(q=leaves[0], k=leaves[1], v=leaves[2]), False)
+            dq, dk, dv = torch.autograd.grad(again, leaves, dout)
+        return Gradients(dq=dq, dk=dk, dv=dv)
