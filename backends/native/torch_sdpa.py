@@ -108,7 +108,8 @@ def _needs_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, 
         return True
     if spec.window is not None:
         return True
-    return spec.causal and spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT and len_q != len_k
+    bottom_right = spec.causal and spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
+    return bottom_right and len_q != len_k and len_q != 1
 
 
 def _nan_rows_zeroed(out: torch.Tensor, inputs: AttentionInputs) -> bool:
@@ -156,7 +157,9 @@ def _sdpa_attention(
         q, k = (
             F.normalize(x.float() if x.dtype != torch.float64 else x, dim=-1, eps=COSINE_EPS).to(dtype) for x in (q, k)
         )
-    causal = spec.causal and not masked
+    # Bottom-right causal with one query and no lengths: that query sees every key.
+    single = spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT and len_q == 1 and inputs.q_lengths is None
+    causal = spec.causal and not masked and not single
     if not masked and inputs.bias is None and not need_lse and head_dim == dim_v:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=heads_q != k.shape[1])
         return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), None
