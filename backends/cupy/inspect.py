@@ -1,0 +1,250 @@
+"""Static GPU check of the CUDA C kernels: compile kernels/attention.cu with nvcc for sm_80 and sm_90, read ptxas.
+
+No GPU is needed. Each variant is compiled to a cubin with exactly the -D options the launcher gives NVRTC
+(``launch.compile_options`` with the default tile of ``launch.gpu_tile`` for that kernel) and ``-Xptxas -v``:
+
+* compiler warnings: any ``warning`` line from nvcc or ptxas fails the check;
+* registers, stack frame, spill stores and loads per kernel, from ptxas's report;
+* dynamic shared memory (``launch.shared_memory_bytes``) against the arch's per-block limit;
+* tensor-core instructions in ``cuobjdump -sass``: ``HMMA`` (what ``nvcuda::wmma`` compiles to on sm_80 and
+  sm_90). float32 multiplies in IEEE float32 on the FMA units.
+
+    python -m attnkit.backends.cupy.inspect                      # every variant, a text table
+    python -m attnkit.backends.cupy.inspect --markdown           # the table of docs/performance.md
+    python -m attnkit.backends.cupy.inspect --scope required --check --json out.json
+
+Compiled cubins and reports are cached by content under ~/.cache/attnkit/cupy-nvcc ($ATTNKIT_NVCC_CACHE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from . import launch
+
+ARCHS = ("sm_80", "sm_90")
+#: Dynamic shared memory per block with the opt-in attribute (CUDA C Programming Guide, compute capabilities).
+SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+DTYPES = ("float16", "bfloat16", "float32")
+HEAD_DIMS = (64, 128, 256)
+#: Kernels with matrix products: the ones that must use tensor cores for float16 / bfloat16.
+MMA_KERNELS = ("forward", "backward_dq", "backward_dkdv")
+NO_SPILL_HEAD_DIMS = (64, 128)
+FEATURE_SETS = {"plain": launch.Features(), "all": launch.Features.all()}
+NVCC_FLAGS = ("-std=c++17", "-O3", "-cubin", "-Xptxas", "-v", "-x", "cu")
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str
+    arch: str
+    dtype: str
+    head_dim: int
+    features: str  # a key of FEATURE_SETS
+
+
+@dataclass
+class Result:
+    variant: Variant
+    tile: str
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    shared_bytes: int
+    hmma: int
+    warnings: list[str]
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.stack_bytes + self.spill_store_bytes + self.spill_load_bytes
+
+
+def variants(scope: str = "full") -> list[Variant]:
+    """``full``: every kernel, arch, dtype, head dim, with no feature and with every feature. ``required``: what
+    tests/test_cupy_static.py asserts: the plain variants at D = 64 and 128 and every feature at D = 128, in every
+    dtype, on both archs."""
+    selected = []
+    for kernel in launch.KERNELS:
+        for arch in ARCHS:
+            for dtype in DTYPES:
+                for head_dim in HEAD_DIMS:
+                    for features in FEATURE_SETS:
+                        required = head_dim in NO_SPILL_HEAD_DIMS and (features == "plain" or head_dim == 128)
+                        if scope == "full" or required:
+                            selected.append(Variant(kernel, arch, dtype, head_dim, features))
+    return selected
+
+
+def tool(name: str) -> Path | None:
+    """nvcc or cuobjdump: on PATH, under $CUDA_HOME/bin, next to nvcc's real location, or (cuobjdump) in the triton
+    wheel."""
+    found = shutil.which(name)
+    candidates = [Path(found)] if found else []
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            candidates.append(Path(root) / "bin" / name)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(os.path.realpath(nvcc)).parent / name)
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "backends" / "nvidia" / "bin" / name)
+    return next((path for path in candidates if path.is_file() and os.access(path, os.X_OK)), None)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ATTNKIT_NVCC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attnkit", "cupy-nvcc"
+    )
+    return Path(root)
+
+
+def compile_variant(arch: str, options: tuple[str, ...]) -> dict[str, Any]:
+    """nvcc's report and the SASS of one compiled module (every kernel of the source), cached by content."""
+    nvcc, cuobjdump = tool("nvcc"), tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        raise RuntimeError("nvcc and cuobjdump are needed for the static check")
+    key = hashlib.sha256("\0".join([launch.SOURCE.read_text(), arch, *options, *NVCC_FLAGS]).encode()).hexdigest()
+    cached = cache_dir() / f"{key[:24]}.json"
+    if cached.exists():
+        return json.loads(cached.read_text())
+    with tempfile.TemporaryDirectory() as scratch:
+        cubin = Path(scratch) / "attention.cubin"
+        command = [str(nvcc), *NVCC_FLAGS, f"-arch={arch}", *options, str(launch.SOURCE), "-o", str(cubin)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
+        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    report = {"ptxas": done.stdout + done.stderr, "sass": sass}
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(report))
+    os.replace(temporary, cached)
+    return report
+
+
+def _ptxas_entry(report: str, name: str) -> dict[str, int]:
+    """Registers, stack and spills of one entry function in a ``-Xptxas -v`` report."""
+    section = report.split(f"Compiling entry function '{name}'", 1)[1].split("Compiling entry function", 1)[0]
+    numbers = {
+        "stack": r"(\d+) bytes stack frame",
+        "stores": r"(\d+) bytes spill stores",
+        "loads": r"(\d+) bytes spill loads",
+        "registers": r"Used (\d+) registers",
+    }
+    return {
+        key: int(match.group(1)) if (match := re.search(pattern, section)) else 0 for key, pattern in numbers.items()
+    }
+
+
+def _hmma_count(sass: str, name: str) -> int:
+    functions = re.split(r"\n\s*Function : ", sass)
+    body = next((part for part in functions if part.split("\n", 1)[0].strip() == name), "")
+    return len(re.findall(r"\bHMMA\.", body))
+
+
+def inspect_variant(variant: Variant) -> Result:
+    tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
+    features = launch.canonical_features(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
+    options = launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, features)
+    report = compile_variant(variant.arch, options)
+    name = f"attention_{variant.kernel}"
+    entry = _ptxas_entry(report["ptxas"], name)
+    return Result(
+        variant=variant,
+        tile=f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w",
+        registers=entry["registers"],
+        stack_bytes=entry["stack"],
+        spill_store_bytes=entry["stores"],
+        spill_load_bytes=entry["loads"],
+        shared_bytes=launch.shared_memory_bytes(
+            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype
+        ),
+        hmma=_hmma_count(report["sass"], name),
+        warnings=[line for line in report["ptxas"].splitlines() if "warning" in line.lower()],
+    )
+
+
+def inspect_all(selected: list[Variant], jobs: int = 2) -> list[Result]:
+    """Compiles in ``jobs`` nvcc processes at a time (threads waiting on subprocesses)."""
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        return list(pool.map(inspect_variant, selected))
+
+
+def violations(results: list[Result]) -> list[str]:
+    found = []
+    for r in results:
+        v = r.variant
+        name = f"{v.kernel} {v.arch} {v.dtype} D={v.head_dim} {v.features} ({r.tile})"
+        if r.warnings:
+            found.append(f"{name}: compiler warnings: {r.warnings}")
+        if v.features == "plain" and v.head_dim in NO_SPILL_HEAD_DIMS and r.spill_bytes:
+            found.append(f"{name}: spills (stack {r.stack_bytes} B, stores {r.spill_store_bytes} B)")
+        if r.shared_bytes > SHARED_LIMIT[v.arch]:
+            found.append(f"{name}: {r.shared_bytes} B of shared memory, over {v.arch}'s {SHARED_LIMIT[v.arch]} B")
+        if v.kernel in MMA_KERNELS and v.dtype != "float32" and not r.hmma:
+            found.append(f"{name}: no HMMA in the SASS: matrix products off the tensor cores")
+    return found
+
+
+HEADER = ("kernel", "arch", "dtype", "D", "features", "tile", "regs", "spill B", "smem B", "tensor cores")
+
+
+def _row(r: Result) -> tuple[str, ...]:
+    v = r.variant
+    cores = f"HMMA {r.hmma}" if r.hmma else ("none" if v.kernel in MMA_KERNELS else "no mma")
+    spill = f"{r.stack_bytes}/{r.spill_store_bytes}/{r.spill_load_bytes}"
+    return (v.kernel, v.arch, v.dtype, str(v.head_dim), v.features, r.tile, str(r.registers), spill,
+            str(r.shared_bytes), cores)  # fmt: skip
+
+
+def markdown_table(results: list[Result]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(_row(r)) + " |" for r in results]
+    return "\n".join(lines)
+
+
+def text_table(results: list[Result]) -> str:
+    rows = [HEADER, *(_row(r) for r in results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnkit.backends.cupy.inspect", description=__doc__)
+    parser.add_argument("--json", type=Path, help="write every result to this file")
+    parser.add_argument("--markdown", action="store_true", help="print the table of docs/performance.md")
+    parser.add_argument("--scope", choices=("full", "required"), default="full")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="nvcc processes at a time")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a requirement fails")
+    args = parser.parse_args(argv)
+    missing = [name for name in ("nvcc", "cuobjdump") if tool(name) is None]
+    if missing:
+        print(f"cannot run the static check: {', '.join(missing)} not found", file=sys.stderr)
+        return 2
+    results = inspect_all(variants(args.scope), args.jobs)
+    print(markdown_table(results) if args.markdown else text_table(results))
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r), "spill_bytes": r.spill_bytes} for r in results], indent=1))
+    problems = violations(results)
+    for problem in problems:
+        print("FAIL", problem, file=sys.stderr)
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
