@@ -4,8 +4,9 @@
 // Every CUDA thread of a block is a fiber (ucontext) with its own stack; the block's fibers run on one OS thread,
 // round-robin in thread order, each until it reaches a barrier. __syncthreads parks the fiber until every live
 // thread of the block has arrived, so barriers really synchronise the threads and a missing one is a real race
-// (deterministically exposed: thread 0 runs ahead of the others up to its next barrier). Threads waiting at
-// different barriers (a barrier in divergent code) are reported as a deadlock. Warp shuffles exchange through a
+// (deterministically exposed: the order alternates between ascending and descending thread index from one barrier
+// to the next, so each thread runs ahead of the others up to its next barrier in turn). Threads that do not pass
+// the same number of barriers (a barrier in divergent code) are reported, never left hanging. Warp shuffles exchange through a
 // per-warp slot array between two warp barriers. wmma operations are warp-collective: lane 0 of the warp loads,
 // multiplies (float32 products of the exactly converted half values, float32 accumulation) and stores the whole
 // 16x16 tile, so other warps see the data only after a barrier, as on the GPU; the other lanes' fragments are
@@ -270,8 +271,9 @@ inline void fiber_entry() {
     fibers[current].state = State::done;  // uc_link returns to the scheduler
 }
 
-// One block: every thread from the start of the kernel to its end, released barrier by barrier. Returns false on a
-// deadlock (threads parked at different barriers).
+// One block: every thread from the start of the kernel to its end, released barrier by barrier. Returns false on
+// barrier divergence: threads parked at different kinds of barrier, or some exited while others wait at one
+// (every thread of a block must pass the same number of __syncthreads).
 inline bool run_block(unsigned threads, const dim3& block) {
     for (unsigned t = 0; t < threads; ++t) {
         Fiber& fiber = fibers[t];
@@ -282,14 +284,16 @@ inline bool run_block(unsigned threads, const dim3& block) {
         makecontext(&fiber.context, fiber_entry, 0);
         fiber.state = State::runnable;
     }
+    bool reverse = false;
     for (;;) {
-        for (unsigned t = 0; t < threads; ++t) {  // round-robin, each until it parks or ends
+        for (unsigned i = 0; i < threads; ++i) {  // round-robin, each until it parks or ends
+            const unsigned t = reverse ? threads - 1 - i : i;
             if (fibers[t].state != State::runnable) continue;
             current = t;
             threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
             swapcontext(&scheduler, &fibers[t].context);
         }
-        bool released = false, live = false, all_at_block_barrier = true;
+        bool released = false, live = false, exited = false, all_at_block_barrier = true;
         for (unsigned w = 0; w < threads / 32; ++w) {
             bool whole_warp = true;
             for (unsigned t = 32 * w; t < 32 * w + 32; ++t) whole_warp = whole_warp && fibers[t].state == State::warp_barrier;
@@ -301,12 +305,14 @@ inline bool run_block(unsigned threads, const dim3& block) {
         if (released) continue;
         for (unsigned t = 0; t < threads; ++t) {
             live = live || fibers[t].state != State::done;
+            exited = exited || fibers[t].state == State::done;
             all_at_block_barrier = all_at_block_barrier && (fibers[t].state == State::done || fibers[t].state == State::block_barrier);
         }
         if (!live) return true;
-        if (!all_at_block_barrier) return false;
+        if (!all_at_block_barrier || exited) return false;
         for (unsigned t = 0; t < threads; ++t)
             if (fibers[t].state == State::block_barrier) fibers[t].state = State::runnable;
+        reverse = !reverse;  // alternate the order, so neither producer nor consumer always runs first
     }
 }
 
@@ -338,7 +344,7 @@ inline int launch(const unsigned* grid, const unsigned* block, std::size_t share
                 std::memset(shared + shared_bytes, 0xa5, CANARY_BYTES);
                 blockIdx = {x, y, z};
                 if (!run_block(threads, blockDim)) {
-                    fail("deadlock: the threads of a block wait at different barriers (a barrier in divergent code)");
+                    fail("barrier divergence: the threads of a block do not pass the same barriers (a barrier in divergent code)");
                     return 1;
                 }
                 for (std::size_t i = 0; i < CANARY_BYTES; ++i)
