@@ -13,7 +13,8 @@ No GPU is needed. Each variant is compiled to a cubin with exactly the -D option
     python -m attnkit.backends.cupy.inspect --markdown           # the table of docs/performance.md
     python -m attnkit.backends.cupy.inspect --scope required --check --json out.json
 
-Compiled cubins and reports are cached by content under ~/.cache/attnkit/cupy-nvcc ($ATTNKIT_NVCC_CACHE).
+Each distinct module is compiled once for both archs (one fatbin); reports are cached by content under
+~/.cache/attnkit/cupy-nvcc ($ATTNKIT_NVCC_CACHE).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ HEAD_DIMS = (64, 128, 256)
 MMA_KERNELS = ("forward", "backward_dq", "backward_dkdv")
 NO_SPILL_HEAD_DIMS = (64, 128)
 FEATURE_SETS = {"plain": launch.Features(), "all": launch.Features.all()}
-NVCC_FLAGS = ("-std=c++17", "-O3", "-cubin", "-Xptxas", "-v", "-x", "cu")
+NVCC_FLAGS = ("-std=c++17", "-O3", "-fatbin", "-Xptxas", "-v", "-x", "cu")
 
 
 @dataclass(frozen=True)
@@ -113,22 +114,29 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def compile_variant(arch: str, options: tuple[str, ...]) -> dict[str, Any]:
-    """nvcc's report and the SASS of one compiled module (every kernel of the source), cached by content."""
+def compile_module(options: tuple[str, ...]) -> dict[str, Any]:
+    """nvcc's report and, per arch, the SASS of one compiled module (every kernel of the source, sm_80 and sm_90 in
+    one fatbin), cached by content."""
     nvcc, cuobjdump = tool("nvcc"), tool("cuobjdump")
     if nvcc is None or cuobjdump is None:
         raise RuntimeError("nvcc and cuobjdump are needed for the static check")
-    key = hashlib.sha256("\0".join([launch.SOURCE.read_text(), arch, *options, *NVCC_FLAGS]).encode()).hexdigest()
+    targets = [f"-gencode=arch=compute_{arch[3:]},code={arch}" for arch in ARCHS]
+    key = hashlib.sha256("\0".join([launch.SOURCE.read_text(), *targets, *options, *NVCC_FLAGS]).encode()).hexdigest()
     cached = cache_dir() / f"{key[:24]}.json"
     if cached.exists():
         return json.loads(cached.read_text())
     with tempfile.TemporaryDirectory() as scratch:
-        cubin = Path(scratch) / "attention.cubin"
-        command = [str(nvcc), *NVCC_FLAGS, f"-arch={arch}", *options, str(launch.SOURCE), "-o", str(cubin)]
+        fatbin = Path(scratch) / "attention.fatbin"
+        command = [str(nvcc), *NVCC_FLAGS, *targets, *options, str(launch.SOURCE), "-o", str(fatbin)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
-        sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+        sass = {
+            arch: subprocess.run(
+                [str(cuobjdump), "-sass", "-arch", arch, str(fatbin)], capture_output=True, text=True, check=True
+            ).stdout
+            for arch in ARCHS
+        }
     report = {"ptxas": done.stdout + done.stderr, "sass": sass}
     cached.parent.mkdir(parents=True, exist_ok=True)
     temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
@@ -137,9 +145,10 @@ def compile_variant(arch: str, options: tuple[str, ...]) -> dict[str, Any]:
     return report
 
 
-def _ptxas_entry(report: str, name: str) -> dict[str, int]:
-    """Registers, stack and spills of one entry function in a ``-Xptxas -v`` report."""
-    section = report.split(f"Compiling entry function '{name}'", 1)[1].split("Compiling entry function", 1)[0]
+def _ptxas_entry(report: str, name: str, arch: str) -> dict[str, int]:
+    """Registers, stack and spills of one entry function for one arch in a ``-Xptxas -v`` report."""
+    marker = f"Compiling entry function '{name}' for '{arch}'"
+    section = report.split(marker, 1)[1].split("Compiling entry function", 1)[0]
     numbers = {
         "stack": r"(\d+) bytes stack frame",
         "stores": r"(\d+) bytes spill stores",
@@ -159,11 +168,9 @@ def _hmma_count(sass: str, name: str) -> int:
 
 def inspect_variant(variant: Variant) -> Result:
     tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
-    features = launch.canonical_features(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
-    options = launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, features)
-    report = compile_variant(variant.arch, options)
+    report = compile_module(variant_options(variant))
     name = f"attention_{variant.kernel}"
-    entry = _ptxas_entry(report["ptxas"], name)
+    entry = _ptxas_entry(report["ptxas"], name, variant.arch)
     return Result(
         variant=variant,
         tile=f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w",
@@ -174,15 +181,23 @@ def inspect_variant(variant: Variant) -> Result:
         shared_bytes=launch.shared_memory_bytes(
             variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype
         ),
-        hmma=_hmma_count(report["sass"], name),
+        hmma=_hmma_count(report["sass"][variant.arch], name),
         warnings=[line for line in report["ptxas"].splitlines() if "warning" in line.lower()],
     )
 
 
+def variant_options(variant: Variant) -> tuple[str, ...]:
+    tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
+    features = launch.canonical_features(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
+    return launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, features)
+
+
 def inspect_all(selected: list[Variant], jobs: int = 2) -> list[Result]:
-    """Compiles in ``jobs`` nvcc processes at a time (threads waiting on subprocesses)."""
+    """Compiles each distinct module once, in ``jobs`` nvcc processes at a time, then reads every variant."""
+    modules = sorted({variant_options(variant) for variant in selected})
     with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        return list(pool.map(inspect_variant, selected))
+        list(pool.map(compile_module, modules))
+    return [inspect_variant(variant) for variant in selected]
 
 
 def violations(results: list[Result]) -> list[str]:

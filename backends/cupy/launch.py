@@ -77,7 +77,7 @@ GPU_TILES: dict[str, dict[tuple[int, int], TileConfig]] = {
         (2, 256): TileConfig(32, 64, 4),
         (4, 64): TileConfig(64, 64, 4),
         (4, 128): TileConfig(64, 32, 4),
-        (4, 256): TileConfig(32, 32, 4),
+        (4, 256): TileConfig(16, 32, 4),
     },
     "backward_dkdv": {
         (2, 64): TileConfig(64, 64, 4),
@@ -85,7 +85,7 @@ GPU_TILES: dict[str, dict[tuple[int, int], TileConfig]] = {
         (2, 256): TileConfig(32, 32, 4),
         (4, 64): TileConfig(32, 64, 4),
         (4, 128): TileConfig(32, 32, 4),
-        (4, 256): TileConfig(16, 32, 4),
+        (4, 256): TileConfig(16, 16, 4),
     },
 }
 GPU_TILES["backward_delta"] = {key: TileConfig(64, 64, 4) for key in GPU_TILES["forward"]}
@@ -169,10 +169,13 @@ KERNEL_SWITCHES = {
 
 
 def canonical_features(kernel: str, dtype: str, features: Features) -> Features:
-    """The switches a kernel reads, the others off; GRAD_FLOAT32 is moot for float32 inputs."""
+    """The switches a kernel reads, the others off; GRAD_FLOAT32 is moot for float32 inputs, BOTTOM_RIGHT without
+    a band."""
     kept = {name: value and name in KERNEL_SWITCHES[kernel] for name, value in features.__dict__.items()}
     if dtype == "float32":
         kept["grad_float32"] = False
+    if not (kept["has_lower"] or kept["has_upper"]):  # the offset only places the band
+        kept["bottom_right"] = False
     return Features(**kept)
 
 

@@ -138,6 +138,7 @@ __device__ __forceinline__ void tile_mma(float* C, int ldc, const elem_t* A, int
     for (int idx = threadIdx.x; idx < M * N; idx += NUM_THREADS) {
         const int m = idx / N, n = idx % N;
         float acc = ACCUMULATE ? C[m * ldc + n] : 0.0f;
+#pragma unroll 8
         for (int k = 0; k < K; ++k) {
             const float a = to_float(A_T ? A[k * lda + m] : A[m * lda + k]);
             const float b = to_float(B_T ? B[n * ldb + k] : B[k * ldb + n]);
