@@ -138,7 +138,7 @@ __device__ __forceinline__ void tile_mma(float* C, int ldc, const elem_t* A, int
     for (int idx = threadIdx.x; idx < M * N; idx += NUM_THREADS) {
         const int m = idx / N, n = idx % N;
         float acc = ACCUMULATE ? C[m * ldc + n] : 0.0f;
-#pragma unroll 8
+#pragma unroll 2  // deeper unrolling spills a few bytes in some float32 variants (ptxas -v)
         for (int k = 0; k < K; ++k) {
             const float a = to_float(A_T ? A[k * lda + m] : A[m * lda + k]);
             const float b = to_float(B_T ? B[n * ldb + k] : B[k * ldb + n]);
@@ -244,15 +244,20 @@ __device__ __forceinline__ Score score(float dot, float q_inverse, float k_inver
     return result;
 }
 
-__device__ __forceinline__ Planes planes_of(const unsigned char* mask, const float* bias, const index_t* ms,
-                                            const index_t* bs, int batch, int head) {
+// Strides (batch, head, row, column) of the mask and the bias, 0 on broadcast axes.
+struct PlaneStrides {
+    index_t mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n;
+};
+
+__device__ __forceinline__ Planes planes_of(const unsigned char* mask, const float* bias, const PlaneStrides& st,
+                                            int batch, int head) {
     Planes planes;
-    planes.mask = mask + batch * ms[0] + head * ms[1];
-    planes.bias = bias + batch * bs[0] + head * bs[1];
-    planes.mask_m = ms[2];
-    planes.mask_n = ms[3];
-    planes.bias_m = bs[2];
-    planes.bias_n = bs[3];
+    planes.mask = mask + batch * st.mask_b + head * st.mask_h;
+    planes.bias = bias + batch * st.bias_b + head * st.bias_h;
+    planes.mask_m = st.mask_m;
+    planes.mask_n = st.mask_n;
+    planes.bias_m = st.bias_m;
+    planes.bias_n = st.bias_n;
     return planes;
 }
 
@@ -270,8 +275,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                       float qk_scale, float softcap, int lower, int upper) {
     const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
-    const index_t mask_strides[4] = {mask_b, mask_h, mask_m, mask_n}, bias_strides[4] = {bias_b, bias_h, bias_m, bias_n};
-    const Planes planes = planes_of(mask, bias, mask_strides, bias_strides, batch, head);
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
+    const Planes planes = planes_of(mask, bias, strides, batch, head);
     const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
     const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
 
@@ -387,8 +392,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                           float qk_scale, float softcap, float grad_scale, int lower, int upper) {
     const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
-    const index_t mask_strides[4] = {mask_b, mask_h, mask_m, mask_n}, bias_strides[4] = {bias_b, bias_h, bias_m, bias_n};
-    const Planes planes = planes_of(mask, bias, mask_strides, bias_strides, batch, head);
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
+    const Planes planes = planes_of(mask, bias, strides, batch, head);
     const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
     const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
     const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
@@ -464,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                             float grad_scale, int lower, int upper) {
     const int key_start = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
-    const index_t mask_strides[4] = {mask_b, mask_h, mask_m, mask_n}, bias_strides[4] = {bias_b, bias_h, bias_m, bias_n};
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
 
     SharedCursor cursor = {shared_memory};
     elem_t* k_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_D);
@@ -495,7 +500,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     //   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
     //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q
     for (int head = head_kv * group; head < head_kv * group + group; ++head) {
-        const Planes planes = planes_of(mask, bias, mask_strides, bias_strides, batch, head);
+        const Planes planes = planes_of(mask, bias, strides, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
         for (int row_start = first; row_start < end; row_start += BLOCK_M) {
             load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM);
