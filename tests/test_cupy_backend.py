@@ -149,3 +149,18 @@ def test_cuda_agrees_with_the_oracle(dtype: str, spec: AttentionSpec, head_dim: 
         error = (got.double().cpu() - want.detach()).abs().max().item()
         scale = max(1.0, want.detach().abs().max().item())
         assert error <= bound * scale, f"{name}: max error {error:.3g} > {bound * scale:.3g}"
+
+
+@on_cuda
+def test_cupy_arrays_in_and_out() -> None:
+    """CuPy arrays through DLPack, no copy: the result equals the torch call on the same memory."""
+    import cupy
+    import torch
+    from attnkit.backends.cupy import attend_cupy
+
+    q, k, v = (cupy.random.standard_normal((2, 4, 130, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
+    spec = AttentionSpec(causal=True)
+    out, lse = attend_cupy(spec, q, k, v, return_lse=True)
+    assert isinstance(out, cupy.ndarray) and out.shape == (2, 4, 130, 64) and lse.dtype == cupy.float32
+    expected = attnkit.attend(spec, *(torch.from_dlpack(x) for x in (q, k, v)), backend="cupy")
+    torch.testing.assert_close(torch.from_dlpack(out), expected, rtol=0, atol=0)

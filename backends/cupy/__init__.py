@@ -14,7 +14,9 @@ import importlib.util
 from attnkit import MissingPackageBackend, register_backend
 
 if importlib.util.find_spec("torch") is not None:
-    from .backend import CupyBackend
+    from .backend import CupyBackend, attend_cupy
+
+    __all__ = ["attend_cupy"]
 
     register_backend(CupyBackend.on_cuda())
     register_backend(CupyBackend.emulated())

@@ -276,15 +276,18 @@ class CupyLauncher:
         function = self._module(options).get_function(f"attention_{kernel}")
         if shared_bytes > 48 * 1024:
             function.max_dynamic_shared_size_bytes = shared_bytes
+        tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+        device = tensors[0].device if tensors else torch.device("cuda", torch.cuda.current_device())
         converted = [_to_cupy(cupy, arg) if isinstance(arg, torch.Tensor) else arg for arg in args]
-        stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-        with stream:
-            function(grid, block, tuple(converted), shared_mem=shared_bytes)
+        with cupy.cuda.Device(device.index or 0):
+            with cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream):
+                function(grid, block, tuple(converted), shared_mem=shared_bytes)
 
 
 def _to_cupy(cupy: Any, tensor: torch.Tensor) -> Any:
     """A CuPy view of a torch CUDA tensor (DLPack, no copy); bfloat16 and bool as same-size integers (the kernel
-    sees a pointer)."""
+    sees a pointer). Detached first: torch exports no tensor that requires grad."""
+    tensor = tensor.detach()
     if tensor.dtype == torch.bfloat16:
         tensor = tensor.view(torch.int16)
     elif tensor.dtype == torch.bool:
