@@ -63,3 +63,18 @@ def test_half_precision_products_run_on_tensor_cores(results: list[inspect.Resul
     missing = [_name(r) for r in checked if not r.hmma]
     assert not missing, "float16 / bfloat16 matrix products off the tensor cores:\n" + "\n".join(missing)
     assert not any(r.hmma for r in results if r.variant.dtype == "float32"), "float32 must not use TF32 tensor cores"
+
+
+@pytest.mark.skipif(
+    inspect.nvrtc_library() is None or inspect.cuda_include() is None,
+    reason="libnvrtc (pip install nvidia-cuda-nvrtc-cu12, which cupy-cuda12x uses) and the CUDA headers are needed",
+)
+@pytest.mark.parametrize("arch", inspect.ARCHS)
+@pytest.mark.parametrize("dtype", inspect.DTYPES)
+def test_nvrtc_compiles_the_source_as_cupy_does(arch: str, dtype: str) -> None:
+    """The CuPy path compiles with NVRTC, not nvcc: the same file and -D options, every feature switch on, must
+    compile without a log (no error, no warning) to a cubin."""
+    tile = launch.gpu_tile("forward", 128, dtype)
+    options = launch.compile_options(dtype, 128, 128, tile, launch.Features.all())
+    status, log, cubin_bytes = inspect.nvrtc_compile(arch, options)
+    assert status == 0 and not log and cubin_bytes > 0, log

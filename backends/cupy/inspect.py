@@ -145,6 +145,60 @@ def compile_module(options: tuple[str, ...]) -> dict[str, Any]:
     return report
 
 
+def nvrtc_library() -> Path | None:
+    """libnvrtc: from the nvidia-cuda-nvrtc wheels (what cupy-cuda12x/13x load), $CUDA_HOME/lib64, or the system."""
+    import ctypes.util
+    import glob
+
+    for package in ("nvidia.cuda_nvrtc", "nvidia.cu13"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except ModuleNotFoundError:
+            spec = None
+        for root in spec.submodule_search_locations or [] if spec else []:
+            found = sorted(glob.glob(os.path.join(root, "lib", "libnvrtc.so*")))
+            if found:
+                return Path(found[0])
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (found := sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")))):
+            return Path(found[0])
+    name = ctypes.util.find_library("nvrtc")
+    return Path(name) if name else None
+
+
+def cuda_include() -> Path | None:
+    """The CUDA headers the kernels include (cuda_fp16.h, cuda_bf16.h, mma.h), as CuPy finds them for NVRTC."""
+    nvcc = tool("nvcc")
+    candidates = [Path(os.path.realpath(nvcc)).parent.parent / "include"] if nvcc else []
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "backends" / "nvidia" / "include")
+    return next((path for path in candidates if (path / "mma.h").exists() or (path / "crt" / "mma.h").exists()), None)
+
+
+def nvrtc_compile(arch: str, options: tuple[str, ...]) -> tuple[int, str, int]:
+    """Compile the source with NVRTC, as cupy.RawModule does: (status, log, cubin bytes). Status 0 is success."""
+    import ctypes
+
+    library, include = nvrtc_library(), cuda_include()
+    if library is None or include is None:
+        raise RuntimeError("libnvrtc and the CUDA headers are needed")
+    nvrtc = ctypes.CDLL(str(library))
+    program = ctypes.c_void_p()
+    nvrtc.nvrtcCreateProgram(ctypes.byref(program), launch.SOURCE.read_bytes(), b"attention.cu", 0, None, None)
+    flags = [flag.encode() for flag in ("--std=c++17", f"-arch={arch}", f"-I{include}", *options)]
+    status = nvrtc.nvrtcCompileProgram(program, len(flags), (ctypes.c_char_p * len(flags))(*flags))
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(program, log)
+    cubin = ctypes.c_size_t(0)
+    if status == 0:
+        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(cubin))
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    return status, log.value.decode(errors="replace").strip(), cubin.value
+
+
 def _ptxas_entry(report: str, name: str, arch: str) -> dict[str, int]:
     """Registers, stack and spills of one entry function for one arch in a ``-Xptxas -v`` report."""
     marker = f"Compiling entry function '{name}' for '{arch}'"
