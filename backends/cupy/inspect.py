@@ -20,6 +20,7 @@ Each distinct module is compiled once for both archs (one fatbin); reports are c
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -123,8 +124,16 @@ def compile_module(options: tuple[str, ...]) -> dict[str, Any]:
     targets = [f"-gencode=arch=compute_{arch[3:]},code={arch}" for arch in ARCHS]
     key = hashlib.sha256("\0".join([launch.SOURCE.read_text(), *targets, *options, *NVCC_FLAGS]).encode()).hexdigest()
     cached = cache_dir() / f"{key[:24]}.json"
-    if cached.exists():
-        return json.loads(cached.read_text())
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.with_name(cached.name + ".lock"), "w") as lock:  # one compile per module across processes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            _compile_module(nvcc, cuobjdump, targets, options, cached)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return json.loads(cached.read_text())
+
+
+def _compile_module(nvcc: Path, cuobjdump: Path, targets: list[str], options: tuple[str, ...], cached: Path) -> None:
     with tempfile.TemporaryDirectory() as scratch:
         fatbin = Path(scratch) / "attention.fatbin"
         command = [str(nvcc), *NVCC_FLAGS, *targets, *options, str(launch.SOURCE), "-o", str(fatbin)]
@@ -138,11 +147,9 @@ def compile_module(options: tuple[str, ...]) -> dict[str, Any]:
             for arch in ARCHS
         }
     report = {"ptxas": done.stdout + done.stderr, "sass": sass}
-    cached.parent.mkdir(parents=True, exist_ok=True)
     temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
     temporary.write_text(json.dumps(report))
     os.replace(temporary, cached)
-    return report
 
 
 def nvrtc_library() -> Path | None:

@@ -12,7 +12,9 @@ Libraries are built once per (source, header, options) into a cache directory.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import re
@@ -20,6 +22,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -73,13 +76,27 @@ def build(options: tuple[str, ...], source: Path = launch.SOURCE) -> Path:
     header = precompiled_header(cxx)
     digest = _digest(wrapper, source.read_text(), HEADER.read_text(), *options, *COMPILER_FLAGS, cxx)
     library = cache_dir() / f"attention-{digest}.so"
-    if not library.exists():
+    with _exclusive(library):  # pytest-xdist workers wanting the same variant build it once
+        if library.exists():
+            return library
         with tempfile.TemporaryDirectory() as scratch:
             cpp = Path(scratch) / "wrapper.cpp"
             cpp.write_text(wrapper)
             command = [cxx, *COMPILER_FLAGS, "-shared", *options, "-include", str(header), str(cpp)]
             _compile(command, Path(scratch) / "library.so", library, f"{source.name} with {' '.join(options)}")
     return library
+
+
+@contextlib.contextmanager
+def _exclusive(target: Path) -> Iterator[None]:
+    """An advisory lock on ``target``'s lock file, across processes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _digest(*parts: str) -> str:
@@ -100,7 +117,9 @@ def precompiled_header(cxx: str) -> Path:
     """cuda_emulation.h next to its precompiled .gch in the cache (the standard headers take most of a build)."""
     directory = cache_dir() / f"header-{_digest(HEADER.read_text(), *COMPILER_FLAGS, cxx)}"
     header = directory / HEADER.name
-    if not header.exists():
+    with _exclusive(header):
+        if header.exists():
+            return header
         gch = directory / f"{HEADER.name}.gch"
         with tempfile.TemporaryDirectory() as scratch:
             _compile([cxx, *COMPILER_FLAGS, "-x", "c++-header", str(HEADER)], Path(scratch) / "h.gch", gch, HEADER.name)
