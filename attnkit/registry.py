@@ -12,7 +12,12 @@ from attnkit.errors import InvalidInputError, InvalidInputTypeError, UnknownBack
 
 ENTRY_POINT_GROUP = "attnkit.backends"
 # Subpackages of attnkit.backends that register the built-in backends when imported.
-_BUILTIN_MODULES = ("attnkit.backends.reference", "attnkit.backends.triton", "attnkit.backends.pallas")
+_BUILTIN_MODULES = (
+    "attnkit.backends.reference",
+    "attnkit.backends.triton",
+    "attnkit.backends.pallas",
+    "attnkit.backends.cupy",
+)
 
 _log = logging.getLogger("attnkit")
 _lock = threading.RLock()
