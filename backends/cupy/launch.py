@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Layout, Variant
+from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Variant
+from attnkit.torch_support import bhsd
 
 #: The kernel source: one file, compiled by NVRTC, nvcc and the emulator's host compiler alike.
 SOURCE = Path(__file__).parent / "kernels" / "attention.cu"
@@ -296,12 +297,6 @@ def _to_cupy(cupy: Any, tensor: torch.Tensor) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- calls
-
-
-def bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
-    """A (B, H, L, D) view of a tensor in the spec's layout, copied only when its last stride is not 1."""
-    view = x.permute(0, 2, 1, 3) if spec.layout is Layout.BSHD else x
-    return view if view.stride(-1) == 1 else view.contiguous()
 
 
 def _strides(x: torch.Tensor) -> list[Argument]:

@@ -10,21 +10,16 @@ from attnkit import (
     Capabilities,
     Framework,
     Gradients,
-    Layout,
     Problem,
     Variant,
     capability_reasons,
 )
 from attnkit.backend import ALL_FEATURES
-from attnkit.torch_support import cosine_input_gradient
+from attnkit.torch_support import kernel_gradients
 
 from . import launch
 
 MAX_HEAD_DIM = 256
-
-
-def _from_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
 
 
 class TritonBackend:
@@ -87,12 +82,4 @@ class TritonBackend:
             dq, dk, dv, dscores = launch.attention_backward(
                 spec, inputs, out, lse, dout, dlse, torch.float32 if cosine else None, need_dbias
             )
-        if cosine:  # the kernels differentiate wrt q̂ = q/‖q‖ and k̂
-            dq = cosine_input_gradient(launch.bhsd(spec, inputs.q), inputs.q_lengths, dq)
-            dk = cosine_input_gradient(launch.bhsd(spec, inputs.k), inputs.kv_lengths, dk)
-        return Gradients(
-            dq=_from_bhsd(spec, dq).to(inputs.q.dtype),
-            dk=_from_bhsd(spec, dk).to(inputs.k.dtype),
-            dv=_from_bhsd(spec, dv).to(inputs.v.dtype),
-            dbias=dscores,  # full (B, Hq, Lq, Lk) float32: the frontend sums it to the bias's shape and dtype
-        )
+        return kernel_gradients(spec, inputs, dq, dk, dv, dscores)
