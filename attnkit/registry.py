@@ -17,6 +17,7 @@ _BUILTIN_MODULES = (
     "attnkit.backends.triton",
     "attnkit.backends.pallas",
     "attnkit.backends.native",
+    "attnkit.backends.cupy",
 )
 
 _log = logging.getLogger("attnkit")

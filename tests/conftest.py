@@ -7,10 +7,13 @@ import torch
 
 import attnkit
 from attnkit.testing import interpret_triton_without_gpu, register_profiles
+from tests.cupy_emulator import attach_emulator
 
 PROFILE = register_profiles()
 # Before any backend loads: without a GPU the triton backend runs its kernels in the Triton interpreter.
 interpret_triton_without_gpu()
+# cupy-emulated, the cupy backend's CUDA C kernels on CPU tensors, is a test-only path: attach its launcher.
+attach_emulator()
 
 # The suite runs thousands of tiny calls: on a shared 2-core machine torch's intra-op threads cost more
 # in synchronisation than they gain (about 10x on decode-size calls, measured by `attnkit bench`).

@@ -51,6 +51,7 @@ def test_wheel_installs_backends_under_attnkit(tmp_path: Path) -> None:
     assert "attnkit/backends/reference/torch_naive.py" in names
     assert "attnkit/configs/default.toml" in names
     assert "attnkit/py.typed" in names
+    assert "attnkit/backends/cupy/kernels/attention.cu" in names  # the CUDA C source NVRTC compiles at run time
     assert not [name for name in names if name.startswith("backends/")], "a top-level `backends` package leaked"
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from attnkit import (
     AttentionInputs,
@@ -11,35 +10,16 @@ from attnkit import (
     Capabilities,
     Framework,
     Gradients,
-    Layout,
     Problem,
     Variant,
     capability_reasons,
 )
 from attnkit.backend import ALL_FEATURES
+from attnkit.torch_support import kernel_gradients
 
 from . import launch
 
 MAX_HEAD_DIM = 256
-COSINE_EPS = 1e-12  # as torch.nn.functional.normalize and kernels._inverse_norms
-
-
-def _through_normalisation(x: torch.Tensor, lengths: torch.Tensor | None, grad_unit: torch.Tensor) -> torch.Tensor:
-    """The gradient wrt bhsd x of F.normalize(x) (eps 1e-12), given the gradient wrt the normalised x.
-
-    Rows at or beyond lengths[b] are padding: zeroed first, so garbage there (NaN) cannot reach their zero gradient.
-    """
-    if lengths is not None:
-        positions = torch.arange(x.shape[2], device=x.device).view(1, 1, -1, 1)
-        x = torch.where(positions < lengths.to(x.device).view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype))
-    leaf = x.detach().float().requires_grad_(True)
-    with torch.enable_grad():
-        unit = F.normalize(leaf, dim=-1, eps=COSINE_EPS)
-    return torch.autograd.grad(unit, leaf, grad_unit)[0]
-
-
-def _from_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
 
 
 class TritonBackend:
@@ -102,17 +82,4 @@ class TritonBackend:
             dq, dk, dv, dscores = launch.attention_backward(
                 spec, inputs, out, lse, dout, dlse, torch.float32 if cosine else None, need_dbias
             )
-        if cosine:  # the kernels differentiate wrt q̂ = q/‖q‖ and k̂
-            dq = _through_normalisation(launch.bhsd(spec, inputs.q), inputs.q_lengths, dq)
-            dk = _through_normalisation(launch.bhsd(spec, inputs.k), inputs.kv_lengths, dk)
-        dbias = None
-        if dscores is not None:
-            bias = inputs.bias
-            axes = [axis for axis in range(4) if bias.shape[axis] == 1 and dscores.shape[axis] != 1]
-            dbias = (dscores.sum(dim=axes, keepdim=True) if axes else dscores).to(bias.dtype)
-        return Gradients(
-            dq=_from_bhsd(spec, dq).to(inputs.q.dtype),
-            dk=_from_bhsd(spec, dk).to(inputs.k.dtype),
-            dv=_from_bhsd(spec, dv).to(inputs.v.dtype),
-            dbias=dbias,
-        )
+        return kernel_gradients(spec, inputs, dq, dk, dv, dscores)

@@ -16,7 +16,8 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Layout, Variant
+from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Variant
+from attnkit.torch_support import bhsd
 
 from . import kernels
 
@@ -189,12 +190,6 @@ def _launch(kernel_name: str, grid_of: Any, args: tuple, constants: dict[str, An
     block_d, dtype = key[0], key[2]
     configs = gpu_configs(kernel_name.removeprefix("bwd_"), block_d, dtype)
     run(_autotuner.choose((kernel_name, *key), configs, run))
-
-
-def bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
-    """A (B, H, L, D) view of a tensor in the spec's layout, copied only when its last stride is not 1."""
-    view = x.permute(0, 2, 1, 3) if spec.layout is Layout.BSHD else x
-    return view if view.stride(-1) == 1 else view.contiguous()
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:

@@ -1,0 +1,134 @@
+"""The ``cupy`` backend (and its test-only twin ``cupy-emulated``): the CUDA C kernels of kernels/attention.cu."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    Framework,
+    Gradients,
+    Problem,
+    Variant,
+    capability_reasons,
+)
+from attnkit.backend import ALL_FEATURES
+from attnkit.torch_support import kernel_gradients
+
+from . import launch
+
+EMULATED_NAME = "cupy-emulated"
+#: Why ``cupy-emulated`` cannot run outside the test suite.
+TEST_ONLY_REASON = (
+    "test-only path: the CPU emulation harness in tests/cupy_emulator (host C++ compiler) attaches its launcher "
+    "when the test suite starts (tests/conftest.py); it is not a way to run attention"
+)
+
+
+def capabilities(device: str, description: str) -> Capabilities:
+    """The same declaration for ``cupy`` and ``cupy-emulated``: the kernels are the same; only the device differs."""
+    return Capabilities(
+        frameworks=frozenset({Framework.TORCH}),
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        devices=frozenset({device}),
+        features=ALL_FEATURES,
+        head_dims=(1, launch.MAX_HEAD_DIM),
+        description=description,
+        notes=(
+            "float16/bfloat16 matrix products on tensor cores (nvcuda::wmma 16x16x16), float32 accumulation; "
+            "float32 in IEEE float32 FMA loops (no TF32)",
+            "compile-time -D options (head dim, tiles, feature switches) from launch.compile_options, shared by "
+            "NVRTC, nvcc and the emulator",
+            "cosine: q·k on the raw inputs, scaled by both inverse norms in float32 (q̂ is never rounded)",
+            "dbias is computed at full (B, Hq, Lq, Lk) float32, then summed to the bias's shape",
+            "float64: not supported by the kernels (torch-chunked serves it)",
+        ),
+    )
+
+
+class CupyBackend:
+    """FlashAttention-2 in CUDA C, launched through a :class:`launch.Launcher`: CuPy (NVRTC) on CUDA tensors, or
+    the CPU emulation harness of the test suite on CPU tensors (``cupy-emulated``)."""
+
+    def __init__(self, name: str, launcher: launch.Launcher | None, device: str, description: str) -> None:
+        self.name = name
+        self.launcher = launcher
+        self.capabilities = capabilities(device, description)
+
+    @classmethod
+    def on_cuda(cls) -> CupyBackend:
+        return cls(
+            "cupy",
+            launch.CupyLauncher(),
+            "cuda",
+            "FlashAttention-2 CUDA C kernels (backends/cupy/kernels/attention.cu) compiled at run time by NVRTC "
+            "through cupy.RawModule",
+        )
+
+    @classmethod
+    def emulated(cls, launcher: launch.Launcher | None = None) -> CupyBackend:
+        return cls(
+            EMULATED_NAME,
+            launcher,
+            "cpu",
+            "test-only: the cupy backend's CUDA C kernels compiled by the host C++ compiler and run on CPU "
+            "tensors by the emulation harness of tests/cupy_emulator (slow; conformance, not performance)",
+        )
+
+    def available(self) -> list[str]:
+        if self.launcher is None:
+            return [TEST_ONLY_REASON]
+        return self.launcher.unavailable()
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        return capability_reasons(self.capabilities, spec, problem)
+
+    def _launcher(self) -> launch.Launcher:
+        if self.launcher is None:
+            raise RuntimeError(TEST_ONLY_REASON)
+        return self.launcher
+
+    def forward(
+        self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return launch.attention_forward(self._launcher(), spec, inputs)
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+    ) -> Gradients:
+        need_dbias = inputs.bias is not None and inputs.bias.requires_grad
+        cosine = spec.variant is Variant.COSINE
+        with torch.no_grad():
+            dq, dk, dv, dscores = launch.attention_backward(
+                self._launcher(), spec, inputs, out, lse, dout, dlse, torch.float32 if cosine else None, need_dbias
+            )
+        return kernel_gradients(spec, inputs, dq, dk, dv, dscores)
+
+
+def attend_cupy(spec: AttentionSpec, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
+    """``attnkit.attend(..., backend="cupy")`` on CuPy arrays: each array goes to torch and the results come back
+    through DLPack, without a copy. CuPy has no autograd, so this is the forward only (``return_lse=True`` gives
+    ``(out, lse)``); for gradients, call ``attnkit.attend`` on ``torch.from_dlpack`` views of the arrays."""
+    import cupy
+
+    from attnkit import attend
+
+    def to_torch(x: Any) -> Any:
+        return torch.from_dlpack(x) if hasattr(x, "__dlpack__") else x
+
+    converted = {name: to_torch(value) for name, value in kwargs.items() if name != "backend"}
+    result = attend(spec, to_torch(q), to_torch(k), to_torch(v), backend="cupy", **converted)
+    if isinstance(result, tuple):
+        return tuple(cupy.from_dlpack(x.detach()) for x in result)
+    return cupy.from_dlpack(result.detach())

@@ -1,0 +1,326 @@
+"""Static GPU check of the CUDA C kernels: compile kernels/attention.cu with nvcc for sm_80 and sm_90, read ptxas.
+
+No GPU is needed. Each variant is compiled to a cubin with exactly the -D options the launcher gives NVRTC
+(``launch.compile_options`` with the default tile of ``launch.gpu_tile`` for that kernel) and ``-Xptxas -v``:
+
+* compiler warnings: any ``warning`` line from nvcc or ptxas fails the check;
+* registers, stack frame, spill stores and loads per kernel, from ptxas's report;
+* dynamic shared memory (``launch.shared_memory_bytes``) against the arch's per-block limit;
+* tensor-core instructions in ``cuobjdump -sass``: ``HMMA`` (what ``nvcuda::wmma`` compiles to on sm_80 and
+  sm_90). float32 multiplies in IEEE float32 on the FMA units.
+
+    python -m attnkit.backends.cupy.inspect                      # every variant, a text table
+    python -m attnkit.backends.cupy.inspect --markdown           # the table of docs/performance.md
+    python -m attnkit.backends.cupy.inspect --scope required --check --json out.json
+
+Each distinct module is compiled once for both archs (one fatbin); reports are cached by content under
+~/.cache/attnkit/cupy-nvcc ($ATTNKIT_NVCC_CACHE).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import hashlib
+import importlib.util
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from . import launch
+
+ARCHS = ("sm_80", "sm_90")
+#: Dynamic shared memory per block with the opt-in attribute (CUDA C Programming Guide, compute capabilities).
+SHARED_LIMIT = {"sm_80": 163 * 1024, "sm_90": 227 * 1024}
+DTYPES = ("float16", "bfloat16", "float32")
+HEAD_DIMS = (64, 128, 256)
+#: Kernels with matrix products: the ones that must use tensor cores for float16 / bfloat16.
+MMA_KERNELS = ("forward", "backward_dq", "backward_dkdv")
+NO_SPILL_HEAD_DIMS = (64, 128)
+FEATURE_SETS = {"plain": launch.Features(), "all": launch.Features.all()}
+NVCC_FLAGS = ("-std=c++17", "-O3", "-fatbin", "-Xptxas", "-v", "-x", "cu")
+
+
+@dataclass(frozen=True)
+class Variant:
+    kernel: str
+    arch: str
+    dtype: str
+    head_dim: int
+    features: str  # a key of FEATURE_SETS
+
+
+@dataclass
+class Result:
+    variant: Variant
+    tile: str
+    registers: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+    shared_bytes: int
+    hmma: int
+    warnings: list[str]
+
+    @property
+    def spill_bytes(self) -> int:
+        return self.stack_bytes + self.spill_store_bytes + self.spill_load_bytes
+
+
+def variants(scope: str = "full") -> list[Variant]:
+    """``full``: every kernel, arch, dtype, head dim, with no feature and with every feature. ``required``: what
+    tests/test_cupy_static.py asserts: the plain variants at D = 64 and 128 and every feature at D = 128, in every
+    dtype, on both archs."""
+    selected = []
+    for kernel in launch.KERNELS:
+        for arch in ARCHS:
+            for dtype in DTYPES:
+                for head_dim in HEAD_DIMS:
+                    for features in FEATURE_SETS:
+                        required = head_dim in NO_SPILL_HEAD_DIMS and (features == "plain" or head_dim == 128)
+                        if scope == "full" or required:
+                            selected.append(Variant(kernel, arch, dtype, head_dim, features))
+    return selected
+
+
+def tool(name: str) -> Path | None:
+    """nvcc or cuobjdump: on PATH, under $CUDA_HOME/bin, next to nvcc's real location, or (cuobjdump) in the triton
+    wheel."""
+    found = shutil.which(name)
+    candidates = [Path(found)] if found else []
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root:
+            candidates.append(Path(root) / "bin" / name)
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(os.path.realpath(nvcc)).parent / name)
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "backends" / "nvidia" / "bin" / name)
+    return next((path for path in candidates if path.is_file() and os.access(path, os.X_OK)), None)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ATTNKIT_NVCC_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attnkit", "cupy-nvcc"
+    )
+    return Path(root)
+
+
+def compile_module(options: tuple[str, ...]) -> dict[str, Any]:
+    """nvcc's report and, per arch, the SASS of one compiled module (every kernel of the source, sm_80 and sm_90 in
+    one fatbin), cached by content."""
+    nvcc, cuobjdump = tool("nvcc"), tool("cuobjdump")
+    if nvcc is None or cuobjdump is None:
+        raise RuntimeError("nvcc and cuobjdump are needed for the static check")
+    targets = [f"-gencode=arch=compute_{arch[3:]},code={arch}" for arch in ARCHS]
+    key = hashlib.sha256("\0".join([launch.SOURCE.read_text(), *targets, *options, *NVCC_FLAGS]).encode()).hexdigest()
+    cached = cache_dir() / f"{key[:24]}.json"
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    with open(cached.with_name(cached.name + ".lock"), "w") as lock:  # one compile per module across processes
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not cached.exists():
+            _compile_module(nvcc, cuobjdump, targets, options, cached)
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return json.loads(cached.read_text())
+
+
+def _compile_module(nvcc: Path, cuobjdump: Path, targets: list[str], options: tuple[str, ...], cached: Path) -> None:
+    with tempfile.TemporaryDirectory() as scratch:
+        fatbin = Path(scratch) / "attention.fatbin"
+        command = [str(nvcc), *NVCC_FLAGS, *targets, *options, str(launch.SOURCE), "-o", str(fatbin)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
+        sass = {
+            arch: subprocess.run(
+                [str(cuobjdump), "-sass", "-arch", arch, str(fatbin)], capture_output=True, text=True, check=True
+            ).stdout
+            for arch in ARCHS
+        }
+    report = {"ptxas": done.stdout + done.stderr, "sass": sass}
+    temporary = cached.with_name(f"{cached.name}.{os.getpid()}.tmp")
+    temporary.write_text(json.dumps(report))
+    os.replace(temporary, cached)
+
+
+def nvrtc_library() -> Path | None:
+    """libnvrtc: from the nvidia-cuda-nvrtc wheels (what cupy-cuda12x/13x load), $CUDA_HOME/lib64, or the system."""
+    import ctypes.util
+    import glob
+
+    for package in ("nvidia.cuda_nvrtc", "nvidia.cu13"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except ModuleNotFoundError:
+            spec = None
+        for root in spec.submodule_search_locations or [] if spec else []:
+            found = sorted(glob.glob(os.path.join(root, "lib", "libnvrtc.so*")))
+            if found:
+                return Path(found[0])
+    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if root and (found := sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")))):
+            return Path(found[0])
+    name = ctypes.util.find_library("nvrtc")
+    return Path(name) if name else None
+
+
+def cuda_include() -> Path | None:
+    """The CUDA headers the kernels include (cuda_fp16.h, cuda_bf16.h, mma.h), as CuPy finds them for NVRTC."""
+    nvcc = tool("nvcc")
+    candidates = [Path(os.path.realpath(nvcc)).parent.parent / "include"] if nvcc else []
+    spec = importlib.util.find_spec("triton")
+    if spec is not None and spec.origin is not None:
+        candidates.append(Path(spec.origin).parent / "backends" / "nvidia" / "include")
+    return next((path for path in candidates if (path / "mma.h").exists() or (path / "crt" / "mma.h").exists()), None)
+
+
+def nvrtc_compile(arch: str, options: tuple[str, ...]) -> tuple[int, str, int]:
+    """Compile the source with NVRTC, as cupy.RawModule does: (status, log, cubin bytes). Status 0 is success."""
+    import ctypes
+
+    library, include = nvrtc_library(), cuda_include()
+    if library is None or include is None:
+        raise RuntimeError("libnvrtc and the CUDA headers are needed")
+    nvrtc = ctypes.CDLL(str(library))
+    program = ctypes.c_void_p()
+    nvrtc.nvrtcCreateProgram(ctypes.byref(program), launch.SOURCE.read_bytes(), b"attention.cu", 0, None, None)
+    flags = [flag.encode() for flag in ("--std=c++17", f"-arch={arch}", f"-I{include}", *options)]
+    status = nvrtc.nvrtcCompileProgram(program, len(flags), (ctypes.c_char_p * len(flags))(*flags))
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(program, log)
+    cubin = ctypes.c_size_t(0)
+    if status == 0:
+        nvrtc.nvrtcGetCUBINSize(program, ctypes.byref(cubin))
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(program))
+    return status, log.value.decode(errors="replace").strip(), cubin.value
+
+
+def _ptxas_entry(report: str, name: str, arch: str) -> dict[str, int]:
+    """Registers, stack and spills of one entry function for one arch in a ``-Xptxas -v`` report."""
+    marker = f"Compiling entry function '{name}' for '{arch}'"
+    section = report.split(marker, 1)[1].split("Compiling entry function", 1)[0]
+    numbers = {
+        "stack": r"(\d+) bytes stack frame",
+        "stores": r"(\d+) bytes spill stores",
+        "loads": r"(\d+) bytes spill loads",
+        "registers": r"Used (\d+) registers",
+    }
+    return {
+        key: int(match.group(1)) if (match := re.search(pattern, section)) else 0 for key, pattern in numbers.items()
+    }
+
+
+def _hmma_count(sass: str, name: str) -> int:
+    functions = re.split(r"\n\s*Function : ", sass)
+    body = next((part for part in functions if part.split("\n", 1)[0].strip() == name), "")
+    return len(re.findall(r"\bHMMA\.", body))
+
+
+def inspect_variant(variant: Variant) -> Result:
+    tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
+    report = compile_module(variant_options(variant))
+    name = f"attention_{variant.kernel}"
+    entry = _ptxas_entry(report["ptxas"], name, variant.arch)
+    return Result(
+        variant=variant,
+        tile=f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w",
+        registers=entry["registers"],
+        stack_bytes=entry["stack"],
+        spill_store_bytes=entry["stores"],
+        spill_load_bytes=entry["loads"],
+        shared_bytes=launch.shared_memory_bytes(
+            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype
+        ),
+        hmma=_hmma_count(report["sass"][variant.arch], name),
+        warnings=[line for line in report["ptxas"].splitlines() if "warning" in line.lower()],
+    )
+
+
+def variant_options(variant: Variant) -> tuple[str, ...]:
+    tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
+    features = launch.canonical_features(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
+    return launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, features)
+
+
+def inspect_all(selected: list[Variant], jobs: int = 2) -> list[Result]:
+    """Compiles each distinct module once, in ``jobs`` nvcc processes at a time, then reads every variant."""
+    modules = sorted({variant_options(variant) for variant in selected})
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        list(pool.map(compile_module, modules))
+    return [inspect_variant(variant) for variant in selected]
+
+
+def violations(results: list[Result]) -> list[str]:
+    found = []
+    for r in results:
+        v = r.variant
+        name = f"{v.kernel} {v.arch} {v.dtype} D={v.head_dim} {v.features} ({r.tile})"
+        if r.warnings:
+            found.append(f"{name}: compiler warnings: {r.warnings}")
+        if v.features == "plain" and v.head_dim in NO_SPILL_HEAD_DIMS and r.spill_bytes:
+            found.append(f"{name}: spills (stack {r.stack_bytes} B, stores {r.spill_store_bytes} B)")
+        if r.shared_bytes > SHARED_LIMIT[v.arch]:
+            found.append(f"{name}: {r.shared_bytes} B of shared memory, over {v.arch}'s {SHARED_LIMIT[v.arch]} B")
+        if v.kernel in MMA_KERNELS and v.dtype != "float32" and not r.hmma:
+            found.append(f"{name}: no HMMA in the SASS: matrix products off the tensor cores")
+    return found
+
+
+HEADER = ("kernel", "arch", "dtype", "D", "features", "tile", "regs", "spill B", "smem B", "tensor cores")
+
+
+def _row(r: Result) -> tuple[str, ...]:
+    v = r.variant
+    cores = f"HMMA {r.hmma}" if r.hmma else ("none" if v.kernel in MMA_KERNELS else "no mma")
+    spill = f"{r.stack_bytes}/{r.spill_store_bytes}/{r.spill_load_bytes}"
+    return (v.kernel, v.arch, v.dtype, str(v.head_dim), v.features, r.tile, str(r.registers), spill,
+            str(r.shared_bytes), cores)  # fmt: skip
+
+
+def markdown_table(results: list[Result]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(_row(r)) + " |" for r in results]
+    return "\n".join(lines)
+
+
+def text_table(results: list[Result]) -> str:
+    rows = [HEADER, *(_row(r) for r in results)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m attnkit.backends.cupy.inspect", description=__doc__)
+    parser.add_argument("--json", type=Path, help="write every result to this file")
+    parser.add_argument("--markdown", action="store_true", help="print the table of docs/performance.md")
+    parser.add_argument("--scope", choices=("full", "required"), default="full")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="nvcc processes at a time")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a requirement fails")
+    args = parser.parse_args(argv)
+    missing = [name for name in ("nvcc", "cuobjdump") if tool(name) is None]
+    if missing:
+        print(f"cannot run the static check: {', '.join(missing)} not found", file=sys.stderr)
+        return 2
+    results = inspect_all(variants(args.scope), args.jobs)
+    print(markdown_table(results) if args.markdown else text_table(results))
+    if args.json:
+        args.json.write_text(json.dumps([{**asdict(r), "spill_bytes": r.spill_bytes} for r in results], indent=1))
+    problems = violations(results)
+    for problem in problems:
+        print("FAIL", problem, file=sys.stderr)
+    return 1 if args.check and problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

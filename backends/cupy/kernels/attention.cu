@@ -1,0 +1,546 @@
+// FlashAttention-2 forward and backward in CUDA C: the math only. The launch code (grids, strides, -D options,
+// shared-memory sizes) is backends/cupy/launch.py; it compiles this one file with NVRTC (CuPy), nvcc (the static
+// check) or the host C++ compiler (the CPU emulation harness in tests/cupy_emulator), always with the same -D
+// options from launch.compile_options().
+//
+// Compile-time constants (-D): ELEMENT_TYPE (0 float32, 1 float16, 2 bfloat16), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+// BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
+// NUM_WARPS, and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+// HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32 (0 or 1): a call without a feature compiles without its code.
+//
+// Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
+// left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
+// per-batch bottom-right offset kv_len_b − q_len_b (0 for top-left). Rows i ≥ q_len_b and keys j ≥ kv_len_b are
+// padding: never loaded, never visible. The band gives the loop bounds, so tiles it hides are never loaded.
+//
+// Tiles live in dynamic shared memory. Matrix products go through tile_mma: tensor cores (nvcuda::wmma, 16x16x16,
+// float32 accumulation) for float16/bfloat16, IEEE float32 FMA loops for float32. Accumulators (O, dQ, dK, dV)
+// are float32 tiles in shared memory, so the kernels hold few registers and never spill.
+
+#ifndef ATTNKIT_EMULATED
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <mma.h>
+#endif
+
+#if !defined(ELEMENT_TYPE) || !defined(HEAD_DIM) || !defined(BLOCK_M) || !defined(BLOCK_N) || !defined(NUM_WARPS)
+#error "compile with the -D options of attnkit.backends.cupy.launch.compile_options()"
+#endif
+
+#if ELEMENT_TYPE == 0
+typedef float elem_t;
+#define USE_TENSOR_CORES 0
+#elif ELEMENT_TYPE == 1
+typedef __half elem_t;
+#define USE_TENSOR_CORES 1
+#else
+typedef __nv_bfloat16 elem_t;
+#define USE_TENSOR_CORES 1
+#endif
+
+// dq, dk, dv in float32 (GRAD_FLOAT32, the cosine variant: the chain rule through the normalisation follows in
+// float32) or in the input dtype.
+#if GRAD_FLOAT32
+typedef float grad_t;
+#else
+typedef elem_t grad_t;
+#endif
+
+#define NUM_THREADS (NUM_WARPS * 32)
+// Threads sharing one row in the forward's softmax: a power of two within a warp.
+#define THREADS_PER_ROW (NUM_THREADS / BLOCK_M)
+
+static_assert(BLOCK_D % 16 == 0 && BLOCK_DV % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "16-multiples");
+static_assert(NUM_THREADS % BLOCK_M == 0 && THREADS_PER_ROW <= 32, "whole rows per warp");
+static_assert((THREADS_PER_ROW & (THREADS_PER_ROW - 1)) == 0, "THREADS_PER_ROW is a power of two");
+
+typedef long long index_t;
+
+extern __shared__ __align__(128) unsigned char shared_memory[];
+
+// ------------------------------------------------------------------------------------------------ plumbing
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ void assign(float& dst, float x) { dst = x; }
+__device__ __forceinline__ void assign(__half& dst, float x) { dst = __float2half(x); }
+__device__ __forceinline__ void assign(__nv_bfloat16& dst, float x) { dst = __float2bfloat16(x); }
+
+__device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
+
+// Regions of dynamic shared memory, each 128-byte aligned, carved in the order launch.SHARED_REGIONS lists them.
+struct SharedCursor {
+    unsigned char* next;
+    template <class T>
+    __device__ __forceinline__ T* take(int count) {
+        T* region = reinterpret_cast<T*>(next);
+        next += (count * sizeof(T) + 127) / 128 * 128;
+        return region;
+    }
+};
+
+// tile[r][c] = src[(first + r) * stride + c] for rows first + r < limit and columns c < width, else 0.
+// Rows at or beyond the limit (padding beyond a length, or beyond the tensor) are never read.
+template <int ROWS, int COLS>
+__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* src, index_t stride, int first, int limit,
+                                          int width) {
+    for (int idx = threadIdx.x; idx < ROWS * COLS; idx += NUM_THREADS) {
+        const int r = idx / COLS, c = idx % COLS;
+        float value = 0.0f;
+        if (first + r < limit && c < width) value = to_float(src[(first + r) * stride + c]);
+        assign(tile[idx], value);
+    }
+}
+
+template <int COUNT>
+__device__ __forceinline__ void zero(float* tile) {
+    for (int idx = threadIdx.x; idx < COUNT; idx += NUM_THREADS) tile[idx] = 0.0f;
+}
+
+template <bool B, class T, class F>
+struct choose {
+    typedef T type;
+};
+template <class T, class F>
+struct choose<false, T, F> {
+    typedef F type;
+};
+
+// C (M x N float32, row-major, ldc) = [C +] A · B, A being M x K and B K x N, both elem_t. A[m][k] is at
+// A[m * lda + k], or at A[k * lda + m] when A_T; B[k][n] is at B[k * ldb + n], or at B[n * ldb + k] when B_T.
+// Called by every thread of the block; the caller synchronises before reading C.
+template <int M, int N, int K, bool A_T, bool B_T, bool ACCUMULATE>
+__device__ __forceinline__ void tile_mma(float* C, int ldc, const elem_t* A, int lda, const elem_t* B, int ldb) {
+#if USE_TENSOR_CORES
+    using namespace nvcuda;
+    typedef typename choose<A_T, wmma::col_major, wmma::row_major>::type layout_a;
+    typedef typename choose<B_T, wmma::col_major, wmma::row_major>::type layout_b;
+    const int warp = threadIdx.x / 32;
+    for (int f = warp; f < (M / 16) * (N / 16); f += NUM_WARPS) {
+        const int m0 = f / (N / 16) * 16, n0 = f % (N / 16) * 16;
+        wmma::fragment<wmma::accumulator, 16, 16, 16, float> c;
+        if (ACCUMULATE) {
+            wmma::load_matrix_sync(c, C + m0 * ldc + n0, ldc, wmma::mem_row_major);
+        } else {
+            wmma::fill_fragment(c, 0.0f);
+        }
+        for (int k0 = 0; k0 < K; k0 += 16) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, elem_t, layout_a> a;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, elem_t, layout_b> b;
+            wmma::load_matrix_sync(a, A_T ? A + k0 * lda + m0 : A + m0 * lda + k0, lda);
+            wmma::load_matrix_sync(b, B_T ? B + n0 * ldb + k0 : B + k0 * ldb + n0, ldb);
+            wmma::mma_sync(c, a, b, c);
+        }
+        wmma::store_matrix_sync(C + m0 * ldc + n0, c, ldc, wmma::mem_row_major);
+    }
+#else
+    for (int idx = threadIdx.x; idx < M * N; idx += NUM_THREADS) {
+        const int m = idx / N, n = idx % N;
+        float acc = ACCUMULATE ? C[m * ldc + n] : 0.0f;
+#pragma unroll 2  // deeper unrolling spills a few bytes in some float32 variants (ptxas -v)
+        for (int k = 0; k < K; ++k) {
+            const float a = to_float(A_T ? A[k * lda + m] : A[m * lda + k]);
+            const float b = to_float(B_T ? B[n * ldb + k] : B[k * ldb + n]);
+            acc = fmaf(a, b, acc);
+        }
+        C[m * ldc + n] = acc;
+    }
+#endif
+}
+
+// inverse[r] = 1 / max(‖tile[r]‖₂, 1e-12) in float32 for the cosine variant (torch.nn.functional.normalize).
+template <int ROWS, int COLS>
+__device__ __forceinline__ void inverse_norms(float* inverse, const elem_t* tile) {
+    for (int r = threadIdx.x; r < ROWS; r += NUM_THREADS) {
+        float squares = 0.0f;
+        for (int c = 0; c < COLS; ++c) {
+            const float x = to_float(tile[r * COLS + c]);
+            squares = fmaf(x, x, squares);
+        }
+        inverse[r] = 1.0f / fmaxf(sqrtf(squares), 1e-12f);
+    }
+}
+
+__device__ __forceinline__ float row_max_reduce(float x) {
+    for (int lanes = THREADS_PER_ROW / 2; lanes > 0; lanes /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, lanes));
+    return x;
+}
+
+__device__ __forceinline__ float row_sum_reduce(float x) {
+    for (int lanes = THREADS_PER_ROW / 2; lanes > 0; lanes /= 2) x += __shfl_xor_sync(0xffffffffu, x, lanes);
+    return x;
+}
+
+// ------------------------------------------------------------------------------------------------ geometry
+
+struct Geometry {
+    int q_len, kv_len, offset;  // q_len_b, kv_len_b, off_b
+};
+
+__device__ __forceinline__ Geometry batch_geometry(const int* q_lengths, const int* kv_lengths, int batch, int len_q,
+                                                   int len_k) {
+    Geometry g;
+    g.q_len = HAS_Q_LENGTHS ? q_lengths[batch] : len_q;
+    g.kv_len = HAS_KV_LENGTHS ? kv_lengths[batch] : len_k;
+    g.offset = BOTTOM_RIGHT ? g.kv_len - g.q_len : 0;
+    return g;
+}
+
+// [first, end) of the keys rows row_start..row_start+BLOCK_M may see; first is tile-aligned.
+__device__ __forceinline__ void key_span(int row_start, Geometry g, int lower, int upper, int& first, int& end) {
+    const int last_row = min(row_start + BLOCK_M, g.q_len) - 1;
+    first = 0;
+    end = row_start < g.q_len ? g.kv_len : 0;
+    if (HAS_LOWER) first = max(row_start + g.offset + lower, 0);
+    if (HAS_UPPER) end = min(end, last_row + g.offset + upper + 1);
+    first = first / BLOCK_N * BLOCK_N;
+}
+
+// [first, end) of the query rows that may see keys key_start..key_start+BLOCK_N; first is tile-aligned.
+__device__ __forceinline__ void query_span(int key_start, Geometry g, int lower, int upper, int& first, int& end) {
+    const int last_key = min(key_start + BLOCK_N, g.kv_len) - 1;
+    first = 0;
+    end = key_start < g.kv_len ? g.q_len : 0;
+    if (HAS_UPPER) first = max(key_start - g.offset - upper, 0);
+    if (HAS_LOWER) end = min(end, last_key - g.offset - lower + 1);
+    first = first / BLOCK_M * BLOCK_M;
+}
+
+// The optional per-(batch, query head) mask and bias planes, broadcast by stride 0.
+struct Planes {
+    const unsigned char* mask;
+    const float* bias;
+    index_t mask_m, mask_n, bias_m, bias_n;
+};
+
+__device__ __forceinline__ bool visible(int row, int col, Geometry g, int lower, int upper, const Planes& planes) {
+    if (row >= g.q_len || col >= g.kv_len) return false;
+    const int rel = col - row - g.offset;
+    if (HAS_LOWER && rel < lower) return false;
+    if (HAS_UPPER && rel > upper) return false;
+    if (HAS_MASK && planes.mask[row * planes.mask_m + col * planes.mask_n] == 0) return false;
+    return true;
+}
+
+struct Score {
+    float s;       // the score S
+    float tanh_u;  // tanh(U / c) for the softcap derivative
+};
+
+// U = scale · q̂·k̂ (dot = raw q·k, times both inverse norms for the cosine variant);
+// S = c · tanh(U / c) if softcapped, else U;  S += bias.  qk_scale is scale / c when softcapped.
+__device__ __forceinline__ Score score(float dot, float q_inverse, float k_inverse, float qk_scale, float softcap,
+                                       int row, int col, const Planes& planes) {
+    float u = dot;
+    if (COSINE) u = u * q_inverse * k_inverse;
+    u *= qk_scale;
+    Score result = {u, u};
+    if (HAS_SOFTCAP) {
+        result.tanh_u = tanhf(u);
+        result.s = softcap * result.tanh_u;
+    }
+    if (HAS_BIAS) result.s += planes.bias[row * planes.bias_m + col * planes.bias_n];
+    return result;
+}
+
+// Strides (batch, head, row, column) of the mask and the bias, 0 on broadcast axes.
+struct PlaneStrides {
+    index_t mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n;
+};
+
+__device__ __forceinline__ Planes planes_of(const unsigned char* mask, const float* bias, const PlaneStrides& st,
+                                            int batch, int head) {
+    Planes planes;
+    planes.mask = mask + batch * st.mask_b + head * st.mask_h;
+    planes.bias = bias + batch * st.bias_b + head * st.bias_h;
+    planes.mask_m = st.mask_m;
+    planes.mask_n = st.mask_n;
+    planes.bias_m = st.bias_m;
+    planes.bias_n = st.bias_n;
+    return planes;
+}
+
+// ------------------------------------------------------------------------------------------------ kernels
+
+// One query tile of one (batch, query head): out and lse. Grid (query tiles, Hq, B).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+    attention_forward(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+                      elem_t* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias,
+                      const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
+                      const int* __restrict__ kv_lengths, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
+                      index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t o_b, index_t o_h,
+                      index_t o_m, index_t bias_b, index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b,
+                      index_t mask_h, index_t mask_m, index_t mask_n, int heads_q, int group, int len_q, int len_k,
+                      float qk_scale, float softcap, int lower, int upper) {
+    const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
+    const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
+    const Planes planes = planes_of(mask, bias, strides, batch, head);
+    const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
+    const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
+
+    SharedCursor cursor = {shared_memory};
+    elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
+    elem_t* k_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_D);
+    elem_t* v_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_DV);
+    float* s_tile = cursor.take<float>(BLOCK_M * BLOCK_N);
+    elem_t* p_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_N);
+    float* o_acc = cursor.take<float>(BLOCK_M * BLOCK_DV);
+    float* q_inverse = cursor.take<float>(BLOCK_M);
+    float* k_inverse = cursor.take<float>(BLOCK_N);
+
+    load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM);
+    zero<BLOCK_M * BLOCK_DV>(o_acc);
+    __syncthreads();
+    if (COSINE) inverse_norms<BLOCK_M, BLOCK_D>(q_inverse, q_tile);
+
+    int first, end;
+    key_span(row_start, g, lower, upper, first, end);
+    const int r = threadIdx.x / THREADS_PER_ROW, lane = threadIdx.x % THREADS_PER_ROW, row = row_start + r;
+    float row_max = negative_infinity(), row_sum = 0.0f;
+    // Online softmax over the key tiles (FlashAttention-2):
+    //   m' = max(m, rowmax S);  α = exp(m − m');  P = exp(S − m');  l' = α·l + rowsum P;  acc' = α·acc + P V
+    // and once at the end: out = acc / l, lse = m + log l. A row that has seen no visible key keeps m = −inf;
+    // its shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
+    for (int key_start = first; key_start < end; key_start += BLOCK_N) {
+        load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_n, key_start, g.kv_len, HEAD_DIM);
+        load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_n, key_start, g.kv_len, HEAD_DIM_V);
+        __syncthreads();
+        if (COSINE) inverse_norms<BLOCK_N, BLOCK_D>(k_inverse, k_tile);
+        tile_mma<BLOCK_M, BLOCK_N, BLOCK_D, false, true, false>(s_tile, BLOCK_N, q_tile, BLOCK_D, k_tile, BLOCK_D);
+        __syncthreads();
+
+        float tile_max = negative_infinity();
+        for (int c = lane; c < BLOCK_N; c += THREADS_PER_ROW) {
+            const int col = key_start + c;
+            float s = negative_infinity();
+            if (visible(row, col, g, lower, upper, planes))
+                s = score(s_tile[r * BLOCK_N + c], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes).s;
+            s_tile[r * BLOCK_N + c] = s;
+            tile_max = fmaxf(tile_max, s);
+        }
+        const float new_max = fmaxf(row_max, row_max_reduce(tile_max));
+        const float shift = new_max == negative_infinity() ? 0.0f : new_max;
+        const float alpha = expf(row_max - shift);
+        float tile_sum = 0.0f;
+        for (int c = lane; c < BLOCK_N; c += THREADS_PER_ROW) {
+            const float p = expf(s_tile[r * BLOCK_N + c] - shift);
+            assign(p_tile[r * BLOCK_N + c], p);
+            tile_sum += p;
+        }
+        row_sum = row_sum * alpha + row_sum_reduce(tile_sum);
+        row_max = new_max;
+        for (int c = lane; c < BLOCK_DV; c += THREADS_PER_ROW) o_acc[r * BLOCK_DV + c] *= alpha;
+        __syncthreads();
+        tile_mma<BLOCK_M, BLOCK_DV, BLOCK_N, false, false, true>(o_acc, BLOCK_DV, p_tile, BLOCK_N, v_tile, BLOCK_DV);
+        __syncthreads();
+    }
+
+    // Empty means no weight at all: a NaN score is skipped by the max (fmaxf) yet makes the sum NaN, and must
+    // give NaN out and lse, never the empty row's 0 and −inf.
+    const bool empty = row_sum == 0.0f;
+    if (row < len_q) {
+        elem_t* out_row = out + batch * o_b + head * o_h + row * o_m;
+        for (int c = lane; c < HEAD_DIM_V; c += THREADS_PER_ROW)
+            assign(out_row[c], empty ? 0.0f : o_acc[r * BLOCK_DV + c] / row_sum);
+        if (lane == 0)
+            lse[((index_t)batch * heads_q + head) * len_q + row] = empty ? negative_infinity() : row_max + logf(row_sum);
+    }
+}
+
+// Δ = rowsum(dO ⊙ O) − dlse for one row tile of one (batch, query head). Grid (row tiles, Hq, B).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+    attention_backward_delta(const elem_t* __restrict__ out, const elem_t* __restrict__ dout,
+                             const float* __restrict__ dlse, float* __restrict__ delta, index_t o_b, index_t o_h,
+                             index_t o_m, index_t do_b, index_t do_h, index_t do_m, int heads_q, int len_q) {
+    const int head = blockIdx.y, batch = blockIdx.z;
+    for (int r = threadIdx.x; r < BLOCK_M; r += NUM_THREADS) {
+        const int row = blockIdx.x * BLOCK_M + r;
+        if (row >= len_q) continue;
+        const elem_t* o_row = out + batch * o_b + head * o_h + row * o_m;
+        const elem_t* do_row = dout + batch * do_b + head * do_h + row * do_m;
+        float sum = 0.0f;
+        for (int c = 0; c < HEAD_DIM_V; ++c) sum = fmaf(to_float(o_row[c]), to_float(do_row[c]), sum);
+        const index_t index = ((index_t)batch * heads_q + head) * len_q + row;
+        delta[index] = HAS_DLSE ? sum - dlse[index] : sum;
+    }
+}
+
+// Per-row lse and Δ of a query tile; an empty row's lse (−inf) is stored as +inf so every P of it is exactly 0.
+__device__ __forceinline__ void load_row_statistics(float* lse_tile, float* delta_tile, const float* lse,
+                                                    const float* delta, index_t row_base, int row_start, int q_len) {
+    for (int r = threadIdx.x; r < BLOCK_M; r += NUM_THREADS) {
+        const int row = row_start + r;
+        float value = row < q_len ? lse[row_base + row] : negative_infinity();
+        lse_tile[r] = value == negative_infinity() ? -negative_infinity() : value;
+        delta_tile[r] = row < q_len ? delta[row_base + row] : 0.0f;
+    }
+}
+
+// dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+    attention_backward_dq(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+                          const elem_t* __restrict__ dout, const float* __restrict__ lse,
+                          const float* __restrict__ delta, grad_t* __restrict__ dq, const float* __restrict__ bias,
+                          const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
+                          const int* __restrict__ kv_lengths, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
+                          index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t do_b,
+                          index_t do_h, index_t do_m, index_t dq_b, index_t dq_h, index_t dq_m, index_t bias_b,
+                          index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h,
+                          index_t mask_m, index_t mask_n, int heads_q, int group, int len_q, int len_k,
+                          float qk_scale, float softcap, float grad_scale, int lower, int upper) {
+    const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
+    const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
+    const Planes planes = planes_of(mask, bias, strides, batch, head);
+    const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
+    const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
+    const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
+
+    SharedCursor cursor = {shared_memory};
+    elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
+    elem_t* do_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_DV);
+    elem_t* k_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_D);
+    elem_t* v_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_DV);
+    float* s_tile = cursor.take<float>(BLOCK_M * BLOCK_N);
+    float* dp_tile = cursor.take<float>(BLOCK_M * BLOCK_N);
+    elem_t* ds_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_N);
+    float* dq_acc = cursor.take<float>(BLOCK_M * BLOCK_D);
+    float* lse_tile = cursor.take<float>(BLOCK_M);
+    float* delta_tile = cursor.take<float>(BLOCK_M);
+    float* q_inverse = cursor.take<float>(BLOCK_M);
+    float* k_inverse = cursor.take<float>(BLOCK_N);
+
+    load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM);
+    load_tile<BLOCK_M, BLOCK_DV>(do_tile, dout + batch * do_b + head * do_h, do_m, row_start, g.q_len, HEAD_DIM_V);
+    load_row_statistics(lse_tile, delta_tile, lse, delta, row_base, row_start, g.q_len);
+    zero<BLOCK_M * BLOCK_D>(dq_acc);
+    __syncthreads();
+    if (COSINE) inverse_norms<BLOCK_M, BLOCK_D>(q_inverse, q_tile);
+
+    int first, end;
+    key_span(row_start, g, lower, upper, first, end);
+    // P = exp(S − lse);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K
+    for (int key_start = first; key_start < end; key_start += BLOCK_N) {
+        load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_n, key_start, g.kv_len, HEAD_DIM);
+        load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_n, key_start, g.kv_len, HEAD_DIM_V);
+        __syncthreads();
+        if (COSINE) inverse_norms<BLOCK_N, BLOCK_D>(k_inverse, k_tile);
+        tile_mma<BLOCK_M, BLOCK_N, BLOCK_D, false, true, false>(s_tile, BLOCK_N, q_tile, BLOCK_D, k_tile, BLOCK_D);
+        tile_mma<BLOCK_M, BLOCK_N, BLOCK_DV, false, true, false>(dp_tile, BLOCK_N, do_tile, BLOCK_DV, v_tile,
+                                                                 BLOCK_DV);
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += NUM_THREADS) {
+            const int r = idx / BLOCK_N, c = idx % BLOCK_N, row = row_start + r, col = key_start + c;
+            float ds = 0.0f;
+            if (visible(row, col, g, lower, upper, planes)) {
+                const Score sc = score(s_tile[idx], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes);
+                ds = expf(sc.s - lse_tile[r]) * (dp_tile[idx] - delta_tile[r]);
+                if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;
+                if (COSINE) ds *= k_inverse[c];  // dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
+            }
+            assign(ds_tile[idx], ds);
+        }
+        __syncthreads();
+        tile_mma<BLOCK_M, BLOCK_D, BLOCK_N, false, false, true>(dq_acc, BLOCK_D, ds_tile, BLOCK_N, k_tile, BLOCK_D);
+        __syncthreads();
+    }
+    for (int idx = threadIdx.x; idx < BLOCK_M * HEAD_DIM; idx += NUM_THREADS) {
+        const int r = idx / HEAD_DIM, c = idx % HEAD_DIM, row = row_start + r;
+        if (row < len_q) assign(dq[batch * dq_b + head * dq_h + row * dq_m + c], dq_acc[r * BLOCK_D + c] * grad_scale);
+    }
+}
+
+// dk, dv (and dS into the full-shape float32 dbias) for one key tile of one (batch, kv head). Grid (key tiles,
+// Hkv, B). The G query heads sharing the kv head are summed here, so no atomics are needed.
+extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+    attention_backward_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
+                            const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
+                            const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,
+                            grad_t* __restrict__ dv, float* __restrict__ dbias, const float* __restrict__ bias,
+                            const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
+                            const int* __restrict__ kv_lengths, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
+                            index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t do_b,
+                            index_t do_h, index_t do_m, index_t dk_b, index_t dk_h, index_t dk_n, index_t dv_b,
+                            index_t dv_h, index_t dv_n, index_t bias_b, index_t bias_h, index_t bias_m,
+                            index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n,
+                            int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
+                            float grad_scale, int lower, int upper) {
+    const int key_start = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
+
+    SharedCursor cursor = {shared_memory};
+    elem_t* k_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_D);
+    elem_t* v_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_DV);
+    float* dk_acc = cursor.take<float>(BLOCK_N * BLOCK_D);
+    float* dv_acc = cursor.take<float>(BLOCK_N * BLOCK_DV);
+    elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
+    elem_t* do_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_DV);
+    float* s_tile = cursor.take<float>(BLOCK_M * BLOCK_N);
+    float* dp_tile = cursor.take<float>(BLOCK_M * BLOCK_N);
+    elem_t* p_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_N);
+    elem_t* ds_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_N);
+    float* lse_tile = cursor.take<float>(BLOCK_M);
+    float* delta_tile = cursor.take<float>(BLOCK_M);
+    float* q_inverse = cursor.take<float>(BLOCK_M);
+    float* k_inverse = cursor.take<float>(BLOCK_N);
+
+    load_tile<BLOCK_N, BLOCK_D>(k_tile, k + batch * k_b + head_kv * k_h, k_n, key_start, g.kv_len, HEAD_DIM);
+    load_tile<BLOCK_N, BLOCK_DV>(v_tile, v + batch * v_b + head_kv * v_h, v_n, key_start, g.kv_len, HEAD_DIM_V);
+    zero<BLOCK_N * BLOCK_D>(dk_acc);
+    zero<BLOCK_N * BLOCK_DV>(dv_acc);
+    __syncthreads();
+    if (COSINE) inverse_norms<BLOCK_N, BLOCK_D>(k_inverse, k_tile);
+
+    int first, end;
+    query_span(key_start, g, lower, upper, first, end);
+    // Over the G query heads of this kv head and the query tiles that see this key tile:
+    //   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
+    //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q
+    for (int head = head_kv * group; head < head_kv * group + group; ++head) {
+        const Planes planes = planes_of(mask, bias, strides, batch, head);
+        const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
+        for (int row_start = first; row_start < end; row_start += BLOCK_M) {
+            load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM);
+            load_tile<BLOCK_M, BLOCK_DV>(do_tile, dout + batch * do_b + head * do_h, do_m, row_start, g.q_len,
+                                         HEAD_DIM_V);
+            load_row_statistics(lse_tile, delta_tile, lse, delta, row_base, row_start, g.q_len);
+            __syncthreads();
+            if (COSINE) inverse_norms<BLOCK_M, BLOCK_D>(q_inverse, q_tile);
+            tile_mma<BLOCK_M, BLOCK_N, BLOCK_D, false, true, false>(s_tile, BLOCK_N, q_tile, BLOCK_D, k_tile, BLOCK_D);
+            tile_mma<BLOCK_M, BLOCK_N, BLOCK_DV, false, true, false>(dp_tile, BLOCK_N, do_tile, BLOCK_DV, v_tile,
+                                                                     BLOCK_DV);
+            __syncthreads();
+            for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += NUM_THREADS) {
+                const int r = idx / BLOCK_N, c = idx % BLOCK_N, row = row_start + r, col = key_start + c;
+                float p = 0.0f, ds = 0.0f;
+                if (visible(row, col, g, lower, upper, planes)) {
+                    const Score sc =
+                        score(s_tile[idx], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes);
+                    p = expf(sc.s - lse_tile[r]);
+                    ds = p * (dp_tile[idx] - delta_tile[r]);
+                    if (HAS_DBIAS) dbias[(row_base + row) * len_k + col] = ds;
+                    if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;
+                    if (COSINE) ds *= q_inverse[r];  // dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
+                }
+                assign(p_tile[idx], p);
+                assign(ds_tile[idx], ds);
+            }
+            __syncthreads();
+            tile_mma<BLOCK_N, BLOCK_DV, BLOCK_M, true, false, true>(dv_acc, BLOCK_DV, p_tile, BLOCK_N, do_tile,
+                                                                    BLOCK_DV);
+            tile_mma<BLOCK_N, BLOCK_D, BLOCK_M, true, false, true>(dk_acc, BLOCK_D, ds_tile, BLOCK_N, q_tile, BLOCK_D);
+            __syncthreads();
+        }
+    }
+    for (int idx = threadIdx.x; idx < BLOCK_N * HEAD_DIM; idx += NUM_THREADS) {
+        const int c = idx / HEAD_DIM, d = idx % HEAD_DIM, key = key_start + c;
+        if (key < len_k) assign(dk[batch * dk_b + head_kv * dk_h + key * dk_n + d], dk_acc[c * BLOCK_D + d] * grad_scale);
+    }
+    for (int idx = threadIdx.x; idx < BLOCK_N * HEAD_DIM_V; idx += NUM_THREADS) {
+        const int c = idx / HEAD_DIM_V, d = idx % HEAD_DIM_V, key = key_start + c;
+        if (key < len_k) assign(dv[batch * dv_b + head_kv * dv_h + key * dv_n + d], dv_acc[c * BLOCK_DV + d]);
+    }
+}

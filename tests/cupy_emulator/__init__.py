@@ -1,0 +1,199 @@
+"""Test infrastructure: runs the cupy backend's CUDA C kernels on the CPU, so the conformance suite covers them on
+a machine without a GPU. It is not a CUDA implementation and not a way to run attention.
+
+``cuda_emulation.h`` provides the CUDA built-ins the kernels use (thread and block indices, dynamic shared memory,
+``__syncthreads`` as a real barrier over one OS thread per CUDA thread, warp shuffles, atomics, the half types,
+the math intrinsics and ``nvcuda::wmma``). :class:`EmulatorLauncher` implements the backend's
+``launch.Launcher``: it compiles the *same* ``attention.cu`` with the host C++ compiler and the same -D options the
+CuPy launcher gives NVRTC, builds a trampoline per kernel that unpacks a ``cuLaunchKernel``-style argument array,
+and launches with the grid, block, shared-memory size and arguments ``launch.py`` computed, on CPU tensors.
+Libraries are built once per (source, header, options) into a cache directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import torch
+from attnkit.backends.cupy import launch
+
+import attnkit
+
+HEADER = Path(__file__).parent / "cuda_emulation.h"
+#: Bytes of emulated dynamic shared memory per block (sm_90 has 227 KiB), plus the canary.
+SHARED_CAPACITY = 256 * 1024
+KERNEL_PATTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)\s*\(')
+COMPILER_FLAGS = ("-std=c++20", "-O1", "-fPIC", "-w")
+
+
+def compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("ATTNKIT_EMULATOR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "attnkit", "cupy-emulator"
+    )
+    return Path(root)
+
+
+def wrapper_source(source: Path) -> str:
+    """The translation unit (after the header, given by -include): the kernel source unchanged, shared memory,
+    one trampoline per kernel."""
+    names = KERNEL_PATTERN.findall(source.read_text())
+    lines = [
+        f'#include "{source}"',
+        f"__attribute__((aligned(128))) unsigned char shared_memory[{SHARED_CAPACITY}];",
+        'extern "C" const char* emu_failure() { return emu::failure; }',
+    ]
+    for name in names:
+        lines.append(
+            f'extern "C" int emu_launch_{name}(const unsigned* grid, const unsigned* block, unsigned long shared, '
+            f"void** params) {{ return emu::launch(grid, block, shared, shared_memory, sizeof shared_memory, "
+            f"[params] {{ emu::call_packed({name}, params); }}); }}"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def build(options: tuple[str, ...], source: Path = launch.SOURCE) -> Path:
+    """The shared library of one variant, compiled on first use and cached by content."""
+    cxx = compiler()
+    if cxx is None:
+        raise RuntimeError("no host C++ compiler (g++ or $CXX) for the CUDA emulation harness")
+    wrapper = wrapper_source(source)
+    header = precompiled_header(cxx)
+    digest = _digest(wrapper, source.read_text(), HEADER.read_text(), *options, *COMPILER_FLAGS, cxx)
+    library = cache_dir() / f"attention-{digest}.so"
+    with _exclusive(library):  # pytest-xdist workers wanting the same variant build it once
+        if library.exists():
+            return library
+        with tempfile.TemporaryDirectory() as scratch:
+            cpp = Path(scratch) / "wrapper.cpp"
+            cpp.write_text(wrapper)
+            command = [cxx, *COMPILER_FLAGS, "-shared", *options, "-include", str(header), str(cpp)]
+            _compile(command, Path(scratch) / "library.so", library, f"{source.name} with {' '.join(options)}")
+    return library
+
+
+@contextlib.contextmanager
+def _exclusive(target: Path) -> Iterator[None]:
+    """An advisory lock on ``target``'s lock file, across processes."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.with_name(target.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _digest(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
+
+
+def _compile(command: list[str], built: Path, target: Path, what: str) -> None:
+    done = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"the emulator could not compile {what}:\n{done.stderr}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    shutil.copyfile(built, temporary)
+    os.replace(temporary, target)  # atomic: concurrent builders of the same file agree
+
+
+def precompiled_header(cxx: str) -> Path:
+    """cuda_emulation.h next to its precompiled .gch in the cache (the standard headers take most of a build)."""
+    directory = cache_dir() / f"header-{_digest(HEADER.read_text(), *COMPILER_FLAGS, cxx)}"
+    header = directory / HEADER.name
+    with _exclusive(header):
+        if header.exists():
+            return header
+        gch = directory / f"{HEADER.name}.gch"
+        with tempfile.TemporaryDirectory() as scratch:
+            _compile([cxx, *COMPILER_FLAGS, "-x", "c++-header", str(HEADER)], Path(scratch) / "h.gch", gch, HEADER.name)
+        shutil.copyfile(HEADER, header.with_name(f"{HEADER.name}.{os.getpid()}.tmp"))
+        os.replace(header.with_name(f"{HEADER.name}.{os.getpid()}.tmp"), header)
+    return header
+
+
+def _c_argument(value: launch.Argument) -> ctypes._SimpleCData:
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(f"the emulator takes CPU tensors, got one on {value.device}")
+        return ctypes.c_void_p(value.data_ptr())
+    if isinstance(value, np.int32):
+        return ctypes.c_int32(int(value))
+    if isinstance(value, np.int64):
+        return ctypes.c_int64(int(value))
+    if isinstance(value, np.float32):
+        return ctypes.c_float(float(value))
+    raise TypeError(f"unsupported kernel argument {value!r}")
+
+
+class EmulatorLauncher:
+    """``launch.Launcher`` for the CPU: the kernels compiled by the host C++ compiler, run by cuda_emulation.h."""
+
+    name = "cupy-emulator"
+    device = "cpu"
+
+    def __init__(self, source: Path = launch.SOURCE, tile: launch.TileConfig = launch.EMULATOR_TILE) -> None:
+        self.source = source
+        self._tile = tile
+        self._libraries: dict[tuple[str, ...], ctypes.CDLL] = {}
+        self._lock = threading.Lock()  # the emulator runs one launch at a time (shared state in the library)
+
+    def unavailable(self) -> list[str]:
+        if compiler() is None:
+            return ["no host C++ compiler (g++ or $CXX) for the CUDA emulation harness"]
+        return []
+
+    def tile(self, kernel: str, head_dim: int, dtype: str) -> launch.TileConfig:
+        return self._tile
+
+    def library(self, options: tuple[str, ...]) -> ctypes.CDLL:
+        if options not in self._libraries:
+            self._libraries[options] = ctypes.CDLL(str(build(options, self.source)))
+        return self._libraries[options]
+
+    def launch(
+        self,
+        kernel: str,
+        options: tuple[str, ...],
+        grid: tuple[int, int, int],
+        block: tuple[int, int, int],
+        shared_bytes: int,
+        args: list[launch.Argument],
+    ) -> None:
+        values = [_c_argument(arg) for arg in args]
+        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(value) for value in values))
+        with self._lock:
+            library = self.library(options)
+            function = getattr(library, f"emu_launch_attention_{kernel}")
+            function.restype = ctypes.c_int
+            failed = function(
+                (ctypes.c_uint * 3)(*grid), (ctypes.c_uint * 3)(*block), ctypes.c_ulong(shared_bytes), params
+            )
+            if failed:
+                library.emu_failure.restype = ctypes.c_char_p
+                raise RuntimeError(f"emulated {kernel} failed: {library.emu_failure().decode()}")
+
+
+def attach_emulator() -> None:
+    """Register ``cupy-emulated`` with this harness as its launcher (tests/conftest.py calls it). The backend package
+    registers it without one, unavailable with the reason; the capabilities are the same either way."""
+    from attnkit.backends.cupy.backend import CupyBackend
+
+    attnkit.registered_backends()  # the built-ins first, so this registration replaces theirs
+    attnkit.register_backend(CupyBackend.emulated(EmulatorLauncher()), replace=True)

@@ -1,0 +1,360 @@
+// Test infrastructure, not a CUDA implementation: just enough of the CUDA device environment for the host C++
+// compiler to build backends/cupy/kernels/attention.cu unchanged and run it on the CPU (tests/cupy_emulator).
+//
+// Every CUDA thread of a block is a fiber (ucontext) with its own stack; the block's fibers run on one OS thread,
+// round-robin in thread order, each until it reaches a barrier. __syncthreads parks the fiber until every live
+// thread of the block has arrived, so barriers really synchronise the threads and a missing one is a real race
+// (deterministically exposed: the order alternates between ascending and descending thread index from one barrier
+// to the next, so each thread runs ahead of the others up to its next barrier in turn). Threads that do not pass
+// the same number of barriers (a barrier in divergent code) are reported, never left hanging. Warp shuffles exchange through a
+// per-warp slot array between two warp barriers. wmma operations are warp-collective: lane 0 of the warp loads,
+// multiplies (float32 products of the exactly converted half values, float32 accumulation) and stores the whole
+// 16x16 tile, so other warps see the data only after a barrier, as on the GPU; the other lanes' fragments are
+// unspecified (kernels must not read fragment elements, whose lane mapping the emulator does not model). Blocks run one after another; dynamic shared memory is
+// filled with NaN bytes before each block and guarded by a canary.
+
+#pragma once
+
+#include <math.h>
+
+#include <algorithm>
+#include <array>
+#include <ucontext.h>
+
+#include <atomic>
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define ATTNKIT_EMULATED 1
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__
+#define __align__(n) __attribute__((aligned(n)))
+#define __launch_bounds__(...)
+
+using std::max;
+using std::min;
+
+struct dim3 {
+    unsigned x = 1, y = 1, z = 1;
+};
+
+inline dim3 threadIdx;  // set by the scheduler before it resumes a thread
+inline dim3 blockIdx;
+inline dim3 blockDim;
+inline dim3 gridDim;
+
+namespace emu {
+
+enum class State { runnable, block_barrier, warp_barrier, done };
+
+struct Fiber {
+    ucontext_t context;
+    State state = State::runnable;
+};
+
+constexpr std::size_t STACK_BYTES = 256 * 1024;
+inline std::vector<Fiber> fibers;
+inline std::vector<std::vector<char>> stacks;
+inline std::vector<std::array<std::uint64_t, 32>> warp_slots;
+inline ucontext_t scheduler;
+inline unsigned current = 0;
+inline const std::function<void()>* kernel_body = nullptr;
+inline std::atomic<int> failed{0};
+inline char failure[512] = "";
+
+inline void fail(const char* message) {
+    if (failed.exchange(1) == 0) std::snprintf(failure, sizeof failure, "%s", message);
+}
+
+inline unsigned lane() { return current % 32; }
+
+// Park the running thread in `state` and return to the scheduler; resumes when the scheduler releases it.
+inline void park(State state) {
+    fibers[current].state = state;
+    swapcontext(&fibers[current].context, &scheduler);
+}
+
+}  // namespace emu
+
+inline void __syncthreads() { emu::park(emu::State::block_barrier); }
+inline void __syncwarp(unsigned = 0xffffffffu) { emu::park(emu::State::warp_barrier); }
+
+template <class T>
+inline T __shfl_xor_sync(unsigned, T value, int lane_mask, int = 32) {
+    static_assert(sizeof(T) <= 8, "shuffles move at most 8 bytes");
+    auto& slots = emu::warp_slots[emu::current / 32];
+    std::memcpy(&slots[emu::lane()], &value, sizeof(T));
+    __syncwarp();
+    T result;
+    std::memcpy(&result, &slots[emu::lane() ^ static_cast<unsigned>(lane_mask)], sizeof(T));
+    __syncwarp();
+    return result;
+}
+
+template <class T>
+inline T __shfl_sync(unsigned, T value, int source, int = 32) {
+    auto& slots = emu::warp_slots[emu::current / 32];
+    std::memcpy(&slots[emu::lane()], &value, sizeof(T));
+    __syncwarp();
+    T result;
+    std::memcpy(&result, &slots[static_cast<unsigned>(source) % 32], sizeof(T));
+    __syncwarp();
+    return result;
+}
+
+template <class T>
+inline T atomicAdd(T* address, T value) {
+    return std::atomic_ref<T>(*address).fetch_add(value);
+}
+
+inline float __int_as_float(int bits) {
+    float value;
+    std::memcpy(&value, &bits, 4);
+    return value;
+}
+inline float __int_as_float(unsigned bits) { return __int_as_float(static_cast<int>(bits)); }
+inline int __float_as_int(float value) {
+    int bits;
+    std::memcpy(&bits, &value, 4);
+    return bits;
+}
+
+// ------------------------------------------------------------------------------------------ half types
+
+struct __half {
+    std::uint16_t bits;
+};
+struct __nv_bfloat16 {
+    std::uint16_t bits;
+};
+
+inline __half __float2half(float value) {  // round to nearest even (the _Float16 conversion)
+    _Float16 h = static_cast<_Float16>(value);
+    __half out;
+    std::memcpy(&out.bits, &h, 2);
+    return out;
+}
+inline float __half2float(__half value) {
+    _Float16 h;
+    std::memcpy(&h, &value.bits, 2);
+    return static_cast<float>(h);
+}
+inline __nv_bfloat16 __float2bfloat16(float value) {  // round to nearest even; NaN stays NaN
+    std::uint32_t bits;
+    std::memcpy(&bits, &value, 4);
+    __nv_bfloat16 out;
+    if ((bits & 0x7fffffffu) > 0x7f800000u) {
+        out.bits = static_cast<std::uint16_t>((bits >> 16) | 0x40u);
+    } else {
+        bits += 0x7fffu + ((bits >> 16) & 1u);
+        out.bits = static_cast<std::uint16_t>(bits >> 16);
+    }
+    return out;
+}
+inline float __bfloat162float(__nv_bfloat16 value) {
+    std::uint32_t bits = static_cast<std::uint32_t>(value.bits) << 16;
+    float out;
+    std::memcpy(&out, &bits, 4);
+    return out;
+}
+
+namespace emu {
+inline float widen(float x) { return x; }
+inline float widen(__half x) { return __half2float(x); }
+inline float widen(__nv_bfloat16 x) { return __bfloat162float(x); }
+}  // namespace emu
+
+// ------------------------------------------------------------------------------------------ wmma
+
+namespace nvcuda {
+namespace wmma {
+
+struct matrix_a {};
+struct matrix_b {};
+struct accumulator {};
+struct row_major {};
+struct col_major {};
+enum layout_t { mem_row_major, mem_col_major };
+
+template <class Use, int M, int N, int K, class T, class Layout = void>
+struct fragment {
+    static constexpr int rows = std::is_same_v<Use, matrix_b> ? K : M;
+    static constexpr int cols = std::is_same_v<Use, matrix_a> ? K : N;
+    static constexpr int num_elements = rows * cols;
+    float x[rows * cols];  // the whole tile, row-major, in every lane
+};
+
+template <class T>
+inline void check_operand(const T* pointer, unsigned ldm) {
+    if (reinterpret_cast<std::uintptr_t>(pointer) % 32 != 0) emu::fail("wmma: pointer not 256-bit aligned");
+    if ((ldm * sizeof(T)) % 16 != 0) emu::fail("wmma: ldm is not a multiple of 16 bytes");
+}
+
+template <class Use, int M, int N, int K, class T, class Layout>
+inline void load_matrix_sync(fragment<Use, M, N, K, T, Layout>& f, const T* pointer, unsigned ldm) {
+    check_operand(pointer, ldm);
+    if (emu::lane() != 0) return;
+    using F = fragment<Use, M, N, K, T, Layout>;
+    for (int r = 0; r < F::rows; ++r)
+        for (int c = 0; c < F::cols; ++c)
+            f.x[r * F::cols + c] =
+                emu::widen(std::is_same_v<Layout, col_major> ? pointer[c * ldm + r] : pointer[r * ldm + c]);
+}
+
+template <int M, int N, int K>
+inline void load_matrix_sync(fragment<accumulator, M, N, K, float>& f, const float* pointer, unsigned ldm,
+                             layout_t layout) {
+    check_operand(pointer, ldm);
+    if (emu::lane() != 0) return;
+    for (int r = 0; r < M; ++r)
+        for (int c = 0; c < N; ++c) f.x[r * N + c] = layout == mem_col_major ? pointer[c * ldm + r] : pointer[r * ldm + c];
+}
+
+template <int M, int N, int K>
+inline void store_matrix_sync(float* pointer, const fragment<accumulator, M, N, K, float>& f, unsigned ldm,
+                              layout_t layout) {
+    check_operand(pointer, ldm);
+    if (emu::lane() != 0) return;
+    for (int r = 0; r < M; ++r)
+        for (int c = 0; c < N; ++c) (layout == mem_col_major ? pointer[c * ldm + r] : pointer[r * ldm + c]) = f.x[r * N + c];
+}
+
+template <class Use, int M, int N, int K, class T, class Layout>
+inline void fill_fragment(fragment<Use, M, N, K, T, Layout>& f, float value) {
+    for (float& x : f.x) x = value;
+}
+
+template <int M, int N, int K, class T, class LA, class LB>
+inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<matrix_a, M, N, K, T, LA>& a,
+                     const fragment<matrix_b, M, N, K, T, LB>& b, const fragment<accumulator, M, N, K, float>& c) {
+    if (emu::lane() != 0) return;
+    float result[M * N];
+    for (int m = 0; m < M; ++m)
+        for (int n = 0; n < N; ++n) {
+            float acc = c.x[m * N + n];
+            for (int k = 0; k < K; ++k) acc = fmaf(a.x[m * K + k], b.x[k * N + n], acc);
+            result[m * N + n] = acc;
+        }
+    std::memcpy(d.x, result, sizeof result);
+}
+
+}  // namespace wmma
+}  // namespace nvcuda
+
+// ------------------------------------------------------------------------------------------ launching
+
+namespace emu {
+
+constexpr std::size_t CANARY_BYTES = 256;
+
+// kernel(*params[0], *params[1], ...): the argument array of cuLaunchKernel, unpacked by the kernel's own types.
+template <class... A, std::size_t... I>
+inline void call_packed(void (*kernel)(A...), void** params, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(params[I])...);
+}
+template <class... A>
+inline void call_packed(void (*kernel)(A...), void** params) {
+    call_packed(kernel, params, std::index_sequence_for<A...>{});
+}
+
+inline void fiber_entry() {
+    (*kernel_body)();
+    fibers[current].state = State::done;  // uc_link returns to the scheduler
+}
+
+// One block: every thread from the start of the kernel to its end, released barrier by barrier. Returns false on
+// barrier divergence: threads parked at different kinds of barrier, or some exited while others wait at one
+// (every thread of a block must pass the same number of __syncthreads).
+inline bool run_block(unsigned threads, const dim3& block) {
+    for (unsigned t = 0; t < threads; ++t) {
+        Fiber& fiber = fibers[t];
+        getcontext(&fiber.context);
+        fiber.context.uc_stack.ss_sp = stacks[t].data();
+        fiber.context.uc_stack.ss_size = stacks[t].size();
+        fiber.context.uc_link = &scheduler;
+        makecontext(&fiber.context, fiber_entry, 0);
+        fiber.state = State::runnable;
+    }
+    bool reverse = false;
+    for (;;) {
+        for (unsigned i = 0; i < threads; ++i) {  // round-robin, each until it parks or ends
+            const unsigned t = reverse ? threads - 1 - i : i;
+            if (fibers[t].state != State::runnable) continue;
+            current = t;
+            threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+            swapcontext(&scheduler, &fibers[t].context);
+        }
+        bool released = false, live = false, exited = false, all_at_block_barrier = true;
+        for (unsigned w = 0; w < threads / 32; ++w) {
+            bool whole_warp = true;
+            for (unsigned t = 32 * w; t < 32 * w + 32; ++t) whole_warp = whole_warp && fibers[t].state == State::warp_barrier;
+            if (whole_warp) {
+                for (unsigned t = 32 * w; t < 32 * w + 32; ++t) fibers[t].state = State::runnable;
+                released = true;
+            }
+        }
+        if (released) continue;
+        for (unsigned t = 0; t < threads; ++t) {
+            live = live || fibers[t].state != State::done;
+            exited = exited || fibers[t].state == State::done;
+            all_at_block_barrier = all_at_block_barrier && (fibers[t].state == State::done || fibers[t].state == State::block_barrier);
+        }
+        if (!live) return true;
+        if (!all_at_block_barrier || exited) return false;
+        for (unsigned t = 0; t < threads; ++t)
+            if (fibers[t].state == State::block_barrier) fibers[t].state = State::runnable;
+        reverse = !reverse;  // alternate the order, so neither producer nor consumer always runs first
+    }
+}
+
+// Runs grid[0]*grid[1]*grid[2] blocks one after another, each with block[0]*block[1]*block[2] fibers.
+// Returns 0, or 1 with the reason in emu::failure.
+inline int launch(const unsigned* grid, const unsigned* block, std::size_t shared_bytes, unsigned char* shared,
+                  std::size_t capacity, const std::function<void()>& body) {
+    failed = 0;
+    failure[0] = 0;
+    const unsigned threads = block[0] * block[1] * block[2];
+    if (threads == 0 || threads % 32 != 0 || threads > 1024) {
+        fail("blockDim must be a multiple of the warp size (32), at most 1024 threads");
+        return 1;
+    }
+    if (shared_bytes + CANARY_BYTES > capacity) {
+        fail("dynamic shared memory request exceeds the emulator's capacity");
+        return 1;
+    }
+    blockDim = {block[0], block[1], block[2]};
+    gridDim = {grid[0], grid[1], grid[2]};
+    fibers.assign(threads, Fiber{});
+    while (stacks.size() < threads) stacks.emplace_back(STACK_BYTES);
+    warp_slots.assign(threads / 32, {});
+    kernel_body = &body;
+    for (unsigned z = 0; z < grid[2]; ++z)
+        for (unsigned y = 0; y < grid[1]; ++y)
+            for (unsigned x = 0; x < grid[0]; ++x) {
+                std::memset(shared, 0xff, shared_bytes);  // garbage (NaN bytes), and a canary past the end
+                std::memset(shared + shared_bytes, 0xa5, CANARY_BYTES);
+                blockIdx = {x, y, z};
+                if (!run_block(threads, blockDim)) {
+                    fail("barrier divergence: the threads of a block do not pass the same barriers (a barrier in divergent code)");
+                    return 1;
+                }
+                for (std::size_t i = 0; i < CANARY_BYTES; ++i)
+                    if (shared[shared_bytes + i] != 0xa5) {
+                        fail("a kernel wrote past the end of its dynamic shared memory");
+                        return 1;
+                    }
+                if (failed) return 1;
+            }
+    return 0;
+}
+
+}  // namespace emu

@@ -1,0 +1,80 @@
+"""The static GPU check of the CUDA C kernels (docs/performance.md, "CuPy kernels on sm_80 / sm_90"): nvcc compiles
+kernels/attention.cu for sm_80 and sm_90 with ``-Xptxas -v`` and the launcher's own -D options, no GPU needed. No
+compiler warning, no register spill at the default tiles for D = 64 and 128, every default tile within the arch's
+shared memory, and HMMA (tensor cores) in the SASS of every float16 / bfloat16 kernel with a matrix product.
+
+Compiles in two nvcc processes and caches the reports by content (``inspect.compile_variant``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from attnkit.backends.cupy import inspect, launch
+
+pytestmark = pytest.mark.skipif(
+    inspect.tool("nvcc") is None or inspect.tool("cuobjdump") is None,
+    reason="nvcc and cuobjdump are needed (CUDA toolkit on PATH or $CUDA_HOME; cuobjdump also from the triton wheel)",
+)
+
+
+@pytest.fixture(scope="module")
+def results() -> list[inspect.Result]:
+    return inspect.inspect_all(inspect.variants("required"), jobs=2)
+
+
+def _name(result: inspect.Result) -> str:
+    v = result.variant
+    return f"{v.kernel} {v.arch} {v.dtype} D={v.head_dim} {v.features} ({result.tile})"
+
+
+def test_every_required_variant_compiles_without_warnings(results: list[inspect.Result]) -> None:
+    assert {(r.variant.kernel, r.variant.arch) for r in results} == {
+        (kernel, arch) for kernel in launch.KERNELS for arch in inspect.ARCHS
+    }
+    warned = [f"{_name(r)}: {r.warnings}" for r in results if r.warnings]
+    assert not warned, "\n".join(warned)
+
+
+def test_default_tiles_do_not_spill(results: list[inspect.Result]) -> None:
+    spilling = [
+        f"{_name(r)}: stack {r.stack_bytes} B, spill stores {r.spill_store_bytes} B, loads {r.spill_load_bytes} B"
+        for r in results
+        if r.variant.features == "plain" and r.variant.head_dim in (64, 128) and r.spill_bytes
+    ]
+    assert not spilling, "register spills at a default tile (launch.GPU_TILES):\n" + "\n".join(spilling)
+
+
+def test_default_tiles_fit_shared_memory() -> None:
+    """Every default tile of every kernel, dtype and head dim up to 256 fits sm_80's (smaller) per-block limit."""
+    over = []
+    for kernel in launch.KERNELS:
+        for dtype in inspect.DTYPES:
+            for head_dim in (16, 64, 80, 128, 200, 256):
+                tile = launch.gpu_tile(kernel, head_dim, dtype)
+                size = launch.shared_memory_bytes(kernel, tile, head_dim, head_dim, dtype)
+                if size > inspect.SHARED_LIMIT["sm_80"]:
+                    over.append(f"{kernel} {dtype} D={head_dim}: {size} B")
+    assert not over, "\n".join(over)
+
+
+def test_half_precision_products_run_on_tensor_cores(results: list[inspect.Result]) -> None:
+    checked = [r for r in results if r.variant.kernel in inspect.MMA_KERNELS and r.variant.dtype != "float32"]
+    assert checked
+    missing = [_name(r) for r in checked if not r.hmma]
+    assert not missing, "float16 / bfloat16 matrix products off the tensor cores:\n" + "\n".join(missing)
+    assert not any(r.hmma for r in results if r.variant.dtype == "float32"), "float32 must not use TF32 tensor cores"
+
+
+@pytest.mark.skipif(
+    inspect.nvrtc_library() is None or inspect.cuda_include() is None,
+    reason="libnvrtc (pip install nvidia-cuda-nvrtc-cu12, which cupy-cuda12x uses) and the CUDA headers are needed",
+)
+@pytest.mark.parametrize("arch", inspect.ARCHS)
+@pytest.mark.parametrize("dtype", inspect.DTYPES)
+def test_nvrtc_compiles_the_source_as_cupy_does(arch: str, dtype: str) -> None:
+    """The CuPy path compiles with NVRTC, not nvcc: the same file and -D options, every feature switch on, must
+    compile without a log (no error, no warning) to a cubin."""
+    tile = launch.gpu_tile("forward", 128, dtype)
+    options = launch.compile_options(dtype, 128, 128, tile, launch.Features.all())
+    status, log, cubin_bytes = inspect.nvrtc_compile(arch, options)
+    assert status == 0 and not log and cubin_bytes > 0, log
