@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 
 from attnkit import registry
 from attnkit.backend import ALL_FEATURES
+from attnkit.cost import CostTable, load_table
 from attnkit.errors import ConfigError
 
 DEVICES = frozenset({"cpu", "cuda"})
@@ -54,6 +55,25 @@ class Config(BaseModel):
     priority: dict[str, tuple[str, ...]]
     refine: tuple[Refinement, ...] = ()
     backend: str | None = None
+    #: Let the measured cost table reorder backends that can all serve a call (attnkit/cost.py).
+    use_costs: bool = True
+    #: The cost table; None is the one shipped in configs/costs.toml. A relative path in a TOML file is
+    #: relative to that file.
+    costs: str | None = None
+    #: Another backend replaces the first in priority only when predicted faster by more than this fraction.
+    cost_margin: float = 0.1
+
+    @field_validator("cost_margin")
+    @classmethod
+    def _non_negative(cls, value: float) -> float:
+        if not value >= 0.0:
+            raise ValueError(f"cost_margin={value} must be >= 0")
+        return value
+
+    def cost_table(self) -> CostTable | None:
+        if not self.use_costs:
+            return None
+        return load_table(self.costs if self.costs is not None else default_costs_path())
 
     def priority_for(self, device: str, features: frozenset[str]) -> tuple[str, ...]:
         for refinement in self.refine:
@@ -77,6 +97,8 @@ def _check_names(config: Config, source: str) -> None:
     check("priority", config.priority)
     for index, refinement in enumerate(config.refine):
         check(f"refine[{index}].priority", refinement.priority)
+    if config.use_costs and config.costs is not None:
+        load_table(config.costs)  # a missing or malformed table is an error of the config that names it
     if config.backend is not None and config.backend not in known:
         raise ConfigError(f"{source}: key backend: unknown backend {config.backend!r} (allowed: {allowed})")
 
@@ -91,6 +113,8 @@ def load_config(source: str | Path | Mapping[str, Any], base: Config | None = No
             data = tomllib.loads(Path(source).read_text())
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise ConfigError(f"{label}: cannot read config: {error}") from error
+    if not isinstance(source, Mapping) and isinstance(data.get("costs"), str):
+        data["costs"] = str(Path(source).parent / data["costs"])  # relative to the file that names it
     merged = {**(base.model_dump() if base is not None else {}), **data}
     if base is not None and "priority" in data:
         merged["priority"] = {**base.priority, **data["priority"]}
@@ -107,6 +131,10 @@ def load_config(source: str | Path | Mapping[str, Any], base: Config | None = No
 
 def default_config_path() -> Path:
     return Path(str(files("attnkit.configs") / "default.toml"))
+
+
+def default_costs_path() -> Path:
+    return Path(str(files("attnkit.configs") / "costs.toml"))
 
 
 _base_lock = threading.Lock()

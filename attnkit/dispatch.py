@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attnkit import config, registry
 from attnkit.backend import Backend, Problem
@@ -24,10 +24,13 @@ class Candidate:
     reasons: tuple[str, ...]
     selected: bool = False
     in_priority: bool = True
+    predicted_us: float | None = None  # from the cost table, for backends that can serve
 
     def __str__(self) -> str:
         marker = "->" if self.selected else "  "
         why = "ok" if not self.reasons else "; ".join(self.reasons)
+        if self.predicted_us is not None:
+            why += f" (predicted {self.predicted_us:.4g} us)"
         return f"{marker} {self.name:<16} {why}"
 
 
@@ -47,13 +50,22 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     else:
         order = config.current_config().priority_for(problem.device, spec.features() | problem.features())
     rows: list[Candidate] = []
-    chosen = False
     for name in order:
         if name not in all_backends:
             registry.get_backend(name)  # raises UnknownBackendError naming the registered ones
-        reasons = _reasons(all_backends[name], spec, problem)
-        rows.append(Candidate(name, reasons, selected=not reasons and not chosen))
-        chosen = chosen or not reasons
+        rows.append(Candidate(name, _reasons(all_backends[name], spec, problem)))
+    servable = [row.name for row in rows if not row.reasons]
+    if servable:
+        table = config.current_config().cost_table() if forced is None else None
+        chosen = table.choose(spec, problem, servable, config.current_config().cost_margin) if table else servable[0]
+        rows = [
+            replace(
+                row,
+                selected=row.name == chosen,
+                predicted_us=table.predict_us(row.name, spec, problem) if table and not row.reasons else None,
+            )
+            for row in rows
+        ]
     for name in sorted(set(all_backends) - set(order)):
         why = "forced backend is " + forced if forced else f"not in the priority list for device={problem.device}"
         rows.append(Candidate(name, _reasons(all_backends[name], spec, problem) + (why,), in_priority=False))
