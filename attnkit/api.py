@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from attnkit import config, dispatch, registry
-from attnkit.backend import AttentionInputs, Backend, Problem
+from attnkit.backend import AttentionInputs, Problem, Runner
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_for
 from attnkit.spec import AttentionSpec, Layout
@@ -144,15 +144,15 @@ def _check_length_values(ops: FrameworkOps, problem: Problem, q_lengths: Any, kv
 
 
 _validated_lock = threading.Lock()
-_validated: dict[tuple[Any, ...], tuple[Problem, Backend]] = {}
+_validated: dict[tuple[Any, ...], tuple[Problem, Runner]] = {}
 _VALIDATED_LIMIT = 4096  # distinct call signatures kept; a workload rarely has more than a few dozen
 
 
-def _remember(key: tuple[Any, ...], problem: Problem, chosen: Backend) -> None:
+def _remember(key: tuple[Any, ...], problem: Problem, run: Runner) -> None:
     with _validated_lock:
         if len(_validated) >= _VALIDATED_LIMIT:
             _validated.clear()
-        _validated[key] = (problem, chosen)
+        _validated[key] = (problem, run)
 
 
 def _to_4d(ops: FrameworkOps, argument: str, tensor: Any, full: tuple[int, ...], was_3d: bool) -> Any:
@@ -198,17 +198,16 @@ def attend(
         key = (spec, signature, return_lse, backend, config.state_key(), registry.generation())
         hit = _validated.get(key)
         if hit is not None:
-            problem, chosen = hit
+            problem, run = hit
             if q_lengths is not None or kv_lengths is not None:
                 _check_length_values(ops, problem, q_lengths, kv_lengths)
-            inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
-            out, lse = ops.run(chosen, spec, problem, inputs)
+            out, lse = run(AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths))
             return (out, lse) if return_lse else out
     ops, problem, inputs, was_3d = _prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
-    chosen = dispatch.select(spec, problem, backend)
+    run = ops.runner(dispatch.select(spec, problem, backend), spec, problem)
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
-        _remember(key, problem, chosen)
-    out, lse = ops.run(chosen, spec, problem, inputs)
+        _remember(key, problem, run)
+    out, lse = run(inputs)
     if was_3d:
         head_axis = 1 if spec.layout is Layout.BHSD else 2
         out = ops.reshape(out, tuple(size for axis, size in enumerate(out.shape) if axis != head_axis))

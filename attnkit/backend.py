@@ -17,16 +17,18 @@ Backends receive tensors of their own framework, already validated, in the spec'
 and broadcastable to (B, Hq, Lq, Lk); a backend may return ``dbias`` in that broadcast shape and the
 frontend sums it down to the caller's shape. ``lse`` is float32 (B, Hq, Lq).
 
-A backend whose forward is differentiable by the framework itself (it calls a library op that torch autograd or
-JAX autodiff already knows, as the native backends do) sets ``differentiable_forward = True``: the frontend then
-calls ``forward`` directly, with grad recording on and ``need_lse`` as the caller asked, instead of wrapping it in
-its own autograd.Function / custom_vjp, so the framework's own backward runs at the cost of a direct call.
-``backward`` is then only for callers of the protocol itself.
+A backend built on a library call that its framework already differentiates (the native backends) may also define
+``differentiable_forward(spec, problem)``, returning a function ``inputs -> (out, lse or None)`` for every call with
+that spec and problem. The frontend then calls that function directly, with grad recording as the caller has it,
+instead of wrapping ``forward`` in its own autograd.Function / custom_vjp: the framework's own backward runs, and a
+call costs what the library call costs plus the cached dispatch. ``backward`` then serves callers of the protocol
+itself (attnkit.testing). The function is made once per (spec, problem), so it may be specialised for it.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
@@ -172,6 +174,16 @@ class Backend(Protocol):
     ) -> Gradients:
         """Gradients of (out, lse) given their cotangents; ``dlse`` None means zero."""
         ...
+
+
+#: What a frontend calls for one attention call: inputs -> (out, lse or None).
+Runner = Callable[[AttentionInputs], tuple[Any, Any]]
+
+
+def differentiable_forward(backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner | None:
+    """The backend's own differentiable forward for (spec, problem), or None when it has none (module docstring)."""
+    make = getattr(backend, "differentiable_forward", None)
+    return make(spec, problem) if make is not None else None
 
 
 class MissingPackageBackend:

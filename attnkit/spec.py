@@ -6,7 +6,7 @@ import enum
 import math
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 
 from attnkit.errors import InvalidSpecError
 
@@ -61,11 +61,20 @@ class AttentionSpec(BaseModel):
     softcap: float | None = None
     layout: Layout = Layout.BHSD
 
+    # Specs key the dispatch caches on every call: hash once (pydantic's hash re-reads every field each time).
+    _hash: int = PrivateAttr(default=0)
+
     def __init__(self, **fields: Any) -> None:
         try:
             super().__init__(**fields)
         except ValidationError as error:
             raise InvalidSpecError(_describe(error)) from None
+
+    def model_post_init(self, context: Any, /) -> None:
+        self._hash = hash(tuple(self.__dict__.values()))
+
+    def __hash__(self) -> int:
+        return self.__pydantic_private__["_hash"]  # type: ignore[index]  # self._hash goes through __getattr__
 
     @classmethod
     def model_validate(cls, obj: Any, **options: Any) -> AttentionSpec:  # type: ignore[override]

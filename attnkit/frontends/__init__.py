@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any, Protocol
 
-from attnkit.backend import AttentionInputs, Backend, Framework, Problem
+from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner
 from attnkit.errors import InvalidInputTypeError
 from attnkit.spec import AttentionSpec
 
@@ -30,9 +30,10 @@ class FrameworkOps(Protocol):
 
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any: ...
 
-    def run(
-        self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs
-    ) -> tuple[Any, Any]: ...
+    def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
+        """The function that runs calls with this (spec, problem) on ``backend``, gradients wired in; made once
+        per dispatch decision and cached with it."""
+        ...
 
 
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from attnkit.backend import AttentionInputs, Backend, Framework, Problem
+from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, differentiable_forward
 from attnkit.errors import BackendUnavailableError
 from attnkit.spec import AttentionSpec
 
@@ -105,10 +105,11 @@ class JaxOps:
     def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         return x.reshape(shape)
 
-    def run(self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs) -> tuple[Any, Any]:
-        if getattr(backend, "differentiable_forward", False):
-            return backend.forward(spec, inputs, need_lse=problem.return_lse)
-        return _attend(backend, spec, inputs)
+    def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
+        own = differentiable_forward(backend, spec, problem)
+        if own is not None:
+            return own
+        return lambda inputs: _attend(backend, spec, inputs)
 
 
 OPS = JaxOps()

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from attnkit.backend import AttentionInputs, Backend, Framework, Problem
+from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, differentiable_forward
 from attnkit.spec import AttentionSpec
 
 
@@ -78,6 +78,11 @@ class TorchOps:
         return bias_grad or inputs.q.requires_grad or inputs.k.requires_grad or inputs.v.requires_grad, bias_grad
 
     def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
+        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+            return None  # the full validation path names the wrong type
+        grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+        if mask is None and bias is None and q_lengths is None and kv_lengths is None:  # the common call, first
+            return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad)
         optional: list[Any] = []
         for tensor in (mask, bias, q_lengths, kv_lengths):
             if tensor is None:
@@ -85,11 +90,9 @@ class TorchOps:
             elif type(tensor) is torch.Tensor:
                 optional.append((tensor.shape, tensor.dtype, tensor.device))
             else:
-                return None  # the full validation path names the wrong type
-        if type(k) is not torch.Tensor or type(v) is not torch.Tensor or type(q) is not torch.Tensor:
-            return None
-        bias_grad = bias is not None and bias.requires_grad
-        grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or bias_grad)
+                return None
+        bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+        grad = grad or bias_grad
         return (
             q.shape,
             k.shape,
@@ -108,22 +111,20 @@ class TorchOps:
     def reshape(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return x.reshape(shape)
 
-    def run(self, backend: Backend, spec: AttentionSpec, problem: Problem, inputs: AttentionInputs) -> tuple[Any, Any]:
-        if not problem.needs_grad or getattr(backend, "differentiable_forward", False):
-            return backend.forward(spec, inputs, need_lse=problem.return_lse)
-        out, lse = _AttendFunction.apply(
-            backend,
-            spec,
-            problem.return_lse,
-            inputs.q,
-            inputs.k,
-            inputs.v,
-            inputs.bias,
-            inputs.mask,
-            inputs.q_lengths,
-            inputs.kv_lengths,
-        )
-        return out, lse
+    def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
+        own = differentiable_forward(backend, spec, problem)
+        if own is not None:
+            return own
+        return_lse = problem.return_lse
+        if not problem.needs_grad:
+            return lambda inputs: backend.forward(spec, inputs, need_lse=return_lse)
+
+        def through_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
+            q, k, v, mask, bias, q_lengths, kv_lengths = inputs
+            out, lse = _AttendFunction.apply(backend, spec, return_lse, q, k, v, bias, mask, q_lengths, kv_lengths)
+            return out, lse
+
+        return through_autograd
 
 
 OPS = TorchOps()

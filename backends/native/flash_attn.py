@@ -34,6 +34,7 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
+from attnkit.backend import Runner
 
 COSINE_EPS = 1e-12
 MAX_HEAD_DIM = 256
@@ -41,16 +42,15 @@ MAX_HEAD_DIM = 256
 
 class FlashAttnBackend:
     name = "flash-attn"
-    differentiable_forward = True
     capabilities = Capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16"}),
         devices=frozenset({"cuda"}),
-        features=frozenset({"causal", "window", "softcap", "cosine", "bshd", "grad"}),
+        features=frozenset({"causal", "top_left", "window", "softcap", "cosine", "bshd", "grad"}),
         head_dims=(1, MAX_HEAD_DIM),
         description="flash-attn 2 flash_attn_func (CUDA), its own forward and backward",
         notes=(
-            "top_left: flash-attn causal is bottom-right only",
+            "top_left: only where it is bottom-right too (Lq = Lk); flash-attn's causal is bottom-right",
             "lse: returned by flash-attn but its gradient is not supported",
             "mask, bias: no arbitrary mask or bias in flash-attn; q_lengths/kv_lengths: varlen not lowered",
             "Dv != D: rejected at call time (flash-attn needs equal head dims)",
@@ -67,9 +67,15 @@ class FlashAttnBackend:
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         reasons = capability_reasons(self.capabilities, spec, problem)
+        if "top_left" in spec.features() and problem.len_q != problem.len_k:
+            reasons.append(f"top-left alignment with len_q={problem.len_q} != len_k={problem.len_k} (supported: equal)")
         if problem.head_dim != problem.head_dim_v:
             reasons.append(f"head_dim_v={problem.head_dim_v} (supported: equal to head_dim={problem.head_dim})")
         return reasons
+
+    def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
+        """flash-attn's own autograd function records the backward; the frontend does not wrap it."""
+        return lambda inputs: self.forward(spec, inputs, need_lse=False)
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         from flash_attn import flash_attn_func

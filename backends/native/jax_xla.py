@@ -29,6 +29,7 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
+from attnkit.backend import Runner
 
 COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
 
@@ -161,8 +162,6 @@ class JaxXlaBackend:
     """jax.nn.dot_product_attention on JAX arrays, differentiated by JAX."""
 
     name = "jax-xla"
-    #: forward() is differentiated by JAX itself; the frontend does not wrap it in its custom_vjp.
-    differentiable_forward = True
     capabilities = Capabilities(
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
@@ -200,6 +199,11 @@ class JaxXlaBackend:
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         return xla_attention(spec, inputs, need_lse)
+
+    def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
+        """JAX differentiates the lowering itself; the frontend does not wrap it in its custom_vjp."""
+        need_lse = problem.return_lse
+        return lambda inputs: xla_attention(spec, inputs, need_lse)
 
     def backward(
         self, spec: AttentionSpec, inputs: AttentionInputs, out: Any, lse: Any, dout: Any, dlse: Any | None

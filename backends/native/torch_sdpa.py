@@ -1,26 +1,32 @@
-"""``torch-sdpa``: the contract lowered onto torch's scaled-dot-product attention (CPU flash kernel).
+"""``torch-sdpa``: the contract lowered onto torch's scaled-dot-product attention (its CPU flash kernel).
 
-* The plain cases (no mask, lengths, window or bias; top-left causal, or bottom-right with Lq = Lk; no lse) call
-  ``torch.nn.functional.scaled_dot_product_attention`` itself, so forward and backward are torch's own, recorded by
-  torch's autograd: the same cost as calling it directly.
-* Everything else calls the op under it, ``aten::_scaled_dot_product_flash_attention_for_cpu``, which returns the
-  logsumexp, through a :class:`torch.autograd.Function` whose backward is
-  ``aten::_scaled_dot_product_flash_attention_for_cpu_backward``. That backward takes no lse cotangent; a ``dlse``
-  is folded in exactly by one extra value column: with v' = [v, 1], out' = [out, 0], dout' = [dout, dlse] the
-  kernel's dP' = dP + dlse and Δ' = Δ, so dS = P ⊙ (dP − (Δ − dlse)), which is §8 of docs/semantics.md.
-* Visibility that SDPA cannot express (bottom-right with Lq ≠ Lk, window, lengths, a user mask) becomes one additive
-  0/−inf mask of shape (B|1, Hq|1, Lq, Lk): memory quadratic in L, as a user mask already is.
-* Fully masked rows: the CPU kernel returns out 0 but lse 0 for them, and older torch returned NaN, so empty rows
-  are found from the visibility mask and set to out 0, lse −inf, which also zeroes their cotangents.
-* Padding beyond lengths is zeroed before the kernel (0·NaN would otherwise reach visible rows).
+Three paths, chosen per call from the spec and the optional tensors:
+
+* **native**: visibility SDPA expresses (none, top-left causal, bottom-right with Lq = Lk or a single query), no
+  bias, no lse, D = Dv: ``F.scaled_dot_product_attention`` itself, differentiated by torch's own autograd. This is
+  the call a user would write, so ``auto`` costs only its dispatch over it.
+* **flash op**: the op under it, ``aten::_scaled_dot_product_flash_attention_for_cpu``, which also returns lse, on
+  query blocks (:class:`_BlockedFlash`). Causal with another alignment, windows and lengths give each block of
+  BLOCK_Q queries only the key span its band can reach, with an additive 0/−inf mask of (block × span) built per
+  block (and rebuilt in backward, never kept), so memory stays linear in L and hidden key ranges are never read.
+  A user mask or bias is added to that mask (float32, §7). The backward op takes no lse cotangent; ``dlse`` is
+  folded in exactly by one extra value column: with v' = [v, 1], out' = [out, 0], dout' = [dout, dlse] the kernel's
+  dP' = dP + dlse and Δ' = Δ, so dS = P ⊙ (dP − (Δ − dlse)), which is §8 of docs/semantics.md.
+* **literal**: the contract in torch ops (``attnkit.torch_contract.literal_attention``), only when the kernel's
+  result cannot be trusted: it skips a row whose first scores are all NaN as if it were fully masked (out 0 and
+  lse 0 instead of NaN, §5). Such rows are found from the lse the op returns; the native path is used only where
+  that cannot happen (at least NAN_SAFE_KEYS keys, see tests/test_native_backends.py).
+
+Fully masked rows come out 0 with lse −inf (the kernel gives lse 0), and padding beyond lengths is never read.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 import torch.nn.functional as F
-from attnkit.backends.reference.torch_common import compute_dtype, visibility, zero_padding
-from attnkit.backends.reference.torch_naive import naive_attention
 
 from attnkit import (
     AttentionInputs,
@@ -34,9 +40,14 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
+from attnkit.backend import Runner
+from attnkit.torch_contract import COSINE_EPS, compute_dtype, literal_attention, visibility, zero_padding
 
-COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
 MIN_TORCH = (2, 5)  # enable_gqa, and the CPU flash op with masks and GQA
+BLOCK_Q = 256  # queries per flash-op call when visibility needs a mask: mask memory BLOCK_Q × span
+# The CPU kernel's first max over a row is vectorised; a row shorter than one vector whose scores are all NaN is
+# taken for a fully masked row. 64 keys cover vectors up to 2048 bits of float32.
+NAN_SAFE_KEYS = 64
 
 
 def _torch_version() -> tuple[int, int]:
@@ -44,150 +55,264 @@ def _torch_version() -> tuple[int, int]:
     return int(major), int(minor)
 
 
-def _private_ops() -> tuple[object, object] | None:
+def _flash_ops() -> tuple[Any, Any] | None:
     aten = torch.ops.aten
-    if not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu") or not hasattr(
-        aten, "_scaled_dot_product_flash_attention_for_cpu_backward"
-    ):
+    if _torch_version() < MIN_TORCH or not hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
         return None
     return aten._scaled_dot_product_flash_attention_for_cpu, aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-_OPS = _private_ops() if _torch_version() >= MIN_TORCH else None
+_OPS = _flash_ops()
 
 
-def _pad_last(x: torch.Tensor, width: int, value: float = 0.0) -> torch.Tensor:
-    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]), value=value)
+@dataclass(frozen=True, slots=True)
+class _Block:
+    """Queries ``rows`` against keys ``cols``; ``causal``: the op's own top-left causal flag is the whole visibility;
+    ``masked``: visibility inside the block needs the additive mask."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+    masked: bool
 
 
-class _FlashCore(torch.autograd.Function):
-    """out, lse = the CPU flash op on bhsd q, k, v (equal head dims) with an additive float mask; lse differentiable."""
+class _Plan:
+    """How one call is cut into flash-op calls, and the masks those calls need."""
+
+    def __init__(self, spec: AttentionSpec, inputs: AttentionInputs, q: torch.Tensor, k: torch.Tensor) -> None:
+        self.spec, self.inputs = spec, inputs
+        self.len_q, self.len_k = q.shape[2], k.shape[2]
+        self.blocks = _blocks(spec, inputs, self.len_q, self.len_k)
+        self.mask_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+
+    def mask(self, block: _Block) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(additive mask or None, boolean empty rows (B|1, H|1, rows) or None) for one block."""
+        bias = self.inputs.bias
+        if not block.masked:
+            return (None if bias is None else bias[:, :, block.rows, block.cols].to(self.mask_dtype)), None
+        visible = visibility(self.spec, self.inputs, self.len_q, self.len_k, block.rows, block.cols)
+        assert visible is not None
+        additive = torch.zeros(visible.shape, dtype=self.mask_dtype, device=visible.device)
+        additive.masked_fill_(~visible, float("-inf"))
+        if bias is not None:
+            additive = additive + bias[:, :, block.rows, block.cols].to(self.mask_dtype)
+        return additive, ~visible.any(dim=-1)
+
+
+def _offsets(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> tuple[int, int]:
+    """(smallest, largest) alignment offset over the batch (docs/semantics.md §4)."""
+    if spec.causal_alignment is CausalAlignment.TOP_LEFT:
+        return 0, 0
+    batch = inputs.q.shape[0]
+    kv = inputs.kv_lengths.tolist() if inputs.kv_lengths is not None else [len_k] * batch
+    qs = inputs.q_lengths.tolist() if inputs.q_lengths is not None else [len_q] * batch
+    offsets = [k - q for k, q in zip(kv, qs)]
+    return min(offsets), max(offsets)
+
+
+def _blocks(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> list[_Block]:
+    banded = spec.causal or spec.window is not None
+    lengths = inputs.q_lengths is not None or inputs.kv_lengths is not None
+    if not banded and not lengths:
+        return [_Block(slice(0, len_q), slice(0, len_k), causal=False, masked=inputs.mask is not None)]
+    native_causal = spec.causal and spec.window is None and not lengths and _aligned_top_left(spec, len_q, len_k)
+    if native_causal:
+        return [_Block(slice(0, len_q), slice(0, len_k), causal=True, masked=inputs.mask is not None)]
+    # Row i sees keys i + offset + [low_reach, high_reach] (§4); lengths narrow that further, per batch element.
+    low_offset, high_offset = _offsets(spec, inputs, len_q, len_k)
+    left, right = spec.window if spec.window is not None else (None, None)
+    high_reach = min(right, 0) if spec.causal and right is not None else (0 if spec.causal else right)
+    max_q = int(inputs.q_lengths.max()) if inputs.q_lengths is not None and inputs.q_lengths.numel() else len_q
+    max_k = int(inputs.kv_lengths.max()) if inputs.kv_lengths is not None and inputs.kv_lengths.numel() else len_k
+    blocks = []
+    for start in range(0, min(max_q, len_q), BLOCK_Q):
+        stop = min(start + BLOCK_Q, len_q, max_q)
+        first = 0 if left is None else max(0, start + low_offset - left)
+        last = max_k if high_reach is None else min(max_k, stop - 1 + high_offset + high_reach + 1)
+        if first >= last:
+            continue  # every row of the block is empty: out 0, lse −inf as initialised
+        # The block needs no mask only when every row sees the whole span in every batch element.
+        whole = (
+            not lengths
+            and (left is None or stop - 1 + low_offset - left <= first)
+            and (high_reach is None or start + low_offset + high_reach + 1 >= last)
+        )
+        blocks.append(
+            _Block(slice(start, stop), slice(first, last), causal=False, masked=not whole or inputs.mask is not None)
+        )
+    return blocks
+
+
+def _aligned_top_left(spec: AttentionSpec, len_q: int, len_k: int) -> bool:
+    """Whether the spec's causal diagonal is SDPA's top-left one at this shape."""
+    return spec.causal_alignment is CausalAlignment.TOP_LEFT or len_q == len_k
+
+
+def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
+    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+
+
+class _BlockedFlash(torch.autograd.Function):
+    """(out, lse, kernel lse) of the flash op over the plan's blocks, for bhsd q, k, v with equal head dims.
+
+    out starts at 0 and lse at −inf, which is the contract's answer for rows no block covers and for empty rows.
+    The kernel's own lse (0 for a row it took as empty) is returned as well, so rows it skipped can be found.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: object,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        mask: torch.Tensor | None,
-        causal: bool,
-        scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         assert _OPS is not None
-        out, lse = _OPS[0](q, k, v, 0.0, causal, attn_mask=mask, scale=scale)  # type: ignore[operator]
-        ctx.save_for_backward(q, k, v, mask, out, lse)  # type: ignore[attr-defined]
-        ctx.causal, ctx.scale = causal, scale  # type: ignore[attr-defined]
-        return out, lse
+        batch, heads, len_q, _ = q.shape
+        out = q.new_zeros(batch, heads, len_q, v.shape[-1])
+        lse = q.new_full((batch, heads, len_q), float("-inf"), dtype=torch.float32)
+        kernel_lse = torch.full_like(lse, float("-inf"))
+        for block in plan.blocks:
+            mask, empty = plan.mask(block)
+            k_span, v_span = k[:, :, block.cols], v[:, :, block.cols]
+            block_out, block_lse = _OPS[0](
+                q[:, :, block.rows], k_span, v_span, 0.0, block.causal, attn_mask=mask, scale=scale
+            )
+            kernel_lse[:, :, block.rows] = block_lse
+            if empty is not None:
+                block_out = block_out.masked_fill(empty.unsqueeze(-1), 0.0)
+                block_lse = block_lse.masked_fill(empty, float("-inf"))
+            out[:, :, block.rows] = block_out
+            lse[:, :, block.rows] = block_lse
+        ctx.save_for_backward(q, k, v, out, kernel_lse)
+        ctx.plan, ctx.scale = plan, scale
+        ctx.mark_non_differentiable(kernel_lse)
+        return out, lse, kernel_lse
 
     @staticmethod
-    def backward(ctx: object, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[object, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _: Any) -> tuple[Any, ...]:  # type: ignore[override]
         assert _OPS is not None
-        q, k, v, mask, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
-        causal, scale = ctx.causal, ctx.scale  # type: ignore[attr-defined]
-        head_dim, dim_v = q.shape[-1], v.shape[-1]
-        if dlse is not None and bool(dlse.any()):
-            width = dim_v + 1
-            q2, k2 = _pad_last(q, width), _pad_last(k, width)
-            v2 = torch.cat([v, torch.ones_like(v[..., :1])], dim=-1)
-            out2 = _pad_last(out, width)
-            dout2 = torch.cat([dout.to(out.dtype), dlse.to(out.dtype).unsqueeze(-1)], dim=-1)
-            dq, dk, dv = _OPS[1](dout2, q2, k2, v2, out2, lse, 0.0, causal, attn_mask=mask, scale=scale)  # type: ignore[operator]
-            dq, dk, dv = dq[..., :head_dim], dk[..., :head_dim], dv[..., :dim_v]
-        else:
-            dq, dk, dv = _OPS[1](dout.contiguous(), q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)  # type: ignore[operator]
-        return dq, dk, dv, None, None, None
+        q, k, v, out, kernel_lse = ctx.saved_tensors
+        plan, scale = ctx.plan, ctx.scale
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        with_dlse = dlse is not None and bool(dlse.any())
+        for block in plan.blocks:
+            mask, _ = plan.mask(block)
+            rows, cols = block.rows, block.cols
+            q_b, k_b, v_b, out_b, dout_b = (
+                q[:, :, rows],
+                k[:, :, cols],
+                v[:, :, cols],
+                out[:, :, rows],
+                dout[:, :, rows],
+            )
+            if with_dlse:
+                assert dlse is not None
+                width = v.shape[-1] + 1
+                q_b, k_b, out_b = _pad_last(q_b, width), _pad_last(k_b, width), _pad_last(out_b, width)
+                v_b = torch.cat([v_b, torch.ones_like(v_b[..., :1])], dim=-1)
+                dout_b = torch.cat([dout_b, dlse[:, :, rows].unsqueeze(-1).to(dout.dtype)], dim=-1)
+            grads = _OPS[1](
+                dout_b.contiguous(), q_b, k_b, v_b, out_b, kernel_lse[:, :, rows], 0.0, block.causal,
+                attn_mask=mask, scale=scale,
+            )  # fmt: skip
+            dq[:, :, rows] += grads[0][..., : q.shape[-1]]
+            dk[:, :, cols] += grads[1][..., : k.shape[-1]]
+            dv[:, :, cols] += grads[2][..., : v.shape[-1]]
+        return dq, dk, dv, None, None
 
 
-def _bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
+def _native_causal(spec: AttentionSpec, len_q: int, len_k: int, plain: bool, equal_dims: bool) -> bool | None:
+    """SDPA's ``is_causal`` for a call the public SDPA call computes exactly, or None when it cannot.
 
-
-def _needs_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> bool:
-    """Whether visibility needs a mask: anything but no causal, or causal that SDPA's top-left expresses."""
-    if inputs.mask is not None or inputs.q_lengths is not None or inputs.kv_lengths is not None:
-        return True
-    if spec.window is not None:
-        return True
-    bottom_right = spec.causal and spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
-    return bottom_right and len_q != len_k and len_q != 1
-
-
-def _nan_rows_zeroed(out: torch.Tensor, inputs: AttentionInputs) -> bool:
-    """Whether the kernel may have zeroed a row whose visible scores are all NaN.
-
-    SDPA's CPU kernel treats such a row like a fully masked one (out 0, lse 0), where the contract wants NaN to
-    propagate (§5). Only rows that came out exactly 0 can be affected, and only when q, k or bias hold a NaN.
+    ``plain``: no mask, bias or lengths, and no lse wanted; ``equal_dims``: D = Dv.
     """
-    if out.numel() == 0 or not bool((out == 0).all(dim=-1).any()):
+    if not plain or not equal_dims or spec.window is not None or len_k < NAN_SAFE_KEYS:
+        return None
+    if not spec.causal:
         return False
-    return any(t is not None and bool(t.isnan().any()) for t in (inputs.q, inputs.k, inputs.bias))
+    if _aligned_top_left(spec, len_q, len_k):
+        return True
+    return False if len_q == 1 else None  # one bottom-right query sees every key
 
 
-def sdpa_attention(
-    spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(out, lse) per the contract; differentiable by torch autograd wherever grad is enabled."""
-    out, lse = _sdpa_attention(spec, inputs, need_lse)
-    if _nan_rows_zeroed(out, inputs):  # rare: NaN in the inputs; the literal contract keeps it
-        out, lse = naive_attention(spec, inputs, compute_dtype(inputs.q.dtype))
-        out, lse = out.to(inputs.q.dtype), lse.float()
-    return out, lse
+def _normalized(x: torch.Tensor) -> torch.Tensor:
+    """q̂ or k̂ in float32 (float64 stays): rounding q̂ to a half type before q̂·k̂ costs more than the tolerance."""
+    return F.normalize(x if x.dtype == torch.float64 else x.float(), dim=-1, eps=COSINE_EPS)
 
 
-def _sdpa_attention(
-    spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    q, k, v = _bhsd(spec, inputs.q), _bhsd(spec, inputs.k), _bhsd(spec, inputs.v)
+def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim: int) -> Runner:
+    """The public SDPA call, specialised once per (spec, problem): the per-call work is the call itself."""
+    scale = spec.resolved_scale(head_dim)
+    bshd = spec.layout is Layout.BSHD
+    sdpa = F.scaled_dot_product_attention
+    if spec.variant is Variant.COSINE:
+
+        def cosine(inputs: AttentionInputs) -> tuple[torch.Tensor, None]:
+            q, k, v = inputs.q, inputs.k, inputs.v
+            if bshd:
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            wide = torch.float64 if v.dtype == torch.float64 else torch.float32
+            out = sdpa(_normalized(q), _normalized(k), v.to(wide), is_causal=is_causal, scale=scale, enable_gqa=grouped)
+            out = out.to(v.dtype)
+            return (out.transpose(1, 2) if bshd else out), None
+
+        return cosine
+    # Only the keyword arguments that differ from SDPA's defaults: each one costs the call time at decode sizes.
+    options: dict[str, Any] = {}
+    if is_causal:
+        options["is_causal"] = True
+    if spec.scale is not None:
+        options["scale"] = scale
+    if grouped:
+        options["enable_gqa"] = True
+    if bshd:
+        return lambda inputs: (
+            sdpa(inputs.q.transpose(1, 2), inputs.k.transpose(1, 2), inputs.v.transpose(1, 2), **options).transpose(
+                1, 2
+            ),
+            None,
+        )
+    if not options:
+        return lambda inputs: (sdpa(inputs.q, inputs.k, inputs.v), None)
+    return lambda inputs: (sdpa(inputs.q, inputs.k, inputs.v, **options), None)
+
+
+def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
+    """(out, lse or None) per the contract; differentiable by torch autograd wherever grad is enabled."""
+    q, k, v = inputs.q, inputs.k, inputs.v
+    if spec.layout is Layout.BSHD:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    plain = not need_lse and all(t is None for t in inputs[3:])
+    is_causal = _native_causal(spec, q.shape[2], k.shape[2], plain, q.shape[3] == v.shape[3])
+    if is_causal is not None:
+        return _native_runner(spec, is_causal, q.shape[1] != k.shape[1], q.shape[3])(inputs)
+    return _flash_attention(spec, inputs, q, k, v, spec.resolved_scale(q.shape[3]))
+
+
+def _flash_attention(
+    spec: AttentionSpec, inputs: AttentionInputs, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = q.dtype
     batch, heads_q, len_q, head_dim = q.shape
     len_k, dim_v = k.shape[2], v.shape[-1]
-    dtype = q.dtype
-    scale = spec.resolved_scale(head_dim)
-    if q.numel() == 0 or len_k == 0:  # §9; the CPU kernel faults on Lk = 0
+    if q.numel() == 0 or len_k == 0:  # §9; the kernel faults on Lk = 0
         # Sums over empty extents are exactly 0 (NaN-free) and keep out in the autograd graph.
         out = q[..., :0].sum(-1, keepdim=True).expand(batch, heads_q, len_q, dim_v) + (k.sum() + v.sum()).to(dtype)
         lse = q[..., :0].sum(-1).float() + float("-inf")
         return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
-    masked = _needs_visibility(spec, inputs, len_q, len_k)
     if inputs.q_lengths is not None:
         q = zero_padding(q, inputs.q_lengths)
     if inputs.kv_lengths is not None:
         k, v = zero_padding(k, inputs.kv_lengths), zero_padding(v, inputs.kv_lengths)
     if spec.variant is Variant.COSINE:
-        # In float32 at least: 1e-12 underflows to 0 in float16, and 0/0 would make a zero (padding) row NaN.
-        q, k = (
-            F.normalize(x.float() if x.dtype != torch.float64 else x, dim=-1, eps=COSINE_EPS).to(dtype) for x in (q, k)
-        )
-    # Bottom-right causal with one query and no lengths: that query sees every key.
-    single = spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT and len_q == 1 and inputs.q_lengths is None
-    causal = spec.causal and not masked and not single
-    if not masked and inputs.bias is None and not need_lse and head_dim == dim_v:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=heads_q != k.shape[1])
-        return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), None
-    # The kernel takes a mask in q's dtype: with a bias and a half dtype, compute in float32 (bias is added in
-    # float32 by the contract, §7).
-    compute = torch.float32 if inputs.bias is not None and dtype in (torch.float16, torch.bfloat16) else dtype
-    q, k, v = q.to(compute), k.to(compute), v.to(compute)
-    additive = None
-    empty = None
-    if masked:
-        visible = visibility(spec, inputs, len_q, len_k)
-        assert visible is not None
-        empty = ~visible.any(dim=-1)
-        additive = torch.zeros(visible.shape, dtype=compute, device=q.device).masked_fill_(~visible, float("-inf"))
-    if inputs.bias is not None:
-        bias = inputs.bias.to(compute)
-        additive = bias if additive is None else bias + additive
+        q, k, v = _normalized(q), _normalized(k), v.to(torch.float32 if dtype != torch.float64 else dtype)
     width = max(head_dim, dim_v)
-    # The op reads rows with unit stride (the public call checks that and falls back; the op does not).
+    # The op reads rows with unit stride (the public call checks that and copies; the op does not).
     q, k, v = (_pad_last(x, width) for x in (q, k, v))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out, lse = _FlashCore.apply(q, k, v, additive, causal, scale)
-    out = out[..., :dim_v] if width != dim_v else out
-    lse = lse.float()
-    if empty is not None:
-        out = out.masked_fill(empty.unsqueeze(-1), 0.0)
-        lse = lse.masked_fill(empty, float("-inf"))
-    out = out.to(dtype)
+    out, lse, kernel_lse = _BlockedFlash.apply(q, k, v, _Plan(spec, inputs, q, k), scale)
+    if bool(((kernel_lse == 0) & (lse != float("-inf"))).any()):
+        # A row the kernel skipped though the contract sees keys: its first scores were NaN (or −inf from bias).
+        out, lse = literal_attention(spec, inputs, compute_dtype(dtype))
+        return out.to(dtype), lse.float()
+    out = out[..., :dim_v].to(dtype)
     return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
 
 
@@ -195,8 +320,6 @@ class TorchSdpaBackend:
     """torch's scaled-dot-product attention: the CPU flash kernel, with lse, through the public call or its op."""
 
     name = "torch-sdpa"
-    #: forward() records torch's own autograd graph; the frontend does not wrap it (attnkit/backend.py).
-    differentiable_forward = True
     capabilities = Capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
@@ -204,14 +327,14 @@ class TorchSdpaBackend:
         features=frozenset(
             {"causal", "top_left", "window", "cosine", "bshd", "mask", "bias", "q_lengths", "kv_lengths", "lse", "grad"}
         ),
-        description="torch scaled_dot_product_attention (CPU flash kernel; lse through its aten op)",
+        description="torch scaled_dot_product_attention (CPU flash kernel; lse, windows and lengths through its op)",
         notes=(
             "softcap: SDPA has no score modifier, and a float mask is added after the scale, not before a tanh",
             "dbias: the flash backward returns no gradient for attn_mask",
-            "cuda: not lowered yet (the CUDA ops return lse differently; flash-attn and triton serve CUDA)",
-            "bottom-right causal with Lq != Lk, window, lengths and mask: one additive (B|1, Hq|1, Lq, Lk) mask",
-            "bias with float16/bfloat16: computed in float32 (the kernel adds the mask in q's dtype)",
-            "Dv != D: q, k, v zero-padded to max(D, Dv)",
+            "cuda: not lowered (the CUDA ops return lse differently; flash-attn and triton serve CUDA)",
+            f"bottom-right causal with Lq != Lk, window, lengths: blocks of {BLOCK_Q} queries over the key span their "
+            "band reaches, with a (block, span) mask; memory linear in L",
+            "Dv != D: q, k, v zero-padded to max(D, Dv) for the op",
             f"needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} and aten::_scaled_dot_product_flash_attention_for_cpu",
         ),
     )
@@ -227,10 +350,18 @@ class TorchSdpaBackend:
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         return capability_reasons(self.capabilities, spec, problem)
 
-    def forward(
-        self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
         return sdpa_attention(spec, inputs, need_lse)
+
+    def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
+        plain = not (problem.return_lse or problem.has_mask or problem.has_bias)
+        plain = plain and not (problem.has_q_lengths or problem.has_kv_lengths)
+        equal_dims = problem.head_dim == problem.head_dim_v
+        is_causal = _native_causal(spec, problem.len_q, problem.len_k, plain, equal_dims)
+        if is_causal is not None:
+            return _native_runner(spec, is_causal, problem.heads_q != problem.heads_kv, problem.head_dim)
+        need_lse = problem.return_lse
+        return lambda inputs: sdpa_attention(spec, inputs, need_lse)
 
     def backward(
         self,
@@ -241,15 +372,14 @@ class TorchSdpaBackend:
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
     ) -> Gradients:
-        """For callers that use the generic protocol: recompute through torch autograd."""
+        """For callers of the protocol itself: the forward again under torch autograd."""
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]
             again = inputs._replace(q=leaves[0], k=leaves[1], v=leaves[2])
-            out2, lse2 = sdpa_attention(spec, again, need_lse=True)
-            assert lse2 is not None
-            outputs, cotangents = [out2], [dout]
+            out_again, lse_again = sdpa_attention(spec, again, need_lse=True)
+            outputs, cotangents = [out_again], [dout]
             if dlse is not None:
-                outputs.append(torch.where(torch.isfinite(lse2), lse2, torch.zeros_like(lse2)))
+                outputs.append(torch.where(torch.isfinite(lse_again), lse_again, torch.zeros_like(lse_again)))
                 cotangents.append(dlse)
             grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
         dq, dk, dv = (g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves))

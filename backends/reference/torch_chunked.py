@@ -25,8 +25,7 @@ from attnkit import (
     capability_reasons,
 )
 from attnkit.backend import ALL_FEATURES
-
-from .torch_common import COSINE_EPS, compute_dtype, from_bhsd, to_bhsd, zero_padding
+from attnkit.torch_contract import COSINE_EPS, compute_dtype, from_bhsd, to_bhsd, zero_padding
 
 NEG_INF = float("-inf")
 

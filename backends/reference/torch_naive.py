@@ -14,47 +14,7 @@ from attnkit import (
     capability_reasons,
 )
 from attnkit.backend import ALL_FEATURES
-
-from .torch_common import (
-    compute_dtype,
-    from_bhsd,
-    normalize_if_cosine,
-    scores,
-    to_bhsd,
-    visibility,
-    weighted_values,
-    zero_padding,
-)
-
-
-def naive_attention(
-    spec: AttentionSpec, inputs: AttentionInputs, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) computed in ``dtype`` throughout; differentiable by torch autograd.
-
-    out is bhsd/bshd per the spec in ``dtype``; lse is (B, Hq, Lq) in ``dtype``. Rows with no visible
-    key give out 0 and lse -inf, and (because every -inf and 0/0 is kept out of the graph with
-    ``where``) zero, finite gradients.
-    """
-    q = normalize_if_cosine(spec, zero_padding(to_bhsd(spec, inputs.q).to(dtype), inputs.q_lengths))
-    k = normalize_if_cosine(spec, zero_padding(to_bhsd(spec, inputs.k).to(dtype), inputs.kv_lengths))
-    v = zero_padding(to_bhsd(spec, inputs.v).to(dtype), inputs.kv_lengths)
-    bias = inputs.bias.to(dtype) if inputs.bias is not None else None
-    len_q, len_k = q.shape[2], k.shape[2]
-    s = scores(spec, q, k, bias, spec.resolved_scale(q.shape[-1]))
-    visible = visibility(spec, inputs, len_q, len_k)
-    if visible is not None:
-        s = s.masked_fill(~visible, float("-inf"))
-    # lse = m + log Σ exp(S − m), with m detached (it cancels) and made finite for empty rows.
-    row_max = s.amax(dim=-1, keepdim=True).detach() if len_k else s.new_zeros(*s.shape[:-1], 1)
-    row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
-    weights = torch.exp(s - row_max)
-    total = weights.sum(dim=-1, keepdim=True)
-    has_keys = total != 0  # NaN counts as having keys: NaN in gives NaN lse, never a quiet -inf (§5)
-    safe_total = torch.where(has_keys, total, torch.ones_like(total))
-    lse = torch.where(has_keys, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
-    out = weighted_values(weights / safe_total, v)
-    return from_bhsd(spec, out), lse.squeeze(-1)
+from attnkit.torch_contract import compute_dtype, literal_attention
 
 
 class TorchNaiveBackend:
@@ -77,7 +37,7 @@ class TorchNaiveBackend:
         self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
-            out, lse = naive_attention(spec, inputs, compute_dtype(inputs.q.dtype))
+            out, lse = literal_attention(spec, inputs, compute_dtype(inputs.q.dtype))
         return out.to(inputs.q.dtype), lse.float()
 
     def backward(
@@ -100,7 +60,7 @@ class TorchNaiveBackend:
             recomputed = AttentionInputs(
                 leaves[0], leaves[1], leaves[2], inputs.mask, bias, inputs.q_lengths, inputs.kv_lengths
             )
-            out_again, lse_again = naive_attention(spec, recomputed, dtype)
+            out_again, lse_again = literal_attention(spec, recomputed, dtype)
             outputs, cotangents = [out_again], [dout.to(dtype)]
             if dlse is not None:
                 # −inf rows have no dependence on the inputs; keep their cotangent out of the graph.

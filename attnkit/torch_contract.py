@@ -1,11 +1,14 @@
-"""Pieces of the contract shared by the torch reference backends: visibility, scores, layouts."""
+"""The contract (docs/semantics.md) written in torch ops: visibility, scores, layouts, and the literal attention the
+oracle runs. Public, for backends: the reference backends are built from it, and native backends use it for what
+their library call cannot express."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Layout, Variant
+from attnkit.backend import AttentionInputs
+from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 
 COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
 
@@ -114,3 +117,33 @@ def weighted_values(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 accumulation for the half types (docs/semantics.md §7); float64 stays float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def literal_attention(
+    spec: AttentionSpec, inputs: AttentionInputs, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) computed in ``dtype`` throughout; differentiable by torch autograd.
+
+    out is bhsd/bshd per the spec in ``dtype``; lse is (B, Hq, Lq) in ``dtype``. Rows with no visible
+    key give out 0 and lse -inf, and (because every -inf and 0/0 is kept out of the graph with
+    ``where``) zero, finite gradients.
+    """
+    q = normalize_if_cosine(spec, zero_padding(to_bhsd(spec, inputs.q).to(dtype), inputs.q_lengths))
+    k = normalize_if_cosine(spec, zero_padding(to_bhsd(spec, inputs.k).to(dtype), inputs.kv_lengths))
+    v = zero_padding(to_bhsd(spec, inputs.v).to(dtype), inputs.kv_lengths)
+    bias = inputs.bias.to(dtype) if inputs.bias is not None else None
+    len_q, len_k = q.shape[2], k.shape[2]
+    s = scores(spec, q, k, bias, spec.resolved_scale(q.shape[-1]))
+    visible = visibility(spec, inputs, len_q, len_k)
+    if visible is not None:
+        s = s.masked_fill(~visible, float("-inf"))
+    # lse = m + log Σ exp(S − m), with m detached (it cancels) and made finite for empty rows.
+    row_max = s.amax(dim=-1, keepdim=True).detach() if len_k else s.new_zeros(*s.shape[:-1], 1)
+    row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
+    weights = torch.exp(s - row_max)
+    total = weights.sum(dim=-1, keepdim=True)
+    has_keys = total != 0  # NaN counts as having keys: NaN in gives NaN lse, never a quiet -inf (§5)
+    safe_total = torch.where(has_keys, total, torch.ones_like(total))
+    lse = torch.where(has_keys, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
+    out = weighted_values(weights / safe_total, v)
+    return from_bhsd(spec, out), lse.squeeze(-1)
