@@ -44,7 +44,10 @@ from attnkit.backend import Runner
 from attnkit.torch_contract import COSINE_EPS, compute_dtype, literal_attention, visibility, zero_padding
 
 MIN_TORCH = (2, 5)  # enable_gqa, and the CPU flash op with masks and GQA
-BLOCK_Q = 256  # queries per flash-op call when visibility needs a mask: mask memory BLOCK_Q × span
+# Queries per flash-op call when visibility needs a mask (mask memory BLOCK_Q × span); a window's blocks are
+# narrower, so that the (block × span) rectangle the op computes is mostly inside the band.
+BLOCK_Q = 256
+WINDOW_BLOCK_Q = 64
 # The CPU kernel's first max over a row is vectorised; a row shorter than one vector whose scores are all NaN is
 # taken for a fully masked row. 64 keys cover vectors up to 2048 bits of float32.
 NAN_SAFE_KEYS = 64
@@ -84,19 +87,29 @@ class _Plan:
         self.len_q, self.len_k = q.shape[2], k.shape[2]
         self.blocks = _blocks(spec, inputs, self.len_q, self.len_k)
         self.mask_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
+        # Without lengths or a user mask, visibility depends on j − i only: blocks at the same diagonal offset
+        # share one mask (all the interior blocks of a window do).
+        self.shift_invariant = inputs.mask is None and inputs.q_lengths is None and inputs.kv_lengths is None
+        self._shared: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def mask(self, block: _Block) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(additive mask or None, boolean empty rows (B|1, H|1, rows) or None) for one block."""
         bias = self.inputs.bias
+        bias_block = None if bias is None else bias[:, :, block.rows, block.cols].to(self.mask_dtype)
         if not block.masked:
-            return (None if bias is None else bias[:, :, block.rows, block.cols].to(self.mask_dtype)), None
-        visible = visibility(self.spec, self.inputs, self.len_q, self.len_k, block.rows, block.cols)
-        assert visible is not None
-        additive = torch.zeros(visible.shape, dtype=self.mask_dtype, device=visible.device)
-        additive.masked_fill_(~visible, float("-inf"))
-        if bias is not None:
-            additive = additive + bias[:, :, block.rows, block.cols].to(self.mask_dtype)
-        return additive, ~visible.any(dim=-1)
+            return bias_block, None
+        rows, cols = block.rows, block.cols
+        key = (rows.start - cols.start, rows.stop - rows.start, cols.stop - cols.start)
+        shared = self._shared.get(key) if self.shift_invariant else None
+        if shared is None:
+            visible = visibility(self.spec, self.inputs, self.len_q, self.len_k, rows, cols)
+            assert visible is not None
+            additive = torch.zeros(visible.shape, dtype=self.mask_dtype, device=visible.device)
+            shared = additive.masked_fill_(~visible, float("-inf")), ~visible.any(dim=-1)
+            if self.shift_invariant:
+                self._shared[key] = shared
+        additive, empty = shared
+        return (additive if bias_block is None else additive + bias_block), empty
 
 
 def _offsets(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> tuple[int, int]:
@@ -124,9 +137,10 @@ def _blocks(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int
     high_reach = min(right, 0) if spec.causal and right is not None else (0 if spec.causal else right)
     max_q = int(inputs.q_lengths.max()) if inputs.q_lengths is not None and inputs.q_lengths.numel() else len_q
     max_k = int(inputs.kv_lengths.max()) if inputs.kv_lengths is not None and inputs.kv_lengths.numel() else len_k
+    block_q = WINDOW_BLOCK_Q if left is not None else BLOCK_Q
     blocks = []
-    for start in range(0, min(max_q, len_q), BLOCK_Q):
-        stop = min(start + BLOCK_Q, len_q, max_q)
+    for start in range(0, min(max_q, len_q), block_q):
+        stop = min(start + block_q, len_q, max_q)
         first = 0 if left is None else max(0, start + low_offset - left)
         last = max_k if high_reach is None else min(max_k, stop - 1 + high_offset + high_reach + 1)
         if first >= last:

@@ -1,0 +1,82 @@
+"""torch-sdpa's own claims, beyond the conformance suite: which rows the CPU kernel would silently zero, and
+that its query blocks cover exactly the band (so hidden key ranges are never read and masks stay small)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import attnkit
+from attnkit import AttentionInputs, AttentionSpec
+from attnkit.torch_contract import literal_attention, visibility
+
+sdpa = pytest.importorskip("attnkit.backends.native.torch_sdpa")
+pytestmark = pytest.mark.skipif(bool(attnkit.get_backend("torch-sdpa").available()), reason="torch-sdpa unavailable")
+
+
+@pytest.mark.parametrize("len_k", [1, 3, 15, 16, 17, 63, 64, 65, 127, 128, 129, 511, 512, 513, 1025])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("poisoned", ["q", "k"])
+def test_nan_scores_give_nan_rows_at_every_key_count(len_k: int, causal: bool, poisoned: str) -> None:
+    """The CPU kernel takes a short row of NaN scores for a fully masked one (out 0, lse 0); below NAN_SAFE_KEYS
+    keys the backend routes through the op whose lse finds such rows, above it the public call propagates NaN."""
+    generator = torch.Generator().manual_seed(len_k)
+    q, k, v = (torch.randn(1, 2, shape, 16, generator=generator) for shape in (3, len_k, len_k))
+    if poisoned == "q":
+        q[0, 1, 1] = float("nan")
+    else:
+        k[0, 0, 0] = float("nan")  # key 0: seen by every row, alone by row 0 of a top-left causal call
+    spec = AttentionSpec(causal=causal, causal_alignment="top_left")
+    expected, _ = literal_attention(spec, AttentionInputs(q.double(), k.double(), v.double()), torch.float64)
+    for return_lse in (False, True):
+        result = attnkit.attend(spec, q, k, v, backend="torch-sdpa", return_lse=return_lse)
+        out = result[0] if return_lse else result
+        assert torch.equal(out.isnan(), expected.isnan()), f"{return_lse=}"
+
+
+def brute_force_rows(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> list[list[int]]:
+    visible = visibility(spec, inputs, len_q, len_k)
+    if visible is None:
+        return [list(range(len_k))] * len_q
+    seen = visible.expand(-1, -1, len_q, len_k).any(dim=1).any(dim=0)  # any batch element or head
+    return [torch.nonzero(seen[i]).flatten().tolist() for i in range(len_q)]
+
+
+def test_blocks_partition_the_queries_and_cover_exactly_the_band() -> None:
+    """Every visible (query, key) pair lies in its query's block, and without lengths each block's key span is
+    exactly the union of what its rows see: nothing outside the band is read, and each mask is (block × span)."""
+    rng = random.Random(0)
+    for _ in range(300):
+        len_q, len_k, batch = rng.randint(1, 700), rng.randint(1, 700), rng.randint(1, 3)
+        window = rng.choice([None, (rng.choice([None, 0, 5, 100]), rng.choice([None, 0, 7]))])
+        spec = AttentionSpec(
+            causal=rng.random() < 0.6, causal_alignment=rng.choice(["top_left", "bottom_right"]), window=window
+        )
+        q_lengths = torch.tensor([rng.randint(0, len_q) for _ in range(batch)]) if rng.random() < 0.3 else None
+        kv_lengths = torch.tensor([rng.randint(0, len_k) for _ in range(batch)]) if rng.random() < 0.3 else None
+        q = torch.empty(batch, 1, len_q, 1)
+        inputs = AttentionInputs(q, q, q, q_lengths=q_lengths, kv_lengths=kv_lengths)
+        rows = brute_force_rows(spec, inputs, len_q, len_k)
+        covered: dict[int, tuple[int, int]] = {}
+        for block in sdpa._blocks(spec, inputs, len_q, len_k):
+            if block.masked:  # the only masks built here are (block × span)
+                assert block.rows.stop - block.rows.start <= sdpa.BLOCK_Q
+            seen = [j for i in range(block.rows.start, block.rows.stop) for j in rows[i]]
+            if not seen:  # possible only when planned from the extreme lengths over the batch
+                assert q_lengths is not None or kv_lengths is not None, (spec, block)
+                continue
+            span = (block.cols.start, block.cols.stop)
+            if block.causal:  # the op's own top-left causal flag: the kernel skips key blocks past the diagonal
+                assert span == (0, len_k) and block.rows == slice(0, len_q)
+            elif q_lengths is None and kv_lengths is None:
+                assert span == (min(seen), max(seen) + 1), (spec, block)
+            else:  # the span is planned from the extreme offsets over the batch: it may be wider, never narrower
+                assert span[0] <= min(seen) and max(seen) < span[1] <= len_k, (spec, block)
+            for i in range(block.rows.start, block.rows.stop):
+                assert i not in covered
+                covered[i] = (block.cols.start, block.cols.stop)
+        for i, keys in enumerate(rows):
+            if keys:
+                assert i in covered and covered[i][0] <= min(keys) and max(keys) < covered[i][1], (spec, i)
