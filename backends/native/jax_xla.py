@@ -39,9 +39,10 @@ def _bshd(spec: AttentionSpec, x: Any) -> Any:
 
 
 def _normalize(x: Any) -> Any:
+    """x̂ in float32 at least: rounding q̂ to a half type before q̂·k̂ costs more than the tolerance allows."""
     wide = x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
     norm = jnp.sqrt(jnp.sum(wide * wide, axis=-1, keepdims=True))
-    return (wide / jnp.maximum(norm, COSINE_EPS)).astype(x.dtype)
+    return wide / jnp.maximum(norm, COSINE_EPS)
 
 
 def _zero_padding(x: Any, lengths: Any) -> Any:
@@ -132,8 +133,10 @@ def _xla_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool 
         return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), empty_lse
     q = _zero_padding(q, inputs.q_lengths)
     k, v = _zero_padding(k, inputs.kv_lengths), _zero_padding(v, inputs.kv_lengths)
+    dtype = q.dtype
     if spec.variant is Variant.COSINE:
         q, k = _normalize(q), _normalize(k)
+        v = v.astype(q.dtype)
     # With a user mask, the whole visibility goes into one mask, so empty rows are found from all of it.
     native = _native_causal(spec, inputs, len_q, len_k) and inputs.mask is None
     visible = None if native else _visibility(spec, inputs, len_q, len_k)
@@ -147,7 +150,7 @@ def _xla_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool 
     out = jax.nn.dot_product_attention(
         q, k, v, bias=bias, mask=visible, scale=spec.resolved_scale(head_dim), is_causal=native
     )
-    out = out[..., :dim_v]
+    out = out[..., :dim_v].astype(dtype)
     if visible is not None:  # empty rows: jax's finite fill gives the mean of V; the contract says 0
         empty = ~jnp.any(visible, axis=-1)  # (B|1, Hq|1, Lq)
         out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
