@@ -606,12 +606,21 @@ def run_explain(args: argparse.Namespace, out: TextIO, parser: argparse.Argument
 # ---------------------------------------------------------------------------------------------- bench
 
 
+def _csv(text: str | None, kind: Callable[[str], Any] = str) -> tuple[Any, ...] | None:
+    return None if text is None else tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+
+
 def run_bench(args: argparse.Namespace, out: TextIO) -> int:
+    if args.calibrate:
+        return run_calibrate(args, out)
+    if args.what == "targets":
+        return run_targets(args, out)
     from attnkit import bench
 
     if args.what == "memory" and args.device != "cpu":
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
+    repeats = args.repeats if args.repeats is not None else 3
     with bench.torch_threads(args.threads):
         if args.backend is not None:
             result = bench.bench_backend(
@@ -619,7 +628,7 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
                 device=args.device,
                 seq_lens=(args.seq_len,) if args.seq_len else None,
                 dtype=args.dtype,
-                repeats=args.repeats,
+                repeats=repeats,
                 warmup=args.warmup,
             )
             text = bench.format_backend(result)
@@ -628,16 +637,95 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
             text = bench.format_dispatch(result)
         elif args.what == "chunked":
             result = bench.bench_chunked(
-                seq_len=args.seq_len or 4096, repeats=args.repeats, warmup=args.warmup, device=args.device
+                seq_len=args.seq_len or 4096, repeats=repeats, warmup=args.warmup, device=args.device
             )
             text = bench.format_chunked(result)
         else:
             result = bench.bench_memory(seq_len=args.seq_len or 16384)
             text = bench.format_memory(result)
     print(text, file=out)
+    _write_json(args, result, out)
+    return 0
+
+
+def _write_json(args: argparse.Namespace, result: Any, out: TextIO) -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.json}", file=out)
+
+
+def _progress(message: str) -> None:
+    print(f"[attnkit bench] {message}", file=sys.stderr, flush=True)
+
+
+def run_targets(args: argparse.Namespace, out: TextIO) -> int:
+    from attnkit import bench, bench_targets
+
+    if args.device != "cpu":
+        print("attnkit bench: --what targets measures the CPU targets of issue 6 (--device cpu)", file=sys.stderr)
+        return 2
+    if args.plot:  # fail before a long run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("attnkit bench: --plot needs matplotlib: pip install 'attnkit[bench]'", file=sys.stderr)
+            return 2
+    bench_targets.limit_jax_threads(args.threads)
+    seq_lens = _csv(args.seq_lens, int) or ((512,) if args.quick else bench_targets.TARGET_SEQ_LENS)
+    dtypes = _csv(args.dtypes) or bench_targets.TARGET_DTYPES
+    targets = _csv(args.targets) or bench_targets.TARGETS
+    unknown = sorted(set(targets) - set(bench_targets.TARGETS))
+    if unknown:
+        known = ", ".join(bench_targets.TARGETS)
+        print(f"attnkit bench: unknown --targets {unknown} (known: {known})", file=sys.stderr)
+        return 2
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 3)
+    with bench.torch_threads(args.threads):
+        result = bench_targets.bench_targets(
+            seq_lens=seq_lens,
+            dtypes=dtypes,
+            repeats=repeats,
+            warmup=args.warmup,
+            targets=targets,
+            memory=not args.no_memory,
+            decode_rounds=5 if args.quick else args.rounds,
+            decode_calls=200 if args.quick else args.calls,
+            progress=_progress,
+        )
+    print(bench_targets.format_targets(result), file=out)
+    _write_json(args, result, out)
+    if args.plot:
+        bench_targets.plot_targets(result, args.plot)
+        print(f"wrote {args.plot}", file=out)
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace, out: TextIO) -> int:
+    from attnkit import bench, bench_calibrate, bench_targets
+
+    bench_targets.limit_jax_threads(args.threads)
+    shapes = bench_calibrate.QUICK_SHAPES if args.quick else bench_calibrate.CALIBRATION_SHAPES
+    dtypes = _csv(args.dtypes) or bench_calibrate.CALIBRATION_DTYPES
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    with bench.torch_threads(args.threads):
+        result = bench_calibrate.calibrate(
+            device=args.device,
+            dtypes=dtypes,
+            shapes=shapes,
+            repeats=repeats,
+            warmup=args.warmup,
+            only=_csv(args.backends),
+            progress=_progress,
+        )
+    command = "attnkit " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "attnkit bench --calibrate"
+    table = bench_calibrate.render_table(result, command)
+    print(bench_calibrate.format_calibration(result), file=out)
+    if args.output:
+        Path(args.output).write_text(table)
+        print(f"# wrote {args.output} ({len(result['entries'])} entries)", file=out)
+    else:
+        print(table, file=out, end="")
+    _write_json(args, result, out)
     return 0
 
 
@@ -700,28 +788,50 @@ def _add_explain(commands: Any) -> argparse.ArgumentParser:
 def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
-        help="dispatch overhead; torch-chunked against SDPA and torch-naive in time or peak memory; --backend NAME "
-        "in TFLOP/s against its framework's peer",
+        help="issue 6's targets against the frameworks' own attention; dispatch overhead; torch-chunked against SDPA "
+        "and torch-naive in time or peak memory; --backend NAME in TFLOP/s; --calibrate the cost table",
     )
-    bench.add_argument("--what", choices=("dispatch", "chunked", "memory"), default="dispatch")
+    bench.add_argument("--what", choices=("dispatch", "chunked", "memory", "targets"), default="dispatch")
     bench.add_argument(
         "--backend",
         metavar="NAME",
         help="time this backend's fwd, bwd, fwd+bwd in TFLOP/s against its framework's own attention (torch SDPA, "
         "jax.nn.dot_product_attention) at the FlashAttention-2 paper's shapes (replaces --what)",
     )
+    bench.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="time every available compiled backend at a few shapes and fit the cost table (attnkit/cost.py); "
+        "prints it, or writes it to --output (replaces --what)",
+    )
+    bench.add_argument("--output", metavar="PATH", help="--calibrate: write the table here (configs/costs.toml)")
+    bench.add_argument("--backends", metavar="A,B", help="--calibrate: only these backends")
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
+    bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bench.add_argument("--rounds", type=int, default=20, help="dispatch: interleaved rounds (default %(default)s)")
     bench.add_argument("--calls", type=int, default=2000, help="dispatch: calls per round (default %(default)s)")
     bench.add_argument(
         "--seq-len", type=int, help="chunked, memory, --backend: sequence length (default 4096, 16384, paper's)"
     )
-    bench.add_argument("--repeats", type=int, default=3, help="chunked, --backend: timed repeats (default %(default)s)")
+    bench.add_argument("--seq-lens", metavar="L1,L2", help="targets: sequence lengths (default 512,2048,4096)")
+    bench.add_argument("--targets", metavar="A,B", help="targets: which ones (default torch,jax,non-native,decode)")
     bench.add_argument(
-        "--warmup", type=int, default=1, help="chunked, --backend: untimed repeats (default %(default)s)"
+        "--quick",
+        action="store_true",
+        help="targets: L=512 only, 2 repeats, short decode rounds; --calibrate: small shapes (smoke tests)",
     )
-    bench.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's choice)")
+    bench.add_argument("--no-memory", action="store_true", help="targets: skip the non-native peak-memory runs")
+    bench.add_argument("--plot", metavar="PATH", help="targets: also plot GFLOP/s against L to this PNG (matplotlib)")
+    bench.add_argument(
+        "--repeats",
+        type=int,
+        help="chunked, --backend, targets, --calibrate: timed repeats (default 3; --calibrate 5; --quick 2)",
+    )
+    bench.add_argument(
+        "--warmup", type=int, default=1, help="chunked, --backend, targets: untimed repeats (default %(default)s)"
+    )
+    bench.add_argument("--threads", type=int, help="torch intra-op threads, and XLA's with 1 (default: their choice)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 

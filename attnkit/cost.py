@@ -174,15 +174,23 @@ def load_table(path: str | Path) -> CostTable:
     return _load_cached(str(path), modified)
 
 
-def fit(points: Sequence[tuple[float, float, float]]) -> tuple[float, float, float]:
+def fit(points: Sequence[tuple[float, float, float]], relative: bool = False) -> tuple[float, float, float]:
     """Least-squares (overhead_us, ns_per_visible_unit, ns_per_full_unit), all >= 0, from
-    (visible_units, full_units, time_us) measurements."""
+    (visible_units, full_units, time_us) measurements.
+
+    ``relative=True`` minimises the squared *relative* errors instead (each row weighted by 1/time): measurements
+    spanning several orders of magnitude (a 50 us decode step and a 50 ms prefill) then all count, where plain
+    least squares fits the largest times and leaves the small ones off by a factor of several.
+    """
     import numpy as np
 
     if len(points) < 3:
         raise ValueError(f"fit needs at least 3 measurements, got {len(points)}")
     design = np.array([[1.0, visible / 1000.0, full / 1000.0] for visible, full, _ in points])
     times = np.array([time for _, _, time in points])
+    if relative:
+        weights = 1.0 / np.maximum(times, 1e-9)
+        design, times = design * weights[:, None], times * weights
     active = [0, 1, 2]
     # Non-negative least squares by elimination: a negative coefficient means the term explains nothing here.
     while True:

@@ -1,0 +1,188 @@
+"""`attnkit bench --what targets` and `attnkit bench --calibrate`, on tiny settings. Never asserts on speed."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import attnkit
+from attnkit import bench_calibrate, bench_targets, cost
+from attnkit.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def targets_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, Any]]:
+    """One tiny run of every target (L=32, float32, one repeat, no memory children), shared by the tests below."""
+    target = tmp_path_factory.mktemp("targets") / "targets.json"
+    argv = ["bench", "--what", "targets", "--quick", "--seq-lens", "32", "--dtypes", "float32", "--repeats", "1"]
+    argv += ["--warmup", "1", "--no-memory", "--threads", "1", "--json", str(target)]
+    out = io.StringIO()  # a module-scoped fixture cannot take capsys
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    return code, out.getvalue(), json.loads(target.read_text())
+
+
+def test_targets_quick_writes_every_target(targets_run: tuple[int, str, dict[str, Any]]) -> None:
+    code, out, result = targets_run
+    assert code == 0
+    assert {"what", "environment", "shape", "seq_lens", "dtypes", "targets", "summary"} <= set(result)
+    assert result["what"] == "targets" and result["seq_lens"] == [32] and result["dtypes"] == ["float32"]
+    assert set(result["targets"]) == {"torch", "jax", "non-native", "decode"}
+    for name in ("torch", "jax"):
+        rows = result["targets"][name]["rows"]
+        assert {(row["spec"], row["pass_name"]) for row in rows} == {
+            (spec, pass_name) for spec in ("full", "causal") for pass_name in ("fwd", "fwd+bwd")
+        }
+        for row in rows:
+            assert {"path", "peer_ms", "attnkit_ms", "ratio", "target", "met"} <= set(row)
+            assert row["path"] in attnkit.registered_backends()  # named by dispatch, whichever it is
+            assert row["ratio"] == pytest.approx(row["peer_ms"] / row["attnkit_ms"])
+    non_native = result["targets"]["non-native"]
+    assert {row["spec"] for row in non_native["rows"]} == {case.name for case in bench_targets.NON_NATIVE_CASES}
+    for row in non_native["rows"]:
+        assert row["best"] in row["paths_ms"] and row["path"] in row["paths_ms"]
+        assert not set(row["paths_ms"]) & bench_targets.INTERPRETED_ON_CPU
+        assert row["attnkit_ms"] == min(row["paths_ms"].values())
+    bottom_right = [row for row in non_native["rows"] if row["len_q"] != row["len_k"]]
+    assert bottom_right and all(row["len_q"] == 16 and row["len_k"] == 32 for row in bottom_right)
+    decode = result["targets"]["decode"]
+    for row in decode["rows"]:
+        assert set(row["overhead_us"]) == {"no_grad", "recording"} and "autograd_recording_us" in row
+    for heading in ("target [torch]", "target [jax]", "target [non-native]", "target [decode]", "summary:"):
+        assert heading in out
+    assert "autograd recording itself" in out
+
+
+def test_targets_plot(targets_run: tuple[int, str, dict[str, Any]], tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    target = tmp_path / "targets.png"
+    bench_targets.plot_targets(targets_run[2], str(target))
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_fails_before_running(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    code = main(["bench", "--what", "targets", "--plot", str(tmp_path / "x.png")])
+    assert code == 2 and "pip install 'attnkit[bench]'" in capsys.readouterr().err
+    with pytest.raises(ImportError, match=r"attnkit\[bench\]"):
+        bench_targets.plot_targets({"dtypes": []}, str(tmp_path / "x.png"))
+
+
+def test_unknown_target_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--what", "targets", "--targets", "torch,nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak-RSS reset needs Linux /proc")
+def test_memory_child_reports_peak_growth(capsys: pytest.CaptureFixture[str]) -> None:
+    bench_targets._memory_child("causal+window(256,0)", "torch-chunked", 256, "float32", 1)  # in-process: no import
+    assert json.loads(capsys.readouterr().out)["peak_extra_bytes"] > 0
+
+
+def test_memory_growth_exponent(monkeypatch: pytest.MonkeyPatch) -> None:
+    sizes = {"linear-path": lambda length: 1000 * length, "quadratic-path": lambda length: length * length}
+    monkeypatch.setattr(bench_targets, "measure_memory", lambda case, path, length, dtype, threads: sizes[path](length))
+    rows = [
+        {
+            "spec": "s",
+            "len_k": 4096,
+            "pass_name": "fwd+bwd",
+            "dtype": "float32",
+            "best": "linear-path",
+            "path": "quadratic-path",
+        },
+    ]
+    memory = bench_targets.non_native_memory({"cases": {"s": {}}, "rows": rows}, (512, 4096), "float32", 1)
+    by_path = {row["path"]: row for row in memory}
+    assert by_path["linear-path"]["growth_exponent"] == pytest.approx(1.0) and by_path["linear-path"]["linear"]
+    assert by_path["quadratic-path"]["growth_exponent"] == pytest.approx(2.0)
+    assert not by_path["quadratic-path"]["linear"]
+
+
+def test_calibrate_writes_a_table_that_reproduces_the_measurements(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    table_path, json_path = tmp_path / "costs.toml", tmp_path / "calibration.json"
+    argv = ["bench", "--calibrate", "--quick", "--backends", "torch-sdpa,torch-chunked,triton,cupy-emulated"]
+    argv += ["--dtypes", "float32", "--repeats", "1", "--threads", "1", "--output", str(table_path)]
+    code, out = run(capsys, *argv, "--json", str(json_path))
+    assert code == 0 and f"wrote {table_path}" in out
+    result = json.loads(json_path.read_text())
+    assert set(result["backends"]) == {"torch-sdpa", "torch-chunked"}  # no interpreter, no emulator
+    assert set(result["skipped_backends"]) == {"triton", "cupy-emulated"}
+    text = table_path.read_text()
+    assert text.startswith("# attnkit cost table") and "versions: " in text and "machine: " in text
+    table = cost.load_table(table_path)
+    assert {(key[0], key[3]) for key in table.entries} == {
+        (name, pass_name) for name in result["backends"] for pass_name in cost.PASSES
+    }
+    ratios = []
+    shapes = {shape["name"]: bench_calibrate.Shape(**shape) for shape in result["shapes"]}
+    for group in result["groups"]:
+        for point in group["points"]:
+            shape = shapes[point["shape"]]
+            problem = attnkit.Problem(
+                framework=attnkit.Framework.TORCH,
+                device="cpu",
+                dtype="float32",
+                batch=shape.batch,
+                heads_q=shape.heads_q,
+                heads_kv=shape.heads_kv,
+                len_q=shape.len_q,
+                len_k=shape.len_k,
+                head_dim=64,
+                head_dim_v=64,
+                needs_grad=group["pass"] == cost.FORWARD_BACKWARD,
+            )
+            predicted = table.predict_us(group["backend"], attnkit.AttentionSpec(causal=shape.causal), problem)
+            assert predicted == pytest.approx(point["predicted_us"], rel=1e-3)  # the file holds the fit
+            ratios.append(abs(math.log(predicted / point["time_us"])))
+    assert statistics.median(ratios) < math.log(4)  # a loose fit, robust to a noisy point on a shared machine
+
+
+def test_calibrate_times_jax_backends_jitted() -> None:
+    result = bench_calibrate.calibrate(
+        dtypes=("float32",), shapes=bench_calibrate.QUICK_SHAPES[:3], repeats=1, only=("jax-xla",)
+    )
+    assert [(group["backend"], group["pass"], len(group["points"])) for group in result["groups"]] == [
+        ("jax-xla", pass_name, 3) for pass_name in cost.PASSES
+    ]
+    assert {entry["pass"] for entry in result["entries"]} == set(cost.PASSES)
+
+
+def test_calibrate_prints_valid_toml_without_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import tomllib
+
+    monkeypatch.setattr(bench_calibrate, "QUICK_SHAPES", bench_calibrate.QUICK_SHAPES[:3])
+    code, out = run(
+        capsys, "bench", "--calibrate", "--quick", "--backends", "torch-sdpa", "--dtypes", "float32", "--repeats", "1"
+    )
+    assert code == 0
+    rows = tomllib.loads(out)["entry"]
+    assert {row["pass"] for row in rows} == set(cost.PASSES) and all(row["backend"] == "torch-sdpa" for row in rows)
+
+
+def test_relative_fit_weights_small_times() -> None:
+    # 10 us + 1 ns per visible unit, the largest call 5% slow (noise): plain least squares moves the overhead by
+    # tens of us to absorb it; relative least squares keeps it near the 10 us the small calls show.
+    points = [(0.0, 0.0, 10.0), (1e3, 2e3, 11.0), (1e4, 2e4, 20.0), (1e5, 2e5, 110.0), (1e6, 2e6, 1010.0 * 1.05)]
+    absolute, relative = cost.fit(points), cost.fit(points, relative=True)
+    assert relative[0] == pytest.approx(10.0, rel=0.2)
+    assert abs(absolute[0] - 10.0) > abs(relative[0] - 10.0)
