@@ -26,11 +26,12 @@ The lowering:
   forward's ``out`` and ``lse``.
 * Fully masked rows: found from the row ranges (or the dense visibility), set to out 0 and lse −inf.
 * Padding beyond lengths is zeroed before the kernel (0·NaN would otherwise reach visible rows).
+* NaN: the CPU kernel can turn a row whose scores include NaN into a finite one, so a call with NaN in q, k, v or
+  bias (outside padding) runs on ``torch-chunked``, which propagates it (§5).
 """
 
 from __future__ import annotations
 
-import math
 import threading
 import types
 from collections.abc import Callable
@@ -313,6 +314,10 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
         # In float32: 1e-12 underflows to 0 in float16, and 0/0 would make a zero (padding) row NaN.
         q, k = (F.normalize(x.float(), dim=-1, eps=COSINE_EPS) for x in (q, k))
     q, k, v = q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype)
+    if any(bool(x.isnan().any()) for x in (q, k, v, inputs.bias) if x is not None):
+        # The CPU kernel does not propagate NaN scores reliably (a row that sees a NaN key can come out finite);
+        # §5 wants NaN out wherever a visible input is NaN. Rare, so the exact path takes the whole call.
+        return _FALLBACK.forward(spec, inputs, need_lse)
     rows = _Rows(spec, inputs, batch, len_q, len_k)
     dense = visibility(spec, inputs, len_q, len_k) if inputs.mask is not None else None
     empty = ~dense.any(dim=-1) if dense is not None else rows.empty()  # (B|1, H|1, Lq)
