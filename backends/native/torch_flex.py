@@ -123,6 +123,34 @@ def _bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
 
 
+def bucket_length(n: int) -> int:
+    """The sequence length a call is compiled for: 0 and 1 (decode) as they are, then powers of two from 16 to one
+    block, then whole blocks. Padding costs a copy and at most one partial block; compiling costs seconds."""
+    if n <= 1:
+        return n
+    if n <= BLOCK_SIZE:
+        return max(16, 1 << (n - 1).bit_length())
+    return -(-n // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def bucket_batch(n: int) -> int:
+    """Batch sizes compiled for: powers of two. Padded batch elements see no key, so the block mask skips them."""
+    return 1 << (n - 1).bit_length()
+
+
+def bucket_head_dim(n: int) -> int:
+    """Head dims compiled for: multiples of 16. Zero columns add nothing to q·k and are cut from out."""
+    return -(-n // 16) * 16
+
+
+def _padded(x: torch.Tensor, shape: tuple[int, ...], value: float = 0.0, broadcast: bool = False) -> torch.Tensor:
+    """x padded with ``value`` at the end of each axis up to ``shape``; with ``broadcast``, axes of size 1 stay 1."""
+    pads: list[int] = []
+    for size, target in zip(reversed(x.shape), reversed(shape)):
+        pads += [0, 0 if broadcast and size == 1 else target - size]
+    return F.pad(x, pads, value=value) if any(pads) else x
+
+
 class _Rows:
     """Per batch element and query row, the keys causal, window and lengths allow: ``first <= j <= last``.
 
@@ -185,17 +213,23 @@ def _dense_blocks_to_mask(
     )
 
 
-def _row_blocks(rows: _Rows, len_q: int, kernel_len_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(B, 1, nQ, nK) partial and full blocks from the row ranges: B·Lq·nK work and memory, no (Lq, Lk) grid."""
-    batch = rows.first.shape[0]
+def _row_blocks(rows: _Rows, batch: int, kernel_len_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, 1, nQ, nK) partial and full blocks from the row ranges: B·Lq·nK work and memory, no (Lq, Lk) grid.
+
+    ``batch`` may exceed the rows' batch (bucket padding): those elements see nothing, so their blocks are skipped.
+    """
+    len_q = rows.first.shape[1]
     n_q, n_k = -(-len_q // BLOCK_SIZE), -(-kernel_len_k // BLOCK_SIZE)
-    pad = n_q * BLOCK_SIZE - len_q
+    rows_pad, batch_pad = n_q * BLOCK_SIZE - len_q, batch - rows.first.shape[0]
     big = kernel_len_k + 1
-    # Rows past Lq do not exist: they see nothing for "any", and do not spoil "all".
-    first_any = F.pad(rows.first, (0, pad), value=big).view(batch, n_q, BLOCK_SIZE, 1)
-    last_any = F.pad(rows.last, (0, pad), value=-1).view(batch, n_q, BLOCK_SIZE, 1)
-    first_all = F.pad(rows.first, (0, pad), value=0).view(batch, n_q, BLOCK_SIZE, 1)
-    last_all = F.pad(rows.last, (0, pad), value=big).view(batch, n_q, BLOCK_SIZE, 1)
+
+    def laid_out(x: torch.Tensor, past_rows: int, past_batch: int) -> torch.Tensor:
+        x = F.pad(F.pad(x, (0, rows_pad), value=past_rows), (0, 0, 0, batch_pad), value=past_batch)
+        return x.view(batch, n_q, BLOCK_SIZE, 1)
+
+    # Rows past Lq are computed and dropped: they see nothing for "any" and do not spoil "all".
+    first_any, last_any = laid_out(rows.first, big, big), laid_out(rows.last, -1, -1)
+    first_all, last_all = laid_out(rows.first, 0, big), laid_out(rows.last, big, -1)
     starts = torch.arange(n_k, device=rows.first.device) * BLOCK_SIZE
     ends = torch.clamp(starts + BLOCK_SIZE, max=kernel_len_k) - 1
     seen = (torch.maximum(first_any, starts) <= torch.minimum(last_any, ends)).any(dim=2)
@@ -203,73 +237,73 @@ def _row_blocks(rows: _Rows, len_q: int, kernel_len_k: int) -> tuple[torch.Tenso
     return (seen & ~whole).unsqueeze(1), whole.unsqueeze(1)
 
 
-def _dense_blocks(visible: torch.Tensor, kernel_len_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _dense_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(B|1, H|1, nQ, nK) partial blocks (any visible pair) of a dense visibility; no block is taken as whole."""
     len_q, len_k = visible.shape[-2:]
-    n_q, n_k = -(-len_q // BLOCK_SIZE), -(-kernel_len_k // BLOCK_SIZE)
+    n_q, n_k = -(-len_q // BLOCK_SIZE), -(-len_k // BLOCK_SIZE)
     padded = F.pad(visible, (0, n_k * BLOCK_SIZE - len_k, 0, n_q * BLOCK_SIZE - len_q), value=False)
     seen = padded.view(*visible.shape[:2], n_q, BLOCK_SIZE, n_k, BLOCK_SIZE).any(dim=5).any(dim=3)
     return seen, torch.zeros_like(seen)
 
 
-def _index(tensor_shape: torch.Size, b: Any, h: Any, i: Any) -> tuple[Any, Any, Any]:
-    """Indices into a (B|1, H|1, Lq|1, ...) tensor: 0 along a broadcast axis."""
-    return (b if tensor_shape[0] > 1 else 0, h if tensor_shape[1] > 1 else 0, i if tensor_shape[2] > 1 else 0)
+def _index(tensor_shape: torch.Size, b: Any, h: Any, i: Any, j: Any) -> tuple[Any, Any, Any, Any]:
+    """Indices into a (B|1, H|1, Lq|1, Lk|1) tensor: 0 along a broadcast axis."""
+    return tuple(index if size > 1 else 0 for index, size in zip((b, h, i, j), tensor_shape))  # type: ignore[return-value]
 
 
 def _mods(
     spec: AttentionSpec,
-    rows: _Rows,
+    lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    window: tuple[int | None, int | None],
     visible: torch.Tensor | None,
     bias: torch.Tensor | None,
     scale: float,
-    len_k: int,
-    sink: torch.Tensor | None,
+    sink: tuple[int, torch.Tensor] | None,
     device: torch.device,
 ) -> tuple[Any, Any, tuple[Any, ...]]:
-    """(score_mod, mask_mod, structure): the mods for this call, and what of them changes the compiled graph."""
+    """(score_mod, mask_mod, structure): the mods for this call, and what of them changes the compiled graph.
+
+    ``lengths`` is (offset, q_len, kv_len), each (B,); ``window`` is (left, high) with ``high`` the bound of
+    j − (i + offset) that causal and the window's right side give; ``sink`` is (its key index, (B, Hq, Lq) scores).
+    Every number is a tensor the mods capture, so new values reuse the compiled kernel.
+    """
     scale_t = torch.tensor(scale, dtype=torch.float32, device=device)
     softcap = torch.tensor(spec.softcap, dtype=torch.float32, device=device) if spec.softcap is not None else None
-    sink_index = len_k  # the appended key; only ever read when ``sink`` is given
+    offset, q_len, kv_len = lengths
+    left, high = (torch.tensor(side, device=device) if side is not None else None for side in window)
+    sink_index, sink_scores = sink if sink is not None else (-1, None)
 
     def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         score = score * scale_t
         if softcap is not None:
             score = softcap * torch.tanh(score / softcap)
         if bias is not None:
-            bb, bh, bi = _index(bias.shape, b, h, q_idx)
-            bj = torch.clamp(kv_idx, max=bias.shape[3] - 1) if bias.shape[3] > 1 else 0
-            score = score + bias[bb, bh, bi, bj]
-        if sink is not None:
-            score = torch.where(kv_idx == sink_index, sink[b, h, q_idx], score)
+            score = score + bias[_index(bias.shape, b, h, q_idx, kv_idx)]
+        if sink_scores is not None:
+            score = torch.where(kv_idx == sink_index, sink_scores[b, h, q_idx], score)
         return score
-
-    offset, q_len, kv_len = rows.offset, rows.q_len, rows.kv_len
-    left, high = rows.left, rows.high
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         if visible is not None:  # the dense visibility: user mask, and everything else, already folded in
-            vb, vh, vi = _index(visible.shape, b, h, q_idx)
-            allowed = visible[vb, vh, vi, torch.clamp(kv_idx, max=visible.shape[3] - 1)] & (kv_idx < len_k)
+            allowed = visible[_index(visible.shape, b, h, q_idx, kv_idx)] & (kv_idx < kv_len[b])
         else:
             allowed = (kv_idx < kv_len[b]) & (q_idx < q_len[b])
             if high is not None:
                 allowed = allowed & (kv_idx - q_idx - offset[b] <= high)
             if left is not None:
                 allowed = allowed & (kv_idx - q_idx - offset[b] >= -left)
-        if sink is not None:
+        if sink_scores is not None:
             allowed = allowed | (kv_idx == sink_index)
         return allowed
 
-    # What the traced graph depends on besides q, k, v: which branches run, the shapes the mods index, and the
-    # window sides (Python ints in the graph: a new side is a new graph, as a new shape is).
+    # What the traced graph depends on besides q, k and v: which branches run and the shapes the mods index.
     structure = (
-        spec.softcap is not None,
+        softcap is not None,
         None if bias is None else tuple(bias.shape),
         None if visible is None else tuple(visible.shape),
-        sink is not None,
-        high,
-        left,
+        sink_index,
+        left is not None,
+        high is not None,
     )
     return score_mod, mask_mod, structure
 
@@ -323,23 +357,44 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     empty = ~dense.any(dim=-1) if dense is not None else rows.empty()  # (B|1, H|1, Lq)
     bias = inputs.bias.float() if inputs.bias is not None else None
 
+    # The compiled shapes (bucket_*): padded queries are dropped, padded keys are hidden, zero dims add nothing.
+    # With lse, the sink is one key after the padded ones, and v gets its two columns [1 on real keys, 1 on sink].
+    batch_p, len_q_p, len_k_p = bucket_batch(batch), bucket_length(len_q), bucket_length(len_k)
+    sink_columns = 2 if need_lse else 0
+    kernel_len_k = len_k_p + 1 if need_lse else len_k_p
+    dim_p, dim_v_p = bucket_head_dim(head_dim), bucket_head_dim(dim_v + sink_columns)
     sink = None
-    kernel_len_k = len_k
     if need_lse:
-        sink = (_score_bound(spec, q, k, bias, scale) - SINK_MARGIN).float()
-        kernel_len_k = len_k + 1
-        k = F.pad(k, (0, 0, 0, 1))  # the sink key: its score comes from score_mod, not from q·k
-        # Value columns [v, 1 on real keys, 0] and the sink's row [0, 0, 1].
-        v = F.pad(F.pad(v, (0, 1), value=1.0), (0, 1, 0, 1))
-        v[:, :, len_k, dim_v + 1] = 1.0
-    score_mod, mask_mod, structure = _mods(spec, rows, dense, bias, scale, len_k, sink, q.device)
-    partial, full = _dense_blocks(dense, kernel_len_k) if dense is not None else _row_blocks(rows, len_q, kernel_len_k)
-    if sink is not None:  # the sink's block is read by every query block
-        sink_block = len_k // BLOCK_SIZE
-        partial[..., sink_block] |= ~full[..., sink_block]
-    block_mask = _dense_blocks_to_mask(partial, full, len_q, kernel_len_k, mask_mod)
+        scores = (_score_bound(spec, q, k, bias, scale) - SINK_MARGIN).float()
+        sink = (len_k_p, _padded(scores, (batch_p, heads_q, len_q_p)))
+        v = F.pad(v, (0, 1), value=1.0)  # the real keys' column
+    q = _padded(q, (batch_p, heads_q, len_q_p, dim_p))
+    k = _padded(k, (batch_p, heads_kv, kernel_len_k, dim_p))
+    v = _padded(v, (batch_p, heads_kv, kernel_len_k, dim_v_p))
+    if need_lse:
+        v[:, :, len_k_p, dim_v + 1] = 1.0  # the sink's column; its key is the zero row k[len_k_p]
+    lengths = tuple(_padded(x, (batch_p,)) for x in (rows.offset, rows.q_len, rows.kv_len))  # padding: empty
+    if dense is not None:  # whole along B, Lq and Lk, so that its blocks can be read off it
+        dense = dense.expand(batch, dense.shape[1], len_q, len_k)
+        dense = _padded(dense, (batch_p, heads_q, len_q_p, kernel_len_k), value=False, broadcast=True)
+    if bias is not None:
+        bias = _padded(bias, (batch_p, heads_q, len_q_p, kernel_len_k), broadcast=True)
+    score_mod, mask_mod, structure = _mods(
+        spec,
+        lengths,
+        (rows.left, rows.high),
+        dense,
+        bias,
+        scale,
+        sink,
+        q.device,  # type: ignore[arg-type]
+    )
+    partial, full = _dense_blocks(dense) if dense is not None else _row_blocks(rows, batch_p, kernel_len_k)
+    if need_lse:  # the sink's block is read by every query block
+        partial[..., len_k_p // BLOCK_SIZE] |= ~full[..., len_k_p // BLOCK_SIZE]
+    block_mask = _dense_blocks_to_mask(partial, full, len_q_p, kernel_len_k, mask_mod)
     key = (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, structure, torch.get_num_threads())
-    out = COMPILED.get(key)(q, k, v, score_mod, block_mask, heads_q != heads_kv)
+    out = COMPILED.get(key)(q, k, v, score_mod, block_mask, heads_q != heads_kv)[:batch, :, :len_q]
 
     lse = None
     if sink is not None:
@@ -348,10 +403,10 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
         underflow = live & ((real_weight < TINY) | (sink_weight < TINY))
         if bool(underflow.any()):  # the bound was too loose for float32: exact, linear memory
             return _FALLBACK.forward(spec, inputs, need_lse)
-        lse = (sink.double() + torch.log(real_weight) - torch.log(sink_weight)).float()
+        lse = (scores.double() + torch.log(real_weight) - torch.log(sink_weight)).float()
         lse = lse.masked_fill(~live, float("-inf"))
         out = out[..., :dim_v] / out[..., dim_v : dim_v + 1]
-    out = out.masked_fill(empty.unsqueeze(-1), 0.0).to(dtype)
+    out = out[..., :dim_v].masked_fill(empty.unsqueeze(-1), 0.0).to(dtype)
     return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
 
 
