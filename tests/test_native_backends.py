@@ -91,7 +91,7 @@ def test_flex_block_mask_skips_exactly_the_hidden_blocks(
         q_lengths=torch.tensor(q_lengths) if q_lengths else None,
         kv_lengths=torch.tensor(kv_lengths) if kv_lengths else None,
     )
-    partial, full = _row_blocks(_Rows(spec, inputs, batch, len_q, len_k), len_q, len_k)
+    partial, full = _row_blocks(_Rows(spec, inputs, batch, len_q, len_k), batch, len_k)
     visible = visibility(spec, inputs, len_q, len_k)
     assert visible is not None
     visible = visible.expand(batch, 1, len_q, len_k)
@@ -108,14 +108,19 @@ def test_flex_block_mask_skips_exactly_the_hidden_blocks(
         assert int(per_query_block.max()) <= -(-(256 + BLOCK_SIZE) // BLOCK_SIZE) + 1
 
 
-def test_flex_new_values_reuse_the_compiled_kernel() -> None:
+def test_flex_new_values_and_shapes_in_a_bucket_reuse_the_compiled_kernel() -> None:
     from attnkit.backends.native.torch_flex import COMPILED
+    from torch._dynamo.utils import counters
 
     rng = np.random.default_rng(0)
-    q, k, v = (torch.tensor(rng.standard_normal((2, 2, 20, 16)), dtype=torch.float32) for _ in range(3))
-    first = AttentionSpec(causal=True, softcap=5.0, scale=0.3)
-    attnkit.attend(first, q, k, v, kv_lengths=torch.tensor([20, 3]), backend=FLEX)
-    compiled = len(COMPILED)
-    again = AttentionSpec(causal=True, softcap=9.0, scale=0.7)
-    attnkit.attend(again, q, k, v, kv_lengths=torch.tensor([11, 17]), backend=FLEX)
-    assert len(COMPILED) == compiled
+
+    def tensors(batch: int, length: int, dim: int) -> list[torch.Tensor]:
+        return [torch.tensor(rng.standard_normal((batch, 2, length, dim)), dtype=torch.float32) for _ in range(3)]
+
+    first = AttentionSpec(causal=True, softcap=5.0, scale=0.3, window=(4, 0))
+    attnkit.attend(first, *tensors(2, 20, 16), kv_lengths=torch.tensor([20, 3]), backend=FLEX)
+    compiled, graphs = len(COMPILED), counters["stats"]["unique_graphs"]
+    # New softcap, scale, window side and lengths; Lq = Lk = 29 and D = 12 pad to the same 32 and 16.
+    again = AttentionSpec(causal=True, softcap=9.0, scale=0.7, window=(9, 0))
+    attnkit.attend(again, *tensors(2, 29, 12), kv_lengths=torch.tensor([11, 17]), backend=FLEX)
+    assert (len(COMPILED), counters["stats"]["unique_graphs"]) == (compiled, graphs)

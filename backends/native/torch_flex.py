@@ -5,7 +5,9 @@ C++ template that skips hidden key blocks, for float32, bfloat16 and float16 onl
 logsumexp ("torch.compile on CPU only supports inference and `return_lse` is not supported yet") and it has no
 backward at all, compiled or eager ("FlexAttention does not support backward on CPU"). Eager flex_attention
 materialises the full (Lq, Lk) scores. Dynamic shapes (``dynamic=True``) fail in the C++ compiler for most
-shapes, so every shape compiles once, statically (a few seconds each).
+shapes, so kernels compile statically (a few seconds each) for bucketed shapes: batch to a power of two, lengths
+to 16, 32, 64, 128 and then whole 128-blocks, head dims to multiples of 16 (``bucket_*``). Padded queries are
+dropped, padded keys and batch elements are hidden (the block mask skips them), zero head-dim columns add nothing.
 
 The lowering:
 
@@ -15,8 +17,8 @@ The lowering:
 * Visibility: ``mask_mod`` is §4 (causal and window aligned per batch, lengths); a user mask is folded into one
   dense visibility tensor it reads (the user mask is (Lq, Lk) already). The :class:`BlockMask` is built from
   per-row key ranges, block by block, never from a dense (Lq, Lk) grid, so memory stays linear in L.
-* lse, which the CPU kernel cannot return, comes out of the same fused pass through a sink key: key Lk is
-  appended with score ``t`` (a per-row bound of the scores, below) and v gets two columns, 1 on the real keys
+* lse, which the CPU kernel cannot return, comes out of the same fused pass through a sink key: one key after
+  the (padded) keys, with score ``t`` (a per-row bound of the scores, below) and v gets two columns, 1 on the real keys
   and 1 on the sink. The kernel then returns ``o_real = Σ_real p`` and ``o_sink = p_sink``, and
   ``lse = t + log(o_real) − log(o_sink)``, ``out = out' / o_real``. Both are exact up to float32 rounding while
   ``|t − lse|`` is within float32's exponent range; ``t`` is an upper bound of the row's scores less a margin,
@@ -40,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from attnkit.backends.reference.torch_chunked import TorchChunkedBackend
-from attnkit.backends.reference.torch_common import visibility, zero_padding
+from attnkit.backends.reference.torch_common import COSINE_EPS, visibility, zero_padding
 
 from attnkit import (
     AttentionInputs,
@@ -55,13 +57,15 @@ from attnkit import (
     capability_reasons,
 )
 
-COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
 MIN_TORCH = (2, 6)  # BlockMask.from_kv_blocks with seq_lengths, the CPU C++ flex template
 BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
 # The sink's score sits this far below the row's score bound: lse lies in [max score, bound + log Lk], so the two
 # columns stay inside float32's normal range (e^±87) for bounds up to ~(87 + margin) above the true maximum.
 SINK_MARGIN = 32.0
 TINY = torch.finfo(torch.float32).tiny  # below it a column has lost precision (subnormal): fall back
+# The bfloat16/float16 kernel beats float32 only with AMX tiles; measured without them (AVX-512 with bf16), it took
+# 1.8x as long as the float32 kernel on the same inputs (B=1 H=8 L=2048 D=64 causal, one thread).
+HALF_KERNELS_FAST = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 HUGE = 1e30  # a finite stand-in for an unbounded score bound; the underflow check then sends the call to fallback
 
 try:
@@ -210,6 +214,7 @@ def _dense_blocks_to_mask(
         BLOCK_SIZE=BLOCK_SIZE,
         mask_mod=mask_mod,
         seq_lengths=(len_q, len_k),
+        compute_q_blocks=False,  # the query-side indices serve flex's backward, which CPU does not have
     )
 
 
@@ -337,8 +342,9 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     if q.numel() == 0 or len_k == 0:  # §9: nothing for a kernel to do
         return _FALLBACK.forward(spec, inputs, need_lse)
     dtype = q.dtype
-    # With lse the two normaliser columns need float32's range, so that pass computes in float32 (§7 accumulation).
-    kernel_dtype = torch.float32 if need_lse else dtype
+    # With lse the two normaliser columns need float32's range (float16 cannot hold them), so that pass computes
+    # in float32; so does every call without AMX, where the float32 kernel is the faster one (docs/native.md).
+    kernel_dtype = dtype if dtype == torch.float32 or (HALF_KERNELS_FAST and not need_lse) else torch.float32
     scale = spec.resolved_scale(head_dim)
     if inputs.q_lengths is not None:
         q = zero_padding(q, inputs.q_lengths)
@@ -442,7 +448,10 @@ class TorchFlexBackend:
             "grad, dbias: torch 2.13 flex has no CPU backward; torch-chunked's backward runs from flex's out and lse",
             "lse: the CPU kernel cannot return it; one sink key and two value columns give it in the same pass, "
             "computed in float32; a row outside float32's range sends the call to torch-chunked",
-            "every new shape compiles once (seconds): dynamic shapes fail to compile on CPU in torch 2.13",
+            "each new bucketed shape compiles once (seconds; dynamic shapes fail to compile on CPU in torch 2.13): "
+            "batch to a power of two, lengths to 16..128 then multiples of 128, head dims to multiples of 16",
+            "float16/bfloat16: computed by the float32 kernel (one rounding at the end) unless the CPU has AMX tiles; "
+            "without them the half kernels are slower",
             "a user mask is read densely (it is (Lq, Lk) already); causal, window and lengths are block-sparse",
             f"needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} with the C++ flex template (x86 with AVX2)",
         ),
