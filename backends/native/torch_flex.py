@@ -34,6 +34,7 @@ The lowering:
 
 from __future__ import annotations
 
+import inspect
 import threading
 import types
 from collections.abc import Callable
@@ -42,7 +43,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from attnkit.backends.reference.torch_chunked import TorchChunkedBackend
-from attnkit.backends.reference.torch_common import COSINE_EPS, visibility, zero_padding
+from attnkit.backends.reference.torch_common import COSINE_EPS, from_bhsd, to_bhsd, visibility, zero_padding
 
 from attnkit import (
     AttentionInputs,
@@ -51,13 +52,11 @@ from attnkit import (
     CausalAlignment,
     Framework,
     Gradients,
-    Layout,
     Problem,
     Variant,
     capability_reasons,
 )
 
-MIN_TORCH = (2, 6)  # BlockMask.from_kv_blocks with seq_lengths, the CPU C++ flex template
 BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
 # The sink's score sits this far below the row's score bound: lse lies in [max score, bound + log Lk], so the two
 # columns stay inside float32's normal range (e^±87) for bounds up to ~(87 + margin) above the true maximum.
@@ -75,9 +74,15 @@ except ImportError:  # torch < 2.5
     BlockMask = None  # type: ignore[assignment,misc]
 
 
-def _torch_version() -> tuple[int, int]:
-    major, minor = torch.__version__.split(".")[:2]
-    return int(major), int(minor)
+def _api_reason() -> str | None:
+    """Why this torch's flex_attention API cannot serve the lowering (tested with torch 2.13), or None."""
+    if flex_attention is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    parameters = inspect.signature(BlockMask.from_kv_blocks).parameters
+    missing = [name for name in ("seq_lengths", "compute_q_blocks") if name not in parameters]
+    if missing:
+        return f"torch {torch.__version__}: BlockMask.from_kv_blocks lacks {', '.join(missing)} (tested with 2.13)"
+    return None
 
 
 def _cpu_template_reason() -> str | None:
@@ -121,10 +126,6 @@ class _CompiledCache:
 
 COMPILED = _CompiledCache()
 _FALLBACK = TorchChunkedBackend()
-
-
-def _bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
-    return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
 
 
 def bucket_length(n: int) -> int:
@@ -336,7 +337,7 @@ def _score_bound(
 def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
     """(out, lse) per the contract; lse None when not asked for. Not differentiable (see ``backward``)."""
     # detach: flex refuses inputs that require grad on CPU, even under no_grad; gradients come from ``backward``.
-    q, k, v = (_bhsd(spec, x).detach() for x in (inputs.q, inputs.k, inputs.v))
+    q, k, v = (to_bhsd(spec, x).detach() for x in (inputs.q, inputs.k, inputs.v))
     batch, heads_q, len_q, head_dim = q.shape
     heads_kv, len_k, dim_v = k.shape[1], k.shape[2], v.shape[-1]
     if q.numel() == 0 or len_k == 0:  # §9: nothing for a kernel to do
@@ -413,7 +414,7 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
         lse = lse.masked_fill(~live, float("-inf"))
         out = out[..., :dim_v] / out[..., dim_v : dim_v + 1]
     out = out[..., :dim_v].masked_fill(empty.unsqueeze(-1), 0.0).to(dtype)
-    return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
+    return from_bhsd(spec, out), lse
 
 
 class TorchFlexBackend:
@@ -453,14 +454,12 @@ class TorchFlexBackend:
             "float16/bfloat16: computed by the float32 kernel (one rounding at the end) unless the CPU has AMX tiles; "
             "without them the half kernels are slower",
             "a user mask is read densely (it is (Lq, Lk) already); causal, window and lengths are block-sparse",
-            f"needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} with the C++ flex template (x86 with AVX2)",
+            "needs inductor's C++ flex template (x86 with AVX2); tested with torch 2.13",
         ),
     )
 
     def available(self) -> list[str]:
-        if flex_attention is None or _torch_version() < MIN_TORCH:
-            return [f"torch {torch.__version__} has no CPU flex_attention template (needs torch >= 2.6)"]
-        reason = _cpu_template_reason()
+        reason = _api_reason() or _cpu_template_reason()
         return [reason] if reason else []
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
