@@ -58,6 +58,7 @@ from attnkit import (
 )
 
 BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
+MAX_TESTED_HEAD_DIM = 512  # the C++ template states no limit; 1..512 (and Dv != D) agree with the oracle here
 # The sink's score sits this far below the row's score bound: lse lies in [max score, bound + log Lk], so the two
 # columns stay inside float32's normal range (e^±87) for bounds up to ~(87 + margin) above the true maximum.
 SINK_MARGIN = 32.0
@@ -442,6 +443,7 @@ class TorchFlexBackend:
                 "dbias",
             }
         ),
+        head_dims=(1, MAX_TESTED_HEAD_DIM),
         description="torch flex_attention compiled by inductor (CPU C++ template, block-sparse); lse via a sink key",
         notes=(
             "float64: inductor's CPU flex template takes float32, bfloat16 and float16 only",
