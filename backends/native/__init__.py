@@ -1,8 +1,8 @@
 """Native backends: thin lowerings of the contract onto the attention call a framework already has.
 
-``torch-sdpa`` (torch scaled_dot_product_attention), ``jax-xla`` (jax.nn.dot_product_attention),
-``flash-attn`` (flash_attn_func / varlen, CUDA). Each registers on import; where its package is missing a
-stand-in registers under the same name and says what to install.
+``torch-sdpa`` (torch scaled_dot_product_attention), ``torch-flex`` (torch flex_attention, compiled by inductor),
+``jax-xla`` (jax.nn.dot_product_attention), ``flash-attn`` (flash_attn_func / varlen, CUDA). Each registers on
+import; where its package is missing a stand-in registers under the same name and says what to install.
 """
 
 from __future__ import annotations
@@ -17,6 +17,13 @@ if importlib.util.find_spec("torch") is not None:
     register_backend(TorchSdpaBackend())
 else:
     register_backend(MissingPackageBackend("torch-sdpa", "torch", "torch"))
+
+if importlib.util.find_spec("torch") is not None:
+    from .torch_flex import TorchFlexBackend
+
+    register_backend(TorchFlexBackend())
+else:
+    register_backend(MissingPackageBackend("torch-flex", "torch", "torch"))
 
 if importlib.util.find_spec("jax") is not None:
     from .jax_xla import JaxXlaBackend

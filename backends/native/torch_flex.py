@@ -1,0 +1,506 @@
+"""``torch-flex``: the contract lowered onto ``torch.nn.attention.flex_attention``, compiled by inductor for CPU.
+
+What flex_attention does on CPU in torch 2.13 (measured; docs/native.md): the compiled forward lowers to a fused
+C++ template that skips hidden key blocks, for float32, bfloat16 and float16 only. It cannot return the
+logsumexp ("torch.compile on CPU only supports inference and `return_lse` is not supported yet") and it has no
+backward at all, compiled or eager ("FlexAttention does not support backward on CPU"). Eager flex_attention
+materialises the full (Lq, Lk) scores. Dynamic shapes (``dynamic=True``) fail in the C++ compiler for most
+shapes, so kernels compile statically (a few seconds each) for bucketed shapes: batch to a power of two, lengths
+to 16, 32, 64, 128 and then whole 128-blocks, head dims to multiples of 16 (``bucket_*``). Padded queries are
+dropped, padded keys and batch elements are hidden (the block mask skips them), zero head-dim columns add nothing.
+
+The lowering:
+
+* Scores: ``score_mod`` applies scale, softcap and bias in that order (§3) to the float32 score the kernel
+  accumulates; flex's own ``scale`` is 1. Scale, softcap, offsets and window sides are 0-d or (B,) tensors
+  captured by the mods, never Python numbers, so a new value does not recompile (dynamo specialises on floats).
+* Visibility: ``mask_mod`` is §4 (causal and window aligned per batch, lengths); a user mask is folded into one
+  dense visibility tensor it reads (the user mask is (Lq, Lk) already). The :class:`BlockMask` is built from
+  per-row key ranges, block by block, never from a dense (Lq, Lk) grid, so memory stays linear in L.
+* lse, which the CPU kernel cannot return, comes out of the same fused pass through a sink key: one key after
+  the (padded) keys, with score ``t`` (a per-row bound of the scores, below) and v gets two columns, 1 on the real keys
+  and 1 on the sink. The kernel then returns ``o_real = Σ_real p`` and ``o_sink = p_sink``, and
+  ``lse = t + log(o_real) − log(o_sink)``, ``out = out' / o_real``. Both are exact up to float32 rounding while
+  ``|t − lse|`` is within float32's exponent range; ``t`` is an upper bound of the row's scores less a margin,
+  and a row where either column underflows sends the whole call to ``torch-chunked`` (exact, linear memory).
+  This pass runs in float32 (float16 cannot hold the small columns).
+* Gradients: flex has none on CPU, so ``backward`` is ``torch-chunked``'s FlashAttention-2 backward, from this
+  forward's ``out`` and ``lse``.
+* Fully masked rows: found from the row ranges (or the dense visibility), set to out 0 and lse −inf.
+* Padding beyond lengths is zeroed before the kernel (0·NaN would otherwise reach visible rows).
+* NaN: the CPU kernel can turn a row whose scores include NaN into a finite one, so a call with NaN in q, k, v or
+  bias (outside padding) runs on ``torch-chunked``, which propagates it (§5).
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    CausalAlignment,
+    Framework,
+    Gradients,
+    Problem,
+    Variant,
+    capability_reasons,
+    get_backend,
+)
+from attnkit.torch_contract import COSINE_EPS, from_bhsd, to_bhsd, visibility, zero_padding
+
+BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
+MAX_TESTED_HEAD_DIM = 512  # the C++ template states no limit; 1..512 (and Dv != D) agree with the oracle here
+# The sink's score sits this far below the row's score bound: lse lies in [max score, bound + log Lk], so the two
+# columns stay inside float32's normal range (e^±87) for bounds up to ~(87 + margin) above the true maximum.
+SINK_MARGIN = 32.0
+TINY = torch.finfo(torch.float32).tiny  # below it a column has lost precision (subnormal): fall back
+# The bfloat16/float16 kernel beats float32 only with AMX tiles; measured without them (AVX-512 with bf16), it took
+# 1.8x as long as the float32 kernel on the same inputs (B=1 H=8 L=2048 D=64 causal, one thread).
+HALF_KERNELS_FAST = bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
+HUGE = 1e30  # a finite stand-in for an unbounded score bound; the underflow check then sends the call to fallback
+
+try:
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # torch < 2.5
+    flex_attention = None  # type: ignore[assignment]
+    BlockMask = None  # type: ignore[assignment,misc]
+
+
+def _api_reason() -> str | None:
+    """Why this torch's flex_attention API cannot serve the lowering (tested with torch 2.13), or None."""
+    if flex_attention is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.flex_attention"
+    parameters = inspect.signature(BlockMask.from_kv_blocks).parameters
+    missing = [name for name in ("seq_lengths", "compute_q_blocks") if name not in parameters]
+    if missing:
+        return f"torch {torch.__version__}: BlockMask.from_kv_blocks lacks {', '.join(missing)} (tested with 2.13)"
+    return None
+
+
+def _cpu_template_reason() -> str | None:
+    """Why inductor's C++ flex template cannot run here, or None."""
+    try:
+        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+    except ImportError:
+        return None  # older layout of inductor: its lowering says so at compile time
+    return None if check_cpu_supported() else "inductor's CPU flex_attention template needs AVX2 (x86)"
+
+
+def _flex_call(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, enable_gqa: bool) -> Any:
+    return flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=1.0, enable_gqa=enable_gqa)
+
+
+class _CompiledCache:
+    """One compiled ``flex_attention`` per call signature (shapes, dtype, which mods, threads).
+
+    Each entry compiles a copy of ``_flex_call`` with its own code object: dynamo keeps its graphs and its
+    recompile limit (8) per code object, so one shared function would fall back to eager (unfused, quadratic
+    memory) after eight shapes. Compiled statically: ``dynamic=True`` fails in the C++ compiler (torch 2.13).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._functions: dict[tuple[Any, ...], Callable[..., Any]] = {}
+
+    def __len__(self) -> int:
+        return len(self._functions)
+
+    def get(self, key: tuple[Any, ...]) -> Callable[..., Any]:
+        with self._lock:
+            function = self._functions.get(key)
+            if function is None:
+                code = _flex_call.__code__.replace(co_name=f"_flex_call_{len(self._functions)}")
+                fresh = types.FunctionType(code, _flex_call.__globals__, code.co_name)
+                function = torch.compile(fresh, dynamic=False, fullgraph=True)
+                self._functions[key] = function
+            return function
+
+
+COMPILED = _CompiledCache()
+# Calls with fewer (query, key) pairs than this (after bucketing) run flex_attention eagerly: its unfused kernel
+# materialises the scores, which at this size costs less than the seconds a new compiled shape takes (decode steps,
+# short prompts, and the test suite's small shapes), and the score and mask mods are the same.
+COMPILE_MIN_PAIRS = 256 * 256
+
+
+def _eager(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, enable_gqa: bool) -> Any:
+    with warnings.catch_warnings():  # flex warns that the eager path is unfused: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        return _flex_call(q, k, v, score_mod, block_mask, enable_gqa)
+
+
+FALLBACK = "torch-chunked"  # exact, linear memory: through the registry, as any backend is reached
+
+
+def _fallback() -> Any:
+    return get_backend(FALLBACK)
+
+
+def bucket_length(n: int) -> int:
+    """The sequence length a call is compiled for: 0 and 1 (decode) as they are, then powers of two from 16 to one
+    block, then whole blocks. Padding costs a copy and at most one partial block; compiling costs seconds."""
+    if n <= 1:
+        return n
+    if n <= BLOCK_SIZE:
+        return max(16, 1 << (n - 1).bit_length())
+    return -(-n // BLOCK_SIZE) * BLOCK_SIZE
+
+
+def bucket_batch(n: int) -> int:
+    """Batch sizes compiled for: powers of two. Padded batch elements see no key, so the block mask skips them."""
+    return 1 << (n - 1).bit_length()
+
+
+def bucket_head_dim(n: int) -> int:
+    """Head dims compiled for: multiples of 16. Zero columns add nothing to q·k and are cut from out."""
+    return -(-n // 16) * 16
+
+
+def _padded(x: torch.Tensor, shape: tuple[int, ...], value: float = 0.0, broadcast: bool = False) -> torch.Tensor:
+    """x padded with ``value`` at the end of each axis up to ``shape``; with ``broadcast``, axes of size 1 stay 1."""
+    pads: list[int] = []
+    for size, target in zip(reversed(x.shape), reversed(shape)):
+        pads += [0, 0 if broadcast and size == 1 else target - size]
+    return F.pad(x, pads, value=value) if any(pads) else x
+
+
+class _Rows:
+    """Per batch element and query row, the keys causal, window and lengths allow: ``first <= j <= last``.
+
+    ``first > last`` means none. Shapes (B, Lq), int64; memory linear in L.
+    """
+
+    def __init__(self, spec: AttentionSpec, inputs: AttentionInputs, batch: int, len_q: int, len_k: int) -> None:
+        device = inputs.q.device
+        self.kv_len = (
+            inputs.kv_lengths.to(device, torch.long)
+            if inputs.kv_lengths is not None
+            else torch.full((batch,), len_k, device=device)
+        )
+        self.q_len = (
+            inputs.q_lengths.to(device, torch.long)
+            if inputs.q_lengths is not None
+            else torch.full((batch,), len_q, device=device)
+        )
+        if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT:
+            self.offset = self.kv_len - self.q_len
+        else:
+            self.offset = torch.zeros(batch, dtype=torch.long, device=device)
+        left, right = spec.window or (None, None)
+        self.left = left
+        highs = [bound for bound in (0 if spec.causal else None, right) if bound is not None]
+        self.high = min(highs) if highs else None  # j - (i + offset) <= high
+        rows = torch.arange(len_q, device=device).view(1, -1)
+        aligned = rows + self.offset.view(-1, 1)
+        first = aligned - left if left is not None else torch.zeros_like(aligned)
+        last = aligned + self.high if self.high is not None else torch.full_like(aligned, len_k - 1)
+        self.first = first.clamp(min=0)
+        self.last = torch.minimum(last, self.kv_len.view(-1, 1) - 1)
+        self.last = torch.where(rows < self.q_len.view(-1, 1), self.last, torch.full_like(self.last, -1))
+
+    def empty(self) -> torch.Tensor:
+        """(B, 1, Lq) bool: rows that see no key."""
+        return (self.first > self.last).unsqueeze(1)
+
+
+def _dense_blocks_to_mask(
+    partial: torch.Tensor, full: torch.Tensor, len_q: int, len_k: int, mask_mod: Any
+) -> BlockMask:
+    """A BlockMask from (B, H|1, nQ, nK) booleans: blocks that need mask_mod, and blocks seen whole."""
+
+    def ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = blocks.sum(-1, dtype=torch.int32)
+        indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        return counts, indices
+
+    kv_num, kv_indices = ordered(partial)
+    full_num, full_indices = ordered(full)
+    return BlockMask.from_kv_blocks(
+        kv_num,
+        kv_indices,
+        full_num,
+        full_indices,
+        BLOCK_SIZE=BLOCK_SIZE,
+        mask_mod=mask_mod,
+        seq_lengths=(len_q, len_k),
+        compute_q_blocks=False,  # the query-side indices serve flex's backward, which CPU does not have
+    )
+
+
+def _row_blocks(rows: _Rows, batch: int, kernel_len_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, 1, nQ, nK) partial and full blocks from the row ranges: B·Lq·nK work and memory, no (Lq, Lk) grid.
+
+    ``batch`` may exceed the rows' batch (bucket padding): those elements see nothing, so their blocks are skipped.
+    """
+    len_q = rows.first.shape[1]
+    n_q, n_k = -(-len_q // BLOCK_SIZE), -(-kernel_len_k // BLOCK_SIZE)
+    rows_pad, batch_pad = n_q * BLOCK_SIZE - len_q, batch - rows.first.shape[0]
+    big = kernel_len_k + 1
+
+    def laid_out(x: torch.Tensor, past_rows: int, past_batch: int) -> torch.Tensor:
+        x = F.pad(F.pad(x, (0, rows_pad), value=past_rows), (0, 0, 0, batch_pad), value=past_batch)
+        return x.view(batch, n_q, BLOCK_SIZE, 1)
+
+    # Rows past Lq are computed and dropped: they see nothing for "any" and do not spoil "all".
+    first_any, last_any = laid_out(rows.first, big, big), laid_out(rows.last, -1, -1)
+    first_all, last_all = laid_out(rows.first, 0, big), laid_out(rows.last, big, -1)
+    starts = torch.arange(n_k, device=rows.first.device) * BLOCK_SIZE
+    ends = torch.clamp(starts + BLOCK_SIZE, max=kernel_len_k) - 1
+    seen = (torch.maximum(first_any, starts) <= torch.minimum(last_any, ends)).any(dim=2)
+    whole = ((first_all <= starts) & (last_all >= ends)).all(dim=2)
+    return (seen & ~whole).unsqueeze(1), whole.unsqueeze(1)
+
+
+def _dense_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B|1, H|1, nQ, nK) partial blocks (any visible pair) of a dense visibility; no block is taken as whole."""
+    len_q, len_k = visible.shape[-2:]
+    n_q, n_k = -(-len_q // BLOCK_SIZE), -(-len_k // BLOCK_SIZE)
+    padded = F.pad(visible, (0, n_k * BLOCK_SIZE - len_k, 0, n_q * BLOCK_SIZE - len_q), value=False)
+    seen = padded.view(*visible.shape[:2], n_q, BLOCK_SIZE, n_k, BLOCK_SIZE).any(dim=5).any(dim=3)
+    return seen, torch.zeros_like(seen)
+
+
+def _index(tensor_shape: torch.Size, b: Any, h: Any, i: Any, j: Any) -> tuple[Any, Any, Any, Any]:
+    """Indices into a (B|1, H|1, Lq|1, Lk|1) tensor: 0 along a broadcast axis."""
+    return tuple(index if size > 1 else 0 for index, size in zip((b, h, i, j), tensor_shape))  # type: ignore[return-value]
+
+
+def _mods(
+    spec: AttentionSpec,
+    lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    window: tuple[int | None, int | None],
+    visible: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    scale: float,
+    sink: tuple[int, torch.Tensor] | None,
+    device: torch.device,
+) -> tuple[Any, Any, tuple[Any, ...]]:
+    """(score_mod, mask_mod, structure): the mods for this call, and what of them changes the compiled graph.
+
+    ``lengths`` is (offset, q_len, kv_len), each (B,); ``window`` is (left, high) with ``high`` the bound of
+    j − (i + offset) that causal and the window's right side give; ``sink`` is (its key index, (B, Hq, Lq) scores).
+    Every number is a tensor the mods capture, so new values reuse the compiled kernel.
+    """
+    scale_t = torch.tensor(scale, dtype=torch.float32, device=device)
+    softcap = torch.tensor(spec.softcap, dtype=torch.float32, device=device) if spec.softcap is not None else None
+    offset, q_len, kv_len = lengths
+    left, high = (torch.tensor(side, device=device) if side is not None else None for side in window)
+    sink_index, sink_scores = sink if sink is not None else (-1, None)
+
+    def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        score = score * scale_t
+        if softcap is not None:
+            score = softcap * torch.tanh(score / softcap)
+        if bias is not None:
+            score = score + bias[_index(bias.shape, b, h, q_idx, kv_idx)]
+        if sink_scores is not None:
+            score = torch.where(kv_idx == sink_index, sink_scores[b, h, q_idx], score)
+        return score
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        if visible is not None:  # the dense visibility: user mask, and everything else, already folded in
+            allowed = visible[_index(visible.shape, b, h, q_idx, kv_idx)] & (kv_idx < kv_len[b])
+        else:
+            allowed = (kv_idx < kv_len[b]) & (q_idx < q_len[b])
+            if high is not None:
+                allowed = allowed & (kv_idx - q_idx - offset[b] <= high)
+            if left is not None:
+                allowed = allowed & (kv_idx - q_idx - offset[b] >= -left)
+        if sink_scores is not None:
+            allowed = allowed | (kv_idx == sink_index)
+        return allowed
+
+    # What the traced graph depends on besides q, k and v: which branches run and the shapes the mods index.
+    structure = (
+        softcap is not None,
+        None if bias is None else tuple(bias.shape),
+        None if visible is None else tuple(visible.shape),
+        sink_index,
+        left is not None,
+        high is not None,
+    )
+    return score_mod, mask_mod, structure
+
+
+def _score_bound(
+    spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, bias: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """(B, Hq, Lq) float64: an upper bound of each row's scores (Cauchy–Schwarz, softcap, bias max).
+
+    Non-finite norms count as 0: a NaN key poisons only the rows that see it, through the kernel itself.
+    """
+    heads_q, heads_kv = q.shape[1], k.shape[1]
+    q_norm = torch.linalg.vector_norm(q.double(), dim=-1).nan_to_num(0.0, 0.0, 0.0)
+    k_norm = torch.linalg.vector_norm(k.double(), dim=-1).nan_to_num(0.0, 0.0, 0.0)
+    k_max = k_norm.amax(dim=-1).repeat_interleave(heads_q // heads_kv, dim=1)
+    bound = (scale * q_norm * k_max.unsqueeze(-1)).clamp(max=HUGE)
+    if spec.softcap is not None:
+        bound = spec.softcap * torch.tanh(bound / spec.softcap)
+    if bias is not None:
+        bias_max = bias.double().nan_to_num(0.0, HUGE, -HUGE).amax(dim=-1).clamp(-HUGE, HUGE)
+        bound = bound + bias_max.expand(q.shape[0], heads_q, q.shape[2])
+    return bound
+
+
+def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
+    """(out, lse) per the contract; lse None when not asked for. Not differentiable (see ``backward``)."""
+    # detach: flex refuses inputs that require grad on CPU, even under no_grad; gradients come from ``backward``.
+    q, k, v = (to_bhsd(spec, x).detach() for x in (inputs.q, inputs.k, inputs.v))
+    batch, heads_q, len_q, head_dim = q.shape
+    heads_kv, len_k, dim_v = k.shape[1], k.shape[2], v.shape[-1]
+    if q.numel() == 0 or len_k == 0:  # §9: nothing for a kernel to do
+        return _fallback().forward(spec, inputs, need_lse)
+    dtype = q.dtype
+    # With lse the two normaliser columns need float32's range (float16 cannot hold them), so that pass computes
+    # in float32; so does every call without AMX, where the float32 kernel is the faster one (docs/native.md).
+    kernel_dtype = dtype if dtype == torch.float32 or (HALF_KERNELS_FAST and not need_lse) else torch.float32
+    scale = spec.resolved_scale(head_dim)
+    if inputs.q_lengths is not None:
+        q = zero_padding(q, inputs.q_lengths)
+    if inputs.kv_lengths is not None:
+        k, v = zero_padding(k, inputs.kv_lengths), zero_padding(v, inputs.kv_lengths)
+    if spec.variant is Variant.COSINE:
+        # In float32: 1e-12 underflows to 0 in float16, and 0/0 would make a zero (padding) row NaN.
+        q, k = (F.normalize(x.float(), dim=-1, eps=COSINE_EPS) for x in (q, k))
+    q, k, v = q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype)
+    if any(bool(x.isnan().any()) for x in (q, k, v, inputs.bias) if x is not None):
+        # The CPU kernel does not propagate NaN scores reliably (a row that sees a NaN key can come out finite);
+        # §5 wants NaN out wherever a visible input is NaN. Rare, so the exact path takes the whole call.
+        return _fallback().forward(spec, inputs, need_lse)
+    rows = _Rows(spec, inputs, batch, len_q, len_k)
+    dense = visibility(spec, inputs, len_q, len_k) if inputs.mask is not None else None
+    empty = ~dense.any(dim=-1) if dense is not None else rows.empty()  # (B|1, H|1, Lq)
+    bias = inputs.bias.float() if inputs.bias is not None else None
+
+    # The compiled shapes (bucket_*): padded queries are dropped, padded keys are hidden, zero dims add nothing.
+    # With lse, the sink is one key after the padded ones, and v gets its two columns [1 on real keys, 1 on sink].
+    batch_p, len_q_p, len_k_p = bucket_batch(batch), bucket_length(len_q), bucket_length(len_k)
+    sink_columns = 2 if need_lse else 0
+    kernel_len_k = len_k_p + 1 if need_lse else len_k_p
+    dim_p, dim_v_p = bucket_head_dim(head_dim), bucket_head_dim(dim_v + sink_columns)
+    sink = None
+    if need_lse:
+        scores = (_score_bound(spec, q, k, bias, scale) - SINK_MARGIN).float()
+        sink = (len_k_p, _padded(scores, (batch_p, heads_q, len_q_p)))
+        v = F.pad(v, (0, 1), value=1.0)  # the real keys' column
+    q = _padded(q, (batch_p, heads_q, len_q_p, dim_p))
+    k = _padded(k, (batch_p, heads_kv, kernel_len_k, dim_p))
+    v = _padded(v, (batch_p, heads_kv, kernel_len_k, dim_v_p))
+    if need_lse:
+        v[:, :, len_k_p, dim_v + 1] = 1.0  # the sink's column; its key is the zero row k[len_k_p]
+    lengths = tuple(_padded(x, (batch_p,)) for x in (rows.offset, rows.q_len, rows.kv_len))  # padding: empty
+    if dense is not None:  # whole along B, Lq and Lk, so that its blocks can be read off it
+        dense = dense.expand(batch, dense.shape[1], len_q, len_k)
+        dense = _padded(dense, (batch_p, heads_q, len_q_p, kernel_len_k), value=False, broadcast=True)
+    if bias is not None:
+        bias = _padded(bias, (batch_p, heads_q, len_q_p, kernel_len_k), broadcast=True)
+    score_mod, mask_mod, structure = _mods(
+        spec,
+        lengths,
+        (rows.left, rows.high),
+        dense,
+        bias,
+        scale,
+        sink,
+        q.device,  # type: ignore[arg-type]
+    )
+    partial, full = _dense_blocks(dense) if dense is not None else _row_blocks(rows, batch_p, kernel_len_k)
+    if need_lse:  # the sink's block is read by every query block
+        partial[..., len_k_p // BLOCK_SIZE] |= ~full[..., len_k_p // BLOCK_SIZE]
+    block_mask = _dense_blocks_to_mask(partial, full, len_q_p, kernel_len_k, mask_mod)
+    if len_q_p * kernel_len_k < COMPILE_MIN_PAIRS:
+        call = _eager  # small: the unfused kernel's (Lq, Lk) scores cost less than seconds of compiling
+    else:
+        call = COMPILED.get(
+            (tuple(q.shape), tuple(k.shape), tuple(v.shape), q.dtype, structure, torch.get_num_threads())
+        )
+    out = call(q, k, v, score_mod, block_mask, heads_q != heads_kv)[:batch, :, :len_q]
+
+    lse = None
+    if sink is not None:
+        real_weight, sink_weight = out[..., dim_v].double(), out[..., dim_v + 1].double()
+        live = ~empty.expand(batch, heads_q, len_q)
+        underflow = live & ((real_weight < TINY) | (sink_weight < TINY))
+        if bool(underflow.any()):  # the bound was too loose for float32: exact, linear memory
+            return _fallback().forward(spec, inputs, need_lse)
+        lse = (scores.double() + torch.log(real_weight) - torch.log(sink_weight)).float()
+        lse = lse.masked_fill(~live, float("-inf"))
+        out = out[..., :dim_v] / out[..., dim_v : dim_v + 1]
+    out = out[..., :dim_v].masked_fill(empty.unsqueeze(-1), 0.0).to(dtype)
+    return from_bhsd(spec, out), lse
+
+
+class TorchFlexBackend:
+    """torch flex_attention, compiled for CPU: block-sparse causal/window/lengths, score_mod softcap and bias."""
+
+    name = "torch-flex"
+    capabilities = Capabilities(
+        frameworks=frozenset({Framework.TORCH}),
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        devices=frozenset({"cpu"}),
+        features=frozenset(
+            {
+                "causal",
+                "top_left",
+                "window",
+                "cosine",
+                "softcap",
+                "bshd",
+                "mask",
+                "bias",
+                "q_lengths",
+                "kv_lengths",
+                "lse",
+                "grad",
+                "dbias",
+            }
+        ),
+        head_dims=(1, MAX_TESTED_HEAD_DIM),
+        description="torch flex_attention compiled by inductor (CPU C++ template, block-sparse); lse via a sink key",
+        notes=(
+            "float64: inductor's CPU flex template takes float32, bfloat16 and float16 only",
+            "cuda: not lowered yet (flex's Triton path; flash-attn and triton serve CUDA)",
+            "grad, dbias: torch 2.13 flex has no CPU backward; torch-chunked's backward runs from flex's out and lse",
+            "lse: the CPU kernel cannot return it; one sink key and two value columns give it in the same pass, "
+            "computed in float32; a row outside float32's range sends the call to torch-chunked",
+            "each new bucketed shape compiles once (seconds; dynamic shapes fail to compile on CPU in torch 2.13): "
+            "batch to a power of two, lengths to 16..128 then multiples of 128, head dims to multiples of 16",
+            "float16/bfloat16: computed by the float32 kernel (one rounding at the end) unless the CPU has AMX tiles; "
+            "without them the half kernels are slower",
+            "a user mask is read densely (it is (Lq, Lk) already); causal, window and lengths are block-sparse",
+            "needs inductor's C++ flex template (x86 with AVX2); tested with torch 2.13",
+        ),
+    )
+
+    def available(self) -> list[str]:
+        reason = _api_reason() or _cpu_template_reason()
+        return [reason] if reason else []
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        return capability_reasons(self.capabilities, spec, problem)
+
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
+        with torch.no_grad():
+            return flex_forward(spec, inputs, need_lse)
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+    ) -> Gradients:
+        """torch-chunked's FlashAttention-2 backward: flex has no backward on CPU (torch 2.13)."""
+        return _fallback().backward(spec, inputs, out, lse, dout, dlse)
