@@ -79,9 +79,17 @@ def calibratable(device: str, only: Sequence[str] | None = None) -> tuple[list[s
             skipped[name] = f"does not run on {device}"
         elif interpreted(name, device):
             skipped[name] = f"runs an interpreter or emulator on {device} (auto never picks it)"
+        elif device != "cpu" and _framework(name) == "jax" and _jax_platform() != "gpu":
+            skipped[name] = f"JAX has no {device} device here (default backend: {_jax_platform()})"
         else:
             chosen.append(name)
     return chosen, skipped
+
+
+def _jax_platform() -> str:
+    import jax
+
+    return jax.default_backend()
 
 
 def _framework(name: str) -> str:
@@ -314,9 +322,17 @@ def header(result: dict[str, Any], command: str) -> str:
             "versions: " + ", ".join(f"{name} {value}" for name, value in versions.items()),
             f"shapes (D={result['head_dim']}, median of {result['repeats']}): {shapes}",
             "skipped backends: "
-            + ("; ".join(f"{name} ({why})" for name, why in sorted(result["skipped_backends"].items())) or "none"),
+            + (
+                "; ".join(f"{name} ({_short(why)})" for name, why in sorted(result["skipped_backends"].items()))
+                or "none"
+            ),
         ]
     )
+
+
+def _short(reason: str) -> str:
+    first = reason.split(" (")[0].split(";")[0]
+    return first if len(first) <= 60 else first[:57] + "..."
 
 
 def render_table(result: dict[str, Any], command: str) -> str:

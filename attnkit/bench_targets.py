@@ -45,7 +45,7 @@ DECODE_SHAPE = {"batch": 1, "heads": 8, "len_q": 1, "len_k": 128, "head_dim": 64
 PEER_RATIO = 0.95  # auto against the framework's own attention
 NON_NATIVE_RATIO = 0.7  # best attnkit path against SDPA's plain causal call at the same shape, in FLOP/s
 DECODE_BUDGET_US = 3.0
-LINEAR_EXPONENT = 1.3  # memory ~ L**e between the smallest and largest L: e <= this counts as linear
+LINEAR_EXPONENT = 1.2  # memory ~ L**e between the smallest and largest L: e <= this counts as linear
 #: Backends that run an interpreter or an emulator on CPU: there for conformance, never timed as a path.
 INTERPRETED_ON_CPU = frozenset({"triton", "pallas", "cupy-emulated"})
 #: torch-naive materialises (B, H, Lq, Lk) float32 scores several times over: timed only up to this size.
@@ -69,8 +69,15 @@ def limit_jax_threads(threads: int | None) -> None:
 
 
 def interpreted(name: str, device: str) -> bool:
-    """Whether ``name`` runs an interpreter or emulator on ``device`` (excluded from timings and calibration)."""
-    return name.endswith("-emulated") or (device == "cpu" and name in INTERPRETED_ON_CPU)
+    """Whether ``name`` runs an interpreter or emulator on ``device`` (excluded from timings and calibration): the
+    emulated backends always; triton, pallas and cupy on CPU; and any backend whose ``interpret()`` says so (pallas
+    where JAX has no GPU)."""
+    from attnkit import registry
+
+    if name.endswith("-emulated") or (device == "cpu" and name in INTERPRETED_ON_CPU):
+        return True
+    check = getattr(registry.backends().get(name), "interpret", None)
+    return bool(check()) if callable(check) else False
 
 
 def auto_choice(spec: Any, q: Any, k: Any, v: Any, kv_lengths: Any = None) -> str:
