@@ -80,6 +80,7 @@ def test_flex_block_mask_skips_exactly_the_hidden_blocks(
     spec: AttentionSpec, len_q: int, len_k: int, lengths: tuple | None
 ) -> None:
     from attnkit.backends.native.torch_flex import BLOCK_SIZE, _row_blocks, _Rows
+
     from attnkit.torch_contract import visibility
 
     q_lengths, kv_lengths = lengths or (None, None)

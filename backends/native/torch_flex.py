@@ -352,6 +352,21 @@ def _score_bound(
     return bound
 
 
+def _normalised_by_sink(
+    out: torch.Tensor, sink_scores: torch.Tensor, live: torch.Tensor, dim_v: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(out, lse) from the sink pass's (B, Hq, Lq, ≥ Dv+2) output; None where a live row's columns underflowed.
+
+    Columns Dv and Dv+1 are o_real = Σ_real p and o_sink = p_sink, p normalised over real keys and sink together:
+    lse = t + log o_real − log o_sink (float64, so t and the logs do not cancel in float32), out = out' / o_real.
+    """
+    real_weight, sink_weight = out[..., dim_v].double(), out[..., dim_v + 1].double()
+    if bool((live & ((real_weight < TINY) | (sink_weight < TINY))).any()):
+        return None
+    lse = (sink_scores.double() + torch.log(real_weight) - torch.log(sink_weight)).float()
+    return out[..., :dim_v] / out[..., dim_v : dim_v + 1], lse.masked_fill(~live, float("-inf"))
+
+
 def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
     """(out, lse) per the contract; lse None when not asked for. Not differentiable (see ``backward``)."""
     # detach: flex refuses inputs that require grad on CPU, even under no_grad; gradients come from ``backward``.
@@ -391,29 +406,22 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     sink = None
     if need_lse:
         scores = (_score_bound(spec, q, k, bias, scale) - SINK_MARGIN).float()
-        sink = (len_k_p, _padded(scores, (batch_p, heads_q, len_q_p)))
+        sink = (len_k_p, _padded(scores, (batch_p, heads_q, len_q_p)))  # (its key index, its scores)
         v = F.pad(v, (0, 1), value=1.0)  # the real keys' column
     q = _padded(q, (batch_p, heads_q, len_q_p, dim_p))
     k = _padded(k, (batch_p, heads_kv, kernel_len_k, dim_p))
     v = _padded(v, (batch_p, heads_kv, kernel_len_k, dim_v_p))
     if need_lse:
         v[:, :, len_k_p, dim_v + 1] = 1.0  # the sink's column; its key is the zero row k[len_k_p]
-    lengths = tuple(_padded(x, (batch_p,)) for x in (rows.offset, rows.q_len, rows.kv_len))  # padding: empty
+    # Padded batch elements get length 0: they see nothing.
+    offset, q_len, kv_len = (_padded(x, (batch_p,)) for x in (rows.offset, rows.q_len, rows.kv_len))
     if dense is not None:  # whole along B, Lq and Lk, so that its blocks can be read off it
         dense = dense.expand(batch, dense.shape[1], len_q, len_k)
         dense = _padded(dense, (batch_p, heads_q, len_q_p, kernel_len_k), value=False, broadcast=True)
     if bias is not None:
         bias = _padded(bias, (batch_p, heads_q, len_q_p, kernel_len_k), broadcast=True)
-    score_mod, mask_mod, structure = _mods(
-        spec,
-        lengths,
-        (rows.left, rows.high),
-        dense,
-        bias,
-        scale,
-        sink,
-        q.device,  # type: ignore[arg-type]
-    )
+    window = (rows.left, rows.high)
+    score_mod, mask_mod, structure = _mods(spec, (offset, q_len, kv_len), window, dense, bias, scale, sink, q.device)
     partial, full = _dense_blocks(dense) if dense is not None else _row_blocks(rows, batch_p, kernel_len_k)
     if need_lse:  # the sink's block is read by every query block
         partial[..., len_k_p // BLOCK_SIZE] |= ~full[..., len_k_p // BLOCK_SIZE]
@@ -428,14 +436,10 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
 
     lse = None
     if sink is not None:
-        real_weight, sink_weight = out[..., dim_v].double(), out[..., dim_v + 1].double()
-        live = ~empty.expand(batch, heads_q, len_q)
-        underflow = live & ((real_weight < TINY) | (sink_weight < TINY))
-        if bool(underflow.any()):  # the bound was too loose for float32: exact, linear memory
+        recovered = _normalised_by_sink(out, sink[1][:batch, :, :len_q], ~empty.expand(batch, heads_q, len_q), dim_v)
+        if recovered is None:  # the bound was too loose for float32: exact, linear memory
             return _fallback().forward(spec, inputs, need_lse)
-        lse = (scores.double() + torch.log(real_weight) - torch.log(sink_weight)).float()
-        lse = lse.masked_fill(~live, float("-inf"))
-        out = out[..., :dim_v] / out[..., dim_v : dim_v + 1]
+        out, lse = recovered
     out = out[..., :dim_v].masked_fill(empty.unsqueeze(-1), 0.0).to(dtype)
     return from_bhsd(spec, out), lse
 
