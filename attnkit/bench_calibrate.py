@@ -3,7 +3,7 @@
 For every registered backend that is available here, takes torch tensors or JAX arrays on the device, and runs
 compiled there (the Triton and Pallas interpreters and the CUDA emulator are left out: ``auto`` never picks them),
 for float32 and bfloat16 and for the forward and forward+backward passes it supports, one call of
-``attend(spec, q, k, v, backend=name)`` is timed at a few shapes (a decode step; L=256 and L=1024 causal and not;
+``attend(spec, q, k, v, backend=name)`` is timed at a few shapes (a decode step; L=256, 1024 and 2048 causal and not;
 a GQA call with B=2). Each time becomes a point (visible_units, full_units, time_us) by
 :func:`attnkit.cost.work_units`, and :func:`attnkit.cost.fit` turns a backend's points into one
 :class:`attnkit.cost.CostEntry`. torch calls are timed eagerly; JAX calls jitted (the forward, or ``jax.grad`` of
@@ -47,6 +47,9 @@ CALIBRATION_SHAPES = (
     Shape("L=256 causal", True, 1, 8, 8, 256, 256),
     Shape("L=1024 full", False, 1, 8, 8, 1024, 1024),
     Shape("L=1024 causal", True, 1, 8, 8, 1024, 1024),
+    # The long shapes keep the fit from extrapolating the short ones: kernels skip hidden tiles only at length.
+    Shape("L=2048 full", False, 1, 8, 8, 2048, 2048),
+    Shape("L=2048 causal", True, 1, 8, 8, 2048, 2048),
     Shape("GQA B=2 Hkv=2 L=512 causal", True, 2, 8, 2, 512, 512),
 )
 #: For smoke tests: the same kinds of shape, small.

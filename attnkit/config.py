@@ -61,7 +61,7 @@ class Config(BaseModel):
     #: relative to that file.
     costs: str | None = None
     #: Another backend replaces the first in priority only when predicted faster by more than this fraction.
-    cost_margin: float = 0.1
+    cost_margin: float = 0.5
 
     @field_validator("cost_margin")
     @classmethod
