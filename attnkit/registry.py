@@ -18,6 +18,7 @@ _BUILTIN_MODULES = (
     "attnkit.backends.pallas",
     "attnkit.backends.native",
     "attnkit.backends.cupy",
+    "attnkit.backends.cpu_flash",
 )
 
 _log = logging.getLogger("attnkit")

@@ -1,0 +1,212 @@
+"""``cpu-flash``: the plumbing around kernel.cpp (build, layouts, autograd); the math is in kernel.cpp.
+
+SDPA's CPU kernel cannot express softcap, and windows, lengths or bottom-right causal only through a dense mask it
+must read; an unfused loop of torch ops pays for every pass over the scores in memory traffic. kernel.cpp is the
+FlashAttention-2 algorithm written once in C++: scores and products through the BLAS torch ships (MKL's sgemm),
+softcap, visibility (index arithmetic, only on tiles the band crosses) and the online softmax in one vectorised
+pass over each tile while it is in cache. Memory is linear in L: nothing of size Lq × Lk exists.
+
+Built on first use with ``torch.utils.cpp_extension`` (tens of seconds, once per machine: the build is cached under
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Operands run in float32 (half types are widened
+exactly, as the contract's float32 accumulation asks, §7); float64 is left to the reference backends.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    CausalAlignment,
+    Framework,
+    Gradients,
+    Layout,
+    Problem,
+    Variant,
+    capability_reasons,
+)
+from attnkit.backend import Runner
+from attnkit.torch_contract import COSINE_EPS, zero_padding
+
+KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
+
+_build_lock = threading.Lock()
+_module: Any = None
+
+
+def _blas_reason() -> str | None:
+    """Why this torch build lacks the BLAS entry point kernel.cpp calls (MKL's sgemm_, in x86 Linux wheels)."""
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    try:
+        ctypes.CDLL(str(library)).sgemm_  # noqa: B018 - the lookup is the check
+    except (OSError, AttributeError):
+        return f"torch {torch.__version__} does not export sgemm_ from {library.name} (a build without MKL)"
+    return None
+
+
+def _compiler_reason() -> str | None:
+    compiler = os.environ.get("CXX", "c++")
+    return None if shutil.which(compiler) else f"no C++ compiler to build kernel.cpp ({compiler!r} not on PATH)"
+
+
+def _kernel() -> Any:
+    """The built extension module, built on first call (thread-safe); its name carries the source's hash, so an
+    edited kernel.cpp never loads a stale build."""
+    global _module
+    with _build_lock:
+        if _module is None:
+            from torch.utils.cpp_extension import load
+
+            source = KERNEL_SOURCE.read_bytes()
+            capability = torch.backends.cpu.get_cpu_capability()  # at::vec picks its vector width from this macro
+            flags = ["-O3", "-march=native", "-ffp-contract=fast"]
+            if capability in ("AVX2", "AVX512"):
+                flags.append(f"-DCPU_CAPABILITY_{capability}")
+            digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
+            _module = load(name=f"attnkit_cpu_flash_{digest}", sources=[str(KERNEL_SOURCE)], extra_cflags=flags)
+        return _module
+
+
+@dataclass(frozen=True)
+class _Band:
+    """The kernel's view of §4: rel = j − i − offset[b] in [low, high] on each bounded side."""
+
+    low: int | None
+    high: int | None
+    bottom_right: bool
+
+    @classmethod
+    def of(cls, spec: AttentionSpec) -> _Band:
+        left, right = spec.window if spec.window is not None else (None, None)
+        high = min(right, 0) if spec.causal and right is not None else (0 if spec.causal else right)
+        return cls(-left if left is not None else None, high, spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT)
+
+    def arguments(self) -> tuple[bool, int, bool, int, bool]:
+        return self.low is not None, self.low or 0, self.high is not None, self.high or 0, self.bottom_right
+
+
+class _CpuFlash(torch.autograd.Function):
+    """(out, lse) for float32 contiguous bhsd q (already multiplied by its scale), k, v."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        q_lens: torch.Tensor,
+        kv_lens: torch.Tensor,
+        band: _Band,
+        softcap: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = _kernel().forward(q, k, v, q_lens, kv_lens, *band.arguments(), softcap)
+        ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens)
+        ctx.band, ctx.softcap = band, softcap
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        q, k, v, out, lse, q_lens, kv_lens = ctx.saved_tensors
+        dout = dout.contiguous()
+        delta = (dout * out).sum(dim=-1)
+        if dlse is not None:
+            delta = delta - dlse
+        dq, dk, dv = _kernel().backward(
+            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, *ctx.band.arguments(), ctx.softcap
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def _lengths(lengths: torch.Tensor | None, batch: int, full: int) -> torch.Tensor:
+    if lengths is None:
+        return torch.full((batch,), full, dtype=torch.int64)
+    return lengths.to(device="cpu", dtype=torch.int64).contiguous()
+
+
+def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) per the contract, differentiable by torch autograd; lse float32 (B, Hq, Lq)."""
+    bshd = spec.layout is Layout.BSHD
+    q, k, v = (x.transpose(1, 2) if bshd else x for x in inputs[:3])
+    batch, _, len_q, head_dim = q.shape
+    # Padding (beyond the lengths) is zeroed, never read: NaN there cannot leak through 0·NaN (§5).
+    q = zero_padding(q, inputs.q_lengths).float()
+    k = zero_padding(k, inputs.kv_lengths).float()
+    v = zero_padding(v, inputs.kv_lengths).float()
+    if spec.variant is Variant.COSINE:
+        q, k = F.normalize(q, dim=-1, eps=COSINE_EPS), F.normalize(k, dim=-1, eps=COSINE_EPS)
+    scale = spec.resolved_scale(head_dim)
+    q = q * (scale / spec.softcap if spec.softcap is not None else scale)
+    out, lse = _CpuFlash.apply(
+        q.contiguous(), k.contiguous(), v.contiguous(),
+        _lengths(inputs.q_lengths, batch, len_q), _lengths(inputs.kv_lengths, batch, k.shape[2]),
+        _Band.of(spec), spec.softcap or 0.0,
+    )  # fmt: skip
+    out = out.to(inputs.q.dtype)
+    return (out.transpose(1, 2) if bshd else out), lse
+
+
+class CpuFlashBackend:
+    """attnkit's FlashAttention-2 CPU kernel (kernel.cpp), every spec feature but masks and biases."""
+
+    name = "cpu-flash"
+    capabilities = Capabilities(
+        frameworks=frozenset({Framework.TORCH}),
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        devices=frozenset({"cpu"}),
+        features=frozenset(
+            {"causal", "top_left", "window", "cosine", "softcap", "bshd", "q_lengths", "kv_lengths", "lse", "grad"}
+        ),
+        description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
+        notes=(
+            "mask, bias: not lowered (torch-chunked and torch-flex serve them)",
+            "float64: left to torch-chunked and torch-naive (the kernel computes in float32)",
+            "half types: widened to float32 exactly, results rounded back once",
+            "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR)",
+        ),
+    )
+
+    def available(self) -> list[str]:
+        return [reason for reason in (_compiler_reason(), _blas_reason()) if reason]
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        return capability_reasons(self.capabilities, spec, problem)
+
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
+        with torch.no_grad():
+            return flash_attention(spec, inputs)
+
+    def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
+        return lambda inputs: flash_attention(spec, inputs)
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+    ) -> Gradients:
+        """For callers of the protocol itself: the forward again under torch autograd."""
+        with torch.enable_grad():
+            leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]
+            out_again, lse_again = flash_attention(spec, inputs._replace(q=leaves[0], k=leaves[1], v=leaves[2]))
+            outputs, cotangents = [out_again], [dout]
+            if dlse is not None:
+                outputs.append(torch.where(torch.isfinite(lse_again), lse_again, torch.zeros_like(lse_again)))
+                cotangents.append(dlse)
+            grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
+        dq, dk, dv = (g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves))
+        return Gradients(dq=dq, dk=dk, dv=dv)

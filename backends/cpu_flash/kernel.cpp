@@ -1,0 +1,301 @@
+// cpu-flash: FlashAttention-2 on the CPU, forward and backward, for float32 operands (docs/semantics.md).
+//
+// Each tile is a (query rows x key columns) block: its scores come from one BLAS call, then one vectorised pass
+// applies softcap, visibility (index arithmetic, only on tiles the band crosses) and the softmax, and one more BLAS
+// call consumes it, while the tile is still in cache. q arrives multiplied by scale (/ softcap when softcapped), so
+// U = q k^T is the score, or the tanh argument. Visibility (section 4): with rel = j - i - offset[b],
+// low <= rel <= high on each bounded side, i < q_len[b] and j < kv_len[b]; offset[b] = kv_len[b] - q_len[b] for
+// bottom-right alignment, else 0.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+extern "C" {
+// BLAS as torch's MKL exports it (column-major).
+void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+            const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c, const int* ldc);
+}
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kBlockQ = 64;
+constexpr int64_t kBlockK = 256;
+
+// Row-major C(m x n) = beta C + op(A) op(B), with op(X) = X^T when trans_x: the column-major call on the transposes.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
+          int64_t ldb, float beta, float* c, int64_t ldc) {
+  const int mi = m, ni = n, ki = k, ldai = lda, ldbi = ldb, ldci = ldc;
+  const float one = 1.0f;
+  sgemm_(trans_b ? "T" : "N", trans_a ? "T" : "N", &ni, &mi, &ki, &one, b, &ldbi, a, &ldai, &beta, c, &ldci);
+}
+
+float nan_max(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b); }
+
+struct Band {
+  bool has_low, has_high;
+  int64_t low, high;
+  bool bottom_right;
+};
+
+struct Sizes {
+  int64_t batch, heads_q, heads_kv, len_q, len_k, dim, dim_v;
+};
+
+struct Rows {  // one batch element's view of the band
+  int64_t q_len, kv_len, offset;
+};
+
+Rows rows_of(const Band& band, const int64_t* q_lens, const int64_t* kv_lens, int64_t b) {
+  Rows r{q_lens[b], kv_lens[b], 0};
+  if (band.bottom_right) r.offset = r.kv_len - r.q_len;
+  return r;
+}
+
+// Keys [first, last) some row of [r0, r1) may see.
+void key_range(const Band& band, const Rows& rows, int64_t r0, int64_t r1, int64_t* first, int64_t* last) {
+  *first = band.has_low ? std::max<int64_t>(0, r0 + rows.offset + band.low) : 0;
+  *last = band.has_high ? std::min<int64_t>(rows.kv_len, r1 - 1 + rows.offset + band.high + 1) : rows.kv_len;
+}
+
+// Whether some pair of the tile is hidden by the band (lengths are handled by the ranges themselves).
+bool needs_mask(const Band& band, const Rows& rows, int64_t r0, int64_t r1, int64_t c0, int64_t c1) {
+  return (band.has_low && c0 - (r1 - 1) - rows.offset < band.low) ||
+         (band.has_high && (c1 - 1) - r0 - rows.offset > band.high);
+}
+
+// U -> S in place for one tile (rows x cols, ld cols): S = cap tanh U when softcapped (tanh kept in `tanh_out` when
+// given), hidden pairs -inf when masked.
+void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap, bool masked, const Band& band,
+            const Rows& geometry, int64_t r0, int64_t c0) {
+  const int64_t step = Vec::size();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * cols;
+    if (softcap > 0) {
+      float* t = tanh_out ? tanh_out + r * cols : nullptr;
+      int64_t c = 0;
+      for (; c + step <= cols; c += step) {
+        Vec th = Vec::loadu(row + c).tanh();
+        if (t) th.store(t + c);
+        (th * Vec(softcap)).store(row + c);
+      }
+      for (; c < cols; ++c) {
+        float th = std::tanh(row[c]);
+        if (t) t[c] = th;
+        row[c] = softcap * th;
+      }
+    }
+    if (masked) {
+      const int64_t i = r0 + r;
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t rel = c0 + c - i - geometry.offset;
+        if ((band.has_low && rel < band.low) || (band.has_high && rel > band.high)) row[c] = kNegInf;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Forward. Per query block, over its key tiles (online softmax):
+//   m' = max(m, rowmax S);  alpha = exp(m - m');  P = exp(S - m');  l' = alpha l + rowsum P;  acc' = alpha acc + P V
+// then out = acc / l and lse = m + log l. A row that has seen no key keeps m = -inf: its shift is taken as 0 so that
+// P and alpha are exp(-inf) = 0, never NaN. l = 0 at the end: no visible key, out 0 and lse -inf. NaN stays NaN.
+void fwd_block(const float* q, const float* k, const float* v, float* out, float* lse, const Sizes& n, const Band& band,
+               const Rows& geometry, float softcap, int64_t r0, int64_t r1, std::vector<float>& s,
+               std::vector<float>& acc, std::vector<float>& row_max, std::vector<float>& row_sum) {
+  const int64_t rows = r1 - r0, step = Vec::size();
+  std::fill(acc.begin(), acc.begin() + rows * n.dim_v, 0.0f);
+  std::fill(row_max.begin(), row_max.begin() + rows, kNegInf);
+  std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
+  int64_t first, last;
+  key_range(band, geometry, r0, r1, &first, &last);
+  for (int64_t c0 = first; c0 < last; c0 += kBlockK) {
+    const int64_t c1 = std::min(c0 + kBlockK, last), cols = c1 - c0;
+    gemm(false, true, rows, cols, n.dim, q + r0 * n.dim, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
+    scores(s.data(), nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* row = s.data() + r * cols;
+      Vec vmax(kNegInf);
+      int64_t c = 0;
+      for (; c + step <= cols; c += step) vmax = at::vec::maximum(vmax, Vec::loadu(row + c));
+      float lanes[Vec::size()];
+      vmax.store(lanes);
+      float tile_max = kNegInf;
+      for (int64_t lane = 0; lane < step; ++lane) tile_max = nan_max(tile_max, lanes[lane]);
+      for (; c < cols; ++c) tile_max = nan_max(tile_max, row[c]);
+      const float new_max = nan_max(row_max[r], tile_max);
+      const float shift = new_max == kNegInf ? 0.0f : new_max;
+      const float alpha = std::exp(row_max[r] - shift);
+      Vec vsum(0.0f), vshift(shift);
+      for (c = 0; c + step <= cols; c += step) {
+        Vec p = (Vec::loadu(row + c) - vshift).exp_u20();
+        p.store(row + c);
+        vsum = vsum + p;
+      }
+      vsum.store(lanes);
+      float total = 0.0f;
+      for (int64_t lane = 0; lane < step; ++lane) total += lanes[lane];
+      for (; c < cols; ++c) total += (row[c] = std::exp(row[c] - shift));
+      row_sum[r] = row_sum[r] * alpha + total;
+      row_max[r] = new_max;
+      float* acc_row = acc.data() + r * n.dim_v;
+      if (alpha != 1.0f)
+        for (int64_t d = 0; d < n.dim_v; ++d) acc_row[d] *= alpha;
+    }
+    gemm(false, false, rows, n.dim_v, cols, s.data(), cols, v + c0 * n.dim_v, n.dim_v, 1.0f, acc.data(), n.dim_v);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool empty = row_sum[r] == 0.0f;  // NaN is not empty
+    const float inverse = empty ? 0.0f : 1.0f / row_sum[r];
+    for (int64_t d = 0; d < n.dim_v; ++d) out[(r0 + r) * n.dim_v + d] = empty ? 0.0f : acc[r * n.dim_v + d] * inverse;
+    lse[r0 + r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Backward. Per kv head, per key tile (dK, dV stay in cache), over the query rows of every head in its group that see
+// it:  P = exp(S - lse) (lse +inf on empty rows, so P = 0);  dV += P^T dO;  dP = dO V^T;
+//   dS = P (dP - Delta), Delta = rowsum(dO out) - dlse;  dU = dS cap (1 - tanh^2 U) when softcapped;
+//   dq += dU K;  dK += dU^T q   (dq still to be multiplied by q's scale, by autograd outside).
+void bwd_kv_head(const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta,
+                 float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry, float softcap,
+                 int64_t group) {
+  std::vector<float> s(kBlockQ * kBlockK), t(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
+  const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
+  for (int64_t c0 = 0; c0 < geometry.kv_len; c0 += kBlockK) {
+    const int64_t c1 = std::min(c0 + kBlockK, geometry.kv_len), cols = c1 - c0;
+    for (int64_t r0 = 0; r0 < q_rows; r0 += kBlockQ) {
+      const int64_t r1 = std::min(r0 + kBlockQ, q_rows), rows = r1 - r0;
+      int64_t first, last;
+      key_range(band, geometry, r0, r1, &first, &last);
+      if (first >= last || c1 <= first || c0 >= last) continue;
+      const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t head_rows = g * n.len_q;  // offset of this query head's rows within the group
+        const float* q_rows_ptr = q + (head_rows + r0) * n.dim;
+        const float* do_rows = dout + (head_rows + r0) * n.dim_v;
+        gemm(false, true, rows, cols, n.dim, q_rows_ptr, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
+        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float row_lse = lse[head_rows + r0 + r];
+          Vec shift(row_lse == kNegInf ? std::numeric_limits<float>::infinity() : row_lse);
+          float* row = s.data() + r * cols;
+          int64_t c = 0;
+          for (; c + step <= cols; c += step) (Vec::loadu(row + c) - shift).exp_u20().store(row + c);
+          for (; c < cols; ++c) row[c] = std::exp(row[c] - (row_lse == kNegInf ? INFINITY : row_lse));
+        }
+        gemm(true, false, cols, n.dim_v, rows, s.data(), cols, do_rows, n.dim_v, 1.0f, dv + c0 * n.dim_v, n.dim_v);
+        gemm(false, true, rows, cols, n.dim_v, do_rows, n.dim_v, v + c0 * n.dim_v, n.dim_v, 0.0f, dp.data(), cols);
+        for (int64_t r = 0; r < rows; ++r) {
+          const Vec row_delta(delta[head_rows + r0 + r]);
+          float* p = s.data() + r * cols;  // becomes dU in place
+          const float* dp_row = dp.data() + r * cols;
+          const float* t_row = t.data() + r * cols;
+          int64_t c = 0;
+          for (; c + step <= cols; c += step) {
+            Vec ds = Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - row_delta);
+            if (softcap > 0) {
+              Vec th = Vec::loadu(t_row + c);
+              ds = ds * (Vec(softcap) * (Vec(1.0f) - th * th));
+            }
+            ds.store(p + c);
+          }
+          for (; c < cols; ++c) {
+            float ds = p[c] * (dp_row[c] - delta[head_rows + r0 + r]);
+            if (softcap > 0) ds *= softcap * (1.0f - t_row[c] * t_row[c]);
+            p[c] = ds;
+          }
+        }
+        gemm(false, false, rows, n.dim, cols, s.data(), cols, k + c0 * n.dim, n.dim, 1.0f,
+             dq + (head_rows + r0) * n.dim, n.dim);
+        gemm(true, false, cols, n.dim, rows, s.data(), cols, q_rows_ptr, n.dim, 1.0f, dk + c0 * n.dim, n.dim);
+      }
+    }
+  }
+}
+
+Sizes sizes_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  return Sizes{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+}
+
+Band band_of(bool has_low, int64_t low, bool has_high, int64_t high, bool bottom_right) {
+  return Band{has_low, has_high, low, high, bottom_right};
+}
+
+void check(const torch::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(), name,
+              " must be a contiguous float32 CPU tensor");
+}
+
+}  // namespace
+
+// q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq).
+std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_lens,
+                                   torch::Tensor kv_lens, bool has_low, int64_t low, bool has_high, int64_t high,
+                                   bool bottom_right, double softcap) {
+  check(q, "q"), check(k, "k"), check(v, "v");
+  const Sizes n = sizes_of(q, k, v);
+  const Band band = band_of(has_low, low, has_high, high, bottom_right);
+  auto out = torch::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
+  auto lse = torch::full({n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
+  const int64_t* q_len = q_lens.data_ptr<int64_t>();
+  const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
+  const int64_t blocks = (n.len_q + kBlockQ - 1) / kBlockQ, group = n.heads_q / n.heads_kv;
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
+  at::parallel_for(0, n.batch * n.heads_q * blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(kBlockQ * kBlockK), acc(kBlockQ * n.dim_v), row_max(kBlockQ), row_sum(kBlockQ);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t block = task % blocks, head = (task / blocks) % n.heads_q, b = task / blocks / n.heads_q;
+      const Rows geometry = rows_of(band, q_len, kv_len, b);
+      const int64_t r0 = block * kBlockQ, r1 = std::min({r0 + kBlockQ, n.len_q, geometry.q_len});
+      if (r0 >= r1) continue;
+      const int64_t kv_head = b * n.heads_kv + head / group, q_head = b * n.heads_q + head;
+      fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
+                op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, (float)softcap, r0, r1, s,
+                acc, row_max, row_sum);
+    }
+  });
+  return {out, lse};
+}
+
+// delta = rowsum(dout * out) - dlse, (B, Hq, Lq). Returns dq (for the scaled q), dk, dv.
+std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout,
+                                    torch::Tensor lse, torch::Tensor delta, torch::Tensor q_lens, torch::Tensor kv_lens,
+                                    bool has_low, int64_t low, bool has_high, int64_t high, bool bottom_right,
+                                    double softcap) {
+  check(q, "q"), check(k, "k"), check(v, "v"), check(dout, "dout"), check(lse, "lse"), check(delta, "delta");
+  const Sizes n = sizes_of(q, k, v);
+  const Band band = band_of(has_low, low, has_high, high, bottom_right);
+  auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dv = torch::zeros_like(v);
+  const int64_t* q_len = q_lens.data_ptr<int64_t>();
+  const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
+  const int64_t group = n.heads_q / n.heads_kv;
+  at::parallel_for(0, n.batch * n.heads_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / n.heads_kv;
+      const int64_t q_head = task * group;  // the first of the group's query heads: b * Hq + h_kv * group
+      const int64_t q_offset = q_head * n.len_q;
+      bwd_kv_head(q.data_ptr<float>() + q_offset * n.dim, k.data_ptr<float>() + task * n.len_k * n.dim,
+                  v.data_ptr<float>() + task * n.len_k * n.dim_v, dout.data_ptr<float>() + q_offset * n.dim_v,
+                  lse.data_ptr<float>() + q_offset, delta.data_ptr<float>() + q_offset,
+                  dq.data_ptr<float>() + q_offset * n.dim, dk.data_ptr<float>() + task * n.len_k * n.dim,
+                  dv.data_ptr<float>() + task * n.len_k * n.dim_v, n, band, rows_of(band, q_len, kv_len, b),
+                  (float)softcap, group);
+    }
+  });
+  return {dq, dk, dv};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("forward", &forward, "cpu-flash forward: (out, lse)");
+  m.def("backward", &backward, "cpu-flash backward: (dq, dk, dv)");
+}
