@@ -22,7 +22,7 @@ import numpy as np
 
 from attnkit import registry
 from attnkit.testing.cases import Case, make_arrays
-from attnkit.testing.runners import Results, native_framework, run_backend, run_torch
+from attnkit.testing.runners import Results, harness_device, native_framework, run_backend, run_torch
 
 FLOOR_ULPS = 32
 ORACLE = "torch-naive"
@@ -161,7 +161,7 @@ def backends_for(case: Case, names: list[str] | None = None) -> dict[str, list[s
             continue
         reasons = list(backend.available())
         if not reasons:
-            reasons = backend.supports(case.spec, case.problem(native_framework(name)))
+            reasons = backend.supports(case.spec, case.problem(native_framework(name), harness_device(name)))
         table[name] = reasons
     return table
 

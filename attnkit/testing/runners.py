@@ -15,19 +15,38 @@ DIFFERENTIABLE = ("q", "k", "v", "bias")
 OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths")
 
 
-def run_torch(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None) -> Results:
-    """attend() on torch tensors through the public API, with autograd; ``dtype`` overrides the case's."""
+def harness_device(backend: str) -> str:
+    """Where the harness runs ``backend``: on the accelerator when the backend declares one and this machine has it,
+    else on the CPU. So ``attnkit check`` on a GPU machine checks the GPU kernels users will run there."""
+    declared = registry.get_backend(backend).capabilities.devices
+    if "cuda" not in declared:
+        return "cpu"
+    if native_framework(backend) is Framework.TORCH:
+        import torch
+
+        on_gpu = torch.cuda.is_available()
+    else:
+        import jax
+
+        on_gpu = jax.default_backend() == "gpu"
+    return "cuda" if on_gpu or "cpu" not in declared else "cpu"
+
+
+def run_torch(
+    case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None, device: str = "cpu"
+) -> Results:
+    """attend() on torch tensors on ``device`` through the public API, with autograd; ``dtype`` overrides the case's."""
     import torch
 
     torch_dtype = getattr(torch, dtype or case.dtype)
     tensors: dict[str, Any] = {}
     for name, value in arrays.items():
         if name in ("q", "k", "v", "dout"):
-            tensors[name] = torch.tensor(value, dtype=torch_dtype)
+            tensors[name] = torch.tensor(value, dtype=torch_dtype, device=device)
         elif name in ("bias", "dlse"):
-            tensors[name] = torch.tensor(value, dtype=torch.float32 if name == "dlse" else torch_dtype)
+            tensors[name] = torch.tensor(value, dtype=torch.float32 if name == "dlse" else torch_dtype, device=device)
         else:
-            tensors[name] = torch.tensor(value)
+            tensors[name] = torch.tensor(value, device=device)
     leaves = [tensors[name] for name in DIFFERENTIABLE if name in tensors]
     if case.grad:
         for name in DIFFERENTIABLE:
@@ -49,7 +68,7 @@ def run_torch(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: st
         names = [name for name in DIFFERENTIABLE if name in tensors and tensors[name].requires_grad]
         for name, grad, leaf in zip(names, grads, wanted):
             results["d" + name] = grad if grad is not None else torch.zeros_like(leaf)
-    return {name: value.detach().double().numpy() for name, value in results.items()}
+    return {name: value.detach().double().cpu().numpy() for name, value in results.items()}
 
 
 def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None) -> Results:
@@ -94,9 +113,6 @@ def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str 
     return {name: np.asarray(value, dtype=np.float64) for name, value in results.items()}
 
 
-RUNNERS = {Framework.TORCH: run_torch, Framework.JAX: run_jax}
-
-
 def native_framework(backend: str) -> Framework:
     """The framework a backend is run in by the harness: the one its ``native_framework`` attribute names (a
     backend written for JAX that also bridges torch tensors), else torch where it takes torch tensors, else JAX."""
@@ -109,5 +125,9 @@ def native_framework(backend: str) -> Framework:
 
 
 def run_backend(case: Case, arrays: dict[str, np.ndarray], backend: str) -> Results:
-    """attend() on ``backend`` in its native framework, with gradients when the case asks for them."""
-    return RUNNERS[native_framework(backend)](case, arrays, backend)
+    """attend() on ``backend`` in its native framework on :func:`harness_device`, with gradients when the case asks
+    for them. (JAX places arrays on its default device, which is the GPU whenever JAX has one.)"""
+    framework = native_framework(backend)
+    if framework is Framework.TORCH:
+        return run_torch(case, arrays, backend, device=harness_device(backend))
+    return run_jax(case, arrays, backend)

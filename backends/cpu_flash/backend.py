@@ -41,6 +41,11 @@ from attnkit.backend import Runner
 from attnkit.torch_contract import COSINE_EPS, zero_padding
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
+# Tiles (query rows, key columns): a 64 x 256 float32 score tile and its dP twin stay in L2 beside the K/V rows.
+# A windowed backward uses narrower key tiles: its band crosses most tiles, and each crossed tile is masked.
+FORWARD_TILE = (64, 256)
+BACKWARD_TILE = (64, 256)
+WINDOW_BACKWARD_TILE = (64, 128)
 
 _build_lock = threading.Lock()
 _module: Any = None
@@ -98,7 +103,7 @@ class _Band:
 
 
 class _CpuFlash(torch.autograd.Function):
-    """(out, lse) for float32 contiguous bhsd q (already multiplied by its scale), k, v."""
+    """(out, lse) for float32 contiguous bhsd q, k, v; U = q_scale q kᵀ is the score (or the tanh argument)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -110,10 +115,11 @@ class _CpuFlash(torch.autograd.Function):
         kv_lens: torch.Tensor,
         band: _Band,
         softcap: float,
+        q_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        out, lse = _kernel().forward(q, k, v, q_lens, kv_lens, *band.arguments(), softcap)
+        out, lse = _kernel().forward(q, k, v, q_lens, kv_lens, *band.arguments(), softcap, q_scale, *FORWARD_TILE)
         ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens)
-        ctx.band, ctx.softcap = band, softcap
+        ctx.band, ctx.softcap, ctx.q_scale = band, softcap, q_scale
         return out, lse
 
     @staticmethod
@@ -123,10 +129,11 @@ class _CpuFlash(torch.autograd.Function):
         delta = (dout * out).sum(dim=-1)
         if dlse is not None:
             delta = delta - dlse
+        tile = WINDOW_BACKWARD_TILE if ctx.band.low is not None else BACKWARD_TILE
         dq, dk, dv = _kernel().backward(
-            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, *ctx.band.arguments(), ctx.softcap
+            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _lengths(lengths: torch.Tensor | None, batch: int, full: int) -> torch.Tensor:
@@ -147,11 +154,10 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     if spec.variant is Variant.COSINE:
         q, k = F.normalize(q, dim=-1, eps=COSINE_EPS), F.normalize(k, dim=-1, eps=COSINE_EPS)
     scale = spec.resolved_scale(head_dim)
-    q = q * (scale / spec.softcap if spec.softcap is not None else scale)
     out, lse = _CpuFlash.apply(
         q.contiguous(), k.contiguous(), v.contiguous(),
         _lengths(inputs.q_lengths, batch, len_q), _lengths(inputs.kv_lengths, batch, k.shape[2]),
-        _Band.of(spec), spec.softcap or 0.0,
+        _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
     )  # fmt: skip
     out = out.to(inputs.q.dtype)
     return (out.transpose(1, 2) if bshd else out), lse

@@ -2,8 +2,8 @@
 //
 // Each tile is a (query rows x key columns) block: its scores come from one BLAS call, then one vectorised pass
 // applies softcap, visibility (index arithmetic, only on tiles the band crosses) and the softmax, and one more BLAS
-// call consumes it, while the tile is still in cache. q arrives multiplied by scale (/ softcap when softcapped), so
-// U = q k^T is the score, or the tanh argument. Visibility (section 4): with rel = j - i - offset[b],
+// call consumes it, while the tile is still in cache. U = q_scale q k^T, with q_scale = scale (/ softcap when
+// softcapped), is the score, or the tanh argument. Visibility (section 4): with rel = j - i - offset[b],
 // low <= rel <= high on each bounded side, i < q_len[b] and j < kv_len[b]; offset[b] = kv_len[b] - q_len[b] for
 // bottom-right alignment, else 0.
 
@@ -27,15 +27,13 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-constexpr int64_t kBlockQ = 64;
-constexpr int64_t kBlockK = 256;
 
-// Row-major C(m x n) = beta C + op(A) op(B), with op(X) = X^T when trans_x: the column-major call on the transposes.
-void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const float* a, int64_t lda, const float* b,
-          int64_t ldb, float beta, float* c, int64_t ldc) {
+// Row-major C(m x n) = alpha op(A) op(B) + beta C, with op(X) = X^T when trans_x: the column-major call on the
+// transposes.
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alpha, const float* a, int64_t lda,
+          const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   const int mi = m, ni = n, ki = k, ldai = lda, ldbi = ldb, ldci = ldc;
-  const float one = 1.0f;
-  sgemm_(trans_b ? "T" : "N", trans_a ? "T" : "N", &ni, &mi, &ki, &one, b, &ldbi, a, &ldai, &beta, c, &ldci);
+  sgemm_(trans_b ? "T" : "N", trans_a ? "T" : "N", &ni, &mi, &ki, &alpha, b, &ldbi, a, &ldai, &beta, c, &ldci);
 }
 
 float nan_max(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b); }
@@ -48,6 +46,8 @@ struct Band {
 
 struct Sizes {
   int64_t batch, heads_q, heads_kv, len_q, len_k, dim, dim_v;
+  int64_t block_q, block_k;  // tile: query rows x key columns
+  float q_scale;             // U = q_scale q k^T: the scale, divided by the softcap when there is one
 };
 
 struct Rows {  // one batch element's view of the band
@@ -93,11 +93,15 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
         row[c] = softcap * th;
       }
     }
-    if (masked) {
+    if (masked) {  // row i sees the key interval i + offset + [low, high]: fill what lies outside it
       const int64_t i = r0 + r;
-      for (int64_t c = 0; c < cols; ++c) {
-        const int64_t rel = c0 + c - i - geometry.offset;
-        if ((band.has_low && rel < band.low) || (band.has_high && rel > band.high)) row[c] = kNegInf;
+      const int64_t from = band.has_low ? std::clamp<int64_t>(i + geometry.offset + band.low - c0, 0, cols) : 0;
+      const int64_t to = band.has_high ? std::clamp<int64_t>(i + geometry.offset + band.high + 1 - c0, 0, cols) : cols;
+      if (to <= from) {
+        std::fill(row, row + cols, kNegInf);
+      } else {
+        std::fill(row, row + from, kNegInf);
+        std::fill(row + to, row + cols, kNegInf);
       }
     }
   }
@@ -117,9 +121,9 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
   std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
   int64_t first, last;
   key_range(band, geometry, r0, r1, &first, &last);
-  for (int64_t c0 = first; c0 < last; c0 += kBlockK) {
-    const int64_t c1 = std::min(c0 + kBlockK, last), cols = c1 - c0;
-    gemm(false, true, rows, cols, n.dim, q + r0 * n.dim, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
+  for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
+    const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
+    gemm(false, true, rows, cols, n.dim, n.q_scale, q + r0 * n.dim, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
     scores(s.data(), nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = s.data() + r * cols;
@@ -150,7 +154,7 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
       if (alpha != 1.0f)
         for (int64_t d = 0; d < n.dim_v; ++d) acc_row[d] *= alpha;
     }
-    gemm(false, false, rows, n.dim_v, cols, s.data(), cols, v + c0 * n.dim_v, n.dim_v, 1.0f, acc.data(), n.dim_v);
+    gemm(false, false, rows, n.dim_v, cols, 1.0f, s.data(), cols, v + c0 * n.dim_v, n.dim_v, 1.0f, acc.data(), n.dim_v);
   }
   for (int64_t r = 0; r < rows; ++r) {
     const bool empty = row_sum[r] == 0.0f;  // NaN is not empty
@@ -161,47 +165,49 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// Backward. Per kv head, per key tile (dK, dV stay in cache), over the query rows of every head in its group that see
-// it:  P = exp(S - lse) (lse +inf on empty rows, so P = 0);  dV += P^T dO;  dP = dO V^T;
+// Backward. Per kv head, per query block of every head in its group, over the key tiles it sees (the forward's
+// tiles):  P = exp(S - lse) (lse +inf on empty rows, so P = 0);  dV += P^T dO;  dP = dO V^T;
 //   dS = P (dP - Delta), Delta = rowsum(dO out) - dlse;  dU = dS cap (1 - tanh^2 U) when softcapped;
-//   dq += dU K;  dK += dU^T q   (dq still to be multiplied by q's scale, by autograd outside).
+//   dq += q_scale dU K;  dK += q_scale dU^T q.
 void bwd_kv_head(const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta,
                  float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry, float softcap,
                  int64_t group) {
-  std::vector<float> s(kBlockQ * kBlockK), t(kBlockQ * kBlockK), dp(kBlockQ * kBlockK);
+  std::vector<float> s(n.block_q * n.block_k), t(n.block_q * n.block_k), dp(n.block_q * n.block_k);
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
-  for (int64_t c0 = 0; c0 < geometry.kv_len; c0 += kBlockK) {
-    const int64_t c1 = std::min(c0 + kBlockK, geometry.kv_len), cols = c1 - c0;
-    for (int64_t r0 = 0; r0 < q_rows; r0 += kBlockQ) {
-      const int64_t r1 = std::min(r0 + kBlockQ, q_rows), rows = r1 - r0;
+  for (int64_t g = 0; g < group; ++g) {
+    const int64_t head_rows = g * n.len_q;  // offset of this query head's rows within the group
+    for (int64_t r0 = 0; r0 < q_rows; r0 += n.block_q) {
+      const int64_t r1 = std::min(r0 + n.block_q, q_rows), rows = r1 - r0;
+      const float* q_block = q + (head_rows + r0) * n.dim;
+      const float* dout_block = dout + (head_rows + r0) * n.dim_v;
+      float* dq_block = dq + (head_rows + r0) * n.dim;
       int64_t first, last;
       key_range(band, geometry, r0, r1, &first, &last);
-      if (first >= last || c1 <= first || c0 >= last) continue;
-      const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
-      for (int64_t g = 0; g < group; ++g) {
-        const int64_t head_rows = g * n.len_q;  // offset of this query head's rows within the group
-        const float* q_rows_ptr = q + (head_rows + r0) * n.dim;
-        const float* do_rows = dout + (head_rows + r0) * n.dim_v;
-        gemm(false, true, rows, cols, n.dim, q_rows_ptr, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
+      for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
+        const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
+        const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
+        gemm(false, true, rows, cols, n.dim, n.q_scale, q_block, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
         scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0);
         for (int64_t r = 0; r < rows; ++r) {
           const float row_lse = lse[head_rows + r0 + r];
-          Vec shift(row_lse == kNegInf ? std::numeric_limits<float>::infinity() : row_lse);
+          const float shift = row_lse == kNegInf ? std::numeric_limits<float>::infinity() : row_lse;
           float* row = s.data() + r * cols;
           int64_t c = 0;
-          for (; c + step <= cols; c += step) (Vec::loadu(row + c) - shift).exp_u20().store(row + c);
-          for (; c < cols; ++c) row[c] = std::exp(row[c] - (row_lse == kNegInf ? INFINITY : row_lse));
+          for (; c + step <= cols; c += step) (Vec::loadu(row + c) - Vec(shift)).exp_u20().store(row + c);
+          for (; c < cols; ++c) row[c] = std::exp(row[c] - shift);
         }
-        gemm(true, false, cols, n.dim_v, rows, s.data(), cols, do_rows, n.dim_v, 1.0f, dv + c0 * n.dim_v, n.dim_v);
-        gemm(false, true, rows, cols, n.dim_v, do_rows, n.dim_v, v + c0 * n.dim_v, n.dim_v, 0.0f, dp.data(), cols);
+        gemm(true, false, cols, n.dim_v, rows, 1.0f, s.data(), cols, dout_block, n.dim_v, 1.0f, dv + c0 * n.dim_v,
+             n.dim_v);
+        gemm(false, true, rows, cols, n.dim_v, 1.0f, dout_block, n.dim_v, v + c0 * n.dim_v, n.dim_v, 0.0f, dp.data(),
+             cols);
         for (int64_t r = 0; r < rows; ++r) {
-          const Vec row_delta(delta[head_rows + r0 + r]);
+          const float row_delta = delta[head_rows + r0 + r];
           float* p = s.data() + r * cols;  // becomes dU in place
           const float* dp_row = dp.data() + r * cols;
           const float* t_row = t.data() + r * cols;
           int64_t c = 0;
           for (; c + step <= cols; c += step) {
-            Vec ds = Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - row_delta);
+            Vec ds = Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - Vec(row_delta));
             if (softcap > 0) {
               Vec th = Vec::loadu(t_row + c);
               ds = ds * (Vec(softcap) * (Vec(1.0f) - th * th));
@@ -209,21 +215,23 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
             ds.store(p + c);
           }
           for (; c < cols; ++c) {
-            float ds = p[c] * (dp_row[c] - delta[head_rows + r0 + r]);
+            float ds = p[c] * (dp_row[c] - row_delta);
             if (softcap > 0) ds *= softcap * (1.0f - t_row[c] * t_row[c]);
             p[c] = ds;
           }
         }
-        gemm(false, false, rows, n.dim, cols, s.data(), cols, k + c0 * n.dim, n.dim, 1.0f,
-             dq + (head_rows + r0) * n.dim, n.dim);
-        gemm(true, false, cols, n.dim, rows, s.data(), cols, q_rows_ptr, n.dim, 1.0f, dk + c0 * n.dim, n.dim);
+        gemm(false, false, rows, n.dim, cols, n.q_scale, s.data(), cols, k + c0 * n.dim, n.dim, 1.0f, dq_block, n.dim);
+        gemm(true, false, cols, n.dim, rows, n.q_scale, s.data(), cols, q_block, n.dim, 1.0f, dk + c0 * n.dim, n.dim);
       }
     }
   }
 }
 
-Sizes sizes_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  return Sizes{q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3)};
+Sizes sizes_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t block_q, int64_t block_k,
+               double q_scale) {
+  TORCH_CHECK(block_q >= 1 && block_k >= 1, "block_q=", block_q, " and block_k=", block_k, " must be >= 1");
+  return Sizes{q.size(0),  q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3),
+               block_q,    block_k,   (float)q_scale};
 }
 
 Band band_of(bool has_low, int64_t low, bool has_high, int64_t high, bool bottom_right) {
@@ -240,23 +248,24 @@ void check(const torch::Tensor& x, const char* name) {
 // q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq).
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_lens,
                                    torch::Tensor kv_lens, bool has_low, int64_t low, bool has_high, int64_t high,
-                                   bool bottom_right, double softcap) {
+                                   bool bottom_right, double softcap, double q_scale, int64_t block_q,
+                                   int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v");
-  const Sizes n = sizes_of(q, k, v);
+  const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
   auto out = torch::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
   auto lse = torch::full({n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
   const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
-  const int64_t blocks = (n.len_q + kBlockQ - 1) / kBlockQ, group = n.heads_q / n.heads_kv;
+  const int64_t blocks = (n.len_q + n.block_q - 1) / n.block_q, group = n.heads_q / n.heads_kv;
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   at::parallel_for(0, n.batch * n.heads_q * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(kBlockQ * kBlockK), acc(kBlockQ * n.dim_v), row_max(kBlockQ), row_sum(kBlockQ);
+    std::vector<float> s(n.block_q * n.block_k), acc(n.block_q * n.dim_v), row_max(n.block_q), row_sum(n.block_q);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % blocks, head = (task / blocks) % n.heads_q, b = task / blocks / n.heads_q;
       const Rows geometry = rows_of(band, q_len, kv_len, b);
-      const int64_t r0 = block * kBlockQ, r1 = std::min({r0 + kBlockQ, n.len_q, geometry.q_len});
+      const int64_t r0 = block * n.block_q, r1 = std::min({r0 + n.block_q, n.len_q, geometry.q_len});
       if (r0 >= r1) continue;
       const int64_t kv_head = b * n.heads_kv + head / group, q_head = b * n.heads_q + head;
       fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
@@ -271,9 +280,9 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout,
                                     torch::Tensor lse, torch::Tensor delta, torch::Tensor q_lens, torch::Tensor kv_lens,
                                     bool has_low, int64_t low, bool has_high, int64_t high, bool bottom_right,
-                                    double softcap) {
+                                    double softcap, double q_scale, int64_t block_q, int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v"), check(dout, "dout"), check(lse, "lse"), check(delta, "delta");
-  const Sizes n = sizes_of(q, k, v);
+  const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
   auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dv = torch::zeros_like(v);
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
