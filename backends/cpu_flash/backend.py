@@ -131,7 +131,18 @@ class _CpuFlash(torch.autograd.Function):
             delta = delta - dlse
         tile = WINDOW_BACKWARD_TILE if ctx.band.low is not None else BACKWARD_TILE
         dq, dk, dv = _kernel().backward(
-            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile
+            q,
+            k,
+            v,
+            dout,
+            lse,
+            delta.contiguous(),
+            q_lens,
+            kv_lens,
+            *ctx.band.arguments(),
+            ctx.softcap,
+            ctx.q_scale,
+            *tile,
         )
         return dq, dk, dv, None, None, None, None, None
 
