@@ -128,3 +128,16 @@ def test_strided_inputs_give_the_contiguous_result(backend: str) -> None:
     out = attnkit.attend(spec, q, k[:, :, :2], v[:, :, :2], backend=backend)
     expected = attnkit.attend(spec, q.contiguous(), k[:, :, :2].contiguous(), v[:, :, :2].contiguous(), backend=backend)
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+def test_triton_pads_both_head_dims_to_one_width() -> None:
+    """On an H100 with Triton 3.6, a half-precision forward whose BLOCK_D and BLOCK_DV differed (head dims 40 and
+    24: 64 and 32) made an out-of-range shared-memory access inside tl.dot with every tile config; one width for
+    both passed the whole conformance run there (docs/triton.md). CPU CI cannot show the crash: this keeps the
+    workaround from being undone unseen."""
+    import torch
+    from attnkit.backends.triton import launch
+
+    for head_dim, head_dim_v in ((40, 24), (24, 40), (80, 48), (64, 32), (128, 128)):
+        constants = launch.kernel_constants(head_dim, head_dim_v, torch.float16)
+        assert constants["BLOCK_D"] == constants["BLOCK_DV"] >= max(head_dim, head_dim_v), (head_dim, head_dim_v)

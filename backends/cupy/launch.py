@@ -9,6 +9,10 @@ packed argument list), so the emulator exercises the real argument packing, grid
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import shutil
 import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -226,6 +230,30 @@ class Launcher(Protocol):
     ) -> None: ...
 
 
+@functools.cache
+def cuda_headers() -> Path | None:
+    """A CUDA include folder that holds the whole header chain the kernels include (mma.h includes crt/mma.h).
+
+    CuPy gives NVRTC the include folder of the CUDA runtime wheel, which lacks crt/ in CUDA 13 wheels (seen on an
+    H100 machine: "cannot open source file crt/mma.h"), so a complete folder goes first on the include path:
+    $CUDA_PATH, $CUDA_HOME, nvcc's toolkit, /usr/local/cuda, then the nvidia wheels' own folders."""
+    roots = [os.environ.get("CUDA_PATH"), os.environ.get("CUDA_HOME")]
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        roots.append(str(Path(os.path.realpath(nvcc)).parent.parent))
+    candidates = [Path(root) / "include" for root in (*roots, "/usr/local/cuda") if root]
+    for package in ("nvidia.cu13", "nvidia.cuda_runtime", "nvidia.cuda_nvcc"):
+        try:
+            spec = importlib.util.find_spec(package)
+        except ModuleNotFoundError:
+            spec = None
+        locations = (spec.submodule_search_locations or []) if spec else []
+        candidates += [Path(location) / "include" for location in locations]
+    return next(
+        (path for path in candidates if (path / "mma.h").is_file() and (path / "crt" / "mma.h").is_file()), None
+    )
+
+
 class CupyLauncher:
     """NVRTC through ``cupy.RawModule``, launched on torch's current CUDA stream; tensors go zero-copy
     through DLPack."""
@@ -238,8 +266,6 @@ class CupyLauncher:
         self._lock = threading.Lock()
 
     def unavailable(self) -> list[str]:
-        import importlib.util
-
         if importlib.util.find_spec("cupy") is None:
             return ["cupy is not installed (pip install 'attnkit[cupy]': cupy-cuda12x or cupy-cuda13x)"]
         if not torch.cuda.is_available():
@@ -250,6 +276,8 @@ class CupyLauncher:
             cupy.cuda.runtime.getDeviceCount()
         except Exception as error:  # a driver/toolkit mismatch, no device visible to CuPy
             return [f"cupy cannot use the CUDA device: {error}"]
+        if cuda_headers() is None:
+            return ["no CUDA include folder with mma.h and crt/mma.h for NVRTC (set CUDA_PATH to a CUDA toolkit)"]
         return []
 
     def tile(self, kernel: str, head_dim: int, dtype: str) -> TileConfig:
@@ -260,7 +288,10 @@ class CupyLauncher:
 
         with self._lock:
             if options not in self._modules:
-                self._modules[options] = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17", *options))
+                include = f"-I{cuda_headers()}"
+                self._modules[options] = cupy.RawModule(
+                    code=SOURCE.read_text(), options=("-std=c++17", include, *options)
+                )
             return self._modules[options]
 
     def launch(

@@ -124,6 +124,13 @@ def xla_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool =
 
 
 def _xla_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool = False) -> tuple[Any, Any]:
+    # Every product at full float32 precision, gradients included (the setting is fixed on each dot as it is traced):
+    # JAX's default on GPUs since Ampere multiplies float32 in TF32, 10 mantissa bits, past the float32 tolerance.
+    with jax.default_matmul_precision("highest"):
+        return _xla_attention_traced(spec, inputs, need_lse)
+
+
+def _xla_attention_traced(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
     q, k, v = _bshd(spec, inputs.q), _bshd(spec, inputs.k), _bshd(spec, inputs.v)
     batch, len_q, heads_q, head_dim = q.shape
     len_k, dim_v = k.shape[1], v.shape[-1]

@@ -177,7 +177,7 @@ def _constants(variant: Variant, tile: launch.TileConfig | None = None) -> tuple
     gpu_configs."""
     dtype = DTYPES[variant.dtype]
     switches = FEATURES[variant.features]
-    block_dv = launch.padded_head_dim(variant.head_dim)
+    block_dv = launch.padded_head_dim(variant.head_dim, variant.head_dim)
     if variant.kernel == "delta":
         tile = launch.TileConfig(launch.DELTA_BLOCK_M, 0, 4, 3)  # Triton's launch defaults: 4 warps, 3 stages
         constants: dict[str, Any] = dict(

@@ -101,9 +101,13 @@ def gpu_configs(kernel: str, block_d: int, dtype: torch.dtype) -> tuple[TileConf
 DELTA_BLOCK_M = 64
 
 
-def padded_head_dim(head_dim: int) -> int:
-    """BLOCK_D / BLOCK_DV: the head dim padded to a power of two, at least 16 (the smallest tensor-core K)."""
-    return max(16, triton.next_power_of_2(head_dim))
+def padded_head_dim(head_dim: int, head_dim_v: int) -> int:
+    """BLOCK_D = BLOCK_DV: the larger head dim padded to a power of two, at least 16 (the smallest tensor-core K).
+
+    One width for both: on an H100 with Triton 3.6, a half-precision forward with BLOCK_D 64 and BLOCK_DV 32 (head
+    dims 40 and 24) made an out-of-range shared-memory access inside tl.dot (compute-sanitizer), with every tile
+    config; equal widths passed the whole conformance run there. Dv ≠ D then costs zero columns in the P·V product."""
+    return max(16, triton.next_power_of_2(max(head_dim, head_dim_v)))
 
 
 def kernel_constants(
@@ -125,8 +129,8 @@ def kernel_constants(
     return dict(
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_D=padded_head_dim(head_dim),
-        BLOCK_DV=padded_head_dim(head_dim_v),
+        BLOCK_D=padded_head_dim(head_dim, head_dim_v),
+        BLOCK_DV=padded_head_dim(head_dim, head_dim_v),
         HAS_LOWER=has_lower,
         HAS_UPPER=has_upper,
         BOTTOM_RIGHT=bottom_right,
@@ -187,7 +191,7 @@ def _launch(kernel_name: str, grid_of: Any, args: tuple, constants: dict[str, An
     if INTERPRETED:
         run(INTERPRETER_CONFIG)
         return
-    block_d, dtype = key[0], key[2]
+    block_d, dtype = key[0], key[1]
     configs = gpu_configs(kernel_name.removeprefix("bwd_"), block_d, dtype)
     run(_autotuner.choose((kernel_name, *key), configs, run))
 
@@ -243,7 +247,7 @@ def _prepare(spec: AttentionSpec, inputs: AttentionInputs) -> _Call:
         optional.append(lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else q)
     lower, upper = band(spec)
     scale = spec.resolved_scale(head_dim)
-    block_d, block_dv = padded_head_dim(head_dim), padded_head_dim(head_dim_v)
+    block_d = padded_head_dim(head_dim, head_dim_v)
     constants = kernel_constants(
         head_dim,
         head_dim_v,
@@ -276,7 +280,7 @@ def _prepare(spec: AttentionSpec, inputs: AttentionInputs) -> _Call:
         scale=scale,
         band=(lower or 0, upper or 0),
         constants=constants,
-        autotune_key=(block_d, block_dv, q.dtype, spec.causal, spec.window is not None),
+        autotune_key=(block_d, q.dtype, spec.causal, spec.window is not None),
     )
 
 
