@@ -3,8 +3,8 @@
 For every registered backend that is available here, takes torch tensors or JAX arrays on the device, and runs
 compiled there (the Triton and Pallas interpreters and the CUDA emulator are left out: ``auto`` never picks them),
 for float32 and bfloat16 and for the forward and forward+backward passes it supports, one call of
-``attend(spec, q, k, v, backend=name)`` is timed at a few shapes (a decode step; L=256, 1024 and 2048 causal and not;
-a GQA call with B=2). Each time becomes a point (visible_units, full_units, time_us) by
+``attend(spec, q, k, v, backend=name)`` is timed at a few shapes (a decode step; L=256, 512, 1024 and 2048 causal and
+not; a GQA call with B=2). Each time becomes a point (visible_units, full_units, time_us) by
 :func:`attnkit.cost.work_units`, and :func:`attnkit.cost.fit` turns a backend's points into one
 :class:`attnkit.cost.CostEntry`. torch calls are timed eagerly; JAX calls jitted (the forward, or ``jax.grad`` of
 ``sum(out * dout)``), as JAX code runs them. The JAX frontend cannot know at dispatch whether a gradient will be
@@ -45,6 +45,10 @@ CALIBRATION_SHAPES = (
     Shape("decode", True, 1, 8, 8, 1, 128),
     Shape("L=256 full", False, 1, 8, 8, 256, 256),
     Shape("L=256 causal", True, 1, 8, 8, 256, 256),
+    # L=512 too: between 256 and 1024 the JAX backends trade places, and a fit without points there picked the
+    # slower one at 512 (0.67-0.9x jax.nn.dot_product_attention).
+    Shape("L=512 full", False, 1, 8, 8, 512, 512),
+    Shape("L=512 causal", True, 1, 8, 8, 512, 512),
     Shape("L=1024 full", False, 1, 8, 8, 1024, 1024),
     Shape("L=1024 causal", True, 1, 8, 8, 1024, 1024),
     # The long shapes keep the fit from extrapolating the short ones: kernels skip hidden tiles only at length.
@@ -245,15 +249,14 @@ def calibrate(
         if len(points) < 3:
             group["fit"] = None
             continue
-        overhead, per_visible, per_full = cost.fit(
-            [(point["visible_units"], point["full_units"], point["time_us"]) for point in points], relative=True
-        )
+        measured = tuple((point["visible_units"], point["full_units"], point["time_us"]) for point in points)
+        overhead, per_visible, per_full = cost.fit(measured, relative=True)
         entry = cost.CostEntry(
-            group["backend"], group["device"], group["dtype"], group["pass"], overhead, per_visible, per_full
+            group["backend"], group["device"], group["dtype"], group["pass"], overhead, per_visible, per_full, measured
         )
         group["fit"] = {"overhead_us": overhead, "ns_per_visible_unit": per_visible, "ns_per_full_unit": per_full}
         for point in points:
-            point["predicted_us"] = entry.predict_us(point["visible_units"], point["full_units"])
+            point["predicted_us"] = entry.fitted_us(point["visible_units"], point["full_units"])
         entries.append(entry)
     return {
         "what": "calibrate",
@@ -275,6 +278,7 @@ def calibrate(
                 "overhead_us": e.overhead_us,
                 "ns_per_visible_unit": e.ns_per_visible_unit,
                 "ns_per_full_unit": e.ns_per_full_unit,
+                "measured": [list(point) for point in e.measured],
             }
             for e in entries
         ],
@@ -305,6 +309,7 @@ def cost_entries(result: dict[str, Any]) -> list[Any]:
             row["overhead_us"],
             row["ns_per_visible_unit"],
             row["ns_per_full_unit"],
+            tuple(tuple(point) for point in row.get("measured", ())),
         )
         for row in result["entries"]
     ]

@@ -5,8 +5,11 @@ dtype and pass, three coefficients of a linear model of one call's time::
 
     time_us = overhead_us + ns_per_visible_unit * visible_units / 1000 + ns_per_full_unit * full_units / 1000
 
-where a *unit* is one multiply-add of the score and output products, ``batch * heads_q * (head_dim + head_dim_v)``
-per (query, key) pair: ``visible_units`` counts the pairs the spec's causal/window geometry lets a query see (what a
+corrected near the calls the calibration measured (``measured``): there the measurement beats the fit, which is off
+by up to 2x where a backend's caches change regime (see :meth:`CostEntry.predict_us`).
+
+A *unit* is one multiply-add of the score and output products, ``batch * heads_q * (head_dim + head_dim_v)`` per
+(query, key) pair: ``visible_units`` counts the pairs the spec's causal/window geometry lets a query see (what a
 tiled kernel that skips hidden tiles computes), ``full_units`` counts all Lq*Lk pairs (what a backend that
 materialises the scores pays regardless). Lengths and masks are data, unknown at dispatch: they count as visible.
 """
@@ -14,6 +17,7 @@ materialises the scores pays regardless). Lengths and masks are data, unknown at
 from __future__ import annotations
 
 import functools
+import math
 import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -38,8 +42,30 @@ class CostEntry:
     ns_per_visible_unit: float
     ns_per_full_unit: float
 
-    def predict_us(self, visible: float, full: float) -> float:
+    #: (visible_units, full_units, time_us) of the calls the calibration measured.
+    measured: tuple[tuple[float, float, float], ...] = ()
+
+    def fitted_us(self, visible: float, full: float) -> float:
         return self.overhead_us + (self.ns_per_visible_unit * visible + self.ns_per_full_unit * full) / 1000.0
+
+    def predict_us(self, visible: float, full: float) -> float:
+        """The fit, scaled by the nearest measured call's measured/fitted ratio: fully at that call, fading to the
+        plain fit at twice (or half) its work in either count of units."""
+        fitted = self.fitted_us(visible, full)
+        best_distance, best_ratio = _FADE, 1.0
+        for point_visible, point_full, point_us in self.measured:
+            distance = max(_log_ratio(visible, point_visible), _log_ratio(full, point_full))
+            if distance < best_distance:
+                best_distance = distance
+                best_ratio = point_us / max(self.fitted_us(point_visible, point_full), 1e-9)
+        return fitted * best_ratio ** (1.0 - best_distance / _FADE)
+
+
+_FADE = math.log(2.0)  # a measurement corrects calls within a factor of 2 of its work
+
+
+def _log_ratio(a: float, b: float) -> float:
+    return abs(math.log(max(a, 1.0) / max(b, 1.0)))
 
 
 def _clamped_sum(first: int, count: int, low: int, high: int) -> int:
@@ -122,12 +148,13 @@ _FIELDS = {
     "ns_per_visible_unit": float,
     "ns_per_full_unit": float,
 }
+_OPTIONAL_FIELDS = {"measured"}
 
 
 def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
     where = f"{source}: entry[{index}]"
     missing = sorted(set(_FIELDS) - set(row))
-    unknown = sorted(set(row) - set(_FIELDS))
+    unknown = sorted(set(row) - set(_FIELDS) - _OPTIONAL_FIELDS)
     if missing or unknown:
         raise ConfigError(f"{where}: missing keys {missing}, unknown keys {unknown} (expected: {sorted(_FIELDS)})")
     values: dict[str, object] = {}
@@ -142,6 +169,16 @@ def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
         values[key] = value
     if values["pass"] not in PASSES:
         raise ConfigError(f"{where}: key pass={values['pass']!r} (allowed: {', '.join(PASSES)})")
+    measured = row.get("measured", [])
+    if not isinstance(measured, list) or not all(
+        isinstance(point, list)
+        and len(point) == 3
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in point)
+        for point in measured
+    ):
+        raise ConfigError(
+            f"{where}: key measured={measured!r}, expected a list of [visible_units, full_units, time_us] >= 0"
+        )
     return CostEntry(
         backend=str(values["backend"]),
         device=str(values["device"]),
@@ -150,6 +187,7 @@ def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
         overhead_us=float(values["overhead_us"]),  # type: ignore[arg-type]
         ns_per_visible_unit=float(values["ns_per_visible_unit"]),  # type: ignore[arg-type]
         ns_per_full_unit=float(values["ns_per_full_unit"]),  # type: ignore[arg-type]
+        measured=tuple((float(v), float(f), float(t)) for v, f, t in measured),
     )
 
 
@@ -219,4 +257,7 @@ def write_table(entries: Sequence[CostEntry], path: str | Path, header: str) -> 
             f"ns_per_visible_unit = {entry.ns_per_visible_unit:.4g}",
             f"ns_per_full_unit = {entry.ns_per_full_unit:.4g}",
         ]
+        if entry.measured:
+            points = ", ".join(f"[{v:.4g}, {f:.4g}, {t:.4g}]" for v, f, t in entry.measured)
+            lines.append(f"measured = [{points}]")
     Path(path).write_text("\n".join(lines) + "\n")

@@ -4,10 +4,12 @@ their library call cannot express."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from attnkit.backend import AttentionInputs
+from attnkit.backend import AttentionInputs, Gradients
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 
 COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
@@ -147,3 +149,23 @@ def literal_attention(
     lse = torch.where(has_keys, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
     out = weighted_values(weights / safe_total, v)
     return from_bhsd(spec, out), lse.squeeze(-1)
+
+
+def gradients_by_autograd(
+    forward: Callable[[AttentionInputs], tuple[torch.Tensor, torch.Tensor]],
+    inputs: AttentionInputs,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+) -> Gradients:
+    """The protocol's ``backward`` for a backend whose forward is differentiable torch code: ``forward`` (inputs ->
+    out, lse) once more under autograd, pulled back from (dout, dlse). An empty row's −inf lse takes no cotangent."""
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]
+        out, lse = forward(inputs._replace(q=leaves[0], k=leaves[1], v=leaves[2]))
+        outputs, cotangents = [out], [dout]
+        if dlse is not None:
+            outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
+            cotangents.append(dlse)
+        grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
+    dq, dk, dv = (g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves))
+    return Gradients(dq=dq, dk=dk, dv=dv)

@@ -149,9 +149,14 @@ def test_calibrate_writes_a_table_that_reproduces_the_measurements(
                 head_dim_v=64,
                 needs_grad=group["pass"] == cost.FORWARD_BACKWARD,
             )
-            predicted = table.predict_us(group["backend"], attnkit.AttentionSpec(causal=shape.causal), problem)
-            assert predicted == pytest.approx(point["predicted_us"], rel=1e-3)  # the file holds the fit
-            ratios.append(abs(math.log(predicted / point["time_us"])))
+            spec = attnkit.AttentionSpec(causal=shape.causal)
+            # at a measured call the table predicts the measurement; the file holds the fit beside it
+            predicted = table.predict_us(group["backend"], spec, problem)
+            assert predicted == pytest.approx(point["time_us"], rel=1e-3)
+            entry = table.entries[(group["backend"], "cpu", "float32", group["pass"])]
+            fitted = entry.fitted_us(*cost.work_units(spec, problem))
+            assert fitted == pytest.approx(point["predicted_us"], rel=1e-3)
+            ratios.append(abs(math.log(fitted / point["time_us"])))
     assert statistics.median(ratios) < math.log(4)  # a loose fit, robust to a noisy point on a shared machine
 
 

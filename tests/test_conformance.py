@@ -25,3 +25,14 @@ def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
     assert not reasons, f"{backend} declares these features but refuses the case: {reasons}"
     failures = [str(c) for c in check_backend(case, backend) if not c.ok]
     assert not failures, f"{backend} disagrees with the oracle on {case.describe()}:\n" + "\n".join(failures)
+
+
+def test_harness_runs_a_backend_on_the_gpu_where_it_declares_one() -> None:
+    """`attnkit check` on a GPU machine checks the CUDA kernels users run there: torch tensors go to CUDA for a
+    backend that declares it when a device is present, and stay on the CPU for one that declares only the CPU."""
+    import torch
+
+    from attnkit.testing.runners import harness_device
+
+    assert harness_device("torch-naive") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert harness_device("torch-sdpa") == "cpu"

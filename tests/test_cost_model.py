@@ -126,3 +126,26 @@ def test_fit_recovers_the_coefficients_of_a_linear_model() -> None:
 
 def test_shipped_table_loads() -> None:
     assert attnkit.current_config().cost_table() is not None
+
+
+def test_a_measured_call_corrects_the_fit_nearby_and_fades_beyond_twice_its_work() -> None:
+    """The linear fit can be off by 2x where caches change regime; at a measured call the prediction is the
+    measurement, at half or twice its work the plain fit again, and in between a blend."""
+    fit_only = CostEntry("b", "cpu", "float32", cost.FORWARD, 0.0, 1.0, 0.0)  # 1 ns per visible unit
+    measured = CostEntry("b", "cpu", "float32", cost.FORWARD, 0.0, 1.0, 0.0, ((1000.0, 1000.0, 3.0),))
+    assert fit_only.predict_us(1000.0, 1000.0) == pytest.approx(1.0)
+    assert measured.predict_us(1000.0, 1000.0) == pytest.approx(3.0)
+    assert measured.predict_us(2000.0, 2000.0) == pytest.approx(fit_only.predict_us(2000.0, 2000.0))
+    assert measured.predict_us(400.0, 400.0) == pytest.approx(fit_only.predict_us(400.0, 400.0))
+    halfway = measured.predict_us(1000.0 * 2**0.5, 1000.0 * 2**0.5)
+    assert halfway == pytest.approx(2**0.5 * 3.0**0.5)
+
+
+def test_measured_points_round_trip_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    measured = CostEntry("torch-naive", "cpu", "float32", cost.FORWARD, 1.0, 2.0, 3.0, ((10.0, 20.0, 5.0),))
+    table = cost.load_table(write(tmp_path / "ok.toml", [measured]))
+    assert table.entries[("torch-naive", "cpu", "float32", cost.FORWARD)] == measured
+    bad = (tmp_path / "ok.toml").read_text().replace("[[10, 20, 5]]", "[[10, 20]]")
+    (tmp_path / "bad.toml").write_text(bad)
+    with pytest.raises(attnkit.ConfigError, match="measured"):
+        cost.load_table(tmp_path / "bad.toml")

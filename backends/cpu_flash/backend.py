@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from attnkit import (
     AttentionInputs,
@@ -32,13 +31,11 @@ from attnkit import (
     CausalAlignment,
     Framework,
     Gradients,
-    Layout,
     Problem,
-    Variant,
     capability_reasons,
 )
 from attnkit.backend import Runner
-from attnkit.torch_contract import COSINE_EPS, zero_padding
+from attnkit.torch_contract import from_bhsd, gradients_by_autograd, normalize_if_cosine, to_bhsd, zero_padding
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
 # Tiles (query rows, key columns): a 64 x 256 float32 score tile and its dP twin stay in L2 beside the K/V rows.
@@ -155,23 +152,20 @@ def _lengths(lengths: torch.Tensor | None, batch: int, full: int) -> torch.Tenso
 
 def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) per the contract, differentiable by torch autograd; lse float32 (B, Hq, Lq)."""
-    bshd = spec.layout is Layout.BSHD
-    q, k, v = (x.transpose(1, 2) if bshd else x for x in inputs[:3])
+    q, k, v = (to_bhsd(spec, x) for x in inputs[:3])
     batch, _, len_q, head_dim = q.shape
     # Padding (beyond the lengths) is zeroed, never read: NaN there cannot leak through 0·NaN (§5).
     q = zero_padding(q, inputs.q_lengths).float()
     k = zero_padding(k, inputs.kv_lengths).float()
     v = zero_padding(v, inputs.kv_lengths).float()
-    if spec.variant is Variant.COSINE:
-        q, k = F.normalize(q, dim=-1, eps=COSINE_EPS), F.normalize(k, dim=-1, eps=COSINE_EPS)
+    q, k = normalize_if_cosine(spec, q), normalize_if_cosine(spec, k)
     scale = spec.resolved_scale(head_dim)
     out, lse = _CpuFlash.apply(
         q.contiguous(), k.contiguous(), v.contiguous(),
         _lengths(inputs.q_lengths, batch, len_q), _lengths(inputs.kv_lengths, batch, k.shape[2]),
         _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
     )  # fmt: skip
-    out = out.to(inputs.q.dtype)
-    return (out.transpose(1, 2) if bshd else out), lse
+    return from_bhsd(spec, out.to(inputs.q.dtype)), lse
 
 
 class CpuFlashBackend:
@@ -217,13 +211,4 @@ class CpuFlashBackend:
         dlse: torch.Tensor | None,
     ) -> Gradients:
         """For callers of the protocol itself: the forward again under torch autograd."""
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]
-            out_again, lse_again = flash_attention(spec, inputs._replace(q=leaves[0], k=leaves[1], v=leaves[2]))
-            outputs, cotangents = [out_again], [dout]
-            if dlse is not None:
-                outputs.append(torch.where(torch.isfinite(lse_again), lse_again, torch.zeros_like(lse_again)))
-                cotangents.append(dlse)
-            grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
-        dq, dk, dv = (g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves))
-        return Gradients(dq=dq, dk=dk, dv=dv)
+        return gradients_by_autograd(lambda again: flash_attention(spec, again), inputs, dout, dlse)

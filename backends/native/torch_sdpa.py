@@ -41,7 +41,14 @@ from attnkit import (
     capability_reasons,
 )
 from attnkit.backend import Runner
-from attnkit.torch_contract import COSINE_EPS, compute_dtype, literal_attention, visibility, zero_padding
+from attnkit.torch_contract import (
+    COSINE_EPS,
+    compute_dtype,
+    gradients_by_autograd,
+    literal_attention,
+    visibility,
+    zero_padding,
+)
 
 MIN_TORCH = (2, 5)  # enable_gqa, and the CPU flash op with masks and GQA
 # Queries per flash-op call when visibility needs a mask (mask memory BLOCK_Q × span); a window's blocks are
@@ -387,14 +394,4 @@ class TorchSdpaBackend:
         dlse: torch.Tensor | None,
     ) -> Gradients:
         """For callers of the protocol itself: the forward again under torch autograd."""
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]
-            again = inputs._replace(q=leaves[0], k=leaves[1], v=leaves[2])
-            out_again, lse_again = sdpa_attention(spec, again, need_lse=True)
-            outputs, cotangents = [out_again], [dout]
-            if dlse is not None:
-                outputs.append(torch.where(torch.isfinite(lse_again), lse_again, torch.zeros_like(lse_again)))
-                cotangents.append(dlse)
-            grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
-        dq, dk, dv = (g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves))
-        return Gradients(dq=dq, dk=dk, dv=dv)
+        return gradients_by_autograd(lambda again: sdpa_attention(spec, again, need_lse=True), inputs, dout, dlse)
