@@ -165,3 +165,25 @@ def test_non_contiguous_inputs(backend: str) -> None:
     out = attnkit.attend(spec, q, k, v, backend=backend)
     expected = attnkit.attend(spec, q.contiguous(), k.contiguous(), v.contiguous(), backend="torch-naive")
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_protocol_backward_gives_the_oracle_gradients(backend: str) -> None:
+    """The protocol's own ``forward`` then ``backward`` (what a plugin that wraps a backend calls; ``attend`` may take
+    another route, ``differentiable_forward``) give the oracle's gradients, lse's cotangent included (§6)."""
+    if native_framework(backend) is not attnkit.Framework.TORCH:
+        pytest.skip(f"{backend} runs JAX arrays (its backward is exercised through jax.vjp)")
+    case = Case(spec=AttentionSpec(causal=True, window=(4, None)), heads_q=4, heads_kv=2, len_q=6, len_k=9)
+    _runnable(case, backend)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, length, 16, generator=generator) for heads, length in ((4, 6), (2, 9), (2, 9)))
+    inputs = attnkit.AttentionInputs(q, k, v, None, None, None, None)
+    chosen = attnkit.get_backend(backend)
+    out, lse = chosen.forward(case.spec, inputs, need_lse=True)
+    dout, dlse = torch.randn(out.shape, generator=generator), torch.randn(lse.shape, generator=generator)
+    gradients = chosen.backward(case.spec, inputs, out, lse, dout, dlse)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    out64, lse64 = attnkit.attend(case.spec, *leaves, return_lse=True, backend="torch-naive")
+    expected = torch.autograd.grad((out64, lse64), leaves, (dout.double(), dlse.double()))
+    for name, got, want in zip(("dq", "dk", "dv"), (gradients.dq, gradients.dk, gradients.dv), expected):
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-4, msg=name)
