@@ -32,6 +32,7 @@ from attnkit import (
     Framework,
     Gradients,
     Problem,
+    Variant,
     capability_reasons,
 )
 from attnkit.backend import Runner
@@ -154,10 +155,14 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     """(out, lse) per the contract, differentiable by torch autograd; lse float32 (B, Hq, Lq)."""
     q, k, v = (to_bhsd(spec, x) for x in inputs[:3])
     batch, _, len_q, head_dim = q.shape
-    # Padding (beyond the lengths) is zeroed, never read: NaN there cannot leak through 0·NaN (§5).
-    q = zero_padding(q, inputs.q_lengths).float()
-    k = zero_padding(k, inputs.kv_lengths).float()
-    v = zero_padding(v, inputs.kv_lengths).float()
+    # Padding (beyond the lengths) is never read: the kernel's row and key ranges stop at the lengths, and it writes
+    # out 0, lse −inf and zero gradients there itself, so NaN in the padding cannot leak (§5) and needs no copy
+    # (zeroing a ragged KV cache first cost 25 ms per tensor at B=4, H=8, Lk=4096, where the decode step takes ~5).
+    # Cosine is the exception: torch normalises every row, padding included, and its backward would carry NaN from
+    # there into dq and dk (0·NaN), so q and k are zeroed beyond the lengths first.
+    q, k, v = q.float(), k.float(), v.float()
+    if spec.variant is Variant.COSINE:
+        q, k = zero_padding(q, inputs.q_lengths), zero_padding(k, inputs.kv_lengths)
     q, k = normalize_if_cosine(spec, q), normalize_if_cosine(spec, k)
     scale = spec.resolved_scale(head_dim)
     out, lse = _CpuFlash.apply(
