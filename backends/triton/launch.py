@@ -126,11 +126,12 @@ def kernel_constants(
     has_kv_lengths: bool = False,
 ) -> dict[str, Any]:
     """The constexprs of the forward, dQ and dK/dV kernels, tiles aside (dK/dV adds HAS_DBIAS)."""
+    block = padded_head_dim(head_dim, head_dim_v)
     return dict(
         HEAD_DIM=head_dim,
         HEAD_DIM_V=head_dim_v,
-        BLOCK_D=padded_head_dim(head_dim, head_dim_v),
-        BLOCK_DV=padded_head_dim(head_dim, head_dim_v),
+        BLOCK_D=block,
+        BLOCK_DV=block,
         HAS_LOWER=has_lower,
         HAS_UPPER=has_upper,
         BOTTOM_RIGHT=bottom_right,
@@ -247,7 +248,6 @@ def _prepare(spec: AttentionSpec, inputs: AttentionInputs) -> _Call:
         optional.append(lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else q)
     lower, upper = band(spec)
     scale = spec.resolved_scale(head_dim)
-    block_d = padded_head_dim(head_dim, head_dim_v)
     constants = kernel_constants(
         head_dim,
         head_dim_v,
@@ -280,7 +280,7 @@ def _prepare(spec: AttentionSpec, inputs: AttentionInputs) -> _Call:
         scale=scale,
         band=(lower or 0, upper or 0),
         constants=constants,
-        autotune_key=(block_d, q.dtype, spec.causal, spec.window is not None),
+        autotune_key=(constants["BLOCK_D"], q.dtype, spec.causal, spec.window is not None),
     )
 
 
