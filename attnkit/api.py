@@ -195,19 +195,20 @@ def attend(
     # dispatched before reuses that work; only length values, which are data, are checked again.
     signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths)
     if signature is not None:
-        key = (spec, signature, return_lse, backend, config.state_key(), registry.generation())
+        state = (config.scope_state.get(), config.base_serial, registry.generation())
+        key = (spec, signature, return_lse, backend, state)
         hit = _validated.get(key)
         if hit is not None:
             problem, run = hit
             if q_lengths is not None or kv_lengths is not None:
                 _check_length_values(ops, problem, q_lengths, kv_lengths)
-            out, lse = run(AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths))
+            out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
             return (out, lse) if return_lse else out
     ops, problem, inputs, was_3d = _prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
     run = ops.runner(dispatch.select(spec, problem, backend), spec, problem)
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
         _remember(key, problem, run)
-    out, lse = run(inputs)
+    out, lse = run(*inputs)
     if was_3d:
         head_axis = 1 if spec.layout is Layout.BHSD else 2
         out = ops.reshape(out, tuple(size for axis, size in enumerate(out.shape) if axis != head_axis))

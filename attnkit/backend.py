@@ -18,11 +18,12 @@ and broadcastable to (B, Hq, Lq, Lk); a backend may return ``dbias`` in that bro
 frontend sums it down to the caller's shape. ``lse`` is float32 (B, Hq, Lq).
 
 A backend built on a library call that its framework already differentiates (the native backends) may also define
-``differentiable_forward(spec, problem)``, returning a function ``inputs -> (out, lse or None)`` for every call with
-that spec and problem. The frontend then calls that function directly, with grad recording as the caller has it,
-instead of wrapping ``forward`` in its own autograd.Function / custom_vjp: the framework's own backward runs, and a
-call costs what the library call costs plus the cached dispatch. ``backward`` then serves callers of the protocol
-itself (attnkit.testing). The function is made once per (spec, problem), so it may be specialised for it.
+``differentiable_forward(spec, problem)``, returning a :data:`Runner` ``(q, k, v, mask, bias, q_lengths,
+kv_lengths) -> (out, lse or None)`` for every call with that spec and problem. The frontend then calls that function
+directly, with grad recording as the caller has it, instead of wrapping ``forward`` in its own autograd.Function /
+custom_vjp: the framework's own backward runs, and a call costs what the library call costs plus the cached dispatch.
+``backward`` then serves callers of the protocol itself (attnkit.testing). The function is made once per (spec,
+problem), so it may be specialised for it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ class Framework(str, enum.Enum):
 SPEC_FEATURES = frozenset({"causal", "top_left", "window", "cosine", "softcap", "bshd"})
 CALL_FEATURES = frozenset({"mask", "bias", "q_lengths", "kv_lengths", "lse", "grad", "dbias"})
 ALL_FEATURES = SPEC_FEATURES | CALL_FEATURES
+#: Facts of a call's geometry that only routing reads (config ``[[refine]]`` entries), never a capability:
+#: ``bottom_right_offset``: causal aligned bottom-right with 1 < Lq != Lk, a diagonal SDPA's ``is_causal``
+#: (top-left) cannot place.
+ROUTING_FEATURES = frozenset({"bottom_right_offset"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +151,16 @@ def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem
     return reasons
 
 
+def routing_features(spec: AttentionSpec, problem: Problem) -> frozenset[str]:
+    """The feature names a ``[[refine]]`` entry may match for this call: the spec's, the call's, and the
+    ROUTING_FEATURES that hold."""
+    used = spec.features() | problem.features()
+    offset = problem.len_q != problem.len_k and problem.len_q > 1
+    if offset and "causal" in used and "top_left" not in used:
+        used |= {"bottom_right_offset"}
+    return used
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str
@@ -176,8 +191,9 @@ class Backend(Protocol):
         ...
 
 
-#: What a frontend calls for one attention call: inputs -> (out, lse or None).
-Runner = Callable[[AttentionInputs], tuple[Any, Any]]
+#: What a frontend calls for one attention call: the fields of AttentionInputs as positional arguments
+#: -> (out, lse or None). Positional, not the named tuple: building one cost a sixth of a decode call's dispatch.
+Runner = Callable[[Any, Any, Any, Any, Any, Any, Any], tuple[Any, Any]]
 
 
 def differentiable_forward(backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner | None:

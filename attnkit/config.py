@@ -20,10 +20,10 @@ from importlib.resources import files
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
 
 from attnkit import registry
-from attnkit.backend import ALL_FEATURES
+from attnkit.backend import ALL_FEATURES, ROUTING_FEATURES
 from attnkit.cost import CostTable, load_table
 from attnkit.errors import ConfigError
 
@@ -31,20 +31,32 @@ DEVICES = frozenset({"cpu", "cuda"})
 
 
 class Refinement(BaseModel):
-    """A priority list used instead of the device default when every feature in ``when`` is used."""
+    """A priority list used instead of the device default when every feature in ``when`` and at least one in
+    ``when_any`` (if given) is used."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    when: frozenset[str]
+    when: frozenset[str] = frozenset()
+    when_any: frozenset[str] = frozenset()
     priority: dict[str, tuple[str, ...]]
 
-    @field_validator("when")
+    @field_validator("when", "when_any")
     @classmethod
     def _known_features(cls, value: frozenset[str]) -> frozenset[str]:
-        unknown = value - ALL_FEATURES
+        allowed = ALL_FEATURES | ROUTING_FEATURES
+        unknown = value - allowed
         if unknown:
-            raise ValueError(f"unknown feature(s) {sorted(unknown)} (allowed: {sorted(ALL_FEATURES)})")
+            raise ValueError(f"unknown feature(s) {sorted(unknown)} (allowed: {sorted(allowed)})")
         return value
+
+    @model_validator(mode="after")
+    def _has_condition(self) -> Refinement:
+        if not self.when and not self.when_any:
+            raise ValueError("a refinement needs `when` (all of) or `when_any` (any of): it would replace every order")
+        return self
+
+    def matches(self, features: frozenset[str]) -> bool:
+        return self.when <= features and (not self.when_any or not self.when_any.isdisjoint(features))
 
 
 class Config(BaseModel):
@@ -77,7 +89,7 @@ class Config(BaseModel):
 
     def priority_for(self, device: str, features: frozenset[str]) -> tuple[str, ...]:
         for refinement in self.refine:
-            if refinement.when <= features and device in refinement.priority:
+            if device in refinement.priority and refinement.matches(features):
                 return refinement.priority[device]
         return self.priority.get(device, ())
 
@@ -145,6 +157,14 @@ _base: tuple[Config, int] | None = None
 _override: ContextVar[tuple[Config, int] | None] = ContextVar("attnkit_config", default=None)
 _forced_backend: ContextVar[str | None] = ContextVar("attnkit_backend", default=None)
 
+# What dispatch depends on besides the call, kept where attend() reads it on every call without a function call
+# (a call costs about as much as the read): outside any scope, the process-wide config's serial; inside a
+# use_config/use_backend scope, that scope's (forced backend, config serial), built once on entry. configure() inside
+# a scope changes nothing it dispatches on: a use_config scope's config is fixed on entry, and in a use_backend scope
+# the forced backend decides alone.
+base_serial: int = -1
+scope_state: ContextVar[tuple[str | None, int] | None] = ContextVar("attnkit_scope_state", default=None)
+
 
 def _build_base(extra: str | Path | Mapping[str, Any] | None = None) -> Config:
     config = load_config(default_config_path())
@@ -167,17 +187,18 @@ def _active() -> tuple[Config, int]:
     override = _override.get()
     if override is not None:
         return override
-    global _base
+    global _base, base_serial
     if _base is None:
         with _base_lock:
             if _base is None:
                 _base = (_build_base(), next(_serials))
+                base_serial = _base[1]
     return _base
 
 
 def state_key() -> tuple[str | None, int]:
     """What dispatch depends on besides the call: the scoped forced backend and the serial of the config in force."""
-    return _forced_backend.get(), _active()[1]
+    return scope_state.get() or (None, _active()[1])
 
 
 def forced_backend() -> str | None:
@@ -187,10 +208,11 @@ def forced_backend() -> str | None:
 
 def configure(source: str | Path | Mapping[str, Any] | None = None) -> Config:
     """Set the process-wide config: the shipped default, ``ATTNKIT_CONFIG``, then ``source``."""
-    global _base
+    global _base, base_serial
     config = _build_base(source)
     with _base_lock:
         _base = (config, next(_serials))
+        base_serial = _base[1]
     return config
 
 
@@ -198,10 +220,13 @@ def configure(source: str | Path | Mapping[str, Any] | None = None) -> Config:
 def use_config(source: str | Path | Mapping[str, Any]) -> Iterator[Config]:
     """Within the block (this thread or task only), use ``source`` on top of the current config."""
     config = load_config(source, base=current_config())
-    token = _override.set((config, next(_serials)))
+    serial = next(_serials)
+    token = _override.set((config, serial))
+    state_token = scope_state.set((_forced_backend.get(), serial))
     try:
         yield config
     finally:
+        scope_state.reset(state_token)
         _override.reset(token)
 
 
@@ -210,7 +235,9 @@ def use_backend(name: str) -> Iterator[None]:
     """Within the block (this thread or task only), run every call on backend ``name``."""
     registry.get_backend(name)  # raises UnknownBackendError with the registered names
     token = _forced_backend.set(name)
+    state_token = scope_state.set((name, _active()[1]))
     try:
         yield
     finally:
+        scope_state.reset(state_token)
         _forced_backend.reset(token)

@@ -7,7 +7,7 @@ import threading
 from dataclasses import dataclass, replace
 
 from attnkit import config, registry
-from attnkit.backend import Backend, Problem
+from attnkit.backend import Backend, Problem, routing_features
 from attnkit.errors import BackendUnavailableError
 from attnkit.spec import AttentionSpec
 
@@ -48,7 +48,7 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     if forced is not None:
         order: tuple[str, ...] = (forced,)
     else:
-        order = config.current_config().priority_for(problem.device, spec.features() | problem.features())
+        order = config.current_config().priority_for(problem.device, routing_features(spec, problem))
     rows: list[Candidate] = []
     for name in order:
         if name not in all_backends:

@@ -89,5 +89,6 @@ def backends() -> dict[str, Backend]:
 
 
 def generation() -> int:
-    _ensure_loaded()
+    if not _loaded:  # read on every attend call: the flag first, the call only once
+        _ensure_loaded()
     return _generation

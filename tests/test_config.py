@@ -49,6 +49,34 @@ def test_refinement_per_spec_feature() -> None:
         assert chosen(AttentionSpec()) == load_config(default_config_path()).priority["cpu"][0]
 
 
+def test_refinement_on_any_of_its_features() -> None:
+    config = {"refine": [{"when_any": ["cosine", "softcap"], "priority": {"cpu": ["torch-naive"]}}]}
+    with attnkit.use_config(config):
+        assert chosen(AttentionSpec(variant="cosine")) == "torch-naive"
+        assert chosen(AttentionSpec(softcap=5.0)) == "torch-naive"
+        assert chosen(AttentionSpec(causal=True)) != "torch-naive"
+
+
+@pytest.mark.parametrize(
+    ("spec", "len_q", "len_k", "offset"),
+    [
+        (AttentionSpec(causal=True), 3, 4, True),
+        (AttentionSpec(causal=True), 5, 4, True),
+        (AttentionSpec(causal=True), 4, 4, False),  # the diagonal is the same for both alignments
+        (AttentionSpec(causal=True), 1, 4, False),  # one bottom-right query sees every key: no diagonal
+        (AttentionSpec(causal=True, causal_alignment="top_left"), 3, 4, False),
+        (AttentionSpec(), 3, 4, False),
+    ],
+)
+def test_bottom_right_offset_routes_only_offset_diagonals(
+    spec: AttentionSpec, len_q: int, len_k: int, offset: bool
+) -> None:
+    problem = attnkit.Problem(attnkit.Framework.TORCH, "cpu", "float32", 1, 2, 2, len_q, len_k, 8, 8)
+    config = {"refine": [{"when": ["bottom_right_offset"], "priority": {"cpu": ["torch-naive"]}}]}
+    with attnkit.use_config(config):
+        assert (dispatch.select(spec, problem).name == "torch-naive") is offset
+
+
 def test_use_config_restores_on_exit_and_on_error() -> None:
     before = current_config()
     with pytest.raises(RuntimeError):
@@ -90,6 +118,8 @@ def test_use_backend_is_async_task_local() -> None:
         ({"priorty": {}}, "key priorty: Extra inputs are not permitted"),
         ({"backend": "nope"}, "key backend: unknown backend 'nope'"),
         ({"refine": [{"when": ["cosin"], "priority": {}}]}, r"unknown feature\(s\) \['cosin'\]"),
+        ({"refine": [{"when_any": ["offset"], "priority": {}}]}, r"unknown feature\(s\) \['offset'\]"),
+        ({"refine": [{"priority": {"cpu": ["torch-naive"]}}]}, r"a refinement needs `when` \(all of\) or `when_any`"),
     ],
 )
 def test_invalid_config_names_the_key_and_allowed_values(source: dict, message: str) -> None:

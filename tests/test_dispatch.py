@@ -53,8 +53,12 @@ def tensors() -> tuple[Any, Any, Any]:
     return torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
 
 
+# The shipped [[refine]] entries would replace these priority lists for a causal call with Lq=3 != Lk=4.
+ONLY_PRIORITY = {"refine": []}
+
+
 def test_auto_runs_first_backend_in_priority_that_can_serve(plugin: CountingBackend) -> None:
-    with attnkit.use_config({"priority": {"cpu": ["test-plugin", "torch-naive"]}}):
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin", "torch-naive"]}, **ONLY_PRIORITY}):
         attnkit.attend(AttentionSpec(causal=True), *tensors())
         assert plugin.forward_calls == 1
         # softcap is not declared by the plugin: auto moves on to torch-naive, and explain says why
@@ -223,8 +227,33 @@ def test_repeated_calls_still_check_length_values_and_follow_config(plugin: Coun
         attnkit.attend(AttentionSpec(), q, k, v, kv_lengths=torch.tensor([5]))
     spec = AttentionSpec(causal=True)
     attnkit.attend(spec, q, k, v)
-    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}}):
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}, **ONLY_PRIORITY}):
         attnkit.attend(spec, q, k, v)
     assert plugin.forward_calls == 1
     with pytest.raises(attnkit.InvalidInputTypeError, match="k has dtype float64"):
         attnkit.attend(spec, q, k.double(), v)
+
+
+def test_repeated_calls_follow_configure_and_nested_scopes(plugin: CountingBackend) -> None:
+    """The fast path's key reads the config state without a call: configure() and each scope must still change it."""
+    spec = AttentionSpec()
+    q, k, v = tensors()
+    attnkit.attend(spec, q, k, v)  # cached under the shipped config
+    attnkit.configure({"priority": {"cpu": ["test-plugin"]}})
+    try:
+        attnkit.attend(spec, q, k, v)
+        assert plugin.forward_calls == 1
+        with attnkit.use_config({"priority": {"cpu": ["torch-naive"]}}):
+            attnkit.attend(spec, q, k, v)
+            assert plugin.forward_calls == 1
+            with attnkit.use_backend("test-plugin"):
+                attnkit.attend(spec, q, k, v)
+                assert plugin.forward_calls == 2
+            attnkit.attend(spec, q, k, v)
+            assert plugin.forward_calls == 2
+        attnkit.attend(spec, q, k, v)
+        assert plugin.forward_calls == 3
+    finally:
+        attnkit.configure()
+    attnkit.attend(spec, q, k, v)
+    assert plugin.forward_calls == 3

@@ -109,7 +109,7 @@ class JaxOps:
         own = differentiable_forward(backend, spec, problem)
         if own is not None:
             return own
-        return lambda inputs: _attend(backend, spec, inputs)
+        return lambda *tensors: _attend(backend, spec, AttentionInputs(*tensors))
 
 
 OPS = JaxOps()

@@ -53,6 +53,11 @@ class _AttendFunction(torch.autograd.Function):
         return None, None, None, grads.dq, grads.dk, grads.dv, dbias, None, None, None
 
 
+# Read on every attend call: module globals, not attribute lookups on torch.
+_Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
+
+
 class TorchOps:
     framework = Framework.TORCH
 
@@ -78,20 +83,20 @@ class TorchOps:
         return bias_grad or inputs.q.requires_grad or inputs.k.requires_grad or inputs.v.requires_grad, bias_grad
 
     def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
-        if type(q) is not torch.Tensor or type(k) is not torch.Tensor or type(v) is not torch.Tensor:
+        if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
             return None  # the full validation path names the wrong type
-        grad = (q.requires_grad or k.requires_grad or v.requires_grad) and torch.is_grad_enabled()
+        grad = (q.requires_grad or k.requires_grad or v.requires_grad) and _is_grad_enabled()
         if mask is None and bias is None and q_lengths is None and kv_lengths is None:  # the common call, first
             return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad)
         optional: list[Any] = []
         for tensor in (mask, bias, q_lengths, kv_lengths):
             if tensor is None:
                 optional.append(None)
-            elif type(tensor) is torch.Tensor:
+            elif type(tensor) is _Tensor:
                 optional.append((tensor.shape, tensor.dtype, tensor.device))
             else:
                 return None
-        bias_grad = bias is not None and bias.requires_grad and torch.is_grad_enabled()
+        bias_grad = bias is not None and bias.requires_grad and _is_grad_enabled()
         grad = grad or bias_grad
         return (
             q.shape,
@@ -117,10 +122,11 @@ class TorchOps:
             return own
         return_lse = problem.return_lse
         if not problem.needs_grad:
-            return lambda inputs: backend.forward(spec, inputs, need_lse=return_lse)
+            return lambda *tensors: backend.forward(spec, AttentionInputs(*tensors), need_lse=return_lse)
 
-        def through_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
-            q, k, v, mask, bias, q_lengths, kv_lengths = inputs
+        def through_autograd(
+            q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any
+        ) -> tuple[Any, Any]:
             out, lse = _AttendFunction.apply(backend, spec, return_lse, q, k, v, bias, mask, q_lengths, kv_lengths)
             return out, lse
 

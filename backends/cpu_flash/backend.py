@@ -204,7 +204,7 @@ class CpuFlashBackend:
             return flash_attention(spec, inputs)
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
-        return lambda inputs: flash_attention(spec, inputs)
+        return lambda *tensors: flash_attention(spec, AttentionInputs(*tensors))
 
     def backward(
         self,

@@ -75,7 +75,7 @@ class FlashAttnBackend:
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         """flash-attn's own autograd function records the backward; the frontend does not wrap it."""
-        return lambda inputs: self.forward(spec, inputs, need_lse=False)
+        return lambda *tensors: self.forward(spec, AttentionInputs(*tensors), need_lse=False)
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         from flash_attn import flash_attn_func

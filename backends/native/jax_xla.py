@@ -213,7 +213,7 @@ class JaxXlaBackend:
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         """JAX differentiates the lowering itself; the frontend does not wrap it in its custom_vjp."""
         need_lse = problem.return_lse
-        return lambda inputs: xla_attention(spec, inputs, need_lse)
+        return lambda *tensors: xla_attention(spec, AttentionInputs(*tensors), need_lse)
 
     def backward(
         self, spec: AttentionSpec, inputs: AttentionInputs, out: Any, lse: Any, dout: Any, dlse: Any | None

@@ -265,8 +265,7 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
     sdpa = F.scaled_dot_product_attention
     if spec.variant is Variant.COSINE:
 
-        def cosine(inputs: AttentionInputs) -> tuple[torch.Tensor, None]:
-            q, k, v = inputs.q, inputs.k, inputs.v
+        def cosine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: None) -> tuple[torch.Tensor, None]:
             if bshd:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             wide = torch.float64 if v.dtype == torch.float64 else torch.float32
@@ -284,15 +283,13 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
     if grouped:
         options["enable_gqa"] = True
     if bshd:
-        return lambda inputs: (
-            sdpa(inputs.q.transpose(1, 2), inputs.k.transpose(1, 2), inputs.v.transpose(1, 2), **options).transpose(
-                1, 2
-            ),
+        return lambda q, k, v, *_: (
+            sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options).transpose(1, 2),
             None,
         )
     if not options:
-        return lambda inputs: (sdpa(inputs.q, inputs.k, inputs.v), None)
-    return lambda inputs: (sdpa(inputs.q, inputs.k, inputs.v, **options), None)
+        return lambda q, k, v, *_: (sdpa(q, k, v), None)
+    return lambda q, k, v, *_: (sdpa(q, k, v, **options), None)
 
 
 def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
@@ -303,7 +300,7 @@ def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool)
     plain = not need_lse and all(t is None for t in inputs[3:])
     is_causal = _native_causal(spec, q.shape[2], k.shape[2], plain, q.shape[3] == v.shape[3])
     if is_causal is not None:
-        return _native_runner(spec, is_causal, q.shape[1] != k.shape[1], q.shape[3])(inputs)
+        return _native_runner(spec, is_causal, q.shape[1] != k.shape[1], q.shape[3])(*inputs)
     return _flash_attention(spec, inputs, q, k, v, spec.resolved_scale(q.shape[3]))
 
 
@@ -382,7 +379,7 @@ class TorchSdpaBackend:
         if is_causal is not None:
             return _native_runner(spec, is_causal, problem.heads_q != problem.heads_kv, problem.head_dim)
         need_lse = problem.return_lse
-        return lambda inputs: sdpa_attention(spec, inputs, need_lse)
+        return lambda *tensors: sdpa_attention(spec, AttentionInputs(*tensors), need_lse)
 
     def backward(
         self,
