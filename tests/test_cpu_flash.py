@@ -1,6 +1,6 @@
-"""Extras of cpu-flash: shapes that span several of its tiles (64 query rows x 256 keys forward, 64 x 128 for a
-windowed backward), which the conformance suite's small cases never reach, and key tiles outside the band that it
-never reads. Agreement on everything else is the conformance suite's."""
+"""Extras of cpu-flash: shapes that span several of its tiles (64 query rows x 256 keys; a window: 32 query rows x
+one key tile as wide as their band), which the conformance suite's small cases never reach, and key tiles outside
+the band that it never reads. Agreement on everything else is the conformance suite's."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ MULTI_TILE_CASES = [
         head_dim_v=40,
         dtype="float16",
     ),
+    # a band wider than one tile may be (1024 keys): the 64-row blocks over several masked key tiles
+    Case(spec=AttentionSpec(causal=True, window=(1100, 0)), len_q=1300, len_k=1300),
     # a decode step over a long cache
     Case(spec=AttentionSpec(causal=True), len_q=1, len_k=700, heads_q=8, heads_kv=2),
 ]

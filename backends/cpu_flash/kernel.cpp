@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
@@ -37,6 +38,32 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
 }
 
 float nan_max(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b); }
+
+// max over the lanes, NaN if any lane is NaN (at::vec::maximum propagates NaN, a bare max would drop it).
+float lane_max(const Vec& x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, x);
+}
+
+float lane_sum(const Vec& x) {
+  return at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, x);
+}
+
+// tanh within ~2 ulp (float32, against float64 over [0, 50] and every float in [0.3, 1.2]) at ~3x the speed of
+// Vec::tanh (Sleef's u10, which was a third of a softcapped forward): below atanh(1/2) an odd polynomial in x
+// (coefficients fitted here for relative error), above it 1 - 2 / (e^2|x| + 1), whose subtraction cannot cancel
+// there. Overflow gives e = inf and so 1; NaN stays NaN in both branches.
+Vec fast_tanh(const Vec& x) {
+  const Vec ax = x.abs(), x2 = x * x;
+  Vec p(-0.006292885169386864f);
+  p = at::vec::fmadd(p, x2, Vec(0.021085498854517937f));
+  p = at::vec::fmadd(p, x2, Vec(-0.05385588854551315f));
+  p = at::vec::fmadd(p, x2, Vec(0.1333262324333191f));
+  p = at::vec::fmadd(p, x2, Vec(-0.33333319425582886f));
+  const Vec small = at::vec::fmadd(ax * x2, p, ax);
+  const Vec large = Vec(1.0f) - Vec(2.0f) / ((ax + ax).exp_u20() + Vec(1.0f));
+  const Vec magnitude = Vec::blendv(large, small, ax < Vec(0.5493061443340549f));
+  return magnitude | (x & Vec(-0.0f));  // the sign of x
+}
 
 struct Band {
   bool has_low, has_high;
@@ -83,7 +110,7 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
       float* t = tanh_out ? tanh_out + r * cols : nullptr;
       int64_t c = 0;
       for (; c + step <= cols; c += step) {
-        Vec th = Vec::loadu(row + c).tanh();
+        Vec th = fast_tanh(Vec::loadu(row + c));
         if (t) th.store(t + c);
         (th * Vec(softcap)).store(row + c);
       }
@@ -130,10 +157,7 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
       Vec vmax(kNegInf);
       int64_t c = 0;
       for (; c + step <= cols; c += step) vmax = at::vec::maximum(vmax, Vec::loadu(row + c));
-      float lanes[Vec::size()];
-      vmax.store(lanes);
-      float tile_max = kNegInf;
-      for (int64_t lane = 0; lane < step; ++lane) tile_max = nan_max(tile_max, lanes[lane]);
+      float tile_max = lane_max(vmax);
       for (; c < cols; ++c) tile_max = nan_max(tile_max, row[c]);
       const float new_max = nan_max(row_max[r], tile_max);
       const float shift = new_max == kNegInf ? 0.0f : new_max;
@@ -144,9 +168,7 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
         p.store(row + c);
         vsum = vsum + p;
       }
-      vsum.store(lanes);
-      float total = 0.0f;
-      for (int64_t lane = 0; lane < step; ++lane) total += lanes[lane];
+      float total = lane_sum(vsum);
       for (; c < cols; ++c) total += (row[c] = std::exp(row[c] - shift));
       row_sum[r] = row_sum[r] * alpha + total;
       row_max[r] = new_max;
