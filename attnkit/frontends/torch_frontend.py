@@ -85,7 +85,7 @@ class TorchOps:
     def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
         if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
             return None  # the full validation path names the wrong type
-        grad = (q.requires_grad or k.requires_grad or v.requires_grad) and _is_grad_enabled()
+        grad = _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)  # no_grad: one read
         if mask is None and bias is None and q_lengths is None and kv_lengths is None:  # the common call, first
             return (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad)
         optional: list[Any] = []
