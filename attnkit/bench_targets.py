@@ -450,12 +450,15 @@ def _memory_child(case_name: str, backend: str, seq_len: int, dtype: str, thread
     torch.set_num_threads(threads)
     case = {case.name: case for case in NON_NATIVE_CASES}[case_name]
 
-    def once(length: int) -> Callable[[], Any]:
-        q, k, v, dout, lengths = case.inputs(length, dtype)
-        return torch_pass(case.attention(backend, lengths), q, k, v, dout, "fwd+bwd")
+    def once(length: int) -> tuple[Callable[[], Any], tuple[Any, ...]]:
+        inputs = case.inputs(length, dtype)
+        q, k, v, dout, lengths = inputs
+        return torch_pass(case.attention(backend, lengths), q, k, v, dout, "fwd+bwd"), inputs
 
-    once(64)()  # load modules and kernels before measuring
-    run = once(seq_len)  # inputs, output cotangent and leaves allocated before the mark
+    once(64)[0]()  # load modules and kernels before measuring
+    # Inputs, output cotangent and leaves allocated before the mark, and kept: freed, their memory would serve the
+    # call's own buffers below the mark.
+    run, _inputs = once(seq_len)
     with open("/proc/self/clear_refs", "w") as clear_refs:
         clear_refs.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
     before = _status_kib("VmRSS")
@@ -465,7 +468,10 @@ def _memory_child(case_name: str, backend: str, seq_len: int, dtype: str, thread
 
 def measure_memory(case: str, backend: str, seq_len: int, dtype: str, threads: int) -> int:
     command = [sys.executable, "-c", _MEMORY_CHILD, case, backend, str(seq_len), dtype, str(threads)]
-    child = subprocess.run(command, capture_output=True, text=True)
+    # A fixed mmap threshold: glibc otherwise raises it as large blocks are freed and keeps later ones in its heap,
+    # where a block freed before the mark serves the call unseen by VmHWM (L=2048 read 16.1 or 19.7 MiB by run).
+    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    child = subprocess.run(command, capture_output=True, text=True, env=environment)
     if child.returncode != 0:
         raise RuntimeError(
             f"memory run of {case} on {backend} failed (exit {child.returncode}):\n{child.stderr[-2000:]}"
@@ -494,9 +500,8 @@ def non_native_memory(
         paths = dict.fromkeys([at_largest[0]["best"], at_largest[0]["path"]])
         for path in paths:
             points = {seq_len: measure_memory(case, path, seq_len, dtype, threads) for seq_len in sorted(seq_lens)}
-            # Between the two largest L: the smallest L's peak is a few MiB, where the allocator reuses what the
-            # warm-up call freed (the same cpu-flash call measured 3.0 and 5.0 MiB at L=512 in two runs), which
-            # moves an exponent taken from it by 0.2; a materialised (Lq, Lk) matrix still shows e near 2 there.
+            # Between the two largest L, the asymptotic growth: the smallest L's peak is a few MiB, where fixed
+            # costs weigh; a materialised (Lq, Lk) matrix still shows e near 2 there.
             low, high = sorted(points)[-2:] if len(points) > 1 else (None, None)
             exponent = (
                 math.log(max(points[high], 1) / max(points[low], 1)) / math.log(high / low)

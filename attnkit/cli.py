@@ -679,7 +679,7 @@ def run_targets(args: argparse.Namespace, out: TextIO) -> int:
         known = ", ".join(bench_targets.TARGETS)
         print(f"attnkit bench: unknown --targets {unknown} (known: {known})", file=sys.stderr)
         return 2
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 7)
     with bench.torch_threads(args.threads):
         result = bench_targets.bench_targets(
             seq_lens=seq_lens,
@@ -826,7 +826,7 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument(
         "--repeats",
         type=int,
-        help="chunked, --backend, targets, --calibrate: timed repeats (default 3; targets, --calibrate 5; --quick 2)",
+        help="chunked, --backend, targets, --calibrate: timed repeats (default 3; targets 7; --calibrate 5; --quick 2)",
     )
     bench.add_argument(
         "--warmup", type=int, default=1, help="chunked, --backend, targets: untimed repeats (default %(default)s)"
