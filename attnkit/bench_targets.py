@@ -502,12 +502,10 @@ def non_native_memory(
             points = {seq_len: measure_memory(case, path, seq_len, dtype, threads) for seq_len in sorted(seq_lens)}
             # Between the two largest L, the asymptotic growth: the smallest L's peak is a few MiB, where fixed
             # costs weigh; a materialised (Lq, Lk) matrix still shows e near 2 there.
-            low, high = sorted(points)[-2:] if len(points) > 1 else (None, None)
-            exponent = (
-                math.log(max(points[high], 1) / max(points[low], 1)) / math.log(high / low)
-                if high is not None
-                else None
-            )
+            exponent = None
+            if len(points) > 1:
+                low, high = sorted(points)[-2:]
+                exponent = math.log(max(points[high], 1) / max(points[low], 1)) / math.log(high / low)
             rows.append(
                 _row(
                     spec=case,
