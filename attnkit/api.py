@@ -195,6 +195,7 @@ def attend(
     # dispatched before reuses that work; only length values, which are data, are checked again.
     signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths)
     if signature is not None:
+        # config.state_key()'s two values read inline: at decode sizes a call costs as much as the reads
         scope, serial, generation = config.scope_state.get(), config.base_serial, registry.generation()
         key = (spec, signature, return_lse, backend, scope, serial, generation)
         hit = _validated.get(key)

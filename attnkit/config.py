@@ -196,9 +196,11 @@ def _active() -> tuple[Config, int]:
     return _base
 
 
-def state_key() -> tuple[str | None, int]:
-    """What dispatch depends on besides the call: the scoped forced backend and the serial of the config in force."""
-    return scope_state.get() or (None, _active()[1])
+def state_key() -> tuple[tuple[str | None, int] | None, int]:
+    """What dispatch depends on besides the call: the innermost scope's state and the process-wide config's serial.
+    attend() reads the same two values inline on its fast path."""
+    _active()  # builds the process-wide config on first use, which sets base_serial
+    return scope_state.get(), base_serial
 
 
 def forced_backend() -> str | None:
