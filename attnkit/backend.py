@@ -167,7 +167,10 @@ class Backend(Protocol):
     capabilities: Capabilities
 
     def available(self) -> list[str]:
-        """Reasons this backend cannot run on this machine; empty when it can."""
+        """Reasons this backend cannot run on this machine; empty when it can.
+
+        Read once per registry generation: dispatch keeps the answer until the registry changes or
+        :func:`attnkit.dispatch.clear_cache` is called."""
         ...
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:

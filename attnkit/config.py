@@ -10,6 +10,7 @@ and on every :func:`configure` call.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import os
 import threading
@@ -145,6 +146,7 @@ def default_config_path() -> Path:
     return Path(str(files("attnkit.configs") / "default.toml"))
 
 
+@functools.cache
 def default_costs_path() -> Path:
     return Path(str(files("attnkit.configs") / "costs.toml"))
 

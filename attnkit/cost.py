@@ -19,8 +19,8 @@ from __future__ import annotations
 import functools
 import math
 import tomllib
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit.backend import Problem
@@ -44,6 +44,15 @@ class CostEntry:
 
     #: (visible_units, full_units, time_us) of the calls the calibration measured.
     measured: tuple[tuple[float, float, float], ...] = ()
+    #: per measured call: (log visible, log full, measured/fitted), computed once; a decision reads every one
+    _corrections: tuple[tuple[float, float, float], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        corrections = tuple(
+            (_log_units(visible), _log_units(full), time_us / max(self.fitted_us(visible, full), 1e-9))
+            for visible, full, time_us in self.measured
+        )
+        object.__setattr__(self, "_corrections", corrections)
 
     def fitted_us(self, visible: float, full: float) -> float:
         return self.overhead_us + (self.ns_per_visible_unit * visible + self.ns_per_full_unit * full) / 1000.0
@@ -51,21 +60,20 @@ class CostEntry:
     def predict_us(self, visible: float, full: float) -> float:
         """The fit, scaled by the nearest measured call's measured/fitted ratio: fully at that call, fading to the
         plain fit at twice (or half) its work in either count of units."""
-        fitted = self.fitted_us(visible, full)
+        log_visible, log_full = _log_units(visible), _log_units(full)
         best_distance, best_ratio = _FADE, 1.0
-        for point_visible, point_full, point_us in self.measured:
-            distance = max(_log_ratio(visible, point_visible), _log_ratio(full, point_full))
+        for point_log_visible, point_log_full, ratio in self._corrections:
+            distance = max(abs(log_visible - point_log_visible), abs(log_full - point_log_full))
             if distance < best_distance:
-                best_distance = distance
-                best_ratio = point_us / max(self.fitted_us(point_visible, point_full), 1e-9)
-        return fitted * best_ratio ** (1.0 - best_distance / _FADE)
+                best_distance, best_ratio = distance, ratio
+        return self.fitted_us(visible, full) * best_ratio ** (1.0 - best_distance / _FADE)
 
 
 _FADE = math.log(2.0)  # a measurement corrects calls within a factor of 2 of its work
 
 
-def _log_ratio(a: float, b: float) -> float:
-    return abs(math.log(max(a, 1.0) / max(b, 1.0)))
+def _log_units(units: float) -> float:
+    return math.log(max(units, 1.0))
 
 
 def _clamped_sum(first: int, count: int, low: int, high: int) -> int:
@@ -116,27 +124,34 @@ class CostTable:
 
     def predict_us(self, backend: str, spec: AttentionSpec, problem: Problem) -> float | None:
         """The predicted time of one call on ``backend``, or None when the table has no entry for it."""
-        entry = self.entries.get((backend, problem.device, problem.dtype, pass_of(problem)))
-        if entry is None:
-            return None
-        return entry.predict_us(*work_units(spec, problem))
+        return self.predictions(spec, problem, (backend,))[backend]
 
-    def choose(self, spec: AttentionSpec, problem: Problem, servable: Sequence[str], margin: float) -> str:
-        """The backend to run among ``servable`` (in priority order, non-empty).
+    def predictions(self, spec: AttentionSpec, problem: Problem, backends: Iterable[str]) -> dict[str, float | None]:
+        """:meth:`predict_us` of each of ``backends``, the call's work counted once."""
+        units = work_units(spec, problem)
+        predicted: dict[str, float | None] = {}
+        for backend in backends:
+            entry = self.entries.get((backend, problem.device, problem.dtype, pass_of(problem)))
+            predicted[backend] = entry.predict_us(*units) if entry is not None else None
+        return predicted
 
-        The first one in priority order runs unless the table predicts another to be faster by more than
-        ``margin`` (a fraction); a backend without an entry is never preferred over the priority order.
-        """
-        first = servable[0]
-        first_time = self.predict_us(first, spec, problem)
-        if first_time is None:
-            return first
-        best, best_time = first, first_time
-        for name in servable[1:]:
-            time = self.predict_us(name, spec, problem)
-            if time is not None and time < best_time:
-                best, best_time = name, time
-        return best if best_time * (1.0 + margin) < first_time else first
+
+def choose(servable: Sequence[str], predicted: Mapping[str, float | None], margin: float) -> str:
+    """The backend to run among ``servable`` (in priority order, non-empty), given their predicted times.
+
+    The first one in priority order runs unless another is predicted faster by more than ``margin`` (a fraction);
+    a backend without a prediction is never preferred over the priority order.
+    """
+    first = servable[0]
+    first_time = predicted.get(first)
+    if first_time is None:
+        return first
+    best, best_time = first, first_time
+    for name in servable[1:]:
+        time = predicted.get(name)
+        if time is not None and time < best_time:
+            best, best_time = name, time
+    return best if best_time * (1.0 + margin) < first_time else first
 
 
 _FIELDS = {

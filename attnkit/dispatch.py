@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-from attnkit import config, registry
+from attnkit import config, cost, registry
 from attnkit.backend import Backend, Problem, routing_features
 from attnkit.errors import BackendUnavailableError
 from attnkit.spec import AttentionSpec
@@ -14,6 +14,9 @@ from attnkit.spec import AttentionSpec
 _log = logging.getLogger("attnkit")
 _cache_lock = threading.Lock()
 _decisions: dict[tuple[object, ...], Backend] = {}
+# available() looks at the machine (imports, compilers, devices): once per backend and registry generation, not on
+# every new shape, whose decision would otherwise pay for it (a growing KV cache makes one per decode step).
+_availability: dict[tuple[str, int], tuple[str, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -34,36 +37,58 @@ class Candidate:
         return f"{marker} {self.name:<16} {why}"
 
 
+def _unavailable(backend: Backend) -> tuple[str, ...]:
+    key = (backend.name, registry.generation())
+    missing = _availability.get(key)
+    if missing is None:
+        missing = tuple(f"unavailable: {reason}" for reason in backend.available())
+        with _cache_lock:
+            _availability[key] = missing
+    return missing
+
+
 def _reasons(backend: Backend, spec: AttentionSpec, problem: Problem) -> tuple[str, ...]:
-    missing = backend.available()
-    if missing:
-        return tuple(f"unavailable: {reason}" for reason in missing)
-    return tuple(backend.supports(spec, problem))
+    return _unavailable(backend) or tuple(backend.supports(spec, problem))
+
+
+def _order(spec: AttentionSpec, problem: Problem, forced: str | None) -> tuple[str, ...]:
+    if forced is not None:
+        return (forced,)
+    return config.current_config().priority_for(problem.device, routing_features(spec, problem))
+
+
+def _servable_rows(
+    spec: AttentionSpec, problem: Problem, order: tuple[str, ...], all_backends: dict[str, Backend]
+) -> list[Candidate]:
+    rows = []
+    for name in order:
+        if name not in all_backends:
+            registry.get_backend(name)  # raises UnknownBackendError naming the registered ones
+        rows.append(Candidate(name, _reasons(all_backends[name], spec, problem)))
+    return rows
+
+
+def _choose(
+    spec: AttentionSpec, problem: Problem, servable: list[str], forced: str | None
+) -> tuple[str, dict[str, float | None]]:
+    """The backend to run among ``servable`` (non-empty, in priority order) and the cost table's predictions."""
+    current = config.current_config()
+    table = current.cost_table() if forced is None else None
+    predicted = table.predictions(spec, problem, servable) if table else {}
+    return cost.choose(servable, predicted, current.cost_margin), predicted
 
 
 def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     """Every registered backend with its reasons, in the order ``auto`` would try them."""
     all_backends = registry.backends()
     forced = config.forced_backend()
-    if forced is not None:
-        order: tuple[str, ...] = (forced,)
-    else:
-        order = config.current_config().priority_for(problem.device, routing_features(spec, problem))
-    rows: list[Candidate] = []
-    for name in order:
-        if name not in all_backends:
-            registry.get_backend(name)  # raises UnknownBackendError naming the registered ones
-        rows.append(Candidate(name, _reasons(all_backends[name], spec, problem)))
+    order = _order(spec, problem, forced)
+    rows = _servable_rows(spec, problem, order, all_backends)
     servable = [row.name for row in rows if not row.reasons]
     if servable:
-        table = config.current_config().cost_table() if forced is None else None
-        chosen = table.choose(spec, problem, servable, config.current_config().cost_margin) if table else servable[0]
+        chosen, predicted = _choose(spec, problem, servable, forced)
         rows = [
-            replace(
-                row,
-                selected=row.name == chosen,
-                predicted_us=table.predict_us(row.name, spec, problem) if table and not row.reasons else None,
-            )
+            Candidate(row.name, row.reasons, selected=row.name == chosen, predicted_us=predicted.get(row.name))
             for row in rows
         ]
     for name in sorted(set(all_backends) - set(order)):
@@ -85,12 +110,14 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
         if reasons:
             raise BackendUnavailableError(f"backend={forced!r} cannot serve this call:\n  - " + "\n  - ".join(reasons))
     else:
-        rows = candidates(spec, problem)
-        selected = [row for row in rows if row.selected]
-        if not selected:
-            table = "\n".join(str(row) for row in rows)
+        # Only the priority list's rows: the full table (candidates) is for explain() and the error below.
+        all_backends = registry.backends()
+        rows = _servable_rows(spec, problem, _order(spec, problem, None), all_backends)
+        servable = [row.name for row in rows if not row.reasons]
+        if not servable:
+            table = "\n".join(str(row) for row in candidates(spec, problem))
             raise BackendUnavailableError(f"no backend can serve this call:\n{table}")
-        chosen = registry.get_backend(selected[0].name)
+        chosen = all_backends[_choose(spec, problem, servable, None)[0]]
     with _cache_lock:
         if key not in _decisions:
             _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
@@ -99,5 +126,7 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
 
 
 def clear_cache() -> None:
+    """Forget every decision and availability reading (after installing a package or a compiler mid-process)."""
     with _cache_lock:
         _decisions.clear()
+        _availability.clear()

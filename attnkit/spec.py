@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
@@ -63,6 +64,8 @@ class AttentionSpec(BaseModel):
 
     # Specs key the dispatch caches on every call: hash once (pydantic's hash re-reads every field each time).
     _hash: int = PrivateAttr(default=0)
+    # Every backend's supports() reads the features of each new call's spec: computed once.
+    _features: frozenset[str] = PrivateAttr(default=frozenset())
 
     def __init__(self, **fields: Any) -> None:
         try:
@@ -72,6 +75,7 @@ class AttentionSpec(BaseModel):
 
     def model_post_init(self, context: Any, /) -> None:
         self._hash = hash(tuple(self.__dict__.values()))
+        self._features = self._used_features()
 
     def __hash__(self) -> int:
         return self.__pydantic_private__["_hash"]  # type: ignore[index]  # self._hash goes through __getattr__
@@ -128,8 +132,13 @@ class AttentionSpec(BaseModel):
         return value
 
     def replace(self, **changes: Any) -> AttentionSpec:
-        """A copy with ``changes`` applied and validated (``model_copy(update=...)`` skips validation)."""
+        """A copy with ``changes`` applied and validated."""
         return AttentionSpec.model_validate({**self.model_dump(), **changes})
+
+    def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> AttentionSpec:
+        """pydantic's copy, except that ``update`` is validated (pydantic skips that, and the cached hash and
+        features would describe the old spec)."""
+        return self.replace(**update) if update else super().model_copy(deep=deep)
 
     def resolved_scale(self, head_dim: int) -> float:
         """The scale actually applied for a given head dim."""
@@ -141,6 +150,9 @@ class AttentionSpec(BaseModel):
 
     def features(self) -> frozenset[str]:
         """Names of the spec features in use, as backends' capabilities name them."""
+        return self.__pydantic_private__["_features"]  # type: ignore[index]  # as in __hash__
+
+    def _used_features(self) -> frozenset[str]:
         used = set()
         if self.causal:
             used.add("causal")

@@ -29,6 +29,11 @@ class CountingBackend(TorchNaiveBackend):
         )
         self.forward_calls = 0
         self.supports_calls = 0
+        self.available_calls = 0
+
+    def available(self):
+        self.available_calls += 1
+        return super().available()
 
     def supports(self, spec, problem):
         self.supports_calls += 1
@@ -88,12 +93,31 @@ def test_no_backend_can_serve_lists_every_backend_with_reasons(plugin: CountingB
 
 def test_decision_is_cached_per_spec_and_problem(plugin: CountingBackend) -> None:
     dispatch.clear_cache()
-    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}}):
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}, **ONLY_PRIORITY}):
         for _ in range(5):
             attnkit.attend(AttentionSpec(causal=True), *tensors())
-        assert plugin.supports_calls == 1
+        assert (plugin.supports_calls, plugin.forward_calls) == (1, 5)
         attnkit.attend(AttentionSpec(causal=True), torch.randn(1, 2, 5, 8), *tensors()[1:])  # new shape
         assert plugin.supports_calls == 2
+
+
+def test_availability_is_read_once_per_registry_state_not_per_new_shape(plugin: CountingBackend) -> None:
+    """A growing KV cache makes a new shape, so a new decision, at every decode step: it must not look at the
+    machine (imports, compilers, devices) again each time."""
+    dispatch.clear_cache()
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}, **ONLY_PRIORITY}):
+        for len_k in range(4, 12):
+            attnkit.attend(AttentionSpec(causal=True), torch.randn(1, 2, 1, 8), *[torch.randn(1, 2, len_k, 8)] * 2)
+        assert (plugin.available_calls, plugin.supports_calls, plugin.forward_calls) == (1, 8, 8)
+        dispatch.clear_cache()
+        attnkit.attend(AttentionSpec(causal=True), *tensors())
+        assert plugin.available_calls == 2
+        attnkit.register_backend(CountingBackend("test-other"))  # a registry change reads it again too
+        try:
+            attnkit.attend(AttentionSpec(causal=True), torch.randn(1, 2, 2, 8), *tensors()[1:])
+        finally:
+            attnkit.unregister_backend("test-other")
+        assert plugin.available_calls == 3
 
 
 def test_use_backend_forces_a_backend_for_the_block(plugin: CountingBackend) -> None:
