@@ -23,7 +23,8 @@ kv_lengths) -> (out, lse or None)`` for every call with that spec and problem. T
 directly, with grad recording as the caller has it, instead of wrapping ``forward`` in its own autograd.Function /
 custom_vjp: the framework's own backward runs, and a call costs what the library call costs plus the cached dispatch.
 ``backward`` then serves callers of the protocol itself (attnkit.testing). The function is made once per (spec,
-problem), so it may be specialised for it.
+problem), so it may be specialised for it. Where, for calls with q, k, v alone and no lse wanted, it is one library
+call, :func:`with_plain_call` attaches that call, and ``attend`` makes it without the wrapper.
 """
 
 from __future__ import annotations
@@ -197,6 +198,21 @@ class Backend(Protocol):
 #: What a frontend calls for one attention call: the fields of AttentionInputs as positional arguments
 #: -> (out, lse or None). Positional, not the named tuple: building one cost a sixth of a decode call's dispatch.
 Runner = Callable[[Any, Any, Any, Any, Any, Any, Any], tuple[Any, Any]]
+#: ``(q, k, v) -> out``, for a call with no mask, bias or lengths that wants no lse.
+PlainCall = Callable[[Any, Any, Any], Any]
+
+
+def with_plain_call(run: Runner, call: PlainCall) -> Runner:
+    """``run``, marked as computing ``(call(q, k, v), None)`` whenever mask, bias and lengths are None. attend()
+    then makes ``call`` itself on such calls that want no lse: at decode sizes the wrapper's frame and tuple are a
+    tenth of the dispatch cost, and ``call`` can be the library function (or a functools.partial of it)."""
+    run.plain_call = call  # type: ignore[attr-defined]
+    return run
+
+
+def plain_call(run: Runner) -> PlainCall | None:
+    """What :func:`with_plain_call` attached to ``run``, or None."""
+    return getattr(run, "plain_call", None)
 
 
 def differentiable_forward(backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner | None:

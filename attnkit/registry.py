@@ -25,29 +25,32 @@ _log = logging.getLogger("attnkit")
 _lock = threading.RLock()
 _backends: dict[str, Backend] = {}
 _loaded = False
-_generation = 0  # bumped on every change, so decision caches keyed on it never serve stale choices
+# Bumped on every change, so caches keyed on it never serve stale choices. attend() reads it directly on every
+# call (a function call costs as much as the read at decode sizes); it only grows, so a key read before the
+# built-in backends loaded can never match again.
+serial = 0
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
     """Add a backend under ``backend.name``. Re-registering a name needs ``replace=True``."""
     if not isinstance(backend, Backend):
         raise InvalidInputTypeError(f"backend={backend!r} does not implement attnkit.Backend (see attnkit/backend.py)")
-    global _generation
+    global serial
     with _lock:
         if backend.name in _backends and not replace and _backends[backend.name] is not backend:
             raise InvalidInputError(f"a backend named {backend.name!r} is already registered; pass replace=True")
         _backends[backend.name] = backend
-        _generation += 1
+        serial += 1
 
 
 def unregister_backend(name: str) -> None:
-    global _generation
+    global serial
     with _lock:
         _ensure_loaded()
         if name not in _backends:
             raise UnknownBackendError(f"backend={name!r} is not registered (registered: {sorted(_backends)})")
         del _backends[name]
-        _generation += 1
+        serial += 1
 
 
 def _ensure_loaded() -> None:
@@ -89,6 +92,7 @@ def backends() -> dict[str, Backend]:
 
 
 def generation() -> int:
-    if not _loaded:  # read on every attend call: the flag first, the call only once
+    """:data:`serial`, once the built-in backends and entry points are loaded."""
+    if not _loaded:
         _ensure_loaded()
-    return _generation
+    return serial

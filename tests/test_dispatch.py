@@ -12,7 +12,9 @@ import torch
 from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 
 import attnkit
-from attnkit import AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch
+from attnkit import AttentionInputs, AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch
+from attnkit.backend import with_plain_call
+from tests.conftest import available_backends
 
 
 class CountingBackend(TorchNaiveBackend):
@@ -281,3 +283,62 @@ def test_repeated_calls_follow_configure_and_nested_scopes(plugin: CountingBacke
         attnkit.configure()
     attnkit.attend(spec, q, k, v)
     assert plugin.forward_calls == 3
+
+
+class PlainCallBackend(CountingBackend):
+    """Runs its own forward through a differentiable_forward runner that declares a plain call, counting both."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.runner_calls = 0
+        self.plain_calls = 0
+
+    def differentiable_forward(self, spec, problem):
+        def run(q, k, v, mask, bias, q_lengths, kv_lengths):
+            self.runner_calls += 1
+            out, lse = self.forward(spec, AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths), True)
+            return out, lse if problem.return_lse else None
+
+        def plain(q, k, v):
+            self.plain_calls += 1
+            return self.forward(spec, AttentionInputs(q, k, v), False)[0]
+
+        return with_plain_call(run, plain)
+
+
+def test_a_declared_plain_call_serves_repeated_calls_with_q_k_v_alone_and_nothing_else() -> None:
+    backend = PlainCallBackend("test-plain")
+    attnkit.register_backend(backend)
+    try:
+        spec, (q, k, v) = AttentionSpec(causal=True), tensors()
+        expected = attnkit.attend(spec, q, k, v, backend="torch-naive")
+        for _ in range(3):
+            assert torch.allclose(attnkit.attend(spec, q, k, v, backend="test-plain"), expected)
+        assert (backend.runner_calls, backend.plain_calls) == (1, 2)  # the first call validates and dispatches
+        mask = torch.ones(3, 4, dtype=torch.bool)
+        for _ in range(2):
+            attnkit.attend(spec, q, k, v, backend="test-plain", return_lse=True)
+            attnkit.attend(spec, q, k, v, backend="test-plain", mask=mask)
+            attnkit.attend(spec, q, k, v, backend="test-plain", kv_lengths=torch.tensor([3]))
+        assert (backend.runner_calls, backend.plain_calls) == (7, 2)
+    finally:
+        attnkit.unregister_backend("test-plain")
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_repeated_calls_give_the_first_calls_answer_and_gradients(backend: str) -> None:
+    """The first call in each grad mode validates and dispatches; later ones take the cached runner (or its plain
+    call) and must give exactly what it gave (a backend may compute a forward-only call on another path)."""
+    spec = AttentionSpec(causal=True)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, length, 16, generator=generator, requires_grad=True) for length in (1, 80, 80))
+    try:
+        attnkit.attend(spec, q, k, v, backend=backend)
+    except (BackendUnavailableError, attnkit.InvalidInputTypeError) as refusal:
+        pytest.skip(f"{backend} does not serve this torch call: {refusal}")
+    for grad_mode in (True, False):
+        with torch.set_grad_enabled(grad_mode):
+            outs = [attnkit.attend(spec, q, k, v, backend=backend) for _ in range(3)]
+        assert all(torch.equal(out, outs[0]) and out.requires_grad == grad_mode for out in outs), f"{grad_mode=}"
+    grads = [torch.autograd.grad(attnkit.attend(spec, q, k, v, backend=backend).sum(), (q, k, v)) for _ in range(3)]
+    assert all(torch.equal(a, b) for again in grads[1:] for a, b in zip(again, grads[0]))

@@ -39,25 +39,25 @@ class FrameworkOps(Protocol):
 FLOATING = frozenset({"float16", "bfloat16", "float32", "float64"})
 INTEGER = frozenset({"int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64"})
 
-_by_type: dict[type, FrameworkOps] = {}
+ops_by_type: dict[type, FrameworkOps] = {}  # filled by ops_for; attend() reads it first
 
 
 def ops_for(x: Any, argument: str = "q") -> FrameworkOps:
     """The framework glue for array ``x``; torch and JAX are imported only if the caller uses them."""
-    ops = _by_type.get(type(x))
+    ops = ops_by_type.get(type(x))
     if ops is not None:
         return ops
     if "torch" in sys.modules:
         from attnkit.frontends import torch_frontend
 
         if torch_frontend.OPS.is_array(x):
-            _by_type[type(x)] = torch_frontend.OPS
+            ops_by_type[type(x)] = torch_frontend.OPS
             return torch_frontend.OPS
     if "jax" in sys.modules:
         from attnkit.frontends import jax_frontend
 
         if jax_frontend.OPS.is_array(x):
-            _by_type[type(x)] = jax_frontend.OPS
+            ops_by_type[type(x)] = jax_frontend.OPS
             return jax_frontend.OPS
     raise InvalidInputTypeError(
         f"{argument} must be a torch.Tensor or a jax.Array, got {type(x).__module__}.{type(x).__qualname__}"

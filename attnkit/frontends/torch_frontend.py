@@ -82,7 +82,8 @@ class TorchOps:
         bias_grad = inputs.bias is not None and inputs.bias.requires_grad
         return bias_grad or inputs.q.requires_grad or inputs.k.requires_grad or inputs.v.requires_grad, bias_grad
 
-    def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
+    @staticmethod  # no bound method to build on every call
+    def signature(q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
         if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
             return None  # the full validation path names the wrong type
         grad = _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)  # no_grad: one read

@@ -22,6 +22,7 @@ Fully masked rows come out 0 with lse −inf (the kernel gives lse 0), and paddi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +41,7 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
-from attnkit.backend import Runner
+from attnkit.backend import Runner, with_plain_call
 from attnkit.torch_contract import (
     COSINE_EPS,
     compute_dtype,
@@ -282,14 +283,14 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
         options["scale"] = scale
     if grouped:
         options["enable_gqa"] = True
+    # The other tensors are always None here (a plain call): named, not collected into a tuple per call.
     if bshd:
-        return lambda q, k, v, *_: (
+        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
             sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options).transpose(1, 2),
             None,
         )
-    if not options:
-        return lambda q, k, v, *_: (sdpa(q, k, v), None)
-    return lambda q, k, v, *_: (sdpa(q, k, v, **options), None)
+    call = functools.partial(sdpa, **options) if options else sdpa
+    return with_plain_call(lambda q, k, v, mask, bias, q_lengths, kv_lengths: (call(q, k, v), None), call)
 
 
 def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
