@@ -571,7 +571,55 @@ def bench_decode_target(rounds: int, calls: int) -> dict[str, Any]:
                 rounds_ns=samples,
             )
         )
-    return {"target_us": DECODE_BUDGET_US, "shape": shape, "rounds": rounds, "calls_per_round": calls, "rows": rows}
+    growing = _growing_cache_overhead(
+        specs["causal (bottom-right: sees every key)"], q, max(2, rounds // 4), calls // 20
+    )
+    return {
+        "target_us": DECODE_BUDGET_US,
+        "shape": shape,
+        "rounds": rounds,
+        "calls_per_round": calls,
+        "rows": rows,
+        "growing_kv": growing,
+    }
+
+
+def _growing_cache_overhead(spec: Any, q: Any, rounds: int, steps: int) -> dict[str, Any]:
+    """Not a target: attend's cost over SDPA per decode step when the KV cache grows by one key a step, so that every
+    step's shape is new to attnkit's caches (validation and a dispatch decision each step), under no_grad. Each round
+    takes ``steps`` key counts no earlier round used, as views of one preallocated cache; the median over rounds."""
+    import torch
+    import torch.nn.functional as F
+
+    import attnkit
+
+    steps = max(steps, 10)
+    first = DECODE_SHAPE["len_k"] + 1
+    cache_k, cache_v = (
+        torch.randn(1, DECODE_SHAPE["heads"], first + rounds * steps, DECODE_SHAPE["head_dim"]) for _ in "kv"
+    )
+    per_step_us = []
+    with torch.no_grad():
+        for round_index in range(rounds):
+            lengths = range(first + round_index * steps, first + (round_index + 1) * steps)
+            views = [(cache_k[:, :, :length], cache_v[:, :, :length]) for length in lengths]
+            elapsed = {}
+            for name in ("attend", "sdpa") if round_index % 2 == 0 else ("sdpa", "attend"):
+                start = time.perf_counter_ns()
+                for k, v in views:
+                    if name == "attend":
+                        attnkit.attend(spec, q, k, v)
+                    else:
+                        F.scaled_dot_product_attention(q, k, v)
+                elapsed[name] = time.perf_counter_ns() - start
+            per_step_us.append((elapsed["attend"] - elapsed["sdpa"]) / steps / 1000)
+    return {
+        "spec": "causal",
+        "len_k": [first, first + rounds * steps - 1],
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "overhead_us": statistics.median(per_step_us),
+    }
 
 
 def _median_difference_us(samples: dict[str, list[float]], first: str, second: str) -> float:
@@ -804,6 +852,12 @@ def format_targets(result: dict[str, Any]) -> str:
         ]
         recording = ", ".join(f"{row['spec']}: {row['autograd_recording_us']:.2f} us" for row in target["rows"])
         lines.append(f"autograd recording itself (sdpa recording minus sdpa no_grad): {recording}")
+        growing = target["growing_kv"]
+        lines.append(
+            f"not a target: a KV cache growing one key a step (Lk {growing['len_k'][0]}..{growing['len_k'][1]}, every "
+            f"shape new: validation and a dispatch decision each step), no_grad: {growing['overhead_us']:.1f} us per "
+            f"step over SDPA (median of {growing['rounds']} rounds x {growing['steps_per_round']} steps)"
+        )
     lines += [
         "",
         "summary: "

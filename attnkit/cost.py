@@ -63,7 +63,10 @@ class CostEntry:
         log_visible, log_full = _log_units(visible), _log_units(full)
         best_distance, best_ratio = _FADE, 1.0
         for point_log_visible, point_log_full, ratio in self._corrections:
-            distance = max(abs(log_visible - point_log_visible), abs(log_full - point_log_full))
+            distance = abs(log_visible - point_log_visible)
+            if distance >= best_distance:  # most points: one count alone is already too far
+                continue
+            distance = max(distance, abs(log_full - point_log_full))
             if distance < best_distance:
                 best_distance, best_ratio = distance, ratio
         return self.fitted_us(visible, full) * best_ratio ** (1.0 - best_distance / _FADE)

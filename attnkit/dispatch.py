@@ -14,6 +14,7 @@ from attnkit.spec import AttentionSpec
 _log = logging.getLogger("attnkit")
 _cache_lock = threading.Lock()
 _decisions: dict[tuple[object, ...], Backend] = {}
+_DECISIONS_LIMIT = 4096  # a KV cache growing one key a step makes a new problem each step: bounded, not a leak
 # available() looks at the machine (imports, compilers, devices): once per backend and registry generation, not on
 # every new shape, whose decision would otherwise pay for it (a growing KV cache makes one per decode step).
 _availability: dict[tuple[str, int], tuple[str, ...]] = {}
@@ -121,6 +122,8 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
     with _cache_lock:
         if key not in _decisions:
             _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
+            if len(_decisions) >= _DECISIONS_LIMIT:
+                _decisions.clear()
         _decisions[key] = chosen
     return chosen
 

@@ -62,9 +62,10 @@ def test_targets_quick_writes_every_target(targets_run: tuple[int, str, dict[str
     decode = result["targets"]["decode"]
     for row in decode["rows"]:
         assert set(row["overhead_us"]) == {"no_grad", "recording"} and "autograd_recording_us" in row
+    assert decode["growing_kv"]["len_k"][0] > decode["shape"]["len_k"]  # shapes the fixed-shape rows never cached
     for heading in ("target [torch]", "target [jax]", "target [non-native]", "target [decode]", "summary:"):
         assert heading in out
-    assert "autograd recording itself" in out
+    assert "autograd recording itself" in out and "a KV cache growing one key a step" in out
 
 
 def test_targets_plot(targets_run: tuple[int, str, dict[str, Any]], tmp_path: Path) -> None:

@@ -342,3 +342,14 @@ def test_repeated_calls_give_the_first_calls_answer_and_gradients(backend: str) 
         assert all(torch.equal(out, outs[0]) and out.requires_grad == grad_mode for out in outs), f"{grad_mode=}"
     grads = [torch.autograd.grad(attnkit.attend(spec, q, k, v, backend=backend).sum(), (q, k, v)) for _ in range(3)]
     assert all(torch.equal(a, b) for again in grads[1:] for a, b in zip(again, grads[0]))
+
+
+def test_the_decision_cache_stays_bounded_under_a_growing_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "_DECISIONS_LIMIT", 4)
+    dispatch.clear_cache()
+    q = torch.randn(1, 2, 1, 8)
+    for len_k in range(4, 14):
+        kv = torch.randn(1, 2, len_k, 8)
+        out = attnkit.attend(AttentionSpec(causal=True), q, kv, kv)
+        assert torch.allclose(out, attnkit.attend(AttentionSpec(causal=True), q, kv, kv, backend="torch-naive"))
+        assert len(dispatch._decisions) <= 4
