@@ -574,9 +574,12 @@ def bench_decode_target(rounds: int, calls: int) -> dict[str, Any]:
     growing = _growing_cache_overhead(
         specs["causal (bottom-right: sees every key)"], q, max(2, rounds // 4), calls // 20
     )
+    from attnkit.frontends import torch_frontend
+
     return {
         "target_us": DECODE_BUDGET_US,
         "shape": shape,
+        "signature": torch_frontend.signature_in_use,
         "rounds": rounds,
         "calls_per_round": calls,
         "rows": rows,
@@ -845,7 +848,7 @@ def format_targets(result: dict[str, Any]) -> str:
             f"target [decode]: attend over F.scaled_dot_product_attention, B={shape['batch']} H={shape['heads']} "
             f"Lq={shape['len_q']} Lk={shape['len_k']} D={shape['head_dim']} float32; median of per-round differences, "
             f"{target['rounds']} interleaved rounds x {target['calls_per_round']} calls; recording = q requires grad, "
-            "no backward",
+            f"no backward; call signature: {target['signature']} (`attnkit build` compiles it)",
             format_table(
                 ["spec", "mode", "auto runs", "sdpa us", "attend us", "overhead us", "target", "verdict"], rows
             ),

@@ -163,7 +163,12 @@ def run_info(args: argparse.Namespace, out: TextIO) -> int:
             path.write_text(text)
             print(f"wrote {path}", file=out)
         return 0
-    print(f"attnkit {attnkit.__version__}: {len(registered)} backends registered\n", file=out)
+    print(f"attnkit {attnkit.__version__}: {len(registered)} backends registered", file=out)
+    if "torch" in sys.modules:  # registering the torch backends imported it; without torch there is no signature
+        from attnkit.frontends import torch_frontend
+
+        print(f"torch call signature (attend's cache key): {torch_frontend.signature_in_use}", file=out)
+    print(file=out)
     print("\n".join(availability_lines(registered)), file=out)
     header, rows = capability_matrix(registered)
     print("\n" + format_table(header, rows), file=out)
@@ -174,6 +179,22 @@ def run_info(args: argparse.Namespace, out: TextIO) -> int:
         for note in capabilities.notes:
             print(f"    note: {note}", file=out)
     return 0
+
+
+# ---------------------------------------------------------------------------------------------- build
+
+
+def run_build(args: argparse.Namespace, out: TextIO) -> int:
+    """Compile the torch frontend's C++ signature (attnkit/frontends/torch_compiled.py) for this torch and Python."""
+    try:
+        from attnkit.frontends import torch_compiled, torch_frontend
+    except ImportError as error:
+        print(f"attnkit build: needs torch ({error})", file=sys.stderr)
+        return 1
+    print(f"building {torch_compiled.SOURCE.name} into {torch_compiled.build_directory()} ...", file=out, flush=True)
+    in_use = torch_frontend.use_compiled_signature(build=True)
+    print(f"signature: {in_use}", file=out)
+    return 0 if in_use == "compiled" else 1
 
 
 # ---------------------------------------------------------------------------------------------- check
@@ -835,6 +856,14 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 
 
+def _add_build(commands: Any) -> None:
+    commands.add_parser(
+        "build",
+        help="compile the C++ signature that keys attend's cache for torch calls (~20 s, once per torch and "
+        "Python; every later process loads it): a cached call then costs about 1 us less",
+    )
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     """The top-level parser, and the explain subparser (its errors name the explain usage)."""
     parser = argparse.ArgumentParser(prog="attnkit", description=__doc__.splitlines()[0] if __doc__ else None)
@@ -844,6 +873,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     _add_check(commands)
     explain = _add_explain(commands)
     _add_bench(commands)
+    _add_build(commands)
     return parser, explain
 
 
@@ -862,6 +892,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_check(args, out)
         if args.command == "explain":
             return run_explain(args, out, explain_parser)
+        if args.command == "build":
+            return run_build(args, out)
         return run_bench(args, out)
     except AttnkitError as error:
         print(f"attnkit {args.command}: {error}", file=sys.stderr)

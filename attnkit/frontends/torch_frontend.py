@@ -135,3 +135,26 @@ class TorchOps:
 
 
 OPS = TorchOps()
+#: "compiled" or "python (why not compiled)": which signature keys attend's cache of validated calls.
+signature_in_use = "python"
+
+
+def use_compiled_signature(build: bool = False) -> str:
+    """Key attend's cache with the C++ signature (torch_compiled.py) where it is built, or after building it with
+    ``build=True``. Returns :data:`signature_in_use`."""
+    global signature_in_use
+    from attnkit.frontends import torch_compiled
+
+    try:
+        function, reason = torch_compiled.load(TorchOps.signature, build=build)
+    except Exception as error:  # a failed build or load leaves the Python signature, which computes the same keys
+        function, reason = None, f"{type(error).__name__}: {error}".splitlines()[0]
+    if function is not None:
+        OPS.signature = function  # type: ignore[method-assign]  # an instance attribute over the staticmethod
+        signature_in_use = "compiled"
+    else:
+        signature_in_use = f"python ({reason})"
+    return signature_in_use
+
+
+use_compiled_signature()
