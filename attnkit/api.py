@@ -149,12 +149,10 @@ _VALIDATED_LIMIT = 4096  # distinct call signatures kept; a workload rarely has 
 
 
 def _remember(key: tuple[Any, ...], problem: Problem, run: Runner) -> None:
-    plain = not (problem.return_lse or problem.has_mask or problem.has_bias)
-    plain = plain and not (problem.has_q_lengths or problem.has_kv_lengths)
     with _validated_lock:
         if len(_validated) >= _VALIDATED_LIMIT:
             _validated.clear()
-        _validated[key] = (problem, run, plain_call(run) if plain else None)
+        _validated[key] = (problem, run, plain_call(run) if problem.is_plain() else None)
 
 
 def _to_4d(ops: FrameworkOps, argument: str, tensor: Any, full: tuple[int, ...], was_3d: bool) -> Any:

@@ -77,6 +77,10 @@ class Problem:
     needs_bias_grad: bool = False
     return_lse: bool = False
 
+    def is_plain(self) -> bool:
+        """q, k and v alone (no mask, bias or lengths), and no lse wanted: a library's plain attention call."""
+        return not (self.return_lse or self.has_mask or self.has_bias or self.has_q_lengths or self.has_kv_lengths)
+
     def features(self) -> frozenset[str]:
         used = set()
         for flag, name in (

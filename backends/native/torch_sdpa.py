@@ -373,10 +373,8 @@ class TorchSdpaBackend:
         return sdpa_attention(spec, inputs, need_lse)
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
-        plain = not (problem.return_lse or problem.has_mask or problem.has_bias)
-        plain = plain and not (problem.has_q_lengths or problem.has_kv_lengths)
         equal_dims = problem.head_dim == problem.head_dim_v
-        is_causal = _native_causal(spec, problem.len_q, problem.len_k, plain, equal_dims)
+        is_causal = _native_causal(spec, problem.len_q, problem.len_k, problem.is_plain(), equal_dims)
         if is_causal is not None:
             return _native_runner(spec, is_causal, problem.heads_q != problem.heads_kv, problem.head_dim)
         need_lse = problem.return_lse
