@@ -58,7 +58,7 @@ def _order(spec: AttentionSpec, problem: Problem, forced: str | None) -> tuple[s
     return config.current_config().priority_for(problem.device, routing_features(spec, problem))
 
 
-def _servable_rows(
+def _priority_rows(
     spec: AttentionSpec, problem: Problem, order: tuple[str, ...], all_backends: dict[str, Backend]
 ) -> list[Candidate]:
     rows = []
@@ -84,7 +84,7 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     all_backends = registry.backends()
     forced = config.forced_backend()
     order = _order(spec, problem, forced)
-    rows = _servable_rows(spec, problem, order, all_backends)
+    rows = _priority_rows(spec, problem, order, all_backends)
     servable = [row.name for row in rows if not row.reasons]
     if servable:
         chosen, predicted = _choose(spec, problem, servable, forced)
@@ -113,7 +113,7 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
     else:
         # Only the priority list's rows: the full table (candidates) is for explain() and the error below.
         all_backends = registry.backends()
-        rows = _servable_rows(spec, problem, _order(spec, problem, None), all_backends)
+        rows = _priority_rows(spec, problem, _order(spec, problem, None), all_backends)
         servable = [row.name for row in rows if not row.reasons]
         if not servable:
             table = "\n".join(str(row) for row in candidates(spec, problem))
