@@ -598,9 +598,8 @@ def _growing_cache_overhead(spec: Any, q: Any, rounds: int, steps: int) -> dict[
 
     steps = max(steps, 10)
     first = DECODE_SHAPE["len_k"] + 1
-    cache_k, cache_v = (
-        torch.randn(1, DECODE_SHAPE["heads"], first + rounds * steps, DECODE_SHAPE["head_dim"]) for _ in "kv"
-    )
+    cache_shape = (1, DECODE_SHAPE["heads"], first + rounds * steps, DECODE_SHAPE["head_dim"])
+    cache_k, cache_v = torch.randn(cache_shape), torch.randn(cache_shape)
     per_step_us = []
     with torch.no_grad():
         for round_index in range(rounds):
