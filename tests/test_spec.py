@@ -74,6 +74,18 @@ def test_replace_validates() -> None:
         AttentionSpec().replace(softcap=0.0)
 
 
+def test_model_copy_with_update_validates_and_describes_the_new_spec() -> None:
+    """pydantic's model_copy(update=...) skips validation: the cached hash and features would describe the old spec."""
+    copied = AttentionSpec(causal=True).model_copy(update={"softcap": 2.0, "layout": "bshd"})
+    fresh = AttentionSpec(causal=True, softcap=2.0, layout="bshd")
+    assert copied == fresh and hash(copied) == hash(fresh) and len({copied, fresh}) == 1
+    assert copied.features() == fresh.features() == frozenset({"causal", "softcap", "bshd"})
+    with pytest.raises(InvalidSpecError):
+        AttentionSpec().model_copy(update={"softcap": -1.0})
+    plain = AttentionSpec(window=(3, None))
+    assert plain.model_copy() == plain and plain.model_copy().features() == frozenset({"window"})
+
+
 def test_docstring_draws_both_alignments() -> None:
     doc = AttentionSpec.__doc__ or ""
     assert "bottom_right" in doc and "top_left" in doc
