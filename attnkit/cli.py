@@ -347,13 +347,14 @@ def drawn_outcomes(
     """
     import hypothesis
 
+    from attnkit.testing.runners import drawable_dtypes
     from attnkit.testing.strategies import cases
 
     counter = itertools.count(1)
 
     @hypothesis.seed(seed)
     @hypothesis_settings(profile, examples)
-    @hypothesis.given(cases(capabilities=backend.capabilities))
+    @hypothesis.given(cases(capabilities=backend.capabilities, dtypes=drawable_dtypes(backend.name)))
     def draw_and_check(case: Case) -> None:
         on_outcome(run_case(backend.name, f"drawn #{next(counter)}", case, expect_support=True))
 

@@ -6,11 +6,14 @@ Parametrised through the registry: a newly registered backend is covered with no
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, note
+from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 import attnkit
+from attnkit import AttentionSpec
+from attnkit.backend import Framework
 from attnkit.testing import Case, backends_for, check_backend
+from attnkit.testing.runners import drawable_dtypes, native_framework
 from attnkit.testing.strategies import cases
 from tests.conftest import available_backends
 
@@ -19,12 +22,42 @@ from tests.conftest import available_backends
 @given(data=st.data())
 def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
     capabilities = attnkit.get_backend(backend).capabilities
-    case: Case = data.draw(cases(capabilities=capabilities), label="case")
+    case: Case = data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend)), label="case")
     note(case.describe())
     reasons = backends_for(case, [backend])[backend]
     assert not reasons, f"{backend} declares these features but refuses the case: {reasons}"
     failures = [str(c) for c in check_backend(case, backend) if not c.ok]
     assert not failures, f"{backend} disagrees with the oracle on {case.describe()}:\n" + "\n".join(failures)
+
+
+JAX_BACKENDS = [name for name in available_backends() if native_framework(name) is Framework.JAX]
+
+
+@pytest.mark.parametrize("backend", JAX_BACKENDS)
+@settings(max_examples=max(3, settings.default.max_examples // 6))
+@given(data=st.data())
+def test_jax_backend_agrees_with_the_oracle_under_x64(backend: str, data: st.DataObject) -> None:
+    """Scientific code runs JAX with jax_enable_x64, which makes Python integers int64 inside traced code: every
+    JAX backend must keep its index arithmetic in explicit dtypes, for every dtype it declares (float64 included,
+    which exists only under x64)."""
+    import jax
+
+    capabilities = attnkit.get_backend(backend).capabilities
+    with jax.enable_x64(True):
+        case: Case = data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend)), label="case")
+        note(case.describe())
+        failures = [str(c) for c in check_backend(case, backend) if not c.ok]
+    assert not failures, f"{backend} under x64 disagrees on {case.describe()}:\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("backend", available_backends())
+def test_the_smallest_call_agrees_in_every_declared_dtype(backend: str) -> None:
+    """B = H = Lq = Lk = 1: each product is one dot of two vectors, a form compilers special-case (XLA's CPU compiler
+    rejected the bfloat16 one inside jitted jax.nn.dot_product_attention), drawn rarely at random."""
+    for dtype in drawable_dtypes(backend):
+        case = Case(spec=AttentionSpec(causal=True), batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=1, dtype=dtype)
+        failures = [str(c) for c in check_backend(case, backend) if not c.ok]
+        assert not failures, f"{backend} disagrees on {case.describe()}:\n" + "\n".join(failures)
 
 
 def test_harness_runs_a_backend_on_the_gpu_where_it_declares_one() -> None:

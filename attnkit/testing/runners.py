@@ -83,9 +83,7 @@ def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str 
             converted[name] = jnp.asarray(value, dtype=jax_dtype)
         elif name == "dlse":
             converted[name] = jnp.asarray(value, dtype=jnp.float32)
-        elif name in ("q_lengths", "kv_lengths"):
-            converted[name] = jnp.asarray(value, dtype=jnp.int32)
-        else:
+        else:  # masks, and lengths as JAX makes integers: int32, or int64 under jax_enable_x64
             converted[name] = jnp.asarray(value)
     names = [name for name in DIFFERENTIABLE if name in converted and (name != "bias" or case.bias_grad)]
     fixed = {name: converted.get(name) for name in ("q", "k", "v", *OPTIONAL) if name not in names}
@@ -122,6 +120,18 @@ def native_framework(backend: str) -> Framework:
     if preferred in frameworks:
         return Framework(preferred)
     return Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX
+
+
+def drawable_dtypes(backend: str) -> tuple[str, ...]:
+    """Every dtype ``backend`` declares, as the harness draws them: float64 for a backend run in JAX only while
+    jax_enable_x64 is on (JAX has no float64 array otherwise; the suite turns it on for its own x64 run)."""
+    declared = registry.get_backend(backend).capabilities.dtypes
+    if "float64" in declared and native_framework(backend) is Framework.JAX:
+        import jax
+
+        if not jax.config.read("jax_enable_x64"):
+            declared = declared - {"float64"}
+    return tuple(sorted(declared))
 
 
 def run_backend(case: Case, arrays: dict[str, np.ndarray], backend: str) -> Results:

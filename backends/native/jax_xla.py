@@ -154,6 +154,11 @@ def _xla_attention_traced(spec: AttentionSpec, inputs: AttentionInputs, need_lse
     bias = inputs.bias
     if bias is not None and bias.dtype != jnp.float32:
         bias = bias.astype(jnp.float32 if q.dtype != jnp.float64 else q.dtype)
+    if dtype == jnp.bfloat16 and batch * heads_q * len_q * len_k == 1:
+        # XLA's CPU compiler rejects the jitted call whose products are single dot products of bfloat16 vectors
+        # ("Algorithm not supported by the ElementalIrEmitter: ALG_DOT_BF16_BF16_F32"); float32 operands give
+        # the same result (the contract accumulates in float32), rounded to bfloat16 below.
+        q, k, v = q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)
     out = jax.nn.dot_product_attention(
         q, k, v, bias=bias, mask=visible, scale=spec.resolved_scale(head_dim), is_causal=native
     )

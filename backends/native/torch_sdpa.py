@@ -189,7 +189,8 @@ class _BlockedFlash(torch.autograd.Function):
         batch, heads, len_q, _ = q.shape
         out = q.new_zeros(batch, heads, len_q, v.shape[-1])
         lse = q.new_full((batch, heads, len_q), float("-inf"), dtype=torch.float32)
-        kernel_lse = torch.full_like(lse, float("-inf"))
+        # The op's backward takes its own lse back in the dtype it gave it (float64 for float64 inputs).
+        kernel_lse = torch.full_like(lse, float("-inf"), dtype=torch.float64 if q.dtype == torch.float64 else lse.dtype)
         for block in plan.blocks:
             mask, empty = plan.mask(block)
             k_span, v_span = k[:, :, block.cols], v[:, :, block.cols]

@@ -73,9 +73,9 @@ def _kv_range(geom: tuple[Any, ...], i0: Any, block_q: int, block_k: int) -> tup
     last_row = jnp.minimum(i0 + block_q, q_len) - 1
     j_first = jnp.maximum(i0 + lo, 0)
     j_last = jnp.minimum(last_row + hi, kv_len - 1)
-    first = lax.div(j_first, block_k)
+    first = lax.div(j_first, jnp.int32(block_k))
     empty = (last_row < i0) | (j_last < j_first)
-    return first, jnp.where(empty, first, lax.div(jnp.maximum(j_last, 0), block_k) + 1)
+    return first, jnp.where(empty, first, lax.div(jnp.maximum(j_last, 0), jnp.int32(block_k)) + 1)
 
 
 def _q_range(geom: tuple[Any, ...], j0: Any, block_q: int, block_k: int) -> tuple[Any, Any]:
@@ -84,9 +84,9 @@ def _q_range(geom: tuple[Any, ...], j0: Any, block_q: int, block_k: int) -> tupl
     last_col = jnp.minimum(j0 + block_k, kv_len) - 1
     i_first = jnp.maximum(j0 - hi, 0)
     i_last = jnp.minimum(last_col - lo, q_len - 1)
-    first = lax.div(i_first, block_q)
+    first = lax.div(i_first, jnp.int32(block_q))
     empty = (last_col < j0) | (i_last < i_first)
-    return first, jnp.where(empty, first, lax.div(jnp.maximum(i_last, 0), block_q) + 1)
+    return first, jnp.where(empty, first, lax.div(jnp.maximum(i_last, 0), jnp.int32(block_q)) + 1)
 
 
 def _visible(geom: tuple[Any, ...], i0: Any, j0: Any, block_q: int, block_k: int) -> Any:
