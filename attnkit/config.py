@@ -153,6 +153,13 @@ def _check_names(layer: Config, source: str) -> None:
         _check_backend_name(f"{source}: key backend", layer.backend)
 
 
+# What a top-level key holds, where pydantic's message says only "a valid dictionary" or "tuple".
+_KEY_HINTS = {
+    "priority": ' (a table of device = [backend names], e.g. [priority] cpu = ["torch-sdpa", "torch-naive"])',
+    "refine": " (an array of tables: [[refine]] with when/when_any and priority.<device>)",
+}
+
+
 def _validation_problems(error: ValidationError) -> str:
     problems = []
     for item in error.errors():
@@ -160,13 +167,6 @@ def _validation_problems(error: ValidationError) -> str:
         hint = _KEY_HINTS.get(key, "")
         problems.append(f"key {key}: {item['msg']}{hint} (got {item['input']!r})")
     return "; ".join(problems)
-
-
-# What a top-level table looks like, where pydantic's message says only "a valid dictionary".
-_KEY_HINTS = {
-    "priority": ' (a table of device = [backend names], e.g. [priority] cpu = ["torch-sdpa", "torch-naive"])',
-    "refine": " (an array of tables: [[refine]] with when/when_any and priority.<device>)",
-}
 
 
 def _without_devices(refinements: tuple[Refinement, ...], devices: Iterable[str]) -> tuple[Refinement, ...]:
