@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-import os
-
 from attnkit.api import attend, explain
 from attnkit.backend import (
     AttentionInputs,
@@ -31,12 +28,6 @@ from attnkit.registry import get_backend, register_backend, unregister_backend
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 
 __version__ = "0.1.0"
-
-if os.environ.get("ATTNKIT_LOG", "").lower() == "debug":
-    _handler = logging.StreamHandler()
-    _handler.setFormatter(logging.Formatter("%(message)s"))
-    logging.getLogger("attnkit").addHandler(_handler)
-    logging.getLogger("attnkit").setLevel(logging.DEBUG)
 
 __all__ = [
     "AttentionInputs",

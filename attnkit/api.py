@@ -68,6 +68,8 @@ def _prepare(
         raise InvalidInputError(f"batch sizes differ: q has {batch}, k has {batch_k}, v has {batch_v}")
     if head_dim_k != head_dim:
         raise InvalidInputError(f"k has head_dim={head_dim_k}, expected q's head_dim={head_dim}")
+    if head_dim == 0 or head_dim_v == 0:
+        raise InvalidInputError(f"{head_dim=} (q and k) and {head_dim_v=} (v) must both be positive")
     if len_v != len_k:
         raise InvalidInputError(f"v has {len_v} keys, expected k's {len_k}")
     if heads_v != heads_kv:
@@ -198,7 +200,10 @@ def attend(
     signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths)
     if signature is not None:
         key = (spec, signature, return_lse, backend, config.scope_state.get(), config.base_serial, registry.serial)
-        hit = _validated.get(key)
+        try:
+            hit = _validated.get(key)
+        except TypeError:  # an unhashable argument (backend=[...]): the checks below name it
+            hit = None
         if hit is not None:
             problem, run, plain = hit
             if plain is not None:  # stored only for a call with q, k, v alone that wants no lse

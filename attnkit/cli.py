@@ -170,12 +170,19 @@ def run_info(args: argparse.Namespace, out: TextIO) -> int:
         print(f"torch call signature (attend's cache key): {torch_frontend.signature_in_use}", file=out)
     print(file=out)
     print("\n".join(availability_lines(registered)), file=out)
+    refused = registry.refused_plugins()
+    if refused:
+        print(f"\nplugins refused ({registry.ENTRY_POINT_GROUP} entry points that registered nothing):", file=out)
+        for plugin in refused:
+            print(f"  {plugin.entry_point}: {plugin.reason}", file=out)
     header, rows = capability_matrix(registered)
     print("\n" + format_table(header, rows), file=out)
     print("\nbackends:", file=out)
+    origins = registry.origins()
     for name in sorted(registered):
         capabilities = registered[name].capabilities
         print(f"  {name}: {capabilities.description or '(no description)'}", file=out)
+        print(f"    from: {origins.get(name, 'unknown')}", file=out)
         for note in capabilities.notes:
             print(f"    note: {note}", file=out)
     return 0

@@ -1,10 +1,12 @@
 """Configuration: which backend ``auto`` picks, per device and per spec feature.
 
-Sources, later ones winning: ``configs/default.toml`` shipped with the package, the file named by
-``ATTNKIT_CONFIG``, :func:`configure`, then the scoped overrides :func:`use_config` and
-:func:`use_backend` (ContextVars, so thread- and asyncio-safe). ``ATTNKIT_BACKEND=name`` forces a
-backend for the whole process. Environment variables are read when the base config is first built
-and on every :func:`configure` call.
+Layers, later ones winning (docs/dispatch.md, "Precedence", says it in one place): ``configs/default.toml``
+shipped with the package, the file named by ``ATTNKIT_CONFIG``, :func:`configure`, ``ATTNKIT_BACKEND``, then the
+scoped overrides :func:`use_config` and :func:`use_backend`, the innermost scope winning (ContextVars: per thread
+and per asyncio task; a thread pool does not carry them, see README). Each layer is validated on its own, with
+strict types, before it is merged, and an error names its file, variable or call and the key. The environment
+variables are read when the process-wide config is first built and on every :func:`configure` call, never at
+import.
 """
 
 from __future__ import annotations
@@ -12,23 +14,41 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
 import os
 import threading
 import tomllib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextvars import ContextVar
 from importlib.resources import files
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Strict,
+    StrictBool,
+    StrictStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from attnkit import registry
 from attnkit.backend import ALL_FEATURES, ROUTING_FEATURES
 from attnkit.cost import CostTable, load_table
-from attnkit.errors import ConfigError
+from attnkit.errors import ConfigError, InvalidInputTypeError
 
 DEVICES = frozenset({"cpu", "cuda"})
+#: The value of ``backend`` (and ``ATTNKIT_BACKEND``) that forces nothing: an inner scope's way back to ``auto``.
+AUTO = "auto"
+#: ``ATTNKIT_LOG`` values (any case): the level of the ``attnkit`` logger's stderr handler.
+LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+# Strict scalars: "no" is not False and "0.9" is not a number (an int is a fine float); containers stay lax,
+# so a TOML array or a Python list serves where a tuple or frozenset is kept.
+Names = tuple[StrictStr, ...]
+StrictNumber = Annotated[float, Strict()]
 
 
 class Refinement(BaseModel):
@@ -37,9 +57,9 @@ class Refinement(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    when: frozenset[str] = frozenset()
-    when_any: frozenset[str] = frozenset()
-    priority: dict[str, tuple[str, ...]]
+    when: frozenset[StrictStr] = frozenset()
+    when_any: frozenset[StrictStr] = frozenset()
+    priority: dict[StrictStr, Names]
 
     @field_validator("when", "when_any")
     @classmethod
@@ -61,20 +81,27 @@ class Refinement(BaseModel):
 
 
 class Config(BaseModel):
-    """The validated configuration. Frozen: dispatch caches key on the serial number it is put in force with."""
+    """The validated configuration, and the type of each layer validated alone (the keys a layer gives are its
+    ``model_fields_set``). Frozen: dispatch caches key on the serial number it is put in force with."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    priority: dict[str, tuple[str, ...]]
+    priority: dict[StrictStr, Names] = {}
     refine: tuple[Refinement, ...] = ()
-    backend: str | None = None
+    #: The backend every call runs on; None (``"auto"`` in a file, dict or ATTNKIT_BACKEND) forces nothing.
+    backend: StrictStr | None = None
     #: Let the measured cost table reorder backends that can all serve a call (attnkit/cost.py).
-    use_costs: bool = True
+    use_costs: StrictBool = True
     #: The cost table; None is the one shipped in configs/costs.toml. A relative path in a TOML file is
     #: relative to that file.
-    costs: str | None = None
+    costs: StrictStr | None = None
     #: Another backend replaces the first in priority only when predicted faster by more than this fraction.
-    cost_margin: float = 0.5
+    cost_margin: StrictNumber = 0.5
+
+    @field_validator("backend")
+    @classmethod
+    def _auto_forces_nothing(cls, value: str | None) -> str | None:
+        return None if value == AUTO else value
 
     @field_validator("cost_margin")
     @classmethod
@@ -95,7 +122,14 @@ class Config(BaseModel):
         return self.priority.get(device, ())
 
 
-def _check_names(config: Config, source: str) -> None:
+def _check_backend_name(where: str, name: str) -> None:
+    known = registry.backends()
+    if name != AUTO and name not in known:
+        raise ConfigError(f"{where}: unknown backend {name!r} (allowed: {AUTO}, {', '.join(sorted(known))})")
+
+
+def _check_names(layer: Config, source: str) -> None:
+    """What the types cannot say: devices, backend names and the cost table a layer names."""
     known = set(registry.backends())
     allowed = ", ".join(sorted(known))
 
@@ -107,39 +141,85 @@ def _check_names(config: Config, source: str) -> None:
                 if name not in known:
                     raise ConfigError(f"{source}: key {key}.{device}: unknown backend {name!r} (allowed: {allowed})")
 
-    check("priority", config.priority)
-    for index, refinement in enumerate(config.refine):
+    check("priority", layer.priority)
+    for index, refinement in enumerate(layer.refine):
         check(f"refine[{index}].priority", refinement.priority)
-    if config.use_costs and config.costs is not None:
-        load_table(config.costs)  # a missing or malformed table is an error of the config that names it
-    if config.backend is not None and config.backend not in known:
-        raise ConfigError(f"{source}: key backend: unknown backend {config.backend!r} (allowed: {allowed})")
+    if layer.costs is not None:
+        try:
+            load_table(layer.costs)
+        except ConfigError as error:
+            raise ConfigError(f"{source}: key costs: {error}") from None
+    if layer.backend is not None:
+        _check_backend_name(f"{source}: key backend", layer.backend)
 
 
-def load_config(source: str | Path | Mapping[str, Any], base: Config | None = None) -> Config:
-    """Validate a TOML file or dict. Keys it gives replace the same keys of ``base``."""
+# What a top-level key holds, where pydantic's message says only "a valid dictionary" or "tuple".
+_KEY_HINTS = {
+    "priority": ' (a table of device = [backend names], e.g. [priority] cpu = ["torch-sdpa", "torch-naive"])',
+    "refine": " (an array of tables: [[refine]] with when/when_any and priority.<device>)",
+}
+
+
+def _validation_problems(error: ValidationError) -> str:
+    problems = []
+    for item in error.errors():
+        key = "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in item["loc"]).lstrip(".")
+        hint = _KEY_HINTS.get(key, "")
+        problems.append(f"key {key}: {item['msg']}{hint} (got {item['input']!r})")
+    return "; ".join(problems)
+
+
+def _without_devices(refinements: tuple[Refinement, ...], devices: Iterable[str]) -> tuple[Refinement, ...]:
+    """``refinements`` without their priority lists for ``devices`` (and without those left with none)."""
+    dropped = set(devices)
+    kept = []
+    for refinement in refinements:
+        priority = {device: order for device, order in refinement.priority.items() if device not in dropped}
+        if priority:
+            kept.append(refinement.model_copy(update={"priority": priority}))
+    return tuple(kept)
+
+
+def _merged(base: Config, layer: Config) -> Config:
+    """``layer`` on top of ``base``: each key the layer gives replaces the same key below, except ``priority``,
+    replaced per device. A device the layer gives a priority list for loses the refinements below it for that
+    device, unless the layer also gives ``refine`` (which replaces every refinement below): a user's order is
+    obeyed, not overridden by the shipped refinements for windows or offsets."""
+    given = layer.model_fields_set
+    update: dict[str, Any] = {key: getattr(layer, key) for key in given}
+    if "priority" in given:
+        update["priority"] = {**base.priority, **layer.priority}
+        if "refine" not in given:
+            update["refine"] = _without_devices(base.refine, layer.priority)
+    return base.model_copy(update=update)
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any], base: Config | None = None, *, label: str | None = None
+) -> Config:
+    """Validate a TOML file or dict on its own, then merge it onto ``base`` (:func:`_merged`). Errors name
+    ``label`` (default: the file's path, or "config dict") and the key."""
     if isinstance(source, Mapping):
-        label, data = "config dict", dict(source)
-    else:
-        label = str(source)
+        label, data = label or "config dict", dict(source)
+    elif isinstance(source, (str, os.PathLike)):
+        label = label or str(source)
         try:
             data = tomllib.loads(Path(source).read_text())
-        except (OSError, tomllib.TOMLDecodeError) as error:
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as error:
             raise ConfigError(f"{label}: cannot read config: {error}") from error
-    if not isinstance(source, Mapping) and isinstance(data.get("costs"), str):
-        data["costs"] = str(Path(source).parent / data["costs"])  # relative to the file that names it
-    merged = {**(base.model_dump() if base is not None else {}), **data}
-    if base is not None and "priority" in data:
-        merged["priority"] = {**base.priority, **data["priority"]}
-    try:
-        config = Config.model_validate(merged)
-    except ValidationError as error:
-        problems = "; ".join(
-            f"key {'.'.join(str(part) for part in item['loc'])}: {item['msg']}" for item in error.errors()
+        if isinstance(data.get("costs"), str):
+            data["costs"] = str(Path(source).parent / data["costs"])  # relative to the file that names it
+    else:
+        raise InvalidInputTypeError(
+            f"{label or 'config'}: expected a TOML file's path (str or os.PathLike) or a mapping, "
+            f"got {type(source).__name__}"
         )
-        raise ConfigError(f"{label}: {problems}") from None
-    _check_names(config, label)
-    return config
+    try:
+        layer = Config.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(f"{label}: {_validation_problems(error)}") from None
+    _check_names(layer, label)
+    return layer if base is None else _merged(base, layer)
 
 
 def default_config_path() -> Path:
@@ -151,33 +231,62 @@ def default_costs_path() -> Path:
     return Path(str(files("attnkit.configs") / "costs.toml"))
 
 
-_base_lock = threading.Lock()
+_base_lock = threading.RLock()
 # Each config in force carries a serial number: dispatch caches key on it, which is cheaper than hashing the
 # config and, unlike id(), never reused by a later config.
 _serials = itertools.count()
 _base: tuple[Config, int] | None = None
 _override: ContextVar[tuple[Config, int] | None] = ContextVar("attnkit_config", default=None)
-_forced_backend: ContextVar[str | None] = ContextVar("attnkit_backend", default=None)
 
 # What dispatch depends on besides the call, kept where attend() reads it on every call without a function call
 # (a call costs about as much as the read): outside any scope, the process-wide config's serial; inside a
-# use_config/use_backend scope, that scope's (forced backend, config serial), built once on entry. configure() inside
-# a scope changes nothing it dispatches on: a use_config scope's config is fixed on entry, and in a use_backend scope
-# the forced backend decides alone.
+# use_config/use_backend scope, that scope's config serial, set once on entry. A scope's config is fixed on entry
+# (the config in force then, with the scope's keys on top), so configure() inside a scope changes nothing it
+# dispatches on until the scope ends.
 base_serial: int = -1
-scope_state: ContextVar[tuple[str | None, int] | None] = ContextVar("attnkit_scope_state", default=None)
+scope_state: ContextVar[int | None] = ContextVar("attnkit_scope_state", default=None)
+
+_log = logging.getLogger("attnkit")
+_log_handler: logging.Handler | None = None
 
 
-def _build_base(extra: str | Path | Mapping[str, Any] | None = None) -> Config:
+def _apply_log_setting() -> None:
+    """``ATTNKIT_LOG``: log to stderr from that level. Read with the other variables (first config build, every
+    configure()), so a typo is a ConfigError naming it on the first call, and never an import error."""
+    global _log_handler
+    value = os.environ.get("ATTNKIT_LOG", "")
+    if not value:
+        if _log_handler is not None:  # set by an earlier build: the variable is gone now
+            _log.removeHandler(_log_handler)
+            _log.setLevel(logging.NOTSET)
+            _log_handler = None
+        return
+    level = LOG_LEVELS.get(value.lower())
+    if level is None:
+        raise ConfigError(f"ATTNKIT_LOG={value!r}: unknown log level (allowed, any case: {', '.join(LOG_LEVELS)})")
+    if _log_handler is None:
+        _log_handler = logging.StreamHandler()
+        _log_handler.setFormatter(logging.Formatter("%(message)s"))
+        _log.addHandler(_log_handler)
+    _log.setLevel(level)
+
+
+def _call_label(caller: str, source: object) -> str | None:
+    return f"{caller}(dict)" if isinstance(source, Mapping) else None
+
+
+def _build_base(extra: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> Config:
+    _apply_log_setting()
     config = load_config(default_config_path())
     user_file = os.environ.get("ATTNKIT_CONFIG")
     if user_file:
-        config = load_config(user_file, base=config)
+        config = load_config(user_file, base=config, label=f"ATTNKIT_CONFIG={user_file}")
     if extra is not None:
-        config = load_config(extra, base=config)
+        config = load_config(extra, base=config, label=_call_label("configure", extra))
     forced = os.environ.get("ATTNKIT_BACKEND")
     if forced:
-        config = load_config({"backend": forced}, base=config)
+        _check_backend_name("ATTNKIT_BACKEND", forced)
+        config = config.model_copy(update={"backend": None if forced == AUTO else forced})
     return config
 
 
@@ -198,35 +307,34 @@ def _active() -> tuple[Config, int]:
     return _base
 
 
-def state_key() -> tuple[tuple[str | None, int] | None, int]:
-    """What dispatch depends on besides the call: the innermost scope's state and the process-wide config's serial.
+def state_key() -> tuple[int | None, int]:
+    """What dispatch depends on besides the call: the innermost scope's serial and the process-wide config's serial.
     attend() reads the same two values inline on its fast path."""
     _active()  # builds the process-wide config on first use, which sets base_serial
     return scope_state.get(), base_serial
 
 
 def forced_backend() -> str | None:
-    """The backend name forced by :func:`use_backend`, else by the config (``ATTNKIT_BACKEND``)."""
-    return _forced_backend.get() or current_config().backend
+    """The backend every call runs on in the config in force (use_backend, use_config, ATTNKIT_BACKEND, ...)."""
+    return current_config().backend
 
 
-def configure(source: str | Path | Mapping[str, Any] | None = None) -> Config:
-    """Set the process-wide config: the shipped default, ``ATTNKIT_CONFIG``, then ``source``."""
+def configure(source: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> Config:
+    """Set the process-wide config: the shipped default, ``ATTNKIT_CONFIG``, ``source``, then ``ATTNKIT_BACKEND``
+    (the environment is read again)."""
     global _base, base_serial
-    config = _build_base(source)
     with _base_lock:
+        config = _build_base(source)
         _base = (config, next(_serials))
         base_serial = _base[1]
     return config
 
 
 @contextlib.contextmanager
-def use_config(source: str | Path | Mapping[str, Any]) -> Iterator[Config]:
-    """Within the block (this thread or task only), use ``source`` on top of the current config."""
-    config = load_config(source, base=current_config())
+def _scope(config: Config) -> Iterator[Config]:
     serial = next(_serials)
     token = _override.set((config, serial))
-    state_token = scope_state.set((_forced_backend.get(), serial))
+    state_token = scope_state.set(serial)
     try:
         yield config
     finally:
@@ -235,13 +343,23 @@ def use_config(source: str | Path | Mapping[str, Any]) -> Iterator[Config]:
 
 
 @contextlib.contextmanager
+def use_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Iterator[Config]:
+    """Within the block (this thread or task only), use ``source`` on top of the config in force: the keys it gives
+    win over every outer scope's, including an outer :func:`use_backend` (``{"backend": "auto"}`` lifts it)."""
+    with _scope(load_config(source, base=current_config(), label=_call_label("use_config", source))) as config:
+        yield config
+
+
+@contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
-    """Within the block (this thread or task only), run every call on backend ``name``."""
-    registry.get_backend(name)  # raises UnknownBackendError with the registered names
-    token = _forced_backend.set(name)
-    state_token = scope_state.set((name, _active()[1]))
-    try:
+    """Within the block (this thread or task only), run every call on backend ``name`` (``"auto"``: force none).
+    The same as ``use_config({"backend": name})``, with the registry's error for an unknown name."""
+    if not isinstance(name, str):
+        raise InvalidInputTypeError(
+            f"use_backend(name={name!r}): expected {AUTO!r} or a registered backend's name (a str), "
+            f"got {type(name).__name__}"
+        )
+    if name != AUTO:
+        registry.get_backend(name)  # raises UnknownBackendError with the registered names
+    with _scope(current_config().model_copy(update={"backend": None if name == AUTO else name})):
         yield
-    finally:
-        scope_state.reset(state_token)
-        _forced_backend.reset(token)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from attnkit import config, cost, registry
 from attnkit.backend import Backend, Problem, routing_features
-from attnkit.errors import BackendUnavailableError
+from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
 from attnkit.spec import AttentionSpec
 
 _log = logging.getLogger("attnkit")
@@ -100,7 +100,12 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
 
 def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Backend:
     """The backend that runs this call. ``backend`` is ``"auto"`` or a registered name."""
-    forced = backend if backend != "auto" else config.forced_backend()
+    if not isinstance(backend, str):  # None does not mean "auto": a forgotten value must not pass as a choice
+        raise InvalidInputTypeError(
+            f"backend={backend!r}: expected {config.AUTO!r} or a registered backend's name (a str), "
+            f"got {type(backend).__name__}"
+        )
+    forced = backend if backend != config.AUTO else config.forced_backend()
     key = (spec, problem, backend, config.state_key(), registry.generation())
     hit = _decisions.get(key)
     if hit is not None:

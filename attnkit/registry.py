@@ -1,11 +1,21 @@
-"""The backend registry: the one piece of global mutable state, guarded by a lock."""
+"""The backend registry: the one piece of global mutable state, guarded by a lock.
+
+Backends come from three places, in this order: the built-in modules below, then the ``attnkit.backends`` entry
+points of installed distributions (plugins), then :func:`register_backend` calls at run time. A plugin whose backend
+name is already taken is refused (logged, and listed by ``attnkit info`` with the reason), unless the taken name is
+a built-in and the plugin's backend declares ``replaces_builtin = True``; a user who wants a plugin's backend in
+place of a built-in can also say so with ``register_backend(backend, replace=True)``. A refused or broken plugin
+never breaks ``import attnkit`` or the other backends. :func:`origins` says where each backend came from.
+"""
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
-from importlib.metadata import entry_points
+from dataclasses import dataclass
+from importlib.metadata import EntryPoint, entry_points
 
 from attnkit.backend import Backend
 from attnkit.errors import InvalidInputError, InvalidInputTypeError, UnknownBackendError
@@ -20,10 +30,24 @@ _BUILTIN_MODULES = (
     "attnkit.backends.cupy",
     "attnkit.backends.cpu_flash",
 )
+BUILTIN = "built-in"
+#: The attribute by which a plugin's backend asks to replace the built-in backend of its name.
+REPLACES_BUILTIN = "replaces_builtin"
+
+
+@dataclass(frozen=True)
+class RefusedPlugin:
+    """An entry point whose backends were not registered, and why."""
+
+    entry_point: str  # "name = module:attr from distribution version"
+    reason: str
+
 
 _log = logging.getLogger("attnkit")
 _lock = threading.RLock()
 _backends: dict[str, Backend] = {}
+_origins: dict[str, str] = {}
+_refused: list[RefusedPlugin] = []
 _loaded = False
 # Bumped on every change, so caches keyed on it never serve stale choices. attend() reads it directly on every
 # call (a function call costs as much as the read at decode sizes); it only grows, so a key read before the
@@ -31,16 +55,33 @@ _loaded = False
 serial = 0
 
 
-def register_backend(backend: Backend, *, replace: bool = False) -> None:
-    """Add a backend under ``backend.name``. Re-registering a name needs ``replace=True``."""
+def _register(backend: Backend, replace: bool, origin: str) -> None:
     if not isinstance(backend, Backend):
         raise InvalidInputTypeError(f"backend={backend!r} does not implement attnkit.Backend (see attnkit/backend.py)")
     global serial
     with _lock:
-        if backend.name in _backends and not replace and _backends[backend.name] is not backend:
-            raise InvalidInputError(f"a backend named {backend.name!r} is already registered; pass replace=True")
+        previous = _backends.get(backend.name)
+        if previous is not None and previous is not backend:
+            if not replace:
+                raise InvalidInputError(
+                    f"a backend named {backend.name!r} is already registered ({_origins[backend.name]}); "
+                    "pass replace=True"
+                )
+            origin = f"{origin}, replacing {_origins[backend.name]}"
         _backends[backend.name] = backend
+        _origins[backend.name] = origin
         serial += 1
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> None:
+    """Add a backend under ``backend.name``. Re-registering a name needs ``replace=True``. Registered at run time
+    (outside the built-in modules), it comes after the built-ins and plugins, which are loaded first."""
+    caller = sys._getframe(1).f_globals.get("__name__", "?")  # who registers decides the origin
+    if any(caller == module or caller.startswith(module + ".") for module in _BUILTIN_MODULES):
+        _register(backend, replace, BUILTIN)
+        return
+    _ensure_loaded()
+    _register(backend, replace, f"registered at run time by {caller}")
 
 
 def unregister_backend(name: str) -> None:
@@ -50,7 +91,53 @@ def unregister_backend(name: str) -> None:
         if name not in _backends:
             raise UnknownBackendError(f"backend={name!r} is not registered (registered: {sorted(_backends)})")
         del _backends[name]
+        del _origins[name]
         serial += 1
+
+
+def _describe(entry: EntryPoint) -> str:
+    dist = entry.dist
+    source = f"{dist.name} {dist.version}" if dist is not None else "an unknown distribution"
+    return f"entry point {entry.name} = {entry.value} from {source}"
+
+
+def _load_plugin(entry: EntryPoint) -> None:
+    """Register the backends of one entry point (a Backend, a list of them, or a callable returning either), or
+    refuse the whole entry point: a plugin is not half registered."""
+    described = _describe(entry)
+    try:
+        loaded = entry.load()
+        found = loaded() if callable(loaded) and not isinstance(loaded, Backend) else loaded
+        backends = list(found) if isinstance(found, (list, tuple)) else [found]
+        replacing, names = set(), set()
+        for backend in backends:
+            if not isinstance(backend, Backend) or not isinstance(backend.name, str):
+                raise InvalidInputTypeError(f"{backend!r} does not implement attnkit.Backend (a str name and methods)")
+            if backend.name in names:
+                raise InvalidInputError(f"it gives two backends named {backend.name!r}")
+            names.add(backend.name)
+            declared = getattr(backend, REPLACES_BUILTIN, False)
+            if not isinstance(declared, bool):
+                raise InvalidInputTypeError(f"{backend.name}.{REPLACES_BUILTIN}={declared!r}, expected True or False")
+            taken = _origins.get(backend.name)
+            if taken is None:
+                continue
+            if declared and taken == BUILTIN:
+                replacing.add(backend.name)
+                continue
+            raise InvalidInputError(
+                f"backend name {backend.name!r} is already taken by {taken} (a plugin replaces a built-in only "
+                f"if its backend sets {REPLACES_BUILTIN} = True; or register it yourself with "
+                "attnkit.register_backend(backend, replace=True))"
+            )
+    except Exception as error:  # a broken or clashing third-party plugin must not break attnkit
+        _refused.append(RefusedPlugin(described, f"{type(error).__name__}: {error}"))
+        _log.warning("attnkit: %s refused: %s", described, error)
+        return
+    for backend in backends:
+        _register(backend, backend.name in replacing, described)
+        if backend.name in replacing:
+            _log.info("attnkit: %s replaces the built-in backend %r, as it declares", described, backend.name)
 
 
 def _ensure_loaded() -> None:
@@ -63,14 +150,9 @@ def _ensure_loaded() -> None:
         _loaded = True
         for module in _BUILTIN_MODULES:
             importlib.import_module(module)
+        _refused.clear()
         for entry in entry_points(group=ENTRY_POINT_GROUP):
-            try:
-                loaded = entry.load()
-                backends = loaded() if callable(loaded) and not isinstance(loaded, Backend) else loaded
-                for backend in backends if isinstance(backends, (list, tuple)) else [backends]:
-                    register_backend(backend, replace=True)
-            except Exception as error:  # a broken third-party plugin must not break attnkit
-                _log.warning("attnkit: entry point %s failed to load: %s", entry.name, error)
+            _load_plugin(entry)
 
 
 def get_backend(name: str) -> Backend:
@@ -89,6 +171,21 @@ def backends() -> dict[str, Backend]:
     _ensure_loaded()
     with _lock:
         return dict(_backends)
+
+
+def origins() -> dict[str, str]:
+    """Where each registered backend came from: ``"built-in"``, the entry point and its distribution and version,
+    or the module that registered it at run time (each with what it replaced, if anything)."""
+    _ensure_loaded()
+    with _lock:
+        return dict(_origins)
+
+
+def refused_plugins() -> tuple[RefusedPlugin, ...]:
+    """The entry points that registered nothing, with the reason (a name clash, an import or call that failed)."""
+    _ensure_loaded()
+    with _lock:
+        return tuple(_refused)
 
 
 def generation() -> int:

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
 import pytest
 import torch
 
 import attnkit
+from attnkit import registry
 from attnkit.testing import interpret_triton_without_gpu, register_profiles
 from tests.cupy_emulator import attach_emulator
 
@@ -35,3 +40,68 @@ def _fresh_config():
     attnkit.configure()
     yield
     attnkit.configure()
+
+
+PLUGIN_DISTRIBUTION = "attnkit-test-plugin 1.2.3"
+# Each entry point of the test plugin: one new backend, one name clash (refused as a whole, with its other backend),
+# one declared replacement of a built-in, one that raises and one whose module is missing.
+PLUGIN_ENTRY_POINTS = {
+    "fresh": "attnkit_test_plugin:fresh",
+    "clash": "attnkit_test_plugin:clash",
+    "replace": "attnkit_test_plugin:replace",
+    "broken": "attnkit_test_plugin:broken",
+    "missing": "attnkit_test_plugin_missing:backend",
+}
+PLUGIN_MODULE = """
+from attnkit.backends.reference.torch_naive import TorchNaiveBackend
+
+
+class Renamed(TorchNaiveBackend):
+    def __init__(self, name, replaces_builtin=False):
+        self.name = name
+        if replaces_builtin:
+            self.replaces_builtin = True
+
+
+def fresh():
+    return Renamed("test-plugin-fresh")
+
+
+def clash():
+    return [Renamed("test-plugin-other"), Renamed("torch-sdpa")]
+
+
+replace = Renamed("torch-chunked", replaces_builtin=True)
+
+
+def broken():
+    raise RuntimeError("the plugin failed to start")
+"""
+
+
+@pytest.fixture
+def plugin_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """An installed distribution (a real dist-info on sys.path) with ``attnkit.backends`` entry points, loaded by
+    the registry's own code on the next registry call; the registry is restored afterwards."""
+    name, version = PLUGIN_DISTRIBUTION.split()
+    (tmp_path / "attnkit_test_plugin.py").write_text(PLUGIN_MODULE)
+    dist_info = tmp_path / f"{name.replace('-', '_')}-{version}.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    lines = "".join(f"{entry} = {target}\n" for entry, target in PLUGIN_ENTRY_POINTS.items())
+    (dist_info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\n{lines}")
+    with registry._lock:
+        backends, origins, refused = dict(registry._backends), dict(registry._origins), list(registry._refused)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(registry, "_loaded", False)
+    try:
+        yield
+    finally:
+        sys.modules.pop("attnkit_test_plugin", None)
+        with registry._lock:
+            registry._backends.clear()
+            registry._backends.update(backends)
+            registry._origins.clear()
+            registry._origins.update(origins)
+            registry._refused[:] = refused
+            registry.serial += 1  # every cache keyed on the registry state forgets the plugin's backends

@@ -12,6 +12,7 @@ import attnkit
 from attnkit import registry
 from attnkit.backend import ALL_FEATURES
 from attnkit.cli import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown, main
+from tests.conftest import PLUGIN_DISTRIBUTION
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WRONG_BACKEND = "test-cli-wrong"
@@ -29,6 +30,31 @@ def test_info_lists_every_backend(capsys: pytest.CaptureFixture[str]) -> None:
         assert name in out
     for feature in ALL_FEATURES:
         assert feature in out
+
+
+def test_info_says_where_each_backend_came_from_and_which_plugins_were_refused(
+    capsys: pytest.CaptureFixture[str], plugin_distribution: None
+) -> None:
+    code, out = run(capsys, "info")
+    assert code == 0
+    lines = out.splitlines()
+    origins = {
+        line.split(":")[0].strip(): lines[index + 1].strip()
+        for index, line in enumerate(lines[:-1])
+        if lines[index + 1].startswith("    from: ")
+    }
+    assert set(origins) == set(registry.backends())
+    source = f"from {PLUGIN_DISTRIBUTION}"
+    assert origins["torch-naive"] == "from: built-in"
+    assert origins["test-plugin-fresh"] == f"from: entry point fresh = attnkit_test_plugin:fresh {source}"
+    assert (
+        origins["torch-chunked"]
+        == f"from: entry point replace = attnkit_test_plugin:replace {source}, replacing built-in"
+    )
+    refused = out[out.index("plugins refused") :]
+    for entry in ("clash", "broken", "missing"):
+        assert f"  entry point {entry} = " in refused
+    assert f"clash = attnkit_test_plugin:clash {source}: InvalidInputError: backend name 'torch-sdpa'" in refused
 
 
 def test_info_markdown_writes_capability_markdown(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import importlib
+import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -112,7 +116,7 @@ def test_use_backend_is_async_task_local() -> None:
     [
         (
             {"priority": {"cpu": ["flash"]}},
-            r"config dict: key priority.cpu: unknown backend 'flash' \(allowed: .*torch-naive",
+            r"configure\(dict\): key priority.cpu: unknown backend 'flash' \(allowed: .*torch-naive",
         ),
         ({"priority": {"tpu": ["torch-naive"]}}, r"key priority.tpu: unknown device \(allowed"),
         ({"priorty": {}}, "key priorty: Extra inputs are not permitted"),
@@ -120,11 +124,128 @@ def test_use_backend_is_async_task_local() -> None:
         ({"refine": [{"when": ["cosin"], "priority": {}}]}, r"unknown feature\(s\) \['cosin'\]"),
         ({"refine": [{"when_any": ["offset"], "priority": {}}]}, r"unknown feature\(s\) \['offset'\]"),
         ({"refine": [{"priority": {"cpu": ["torch-naive"]}}]}, r"a refinement needs `when` \(all of\) or `when_any`"),
+        # each source is validated alone, before the merge (a list here was a raw TypeError)
+        ({"priority": ["torch-naive"]}, r"key priority: Input should be a valid dictionary \(a table of device"),
+        (
+            {"priority": {"cpu": "torch-naive"}},
+            r"key priority.cpu: Input should be a valid tuple \(got 'torch-naive'\)",
+        ),
+        ({"refine": {"when": ["window"]}}, r"key refine: Input should be a valid tuple \(an array of tables"),
+        # strict scalars: no string is a bool or a number
+        ({"use_costs": "no"}, r"key use_costs: Input should be a valid boolean \(got 'no'\)"),
+        ({"use_costs": 0}, r"key use_costs: Input should be a valid boolean \(got 0\)"),
+        ({"cost_margin": "0.9"}, r"key cost_margin: Input should be a valid number \(got '0.9'\)"),
+        ({"cost_margin": True}, r"key cost_margin: Input should be a valid number \(got True\)"),
+        ({"backend": 3}, r"key backend: Input should be a valid string \(got 3\)"),
+        ({"refine": [{"when": [1], "priority": {}}]}, r"key refine\[0\].when\[0\]: Input should be a valid string"),
     ],
 )
 def test_invalid_config_names_the_key_and_allowed_values(source: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         attnkit.configure(source)
+
+
+def test_an_int_is_a_fine_number_and_auto_forces_nothing() -> None:
+    assert attnkit.configure({"cost_margin": 1}).cost_margin == 1.0
+    assert attnkit.configure({"backend": "auto"}).backend is None
+
+
+def test_a_bad_source_is_refused_before_it_touches_the_config_in_force() -> None:
+    before = current_config()
+    with pytest.raises(ConfigError, match=r"use_config\(dict\): key priority"):
+        with attnkit.use_config({"priority": ["torch-naive"]}):
+            pass
+    with pytest.raises(attnkit.InvalidInputTypeError, match="expected a TOML file's path .* or a mapping, got list"):
+        attnkit.configure(["torch-naive"])  # type: ignore[arg-type]
+    assert current_config() is before
+
+
+def test_environment_errors_name_the_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ATTNKIT_BACKEND", "nope")
+    with pytest.raises(ConfigError, match=r"^ATTNKIT_BACKEND: unknown backend 'nope' \(allowed: auto, .*torch-naive"):
+        attnkit.configure()
+    monkeypatch.setenv("ATTNKIT_BACKEND", "auto")
+    assert attnkit.configure({"backend": "torch-naive"}).backend is None  # the variable is the later layer
+    path = tmp_path / "user.toml"
+    path.write_text('use_costs = "no"\n')
+    monkeypatch.setenv("ATTNKIT_CONFIG", str(path))
+    with pytest.raises(
+        ConfigError, match=f"^ATTNKIT_CONFIG={re.escape(str(path))}: key use_costs: Input should be a valid boolean"
+    ):
+        attnkit.configure()
+
+
+def test_unknown_log_level_is_an_error_at_the_first_call_not_at_import(monkeypatch: pytest.MonkeyPatch) -> None:
+    logger = logging.getLogger("attnkit")
+    monkeypatch.setenv("ATTNKIT_LOG", "verbose")
+    importlib.reload(attnkit)  # import reads no variable: a typo cannot make `import attnkit` fail
+    with pytest.raises(ConfigError, match=r"ATTNKIT_LOG='verbose': unknown log level \(allowed, any case: debug, info"):
+        attnkit.configure()
+    monkeypatch.setenv("ATTNKIT_LOG", "DEBUG")
+    attnkit.configure()
+    assert logger.level == logging.DEBUG and len(logger.handlers) == 1
+    attnkit.configure()  # read again: still one handler
+    assert len(logger.handlers) == 1
+    monkeypatch.delenv("ATTNKIT_LOG")
+    attnkit.configure()
+    assert (logger.level, logger.handlers) == (logging.NOTSET, [])
+
+
+WINDOW = AttentionSpec(window=(2, 0))
+
+
+def test_a_user_priority_list_wins_over_the_refinements_below_it_for_its_device(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shipped = load_config(default_config_path())
+    assert any(refinement.matches(WINDOW.features()) for refinement in shipped.refine)  # what is overridden
+    with attnkit.use_config({"priority": {"cpu": ["torch-naive"]}}):
+        assert chosen(WINDOW) == "torch-naive"
+    # a user file's refinements, under a later layer: kept for the devices it gives no priority list for
+    path = tmp_path / "user.toml"
+    path.write_text('[[refine]]\nwhen = ["window"]\npriority.cpu = ["torch-chunked"]\npriority.cuda = ["triton"]\n')
+    monkeypatch.setenv("ATTNKIT_CONFIG", str(path))
+    assert attnkit.configure({"priority": {"cuda": ["torch-naive"]}}).priority_for("cpu", WINDOW.features()) == (
+        "torch-chunked",
+    )
+    assert chosen(WINDOW) == "torch-chunked"
+    config = attnkit.configure({"priority": {"cpu": ["torch-naive"]}})
+    assert chosen(WINDOW) == "torch-naive"
+    assert config.priority_for("cuda", WINDOW.features()) == ("triton",)
+    # the same layer's refinements apply on top of its own priority lists
+    attnkit.configure(
+        {"priority": {"cpu": ["torch-naive"]}, "refine": [{"when": ["window"], "priority": {"cpu": ["torch-chunked"]}}]}
+    )
+    assert (chosen(WINDOW), chosen()) == ("torch-chunked", "torch-naive")
+
+
+def test_scopes_compose_innermost_first() -> None:
+    default = chosen()
+    with attnkit.use_backend("torch-naive"):
+        with attnkit.use_config({"backend": "torch-chunked"}):
+            assert chosen() == "torch-chunked"
+            with attnkit.use_backend("torch-naive"):
+                assert chosen() == "torch-naive"
+        with attnkit.use_config({"use_costs": False}):  # names no backend: the outer one holds
+            assert chosen() == "torch-naive"
+        with attnkit.use_config({"backend": "auto"}):
+            assert chosen() == default
+        assert chosen() == "torch-naive"
+
+
+def test_thread_pools_drop_the_scope_unless_given_the_context() -> None:
+    """README, "Choosing a backend": contextvars do not cross loop.run_in_executor or a thread pool by themselves;
+    contextvars.copy_context().run carries them."""
+
+    async def in_executor() -> tuple[str, str]:
+        loop = asyncio.get_running_loop()
+        with attnkit.use_backend("torch-naive"):
+            lost = await loop.run_in_executor(None, chosen)
+            kept = await loop.run_in_executor(None, contextvars.copy_context().run, chosen)
+        return lost, kept
+
+    lost, kept = asyncio.run(in_executor())
+    assert (lost, kept) == (chosen(), "torch-naive")
 
 
 def test_invalid_file_names_the_file(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@ import torch
 from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 
 import attnkit
-from attnkit import AttentionInputs, AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch
+from attnkit import AttentionInputs, AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch, registry
 from attnkit.backend import with_plain_call
-from tests.conftest import available_backends
+from tests.conftest import PLUGIN_DISTRIBUTION, available_backends
 
 
 class CountingBackend(TorchNaiveBackend):
@@ -60,12 +60,8 @@ def tensors() -> tuple[Any, Any, Any]:
     return torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
 
 
-# The shipped [[refine]] entries would replace these priority lists for a causal call with Lq=3 != Lk=4.
-ONLY_PRIORITY = {"refine": []}
-
-
 def test_auto_runs_first_backend_in_priority_that_can_serve(plugin: CountingBackend) -> None:
-    with attnkit.use_config({"priority": {"cpu": ["test-plugin", "torch-naive"]}, **ONLY_PRIORITY}):
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin", "torch-naive"]}}):
         attnkit.attend(AttentionSpec(causal=True), *tensors())
         assert plugin.forward_calls == 1
         # softcap is not declared by the plugin: auto moves on to torch-naive, and explain says why
@@ -95,7 +91,7 @@ def test_no_backend_can_serve_lists_every_backend_with_reasons(plugin: CountingB
 
 def test_decision_is_cached_per_spec_and_problem(plugin: CountingBackend) -> None:
     dispatch.clear_cache()
-    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}, **ONLY_PRIORITY}):
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}}):
         for _ in range(5):
             attnkit.attend(AttentionSpec(causal=True), *tensors())
         assert (plugin.supports_calls, plugin.forward_calls) == (1, 5)
@@ -107,7 +103,7 @@ def test_availability_is_read_once_per_registry_state_not_per_new_shape(plugin: 
     """A growing KV cache makes a new shape, so a new decision, at every decode step: it must not look at the
     machine (imports, compilers, devices) again each time."""
     dispatch.clear_cache()
-    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}, **ONLY_PRIORITY}):
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}}):
         for len_k in range(4, 12):
             attnkit.attend(AttentionSpec(causal=True), torch.randn(1, 2, 1, 8), *[torch.randn(1, 2, len_k, 8)] * 2)
         assert (plugin.available_calls, plugin.supports_calls, plugin.forward_calls) == (1, 8, 8)
@@ -199,23 +195,40 @@ def test_register_rejects_non_backends_and_duplicates(plugin: CountingBackend) -
         attnkit.register_backend(CountingBackend("test-plugin"))
 
 
-def test_entry_point_plugins_are_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    from attnkit import registry
-
-    class FakeEntryPoint:
-        name = "fake"
-
-        def load(self):
-            return lambda: CountingBackend("entry-point-plugin")
-
-    monkeypatch.setattr(
-        registry, "entry_points", lambda group: [FakeEntryPoint()] if group == "attnkit.backends" else []
+def test_entry_point_plugins_load_but_never_silently_replace_a_builtin(
+    plugin_distribution: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    builtin_sdpa = registry._backends["torch-sdpa"]
+    with caplog.at_level(logging.WARNING, logger="attnkit"):
+        registered, origins = attnkit.registered_backends(), registry.origins()
+    source = f"from {PLUGIN_DISTRIBUTION}"
+    assert origins["test-plugin-fresh"] == f"entry point fresh = attnkit_test_plugin:fresh {source}"
+    # a declared replacement of a built-in is obeyed, and says so
+    assert type(registered["torch-chunked"]).__module__ == "attnkit_test_plugin"
+    assert origins["torch-chunked"] == f"entry point replace = attnkit_test_plugin:replace {source}, replacing built-in"
+    # an undeclared clash is refused as a whole (its other backend too), logged and listed with the reason
+    assert registered["torch-sdpa"] is builtin_sdpa and origins["torch-sdpa"] == "built-in"
+    assert "test-plugin-other" not in registered
+    refused = {plugin.entry_point.split()[2]: plugin.reason for plugin in registry.refused_plugins()}
+    assert set(refused) == {"clash", "broken", "missing"}
+    assert refused["clash"].startswith("InvalidInputError: backend name 'torch-sdpa' is already taken by built-in")
+    assert (
+        "replaces_builtin = True" in refused["clash"] and "register_backend(backend, replace=True)" in refused["clash"]
     )
-    monkeypatch.setattr(registry, "_loaded", False)
-    try:
-        assert "entry-point-plugin" in attnkit.registered_backends()
-    finally:
-        attnkit.unregister_backend("entry-point-plugin")
+    assert refused["broken"] == "RuntimeError: the plugin failed to start"
+    assert refused["missing"].startswith("ModuleNotFoundError: No module named 'attnkit_test_plugin_missing'")
+    warned = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
+    assert any("entry point clash" in message and "torch-sdpa" in message for message in warned), warned
+    # the user may ask for the replacement explicitly
+    import attnkit_test_plugin  # type: ignore[import-not-found]
+
+    attnkit.register_backend(attnkit_test_plugin.Renamed("torch-sdpa"), replace=True)
+    assert registry.origins()["torch-sdpa"] == "registered at run time by tests.test_dispatch, replacing built-in"
+
+
+def test_a_run_time_registration_says_who_made_it(plugin: CountingBackend) -> None:
+    assert registry.origins()["test-plugin"] == "registered at run time by tests.test_dispatch"
+    assert set(registry.origins()) == set(attnkit.registered_backends())
 
 
 def test_debug_log_once_per_decision(plugin: CountingBackend, caplog: pytest.LogCaptureFixture) -> None:
@@ -253,7 +266,7 @@ def test_repeated_calls_still_check_length_values_and_follow_config(plugin: Coun
         attnkit.attend(AttentionSpec(), q, k, v, kv_lengths=torch.tensor([5]))
     spec = AttentionSpec(causal=True)
     attnkit.attend(spec, q, k, v)
-    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}, **ONLY_PRIORITY}):
+    with attnkit.use_config({"priority": {"cpu": ["test-plugin"]}}):
         attnkit.attend(spec, q, k, v)
     assert plugin.forward_calls == 1
     with pytest.raises(attnkit.InvalidInputTypeError, match="k has dtype float64"):
@@ -283,6 +296,43 @@ def test_repeated_calls_follow_configure_and_nested_scopes(plugin: CountingBacke
         attnkit.configure()
     attnkit.attend(spec, q, k, v)
     assert plugin.forward_calls == 3
+
+
+def test_the_innermost_scope_wins_on_repeated_calls(plugin: CountingBackend) -> None:
+    """use_backend is use_config({"backend": ...}): whichever is inner wins, a scope's keys override only what they
+    name, and the fast path (each call is made twice) never serves an outer scope's route."""
+    inner = CountingBackend("test-inner")
+    attnkit.register_backend(inner)
+    spec, (q, k, v) = AttentionSpec(), tensors()
+
+    def ran_on() -> str:
+        before = plugin.forward_calls, inner.forward_calls
+        for _ in range(2):
+            attnkit.attend(spec, q, k, v)
+        counts = {"test-plugin": plugin.forward_calls - before[0], "test-inner": inner.forward_calls - before[1]}
+        return next((name for name, count in counts.items() if count == 2), "another backend")
+
+    try:
+        with attnkit.use_backend("test-plugin"):
+            assert ran_on() == "test-plugin"
+            with attnkit.use_config({"backend": "test-inner"}):
+                assert ran_on() == "test-inner"
+                with attnkit.use_backend("test-plugin"):
+                    assert ran_on() == "test-plugin"
+                assert ran_on() == "test-inner"
+            with attnkit.use_config({"priority": {"cpu": ["test-inner"]}}):  # names no backend: the outer one holds
+                assert ran_on() == "test-plugin"
+            with attnkit.use_config({"backend": "auto", "priority": {"cpu": ["torch-naive"]}}):
+                assert ran_on() == "another backend"
+            attnkit.configure({"backend": "test-inner"})  # a scope's config is fixed on entry
+            assert ran_on() == "test-plugin"
+        assert ran_on() == "test-inner"
+        with attnkit.use_config({"backend": "test-plugin"}):
+            with attnkit.use_backend("auto"):  # forces nothing, whatever the layers below force
+                assert ran_on() == "another backend"
+    finally:
+        attnkit.configure()
+        attnkit.unregister_backend("test-inner")
 
 
 class PlainCallBackend(CountingBackend):

@@ -111,3 +111,34 @@ def test_named_backend_that_cannot_serve_lists_reasons_and_never_falls_back() ->
     with pytest.raises(BackendUnavailableError, match=f"backend='{jax_only[0]}' cannot serve this call") as raised:
         attnkit.attend(SPEC, q, k, v, backend=jax_only[0])
     assert "framework=torch" in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "message"),
+    [
+        (
+            {"q": (2, 4, 5, 0), "k": (2, 2, 6, 0)},
+            r"head_dim=0 \(q and k\) and head_dim_v=8 \(v\) must both be positive",
+        ),
+        ({"v": (2, 2, 6, 0)}, r"head_dim=16 \(q and k\) and head_dim_v=0 \(v\) must both be positive"),
+    ],
+)
+def test_zero_head_dim_is_invalid_input_in_attend_and_explain(shapes, message) -> None:
+    q, k, v = qkv(**shapes)
+    for call in (attnkit.attend, attnkit.explain):
+        with pytest.raises(InvalidInputError, match=message):
+            call(SPEC, q, k, v)
+
+
+@pytest.mark.parametrize("backend", [None, 3, ["torch-naive"], "registered backend object"])
+def test_backend_must_be_auto_or_a_name(backend) -> None:
+    """None is not a synonym of "auto": a forgotten value must not pass for a choice (nor a Backend for its name)."""
+    q, k, v = qkv()
+    if backend == "registered backend object":
+        backend = attnkit.get_backend("torch-naive")
+    attnkit.attend(SPEC, q, k, v)  # the same call with backend="auto" is cached: the fast path must check too
+    with pytest.raises(InvalidInputTypeError, match=r"backend=.*: expected 'auto' or a registered backend's name"):
+        attnkit.attend(SPEC, q, k, v, backend=backend)
+    with pytest.raises(InvalidInputTypeError, match=r"use_backend\(name=.*\): expected 'auto' or a registered"):
+        with attnkit.use_backend(backend):
+            pass
