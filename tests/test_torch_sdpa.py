@@ -10,7 +10,7 @@ import torch
 
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec
-from attnkit.torch_contract import literal_attention, visibility
+from attnkit.backends.reference.torch_naive import oracle_attention, oracle_visibility
 
 sdpa = pytest.importorskip("attnkit.backends.native.torch_sdpa")
 pytestmark = pytest.mark.skipif(bool(attnkit.get_backend("torch-sdpa").available()), reason="torch-sdpa unavailable")
@@ -29,7 +29,7 @@ def test_nan_scores_give_nan_rows_at_every_key_count(len_k: int, causal: bool, p
     else:
         k[0, 0, 0] = float("nan")  # key 0: seen by every row, alone by row 0 of a top-left causal call
     spec = AttentionSpec(causal=causal, causal_alignment="top_left")
-    expected, _ = literal_attention(spec, AttentionInputs(q.double(), k.double(), v.double()), torch.float64)
+    expected, _ = oracle_attention(spec, AttentionInputs(q.double(), k.double(), v.double()), torch.float64)
     for return_lse in (False, True):
         result = attnkit.attend(spec, q, k, v, backend="torch-sdpa", return_lse=return_lse)
         out = result[0] if return_lse else result
@@ -37,9 +37,7 @@ def test_nan_scores_give_nan_rows_at_every_key_count(len_k: int, causal: bool, p
 
 
 def brute_force_rows(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> list[list[int]]:
-    visible = visibility(spec, inputs, len_q, len_k)
-    if visible is None:
-        return [list(range(len_k))] * len_q
+    visible = oracle_visibility(spec, inputs, len_q, len_k)  # the oracle's, not the one torch-sdpa reads
     seen = visible.expand(-1, -1, len_q, len_k).any(dim=1).any(dim=0)  # any batch element or head
     return [torch.nonzero(seen[i]).flatten().tolist() for i in range(len_q)]
 

@@ -44,6 +44,7 @@ from attnkit import (
 from attnkit.backend import Runner, with_plain_call
 from attnkit.torch_contract import (
     COSINE_EPS,
+    block_of,
     compute_dtype,
     gradients_by_autograd,
     literal_attention,
@@ -103,7 +104,7 @@ class _Plan:
     def mask(self, block: _Block) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(additive mask or None, boolean empty rows (B|1, H|1, rows) or None) for one block."""
         bias = self.inputs.bias
-        bias_block = None if bias is None else bias[:, :, block.rows, block.cols].to(self.mask_dtype)
+        bias_block = None if bias is None else block_of(bias, block.rows, block.cols).to(self.mask_dtype)
         if not block.masked:
             return bias_block, None
         rows, cols = block.rows, block.cols
