@@ -11,6 +11,7 @@ import torch
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec
 from attnkit.backends.reference.torch_naive import oracle_attention, oracle_visibility
+from attnkit.testing import Case, assert_backends_agree
 
 sdpa = pytest.importorskip("attnkit.backends.native.torch_sdpa")
 pytestmark = pytest.mark.skipif(bool(attnkit.get_backend("torch-sdpa").available()), reason="torch-sdpa unavailable")
@@ -78,3 +79,19 @@ def test_blocks_partition_the_queries_and_cover_exactly_the_band() -> None:
         for i, keys in enumerate(rows):
             if keys:
                 assert i in covered and covered[i][0] <= min(keys) and max(keys) < covered[i][1], (spec, i)
+
+
+@pytest.mark.parametrize(
+    ("spec", "len_q", "len_k"),
+    [
+        (AttentionSpec(window=(3, 2)), 2 * sdpa.WINDOW_BLOCK_Q + 5, 2 * sdpa.WINDOW_BLOCK_Q + 5),
+        (AttentionSpec(causal=True), sdpa.BLOCK_Q + 5, sdpa.BLOCK_Q + 8),
+    ],
+    ids=["window", "causal-offset"],
+)
+def test_broadcast_mask_and_bias_reach_every_query_block(spec: AttentionSpec, len_q: int, len_k: int) -> None:
+    """A mask or bias broadcast along the query axis (or the key axis) holds one row (column) for all: each query
+    block must take that whole row, not its own slice of it (which is empty past the first block)."""
+    for mask_shape, bias_shape in (((1, 2, 1, len_k), (len_q, 1)), ((len_q, 1), (1, 2, 1, len_k))):
+        case = Case(spec=spec, len_q=len_q, len_k=len_k, batch=1, mask_shape=mask_shape, bias_shape=bias_shape)
+        assert_backends_agree(case, backends=["torch-sdpa"])
