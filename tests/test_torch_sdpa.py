@@ -95,3 +95,11 @@ def test_broadcast_mask_and_bias_reach_every_query_block(spec: AttentionSpec, le
     for mask_shape, bias_shape in (((1, 2, 1, len_k), (len_q, 1)), ((len_q, 1), (1, 2, 1, len_k))):
         case = Case(spec=spec, len_q=len_q, len_k=len_k, batch=1, mask_shape=mask_shape, bias_shape=bias_shape)
         assert_backends_agree(case, backends=["torch-sdpa"])
+
+
+@pytest.mark.parametrize("spec", [AttentionSpec(causal=True), AttentionSpec(window=(2, 1))], ids=["causal", "window"])
+def test_float64_through_the_flash_op_agrees_with_gradients(spec: AttentionSpec) -> None:
+    """float64 is declared, and the conformance suite draws only float32 and the half types: the op's lse comes back
+    in float64 here and its backward takes it only so (the backward raised a dtype error before)."""
+    case = Case(spec=spec, batch=2, len_q=5, len_k=9, kv_lengths=(9, 3), dtype="float64")
+    assert_backends_agree(case, backends=["torch-sdpa"])

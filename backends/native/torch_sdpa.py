@@ -190,7 +190,8 @@ class _BlockedFlash(torch.autograd.Function):
         batch, heads, len_q, _ = q.shape
         out = q.new_zeros(batch, heads, len_q, v.shape[-1])
         lse = q.new_full((batch, heads, len_q), float("-inf"), dtype=torch.float32)
-        kernel_lse = torch.full_like(lse, float("-inf"))
+        # The op's own lse, in its dtype (float64 for float64 inputs): its backward takes it back as it gave it.
+        kernel_lse = torch.full_like(lse, float("-inf"), dtype=compute_dtype(q.dtype))
         for block in plan.blocks:
             mask, empty = plan.mask(block)
             k_span, v_span = k[:, :, block.cols], v[:, :, block.cols]
