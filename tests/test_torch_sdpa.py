@@ -7,10 +7,10 @@ import random
 
 import pytest
 import torch
+from attnkit.backends.reference.torch_naive import oracle_attention, oracle_visibility
 
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec
-from attnkit.backends.reference.torch_naive import oracle_attention, oracle_visibility
 from attnkit.testing import Case, assert_backends_agree
 
 sdpa = pytest.importorskip("attnkit.backends.native.torch_sdpa")
