@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 import attnkit
 from attnkit.testing import Case, backends_for, check_backend
 from attnkit.testing.strategies import cases
-from tests.conftest import available_backends
+from tests.conftest import backend_params
 
 
-@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("backend", backend_params())
 @given(data=st.data())
 def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
     capabilities = attnkit.get_backend(backend).capabilities
