@@ -28,10 +28,15 @@ torch.set_num_threads(1)
 EXPECTED_BACKENDS_VARIABLE = "ATTNKIT_EXPECT_BACKENDS"
 
 
+def backend_names(value: str) -> list[str]:
+    """Backend names listed with commas or spaces between them."""
+    return [name for name in re.split(r"[,\s]+", value) if name]
+
+
 def expected_backends() -> list[str] | None:
-    """The backends :data:`EXPECTED_BACKENDS_VARIABLE` names (commas or spaces between), None when it is unset."""
+    """The backends :data:`EXPECTED_BACKENDS_VARIABLE` names, None when it is unset."""
     value = os.environ.get(EXPECTED_BACKENDS_VARIABLE)
-    return None if value is None else [name for name in re.split(r"[,\s]+", value) if name]
+    return None if value is None else backend_names(value)
 
 
 def available_backends() -> list[str]:

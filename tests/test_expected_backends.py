@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import attnkit
-from tests.conftest import EXPECTED_BACKENDS_VARIABLE, expected_backends
+from tests.conftest import EXPECTED_BACKENDS_VARIABLE, backend_names, expected_backends
 
 CI_SCRIPT = Path(__file__).resolve().parent.parent / ".ci" / "run"
 
@@ -37,5 +37,5 @@ def test_ci_declares_registered_backends() -> None:
     """.ci/run's declaration names backends that exist (a renamed backend would otherwise fail only in CI)."""
     declared = re.search(rf'^export {EXPECTED_BACKENDS_VARIABLE}="([^"]*)"$', CI_SCRIPT.read_text(), re.M)
     assert declared, f".ci/run does not export {EXPECTED_BACKENDS_VARIABLE}"
-    names = [name for name in re.split(r"[,\s]+", declared.group(1)) if name]
+    names = backend_names(declared.group(1))
     assert names and set(names) <= set(attnkit.registered_backends()), names
