@@ -183,7 +183,8 @@ def test_both_visibility_rules_match_the_per_pair_loop(case: Case, tile_q: int, 
 def _defective_copy(module: ModuleType, old: str, new: str, tmp_path: Path) -> ModuleType:
     """``module`` loaded again from a copy of its source with ``old`` replaced by ``new`` (a deliberate defect)."""
     source = Path(module.__file__ or "").read_text()
-    assert source.count(old) == 1, f"the defect's anchor is not unique in {module.__name__}: {old!r}"
+    count = source.count(old)
+    assert count == 1, f"the defect's anchor {old!r} occurs {count} times in {module.__name__}, not once"
     name = "defective_" + module.__name__.replace(".", "_")
     path = tmp_path / f"{name}.py"
     path.write_text(source.replace(old, new))
@@ -209,7 +210,7 @@ VISIBILITY_DEFECTS = {
     "window left edge one key short": (
         Case(spec=AttentionSpec(window=(2, 1)), batch=1, len_q=10, len_k=10, dtype="float64"),
         ("conjoin(j >= aligned - left)", "conjoin(j > aligned - left)"),
-        ("every_pair.triu(off - left)", "every_pair.triu(off - left + 1)"),
+        ("element.triu_(off - left)", "element.triu_(off - left + 1)"),
     ),
     "bottom-right offset one too large": (
         Case(spec=AttentionSpec(causal=True), batch=1, len_q=5, len_k=9, dtype="float64"),

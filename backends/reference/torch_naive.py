@@ -24,25 +24,24 @@ from attnkit.torch_contract import compute_dtype, literal_attention
 
 def oracle_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> torch.Tensor:
     """Boolean (B, Hq|1, Lq, Lk): may query i see key j, docs/semantics.md §4 clause by clause, one batch element at
-    a time. Causal and window are bands of the (Lq, Lk) matrix cut along its diagonals (j − i ≤ off is ``tril(off)``),
+    a time. Causal and window are bands of the (Lq, Lk) matrix cut along its diagonals (j − i ≤ off is ``tril_(off)``),
     lengths blank whole rows and columns; written apart from ``torch_contract.visibility`` (index comparisons) so
     that tests/test_oracle.py can hold each against the other and a per-pair loop."""
     batch = inputs.q.shape[0]
     q_lens = inputs.q_lengths.tolist() if inputs.q_lengths is not None else [len_q] * batch
     kv_lens = inputs.kv_lengths.tolist() if inputs.kv_lengths is not None else [len_k] * batch
-    every_pair = torch.ones(len_q, len_k, dtype=torch.bool, device=inputs.q.device)
-    visible = every_pair.repeat(batch, 1, 1, 1)
+    visible = torch.ones(batch, 1, len_q, len_k, dtype=torch.bool, device=inputs.q.device)
     for element, q_len, kv_len in zip(visible[:, 0], q_lens, kv_lens):
         # §4.1/4.3: the last real query faces the last real key (bottom-right), or query 0 faces key 0 (top-left).
         off = kv_len - q_len if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT else 0
-        if spec.causal:  # j ≤ i + off
-            element &= every_pair.tril(off)
+        if spec.causal:  # j ≤ i + off: keep diagonal off and below
+            element.tril_(off)
         if spec.window is not None:  # i + off − left ≤ j ≤ i + off + right; None: that side is open
             left, right = spec.window
             if left is not None:
-                element &= every_pair.triu(off - left)
+                element.triu_(off - left)
             if right is not None:
-                element &= every_pair.tril(off + right)
+                element.tril_(off + right)
         element[q_len:, :] = False  # padding queries see nothing
         element[:, kv_len:] = False  # padding keys are seen by none
     return visible if inputs.mask is None else visible & inputs.mask
