@@ -36,6 +36,16 @@ def zero_padding(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     return torch.where(positions < lengths.view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def block_of(x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
+    """The (rows, cols) block of a 4-D mask or bias (B|1, Hq|1, Lq|1, Lk|1), leaving broadcast (size-1) axes whole:
+    slicing one of those past its first row would leave nothing."""
+    return x[:, :, rows if x.shape[2] != 1 else slice(None), cols if x.shape[3] != 1 else slice(None)]
+
+
+#: (spec, inputs, Lq, Lk) -> boolean visibility broadcastable to (B, Hq, Lq, Lk), or None when every pair is visible.
+VisibilityRule = Callable[[AttentionSpec, AttentionInputs, int, int], torch.Tensor | None]
+
+
 def visibility(
     spec: AttentionSpec,
     inputs: AttentionInputs,
@@ -81,7 +91,7 @@ def visibility(
     if q_len is not None:
         conjoin(i < q_len)
     if inputs.mask is not None:
-        conjoin(inputs.mask[:, :, rows, cols])
+        conjoin(block_of(inputs.mask, rows, cols))
     return visible
 
 
@@ -122,9 +132,12 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def literal_attention(
-    spec: AttentionSpec, inputs: AttentionInputs, dtype: torch.dtype
+    spec: AttentionSpec, inputs: AttentionInputs, dtype: torch.dtype, visibility_rule: VisibilityRule | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) computed in ``dtype`` throughout; differentiable by torch autograd.
+
+    ``visibility_rule`` defaults to :func:`visibility`; the oracle passes its own, written independently
+    (backends/reference/torch_naive.py), so that a slip in this one cannot pass the oracle and the backends alike.
 
     out is bhsd/bshd per the spec in ``dtype``; lse is (B, Hq, Lq) in ``dtype``. Rows with no visible
     key give out 0 and lse -inf, and (because every -inf and 0/0 is kept out of the graph with
@@ -136,7 +149,7 @@ def literal_attention(
     bias = inputs.bias.to(dtype) if inputs.bias is not None else None
     len_q, len_k = q.shape[2], k.shape[2]
     s = scores(spec, q, k, bias, spec.resolved_scale(q.shape[-1]))
-    visible = visibility(spec, inputs, len_q, len_k)
+    visible = (visibility_rule or visibility)(spec, inputs, len_q, len_k)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
     # lse = m + log Σ exp(S − m), with m detached (it cancels) and made finite for empty rows.

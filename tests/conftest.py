@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,7 +13,9 @@ import torch
 
 import attnkit
 from attnkit import registry
+from attnkit.backend import Framework
 from attnkit.testing import interpret_triton_without_gpu, register_profiles
+from attnkit.testing.runners import native_framework
 from tests.cupy_emulator import attach_emulator
 
 PROFILE = register_profiles()
@@ -25,13 +29,48 @@ attach_emulator()
 torch.set_num_threads(1)
 
 
+#: Names the backends this environment must have (.ci/run sets it): tests/test_expected_backends.py fails for each one
+#: that is unavailable, with its reasons. Unset (a developer's machine), that test is skipped, saying so.
+EXPECTED_BACKENDS_VARIABLE = "ATTNKIT_EXPECT_BACKENDS"
+
+
+def backend_names(value: str) -> list[str]:
+    """Backend names listed with commas or spaces between them."""
+    return [name for name in re.split(r"[,\s]+", value) if name]
+
+
+def expected_backends() -> list[str] | None:
+    """The backends :data:`EXPECTED_BACKENDS_VARIABLE` names, None when it is unset."""
+    value = os.environ.get(EXPECTED_BACKENDS_VARIABLE)
+    return None if value is None else backend_names(value)
+
+
 def available_backends() -> list[str]:
-    """Every registered backend that can run here: the parametrisation of the agreement tests."""
+    """Every registered backend that can run here."""
     return sorted(name for name, backend in attnkit.registered_backends().items() if not backend.available())
 
 
+def backend_params(framework: Framework | None = None) -> list[object]:
+    """Every registered backend (run by the harness in ``framework``, if given) as a test parameter, the
+    parametrisation of the agreement tests. One that cannot run here is a skip giving its reasons, so a backend lost
+    from an environment shows in the report, not only by its absence."""
+    params = []
+    for name, backend in sorted(attnkit.registered_backends().items()):
+        if framework is not None and native_framework(name) is not framework:
+            continue
+        reasons = backend.available()
+        marks = [pytest.mark.skip(reason=f"{name} is unavailable here: {'; '.join(reasons)}")] if reasons else []
+        params.append(pytest.param(name, marks=marks, id=name))
+    return params
+
+
 def pytest_report_header() -> list[str]:
-    return [f"hypothesis profile: {PROFILE}", f"attnkit backends here: {', '.join(available_backends())}"]
+    expected = expected_backends()
+    return [
+        f"hypothesis profile: {PROFILE}",
+        f"attnkit backends here: {', '.join(available_backends())}",
+        f"expected ({EXPECTED_BACKENDS_VARIABLE}): {', '.join(expected) if expected is not None else 'not set'}",
+    ]
 
 
 @pytest.fixture(autouse=True)

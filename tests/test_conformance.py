@@ -13,12 +13,12 @@ import attnkit
 from attnkit import AttentionSpec
 from attnkit.backend import Framework
 from attnkit.testing import Case, backends_for, check_backend
-from attnkit.testing.runners import drawable_dtypes, native_framework
+from attnkit.testing.runners import drawable_dtypes
 from attnkit.testing.strategies import cases
-from tests.conftest import available_backends
+from tests.conftest import backend_params
 
 
-@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("backend", backend_params())
 @given(data=st.data())
 def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
     capabilities = attnkit.get_backend(backend).capabilities
@@ -30,10 +30,7 @@ def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
     assert not failures, f"{backend} disagrees with the oracle on {case.describe()}:\n" + "\n".join(failures)
 
 
-JAX_BACKENDS = [name for name in available_backends() if native_framework(name) is Framework.JAX]
-
-
-@pytest.mark.parametrize("backend", JAX_BACKENDS)
+@pytest.mark.parametrize("backend", backend_params(Framework.JAX))
 @settings(max_examples=max(3, settings.default.max_examples // 6))
 @given(data=st.data())
 def test_jax_backend_agrees_with_the_oracle_under_x64(backend: str, data: st.DataObject) -> None:
@@ -50,7 +47,7 @@ def test_jax_backend_agrees_with_the_oracle_under_x64(backend: str, data: st.Dat
     assert not failures, f"{backend} under x64 disagrees on {case.describe()}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("backend", backend_params())
 def test_the_smallest_call_agrees_in_every_declared_dtype(backend: str) -> None:
     """B = H = Lq = Lk = 1: each product is one dot of two vectors, a form compilers special-case (XLA's CPU compiler
     rejected the bfloat16 one inside jitted jax.nn.dot_product_attention), drawn rarely at random."""

@@ -16,9 +16,9 @@ from attnkit.testing import Case, assert_backends_agree, backends_for, check_bac
 from attnkit.testing.agreement import rounded
 from attnkit.testing.cases import make_arrays
 from attnkit.testing.runners import native_framework, run_backend
-from tests.conftest import available_backends
+from tests.conftest import backend_params
 
-BACKENDS = available_backends()
+BACKENDS = backend_params()
 
 CLAUSES = {
     # §1 layouts and shapes

@@ -14,7 +14,7 @@ from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch, registry
 from attnkit.backend import with_plain_call
-from tests.conftest import PLUGIN_DISTRIBUTION, available_backends
+from tests.conftest import PLUGIN_DISTRIBUTION, available_backends, backend_params
 
 
 class CountingBackend(TorchNaiveBackend):
@@ -375,7 +375,7 @@ def test_a_declared_plain_call_serves_repeated_calls_with_q_k_v_alone_and_nothin
         attnkit.unregister_backend("test-plain")
 
 
-@pytest.mark.parametrize("backend", available_backends())
+@pytest.mark.parametrize("backend", backend_params())
 def test_repeated_calls_give_the_first_calls_answer_and_gradients(backend: str) -> None:
     """The first call in each grad mode validates and dispatches; later ones take the cached runner (or its plain
     call) and must give exactly what it gave (a backend may compute a forward-only call on another path)."""

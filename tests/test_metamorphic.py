@@ -12,9 +12,9 @@ from attnkit import AttentionSpec
 from attnkit.testing import Case, backends_for, make_arrays
 from attnkit.testing.runners import run_backend
 from attnkit.testing.strategies import specs
-from tests.conftest import available_backends
+from tests.conftest import backend_params
 
-BACKENDS = available_backends()
+BACKENDS = backend_params()
 TOLERANCE = {"rtol": 2e-5, "atol": 2e-5}  # float32 inputs: the two calls differ only in summation order
 
 

@@ -7,10 +7,11 @@ import random
 
 import pytest
 import torch
+from attnkit.backends.reference.torch_naive import oracle_attention, oracle_visibility
 
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec
-from attnkit.torch_contract import literal_attention, visibility
+from attnkit.testing import Case, assert_backends_agree
 
 sdpa = pytest.importorskip("attnkit.backends.native.torch_sdpa")
 pytestmark = pytest.mark.skipif(bool(attnkit.get_backend("torch-sdpa").available()), reason="torch-sdpa unavailable")
@@ -29,7 +30,7 @@ def test_nan_scores_give_nan_rows_at_every_key_count(len_k: int, causal: bool, p
     else:
         k[0, 0, 0] = float("nan")  # key 0: seen by every row, alone by row 0 of a top-left causal call
     spec = AttentionSpec(causal=causal, causal_alignment="top_left")
-    expected, _ = literal_attention(spec, AttentionInputs(q.double(), k.double(), v.double()), torch.float64)
+    expected, _ = oracle_attention(spec, AttentionInputs(q.double(), k.double(), v.double()), torch.float64)
     for return_lse in (False, True):
         result = attnkit.attend(spec, q, k, v, backend="torch-sdpa", return_lse=return_lse)
         out = result[0] if return_lse else result
@@ -37,9 +38,7 @@ def test_nan_scores_give_nan_rows_at_every_key_count(len_k: int, causal: bool, p
 
 
 def brute_force_rows(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> list[list[int]]:
-    visible = visibility(spec, inputs, len_q, len_k)
-    if visible is None:
-        return [list(range(len_k))] * len_q
+    visible = oracle_visibility(spec, inputs, len_q, len_k)  # the oracle's, not the one torch-sdpa reads
     seen = visible.expand(-1, -1, len_q, len_k).any(dim=1).any(dim=0)  # any batch element or head
     return [torch.nonzero(seen[i]).flatten().tolist() for i in range(len_q)]
 
@@ -80,3 +79,27 @@ def test_blocks_partition_the_queries_and_cover_exactly_the_band() -> None:
         for i, keys in enumerate(rows):
             if keys:
                 assert i in covered and covered[i][0] <= min(keys) and max(keys) < covered[i][1], (spec, i)
+
+
+@pytest.mark.parametrize(
+    ("spec", "len_q", "len_k"),
+    [
+        (AttentionSpec(window=(3, 2)), 2 * sdpa.WINDOW_BLOCK_Q + 5, 2 * sdpa.WINDOW_BLOCK_Q + 5),
+        (AttentionSpec(causal=True), sdpa.BLOCK_Q + 5, sdpa.BLOCK_Q + 8),
+    ],
+    ids=["window", "causal-offset"],
+)
+def test_broadcast_mask_and_bias_reach_every_query_block(spec: AttentionSpec, len_q: int, len_k: int) -> None:
+    """A mask or bias broadcast along the query axis (or the key axis) holds one row (column) for all: each query
+    block must take that whole row, not its own slice of it (which is empty past the first block)."""
+    for mask_shape, bias_shape in (((1, 2, 1, len_k), (len_q, 1)), ((len_q, 1), (1, 2, 1, len_k))):
+        case = Case(spec=spec, len_q=len_q, len_k=len_k, batch=1, mask_shape=mask_shape, bias_shape=bias_shape)
+        assert_backends_agree(case, backends=["torch-sdpa"])
+
+
+@pytest.mark.parametrize("spec", [AttentionSpec(causal=True), AttentionSpec(window=(2, 1))], ids=["causal", "window"])
+def test_float64_through_the_flash_op_agrees_with_gradients(spec: AttentionSpec) -> None:
+    """float64 is declared, and the conformance suite draws only float32 and the half types: the op's lse comes back
+    in float64 here and its backward takes it only so (the backward raised a dtype error before)."""
+    case = Case(spec=spec, batch=2, len_q=5, len_k=9, kv_lengths=(9, 3), dtype="float64")
+    assert_backends_agree(case, backends=["torch-sdpa"])

@@ -84,7 +84,7 @@ def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Resu
     import torch
 
     from attnkit.api import _prepare
-    from attnkit.torch_contract import literal_attention
+    from attnkit.backends.reference.torch_naive import oracle_attention
 
     dtype = getattr(torch, case.dtype)
     tensors = {
@@ -106,7 +106,7 @@ def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Resu
         tensors.get("kv_lengths"),
         True,
     )
-    out, lse = literal_attention(case.spec, inputs, dtype)
+    out, lse = oracle_attention(case.spec, inputs, dtype)
     if was_3d:
         out = out.reshape(tensors["q"].shape[:-1] + (out.shape[-1],))
         lse = lse.reshape(lse.shape[0], lse.shape[2])

@@ -44,6 +44,7 @@ from attnkit import (
 from attnkit.backend import Runner, with_plain_call
 from attnkit.torch_contract import (
     COSINE_EPS,
+    block_of,
     compute_dtype,
     gradients_by_autograd,
     literal_attention,
@@ -103,7 +104,7 @@ class _Plan:
     def mask(self, block: _Block) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """(additive mask or None, boolean empty rows (B|1, H|1, rows) or None) for one block."""
         bias = self.inputs.bias
-        bias_block = None if bias is None else bias[:, :, block.rows, block.cols].to(self.mask_dtype)
+        bias_block = None if bias is None else block_of(bias, block.rows, block.cols).to(self.mask_dtype)
         if not block.masked:
             return bias_block, None
         rows, cols = block.rows, block.cols
@@ -189,8 +190,8 @@ class _BlockedFlash(torch.autograd.Function):
         batch, heads, len_q, _ = q.shape
         out = q.new_zeros(batch, heads, len_q, v.shape[-1])
         lse = q.new_full((batch, heads, len_q), float("-inf"), dtype=torch.float32)
-        # The op's backward takes its own lse back in the dtype it gave it (float64 for float64 inputs).
-        kernel_lse = torch.full_like(lse, float("-inf"), dtype=torch.float64 if q.dtype == torch.float64 else lse.dtype)
+        # The op's own lse, in its dtype (float64 for float64 inputs): its backward takes it back as it gave it.
+        kernel_lse = torch.full_like(lse, float("-inf"), dtype=compute_dtype(q.dtype))
         for block in plan.blocks:
             mask, empty = plan.mask(block)
             k_span, v_span = k[:, :, block.cols], v[:, :, block.cols]
