@@ -14,7 +14,7 @@ from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch, registry
 from attnkit.backend import with_plain_call
-from tests.conftest import PLUGIN_DISTRIBUTION, available_backends, backend_params
+from tests.conftest import PLUGIN_DISTRIBUTION, backend_params
 
 
 class CountingBackend(TorchNaiveBackend):
