@@ -71,11 +71,11 @@ def build_timeout() -> float:
     return seconds
 
 
-def cpu_description(cpuinfo: Path | None = None) -> str:
+def cpu_description() -> str:
     """What a ``-march=native`` build was built for: the first CPU's model and feature flags from /proc/cpuinfo;
     elsewhere the machine, processor and host name (one build per host: safe, if less shared)."""
     try:
-        text = (cpuinfo or CPUINFO).read_text()
+        text = CPUINFO.read_text()
     except OSError:
         return f"{platform.machine()} {platform.processor()} host {platform.node()}"
     first = text.strip().split("\n\n")[0]
@@ -188,19 +188,27 @@ def run_bounded(command: Sequence[str], what: str, log: Path, timeout: float) ->
     try:
         output, _ = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
+        _kill_session(process.pid)
+        try:
+            output, _ = process.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process outside the session (a compiler server) holds the pipe open
+            output = ""
         log.write_text(output)
         raise BuildError(
             f"building {what} took longer than {TIMEOUT_VARIABLE}={timeout:g} s (stopped; output: {log})"
         ) from None
     finally:
         if process.poll() is None:  # interrupted (KeyboardInterrupt): no compiler outlives its caller
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill_session(process.pid)
     log.write_text(output)
     if process.returncode != 0:
         lines = " | ".join(first_error_lines(output))
         raise BuildError(f"building {what} failed (exit status {process.returncode}; output: {log}): {lines}")
+
+
+def _kill_session(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):  # every process of the session has ended already
+        os.killpg(pid, signal.SIGKILL)
 
 
 def cached(target: Path, what: str, make: Callable[[Path, Path], Path]) -> Path:
@@ -208,10 +216,9 @@ def cached(target: Path, what: str, make: Callable[[Path, Path], Path]) -> Path:
     ``scratch`` (its output into ``log``, beside the target) and returns the file, which then replaces ``target``
     atomically. One builder of ``target`` at a time (the lock); returned only if it may be loaded (module doc)."""
     directory = private_directory(target.parent)
-    timeout = build_timeout()
     if not target.exists():
         try:
-            with exclusive(target.with_name(target.name + ".lock"), what, timeout):
+            with exclusive(target.with_name(target.name + ".lock"), what, build_timeout()):
                 if not target.exists():
                     _build(target, directory, make)
         except OSError as error:
@@ -236,13 +243,13 @@ def _build(target: Path, directory: Path, make: Callable[[Path, Path], Path]) ->
 # kill, whose process group dies with it if its parent is killed (kill -9 leaves no compiler running).
 _TORCH_BUILDER = """
 import json, os, sys, threading, time
-def watch(parent=os.getppid()):
-    while os.getppid() == parent:
+job = json.loads(sys.argv[1])
+def watch():
+    while os.getppid() == job["parent"]:
         time.sleep(0.5)
     os.killpg(0, 9)
 threading.Thread(target=watch, daemon=True).start()
 from torch.utils.cpp_extension import load
-job = json.loads(sys.argv[1])
 load(job["name"], job["sources"], extra_cflags=job["cflags"], build_directory=job["directory"], verbose=True)
 """
 
@@ -288,12 +295,15 @@ class TorchExtension:
         if self._failure is not None:
             return [self._failure]
         library = self.library()
-        problem = directory_problem(library.parent, "TORCH_EXTENSIONS_DIR")
-        if problem:
-            return [problem]
-        if library.exists():
-            refused = ownership_problem(library)
-            return [f"{library} may not be loaded: {refused}"] if refused else []
+        try:
+            problem = directory_problem(library.parent, "TORCH_EXTENSIONS_DIR")
+            if problem:
+                return [problem]
+            if library.exists():
+                refused = ownership_problem(library)
+                return [f"{library} may not be loaded: {refused}"] if refused else []
+        except OSError as error:  # e.g. a parent directory this user may not enter
+            return [f"cannot use the build directory {library.parent}: {error}"]
         compiler = os.environ.get("CXX", "c++")  # the compiler torch.utils.cpp_extension runs
         missing = [] if shutil.which(compiler) else [f"no C++ compiler to build {self.source.name} (CXX={compiler!r})"]
         if shutil.which("ninja") is None:
@@ -341,6 +351,8 @@ class TorchExtension:
 
     def _make(self, scratch: Path, log: Path) -> Path:
         name = scratch.parent.name
-        job = {"name": name, "sources": [str(self.source)], "cflags": list(self.cflags), "directory": str(scratch)}
+        job: dict[str, object] = {"name": name, "sources": [str(self.source)], "cflags": list(self.cflags)}
+        # "parent": not the builder's own first getppid(), as its parent may be dead before it asks
+        job |= {"directory": str(scratch), "parent": os.getpid()}
         run_bounded([sys.executable, "-c", _TORCH_BUILDER, json.dumps(job)], self.source.name, log, build_timeout())
         return scratch / f"{name}.so"
