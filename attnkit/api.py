@@ -6,8 +6,8 @@ import threading
 from typing import Any
 
 from attnkit import config, dispatch, registry
-from attnkit.backend import AttentionInputs, PlainCall, Problem, Runner, plain_call
-from attnkit.errors import InvalidInputError, InvalidInputTypeError
+from attnkit.backend import AttentionInputs, Backend, PlainCall, Problem, Runner, plain_call
+from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_by_type, ops_for
 from attnkit.spec import AttentionSpec, Layout
 
@@ -157,6 +157,13 @@ def _remember(key: tuple[Any, ...], problem: Problem, run: Runner) -> None:
         _validated[key] = (problem, run, plain_call(run) if problem.is_plain() else None)
 
 
+def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
+    """After ``chosen`` raised BackendUnavailableError running a call: whether to dispatch the call again. Only under
+    ``auto`` with nothing forced, and only if ``chosen`` now says it is unavailable (a build on first use that
+    failed), which dispatch then remembers, so the next dispatch picks another backend."""
+    return dispatch.became_unavailable(chosen) and backend == "auto" and config.forced_backend() is None
+
+
 def _to_4d(ops: FrameworkOps, argument: str, tensor: Any, full: tuple[int, ...], was_3d: bool) -> Any:
     """Check broadcastability and prepend unit axes so backends always see 4-D mask and bias."""
     if was_3d:
@@ -213,10 +220,19 @@ def attend(
             out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
             return (out, lse) if return_lse else out
     ops, problem, inputs, was_3d = _prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
-    run = ops.runner(dispatch.select(spec, problem, backend), spec, problem)
+    chosen = dispatch.select(spec, problem, backend)
+    run = ops.runner(chosen, spec, problem)
+    try:
+        out, lse = run(*inputs)
+    except BackendUnavailableError:
+        if not _routes_elsewhere(chosen, backend):
+            raise
+        return attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                      return_lse=return_lse, backend=backend)  # fmt: skip
+    # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
+    # never sits there.
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
         _remember(key, problem, run)
-    out, lse = run(*inputs)
     if was_3d:
         head_axis = 1 if spec.layout is Layout.BHSD else 2
         out = ops.reshape(out, tuple(size for axis, size in enumerate(out.shape) if axis != head_axis))

@@ -200,8 +200,11 @@ def run_build(args: argparse.Namespace, out: TextIO) -> int:
         return 1
     print(f"building {torch_compiled.SOURCE.name} into {torch_compiled.build_directory()} ...", file=out, flush=True)
     in_use = torch_frontend.use_compiled_signature(build=True)
+    if in_use != "compiled":
+        print(f"attnkit build: failed, the signature stays {in_use}", file=sys.stderr)
+        return 1
     print(f"signature: {in_use}", file=out)
-    return 0 if in_use == "compiled" else 1
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- check

@@ -133,6 +133,18 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
     return chosen
 
 
+def became_unavailable(backend: Backend) -> bool:
+    """After ``backend`` raised BackendUnavailableError while running: whether its ``available()`` now gives reasons
+    (a build on first use that failed). If so they replace its cached reading and every decision is forgotten, so
+    ``auto`` routes elsewhere and explain() says why."""
+    missing = tuple(f"unavailable: {reason}" for reason in backend.available())
+    if missing:
+        with _cache_lock:
+            _availability[(backend.name, registry.generation())] = missing
+            _decisions.clear()
+    return bool(missing)
+
+
 def clear_cache() -> None:
     """Forget every decision and availability reading (after installing a package or a compiler mid-process)."""
     with _cache_lock:

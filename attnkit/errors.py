@@ -32,3 +32,8 @@ class BackendUnavailableError(AttnkitError, RuntimeError):
 
 class ConfigError(AttnkitError, ValueError):
     """A configuration file or dict names an unknown key, backend or value."""
+
+
+class BuildError(AttnkitError, RuntimeError):
+    """Code compiled at run time (attnkit/build.py) could not be built or may not be loaded; the message says why,
+    with the compiler's first error lines for a failed compile."""

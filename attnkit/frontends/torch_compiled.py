@@ -1,35 +1,31 @@
 """The torch frontend's signature in C++ (torch_signature.cpp): built on request, used wherever it is built.
 
-``attnkit build`` compiles it with ``torch.utils.cpp_extension`` (about 20 s, once per torch version and Python: the
-build directory's name carries a hash of the source and both versions, so a stale build is never loaded). Every
-later process finds the built module and loads it at import, with no compiler involved; without it, the Python
-signature serves, so nothing but the cost of a cached call differs. ``ATTNKIT_COMPILED_SIGNATURE=0`` turns it off.
+``attnkit build`` compiles it with ``torch.utils.cpp_extension`` through attnkit/build.py (about 20 s, once per
+torch version and Python: the build directory's name carries a hash of the source, flags and both versions, so a
+stale build is never loaded). Every later process finds the built module and loads it at import, with no compiler
+involved, if the current user owns it and its directory and no one else can write them (else it is refused, with the
+reason in ``attnkit info``); without it, the Python signature serves, so nothing but the cost of a cached call
+differs. ``ATTNKIT_COMPILED_SIGNATURE=0`` turns it off.
 """
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import os
-import platform
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
+from attnkit.build import TorchExtension
+from attnkit.errors import BuildError
 
 SOURCE = Path(__file__).with_name("torch_signature.cpp")
 DISABLE_VARIABLE = "ATTNKIT_COMPILED_SIGNATURE"
+EXTENSION = TorchExtension("attnkit_signature", SOURCE, ["-O2"])
 
 
 def build_directory() -> Path:
     """Where the build for this source, torch and Python lives (under ``TORCH_EXTENSIONS_DIR`` if set)."""
-    identity = b"\0".join(
-        [SOURCE.read_bytes(), torch.__version__.encode(), sys.version.encode(), platform.machine().encode()]
-    )
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or str(Path.home() / ".cache" / "torch_extensions")
-    return Path(root) / f"attnkit_signature_{hashlib.sha256(identity).hexdigest()[:12]}"
+    return EXTENSION.directory()
 
 
 def load(fallback: Callable[..., Any], build: bool = False) -> tuple[Callable[..., Any] | None, str]:
@@ -37,22 +33,11 @@ def load(fallback: Callable[..., Any], build: bool = False) -> tuple[Callable[..
     hands every call it does not key itself to ``fallback`` (the Python signature)."""
     if os.environ.get(DISABLE_VARIABLE) == "0":
         return None, f"{DISABLE_VARIABLE}=0"
-    directory = build_directory()
-    library = directory / f"{directory.name}.so"
-    if build:
-        from torch.utils.cpp_extension import load as build_extension
-
-        directory.mkdir(parents=True, exist_ok=True)
-        module: Any = build_extension(
-            name=directory.name, sources=[str(SOURCE)], build_directory=str(directory), extra_cflags=["-O2"]
-        )
-    elif library.exists():
-        spec = importlib.util.spec_from_file_location(directory.name, library)
-        if spec is None or spec.loader is None:
-            return None, f"cannot load {library}"
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        return None, f"not built (run `attnkit build`; it would live in {directory})"
+    if not build and not EXTENSION.library().exists():
+        return None, f"not built (run `attnkit build`; it would live in {build_directory()})"
+    try:
+        module: Any = EXTENSION.load(build=build)
+    except BuildError as error:
+        return None, str(error)
     module.set_fallback(fallback)
     return module.signature, ""

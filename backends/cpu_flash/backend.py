@@ -6,18 +6,15 @@ FlashAttention-2 algorithm written once in C++: scores and products through the 
 softcap, visibility (index arithmetic, only on tiles the band crosses) and the online softmax in one vectorised
 pass over each tile while it is in cache. Memory is linear in L: nothing of size Lq × Lk exists.
 
-Built on first use with ``torch.utils.cpp_extension`` (tens of seconds, once per machine: the build is cached under
-``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Operands run in float32 (half types are widened
-exactly, as the contract's float32 accumulation asks, §7); float64 is left to the reference backends.
+Built on first use with ``torch.utils.cpp_extension`` through attnkit/build.py (tens of seconds, once per machine
+and CPU: cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; a failed build makes the backend
+unavailable for the process, with the reason). Operands run in float32 (half types are widened exactly, as the
+contract's float32 accumulation asks, §7); float64 is left to the reference backends.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +33,8 @@ from attnkit import (
     capability_reasons,
 )
 from attnkit.backend import Runner
+from attnkit.build import TorchExtension
+from attnkit.errors import BackendUnavailableError, BuildError
 from attnkit.torch_contract import from_bhsd, gradients_by_autograd, normalize_if_cosine, to_bhsd, zero_padding
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
@@ -50,8 +49,18 @@ WINDOW_ROWS = 32
 WINDOW_MAX_KEYS = 1024
 WINDOW_BACKWARD_TILE = (64, 128)  # a band too wide for one tile: it crosses most key tiles, each of them masked
 
-_build_lock = threading.Lock()
-_module: Any = None
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-march=native", "-ffp-contract=fast"]
+    capability = torch.backends.cpu.get_cpu_capability()  # at::vec picks its vector width from this macro
+    if capability in ("AVX2", "AVX512"):
+        flags.append(f"-DCPU_CAPABILITY_{capability}")
+    return flags
+
+
+# Keyed by the source, the flags, torch, Python and (for -march=native) the CPU: an edited kernel.cpp or another
+# machine sharing the cache never loads a stale or foreign build.
+EXTENSION = TorchExtension("attnkit_cpu_flash", KERNEL_SOURCE, _flags())
 
 
 def _blas_reason() -> str | None:
@@ -64,27 +73,13 @@ def _blas_reason() -> str | None:
     return None
 
 
-def _compiler_reason() -> str | None:
-    compiler = os.environ.get("CXX", "c++")
-    return None if shutil.which(compiler) else f"no C++ compiler to build kernel.cpp ({compiler!r} not on PATH)"
-
-
 def _kernel() -> Any:
-    """The built extension module, built on first call (thread-safe); its name carries the source's hash, so an
-    edited kernel.cpp never loads a stale build."""
-    global _module
-    with _build_lock:
-        if _module is None:
-            from torch.utils.cpp_extension import load
-
-            source = KERNEL_SOURCE.read_bytes()
-            capability = torch.backends.cpu.get_cpu_capability()  # at::vec picks its vector width from this macro
-            flags = ["-O3", "-march=native", "-ffp-contract=fast"]
-            if capability in ("AVX2", "AVX512"):
-                flags.append(f"-DCPU_CAPABILITY_{capability}")
-            digest = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:12]
-            _module = load(name=f"attnkit_cpu_flash_{digest}", sources=[str(KERNEL_SOURCE)], extra_cflags=flags)
-        return _module
+    """The built extension module, built on the first call; a failed build raises BackendUnavailableError with its
+    reason, which available() reports from then on (so auto routes elsewhere)."""
+    try:
+        return EXTENSION.load()
+    except BuildError as error:
+        raise BackendUnavailableError(f"backend='cpu-flash' is unavailable: {error}") from None
 
 
 @dataclass(frozen=True)
@@ -203,12 +198,14 @@ class CpuFlashBackend:
             "mask, bias: not lowered (torch-chunked and torch-flex serve them)",
             "float64: left to torch-chunked and torch-naive (the kernel computes in float32)",
             "half types: widened to float32 exactly, results rounded back once",
-            "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR)",
+            "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "
+            "it unavailable with the reason (docs/cpu_flash.md)",
         ),
     )
 
     def available(self) -> list[str]:
-        return [reason for reason in (_compiler_reason(), _blas_reason()) if reason]
+        blas = _blas_reason()
+        return [*EXTENSION.problems(), *([blas] if blas else [])]
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         return capability_reasons(self.capabilities, spec, problem)

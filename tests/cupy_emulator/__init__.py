@@ -12,17 +12,12 @@ Libraries are built once per (source, header, options) into a cache directory.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import hashlib
 import os
 import re
 import shutil
-import subprocess
-import tempfile
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +25,8 @@ import torch
 from attnkit.backends.cupy import launch
 
 import attnkit
+from attnkit.build import build_timeout, cached, run_bounded
+from attnkit.errors import BuildError
 
 HEADER = Path(__file__).parent / "cuda_emulation.h"
 #: Bytes of emulated dynamic shared memory per block (sm_90 has 227 KiB), plus the canary.
@@ -68,64 +65,45 @@ def wrapper_source(source: Path) -> str:
 
 
 def build(options: tuple[str, ...], source: Path = launch.SOURCE) -> Path:
-    """The shared library of one variant, compiled on first use and cached by content."""
+    """The shared library of one variant, compiled on first use and cached by content (attnkit/build.py: a lock
+    between pytest-xdist workers, a time bound, owner-only directories)."""
     cxx = compiler()
     if cxx is None:
-        raise RuntimeError("no host C++ compiler (g++ or $CXX) for the CUDA emulation harness")
+        raise BuildError("no host C++ compiler (g++ or $CXX) for the CUDA emulation harness")
     wrapper = wrapper_source(source)
     header = precompiled_header(cxx)
     digest = _digest(wrapper, source.read_text(), HEADER.read_text(), *options, *COMPILER_FLAGS, cxx)
-    library = cache_dir() / f"attention-{digest}.so"
-    with _exclusive(library):  # pytest-xdist workers wanting the same variant build it once
-        if library.exists():
-            return library
-        with tempfile.TemporaryDirectory() as scratch:
-            cpp = Path(scratch) / "wrapper.cpp"
-            cpp.write_text(wrapper)
-            command = [cxx, *COMPILER_FLAGS, "-shared", *options, "-include", str(header), str(cpp)]
-            _compile(command, Path(scratch) / "library.so", library, f"{source.name} with {' '.join(options)}")
-    return library
 
+    def make(scratch: Path, log: Path) -> Path:
+        cpp = scratch / "wrapper.cpp"
+        cpp.write_text(wrapper)
+        command = [cxx, *COMPILER_FLAGS, "-shared", *options, "-include", str(header), str(cpp)]
+        return _compile(command, scratch / "library.so", log, f"{source.name} with {' '.join(options)}")
 
-@contextlib.contextmanager
-def _exclusive(target: Path) -> Iterator[None]:
-    """An advisory lock on ``target``'s lock file, across processes."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.with_name(target.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+    return cached(cache_dir() / f"attention-{digest}.so", f"{source.name} for the emulator", make)
 
 
 def _digest(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:24]
 
 
-def _compile(command: list[str], built: Path, target: Path, what: str) -> None:
-    done = subprocess.run([*command, "-o", str(built)], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"the emulator could not compile {what}:\n{done.stderr}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    temporary = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    shutil.copyfile(built, temporary)
-    os.replace(temporary, target)  # atomic: concurrent builders of the same file agree
+def _compile(command: list[str], built: Path, log: Path, what: str) -> Path:
+    run_bounded([*command, "-o", str(built)], what, log, build_timeout())
+    return built
 
 
 def precompiled_header(cxx: str) -> Path:
     """cuda_emulation.h next to its precompiled .gch in the cache (the standard headers take most of a build)."""
     directory = cache_dir() / f"header-{_digest(HEADER.read_text(), *COMPILER_FLAGS, cxx)}"
-    header = directory / HEADER.name
-    with _exclusive(header):
-        if header.exists():
-            return header
-        gch = directory / f"{HEADER.name}.gch"
-        with tempfile.TemporaryDirectory() as scratch:
-            _compile([cxx, *COMPILER_FLAGS, "-x", "c++-header", str(HEADER)], Path(scratch) / "h.gch", gch, HEADER.name)
-        shutil.copyfile(HEADER, header.with_name(f"{HEADER.name}.{os.getpid()}.tmp"))
-        os.replace(header.with_name(f"{HEADER.name}.{os.getpid()}.tmp"), header)
-    return header
+
+    def make_gch(scratch: Path, log: Path) -> Path:
+        return _compile([cxx, *COMPILER_FLAGS, "-x", "c++-header", str(HEADER)], scratch / "h.gch", log, HEADER.name)
+
+    def copy_header(scratch: Path, log: Path) -> Path:
+        return Path(shutil.copyfile(HEADER, scratch / HEADER.name))
+
+    cached(directory / f"{HEADER.name}.gch", f"{HEADER.name}.gch", make_gch)
+    return cached(directory / HEADER.name, HEADER.name, copy_header)  # after the .gch: the header means both
 
 
 def _c_argument(value: launch.Argument) -> ctypes._SimpleCData:
