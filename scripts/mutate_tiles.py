@@ -161,7 +161,7 @@ TARGETS = {
                 "attnkit.backends.reference.torch_chunked",
             ),
         ),
-        _tests("torch-chunked", "tests/test_tile_edges.py"),
+        _tests("chunked", "tests/test_tile_edges.py", "tests/test_reference_backends.py"),
         _tests("torch-chunked", "tests/test_contract.py", "tests/test_conformance.py"),
     ),
 }
@@ -176,6 +176,22 @@ class Token:
     text: str
     start: int  # offsets into the file's text
     end: int
+
+
+def _python_annotations(text: str) -> list[tuple[int, int]]:
+    """[start, end) offsets of every annotation: never evaluated here (``from __future__ import annotations``)."""
+    offsets = [0]
+    for line in text.splitlines(keepends=True):
+        offsets.append(offsets[-1] + len(line))
+    spans = []
+    for node in ast.walk(ast.parse(text)):
+        for annotation in (
+            [node.annotation] if isinstance(node, (ast.AnnAssign, ast.arg)) and node.annotation else []
+        ) + ([node.returns] if isinstance(node, ast.FunctionDef) and node.returns else []):
+            start = offsets[annotation.lineno - 1] + annotation.col_offset
+            end = offsets[annotation.end_lineno - 1] + annotation.end_col_offset  # type: ignore[operator]
+            spans.append((start, end))
+    return spans
 
 
 def _python_regions(text: str, functions: tuple[str, ...]) -> list[tuple[int, int]]:
@@ -360,8 +376,11 @@ def _close(tokens: list[Token], at: int) -> int:
 
 
 def mutants(path: str, text: str, regions: list[tuple[int, int]], python: bool) -> list[Mutant]:
+    skipped = _python_annotations(text) if python else []
     tokens = [
-        t for t in (_python_tokens(text) if python else _c_tokens(text)) if any(a <= t.start < b for a, b in regions)
+        t
+        for t in (_python_tokens(text) if python else _c_tokens(text))
+        if any(a <= t.start < b for a, b in regions) and not any(a <= t.start < b for a, b in skipped)
     ]
     found: list[Mutant] = []
 

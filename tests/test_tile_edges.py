@@ -26,7 +26,7 @@ from attnkit.testing import Case, make_arrays
 from attnkit.testing.agreement import compare, oracle_results, rounded
 from attnkit.testing.runners import Results, run_backend
 from tests.conftest import available_backends
-from tests.tiles import TILED_BACKENDS, Edge, KernelTile, Placement, placement, placements
+from tests.tiles import LOOP_FITS, TILED_BACKENDS, Edge, KernelTile, Placement, placement, placements
 
 BACKENDS = [
     pytest.param(name, marks=pytest.mark.skipif(name not in available_backends(), reason=f"{name} not available here"))
@@ -164,7 +164,7 @@ def _two_edge_cases(backend: str, probe: AttentionSpec, causal: bool) -> list[Ca
     tiles = _tiles(backend, probe)
     for tile in tiles:
         reach = 2 * (tile.rows + tile.key_step)
-        uppers = [(upper.offset, upper.fit, [upper]) for upper in placements(tile, "upper")]
+        uppers = [(upper.offset, upper.fit, [upper]) for upper in placements(tile, "upper", LOOP_FITS)]
         if causal:
             uppers += [(0, "overhang", []), (0, "flush", [])]
         for edge_offset, fit, placed in uppers:
@@ -172,7 +172,8 @@ def _two_edge_cases(backend: str, probe: AttentionSpec, causal: bool) -> list[Ca
             offset = edge_offset if causal else min(edge_offset - 1, 0)
             wanted = fit if causal else ("flush" if fit == "overhang" else "overhang")
             lower = placement(tile, "lower", wanted, range(offset - 1, offset - reach, -1))
-            window = (offset - lower.offset, 0 if causal else edge_offset - offset)
+            # causal: a right side is clipped to the diagonal; the one of the motivating window (1, 0) is 0
+            window = (offset - lower.offset, (0 if offset == 0 else 1) if causal else edge_offset - offset)
             groups.setdefault((AttentionSpec(causal=causal, window=window), offset), []).extend([*placed, lower])
     return _cases(groups, tiles)
 
@@ -191,19 +192,18 @@ def test_causal_window(backend: str) -> None:
 
 
 def _length_cases(backend: str) -> list[Case]:
-    """Query and key lengths on a boundary of every kernel's tiles and one row or key either side of it, with and
-    without a band."""
+    """Query and key lengths on a boundary of every kernel's tiles and one row or key either side of it (per batch
+    element, so the bottom-right offset differs too), with and without a band; Lq ≠ Lk."""
     cases = []
-    for spec, lengths in (
-        (AttentionSpec(causal=True), ("q", "kv")),
-        (AttentionSpec(), ("kv",)),
-        (AttentionSpec(window=(1, 1)), ("q",)),
-        (AttentionSpec(causal=True, window=(3, 0)), ("q", "kv")),
+    # (spec, q_lengths, kv_lengths) as offsets from the second boundary of the kernels' tiles, per batch element
+    for spec, q_lengths, kv_lengths in (
+        (AttentionSpec(causal=True), None, (1, 0)),
+        (AttentionSpec(), (1, -1), (-1, 1)),
+        (AttentionSpec(window=(1, 1)), (0, 1), None),
+        (AttentionSpec(causal=True, window=(3, 0)), (-1, 0), (0, -1)),
     ):
         tiles = _tiles(backend, spec)
         rows, keys = _quantum(tiles)
-        q_lengths = (2 * rows, 2 * rows + 1) if "kv" in lengths else (2 * rows + 1, 2 * rows - 1)
-        kv_lengths = (2 * keys + 1, 2 * keys) if "q" in lengths else (2 * keys - 1, 2 * keys)
         cases.append(
             Case(
                 spec=spec,
@@ -211,9 +211,9 @@ def _length_cases(backend: str) -> list[Case]:
                 heads_q=1,
                 heads_kv=1,
                 len_q=3 * rows,
-                len_k=3 * keys,
-                q_lengths=q_lengths if "q" in lengths else None,
-                kv_lengths=kv_lengths if "kv" in lengths else None,
+                len_k=4 * keys,
+                q_lengths=tuple(2 * rows + off for off in q_lengths) if q_lengths else None,
+                kv_lengths=tuple(2 * keys + off for off in kv_lengths) if kv_lengths else None,
                 notes=tuple(map(str, tiles)),
             )
         )

@@ -22,19 +22,20 @@ from attnkit import AttentionSpec
 
 Loop = Literal["keys", "queries"]
 Edge = Literal["upper", "lower"]
-Fit = Literal["overhang", "flush"]
+Fit = Literal["overhang", "flush", "full", "one hidden"]
 
 
 @dataclass(frozen=True)
 class KernelTile:
     """One kernel's tile: ``rows`` query rows by ``keys`` keys (None: one key tile per query tile, exactly as wide as
     the band it sees), looping over the key tiles of a query tile ("keys") or the query tiles of a key tile
-    ("queries")."""
+    ("queries"). ``masks_crossed_only``: it decides per tile whether the band crosses it and masks only those."""
 
     kernel: str
     rows: int
     keys: int | None
     loop: Loop = "keys"
+    masks_crossed_only: bool = False
 
     @property
     def key_step(self) -> int:
@@ -90,7 +91,7 @@ def _cpu_flash(spec: AttentionSpec) -> tuple[KernelTile, ...] | None:
 
     def tile(kernel: str, shape: tuple[int, int]) -> KernelTile:
         band_wide = band.low is not None and band.high is not None and shape[0] == backend.WINDOW_ROWS
-        return KernelTile(kernel, shape[0], None if band_wide else shape[1])
+        return KernelTile(kernel, shape[0], None if band_wide else shape[1], masks_crossed_only=not band_wide)
 
     # The backward loops over each query block's key tiles, as the forward does.
     return tile("forward", forward), tile("backward", back)
@@ -99,8 +100,8 @@ def _cpu_flash(spec: AttentionSpec) -> tuple[KernelTile, ...] | None:
 def _torch_chunked(spec: AttentionSpec) -> tuple[KernelTile, ...] | None:
     chunked = attnkit.get_backend("torch-chunked")
     rows, keys = chunked.block_q, chunked.block_k  # type: ignore[attr-defined]
-    # The backward takes the forward's tiles grouped by key tile.
-    return KernelTile("forward", rows, keys), KernelTile("backward", rows, keys, "queries")
+    # The backward takes the forward's tiles (and its choice of which to mask) grouped by key tile.
+    return KernelTile("forward", rows, keys, masks_crossed_only=True), KernelTile("backward", rows, keys, "queries")
 
 
 #: backend -> the tiles of its kernels for a spec here (None: not fixed here, e.g. autotuned on a GPU).
@@ -126,37 +127,50 @@ class Placement:
     keys: int
 
     def __str__(self) -> str:
-        where = "one past a tile boundary" if self.fit == "overhang" else "on a tile boundary"
+        where = {
+            "overhang": "one past a tile boundary",
+            "flush": "on a tile boundary",
+            "full": "through a tile's far corner",
+            "one hidden": "one pair inside a tile's far corner",
+        }[self.fit]
         return f"{self.edge} edge {self.offset:+d} {where} ({self.tile})"
 
 
 def _anchors(tile: KernelTile, edge: Edge, offset: int, tiles: int) -> Iterator[tuple[Fit, int, int]]:
-    """(fit, rows, keys) for each of the first ``tiles`` tiles on which the edge at ``offset`` is an overhang or
-    flush; rows and keys reach the row or key past the boundary, and the tile that needs it.
+    """(fit, rows, keys) for each of the first ``tiles`` tiles on which the edge at ``offset`` has a fit; rows and
+    keys reach the row or key past the boundary, and the tile that needs it.
 
-    A "keys" kernel bounds a query tile's keys by the upper edge at its last row and the lower edge at its first;
-    a "queries" kernel bounds a key tile's rows by the upper edge at its first key and the lower edge at its last.
+    Loop bounds: a "keys" kernel bounds a query tile's keys by the upper edge at its last row and the lower edge at
+    its first; a "queries" kernel bounds a key tile's rows by the upper edge at its first key and the lower edge at
+    its last. Mask decisions (``masks_crossed_only``): a tile needs no mask when the upper edge at its first row and
+    the lower edge at its last row leave it whole, and needs one when they hide a single pair in its corner.
     """
     rows, keys = tile.rows, tile.key_step
     for index in range(tiles):
+        first_row, last_row = index * rows, (index + 1) * rows - 1
+        candidates: list[tuple[dict[int, Fit], int, tuple[int, int]]] = []
         if tile.loop == "keys" and edge == "upper":
-            position = (index + 1) * rows - 1 + offset  # the last key the tile's last row sees
-            fit = {0: "overhang", keys - 1: "flush"}.get(position % keys)
-            extents = ((index + 1) * rows, position + 2)
+            last = last_row + offset  # the last key the tile's last row sees
+            candidates.append(({0: "overhang", keys - 1: "flush"}, last, (last_row + 1, last + 2)))
+            if tile.masks_crossed_only:
+                corner = first_row + offset  # the last key the tile's first row sees
+                candidates.append(({keys - 1: "full", keys - 2: "one hidden"}, corner, (last_row + 1, corner + 2)))
         elif tile.loop == "keys":
-            position = index * rows + offset  # the first key the tile's first row sees
-            fit = {keys - 1: "overhang", 0: "flush"}.get(position % keys)
-            extents = ((index + 1) * rows, position + 1)
+            first = first_row + offset  # the first key the tile's first row sees
+            candidates.append(({keys - 1: "overhang", 0: "flush"}, first, (last_row + 1, first + 1)))
+            if tile.masks_crossed_only:
+                corner = last_row + offset  # the first key the tile's last row sees
+                candidates.append(({0: "full", 1: "one hidden"}, corner, (last_row + 1, corner + 1)))
         elif edge == "upper":
-            position = index * keys - offset  # the first row that sees the key tile's first key
-            fit = {rows - 1: "overhang", 0: "flush"}.get(position % rows)
-            extents = (position + 1, (index + 1) * keys)
+            first = index * keys - offset  # the first row that sees the key tile's first key
+            candidates.append(({rows - 1: "overhang", 0: "flush"}, first, (first + 1, (index + 1) * keys)))
         else:
-            position = (index + 1) * keys - 1 - offset  # the last row that sees the key tile's last key
-            fit = {0: "overhang", rows - 1: "flush"}.get(position % rows)
-            extents = (position + 2, (index + 1) * keys)
-        if fit is not None and position >= 1:  # an edge at row or key 0 is clipped there, not bounded
-            yield fit, *extents
+            last = (index + 1) * keys - 1 - offset  # the last row that sees the key tile's last key
+            candidates.append(({0: "overhang", rows - 1: "flush"}, last, (last + 2, (index + 1) * keys)))
+        for fits, position, extents in candidates:
+            fit = fits.get(position % (keys if tile.loop == "keys" else rows))
+            if fit is not None and position >= 1:  # an edge at row or key 0 is clipped there, not bounded
+                yield fit, *extents
 
 
 def placement(tile: KernelTile, edge: Edge, fit: Fit, offsets: Iterable[int]) -> Placement:
@@ -170,9 +184,14 @@ def placement(tile: KernelTile, edge: Edge, fit: Fit, offsets: Iterable[int]) ->
     raise AssertionError(f"no offset among those tried puts the {edge} edge {fit} on {tile}")
 
 
-def placements(tile: KernelTile, edge: Edge) -> list[Placement]:
-    """The offsets nearest the diagonal that put ``edge`` on ``tile`` as an overhang and flush, on each side of it."""
+LOOP_FITS: tuple[Fit, ...] = ("overhang", "flush")
+MASK_FITS: tuple[Fit, ...] = ("full", "one hidden")
+
+
+def placements(tile: KernelTile, edge: Edge, fits: tuple[Fit, ...] | None = None) -> list[Placement]:
+    """The offsets nearest the diagonal that put ``edge`` on ``tile`` with each fit (by default every fit the kernel
+    has: the loop bounds' and, if it masks only crossed tiles, the mask decision's), on each side of the diagonal."""
+    if fits is None:
+        fits = LOOP_FITS + (MASK_FITS if tile.masks_crossed_only and tile.loop == "keys" else ())
     reach = 2 * (tile.rows + tile.key_step)
-    return [
-        placement(tile, edge, fit, range(sign, sign * reach, sign)) for fit in ("overhang", "flush") for sign in (1, -1)
-    ]
+    return [placement(tile, edge, fit, range(sign, sign * reach, sign)) for fit in fits for sign in (1, -1)]
