@@ -622,6 +622,7 @@ def main() -> None:
     parser.add_argument("--stage2", action="store_true", help="survivors of the tile-edge tests run stage 2 too")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant before it counts as a hang")
     parser.add_argument("--report", type=Path, help="write the verdicts here as JSON")
+    parser.add_argument("--rerun", type=Path, help="only the mutants a previous --report lists as survivors")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -635,6 +636,10 @@ def main() -> None:
     if args.lines:
         first, last = (int(n) for n in args.lines.split("-"))
         found = [m for m in found if first <= texts[m.path].count("\n", 0, m.start) + 1 <= last]
+    if args.rerun:
+        previous = json.loads(args.rerun.read_text())
+        wanted = {(m["path"], m["start"], m["end"], m["replacement"]) for m in previous if m["verdict"] == "survived"}
+        found = [m for m in found if (m.path, m.start, m.end, m.replacement) in wanted]
     if args.limit and len(found) > args.limit:
         found = [found[i * len(found) // args.limit] for i in range(args.limit)]
     if args.list:

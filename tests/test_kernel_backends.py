@@ -1,36 +1,21 @@
-"""Extras of the tiled kernel backends (triton, interpreted; cupy, through the emulation harness; pallas, interpreted):
-several tiles per sequence agree with the oracle, tiles the causal/window band hides are never loaded (forward and
-backward), strided inputs are read in place. Agreement on everything else comes from the conformance suite; band
-edges on tile boundaries are tests/test_tile_edges.py's.
-
-The skipping tests need each backend's tiles, which only the backend knows: tests/tiles.py reads them."""
+"""Extras of the tiled kernel backends (triton, interpreted; cupy, through the emulation harness): several tiles per
+sequence agree with the oracle, strided inputs are read in place. Agreement on everything else comes from the
+conformance suite; band edges on tile boundaries, and tiles outside the band never loaded, from
+tests/test_tile_edges.py."""
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import pytest
 
 import attnkit
 from attnkit import AttentionSpec
-from attnkit.testing import Case, assert_backends_agree, make_arrays
-from attnkit.testing.agreement import rounded
-from attnkit.testing.runners import run_backend
+from attnkit.testing import Case, assert_backends_agree
 from tests.conftest import available_backends
-from tests.tiles import TILED_BACKENDS, KernelTile
 
-
-def _params(names: list[str]) -> list:
-    return [
-        pytest.param(name, marks=pytest.mark.skipif(name not in available_backends(), reason=f"{name} not available"))
-        for name in names
-    ]
-
-
-#: The backends with GPU-style kernels (a forward and a dK/dV kernel over query tiles); pallas has its own extras.
-BACKENDS = _params(["triton", "cupy-emulated"])
-SKIPPING_BACKENDS = _params(["triton", "cupy-emulated", "pallas"])
+BACKENDS = [
+    pytest.param(name, marks=pytest.mark.skipif(name not in available_backends(), reason=f"{name} not available here"))
+    for name in ("triton", "cupy-emulated")
+]
 pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # Triton's interpreter, on NaN rows
 
 # Sequences of several tiles (the conformance shapes stay within two), not multiples of them.
@@ -48,62 +33,6 @@ MULTI_TILE_CASES = [
 @pytest.mark.parametrize("case", MULTI_TILE_CASES, ids=range(len(MULTI_TILE_CASES)))
 def test_several_tiles_agree_with_the_oracle(backend: str, case: Case) -> None:
     assert_backends_agree(case, backends=[backend])
-
-
-def _tile(backend: str, loop: str = "keys") -> KernelTile:
-    """The tile of the backend's kernel that loops over key tiles (the forward) or over query tiles (dK/dV)."""
-    tiles = TILED_BACKENDS[backend](AttentionSpec(causal=True))
-    if tiles is None:
-        pytest.skip(f"{backend} chooses its tiles at run time here; this test needs them fixed")
-    return next(tile for tile in tiles if tile.loop == loop)
-
-
-def _poisoned(case: Case, keys: slice = slice(0, 0), rows: slice = slice(0, 0)) -> dict[str, np.ndarray]:
-    arrays = rounded(case, make_arrays(case))
-    arrays["k"][:, :, keys] = arrays["v"][:, :, keys] = np.nan
-    arrays["q"][:, :, rows] = arrays["dout"][:, :, rows] = np.nan
-    return arrays
-
-
-@pytest.mark.parametrize("backend", SKIPPING_BACKENDS)
-def test_forward_never_loads_key_tiles_outside_the_band(backend: str) -> None:
-    """NaN keys from a boundary of both query and key tiles on: causal, the query tiles before it never load them.
-    A kernel that loaded the tiles and only masked them would compute 0·NaN = NaN in P·V (docs/semantics.md §5)."""
-    tile = _tile(backend)
-    boundary = 3 * math.lcm(tile.rows, tile.key_step)
-    length = boundary + tile.key_step
-    case = Case(spec=AttentionSpec(causal=True), len_q=length, len_k=length, grad=False)
-    results = run_backend(case, _poisoned(case, keys=slice(boundary, length)), backend)
-    assert np.isfinite(results["out"][:, :, :boundary]).all()
-    assert np.isnan(results["out"][:, :, boundary:]).all(axis=-1).all()
-
-
-@pytest.mark.parametrize("backend", SKIPPING_BACKENDS)
-def test_window_loads_only_the_band(backend: str) -> None:
-    """A sliding window (left 4, causal) with NaN in the first key tile: query tiles whose first row is more than 4
-    keys past it never load it."""
-    tile = _tile(backend)
-    clear = -(-(tile.key_step + 4) // tile.rows) * tile.rows  # the first query tile that cannot reach the key tile
-    length = clear + 2 * math.lcm(tile.rows, tile.key_step)
-    case = Case(spec=AttentionSpec(causal=True, window=(4, 0)), len_q=length, len_k=length, grad=False)
-    results = run_backend(case, _poisoned(case, keys=slice(0, tile.key_step)), backend)
-    assert np.isfinite(results["out"][:, :, clear:]).all()
-
-
-@pytest.mark.parametrize("backend", SKIPPING_BACKENDS)
-def test_backward_never_visits_query_tiles_outside_the_band(backend: str) -> None:
-    """NaN queries and output cotangents in the first query tile: causal, no key tile that starts after it sees
-    those rows, so their dk and dv stay finite, which they would not if the dK/dV loop visited the query tile and
-    masked it."""
-    tile = _tile(backend, "queries")
-    clear = -(-tile.rows // tile.key_step) * tile.key_step  # the first key tile after the poisoned query tile
-    length = clear + 2 * math.lcm(tile.rows, tile.key_step)
-    case = Case(spec=AttentionSpec(causal=True), len_q=length, len_k=length)
-    results = run_backend(case, _poisoned(case, rows=slice(0, tile.rows)), backend)
-    for name in ("dk", "dv"):
-        assert np.isfinite(results[name][:, :, clear:]).all(), name
-        assert np.isnan(results[name][:, :, : tile.rows]).any(), name
-    assert np.isfinite(results["dq"][:, :, tile.rows :]).all()
 
 
 def test_strided_views_are_not_copied() -> None:

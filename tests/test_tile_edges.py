@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -225,3 +226,76 @@ def test_lengths_on_and_next_to_tile_boundaries(backend: str) -> None:
     """q_lengths and kv_lengths on a boundary and one off it (per batch element, so the bottom-right offset differs
     too); the padding beyond them is NaN and must change nothing."""
     _assert_agree(backend, _length_cases(backend), nan_padding=True)
+
+
+# --------------------------------------------------------------------------------- tiles outside the band
+
+
+@dataclass(frozen=True)
+class _Hidden:
+    """A case with NaN in keys (k, v) or query rows (q, dout) that a kernel's loop must skip, and the outputs (by
+    sequence index) that stay finite only if it does: a kernel that loaded the tile and masked it would compute
+    0·NaN = NaN (docs/semantics.md §5 leaves hidden NaN open; these backends promise to skip the tiles)."""
+
+    case: Case
+    finite: tuple[tuple[str, int, int], ...]  # (output, start, end)
+    keys: tuple[int, int] = (0, 0)  # [start, end)
+    rows: tuple[int, int] = (0, 0)
+
+
+def _hidden_cases(backend: str) -> dict[_Hidden, list[str]]:
+    """For each kernel, the band's edge flush with a tile boundary on each side its loop bounds (the upper edge under
+    causal, the lower edge of a window with and without causal), and NaN in the tile beyond it."""
+    found: dict[_Hidden, list[str]] = {}
+    seen = set()
+    for probe, edge in (
+        (AttentionSpec(causal=True), "upper"),
+        (AttentionSpec(causal=True, window=(1, 0)), "lower"),
+        (AttentionSpec(window=(1, None)), "lower"),
+    ):
+        for tile in _tiles(backend, probe):
+            if (tile.rows, tile.keys, tile.loop, edge) in seen:  # the same bound: its case is run already
+                continue
+            seen.add((tile.rows, tile.keys, tile.loop, edge))
+            reach = 2 * (tile.rows + tile.key_step)
+            if edge == "upper":
+                item = placement(tile, "upper", "flush", range(0, reach))
+                spec, offset = probe, item.offset
+            else:
+                item = placement(tile, "lower", "flush", range(-1, -reach, -1))
+                spec, offset = probe.model_copy(update={"window": (-item.offset, probe.window[1])}), 0
+            length = max(item.rows, item.keys - offset) + tile.rows
+            case = Case(spec=spec, len_q=length, len_k=length + offset, **SHAPE)
+            if tile.loop == "keys" and edge == "upper":  # the anchor tile's last row sees keys up to last
+                rows, last = item.rows, item.keys - 2
+                hidden = _Hidden(
+                    case, (("out", 0, rows), ("lse", 0, rows), ("dq", 0, rows)), keys=(last + 1, case.len_k)
+                )
+            elif tile.loop == "keys":  # its first row sees keys from first
+                start, first = item.rows - tile.rows, item.keys - 1
+                hidden = _Hidden(case, (("out", start, length), ("dq", start, length)), keys=(0, first))
+            elif edge == "upper":  # the first row to see the key tile starting at start
+                first, start = item.rows - 1, item.keys - tile.key_step
+                hidden = _Hidden(case, (("dk", start, case.len_k), ("dv", start, case.len_k)), rows=(0, first))
+            else:  # the last row to see the key tile ending at end
+                last, end = item.rows - 2, item.keys
+                hidden = _Hidden(case, (("dk", 0, end), ("dv", 0, end), ("dq", 0, last + 1)), rows=(last + 1, length))
+            found.setdefault(hidden, []).append(str(item))
+    return found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiles_outside_the_band_are_never_loaded(backend: str) -> None:
+    """NaN in the tile just past each edge of the band, flush with its boundary, for each kernel's loop: the
+    outputs whose tiles end at the edge stay finite (a bound one too long would load the tile)."""
+    failures = []
+    for hidden, what in _hidden_cases(backend).items():
+        arrays = {name: value.copy() for name, value in _inputs_and_oracle(hidden.case)[0].items()}
+        keys, rows = slice(*hidden.keys), slice(*hidden.rows)
+        arrays["k"][:, :, keys] = arrays["v"][:, :, keys] = np.nan
+        arrays["q"][:, :, rows] = arrays["dout"][:, :, rows] = np.nan
+        results = run_backend(hidden.case, arrays, backend)
+        leaked = [name for name, start, end in hidden.finite if not np.isfinite(results[name][:, :, start:end]).all()]
+        if leaked:
+            failures.append(f"{'; '.join(what)}, {hidden.case.describe()}: NaN reached {', '.join(leaked)}")
+    assert not failures, f"{backend} loaded tiles outside the band:\n  " + "\n  ".join(failures)
