@@ -1,10 +1,13 @@
-"""The CPU emulation harness catches real kernel bugs: copies of attention.cu with one deliberate defect (a missing
-barrier, an off-by-one tile bound) must disagree with the oracle, while the unmodified source agrees on the same
-call. Also the harness's own guard: a barrier in divergent code is reported, not a hang."""
+"""The CPU emulation harness catches real kernel bugs: copies of attention.cu with one deliberate defect must disagree
+with the oracle, while the unmodified source agrees on the same call: in the forward (a missing barrier, an off-by-one
+tile bound) on out, and in each backward kernel (an off-by-one query span, a wrong sign or a missing factor in dS, a
+missing dlse term in Δ) on dq, dk and dv. Also the harness's own guard: a barrier in divergent code is reported, not
+a hang."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -60,6 +63,86 @@ def test_a_defective_copy_of_the_kernel_fails(defect: str, tmp_path: Path) -> No
     copy = tmp_path / "attention.cu"
     copy.write_text(SOURCE.replace(old, new))
     assert _error(copy) > 1e-2, f"the emulator did not notice the {defect}"
+
+
+# Each in one backward kernel; the other kernels run from the unmodified source, so a defect costs one build.
+BACKWARD_DEFECTS = {
+    # The dK/dV kernel's query span stops one row short on the lower band edge: the row that sees a key tile's last
+    # key from the next query tile is skipped (found in a tiled backward kernel by one lucky hypothesis draw).
+    "off-by-one query span in dK/dV": (
+        "backward_dkdv",
+        "if (HAS_LOWER) end = min(end, last_key - g.offset - lower + 1);",
+        "if (HAS_LOWER) end = min(end, last_key - g.offset - lower);",
+    ),
+    # dS = P ⊙ (dP + Δ) in the dQ kernel.
+    "wrong sign of Δ in dQ": (
+        "backward_dq",
+        "ds = expf(sc.s - lse_tile[r]) * (dp_tile[idx] - delta_tile[r]);",
+        "ds = expf(sc.s - lse_tile[r]) * (dp_tile[idx] + delta_tile[r]);",
+    ),
+    # dK without the softcap's derivative 1 − tanh²(U/c).
+    "missing softcap factor in dK/dV": (
+        "backward_dkdv",
+        "if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;\n                    if (COSINE) ds *= q_inverse[r];",
+        "if (COSINE) ds *= q_inverse[r];",
+    ),
+    # Δ = rowsum(dO ⊙ O) without − dlse: lse's cotangent is lost.
+    "missing dlse term in Δ": (
+        "backward_delta",
+        "delta[index] = HAS_DLSE ? sum - dlse[index] : sum;",
+        "delta[index] = sum;",
+    ),
+}
+
+
+class _OneKernelFrom(EmulatorLauncher):
+    """Launches ``kernel`` from the library of ``source``, every other kernel from the unmodified source."""
+
+    def __init__(self, kernel: str, source: Path) -> None:
+        super().__init__()
+        self.kernel = kernel
+        self.defective = EmulatorLauncher(source=source)
+
+    def launch(self, kernel: str, *arguments: Any) -> None:
+        if kernel == self.kernel:
+            self.defective.launch(kernel, *arguments)
+        else:
+            super().launch(kernel, *arguments)
+
+
+def _gradient_errors(launcher: EmulatorLauncher) -> dict[str, float]:
+    """Max |error| of dq, dk, dv against the float64 oracle on a causal window (1, 0) with a softcap, two key tiles
+    long (the lower band edge of each key tile reaches one row into the next query tile), with a cotangent on lse."""
+    length = 2 * max(launch.EMULATOR_TILE.block_m, launch.EMULATOR_TILE.block_n)
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, dout = (torch.randn(1, 2, length, 16, generator=generator) for _ in range(4))
+    dlse = torch.randn(1, 2, length, generator=generator)
+    spec = AttentionSpec(causal=True, window=(1, 0), softcap=5.0)
+    inputs = AttentionInputs(q, k, v)
+    out, lse = launch.attention_forward(launcher, spec, inputs)
+    dq, dk, dv, _ = launch.attention_backward(launcher, spec, inputs, out, lse, dout, dlse, None, False)
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    out64, lse64 = attnkit.attend(spec, *leaves, return_lse=True, backend="torch-naive")
+    expected = torch.autograd.grad((out64, lse64), leaves, (dout.double(), dlse.double()))
+    return {
+        name: (got.double() - want).abs().nan_to_num(float("inf")).max().item()
+        for name, got, want in zip(("dq", "dk", "dv"), (dq, dk, dv), expected)
+    }
+
+
+def test_the_unmodified_backward_agrees() -> None:
+    errors = _gradient_errors(EmulatorLauncher())
+    assert max(errors.values()) < 1e-4, errors
+
+
+@pytest.mark.parametrize("defect", list(BACKWARD_DEFECTS))
+def test_a_defective_backward_kernel_fails(defect: str, tmp_path: Path) -> None:
+    kernel, old, new = BACKWARD_DEFECTS[defect]
+    assert SOURCE.count(old) == 1, f"the defect's anchor is not unique in attention.cu: {old!r}"
+    copy = tmp_path / "attention.cu"
+    copy.write_text(SOURCE.replace(old, new))
+    errors = _gradient_errors(_OneKernelFrom(kernel, copy))
+    assert max(errors.values()) > 1e-2, f"the emulator did not notice the {defect}: {errors}"
 
 
 def test_a_barrier_in_divergent_code_is_reported(tmp_path: Path) -> None:

@@ -1,46 +1,24 @@
 """Extras of the tiled kernel backends (triton, interpreted; cupy, through the emulation harness): several tiles per
-sequence agree with the oracle, tiles the causal/window band hides are never loaded (forward and backward), strided
-inputs are read in place. Agreement on everything else comes from the conformance suite.
-
-The skipping tests need each backend's tile size, which only its launcher knows: KERNEL_TILES names where to read
-it. A new tiled kernel backend adds a line there."""
+sequence agree with the oracle, strided inputs are read in place. Agreement on everything else comes from the
+conformance suite; band edges on tile boundaries, and tiles outside the band never loaded, from
+tests/test_tile_edges.py."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import numpy as np
 import pytest
 
 import attnkit
 from attnkit import AttentionSpec
-from attnkit.testing import Case, assert_backends_agree, make_arrays
-from attnkit.testing.agreement import rounded
-from attnkit.testing.runners import run_torch
+from attnkit.testing import Case, assert_backends_agree
 from tests.conftest import available_backends
 
-
-def _triton_tile() -> int | None:
-    from attnkit.backends.triton import launch
-
-    return launch.INTERPRETER_CONFIG.block_m if launch.INTERPRETED else None  # autotuned on a GPU
-
-
-def _cupy_emulated_tile() -> int | None:
-    from attnkit.backends.cupy import launch
-
-    return launch.EMULATOR_TILE.block_m
-
-
-#: backend -> its square tile here (None: not fixed, e.g. autotuned).
-KERNEL_TILES: dict[str, Callable[[], int | None]] = {"triton": _triton_tile, "cupy-emulated": _cupy_emulated_tile}
 BACKENDS = [
     pytest.param(name, marks=pytest.mark.skipif(name not in available_backends(), reason=f"{name} not available here"))
-    for name in KERNEL_TILES
+    for name in ("triton", "cupy-emulated")
 ]
 pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # Triton's interpreter, on NaN rows
 
-# Sequences of several 16-wide tiles (the conformance shapes stay within two), not multiples of it.
+# Sequences of several tiles (the conformance shapes stay within two), not multiples of them.
 MULTI_TILE_CASES = [
     Case(spec=AttentionSpec(causal=True), len_q=50, len_k=70, heads_q=4, heads_kv=2),
     Case(spec=AttentionSpec(causal=True, causal_alignment="top_left"), len_q=70, len_k=41, kv_lengths=(41, 17)),
@@ -55,53 +33,6 @@ MULTI_TILE_CASES = [
 @pytest.mark.parametrize("case", MULTI_TILE_CASES, ids=range(len(MULTI_TILE_CASES)))
 def test_several_tiles_agree_with_the_oracle(backend: str, case: Case) -> None:
     assert_backends_agree(case, backends=[backend])
-
-
-def _tile(backend: str) -> int:
-    tile = KERNEL_TILES[backend]()
-    if tile is None:
-        pytest.skip(f"{backend} chooses its tiles at run time here; this test needs them fixed")
-    return tile
-
-
-def _poisoned(case: Case, keys: slice = slice(0, 0), rows: slice = slice(0, 0)) -> dict[str, np.ndarray]:
-    arrays = rounded(case, make_arrays(case))
-    arrays["k"][:, :, keys] = arrays["v"][:, :, keys] = np.nan
-    arrays["q"][:, :, rows] = arrays["dout"][:, :, rows] = np.nan
-    return arrays
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_forward_never_loads_key_tiles_outside_the_band(backend: str) -> None:
-    """NaN keys in a tile the causal band hides from a query tile must not reach it. A kernel that loaded the
-    tile and only masked it would compute 0·NaN = NaN in P·V (docs/semantics.md §5)."""
-    tile = _tile(backend)
-    case = Case(spec=AttentionSpec(causal=True), len_q=4 * tile, len_k=4 * tile, grad=False)
-    results = run_torch(case, _poisoned(case, keys=slice(3 * tile, 4 * tile)), backend)
-    assert np.isfinite(results["out"][:, :, : 3 * tile]).all()
-    assert np.isnan(results["out"][:, :, 3 * tile :]).all(axis=-1).all()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_window_loads_only_the_band(backend: str) -> None:
-    """A sliding window (left 4, causal): query tiles from the third on never load the first key tile."""
-    tile = _tile(backend)
-    case = Case(spec=AttentionSpec(causal=True, window=(4, 0)), len_q=4 * tile, len_k=4 * tile, grad=False)
-    results = run_torch(case, _poisoned(case, keys=slice(0, tile)), backend)
-    assert np.isfinite(results["out"][:, :, 2 * tile :]).all()
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_backward_never_visits_query_tiles_outside_the_band(backend: str) -> None:
-    """NaN queries and output cotangents in the first row tile: causal, no later key tile sees those rows, so
-    their dk and dv stay finite, which they would not if the dK/dV loop visited the row tile and masked it."""
-    tile = _tile(backend)
-    case = Case(spec=AttentionSpec(causal=True), len_q=3 * tile, len_k=3 * tile)
-    results = run_torch(case, _poisoned(case, rows=slice(0, tile)), backend)
-    for name in ("dk", "dv"):
-        assert np.isfinite(results[name][:, :, tile:]).all(), name
-        assert np.isnan(results[name][:, :, :tile]).any(), name
-    assert np.isfinite(results["dq"][:, :, tile:]).all()
 
 
 def test_strided_views_are_not_copied() -> None:

@@ -94,9 +94,10 @@ GPU_TILES: dict[str, dict[tuple[int, int], TileConfig]] = {
     },
 }
 GPU_TILES["backward_delta"] = {key: TileConfig(64, 64, 4) for key in GPU_TILES["forward"]}
-#: The emulator's tiles: 16x16 keeps the conformance shapes (L <= 24) on two tiles, so the skipping bounds run;
-#: two warps, so the tensor-core work is split between warps and every barrier matters.
-EMULATOR_TILE = TileConfig(16, 16, 2)
+#: The emulator's tiles: 16 rows keep the conformance shapes (L <= 24) on two query tiles, so the skipping bounds run;
+#: 32 keys, so the tile is not square (as GPU tiles often are not) and a bound that takes BLOCK_M for BLOCK_N is
+#: wrong here too; two warps, so the tensor-core work is split between warps and every barrier matters.
+EMULATOR_TILE = TileConfig(16, 32, 2)
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 

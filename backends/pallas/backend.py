@@ -41,7 +41,9 @@ else:
 
 COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
 MAX_HEAD_DIM = 256
-INTERPRET_BLOCK = 16  # interpreted on CPU: small tiles keep the padded work small, and still several per row
+# Interpreted on CPU: small tiles keep the padded work small, and still several per row; not square, and the forward's
+# and the dK/dV kernel's transposed, as on a GPU, so a bound that takes block_q for block_k is wrong here too.
+INTERPRET_BLOCKS = ((32, 16), (16, 32))  # (block_q, block_k) of the forward/dQ kernels, then of the dK/dV kernel
 
 
 class _Config(NamedTuple):
@@ -69,7 +71,7 @@ def _pow2(n: int, low: int = 16) -> int:
 def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[int, int], tuple[int, int], int]:
     """((block_q, block_k) forward/dQ, (block_q, block_k) dK/dV, num_warps): never wider than the padded length."""
     if interpret:
-        fwd, bwd, warps = (INTERPRET_BLOCK, INTERPRET_BLOCK), (INTERPRET_BLOCK, INTERPRET_BLOCK), 4
+        (fwd, bwd), warps = INTERPRET_BLOCKS, 4
     elif dim <= 64:
         fwd, bwd, warps = (128, 64), (32, 64), 4
     elif dim <= 128:
