@@ -245,7 +245,8 @@ class _Hidden:
 
 def _hidden_cases(backend: str) -> dict[_Hidden, list[str]]:
     """For each kernel, the band's edge flush with a tile boundary on each side its loop bounds (the upper edge under
-    causal, the lower edge of a window with and without causal), and NaN in the tile beyond it."""
+    causal, the lower edge of a window with and without causal), and NaN in the tile beyond it; and lengths on a
+    boundary with NaN in every real key (or query row), which the tiles past them must not load."""
     found: dict[_Hidden, list[str]] = {}
     seen = set()
     for probe, edge in (
@@ -281,6 +282,14 @@ def _hidden_cases(backend: str) -> dict[_Hidden, list[str]]:
                 last, end = item.rows - 2, item.keys
                 hidden = _Hidden(case, (("dk", 0, end), ("dv", 0, end), ("dq", 0, last + 1)), rows=(last + 1, length))
             found.setdefault(hidden, []).append(str(item))
+    # A query tile wholly past q_lengths loads no key, a key tile wholly past kv_lengths no query row.
+    rows, keys = _quantum(_tiles(backend, AttentionSpec()))
+    lengths = {"len_q": 3 * rows, "len_k": 3 * keys, "q_lengths": (2 * rows,), "kv_lengths": (2 * keys,)}
+    case = Case(spec=AttentionSpec(), **{**SHAPE, **lengths})
+    padding_rows = _Hidden(case, (("out", 2 * rows, 3 * rows), ("dq", 2 * rows, 3 * rows)), keys=(0, 2 * keys))
+    padding_keys = _Hidden(case, (("dk", 2 * keys, 3 * keys), ("dv", 2 * keys, 3 * keys)), rows=(0, 2 * rows))
+    found[padding_rows] = [f"query tiles past q_lengths = {2 * rows}"]
+    found[padding_keys] = [f"key tiles past kv_lengths = {2 * keys}"]
     return found
 
 
