@@ -562,8 +562,32 @@ def worker(backend: str, mutant_file: str, results: str, stage2: bool) -> None:
 # ---------------------------------------------------------------------------------------------- the driver
 
 
-def run(backend: str, chosen: list[Mutant], texts: dict[str, str], timeout: float, stage2: bool, log: Path) -> dict:
+def _key(mutant: Mutant | dict) -> tuple:
+    fields = dataclasses.asdict(mutant) if isinstance(mutant, Mutant) else mutant
+    return fields["path"], fields["start"], fields["end"], fields["replacement"]
+
+
+def _read_report(path: Path) -> dict[tuple, str]:
+    """The verdicts of a report (JSON lines) by mutant."""
+    if not path.exists():
+        return {}
+    return {_key(entry): entry["verdict"] for entry in map(json.loads, path.read_text().splitlines()) if entry}
+
+
+def run(
+    backend: str, chosen: list[Mutant], texts: dict[str, str], timeout: float, stage2: bool, log: Path, report: Path
+) -> dict:
+    """Each mutant's verdict, also appended to ``report`` as it comes (so an interrupted run can be resumed)."""
     verdicts: dict[int, str] = {}
+
+    def record(index: int, verdict: str) -> None:
+        verdicts[index] = verdict
+        mutant = chosen[index]
+        entry = {"mutant": mutant.describe(texts[mutant.path]), "verdict": verdict, **dataclasses.asdict(mutant)}
+        with open(report, "a") as out:
+            out.write(json.dumps(entry) + "\n")
+        print(f"[{len(verdicts)}/{len(chosen)}] {verdict}: {entry['mutant']}", flush=True)
+
     with tempfile.TemporaryDirectory(prefix="attnkit-mutate-") as scratch:
         results = Path(scratch) / "results.jsonl"
         results.touch()
@@ -585,10 +609,9 @@ def run(backend: str, chosen: list[Mutant], texts: dict[str, str], timeout: floa
                     if "start" in event:
                         current, started = event["start"], time.time()
                     else:
-                        verdicts[event["end"]] = event["verdict"]
+                        record(event["end"], event["verdict"])
                         pending.remove(event["end"])
                         current = None
-                        _progress(len(verdicts), len(chosen), chosen[event["end"]], texts, event["verdict"])
                 seen = len(lines)
                 finished = process.poll() is not None
                 if current is not None and time.time() - started > timeout:
@@ -599,16 +622,11 @@ def run(backend: str, chosen: list[Mutant], texts: dict[str, str], timeout: floa
                     why = f"killed (worker died: exit {process.returncode})"
                 if finished:
                     if current is not None and current in pending:
-                        verdicts[current] = why
+                        record(current, why)
                         pending.remove(current)
-                        _progress(len(verdicts), len(chosen), chosen[current], texts, why)
                     break
                 time.sleep(0.5)
     return verdicts
-
-
-def _progress(done: int, total: int, mutant: Mutant, texts: dict[str, str], verdict: str) -> None:
-    print(f"[{done}/{total}] {verdict}: {mutant.describe(texts[mutant.path])}", flush=True)
 
 
 def main() -> None:
@@ -621,8 +639,13 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="at most this many mutants (spread evenly over the list)")
     parser.add_argument("--stage2", action="store_true", help="survivors of the tile-edge tests run stage 2 too")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per mutant before it counts as a hang")
-    parser.add_argument("--report", type=Path, help="write the verdicts here as JSON")
-    parser.add_argument("--rerun", type=Path, help="only the mutants a previous --report lists as survivors")
+    parser.add_argument(
+        "--report",
+        type=Path,
+        help="the verdicts, one JSON line per mutant, appended as they come (default: a file "
+        "in the temporary directory); mutants it already holds are not run again",
+    )
+    parser.add_argument("--rerun", type=Path, help="only the mutants this earlier report lists as survivors")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -637,9 +660,8 @@ def main() -> None:
         first, last = (int(n) for n in args.lines.split("-"))
         found = [m for m in found if first <= texts[m.path].count("\n", 0, m.start) + 1 <= last]
     if args.rerun:
-        previous = json.loads(args.rerun.read_text())
-        wanted = {(m["path"], m["start"], m["end"], m["replacement"]) for m in previous if m["verdict"] == "survived"}
-        found = [m for m in found if (m.path, m.start, m.end, m.replacement) in wanted]
+        earlier = _read_report(args.rerun)
+        found = [m for m in found if earlier.get(_key(m)) == "survived"]
     if args.limit and len(found) > args.limit:
         found = [found[i * len(found) // args.limit] for i in range(args.limit)]
     if args.list:
@@ -648,21 +670,20 @@ def main() -> None:
         print(f"{len(found)} mutants")
         return
     log = Path(tempfile.gettempdir()) / f"mutate-{args.backend}.log"
-    print(f"{len(found)} mutants of {args.backend}; test output in {log}", flush=True)
-    verdicts = run(args.backend, found, texts, args.timeout, args.stage2, log)
-    survivors = [found[i] for i in sorted(verdicts) if verdicts[i] == "survived"]
-    errors = [found[i] for i in sorted(verdicts) if verdicts[i].startswith("error")]
+    report = args.report or Path(tempfile.gettempdir()) / f"mutate-{args.backend}.jsonl"
+    done = _read_report(report)
+    todo = [m for m in found if _key(m) not in done]
+    print(f"{len(found)} mutants of {args.backend}, {len(todo)} to run; test output in {log}, verdicts in {report}")
+    sys.stdout.flush()
+    run(args.backend, todo, texts, args.timeout, args.stage2, log, report)
+    verdicts = _read_report(report)
+    survivors = [m for m in found if verdicts[_key(m)] == "survived"]
+    errors = [m for m in found if verdicts[_key(m)].startswith("error")]
     print(f"\n{len(found) - len(survivors) - len(errors)} killed, {len(survivors)} survived, {len(errors)} errors")
     for mutant in survivors:
         print("SURVIVED", mutant.describe(texts[mutant.path]))
     for mutant in errors:
         print("ERROR", mutant.describe(texts[mutant.path]))
-    if args.report:
-        report = [
-            {"mutant": m.describe(texts[m.path]), "verdict": verdicts[i], **dataclasses.asdict(m)}
-            for i, m in enumerate(found)
-        ]
-        args.report.write_text(json.dumps(report, indent=1))
     sys.exit(1 if survivors else 0)
 
 

@@ -245,7 +245,8 @@ class _Hidden:
 
 def _hidden_cases(backend: str) -> dict[_Hidden, list[str]]:
     """For each kernel, the band's edge flush with a tile boundary on each side its loop bounds (the upper edge under
-    causal, the lower edge of a window with and without causal), and NaN in the tile beyond it."""
+    causal, the lower edge of a window with and without causal), and NaN in the tile beyond it; and lengths on a
+    boundary with NaN in every real key (or query row), which the tiles past them must not load."""
     found: dict[_Hidden, list[str]] = {}
     seen = set()
     for probe, edge in (
@@ -281,6 +282,14 @@ def _hidden_cases(backend: str) -> dict[_Hidden, list[str]]:
                 last, end = item.rows - 2, item.keys
                 hidden = _Hidden(case, (("dk", 0, end), ("dv", 0, end), ("dq", 0, last + 1)), rows=(last + 1, length))
             found.setdefault(hidden, []).append(str(item))
+    # A query tile wholly past q_lengths loads no key, a key tile wholly past kv_lengths no query row.
+    rows, keys = _quantum(_tiles(backend, AttentionSpec()))
+    lengths = {"len_q": 3 * rows, "len_k": 3 * keys, "q_lengths": (2 * rows,), "kv_lengths": (2 * keys,)}
+    case = Case(spec=AttentionSpec(), **{**SHAPE, **lengths})
+    padding_rows = _Hidden(case, (("out", 2 * rows, 3 * rows), ("dq", 2 * rows, 3 * rows)), keys=(0, 2 * keys))
+    padding_keys = _Hidden(case, (("dk", 2 * keys, 3 * keys), ("dv", 2 * keys, 3 * keys)), rows=(0, 2 * rows))
+    found[padding_rows] = [f"query tiles past q_lengths = {2 * rows}"]
+    found[padding_keys] = [f"key tiles past kv_lengths = {2 * keys}"]
     return found
 
 
@@ -299,3 +308,66 @@ def test_tiles_outside_the_band_are_never_loaded(backend: str) -> None:
         if leaked:
             failures.append(f"{'; '.join(what)}, {hidden.case.describe()}: NaN reached {', '.join(leaked)}")
     assert not failures, f"{backend} loaded tiles outside the band:\n  " + "\n  ".join(failures)
+
+
+# --------------------------------------------------------------------------------- the generator itself
+
+PROBES = (
+    AttentionSpec(causal=True),
+    AttentionSpec(window=(1, None)),
+    AttentionSpec(window=(None, 1)),
+    AttentionSpec(causal=True, window=(1, 0)),
+)
+
+
+def _shows(item: Placement) -> bool:
+    """Whether some tile of the kernel, in a brute-force visibility matrix of the placement's extents with its edge
+    alone, has the fit the placement claims. The corner pairs that tell the fits apart are the same for both loop
+    directions; the tile beyond a flush edge is the next key tile for a "keys" loop, the previous or next query tile
+    for a "queries" one, and it must exist."""
+    tile, height, width = item.tile, item.tile.rows, item.tile.key_step
+    # Whole tiles from row and key 0, one more each way; pairs outside the extents do not exist (False).
+    i = np.arange(-height, (item.rows // height + 2) * height)[:, None]
+    j = np.arange(-width, (item.keys // width + 2) * width)[None, :]
+    inside = (i >= 0) & (i < item.rows) & (j >= 0) & (j < item.keys)
+    visible = inside & ((j - i <= item.offset) if item.edge == "upper" else (j - i >= item.offset))
+    keys_loop = tile.loop == "keys"
+    for r0 in range(height, visible.shape[0] - height, height):
+        for c0 in range(width, visible.shape[1] - width, width):
+            block = visible[r0 : r0 + height, c0 : c0 + width]
+            if item.edge == "upper":
+                beyond = (r0, r0 + height, c0 + width, c0 + width + 1) if keys_loop else (r0 - 1, r0, c0, c0 + width)
+                corner = block[-1, -1] if keys_loop else block[0, 0]
+                fits = {
+                    "overhang": block.sum() == 1 and block[-1, 0],
+                    "full": block.all() and not visible[r0, c0 + width] and inside[r0, c0 + width],
+                    "one hidden": block.sum() == block.size - 1 and not block[0, -1] and inside[r0, c0 + width - 1],
+                }
+            else:
+                beyond = (r0, r0 + height, c0 - 1, c0) if keys_loop else (r0 + height, r0 + height + 1, c0, c0 + width)
+                corner = block[0, 0] if keys_loop else block[-1, -1]
+                fits = {
+                    "overhang": block.sum() == 1 and block[0, -1],
+                    "full": block.all() and not visible[r0 + height - 1, c0 - 1] and inside[r0 + height - 1, c0 - 1],
+                    "one hidden": block.sum() == block.size - 1 and not block[-1, 0] and inside[r0 + height - 1, c0],
+                }
+            next_rows, next_keys = slice(*beyond[:2]), slice(*beyond[2:])
+            fits["flush"] = corner and inside[next_rows, next_keys].any() and not visible[next_rows, next_keys].any()
+            if fits[item.fit]:
+                return True
+    return False
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_placements_put_each_edge_where_they_say(backend: str) -> None:
+    """tests/tiles.py's placements, checked against a brute-force visibility matrix: the cases above really put
+    each edge on or one past a boundary of the tiles they name."""
+    wrong = [
+        str(item)
+        for probe in PROBES
+        for tile in _tiles(backend, probe)
+        for edge in ("upper", "lower")
+        for item in placements(tile, edge)  # type: ignore[arg-type]
+        if not _shows(item)
+    ]
+    assert not wrong, f"placements that do not show on {backend}'s tiles: {wrong}"

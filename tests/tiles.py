@@ -159,8 +159,8 @@ def _anchors(tile: KernelTile, edge: Edge, offset: int, tiles: int) -> Iterator[
             first = first_row + offset  # the first key the tile's first row sees
             candidates.append(({keys - 1: "overhang", 0: "flush"}, first, (last_row + 1, first + 1)))
             if tile.masks_crossed_only:
-                corner = last_row + offset  # the first key the tile's last row sees
-                candidates.append(({0: "full", 1: "one hidden"}, corner, (last_row + 1, corner + 1)))
+                corner = last_row + offset  # the first key the tile's last row sees; the key tile there is whole
+                candidates.append(({0: "full", 1: "one hidden"}, corner, (last_row + 1, corner + keys)))
         elif edge == "upper":
             first = index * keys - offset  # the first row that sees the key tile's first key
             candidates.append(({rows - 1: "overhang", 0: "flush"}, first, (first + 1, (index + 1) * keys)))
