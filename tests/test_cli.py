@@ -11,7 +11,8 @@ import pytest
 import attnkit
 from attnkit import registry
 from attnkit.backend import ALL_FEATURES
-from attnkit.cli import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown, main
+from attnkit.capability_matrix import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown
+from attnkit.cli import main
 from tests.conftest import PLUGIN_DISTRIBUTION
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -108,6 +109,14 @@ def test_check_passes_on_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:
     assert "torch-naive" in out and "0 failed" in out
 
 
+def test_check_runs_a_backend_registered_through_an_entry_point(
+    capsys: pytest.CaptureFixture[str], plugin_distribution: None
+) -> None:
+    code, out = run(capsys, "check", "--backend", "test-plugin-fresh", "--examples", "2")
+    assert code == 0, out
+    assert "checking test-plugin-fresh" in out and "0 failed" in out
+
+
 class OffByATenth:
     """torch-naive with 0.1 added to out: a backend that check must catch."""
 
@@ -160,9 +169,9 @@ def test_bench_runs_and_writes_json(capsys: pytest.CaptureFixture[str], tmp_path
 def test_bench_memory_measures_in_a_child(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from attnkit import bench
+    from attnkit.bench import chunked
 
-    monkeypatch.setattr(bench, "MEMORY_MEASURED", ("torch-chunked",))  # one child process (a torch import) only
+    monkeypatch.setattr(chunked, "MEMORY_MEASURED", ("torch-chunked",))  # one child process (a torch import) only
     target = tmp_path / "memory.json"
     code, out = run(capsys, "bench", "--what", "memory", "--seq-len", "256", "--threads", "1", "--json", str(target))
     assert code == 0 and "torch-chunked" in out and "torch-naive not run: its float32 (B, H, L, L) score" in out

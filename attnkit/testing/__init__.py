@@ -19,7 +19,7 @@ from attnkit.testing.agreement import (
     check_backend,
 )
 from attnkit.testing.cases import Case, make_arrays
-from attnkit.testing.environment import interpret_triton_without_gpu
+from attnkit.environment import interpret_triton_without_gpu
 from attnkit.testing.profiles import register_profiles
 
 __all__ = [
