@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,21 @@ def test_explain_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         with pytest.raises(SystemExit) as exit_info:
             main(["explain", *argv])
         assert exit_info.value.code == 2
+
+
+def test_info_and_explain_need_neither_hypothesis_nor_the_tools() -> None:
+    """After a plain `pip install attnkit`: check and bench are imported only by their subcommands."""
+    script = (
+        "import sys; sys.modules['hypothesis'] = None\n"  # `import hypothesis` now raises ImportError
+        "from attnkit.cli import main\n"
+        "assert main(['info']) == 0 and main(['explain', '--causal', '--len-q', '1']) == 0\n"
+        "assert main(['check']) == 2\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('attnkit.testing', 'attnkit.bench')))\n"
+        "assert not loaded, loaded\n"
+    )
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "attnkit check needs torch and hypothesis" in child.stdout
 
 
 def test_check_passes_on_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:

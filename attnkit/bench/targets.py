@@ -25,7 +25,7 @@ import math
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -120,7 +120,7 @@ def _row(**values: Any) -> dict[str, Any]:
     return values
 
 
-def interleaved_ms(functions: dict[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, list[float]]:
+def interleaved_ms(functions: Mapping[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, list[float]]:
     """Milliseconds per call of each function, one sample per repeat (:func:`attnkit.bench.timing.interleaved`,
     each sample lasting about ``MIN_SAMPLE_S``)."""
     return in_ms(interleaved(functions, repeats, warmup))
