@@ -47,7 +47,6 @@ NON_NATIVE_RATIO = 0.7  # best attnkit path against SDPA's plain causal call at 
 DECODE_BUDGET_US = 3.0
 LINEAR_EXPONENT = 1.2  # memory ~ L**e between the two largest L: e <= this counts as linear
 #: Backends that run an interpreter or an emulator on CPU: there for conformance, never timed as a path.
-INTERPRETED_ON_CPU = frozenset({"triton", "pallas", "cupy-emulated"})
 #: torch-naive materialises (B, H, Lq, Lk) float32 scores several times over: timed only up to this size.
 NAIVE_MAX_SCORE_BYTES = 32 * 2**20
 SDPA_PEER = "torch sdpa"
@@ -69,15 +68,11 @@ def limit_jax_threads(threads: int | None) -> None:
 
 
 def interpreted(name: str, device: str) -> bool:
-    """Whether ``name`` runs an interpreter or emulator on ``device`` (excluded from timings and calibration): the
-    emulated backends always; triton, pallas and cupy on CPU; and any backend whose ``interpret()`` says so (pallas
-    where JAX has no GPU)."""
+    """Whether ``name`` runs an interpreter or emulator on ``device`` (excluded from timings and calibration)."""
     from attnkit import registry
+    from attnkit.backend import runs_interpreted
 
-    if name.endswith("-emulated") or (device == "cpu" and name in INTERPRETED_ON_CPU):
-        return True
-    check = getattr(registry.backends().get(name), "interpret", None)
-    return bool(check()) if callable(check) else False
+    return runs_interpreted(registry.get_backend(name), device)
 
 
 def auto_choice(spec: Any, q: Any, k: Any, v: Any, kv_lengths: Any = None) -> str:
