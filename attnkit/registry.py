@@ -102,12 +102,14 @@ def _describe(entry: EntryPoint) -> str:
 
 
 def _load_plugin(entry: EntryPoint) -> None:
-    """Register the backends of one entry point (a Backend, a list of them, or a callable returning either), or
-    refuse the whole entry point: a plugin is not half registered."""
+    """Register the backends of one entry point (a Backend, a list of them, or a callable (a class, say) returning
+    either), or refuse the whole entry point: a plugin is not half registered."""
     described = _describe(entry)
     try:
         loaded = entry.load()
-        found = loaded() if callable(loaded) and not isinstance(loaded, Backend) else loaded
+        # A class satisfies the protocol's attribute check too: it is called, like any other factory.
+        made = isinstance(loaded, type) or (callable(loaded) and not isinstance(loaded, Backend))
+        found = loaded() if made else loaded
         backends = list(found) if isinstance(found, (list, tuple)) else [found]
         replacing, names = set(), set()
         for backend in backends:
