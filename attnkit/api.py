@@ -6,7 +6,7 @@ import threading
 from typing import Any
 
 from attnkit import config, dispatch, registry
-from attnkit.backend import AttentionInputs, Backend, PlainCall, Problem, Runner, plain_call
+from attnkit.backend import AttentionInputs, Backend, PlainCall, Problem, Runner, own_plain_call
 from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_by_type, ops_for
 from attnkit.spec import AttentionSpec, Layout
@@ -150,11 +150,11 @@ _validated: dict[tuple[Any, ...], tuple[Problem, Runner, PlainCall | None]] = {}
 _VALIDATED_LIMIT = 4096  # distinct call signatures kept; a workload rarely has more than a few dozen
 
 
-def _remember(key: tuple[Any, ...], problem: Problem, run: Runner) -> None:
+def _remember(key: tuple[Any, ...], problem: Problem, run: Runner, plain: PlainCall | None) -> None:
     with _validated_lock:
         if len(_validated) >= _VALIDATED_LIMIT:
             _validated.clear()
-        _validated[key] = (problem, run, plain_call(run) if problem.is_plain() else None)
+        _validated[key] = (problem, run, plain)
 
 
 def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
@@ -232,7 +232,7 @@ def attend(
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
     # never sits there.
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
-        _remember(key, problem, run)
+        _remember(key, problem, run, own_plain_call(chosen, spec, problem))
     if was_3d:
         head_axis = 1 if spec.layout is Layout.BHSD else 2
         out = ops.reshape(out, tuple(size for axis, size in enumerate(out.shape) if axis != head_axis))

@@ -152,8 +152,8 @@ class OffByATenth:
         out, lse = self.inner.forward(spec, inputs, need_lse)
         return out + 0.1, lse
 
-    def backward(self, spec: Any, inputs: Any, out: Any, lse: Any, dout: Any, dlse: Any) -> Any:
-        return self.inner.backward(spec, inputs, out, lse, dout, dlse)
+    def backward(self, spec: Any, inputs: Any, out: Any, lse: Any, dout: Any, dlse: Any, *, need_dbias: bool) -> Any:
+        return self.inner.backward(spec, inputs, out, lse, dout, dlse, need_dbias=need_dbias)
 
 
 def test_check_fails_on_a_wrong_backend(capsys: pytest.CaptureFixture[str]) -> None:

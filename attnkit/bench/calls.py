@@ -8,8 +8,6 @@ from typing import Any
 #: Work of each pass relative to the forward, as the FlashAttention-2 paper counts it: the forward is two matmuls,
 #: the backward five.
 PASS_WORK = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
-#: Backends that run an interpreter or an emulator on CPU: there for conformance, never timed as a path.
-INTERPRETED_ON_CPU = frozenset({"triton", "pallas", "cupy-emulated"})
 
 
 def random_inputs(
@@ -55,12 +53,8 @@ def auto_choice(spec: Any, q: Any, k: Any, v: Any, kv_lengths: Any = None) -> st
 
 # door: interpreted
 def interpreted(name: str, device: str) -> bool:
-    """Whether ``name`` runs an interpreter or emulator on ``device`` (excluded from timings and calibration): the
-    emulated backends always; triton, pallas and cupy on CPU; and any backend whose ``interpret()`` says so (pallas
-    where JAX has no GPU)."""
+    """Whether ``name`` runs an interpreter or emulator on ``device`` (excluded from timings and calibration)."""
     from attnkit import registry
+    from attnkit.backend import runs_interpreted
 
-    if name.endswith("-emulated") or (device == "cpu" and name in INTERPRETED_ON_CPU):
-        return True
-    check = getattr(registry.backends().get(name), "interpret", None)
-    return bool(check()) if callable(check) else False
+    return runs_interpreted(registry.get_backend(name), device)

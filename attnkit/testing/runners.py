@@ -112,14 +112,12 @@ def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str 
 
 
 def native_framework(backend: str) -> Framework:
-    """The framework a backend is run in by the harness: the one its ``native_framework`` attribute names (a
-    backend written for JAX that also bridges torch tensors), else torch where it takes torch tensors, else JAX."""
-    chosen = registry.get_backend(backend)
-    frameworks = chosen.capabilities.frameworks
-    preferred = getattr(chosen, "native_framework", None)
-    if preferred in frameworks:
-        return Framework(preferred)
-    return Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX
+    """The framework a backend is run in by the harness: the one its capabilities name as native (a backend written
+    for JAX that also bridges torch tensors), else torch where it takes torch tensors, else JAX."""
+    capabilities = registry.get_backend(backend).capabilities
+    if capabilities.native_framework is not None:
+        return capabilities.native_framework
+    return Framework.TORCH if Framework.TORCH in capabilities.frameworks else Framework.JAX
 
 
 def drawable_dtypes(backend: str) -> tuple[str, ...]:
