@@ -654,11 +654,7 @@ def format_targets(result: dict[str, Any]) -> str:
                 row["dtype"],
                 row["pass_name"],
                 row["path"],
-                _ms(row["peer_ms"]),
-                _ms(row["attnkit_ms"]),
-                f"{row['ratio']:.2f}x",
-                f">= {row['target']}x",
-                _verdict(row["met"]),
+                *_ratio_cells(row),
             ]
             for row in target["rows"]
         ]
@@ -677,11 +673,7 @@ def format_targets(result: dict[str, Any]) -> str:
                 row["pass_name"],
                 f"{row['path']} ({row['auto_ratio']:.2f}x)",
                 row["best"],
-                _ms(row["peer_ms"]),
-                _ms(row["attnkit_ms"]),
-                f"{row['ratio']:.2f}x",
-                f">= {row['target']}x",
-                _verdict(row["met"]),
+                *_ratio_cells(row),
             ]
             for row in target["rows"]
         ]
@@ -778,6 +770,17 @@ def format_targets(result: dict[str, Any]) -> str:
 
 def _verdict(met: bool, yes: str = "met", no: str = "NOT MET") -> str:
     return yes if met else no
+
+
+def _ratio_cells(row: dict[str, Any]) -> list[str]:
+    """The last columns of a ratio table: the peer's and attnkit's times, their ratio, the target, the verdict."""
+    return [
+        _ms(row["peer_ms"]),
+        _ms(row["attnkit_ms"]),
+        f"{row['ratio']:.2f}x",
+        f">= {row['target']}x",
+        _verdict(row["met"]),
+    ]
 
 
 def plot_targets(result: dict[str, Any], path: str) -> None:
