@@ -15,6 +15,7 @@ from attnkit import registry
 from attnkit.backend import ALL_FEATURES
 from attnkit.capability_matrix import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown
 from attnkit.cli import main
+from attnkit.testing.check import edge_cases
 from tests.conftest import PLUGIN_DISTRIBUTION
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -165,6 +166,52 @@ def test_check_fails_on_a_wrong_backend(capsys: pytest.CaptureFixture[str]) -> N
     assert code == 1
     assert f"FAIL {WRONG_BACKEND}" in out and "! out: error" in out
     assert "FAILED" in out
+
+
+BORROWER = "test-cli-borrower"
+MASKED_CALLS = attnkit.Delegation("torch-naive", "calls with a mask")
+
+
+class BorrowsForMasks(attnkit.BaseBackend):
+    """torch-chunked's code, except that calls with a mask run torch-naive's, declared and reported as such."""
+
+    name = BORROWER
+
+    def __init__(self) -> None:
+        chunked = registry.get_backend("torch-chunked").capabilities
+        self.capabilities = attnkit.Capabilities(
+            frameworks=chunked.frameworks,
+            dtypes=chunked.dtypes,
+            devices=chunked.devices,
+            features=chunked.features,
+            delegations=(MASKED_CALLS,),
+        )
+
+    def _code(self, inputs: Any) -> attnkit.Backend:
+        if inputs.mask is None:
+            return registry.get_backend("torch-chunked")
+        attnkit.backend.delegated(self, MASKED_CALLS)
+        return registry.get_backend("torch-naive")
+
+    def forward(self, spec: Any, inputs: Any, need_lse: bool) -> tuple[Any, Any]:
+        return self._code(inputs).forward(spec, inputs, need_lse)
+
+    def backward(self, spec: Any, inputs: Any, out: Any, lse: Any, dout: Any, dlse: Any, *, need_dbias: bool) -> Any:
+        return self._code(inputs).backward(spec, inputs, out, lse, dout, dlse, need_dbias=need_dbias)
+
+
+def test_check_marks_the_rows_whose_cases_ran_another_backends_code(capsys: pytest.CaptureFixture[str]) -> None:
+    attnkit.register_backend(BorrowsForMasks())
+    try:
+        code, out = run(capsys, "check", "--backend", BORROWER, "--examples", "0")
+    finally:
+        attnkit.unregister_backend(BORROWER)
+    assert code == 0, out
+    cells = dict(line.split() for line in out.splitlines() if len(line.split()) == 2 and line.split()[0].isidentifier())
+    assert cells["mask"].endswith("~") and cells["plain"].endswith("~")  # the edge cases with a mask are plain
+    assert not cells["softcap"].endswith("~") and not cells["kv_lengths"].endswith("~")
+    # Of the edge cases, only "mask with fully masked rows" has a mask, in float32 and in bfloat16.
+    assert f"~ {BORROWER}: 2 of {len(edge_cases())} cases: {MASKED_CALLS}" in out, out
 
 
 def test_check_rejects_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:

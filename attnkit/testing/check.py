@@ -2,7 +2,9 @@
 
 Each backend runs the named edge cases it declares it serves, then cases drawn by hypothesis from its declared
 capabilities; every case is compared with the float64 oracle. The run ends in a backend x feature table of the worst
-error/allowed ratio among the cases that used each feature, then every failure in full.
+error/allowed ratio among the cases that used each feature, then every failure in full. A backend that runs
+another backend's code for part of its work (its ``Capabilities.delegations``) has the rows whose cases ran it marked,
+with what ran and how often.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import InvalidArgument
 
 from attnkit import registry
-from attnkit.backend import SPEC_FEATURES, Backend
+from attnkit.backend import SPEC_FEATURES, Backend, Delegation, recording_delegations
 from attnkit.capability_matrix import FEATURE_ORDER
 from attnkit.environment import torch_threads
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
@@ -34,6 +36,8 @@ from attnkit.testing.runners import drawable_dtypes
 CHECK_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 # A case using none of the spec features: plain dot-product attention, bottom-right, bhsd.
 PLAIN = "plain"
+#: After a cell whose row's cases ran another backend's code (delegation_lines says which).
+DELEGATED_MARK = "~"
 DEFAULT_EXAMPLES = 30
 
 
@@ -45,6 +49,7 @@ class Outcome:
     case: Case | None  # None when no case could be drawn at all
     comparisons: list[Comparison] = field(default_factory=list)
     error: str | None = None
+    delegations: frozenset[Delegation] = frozenset()  # another backend's code that ran for this case
 
     @property
     def worst_ratio(self) -> float:
@@ -82,6 +87,10 @@ class BackendReport:
     def worst(self, column: str) -> float | None:
         ratios = [outcome.worst_ratio for outcome in self.outcomes if column in outcome.columns()]
         return max(ratios) if ratios else None
+
+    def delegated(self, column: str) -> bool:
+        """Whether a case counted in ``column`` ran another backend's code."""
+        return any(outcome.delegations for outcome in self.outcomes if column in outcome.columns())
 
 
 def edge_cases() -> list[tuple[str, Case]]:
@@ -132,7 +141,9 @@ def run_case(backend: str, label: str, case: Case, expect_support: bool) -> Outc
             message = "refused a case within its declared capabilities: " + "; ".join(reasons)
             return Outcome(label, case, error=message)
     try:
-        return Outcome(label, case, comparisons=check_backend(case, backend))
+        with recording_delegations() as ran:
+            comparisons = check_backend(case, backend)
+        return Outcome(label, case, comparisons, delegations=frozenset(d for name, d in ran if name == backend))
     except Exception as error:  # a crashing backend is a failed check, not a crashed command
         last = traceback.format_exception_only(type(error), error)[-1].strip()
         return Outcome(label, case, error=last)
@@ -258,22 +269,38 @@ def check_one_backend(
     return report
 
 
-def ratio_text(ratio: float | None) -> str:
+def ratio_text(ratio: float | None, delegated: bool = False) -> str:
     if ratio is None:
         return "-"
     if math.isinf(ratio):
         text = "err"
     else:
         text = f"{ratio:.2f}" if ratio < 100 else f"{ratio:.0f}"
-    return text + ("!" if ratio > 1 else "")
+    return text + ("!" if ratio > 1 else "") + (DELEGATED_MARK if delegated else "")
 
 
 def results_table(reports: Sequence[BackendReport]) -> str:
     """Worst error/allowed ratio per backend and feature (rows) among the cases that used it."""
     columns = [PLAIN, *FEATURE_ORDER, *CHECK_DTYPES]
     checked = [report for report in reports if not report.unavailable]
-    rows = [[column, *(ratio_text(report.worst(column)) for report in checked)] for column in columns]
+    rows = [
+        [column, *(ratio_text(report.worst(column), report.delegated(column)) for report in checked)]
+        for column in columns
+    ]
     return format_table(["worst ratio", *(report.name for report in checked)], rows)
+
+
+def delegation_lines(reports: Sequence[BackendReport]) -> list[str]:
+    """For each backend whose cases ran another backend's code: what ran, in how many of its cases."""
+    lines = []
+    for report in reports:
+        counts: dict[Delegation, int] = {}
+        for outcome in report.outcomes:
+            for delegation in outcome.delegations:
+                counts[delegation] = counts.get(delegation, 0) + 1
+        for delegation, count in sorted(counts.items(), key=lambda item: item[0].part):
+            lines.append(f"{DELEGATED_MARK} {report.name}: {count} of {len(report.outcomes)} cases: {delegation}")
+    return lines
 
 
 def failure_details(reports: Sequence[BackendReport]) -> list[str]:
@@ -315,6 +342,8 @@ def print_summary(reports: Sequence[BackendReport], out: TextIO) -> int:
     """The ratio table, skips and failures; returns the exit status (1 on any failure)."""
     print("\n" + results_table(reports), file=out)
     print("(ratio = error / allowed by the tolerance rule; <= 1 passes, ! fails, err = raised or refused)", file=out)
+    for line in delegation_lines(reports):
+        print(line, file=out)
     for report in reports:
         for label, reasons in report.skipped:
             print(f"skipped {report.name} {label}: {'; '.join(reasons)}", file=out)
