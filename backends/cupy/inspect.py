@@ -35,6 +35,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from attnkit.contract.kernels import KernelSwitches
+
 from . import launch
 
 ARCHS = ("sm_80", "sm_90")
@@ -45,7 +47,7 @@ HEAD_DIMS = (64, 128, 256)
 #: Kernels with matrix products: the ones that must use tensor cores for float16 / bfloat16.
 MMA_KERNELS = ("forward", "backward_dq", "backward_dkdv")
 NO_SPILL_HEAD_DIMS = (64, 128)
-FEATURE_SETS = {"plain": launch.Features(), "all": launch.Features.all()}
+FEATURE_SETS = {"plain": KernelSwitches(), "all": KernelSwitches.all()}
 NVCC_FLAGS = ("-std=c++17", "-O3", "-fatbin", "-Xptxas", "-v", "-x", "cu")
 
 
@@ -249,8 +251,8 @@ def inspect_variant(variant: Variant) -> Result:
 
 def variant_options(variant: Variant) -> tuple[str, ...]:
     tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
-    features = launch.canonical_features(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
-    return launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, features)
+    switches = launch.canonical_switches(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
+    return launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, switches)
 
 
 def inspect_all(selected: list[Variant], jobs: int = 2) -> list[Result]:
