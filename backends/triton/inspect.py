@@ -27,8 +27,6 @@ in its environment (Triton decides when the kernels are decorated whether they a
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import os
 import re
@@ -45,7 +43,7 @@ from typing import Any
 import torch
 import triton
 
-from attnkit.contract.kernels import Kernel, KernelSwitches
+from attnkit.contract.kernels import Kernel, KernelSwitches, report_check, results_table, static_check_arguments
 
 from . import launch
 
@@ -385,18 +383,6 @@ def _row(result: Result) -> tuple[str, ...]:
     )
 
 
-def text_table(results: list[Result]) -> str:
-    rows = [_COLUMNS, *map(_row, results)]
-    widths = [max(len(row[column]) for row in rows) for column in range(len(_COLUMNS))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
-
-
-def markdown_table(results: list[Result]) -> str:
-    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    lines += ["| " + " | ".join(_row(result)) + " |" for result in results]
-    return "\n".join(lines)
-
-
 def to_json(results: list[Result]) -> list[dict[str, Any]]:
     return [
         {**asdict(result), "spill_bytes": result.spill_bytes, "tensor_core": result.tensor_core} for result in results
@@ -404,13 +390,7 @@ def to_json(results: list[Result]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnkit.backends.triton.inspect", description=__doc__)
-    parser.add_argument("--json", type=Path, help="write every result to this file")
-    parser.add_argument("--markdown", action="store_true", help="print the table of docs/performance.md")
-    parser.add_argument("--scope", choices=("full", "required"), default="full")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a requirement fails")
-    args = parser.parse_args(argv)
+    args = static_check_arguments("python -m attnkit.backends.triton.inspect", __doc__, "compiling processes", argv)
     if launch.INTERPRETED:  # the kernels here are interpreted: compile them in a process without the switch
         env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
         command = [sys.executable, "-m", "attnkit.backends.triton.inspect", *(sys.argv[1:] if argv is None else argv)]
@@ -426,17 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.markdown:
             print(f"[{len(results)}/{len(selected)}] {' '.join(_row(result))}", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - started
-    print(markdown_table(results) if args.markdown else text_table(results))
     print(
-        f"\n{len(results)} variants, triton {triton.__version__}, {elapsed:.0f} s with {args.jobs} job(s)",
+        f"{len(results)} variants, triton {triton.__version__}, {elapsed:.0f} s with {args.jobs} job(s)\n",
         file=sys.stderr,
     )
-    if args.json is not None:
-        args.json.write_text(json.dumps(to_json(results), indent=1) + "\n")
-    broken = violations(results)
-    for line in broken:
-        print(f"REQUIREMENT FAILED: {line}", file=sys.stderr)
-    return 1 if broken and args.check else 0
+    table = results_table(_COLUMNS, [_row(result) for result in results], args.markdown)
+    return report_check(args, table, to_json(results), violations(results))
 
 
 if __name__ == "__main__":
