@@ -15,6 +15,7 @@ from attnkit.backends.cupy import launch
 
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec
+from attnkit.contract.kernels import attention_backward, attention_forward
 from tests.cupy_emulator import EmulatorLauncher, compiler
 
 pytestmark = pytest.mark.skipif(compiler() is None, reason="no host C++ compiler for the emulator")
@@ -45,7 +46,7 @@ def _call() -> tuple[AttentionSpec, AttentionInputs]:
 
 def _error(source: Path) -> float:
     spec, inputs = _call()
-    out, _ = launch.attention_forward(EmulatorLauncher(source=source), spec, inputs)
+    out, _ = attention_forward(launch.CudaKernels(EmulatorLauncher(source=source)), spec, inputs)
     expected = attnkit.attend(spec, inputs.q, inputs.k, inputs.v, kv_lengths=inputs.kv_lengths, backend="torch-naive")
     return (out - expected).abs().nan_to_num(float("inf")).max().item()
 
@@ -119,8 +120,9 @@ def _gradient_errors(launcher: EmulatorLauncher) -> dict[str, float]:
     dlse = torch.randn(1, 2, length, generator=generator)
     spec = AttentionSpec(causal=True, window=(1, 0), softcap=5.0)
     inputs = AttentionInputs(q, k, v)
-    out, lse = launch.attention_forward(launcher, spec, inputs)
-    dq, dk, dv, _ = launch.attention_backward(launcher, spec, inputs, out, lse, dout, dlse, None, False)
+    kernels = launch.CudaKernels(launcher)
+    out, lse = attention_forward(kernels, spec, inputs)
+    dq, dk, dv, _ = attention_backward(kernels, spec, inputs, out, lse, dout, dlse, need_dbias=False)
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
     out64, lse64 = attnkit.attend(spec, *leaves, return_lse=True, backend="torch-naive")
     expected = torch.autograd.grad((out64, lse64), leaves, (dout.double(), dlse.double()))

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 from attnkit.backends.cupy import inspect, launch
 
+from attnkit.contract.kernels import KernelSwitches
+
 pytestmark = pytest.mark.skipif(
     inspect.tool("nvcc") is None or inspect.tool("cuobjdump") is None,
     reason="nvcc and cuobjdump are needed (CUDA toolkit on PATH or $CUDA_HOME; cuobjdump also from the triton wheel)",
@@ -75,6 +77,6 @@ def test_nvrtc_compiles_the_source_as_cupy_does(arch: str, dtype: str) -> None:
     """The CuPy path compiles with NVRTC, not nvcc: the same file and -D options, every feature switch on, must
     compile without a log (no error, no warning) to a cubin."""
     tile = launch.gpu_tile("forward", 128, dtype)
-    options = launch.compile_options(dtype, 128, 128, tile, launch.Features.all())
+    options = launch.compile_options(dtype, 128, 128, tile, KernelSwitches.all())
     status, log, cubin_bytes = inspect.nvrtc_compile(arch, options)
     assert status == 0 and not log and cubin_bytes > 0, log

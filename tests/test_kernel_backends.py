@@ -69,6 +69,8 @@ def test_triton_pads_both_head_dims_to_one_width() -> None:
     import torch
     from attnkit.backends.triton import launch
 
+    from attnkit.contract.kernels import Kernel
+
     for head_dim, head_dim_v in ((40, 24), (24, 40), (80, 48), (64, 32), (128, 128)):
-        constants = launch.kernel_constants(head_dim, head_dim_v, torch.float16)
+        constants = launch.kernel_constants(Kernel.FORWARD, head_dim, head_dim_v, torch.float16)
         assert constants["BLOCK_D"] == constants["BLOCK_DV"] >= max(head_dim, head_dim_v), (head_dim, head_dim_v)

@@ -1,17 +1,49 @@
-"""Torch-side pieces that kernel backends share (public; imports torch): strided bhsd views of their inputs, and
-the assembly of their gradients.
+"""The shared launch module of the kernel backends (Triton, and CUDA C through CuPy or the test suite's emulator;
+public, imports torch): what their launchers compute alike, and the backend class they share.
 
-Kernels for the cosine variant differentiate with respect to the normalised q̂ = q/‖q‖ and k̂; the chain rule
-through the normalisation runs here, in float32, once per backward.
+Both kernel sets take the same arguments in the same order (:func:`attention_forward`, :func:`attention_backward`
+write them): bhsd operands with their batch, head and sequence strides; the optional bias, mask and lengths, each
+replaced by q where absent (never dereferenced) and switched on by a :class:`KernelSwitches` flag; bias and mask
+broadcast to (B, Hq, Lq, Lk) by stride 0; the geometry, the scales and the band of :func:`attnkit.contract.
+diagonal_band`. A launcher (:class:`KernelLauncher`) keeps what is its own: how scalars are typed, tiles,
+compile-time constants and the launch itself.
+
+The backward is the FlashAttention-2 sequence: Δ = rowsum(dO ⊙ O) − dlse, then a dQ kernel over query tiles and a
+dK/dV kernel over key tiles (which also writes dS for dbias). Kernels for the cosine variant differentiate with
+respect to the normalised q̂ = q/‖q‖ and k̂; the chain rule through the normalisation runs here, in float32, once
+per backward.
 """
 
 from __future__ import annotations
 
+import argparse
+import enum
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, NamedTuple, Protocol
+
 import torch
 import torch.nn.functional as F
 
-from attnkit.backend import AttentionInputs, AttentionSpec, Gradients, Layout, Variant
-from attnkit.contract import COSINE_EPS
+from attnkit.backend import (
+    ALL_FEATURES,
+    AttentionInputs,
+    AttentionSpec,
+    BaseBackend,
+    Capabilities,
+    CausalAlignment,
+    Framework,
+    Gradients,
+    Layout,
+    Variant,
+)
+from attnkit.contract import COSINE_EPS, diagonal_band
+
+# ---------------------------------------------------------------------------------------------- the math
 
 
 def cosine_input_gradient(x: torch.Tensor, lengths: torch.Tensor | None, grad_unit: torch.Tensor) -> torch.Tensor:
@@ -56,3 +88,363 @@ def kernel_gradients(
         return (x.transpose(1, 2) if spec.layout is Layout.BSHD else x).to(like.dtype)
 
     return Gradients(dq=in_layout(dq, inputs.q), dk=in_layout(dk, inputs.k), dv=in_layout(dv, inputs.v), dbias=dscores)
+
+
+# ---------------------------------------------------------------------------------------------- the launch
+
+
+class Kernel(enum.StrEnum):
+    """The four kernels of both kernel sets (the values are attention.cu's names, ``attention_<value>``)."""
+
+    FORWARD = "forward"
+    DELTA = "backward_delta"  # Δ = rowsum(dO ⊙ O) − dlse, one row per query
+    DQ = "backward_dq"  # over query tiles
+    DKDV = "backward_dkdv"  # over key tiles; writes dS for dbias
+
+
+@dataclass(frozen=True)
+class KernelSwitches:
+    """The feature switches of the kernels: compile-time constants, so a call without a feature runs without its
+    code. Each kernel reads some of them (the forward none of the last three)."""
+
+    has_lower: bool = False  # the band's lower side: a window's left
+    has_upper: bool = False  # the band's upper side: causal, or a window's right
+    bottom_right: bool = False
+    has_mask: bool = False
+    has_bias: bool = False
+    has_softcap: bool = False
+    cosine: bool = False
+    has_q_lengths: bool = False
+    has_kv_lengths: bool = False
+    has_dlse: bool = False  # Δ kernel: lse has a cotangent
+    has_dbias: bool = False  # dK/dV kernel: write dS
+    grad_float32: bool = False  # dq, dk, dv are float32 buffers (the cosine variant's chain rule follows)
+
+    @classmethod
+    def all(cls) -> KernelSwitches:
+        return cls(**{field.name: True for field in fields(cls)})
+
+    def with_(self, **changes: bool) -> KernelSwitches:
+        return KernelSwitches(**{**self.__dict__, **changes})
+
+
+class ArgumentTypes(NamedTuple):
+    """How a launcher types scalar kernel arguments: int32 scalars, int64 strides, float32 scales."""
+
+    int32: Callable[[int], Any]
+    int64: Callable[[int], Any]
+    float32: Callable[[float], Any]
+
+
+class Grid(NamedTuple):
+    """Programs along a sequence (query rows, or keys with ``along_keys``) × heads × batch."""
+
+    length: int
+    heads: int
+    batch: int
+    along_keys: bool = False
+
+    def blocks(self, block_m: int, block_n: int) -> tuple[int, int, int]:
+        """The launch grid for a tile of ``block_m`` query rows × ``block_n`` keys."""
+        block = block_n if self.along_keys else block_m
+        return -(-self.length // block), self.heads, self.batch
+
+
+@dataclass(frozen=True)
+class KernelCall:
+    """What every kernel of one call shares: bhsd operands, the optional tensors with their strides, the geometry,
+    scales and band, typed by the launcher."""
+
+    spec: AttentionSpec
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    optional: tuple[torch.Tensor, ...]  # bias, mask (uint8), q_lengths, kv_lengths (int32); q where absent
+    feature_strides: tuple[Any, ...]  # bias then mask, (B, Hq, Lq, Lk) strides, 0 on broadcast axes
+    geometry: tuple[Any, ...]  # heads_q, group, len_q, len_k
+    qk_scale: Any
+    softcap: Any
+    scale: Any
+    band: tuple[Any, Any]  # lower, upper (0 where unbounded: the switch is off)
+    switches: KernelSwitches
+    types: ArgumentTypes
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """batch, heads_q, len_q, heads_kv, len_k."""
+        batch, heads_q, len_q, _ = self.q.shape
+        return batch, heads_q, len_q, self.k.shape[1], self.k.shape[2]
+
+    @property
+    def head_dims(self) -> tuple[int, int]:
+        return self.q.shape[3], self.v.shape[3]
+
+    def strides(self, x: torch.Tensor) -> tuple[Any, Any, Any]:
+        """Batch, head and sequence strides of a bhsd view (the head-dim stride is 1)."""
+        return self.types.int64(x.stride(0)), self.types.int64(x.stride(1)), self.types.int64(x.stride(2))
+
+
+class KernelLauncher(Protocol):
+    """A kernel set's launcher: how it types arguments and reads the bias, and how it runs one kernel."""
+
+    types: ArgumentTypes
+    #: The dtype the kernels read the bias in; None: the bias's own.
+    bias_dtype: torch.dtype | None
+
+    def run(self, kernel: Kernel, call: KernelCall, grid: Grid, args: list[Any], switches: KernelSwitches) -> None:
+        """Launch ``kernel`` over ``grid`` with ``args``, compiled for ``switches``."""
+        ...
+
+
+def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInputs) -> KernelCall:
+    types = launcher.types
+    q, k, v = bhsd(spec, inputs.q), bhsd(spec, inputs.k), bhsd(spec, inputs.v)
+    batch, heads_q, len_q, head_dim = q.shape
+    heads_kv, len_k = k.shape[1], k.shape[2]
+    optional: list[torch.Tensor] = []
+    feature_strides: list[Any] = []
+    for x in (inputs.bias, inputs.mask):  # broadcast by stride 0, never expanded in memory
+        if x is not None:
+            x = x.view(torch.uint8) if x.dtype == torch.bool else x.to(launcher.bias_dtype or x.dtype)
+            x = x.expand(batch, heads_q, len_q, len_k)
+        optional.append(x if x is not None else q)
+        feature_strides.extend(types.int64(s) for s in (x.stride() if x is not None else (0, 0, 0, 0)))
+    for lengths in (inputs.q_lengths, inputs.kv_lengths):
+        optional.append(lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else q)
+    lower, upper = diagonal_band(spec)
+    scale = spec.resolved_scale(head_dim)
+    switches = KernelSwitches(
+        has_lower=lower is not None,
+        has_upper=upper is not None,
+        bottom_right=spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT,
+        has_mask=inputs.mask is not None,
+        has_bias=inputs.bias is not None,
+        has_softcap=spec.softcap is not None,
+        cosine=spec.variant is Variant.COSINE,
+        has_q_lengths=inputs.q_lengths is not None,
+        has_kv_lengths=inputs.kv_lengths is not None,
+    )
+    return KernelCall(
+        spec=spec,
+        q=q,
+        k=k,
+        v=v,
+        optional=tuple(optional),
+        feature_strides=tuple(feature_strides),
+        geometry=tuple(types.int32(n) for n in (heads_q, heads_q // heads_kv, len_q, len_k)),
+        # The kernels multiply q kᵀ by qk_scale: scale / c when softcapped, so the product is the tanh argument.
+        qk_scale=types.float32(scale / spec.softcap if spec.softcap is not None else scale),
+        softcap=types.float32(spec.softcap or 1.0),
+        scale=types.float32(scale),
+        band=(types.int32(lower or 0), types.int32(upper or 0)),
+        switches=switches,
+        types=types,
+    )
+
+
+def attention_forward(
+    launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInputs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """out (spec layout, q's dtype) and lse (B, Hq, Lq) float32."""
+    call = prepare(launcher, spec, inputs)
+    batch, heads_q, len_q, _, len_k = call.shape
+    out = torch.empty((*inputs.q.shape[:3], inputs.v.shape[3]), dtype=inputs.q.dtype, device=inputs.q.device)
+    lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=inputs.q.device)
+    if out.numel() == 0 or len_k == 0:
+        return out.zero_(), lse.fill_(float("-inf"))
+    out_view = bhsd(spec, out)
+    args = [
+        call.q,
+        call.k,
+        call.v,
+        out_view,
+        lse,
+        *call.optional,
+        *call.strides(call.q),
+        *call.strides(call.k),
+        *call.strides(call.v),
+        *call.strides(out_view),
+        *call.feature_strides,
+        *call.geometry,
+        call.qk_scale,
+        call.softcap,
+        *call.band,
+    ]
+    launcher.run(Kernel.FORWARD, call, Grid(len_q, heads_q, batch), args, call.switches)
+    return out, lse
+
+
+def attention_backward(
+    launcher: KernelLauncher,
+    spec: AttentionSpec,
+    inputs: AttentionInputs,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    dlse: torch.Tensor | None,
+    need_dbias: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """dq, dk, dv as bhsd tensors (float32 for the cosine variant, else the inputs' dtype) and dS at full
+    (B, Hq, Lq, Lk) float32 for dbias. For the cosine variant, dq and dk are the gradients wrt q̂ = q/‖q‖ and k̂."""
+    call = prepare(launcher, spec, inputs)
+    batch, heads_q, len_q, heads_kv, len_k = call.shape
+    # The cosine chain rule (kernel_gradients) runs in float32: the kernels hand it unrounded gradients.
+    grad_dtype = torch.float32 if call.switches.cosine else None
+
+    def gradient(like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(like.shape, dtype=grad_dtype or like.dtype, device=like.device)
+
+    dq, dk, dv = gradient(call.q), gradient(call.k), gradient(call.v)
+    # dS is written only inside the visible band; the rest of dbias is zero.
+    dbias = torch.zeros((batch, heads_q, len_q, len_k), dtype=torch.float32, device=dq.device) if need_dbias else None
+    if dq.numel() == 0 or len_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_(), dbias
+    out_view, dout_view, lse = bhsd(spec, out), bhsd(spec, dout), lse.contiguous()
+    delta = torch.empty_like(lse)
+    int32 = call.types.int32
+    delta_args = [
+        out_view,
+        dout_view,
+        dlse.contiguous() if dlse is not None else lse,
+        delta,
+        *call.strides(out_view),
+        *call.strides(dout_view),
+        int32(heads_q),
+        int32(len_q),
+    ]
+    by_queries = Grid(len_q, heads_q, batch)
+    launcher.run(Kernel.DELTA, call, by_queries, delta_args, KernelSwitches(has_dlse=dlse is not None))
+    operand_strides = [*call.strides(call.q), *call.strides(call.k), *call.strides(call.v), *call.strides(dout_view)]
+    scalars = [*call.geometry, call.qk_scale, call.softcap, call.scale, *call.band]
+    gradient_switches = call.switches.with_(grad_float32=dq.dtype == torch.float32)
+    dq_args = [
+        call.q,
+        call.k,
+        call.v,
+        dout_view,
+        lse,
+        delta,
+        dq,
+        *call.optional,
+        *operand_strides,
+        *call.strides(dq),
+        *call.feature_strides,
+        *scalars,
+    ]
+    launcher.run(Kernel.DQ, call, by_queries, dq_args, gradient_switches)
+    dkdv_args = [
+        call.q,
+        call.k,
+        call.v,
+        dout_view,
+        lse,
+        delta,
+        dk,
+        dv,
+        dbias if dbias is not None else lse,
+        *call.optional,
+        *operand_strides,
+        *call.strides(dk),
+        *call.strides(dv),
+        *call.feature_strides,
+        *scalars,
+    ]
+    by_keys = Grid(len_k, heads_kv, batch, along_keys=True)
+    launcher.run(Kernel.DKDV, call, by_keys, dkdv_args, gradient_switches.with_(has_dbias=need_dbias))
+    return dq, dk, dv, dbias
+
+
+# ---------------------------------------------------------------------------------------------- the backend
+
+#: What both kernel sets do alike, for their capabilities' notes.
+KERNEL_NOTES = (
+    "cosine: q·k on the raw inputs, scaled by both inverse norms in float32 (q̂ is never rounded)",
+    "dbias is computed at full (B, Hq, Lq, Lk) float32, then summed to the bias's shape",
+    "float64: not supported by the kernels (torch-chunked serves it)",
+)
+
+
+def kernel_capabilities(
+    device: str,
+    max_head_dim: int,
+    description: str,
+    notes: tuple[str, ...] = (),
+    how_to_run: tuple[str, ...] = (),
+) -> Capabilities:
+    """A kernel backend's declaration: the whole contract on torch tensors of one device, in the three float dtypes
+    the kernels are written for. Its own ``notes`` come before the shared ones, ``how_to_run`` after."""
+    return Capabilities(
+        frameworks=frozenset({Framework.TORCH}),
+        dtypes=frozenset({"float16", "bfloat16", "float32"}),
+        devices=frozenset({device}),
+        features=ALL_FEATURES,
+        head_dims=(1, max_head_dim),
+        description=description,
+        notes=(*notes, *KERNEL_NOTES, *how_to_run),
+    )
+
+
+class KernelBackend(BaseBackend):
+    """A backend whose forward and backward are the kernel sequence of this module, run by its
+    :meth:`kernel_launcher`."""
+
+    def kernel_launcher(self) -> KernelLauncher:
+        raise NotImplementedError(f"{type(self).__name__}.kernel_launcher")
+
+    def forward(
+        self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return attention_forward(self.kernel_launcher(), spec, inputs)
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
+    ) -> Gradients:
+        with torch.no_grad():
+            dq, dk, dv, dscores = attention_backward(
+                self.kernel_launcher(), spec, inputs, out, lse, dout, dlse, need_dbias
+            )
+        return kernel_gradients(spec, inputs, dq, dk, dv, dscores)
+
+
+# ---------------------------------------------------------------------------------------------- the static checks
+# ``python -m attnkit.backends.triton.inspect`` and ``... .cupy.inspect`` compile their kernels for sm_80 and sm_90
+# without a GPU and read registers, spills and tensor-core use; they share their command line and report.
+
+
+def static_check_arguments(prog: str, description: str | None, jobs_help: str, argv: list[str] | None) -> Any:
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--json", type=Path, help="write every result to this file")
+    parser.add_argument("--markdown", action="store_true", help="print the table of docs/performance.md")
+    parser.add_argument("--scope", choices=("full", "required"), default="full")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help=jobs_help)
+    parser.add_argument("--check", action="store_true", help="exit 1 when a requirement fails")
+    return parser.parse_args(argv)
+
+
+def results_table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> str:
+    """The results as a markdown table (docs/performance.md) or aligned text."""
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    everything = [header, *rows]
+    widths = [max(len(row[column]) for row in everything) for column in range(len(header))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in everything)
+
+
+def report_check(args: Any, table: str, records: list[dict[str, Any]], broken: list[str]) -> int:
+    """Print the table, write the records where ``--json`` asks, name each broken requirement; the exit status."""
+    print(table)
+    if args.json is not None:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    for line in broken:
+        print(f"REQUIREMENT FAILED: {line}", file=sys.stderr)
+    return 1 if broken and args.check else 0

@@ -2,20 +2,8 @@
 
 from __future__ import annotations
 
-import torch
-
-from attnkit.backend import (
-    ALL_FEATURES,
-    AttentionInputs,
-    AttentionSpec,
-    Capabilities,
-    Framework,
-    Gradients,
-    Problem,
-    Variant,
-    capability_reasons,
-)
-from attnkit.contract.kernels import kernel_gradients
+from attnkit.backend import Capabilities
+from attnkit.contract.kernels import KernelBackend, KernelLauncher, kernel_capabilities
 
 from . import launch
 
@@ -29,26 +17,20 @@ TEST_ONLY_REASON = (
 
 def capabilities(device: str, description: str) -> Capabilities:
     """The same declaration for ``cupy`` and ``cupy-emulated``: the kernels are the same; only the device differs."""
-    return Capabilities(
-        frameworks=frozenset({Framework.TORCH}),
-        dtypes=frozenset({"float16", "bfloat16", "float32"}),
-        devices=frozenset({device}),
-        features=ALL_FEATURES,
-        head_dims=(1, launch.MAX_HEAD_DIM),
-        description=description,
+    return kernel_capabilities(
+        device,
+        launch.MAX_HEAD_DIM,
+        description,
         notes=(
             "float16/bfloat16 matrix products on tensor cores (nvcuda::wmma 16x16x16), float32 accumulation; "
             "float32 in IEEE float32 FMA loops (no TF32)",
             "compile-time -D options (head dim, tiles, feature switches) from launch.compile_options, shared by "
             "NVRTC, nvcc and the emulator",
-            "cosine: q·k on the raw inputs, scaled by both inverse norms in float32 (q̂ is never rounded)",
-            "dbias is computed at full (B, Hq, Lq, Lk) float32, then summed to the bias's shape",
-            "float64: not supported by the kernels (torch-chunked serves it)",
         ),
     )
 
 
-class CupyBackend:
+class CupyBackend(KernelBackend):
     """FlashAttention-2 in CUDA C, launched through a :class:`launch.Launcher`: CuPy (NVRTC) on CUDA tensors, or
     the CPU emulation harness of the test suite on CPU tensors (``cupy-emulated``)."""
 
@@ -85,34 +67,7 @@ class CupyBackend:
     def interpreted(self, device: str) -> bool:
         return device == "cpu"  # the emulation harness; CUDA tensors run the compiled kernels
 
-    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        return capability_reasons(self.capabilities, spec, problem)
-
-    def _launcher(self) -> launch.Launcher:
+    def kernel_launcher(self) -> KernelLauncher:
         if self.launcher is None:
             raise RuntimeError(TEST_ONLY_REASON)
-        return self.launcher
-
-    def forward(
-        self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        with torch.no_grad():
-            return launch.attention_forward(self._launcher(), spec, inputs)
-
-    def backward(
-        self,
-        spec: AttentionSpec,
-        inputs: AttentionInputs,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        *,
-        need_dbias: bool,
-    ) -> Gradients:
-        cosine = spec.variant is Variant.COSINE
-        with torch.no_grad():
-            dq, dk, dv, dscores = launch.attention_backward(
-                self._launcher(), spec, inputs, out, lse, dout, dlse, torch.float32 if cosine else None, need_dbias
-            )
-        return kernel_gradients(spec, inputs, dq, dk, dv, dscores)
+        return launch.CudaKernels(self.launcher)

@@ -19,7 +19,6 @@ Each distinct module is compiled once for both archs (one fatbin); reports are c
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import importlib.util
@@ -35,6 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from attnkit.contract.kernels import KernelSwitches, report_check, results_table, static_check_arguments
+
 from . import launch
 
 ARCHS = ("sm_80", "sm_90")
@@ -45,7 +46,7 @@ HEAD_DIMS = (64, 128, 256)
 #: Kernels with matrix products: the ones that must use tensor cores for float16 / bfloat16.
 MMA_KERNELS = ("forward", "backward_dq", "backward_dkdv")
 NO_SPILL_HEAD_DIMS = (64, 128)
-FEATURE_SETS = {"plain": launch.Features(), "all": launch.Features.all()}
+FEATURE_SETS = {"plain": KernelSwitches(), "all": KernelSwitches.all()}
 NVCC_FLAGS = ("-std=c++17", "-O3", "-fatbin", "-Xptxas", "-v", "-x", "cu")
 
 
@@ -249,8 +250,8 @@ def inspect_variant(variant: Variant) -> Result:
 
 def variant_options(variant: Variant) -> tuple[str, ...]:
     tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
-    features = launch.canonical_features(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
-    return launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, features)
+    switches = launch.canonical_switches(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
+    return launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, switches)
 
 
 def inspect_all(selected: list[Variant], jobs: int = 2) -> list[Result]:
@@ -288,38 +289,16 @@ def _row(r: Result) -> tuple[str, ...]:
             str(r.shared_bytes), cores)  # fmt: skip
 
 
-def markdown_table(results: list[Result]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(_row(r)) + " |" for r in results]
-    return "\n".join(lines)
-
-
-def text_table(results: list[Result]) -> str:
-    rows = [HEADER, *(_row(r) for r in results)]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(HEADER))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)) for row in rows)
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnkit.backends.cupy.inspect", description=__doc__)
-    parser.add_argument("--json", type=Path, help="write every result to this file")
-    parser.add_argument("--markdown", action="store_true", help="print the table of docs/performance.md")
-    parser.add_argument("--scope", choices=("full", "required"), default="full")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="nvcc processes at a time")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a requirement fails")
-    args = parser.parse_args(argv)
+    args = static_check_arguments("python -m attnkit.backends.cupy.inspect", __doc__, "nvcc processes at a time", argv)
     missing = [name for name in ("nvcc", "cuobjdump") if tool(name) is None]
     if missing:
         print(f"cannot run the static check: {', '.join(missing)} not found", file=sys.stderr)
         return 2
     results = inspect_all(variants(args.scope), args.jobs)
-    print(markdown_table(results) if args.markdown else text_table(results))
-    if args.json:
-        args.json.write_text(json.dumps([{**asdict(r), "spill_bytes": r.spill_bytes} for r in results], indent=1))
-    problems = violations(results)
-    for problem in problems:
-        print("FAIL", problem, file=sys.stderr)
-    return 1 if args.check and problems else 0
+    table = results_table(HEADER, [_row(r) for r in results], args.markdown)
+    records = [{**asdict(r), "spill_bytes": r.spill_bytes} for r in results]
+    return report_check(args, table, records, violations(results))
 
 
 if __name__ == "__main__":

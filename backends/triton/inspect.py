@@ -27,8 +27,6 @@ in its environment (Triton decides when the kernels are decorated whether they a
 
 from __future__ import annotations
 
-import argparse
-import json
 import multiprocessing
 import os
 import re
@@ -45,7 +43,9 @@ from typing import Any
 import torch
 import triton
 
-from . import kernels, launch
+from attnkit.contract.kernels import Kernel, KernelSwitches, report_check, results_table, static_check_arguments
+
+from . import launch
 
 ARCHS = {"sm_80": 80, "sm_90": 90}
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -58,8 +58,8 @@ NO_SPILL_HEAD_DIMS = (64, 128)
 #: The tensor-core instruction each arch must show in every float16 / bfloat16 dot-bearing kernel.
 REQUIRED_TENSOR_CORE = {"sm_80": "HMMA", "sm_90": "HGMMA"}
 
-#: Feature switches, each on by itself, then all at once (``launch.kernel_constants`` keywords, plus the dK/dV
-#: kernel's HAS_DBIAS and the Δ kernel's HAS_DLSE). Inspected at D = 128 bfloat16 on both archs.
+#: Feature switches (``KernelSwitches`` fields), each on by itself, then all at once. Inspected at D = 128 bfloat16
+#: on both archs.
 FEATURES: dict[str, dict[str, bool]] = {
     "plain": {},
     "upper": {"has_upper": True},  # causal, or a window's right side
@@ -93,12 +93,7 @@ _FEATURES_OF = {
     "delta": ("dlse",),
 }
 
-_KERNEL_FUNCTIONS = {
-    "fwd": "_fwd_kernel",
-    "delta": "_bwd_delta_kernel",
-    "dq": "_bwd_dq_kernel",
-    "dkdv": "_bwd_dkdv_kernel",
-}
+KERNEL_OF = {name: kernel for kernel, name in launch.NAMES.items()}
 _FLOAT_ARGS = ("qk_scale", "softcap", "grad_scale")
 _FLOAT32_POINTERS = ("Lse", "Delta", "DLse", "DBias")
 _DENSE_STRIDE = re.compile(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]$")
@@ -173,34 +168,25 @@ def variants(scope: str = "full") -> list[Variant]:
 
 
 def _constants(variant: Variant, tile: launch.TileConfig | None = None) -> tuple[dict[str, Any], launch.TileConfig]:
-    """The constexprs of one variant, as launch.py passes them, and the tile: ``tile``, else the default of
+    """The constexprs of one variant, as the launcher passes them, and the tile: ``tile``, else the default of
     gpu_configs."""
+    kernel = KERNEL_OF[variant.kernel]
     dtype = DTYPES[variant.dtype]
-    switches = FEATURES[variant.features]
-    block_dv = launch.padded_head_dim(variant.head_dim, variant.head_dim)
-    if variant.kernel == "delta":
+    constants = launch.kernel_constants(
+        kernel, variant.head_dim, variant.head_dim, dtype, KernelSwitches(**FEATURES[variant.features])
+    )
+    if kernel is Kernel.DELTA:
         tile = launch.TileConfig(launch.DELTA_BLOCK_M, 0, 4, 3)  # Triton's launch defaults: 4 warps, 3 stages
-        constants: dict[str, Any] = dict(
-            HEAD_DIM_V=variant.head_dim,
-            BLOCK_DV=block_dv,
-            BLOCK_M=tile.block_m,
-            HAS_DLSE=switches.get("has_dlse", False),
-        )
-        return constants, tile
-    tile = tile or launch.gpu_configs(variant.kernel, block_dv, dtype)[0]
-    shared = {key: value for key, value in switches.items() if key not in ("has_dbias", "has_dlse")}
-    constants = launch.kernel_constants(variant.head_dim, variant.head_dim, dtype, **shared)
-    constants.update(BLOCK_M=tile.block_m, BLOCK_N=tile.block_n)
-    if variant.kernel == "dkdv":
-        constants["HAS_DBIAS"] = switches.get("has_dbias", False)
-    return constants, tile
+        return {**constants, "BLOCK_M": tile.block_m}, tile
+    tile = tile or launch.gpu_configs(variant.kernel, constants["BLOCK_D"], dtype)[0]
+    return {**constants, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n}, tile
 
 
 def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[dict[str, str], dict, dict[str, Any]]:
     """The ASTSource signature, attributes and constexprs of one variant: the types, alignment and
     specialisation a launch would give (see the module's docstring)."""
     element = _TRITON_TYPE[variant.dtype]
-    present = {  # launch.py passes q in place of an absent optional tensor
+    present = {  # the launch passes q in place of an absent optional tensor (attnkit.contract.kernels)
         "Bias": constants.get("HAS_BIAS", False),
         "Mask": constants.get("HAS_MASK", False),
         "QLengths": constants.get("HAS_Q_LENGTHS", False),
@@ -237,7 +223,8 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
     unknown, missing = set(constants) - takes, {p.name for p in fn.params if p.is_constexpr and not p.has_default}
     if unknown or missing - set(constants):
         raise RuntimeError(
-            f"{fn.__name__}: launch.py and kernels.py disagree on the constexprs (unknown {sorted(unknown)}, "
+            f"{fn.__name__}: launch.kernel_constants and kernels.py disagree on the constexprs "
+            f"(unknown {sorted(unknown)}, "
             f"missing {sorted(missing - set(constants))})"
         )
     return signature, attrs, constexprs
@@ -297,7 +284,7 @@ def inspect_variant(variant: Variant, tile: launch.TileConfig | None = None) -> 
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9's default (fusion on), without its warning
     if launch.INTERPRETED:
         raise RuntimeError("the kernels were decorated under TRITON_INTERPRET=1: run without it to compile them")
-    fn = getattr(kernels, _KERNEL_FUNCTIONS[variant.kernel])
+    fn = launch.FUNCTIONS[KERNEL_OF[variant.kernel]]
     constants, tile = _constants(variant, tile)
     signature, attrs, constexprs = _signature(fn, variant, constants)
     started = time.perf_counter()
@@ -396,18 +383,6 @@ def _row(result: Result) -> tuple[str, ...]:
     )
 
 
-def text_table(results: list[Result]) -> str:
-    rows = [_COLUMNS, *map(_row, results)]
-    widths = [max(len(row[column]) for row in rows) for column in range(len(_COLUMNS))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
-
-
-def markdown_table(results: list[Result]) -> str:
-    lines = ["| " + " | ".join(_COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
-    lines += ["| " + " | ".join(_row(result)) + " |" for result in results]
-    return "\n".join(lines)
-
-
 def to_json(results: list[Result]) -> list[dict[str, Any]]:
     return [
         {**asdict(result), "spill_bytes": result.spill_bytes, "tensor_core": result.tensor_core} for result in results
@@ -415,13 +390,7 @@ def to_json(results: list[Result]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m attnkit.backends.triton.inspect", description=__doc__)
-    parser.add_argument("--json", type=Path, help="write every result to this file")
-    parser.add_argument("--markdown", action="store_true", help="print the table of docs/performance.md")
-    parser.add_argument("--scope", choices=("full", "required"), default="full")
-    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="compiling processes")
-    parser.add_argument("--check", action="store_true", help="exit 1 when a requirement fails")
-    args = parser.parse_args(argv)
+    args = static_check_arguments("python -m attnkit.backends.triton.inspect", __doc__, "compiling processes", argv)
     if launch.INTERPRETED:  # the kernels here are interpreted: compile them in a process without the switch
         env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
         command = [sys.executable, "-m", "attnkit.backends.triton.inspect", *(sys.argv[1:] if argv is None else argv)]
@@ -437,17 +406,12 @@ def main(argv: list[str] | None = None) -> int:
         if not args.markdown:
             print(f"[{len(results)}/{len(selected)}] {' '.join(_row(result))}", file=sys.stderr, flush=True)
     elapsed = time.perf_counter() - started
-    print(markdown_table(results) if args.markdown else text_table(results))
     print(
-        f"\n{len(results)} variants, triton {triton.__version__}, {elapsed:.0f} s with {args.jobs} job(s)",
+        f"{len(results)} variants, triton {triton.__version__}, {elapsed:.0f} s with {args.jobs} job(s)\n",
         file=sys.stderr,
     )
-    if args.json is not None:
-        args.json.write_text(json.dumps(to_json(results), indent=1) + "\n")
-    broken = violations(results)
-    for line in broken:
-        print(f"REQUIREMENT FAILED: {line}", file=sys.stderr)
-    return 1 if broken and args.check else 0
+    table = results_table(_COLUMNS, [_row(result) for result in results], args.markdown)
+    return report_check(args, table, to_json(results), violations(results))
 
 
 if __name__ == "__main__":

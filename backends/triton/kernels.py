@@ -1,6 +1,7 @@
 """FlashAttention-2 forward and backward as Triton kernels: the math only.
 
-The launch code (grids, strides, tile configurations, the interpreter) is in ``launch.py``. Every kernel works
+The launch code is in ``launch.py`` (tile configurations, the interpreter) and, shared with the CUDA C kernels,
+``attnkit.contract.kernels`` (arguments, strides, grids, the band). Every kernel works
 on one (batch, head) and one tile of rows or keys; tensors arrive as bhsd strides, so bshd and non-contiguous
 inputs need no copy. Feature switches are ``tl.constexpr``: a call without a feature compiles without its code.
 

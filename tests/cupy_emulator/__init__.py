@@ -6,7 +6,8 @@ a machine without a GPU. It is not a CUDA implementation and not a way to run at
 the math intrinsics and ``nvcuda::wmma``). :class:`EmulatorLauncher` implements the backend's
 ``launch.Launcher``: it compiles the *same* ``attention.cu`` with the host C++ compiler and the same -D options the
 CuPy launcher gives NVRTC, builds a trampoline per kernel that unpacks a ``cuLaunchKernel``-style argument array,
-and launches with the grid, block, shared-memory size and arguments ``launch.py`` computed, on CPU tensors.
+and launches with the grid, block, shared-memory size and arguments that ``launch.py`` and
+``attnkit.contract.kernels`` computed, on CPU tensors.
 Libraries are built once per (source, header, options) into a cache directory.
 """
 
