@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnkit import config, dispatch
-from attnkit.backend import AttentionInputs, Backend, Problem, Runner, plain_call
+from attnkit.backend import AttentionInputs, Backend, PlainCall, Problem, Runner, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_by_type, ops_for
@@ -151,9 +151,8 @@ _cached_call = CACHE.calls.get
 _scope_serial = CACHE.scope_serial
 
 
-def _remember(key: tuple[Any, ...], problem: Problem, run: Runner, epoch: int) -> None:
-    # The one place a runner's plain call is asked for.
-    CACHE.remember(CACHE.calls, key, (problem, run, plain_call(run) if problem.is_plain() else None), epoch)
+def _remember(key: tuple[Any, ...], problem: Problem, run: Runner, plain: PlainCall | None, epoch: int) -> None:
+    CACHE.remember(CACHE.calls, key, (problem, run, plain), epoch)
 
 
 def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
@@ -233,7 +232,7 @@ def attend(
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
     # never sits there.
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
-        _remember(key, problem, run, epoch)
+        _remember(key, problem, run, own_plain_call(chosen, spec, problem), epoch)
     if was_3d:
         head_axis = 1 if spec.layout is Layout.BHSD else 2
         out = ops.reshape(out, tuple(size for axis, size in enumerate(out.shape) if axis != head_axis))

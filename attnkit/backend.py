@@ -1,55 +1,97 @@
-"""The backend protocol: the one interface every attention backend implements.
+"""The backend door: everything a backend author needs from attnkit, in one module.
+
+A backend imports this module, the contract helpers (:mod:`attnkit.contract` and its torch, jax and kernels
+modules) and its own framework; never ``attnkit`` itself, its api, config or dispatch. docs/architecture.md shows
+where the door sits.
 
 A backend is an object with
 
 * ``name``: the registry key, e.g. ``"torch-chunked"``;
-* ``capabilities``: a :class:`Capabilities` (data, not code) that the generic
-  :func:`capability_reasons` checks a call against;
+* ``capabilities``: a :class:`Capabilities` (data, not code): frameworks, dtypes, devices, the :class:`Feature`
+  members it serves, head dims, and what it runs of another backend (:class:`Delegation`);
 * ``available()``: why it cannot run on this machine (empty list: it can);
-* ``supports(spec, problem)``: why it cannot serve this call, each reason naming the value and
-  what is supported (most backends return ``capability_reasons(self.capabilities, spec, problem)``
-  plus anything particular to them);
+* ``supports(spec, problem)``: why it cannot serve this call, each reason naming the value and what is supported;
 * ``forward(spec, inputs, need_lse)`` -> ``(out, lse)``;
-* ``backward(spec, inputs, out, lse, dout, dlse)`` -> :class:`Gradients`.
+* ``backward(spec, inputs, out, lse, dout, dlse, need_dbias=...)`` -> :class:`Gradients`.
 
-Backends receive tensors of their own framework, already validated, in the spec's layout
-(4-D: a 3-D call gets a head axis of 1 added by the frontend). ``mask`` and ``bias`` are 4-D
-and broadcastable to (B, Hq, Lq, Lk); a backend may return ``dbias`` in that broadcast shape and the
-frontend sums it down to the caller's shape. ``lse`` is float32 (B, Hq, Lq).
+:class:`BaseBackend` gives the defaults (``available()``: nothing missing; ``supports()``: what the capabilities
+say; ``backward``: refused where the capabilities declare no grad) and the optional hooks, one spelling each:
 
-A backend built on a library call that its framework already differentiates (the native backends) may also define
-``differentiable_forward(spec, problem)``, returning a :data:`Runner` ``(q, k, v, mask, bias, q_lengths,
-kv_lengths) -> (out, lse or None)`` for every call with that spec and problem. The frontend then calls that function
-directly, with grad recording as the caller has it, instead of wrapping ``forward`` in its own autograd.Function /
-custom_vjp: the framework's own backward runs, and a call costs what the library call costs plus the cached dispatch.
-``backward`` then serves callers of the protocol itself (attnkit.testing). The function is made once per (spec,
-problem), so it may be specialised for it. Where, for calls with q, k, v alone and no lse wanted, it is one library
-call, :func:`with_plain_call` attaches that call, and ``attend`` makes it without the wrapper.
+* ``differentiable_forward(spec, problem)``: a :data:`Runner` for a backend built on a library call its framework
+  already differentiates (the native backends). The frontend calls it with grad recording as the caller has it,
+  instead of wrapping ``forward`` in its own autograd.Function / custom_vjp; ``backward`` then serves callers of the
+  protocol itself (attnkit.testing). Made once per (spec, problem), so it may be specialised for it.
+* ``plain_call(spec, problem)``: for a problem with q, k, v alone that wants no lse (``problem.is_plain()``), a
+  :data:`PlainCall` ``(q, k, v) -> out`` computing what the differentiable forward does; ``attend`` then makes that
+  call with nothing around it (at decode sizes a wrapper's frame and tuple are a tenth of the dispatch cost).
+* ``interpreted(device)``: whether the backend runs its kernels in an interpreter or emulator on ``device``
+  (benchmarks and cost calibration leave it out).
+
+A backend written against the :class:`Backend` protocol alone, without the base class, may define any of them; the
+door's :func:`own_forward`, :func:`own_plain_call` and :func:`runs_interpreted` are where attnkit reads them.
+
+Backends receive tensors of their own framework, already validated, in the spec's layout (4-D: a 3-D call gets a
+head axis of 1 added by the frontend). ``mask`` and ``bias`` are 4-D and broadcastable to (B, Hq, Lq, Lk); a
+backend may return ``dbias`` in that broadcast shape and the frontend sums it down to the caller's shape. ``lse`` is
+float32 (B, Hq, Lq).
+
+Built-in backends are listed by their subpackage's ``backends()`` function; a third-party one reaches the registry
+through the ``attnkit.backends`` entry-point group (a Backend, a list of them, or a callable returning either) or
+``attnkit.register_backend``.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-from attnkit.spec import AttentionSpec
+from attnkit.build import TorchExtension
+from attnkit.errors import BackendUnavailableError, BuildError, InvalidInputTypeError
+from attnkit.features import ALL_FEATURES, CALL_FEATURES, ROUTING_FEATURES, SPEC_FEATURES, Feature
+from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
+
+__all__ = [
+    "ALL_FEATURES",
+    "CALL_FEATURES",
+    "ROUTING_FEATURES",
+    "SPEC_FEATURES",
+    "AttentionInputs",
+    "AttentionSpec",
+    "Backend",
+    "BackendUnavailableError",
+    "BaseBackend",
+    "BuildError",
+    "Capabilities",
+    "CausalAlignment",
+    "Delegation",
+    "Feature",
+    "Framework",
+    "Gradients",
+    "Layout",
+    "MissingPackageBackend",
+    "PlainCall",
+    "Problem",
+    "Runner",
+    "TorchExtension",
+    "Variant",
+    "capability_reasons",
+    "delegated",
+    "own_forward",
+    "own_plain_call",
+    "peer_backend",
+    "recording_delegations",
+    "routing_features",
+    "runs_interpreted",
+]
 
 
 class Framework(str, enum.Enum):
     TORCH = "torch"
     JAX = "jax"
-
-
-#: Feature names a spec or call can use; ``Capabilities.features`` lists those a backend serves.
-SPEC_FEATURES = frozenset({"causal", "top_left", "window", "cosine", "softcap", "bshd"})
-CALL_FEATURES = frozenset({"mask", "bias", "q_lengths", "kv_lengths", "lse", "grad", "dbias"})
-ALL_FEATURES = SPEC_FEATURES | CALL_FEATURES
-#: Facts of a call's geometry that only routing reads (config ``[[refine]]`` entries), never a capability:
-#: ``bottom_right_offset``: causal aligned bottom-right with 1 < Lq != Lk, a diagonal SDPA's ``is_causal``
-#: (top-left) cannot place.
-ROUTING_FEATURES = frozenset({"bottom_right_offset"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,20 +123,17 @@ class Problem:
         """q, k and v alone (no mask, bias or lengths), and no lse wanted: a library's plain attention call."""
         return not (self.return_lse or self.has_mask or self.has_bias or self.has_q_lengths or self.has_kv_lengths)
 
-    def features(self) -> frozenset[str]:
-        used = set()
-        for flag, name in (
-            (self.has_mask, "mask"),
-            (self.has_bias, "bias"),
-            (self.has_q_lengths, "q_lengths"),
-            (self.has_kv_lengths, "kv_lengths"),
-            (self.return_lse, "lse"),
-            (self.needs_grad, "grad"),
-            (self.needs_bias_grad, "dbias"),
-        ):
-            if flag:
-                used.add(name)
-        return frozenset(used)
+    def features(self) -> frozenset[Feature]:
+        flags = (
+            (self.has_mask, Feature.MASK),
+            (self.has_bias, Feature.BIAS),
+            (self.has_q_lengths, Feature.Q_LENGTHS),
+            (self.has_kv_lengths, Feature.KV_LENGTHS),
+            (self.return_lse, Feature.LSE),
+            (self.needs_grad, Feature.GRAD),
+            (self.needs_bias_grad, Feature.DBIAS),
+        )
+        return frozenset(feature for used, feature in flags if used)
 
 
 class AttentionInputs(NamedTuple):
@@ -121,20 +160,45 @@ class Gradients:
 
 
 @dataclass(frozen=True)
+class Delegation:
+    """Part of a backend's work done by another backend's code: ``part`` of the call runs ``backend``."""
+
+    backend: str
+    part: str
+
+    def __str__(self) -> str:
+        return f"{self.part} run {self.backend}'s code"
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a backend can do, as data. :func:`capability_reasons` reads it."""
 
     frameworks: frozenset[Framework]
     dtypes: frozenset[str]
     devices: frozenset[str]
-    features: frozenset[str]
+    features: frozenset[Feature]
     head_dims: tuple[int, int] = (1, 1 << 30)  # inclusive range, for both D and Dv
     description: str = ""
     notes: tuple[str, ...] = field(default=())
+    #: The framework the conformance harness runs it in, where it takes more than one (pallas: JAX, bridging torch
+    #: tensors through DLPack); None: torch where it takes torch tensors, else JAX.
+    native_framework: Framework | None = None
+    #: What of its work runs another backend's code: shown by ``explain`` and in the conformance table.
+    delegations: tuple[Delegation, ...] = ()
 
     def __post_init__(self) -> None:
-        unknown = self.features - ALL_FEATURES
-        assert not unknown, f"unknown feature names {sorted(unknown)}; known: {sorted(ALL_FEATURES)}"
+        wrong = sorted(repr(f) for f in self.features if not isinstance(f, Feature) or f not in ALL_FEATURES)
+        if wrong:
+            raise InvalidInputTypeError(
+                f"Capabilities.features holds {', '.join(wrong)}; expected attnkit.Feature members "
+                f"({', '.join(sorted(ALL_FEATURES))})"
+            )
+        if self.native_framework is not None and self.native_framework not in self.frameworks:
+            raise InvalidInputTypeError(
+                f"Capabilities.native_framework={self.native_framework.value} is not among its frameworks "
+                f"({', '.join(sorted(f.value for f in self.frameworks))})"
+            )
 
 
 def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem) -> list[str]:
@@ -156,26 +220,33 @@ def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem
     return reasons
 
 
-def routing_features(spec: AttentionSpec, problem: Problem) -> frozenset[str]:
-    """The feature names a ``[[refine]]`` entry may match for this call: the spec's, the call's, and the
+def routing_features(spec: AttentionSpec, problem: Problem) -> frozenset[Feature]:
+    """The features a ``[[refine]]`` entry may match for this call: the spec's, the call's, and the
     ROUTING_FEATURES that hold."""
     used = spec.features() | problem.features()
     offset = problem.len_q != problem.len_k and problem.len_q > 1
-    if offset and "causal" in used and "top_left" not in used:
-        used |= {"bottom_right_offset"}
+    if offset and Feature.CAUSAL in used and Feature.TOP_LEFT not in used:
+        used |= {Feature.BOTTOM_RIGHT_OFFSET}
     return used
+
+
+#: What a frontend calls for one attention call: the fields of AttentionInputs as positional arguments
+#: -> (out, lse or None). Positional, not the named tuple: building one cost a sixth of a decode call's dispatch.
+Runner = Callable[[Any, Any, Any, Any, Any, Any, Any], tuple[Any, Any]]
+#: ``(q, k, v) -> out``, for a call with no mask, bias or lengths that wants no lse.
+PlainCall = Callable[[Any, Any, Any], Any]
 
 
 @runtime_checkable
 class Backend(Protocol):
+    """What the registry requires of a backend. :class:`BaseBackend` implements the defaults."""
+
     name: str
     capabilities: Capabilities
 
     def available(self) -> list[str]:
-        """Reasons this backend cannot run on this machine; empty when it can.
-
-        Read once per registry generation: dispatch keeps the answer until the registry changes or
-        :func:`attnkit.dispatch.clear_cache` is called."""
+        """Reasons this backend cannot run on this machine; empty when it can. Read once per registry generation:
+        dispatch keeps the answer until the registry changes or its cache is cleared."""
         ...
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
@@ -194,38 +265,80 @@ class Backend(Protocol):
         lse: Any,
         dout: Any,
         dlse: Any | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
-        """Gradients of (out, lse) given their cotangents; ``dlse`` None means zero."""
+        """Gradients of (out, lse) given their cotangents; ``dlse`` None means zero. ``Gradients.dbias`` is read only
+        when ``need_dbias`` (a bias given and differentiated); otherwise it may stay None, and its work be skipped."""
         ...
 
 
-#: What a frontend calls for one attention call: the fields of AttentionInputs as positional arguments
-#: -> (out, lse or None). Positional, not the named tuple: building one cost a sixth of a decode call's dispatch.
-Runner = Callable[[Any, Any, Any, Any, Any, Any, Any], tuple[Any, Any]]
-#: ``(q, k, v) -> out``, for a call with no mask, bias or lengths that wants no lse.
-PlainCall = Callable[[Any, Any, Any], Any]
+class BaseBackend:
+    """The defaults of the :class:`Backend` protocol and its optional hooks, read from ``capabilities``.
+
+    A subclass sets ``name`` and ``capabilities`` (class attributes, or in ``__init__``) and writes ``forward``, and
+    ``backward`` where it declares ``Feature.GRAD``; it overrides ``supports`` only to add reasons of its own
+    (``super().supports(spec, problem) + [...]``).
+    """
+
+    name: str
+    capabilities: Capabilities
+    #: A plugin's backend that should take the place of the built-in backend of its name says so here.
+    replaces_builtin: bool = False
+
+    def available(self) -> list[str]:
+        return []
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        return capability_reasons(self.capabilities, spec, problem)
+
+    def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
+        raise NotImplementedError(f"{type(self).__name__}.forward")
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: Any,
+        lse: Any,
+        dout: Any,
+        dlse: Any | None,
+        *,
+        need_dbias: bool,
+    ) -> Gradients:
+        if Feature.GRAD not in self.capabilities.features:
+            raise BackendUnavailableError(f"backend={self.name!r} has no backward (grad is not supported)")
+        raise NotImplementedError(f"{type(self).__name__}.backward (it declares {Feature.GRAD})")
+
+    def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner | None:
+        return None
+
+    def plain_call(self, spec: AttentionSpec, problem: Problem) -> PlainCall | None:
+        return None
+
+    def interpreted(self, device: str) -> bool:
+        return False
 
 
-def with_plain_call(run: Runner, call: PlainCall) -> Runner:
-    """``run``, marked as computing ``(call(q, k, v), None)`` whenever mask, bias and lengths are None. attend()
-    then makes ``call`` itself on such calls that want no lse: at decode sizes the wrapper's frame and tuple are a
-    tenth of the dispatch cost, and ``call`` can be the library function (or a functools.partial of it)."""
-    run.plain_call = call  # type: ignore[attr-defined]
-    return run
+def own_forward(backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner | None:
+    """The backend's ``differentiable_forward`` for (spec, problem), or None where it has none."""
+    hook = getattr(backend, "differentiable_forward", None)
+    return hook(spec, problem) if hook is not None else None
 
 
-def plain_call(run: Runner) -> PlainCall | None:
-    """What :func:`with_plain_call` attached to ``run``, or None."""
-    return getattr(run, "plain_call", None)
+def own_plain_call(backend: Backend, spec: AttentionSpec, problem: Problem) -> PlainCall | None:
+    """The backend's ``plain_call`` for a plain (spec, problem), or None."""
+    hook = getattr(backend, "plain_call", None)
+    return hook(spec, problem) if hook is not None and problem.is_plain() else None
 
 
-def differentiable_forward(backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner | None:
-    """The backend's own differentiable forward for (spec, problem), or None when it has none (module docstring)."""
-    make = getattr(backend, "differentiable_forward", None)
-    return make(spec, problem) if make is not None else None
+def runs_interpreted(backend: Backend, device: str) -> bool:
+    """Whether the backend runs its kernels in an interpreter or emulator on ``device``."""
+    hook = getattr(backend, "interpreted", None)
+    return bool(hook(device)) if hook is not None else False
 
 
-class MissingPackageBackend:
+class MissingPackageBackend(BaseBackend):
     """Stands in for a built-in backend whose package is not installed, so configs naming it stay valid
     and ``attnkit info`` says what to install."""
 
@@ -244,9 +357,44 @@ class MissingPackageBackend:
         return self.available()
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
-        raise RuntimeError(self.available()[0])
+        raise BackendUnavailableError(self.available()[0])
 
-    def backward(
-        self, spec: AttentionSpec, inputs: AttentionInputs, out: Any, lse: Any, dout: Any, dlse: Any | None
-    ) -> Gradients:
-        raise RuntimeError(self.available()[0])
+
+# The registry binds its lookup here when it loads (it imports this module, never the other way round).
+_lookup: Callable[[str], Backend] | None = None
+
+
+def bind_registry(lookup: Callable[[str], Backend]) -> None:
+    global _lookup
+    _lookup = lookup
+
+
+def peer_backend(name: str) -> Backend:
+    """The registered backend ``name``, for a backend that runs another's code (declared in its
+    ``Capabilities.delegations``): composition through the registry, never by importing the other backend."""
+    if _lookup is None:
+        raise BackendUnavailableError(f"backend={name!r}: the registry is not loaded")
+    return _lookup(name)
+
+
+# Which code ran: a backend that hands part of a call to another backend's code says so with delegated(); the
+# conformance harness records it per case (recording_delegations) to show which rows exercised which code.
+_recorded: ContextVar[list[tuple[str, Delegation]] | None] = ContextVar("attnkit_delegations", default=None)
+
+
+def delegated(by: Backend, delegation: Delegation) -> None:
+    """Note that ``by`` has just run ``delegation`` (one of its declared :attr:`Capabilities.delegations`)."""
+    trail = _recorded.get()
+    if trail is not None:
+        trail.append((by.name, delegation))
+
+
+@contextmanager
+def recording_delegations() -> Iterator[list[tuple[str, Delegation]]]:
+    """Collect the (backend name, delegation) pairs that ran inside the block, in this context."""
+    trail: list[tuple[str, Delegation]] = []
+    token = _recorded.set(trail)
+    try:
+        yield trail
+    finally:
+        _recorded.reset(token)

@@ -35,10 +35,10 @@ from pydantic import (
 )
 
 from attnkit import registry
-from attnkit.backend import ALL_FEATURES, ROUTING_FEATURES
 from attnkit.call_cache import CACHE
 from attnkit.cost import CostTable, load_table
 from attnkit.errors import ConfigError, InvalidInputTypeError
+from attnkit.features import ALL_FEATURES, ROUTING_FEATURES
 
 DEVICES = frozenset({"cpu", "cuda"})
 #: The value of ``backend`` (and ``ATTNKIT_BACKEND``) that forces nothing: an inner scope's way back to ``auto``.

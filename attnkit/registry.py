@@ -1,7 +1,8 @@
 """The backend registry: the one piece of global mutable state, guarded by a lock.
 
-Backends come from three places, in this order: the built-in modules below, then the ``attnkit.backends`` entry
-points of installed distributions (plugins), then :func:`register_backend` calls at run time. A plugin whose backend
+Backends come from three places, in this order: the built-in subpackages below (each lists its backends with a
+``backends()`` function), then the ``attnkit.backends`` entry points of installed distributions (plugins), then
+:func:`register_backend` calls at run time. A plugin whose backend
 name is already taken is refused (logged, and listed by ``attnkit info`` with the reason), unless the taken name is
 a built-in and the plugin's backend declares ``replaces_builtin = True``; a user who wants a plugin's backend in
 place of a built-in can also say so with ``register_backend(backend, replace=True)``. A refused or broken plugin
@@ -17,12 +18,13 @@ import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
 
+from attnkit import backend as door
 from attnkit.backend import Backend
 from attnkit.call_cache import CACHE
 from attnkit.errors import InvalidInputError, InvalidInputTypeError, UnknownBackendError
 
 ENTRY_POINT_GROUP = "attnkit.backends"
-# Subpackages of attnkit.backends that register the built-in backends when imported.
+# Subpackages of attnkit.backends whose backends() lists the built-in backends.
 _BUILTIN_MODULES = (
     "attnkit.backends.reference",
     "attnkit.backends.triton",
@@ -50,6 +52,7 @@ _backends: dict[str, Backend] = {}
 _origins: dict[str, str] = {}
 _refused: list[RefusedPlugin] = []
 _loaded = False
+_builtins_listed = False
 
 
 def _register(backend: Backend, replace: bool, origin: str) -> None:
@@ -70,12 +73,9 @@ def _register(backend: Backend, replace: bool, origin: str) -> None:
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
-    """Add a backend under ``backend.name``. Re-registering a name needs ``replace=True``. Registered at run time
-    (outside the built-in modules), it comes after the built-ins and plugins, which are loaded first."""
-    caller = sys._getframe(1).f_globals.get("__name__", "?")  # who registers decides the origin
-    if any(caller == module or caller.startswith(module + ".") for module in _BUILTIN_MODULES):
-        _register(backend, replace, BUILTIN)
-        return
+    """Add a backend under ``backend.name``. Re-registering a name needs ``replace=True``. Registered at run time,
+    it comes after the built-ins and plugins, which are loaded first."""
+    caller = sys._getframe(1).f_globals.get("__name__", "?")  # only to say who registered it (attnkit info)
     _ensure_loaded()
     _register(backend, replace, f"registered at run time by {caller}")
 
@@ -97,12 +97,14 @@ def _describe(entry: EntryPoint) -> str:
 
 
 def _load_plugin(entry: EntryPoint) -> None:
-    """Register the backends of one entry point (a Backend, a list of them, or a callable returning either), or
-    refuse the whole entry point: a plugin is not half registered."""
+    """Register the backends of one entry point (a Backend, a list of them, or a callable (a class, say) returning
+    either), or refuse the whole entry point: a plugin is not half registered."""
     described = _describe(entry)
     try:
         loaded = entry.load()
-        found = loaded() if callable(loaded) and not isinstance(loaded, Backend) else loaded
+        # A class satisfies the protocol's attribute check too: it is called, like any other factory.
+        made = isinstance(loaded, type) or (callable(loaded) and not isinstance(loaded, Backend))
+        found = loaded() if made else loaded
         backends = list(found) if isinstance(found, (list, tuple)) else [found]
         replacing, names = set(), set()
         for backend in backends:
@@ -143,8 +145,12 @@ def _ensure_loaded() -> None:
         if _loaded:
             return
         _loaded = True
-        for module in _BUILTIN_MODULES:
-            importlib.import_module(module)
+        global _builtins_listed
+        if not _builtins_listed:  # once per process, as the modules' imports are
+            _builtins_listed = True
+            for module in _BUILTIN_MODULES:
+                for backend in importlib.import_module(module).backends():
+                    _register(backend, False, BUILTIN)
         _refused.clear()
         for entry in entry_points(group=ENTRY_POINT_GROUP):
             _load_plugin(entry)
@@ -159,6 +165,9 @@ def get_backend(name: str) -> Backend:
             raise UnknownBackendError(
                 f"backend={name!r} is not registered (registered: {', '.join(sorted(_backends))})"
             ) from None
+
+
+door.bind_registry(get_backend)
 
 
 def backends() -> dict[str, Backend]:

@@ -10,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 
 from attnkit.errors import InvalidSpecError
+from attnkit.features import Feature
 
 
 class CausalAlignment(str, enum.Enum):
@@ -65,7 +66,7 @@ class AttentionSpec(BaseModel):
     # Specs key the dispatch caches on every call: hash once (pydantic's hash re-reads every field each time).
     _hash: int = PrivateAttr(default=0)
     # Every backend's supports() reads the features of each new call's spec: computed once.
-    _features: frozenset[str] = PrivateAttr(default=frozenset())
+    _features: frozenset[Feature] = PrivateAttr(default=frozenset())
 
     def __init__(self, **fields: Any) -> None:
         try:
@@ -148,25 +149,23 @@ class AttentionSpec(BaseModel):
             return COSINE_DEFAULT_SCALE
         return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
 
-    def features(self) -> frozenset[str]:
-        """Names of the spec features in use, as backends' capabilities name them."""
+    def features(self) -> frozenset[Feature]:
+        """The spec features in use, as backends' capabilities name them."""
         return self.__pydantic_private__["_features"]  # type: ignore[index]  # as in __hash__
 
-    def _used_features(self) -> frozenset[str]:
-        used = set()
-        if self.causal:
-            used.add("causal")
-        if (self.causal or self.window is not None) and self.causal_alignment is CausalAlignment.TOP_LEFT:
-            used.add("top_left")
-        if self.window is not None:
-            used.add("window")
-        if self.variant is Variant.COSINE:
-            used.add("cosine")
-        if self.softcap is not None:
-            used.add("softcap")
-        if self.layout is Layout.BSHD:
-            used.add("bshd")
-        return frozenset(used)
+    def _used_features(self) -> frozenset[Feature]:
+        flags = (
+            (self.causal, Feature.CAUSAL),
+            (
+                (self.causal or self.window is not None) and self.causal_alignment is CausalAlignment.TOP_LEFT,
+                Feature.TOP_LEFT,
+            ),
+            (self.window is not None, Feature.WINDOW),
+            (self.variant is Variant.COSINE, Feature.COSINE),
+            (self.softcap is not None, Feature.SOFTCAP),
+            (self.layout is Layout.BSHD, Feature.BSHD),
+        )
+        return frozenset(feature for used, feature in flags if used)
 
     def to_toml_dict(self) -> dict[str, Any]:
         """A dict TOML can hold (no None): unset fields are left out, open window sides become "none"."""

@@ -6,6 +6,7 @@ import os
 import re
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -118,16 +119,18 @@ def broken():
 """
 
 
-@pytest.fixture
-def plugin_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """An installed distribution (a real dist-info on sys.path) with ``attnkit.backends`` entry points, loaded by
-    the registry's own code on the next registry call; the registry is restored afterwards."""
-    name, version = PLUGIN_DISTRIBUTION.split()
-    (tmp_path / "attnkit_test_plugin.py").write_text(PLUGIN_MODULE)
+@contextmanager
+def installed_plugin(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, distribution: str, entry_points: dict[str, str]
+) -> Iterator[None]:
+    """An installed ``distribution`` ("name version": a real dist-info on sys.path under ``tmp_path``) with these
+    ``attnkit.backends`` entry points, loaded by the registry's own code on the next registry call; the registry is
+    restored afterwards."""
+    name, version = distribution.split()
     dist_info = tmp_path / f"{name.replace('-', '_')}-{version}.dist-info"
     dist_info.mkdir()
     (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    lines = "".join(f"{entry} = {target}\n" for entry, target in PLUGIN_ENTRY_POINTS.items())
+    lines = "".join(f"{entry} = {target}\n" for entry, target in entry_points.items())
     (dist_info / "entry_points.txt").write_text(f"[{registry.ENTRY_POINT_GROUP}]\n{lines}")
     with registry._lock:
         backends, origins, refused = dict(registry._backends), dict(registry._origins), list(registry._refused)
@@ -136,7 +139,6 @@ def plugin_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
     try:
         yield
     finally:
-        sys.modules.pop("attnkit_test_plugin", None)
         with registry._lock:
             registry._backends.clear()
             registry._backends.update(backends)
@@ -144,3 +146,14 @@ def plugin_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
             registry._origins.update(origins)
             registry._refused[:] = refused
             dispatch.clear_cache()  # what was dispatched to the plugin's backends is forgotten
+
+
+@pytest.fixture
+def plugin_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The test plugin (PLUGIN_MODULE) installed with PLUGIN_ENTRY_POINTS."""
+    (tmp_path / "attnkit_test_plugin.py").write_text(PLUGIN_MODULE)
+    try:
+        with installed_plugin(tmp_path, monkeypatch, PLUGIN_DISTRIBUTION, PLUGIN_ENTRY_POINTS):
+            yield
+    finally:
+        sys.modules.pop("attnkit_test_plugin", None)

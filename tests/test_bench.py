@@ -14,7 +14,9 @@ from typing import Any
 import pytest
 
 import attnkit
-from attnkit import bench_calibrate, bench_targets, cost
+from attnkit import cost
+from attnkit.bench import calibrate, targets
+from attnkit.bench.calls import interpreted
 from attnkit.cli import main
 
 
@@ -52,10 +54,10 @@ def test_targets_quick_writes_every_target(targets_run: tuple[int, str, dict[str
             pairs = zip(row["peer_samples_ms"], row["attnkit_samples_ms"], strict=True)
             assert row["ratio"] == pytest.approx(statistics.median(peer / ours for peer, ours in pairs))
     non_native = result["targets"]["non-native"]
-    assert {row["spec"] for row in non_native["rows"]} == {case.name for case in bench_targets.NON_NATIVE_CASES}
+    assert {row["spec"] for row in non_native["rows"]} == {case.name for case in targets.NON_NATIVE_CASES}
     for row in non_native["rows"]:
         assert row["best"] in row["paths_ms"] and row["path"] in row["paths_ms"]
-        assert not set(row["paths_ms"]) & bench_targets.INTERPRETED_ON_CPU
+        assert not any(interpreted(name, "cpu") for name in row["paths_ms"])
         assert row["attnkit_ms"] == min(row["paths_ms"].values())
     bottom_right = [row for row in non_native["rows"] if row["len_q"] != row["len_k"]]
     assert bottom_right and all(row["len_q"] == 16 and row["len_k"] == 32 for row in bottom_right)
@@ -71,7 +73,7 @@ def test_targets_quick_writes_every_target(targets_run: tuple[int, str, dict[str
 def test_targets_plot(targets_run: tuple[int, str, dict[str, Any]], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     target = tmp_path / "targets.png"
-    bench_targets.plot_targets(targets_run[2], str(target))
+    targets.plot_targets(targets_run[2], str(target))
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -82,7 +84,7 @@ def test_plot_without_matplotlib_fails_before_running(
     code = main(["bench", "--what", "targets", "--plot", str(tmp_path / "x.png")])
     assert code == 2 and "pip install 'attnkit[bench]'" in capsys.readouterr().err
     with pytest.raises(ImportError, match=r"attnkit\[bench\]"):
-        bench_targets.plot_targets({"dtypes": []}, str(tmp_path / "x.png"))
+        targets.plot_targets({"dtypes": []}, str(tmp_path / "x.png"))
 
 
 def test_unknown_target_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,7 +94,7 @@ def test_unknown_target_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak-RSS reset needs Linux /proc")
 def test_memory_child_reports_peak_growth(capsys: pytest.CaptureFixture[str]) -> None:
-    bench_targets._memory_child("causal+window(256,0)", "torch-chunked", 256, "float32", 1)  # in-process: no import
+    targets._memory_child("causal+window(256,0)", "torch-chunked", 256, "float32", 1)  # in-process: no import
     assert json.loads(capsys.readouterr().out)["peak_extra_bytes"] > 0
 
 
@@ -101,7 +103,7 @@ def test_memory_growth_exponent(monkeypatch: pytest.MonkeyPatch) -> None:
         "linear-path": lambda length: 1000 * length if length > 512 else 300 * length,  # the allocator reused memory
         "quadratic-path": lambda length: length * length,
     }
-    monkeypatch.setattr(bench_targets, "measure_memory", lambda case, path, length, dtype, threads: sizes[path](length))
+    monkeypatch.setattr(targets, "measure_memory", lambda case, path, length, dtype, threads: sizes[path](length))
     rows = [
         {
             "spec": "s",
@@ -112,7 +114,7 @@ def test_memory_growth_exponent(monkeypatch: pytest.MonkeyPatch) -> None:
             "path": "quadratic-path",
         },
     ]
-    memory = bench_targets.non_native_memory({"cases": {"s": {}}, "rows": rows}, (512, 2048, 4096), "float32", 1)
+    memory = targets.non_native_memory({"cases": {"s": {}}, "rows": rows}, (512, 2048, 4096), "float32", 1)
     by_path = {row["path"]: row for row in memory}
     assert by_path["linear-path"]["growth_exponent"] == pytest.approx(1.0) and by_path["linear-path"]["linear"]
     assert by_path["quadratic-path"]["growth_exponent"] == pytest.approx(2.0)
@@ -137,7 +139,7 @@ def test_calibrate_writes_a_table_that_reproduces_the_measurements(
         (name, pass_name) for name in result["backends"] for pass_name in cost.PASSES
     }
     ratios = []
-    shapes = {shape["name"]: bench_calibrate.Shape(**shape) for shape in result["shapes"]}
+    shapes = {shape["name"]: calibrate.Shape(**shape) for shape in result["shapes"]}
     for group in result["groups"]:
         for point in group["points"]:
             shape = shapes[point["shape"]]
@@ -166,9 +168,7 @@ def test_calibrate_writes_a_table_that_reproduces_the_measurements(
 
 
 def test_calibrate_times_jax_backends_jitted() -> None:
-    result = bench_calibrate.calibrate(
-        dtypes=("float32",), shapes=bench_calibrate.QUICK_SHAPES[:3], repeats=1, only=("jax-xla",)
-    )
+    result = calibrate.calibrate(dtypes=("float32",), shapes=calibrate.QUICK_SHAPES[:3], repeats=1, only=("jax-xla",))
     assert [(group["backend"], group["pass"], len(group["points"])) for group in result["groups"]] == [
         ("jax-xla", pass_name, 3) for pass_name in cost.PASSES
     ]
@@ -180,7 +180,7 @@ def test_calibrate_prints_valid_toml_without_output(
 ) -> None:
     import tomllib
 
-    monkeypatch.setattr(bench_calibrate, "QUICK_SHAPES", bench_calibrate.QUICK_SHAPES[:3])
+    monkeypatch.setattr(calibrate, "QUICK_SHAPES", calibrate.QUICK_SHAPES[:3])
     code, out = run(
         capsys, "bench", "--calibrate", "--quick", "--backends", "torch-sdpa", "--dtypes", "float32", "--repeats", "1"
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +13,8 @@ import pytest
 import attnkit
 from attnkit import registry
 from attnkit.backend import ALL_FEATURES
-from attnkit.cli import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown, main
+from attnkit.capability_matrix import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown
+from attnkit.cli import main
 from tests.conftest import PLUGIN_DISTRIBUTION
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -101,11 +104,34 @@ def test_explain_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         assert exit_info.value.code == 2
 
 
+def test_info_and_explain_need_neither_hypothesis_nor_the_tools() -> None:
+    """After a plain `pip install attnkit`: check and bench are imported only by their subcommands."""
+    script = (
+        "import sys; sys.modules['hypothesis'] = None\n"  # `import hypothesis` now raises ImportError
+        "from attnkit.cli import main\n"
+        "assert main(['info']) == 0 and main(['explain', '--causal', '--len-q', '1']) == 0\n"
+        "assert main(['check']) == 2\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith(('attnkit.testing', 'attnkit.bench')))\n"
+        "assert not loaded, loaded\n"
+    )
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT)
+    assert child.returncode == 0, child.stderr[-2000:]
+    assert "attnkit check needs torch and hypothesis" in child.stdout
+
+
 def test_check_passes_on_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run(capsys, "check", "--backend", "torch-naive", "--examples", "3")
     assert code == 0, out
     assert "worst ratio" in out and "bfloat16" in out
     assert "torch-naive" in out and "0 failed" in out
+
+
+def test_check_runs_a_backend_registered_through_an_entry_point(
+    capsys: pytest.CaptureFixture[str], plugin_distribution: None
+) -> None:
+    code, out = run(capsys, "check", "--backend", "test-plugin-fresh", "--examples", "2")
+    assert code == 0, out
+    assert "checking test-plugin-fresh" in out and "0 failed" in out
 
 
 class OffByATenth:
@@ -126,8 +152,8 @@ class OffByATenth:
         out, lse = self.inner.forward(spec, inputs, need_lse)
         return out + 0.1, lse
 
-    def backward(self, spec: Any, inputs: Any, out: Any, lse: Any, dout: Any, dlse: Any) -> Any:
-        return self.inner.backward(spec, inputs, out, lse, dout, dlse)
+    def backward(self, spec: Any, inputs: Any, out: Any, lse: Any, dout: Any, dlse: Any, *, need_dbias: bool) -> Any:
+        return self.inner.backward(spec, inputs, out, lse, dout, dlse, need_dbias=need_dbias)
 
 
 def test_check_fails_on_a_wrong_backend(capsys: pytest.CaptureFixture[str]) -> None:
@@ -160,9 +186,9 @@ def test_bench_runs_and_writes_json(capsys: pytest.CaptureFixture[str], tmp_path
 def test_bench_memory_measures_in_a_child(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from attnkit import bench
+    from attnkit.bench import chunked
 
-    monkeypatch.setattr(bench, "MEMORY_MEASURED", ("torch-chunked",))  # one child process (a torch import) only
+    monkeypatch.setattr(chunked, "MEMORY_MEASURED", ("torch-chunked",))  # one child process (a torch import) only
     target = tmp_path / "memory.json"
     code, out = run(capsys, "bench", "--what", "memory", "--seq-len", "256", "--threads", "1", "--json", str(target))
     assert code == 0 and "torch-chunked" in out and "torch-naive not run: its float32 (B, H, L, L) score" in out

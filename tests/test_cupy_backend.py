@@ -74,7 +74,8 @@ def test_cupy_arrays_in_and_out() -> None:
     """CuPy arrays through DLPack, no copy: the result equals the torch call on the same memory."""
     import cupy
     import torch
-    from attnkit.backends.cupy import attend_cupy
+
+    from attnkit.frontends.cupy_arrays import attend_cupy
 
     q, k, v = (cupy.random.standard_normal((2, 4, 130, 64), dtype=cupy.float32).astype(cupy.float16) for _ in range(3))
     spec = AttentionSpec(causal=True)

@@ -13,7 +13,7 @@ from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch, registry
-from attnkit.backend import with_plain_call
+from attnkit.backend import Feature
 from attnkit.call_cache import CACHE, CallCache
 from tests.conftest import PLUGIN_DISTRIBUTION, backend_params
 
@@ -49,7 +49,7 @@ class CountingBackend(TorchNaiveBackend):
 
 @pytest.fixture
 def plugin():
-    backend = CountingBackend("test-plugin", features=frozenset({"causal", "grad", "lse"}))
+    backend = CountingBackend("test-plugin", features=frozenset({Feature.CAUSAL, Feature.GRAD, Feature.LSE}))
     attnkit.register_backend(backend)
     try:
         yield backend
@@ -350,11 +350,14 @@ class PlainCallBackend(CountingBackend):
             out, lse = self.forward(spec, AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths), True)
             return out, lse if problem.return_lse else None
 
+        return run
+
+    def plain_call(self, spec, problem):
         def plain(q, k, v):
             self.plain_calls += 1
             return self.forward(spec, AttentionInputs(q, k, v), False)[0]
 
-        return with_plain_call(run, plain)
+        return plain
 
 
 def test_a_declared_plain_call_serves_repeated_calls_with_q_k_v_alone_and_nothing_else() -> None:

@@ -40,7 +40,7 @@ def test_strided_views_are_not_copied() -> None:
     are; only a last stride other than 1 is copied."""
     import torch
 
-    from attnkit.torch_support import bhsd
+    from attnkit.contract.kernels import bhsd
 
     sliced = torch.randn(2, 9, 3, 40)[..., :32]  # (B, L, H, 32) with a row stride of 40
     view = bhsd(AttentionSpec(layout="bshd"), sliced)

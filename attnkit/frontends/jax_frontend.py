@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, differentiable_forward
+from attnkit.backend import AttentionInputs, Backend, Feature, Framework, Problem, Runner, own_forward
 from attnkit.errors import BackendUnavailableError
 from attnkit.spec import AttentionSpec
 
@@ -45,9 +45,9 @@ def _attend_fwd(backend: Backend, spec: AttentionSpec, inputs: AttentionInputs) 
 def _attend_bwd(backend: Backend, spec: AttentionSpec, residuals: Any, cotangents: Any) -> tuple[Any]:
     inputs, out, lse, wants_dbias = residuals
     dout, dlse = cotangents
-    if "grad" not in backend.capabilities.features:
+    if Feature.GRAD not in backend.capabilities.features:
         raise BackendUnavailableError(f"backend={backend.name!r} has no backward (grad is not supported)")
-    if wants_dbias is not None and "dbias" not in backend.capabilities.features:
+    if wants_dbias is not None and Feature.DBIAS not in backend.capabilities.features:
         raise BackendUnavailableError(
             f"backend={backend.name!r} cannot differentiate with respect to bias (dbias is not supported)"
         )
@@ -57,7 +57,7 @@ def _attend_bwd(backend: Backend, spec: AttentionSpec, residuals: Any, cotangent
     # Backends read dlse=None as zero and skip that term.
     if isinstance(dlse, SymbolicZero):
         dlse = None
-    grads = backend.backward(spec, inputs, out, lse, dout, dlse)
+    grads = backend.backward(spec, inputs, out, lse, dout, dlse, need_dbias=wants_dbias is not None)
     dbias = None
     if wants_dbias is not None:
         dbias = sum_to_shape(grads.dbias, inputs.bias.shape).astype(inputs.bias.dtype)
@@ -106,7 +106,7 @@ class JaxOps:
         return x.reshape(shape)
 
     def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
-        own = differentiable_forward(backend, spec, problem)
+        own = own_forward(backend, spec, problem)
         if own is not None:
             return own
         return lambda *tensors: _attend(backend, spec, AttentionInputs(*tensors))

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, differentiable_forward
+from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, own_forward
 from attnkit.spec import AttentionSpec
 
 
@@ -46,9 +46,12 @@ class _AttendFunction(torch.autograd.Function):
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         q, k, v, bias, mask, q_lengths, kv_lengths, out, lse = ctx.saved_tensors
         inputs = AttentionInputs(q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths)
-        grads = ctx.backend.backward(ctx.spec, inputs, out, lse, dout, dlse if ctx.return_lse else None)
+        need_dbias = bias is not None and ctx.needs_input_grad[6]
+        grads = ctx.backend.backward(
+            ctx.spec, inputs, out, lse, dout, dlse if ctx.return_lse else None, need_dbias=need_dbias
+        )
         dbias = None
-        if bias is not None and ctx.needs_input_grad[6]:
+        if need_dbias:
             dbias = sum_to_shape(grads.dbias, bias.shape).to(bias.dtype)
         return None, None, None, grads.dq, grads.dk, grads.dv, dbias, None, None, None
 
@@ -118,7 +121,7 @@ class TorchOps:
         return x.reshape(shape)
 
     def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
-        own = differentiable_forward(backend, spec, problem)
+        own = own_forward(backend, spec, problem)
         if own is not None:
             return own
         return_lse = problem.return_lse

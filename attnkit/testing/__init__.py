@@ -10,6 +10,7 @@ Needs torch (the oracle is torch-naive in float64) and hypothesis for the strate
 
 from __future__ import annotations
 
+from attnkit.environment import interpret_triton_without_gpu
 from attnkit.testing.agreement import (
     FLOOR_ULPS,
     Comparison,
@@ -19,7 +20,6 @@ from attnkit.testing.agreement import (
     check_backend,
 )
 from attnkit.testing.cases import Case, make_arrays
-from attnkit.testing.environment import interpret_triton_without_gpu
 from attnkit.testing.profiles import register_profiles
 
 __all__ = [

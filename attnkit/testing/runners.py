@@ -32,6 +32,12 @@ def harness_device(backend: str) -> str:
     return "cuda" if on_gpu or "cpu" not in declared else "cpu"
 
 
+def _attend(case: Case, arrays: dict[str, Any], backend: str) -> tuple[Any, Any]:
+    """attend() on the case's arrays (q, k, v and whichever optional ones it has), with the log-sum-exp."""
+    optional = {name: arrays.get(name) for name in OPTIONAL}
+    return api.attend(case.spec, arrays["q"], arrays["k"], arrays["v"], **optional, return_lse=True, backend=backend)
+
+
 def run_torch(
     case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None, device: str = "cpu"
 ) -> Results:
@@ -52,15 +58,7 @@ def run_torch(
         for name in DIFFERENTIABLE:
             if name in tensors and (name != "bias" or case.bias_grad):
                 tensors[name].requires_grad_(True)
-    out, lse = api.attend(
-        case.spec,
-        tensors["q"],
-        tensors["k"],
-        tensors["v"],
-        **{name: tensors.get(name) for name in OPTIONAL},
-        return_lse=True,
-        backend=backend,
-    )
+    out, lse = _attend(case, tensors, backend)
     results = {"out": out, "lse": lse}
     if case.grad:
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
@@ -89,16 +87,7 @@ def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str 
     fixed = {name: converted.get(name) for name in ("q", "k", "v", *OPTIONAL) if name not in names}
 
     def call(*differentiable: Any) -> tuple[Any, Any]:
-        tensors = {**fixed, **dict(zip(names, differentiable))}
-        return api.attend(
-            case.spec,
-            tensors["q"],
-            tensors["k"],
-            tensors["v"],
-            **{name: tensors.get(name) for name in OPTIONAL},
-            return_lse=True,
-            backend=backend,
-        )
+        return _attend(case, {**fixed, **dict(zip(names, differentiable))}, backend)
 
     primals = [converted[name] for name in names]
     if case.grad:
@@ -112,14 +101,12 @@ def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str 
 
 
 def native_framework(backend: str) -> Framework:
-    """The framework a backend is run in by the harness: the one its ``native_framework`` attribute names (a
-    backend written for JAX that also bridges torch tensors), else torch where it takes torch tensors, else JAX."""
-    chosen = registry.get_backend(backend)
-    frameworks = chosen.capabilities.frameworks
-    preferred = getattr(chosen, "native_framework", None)
-    if preferred in frameworks:
-        return Framework(preferred)
-    return Framework.TORCH if Framework.TORCH in frameworks else Framework.JAX
+    """The framework a backend is run in by the harness: the one its capabilities name as native (a backend written
+    for JAX that also bridges torch tensors), else torch where it takes torch tensors, else JAX."""
+    capabilities = registry.get_backend(backend).capabilities
+    if capabilities.native_framework is not None:
+        return capabilities.native_framework
+    return Framework.TORCH if Framework.TORCH in capabilities.frameworks else Framework.JAX
 
 
 def drawable_dtypes(backend: str) -> tuple[str, ...]:

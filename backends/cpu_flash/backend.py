@@ -21,21 +21,23 @@ from typing import Any
 
 import torch
 
-from attnkit import (
+from attnkit.backend import (
     AttentionInputs,
     AttentionSpec,
+    BackendUnavailableError,
+    BuildError,
     Capabilities,
     CausalAlignment,
+    Feature,
     Framework,
     Gradients,
     Problem,
+    Runner,
+    TorchExtension,
     Variant,
     capability_reasons,
 )
-from attnkit.backend import Runner
-from attnkit.build import TorchExtension
-from attnkit.errors import BackendUnavailableError, BuildError
-from attnkit.torch_contract import from_bhsd, gradients_by_autograd, normalize_if_cosine, to_bhsd, zero_padding
+from attnkit.contract.torch import from_bhsd, gradients_by_autograd, normalize_if_cosine, to_bhsd, zero_padding
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
 # Tiles (query rows, key columns): a 64 x 256 float32 score tile and its dP twin stay in L2 beside the K/V rows.
@@ -191,7 +193,18 @@ class CpuFlashBackend:
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
         features=frozenset(
-            {"causal", "top_left", "window", "cosine", "softcap", "bshd", "q_lengths", "kv_lengths", "lse", "grad"}
+            {
+                Feature.CAUSAL,
+                Feature.TOP_LEFT,
+                Feature.WINDOW,
+                Feature.COSINE,
+                Feature.SOFTCAP,
+                Feature.BSHD,
+                Feature.Q_LENGTHS,
+                Feature.KV_LENGTHS,
+                Feature.LSE,
+                Feature.GRAD,
+            }
         ),
         description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
         notes=(
@@ -225,6 +238,8 @@ class CpuFlashBackend:
         lse: torch.Tensor,
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         """For callers of the protocol itself: the forward again under torch autograd."""
         return gradients_by_autograd(lambda again: flash_attention(spec, again), inputs, dout, dlse)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from attnkit import (
+from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     Capabilities,
@@ -16,8 +15,7 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
-from attnkit.backend import ALL_FEATURES
-from attnkit.torch_support import kernel_gradients
+from attnkit.contract.kernels import kernel_gradients
 
 from . import launch
 
@@ -84,6 +82,9 @@ class CupyBackend:
             return [TEST_ONLY_REASON]
         return self.launcher.unavailable()
 
+    def interpreted(self, device: str) -> bool:
+        return device == "cpu"  # the emulation harness; CUDA tensors run the compiled kernels
+
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         return capability_reasons(self.capabilities, spec, problem)
 
@@ -106,29 +107,12 @@ class CupyBackend:
         lse: torch.Tensor,
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
-        need_dbias = inputs.bias is not None and inputs.bias.requires_grad
         cosine = spec.variant is Variant.COSINE
         with torch.no_grad():
             dq, dk, dv, dscores = launch.attention_backward(
                 self._launcher(), spec, inputs, out, lse, dout, dlse, torch.float32 if cosine else None, need_dbias
             )
         return kernel_gradients(spec, inputs, dq, dk, dv, dscores)
-
-
-def attend_cupy(spec: AttentionSpec, q: Any, k: Any, v: Any, **kwargs: Any) -> Any:
-    """``attnkit.attend(..., backend="cupy")`` on CuPy arrays: each array goes to torch and the results come back
-    through DLPack, without a copy. CuPy has no autograd, so this is the forward only (``return_lse=True`` gives
-    ``(out, lse)``); for gradients, call ``attnkit.attend`` on ``torch.from_dlpack`` views of the arrays."""
-    import cupy
-
-    from attnkit import attend
-
-    def to_torch(x: Any) -> Any:
-        return torch.from_dlpack(x) if hasattr(x, "__dlpack__") else x
-
-    converted = {name: to_torch(value) for name, value in kwargs.items() if name != "backend"}
-    result = attend(spec, to_torch(q), to_torch(k), to_torch(v), backend="cupy", **converted)
-    if isinstance(result, tuple):
-        return tuple(cupy.from_dlpack(x.detach()) for x in result)
-    return cupy.from_dlpack(result.detach())

@@ -166,8 +166,8 @@ def nvrtc_library() -> Path | None:
             found = sorted(glob.glob(os.path.join(root, "lib", "libnvrtc.so*")))
             if found:
                 return Path(found[0])
-    for root in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
-        if root and (found := sorted(glob.glob(os.path.join(root, "lib64", "libnvrtc.so*")))):
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"):
+        if home and (found := sorted(glob.glob(os.path.join(home, "lib64", "libnvrtc.so*")))):
             return Path(found[0])
     name = ctypes.util.find_library("nvrtc")
     return Path(name) if name else None

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Variant
-from attnkit.torch_support import bhsd
+from attnkit.backend import AttentionInputs, AttentionSpec, CausalAlignment, Variant
+from attnkit.contract.kernels import bhsd
 
 #: The kernel source: one file, compiled by NVRTC, nvcc and the emulator's host compiler alike.
 SOURCE = Path(__file__).parent / "kernels" / "attention.cu"

@@ -23,20 +23,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnkit import (
+from attnkit.backend import (
     AttentionInputs,
     AttentionSpec,
     Capabilities,
+    Feature,
     Framework,
     Gradients,
     Layout,
     Problem,
+    Runner,
     Variant,
     capability_reasons,
 )
-from attnkit.backend import Runner
+from attnkit.contract import COSINE_EPS
 
-COSINE_EPS = 1e-12
 MAX_HEAD_DIM = 256
 
 
@@ -46,7 +47,17 @@ class FlashAttnBackend:
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16"}),
         devices=frozenset({"cuda"}),
-        features=frozenset({"causal", "top_left", "window", "softcap", "cosine", "bshd", "grad"}),
+        features=frozenset(
+            {
+                Feature.CAUSAL,
+                Feature.TOP_LEFT,
+                Feature.WINDOW,
+                Feature.SOFTCAP,
+                Feature.COSINE,
+                Feature.BSHD,
+                Feature.GRAD,
+            }
+        ),
         head_dims=(1, MAX_HEAD_DIM),
         description="flash-attn 2 flash_attn_func (CUDA), its own forward and backward",
         notes=(
@@ -98,7 +109,15 @@ class FlashAttnBackend:
         return (out.transpose(1, 2) if spec.layout is Layout.BHSD else out), None
 
     def backward(
-        self, spec: AttentionSpec, inputs: AttentionInputs, out: Any, lse: Any, dout: Any, dlse: Any | None
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: Any,
+        lse: Any,
+        dout: Any,
+        dlse: Any | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         with torch.enable_grad():
             leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]

@@ -17,21 +17,21 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from attnkit import (
+from attnkit.backend import (
     AttentionInputs,
     AttentionSpec,
     Capabilities,
     CausalAlignment,
+    Feature,
     Framework,
     Gradients,
     Layout,
     Problem,
+    Runner,
     Variant,
     capability_reasons,
 )
-from attnkit.backend import Runner
-
-COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
+from attnkit.contract import COSINE_EPS
 
 
 def _bshd(spec: AttentionSpec, x: Any) -> Any:
@@ -183,18 +183,18 @@ class JaxXlaBackend:
         devices=frozenset({"cpu", "cuda"}),
         features=frozenset(
             {
-                "causal",
-                "top_left",
-                "window",
-                "cosine",
-                "bshd",
-                "mask",
-                "bias",
-                "q_lengths",
-                "kv_lengths",
-                "lse",
-                "grad",
-                "dbias",
+                Feature.CAUSAL,
+                Feature.TOP_LEFT,
+                Feature.WINDOW,
+                Feature.COSINE,
+                Feature.BSHD,
+                Feature.MASK,
+                Feature.BIAS,
+                Feature.Q_LENGTHS,
+                Feature.KV_LENGTHS,
+                Feature.LSE,
+                Feature.GRAD,
+                Feature.DBIAS,
             }
         ),
         description="jax.nn.dot_product_attention (XLA; materialises the (Lq, Lk) scores), differentiated by JAX",
@@ -221,7 +221,15 @@ class JaxXlaBackend:
         return lambda *tensors: xla_attention(spec, AttentionInputs(*tensors), need_lse)
 
     def backward(
-        self, spec: AttentionSpec, inputs: AttentionInputs, out: Any, lse: Any, dout: Any, dlse: Any | None
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: Any,
+        lse: Any,
+        dout: Any,
+        dlse: Any | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         """For callers of the protocol itself: jax.vjp of the forward."""
         has_bias = inputs.bias is not None

@@ -44,19 +44,21 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnkit import (
+from attnkit.backend import (
     AttentionInputs,
     AttentionSpec,
     Capabilities,
     CausalAlignment,
+    Feature,
     Framework,
     Gradients,
     Problem,
     Variant,
     capability_reasons,
-    get_backend,
+    peer_backend,
 )
-from attnkit.torch_contract import COSINE_EPS, from_bhsd, to_bhsd, visibility, zero_padding
+from attnkit.contract import COSINE_EPS
+from attnkit.contract.torch import from_bhsd, to_bhsd, visibility, zero_padding
 
 BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
 MAX_TESTED_HEAD_DIM = 512  # the C++ template states no limit; 1..512 (and Dv != D) agree with the oracle here
@@ -143,7 +145,7 @@ FALLBACK = "torch-chunked"  # exact, linear memory: through the registry, as any
 
 
 def _fallback() -> Any:
-    return get_backend(FALLBACK)
+    return peer_backend(FALLBACK)
 
 
 def bucket_length(n: int) -> int:
@@ -454,19 +456,19 @@ class TorchFlexBackend:
         devices=frozenset({"cpu"}),
         features=frozenset(
             {
-                "causal",
-                "top_left",
-                "window",
-                "cosine",
-                "softcap",
-                "bshd",
-                "mask",
-                "bias",
-                "q_lengths",
-                "kv_lengths",
-                "lse",
-                "grad",
-                "dbias",
+                Feature.CAUSAL,
+                Feature.TOP_LEFT,
+                Feature.WINDOW,
+                Feature.COSINE,
+                Feature.SOFTCAP,
+                Feature.BSHD,
+                Feature.MASK,
+                Feature.BIAS,
+                Feature.Q_LENGTHS,
+                Feature.KV_LENGTHS,
+                Feature.LSE,
+                Feature.GRAD,
+                Feature.DBIAS,
             }
         ),
         head_dims=(1, MAX_TESTED_HEAD_DIM),
@@ -505,6 +507,8 @@ class TorchFlexBackend:
         lse: torch.Tensor,
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         """torch-chunked's FlashAttention-2 backward: flex has no backward on CPU (torch 2.13)."""
-        return _fallback().backward(spec, inputs, out, lse, dout, dlse)
+        return _fallback().backward(spec, inputs, out, lse, dout, dlse, need_dbias=need_dbias)

@@ -12,7 +12,7 @@ Three paths, chosen per call from the spec and the optional tensors:
   A user mask or bias is added to that mask (float32, §7). The backward op takes no lse cotangent; ``dlse`` is
   folded in exactly by one extra value column: with v' = [v, 1], out' = [out, 0], dout' = [dout, dlse] the kernel's
   dP' = dP + dlse and Δ' = Δ, so dS = P ⊙ (dP − (Δ − dlse)), which is §8 of docs/semantics.md.
-* **literal**: the contract in torch ops (``attnkit.torch_contract.literal_attention``), only when the kernel's
+* **literal**: the contract in torch ops (``attnkit.contract.torch.literal_attention``), only when the kernel's
   result cannot be trusted: it skips a row whose first scores are all NaN as if it were fully masked (out 0 and
   lse 0 instead of NaN, §5). Such rows are found from the lse the op returns; the native path is used only where
   that cannot happen (at least NAN_SAFE_KEYS keys, see tests/test_native_backends.py).
@@ -29,21 +29,23 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from attnkit import (
+from attnkit.backend import (
     AttentionInputs,
     AttentionSpec,
     Capabilities,
     CausalAlignment,
+    Feature,
     Framework,
     Gradients,
     Layout,
+    PlainCall,
     Problem,
+    Runner,
     Variant,
     capability_reasons,
 )
-from attnkit.backend import Runner, with_plain_call
-from attnkit.torch_contract import (
-    COSINE_EPS,
+from attnkit.contract import COSINE_EPS
+from attnkit.contract.torch import (
     block_of,
     compute_dtype,
     gradients_by_autograd,
@@ -277,7 +279,18 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
             return (out.transpose(1, 2) if bshd else out), None
 
         return cosine
-    # Only the keyword arguments that differ from SDPA's defaults: each one costs the call time at decode sizes.
+    options = _sdpa_options(spec, is_causal, grouped, scale)
+    # The other tensors are always None here (a plain call): named, not collected into a tuple per call.
+    if bshd:
+        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
+            sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options).transpose(1, 2),
+            None,
+        )
+    return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (sdpa(q, k, v, **options), None)
+
+
+def _sdpa_options(spec: AttentionSpec, is_causal: bool, grouped: bool, scale: float) -> dict[str, Any]:
+    """Only the keyword arguments that differ from SDPA's defaults: each one costs the call time at decode sizes."""
     options: dict[str, Any] = {}
     if is_causal:
         options["is_causal"] = True
@@ -285,14 +298,7 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
         options["scale"] = scale
     if grouped:
         options["enable_gqa"] = True
-    # The other tensors are always None here (a plain call): named, not collected into a tuple per call.
-    if bshd:
-        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
-            sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options).transpose(1, 2),
-            None,
-        )
-    call = functools.partial(sdpa, **options) if options else sdpa
-    return with_plain_call(lambda q, k, v, mask, bias, q_lengths, kv_lengths: (call(q, k, v), None), call)
+    return options
 
 
 def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
@@ -346,7 +352,19 @@ class TorchSdpaBackend:
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu"}),
         features=frozenset(
-            {"causal", "top_left", "window", "cosine", "bshd", "mask", "bias", "q_lengths", "kv_lengths", "lse", "grad"}
+            {
+                Feature.CAUSAL,
+                Feature.TOP_LEFT,
+                Feature.WINDOW,
+                Feature.COSINE,
+                Feature.BSHD,
+                Feature.MASK,
+                Feature.BIAS,
+                Feature.Q_LENGTHS,
+                Feature.KV_LENGTHS,
+                Feature.LSE,
+                Feature.GRAD,
+            }
         ),
         description="torch scaled_dot_product_attention (CPU flash kernel; lse, windows and lengths through its op)",
         notes=(
@@ -382,6 +400,19 @@ class TorchSdpaBackend:
         need_lse = problem.return_lse
         return lambda *tensors: sdpa_attention(spec, AttentionInputs(*tensors), need_lse)
 
+    def plain_call(self, spec: AttentionSpec, problem: Problem) -> PlainCall | None:
+        """SDPA itself (or a partial of it) where the native path is the public call on bhsd tensors."""
+        if spec.variant is Variant.COSINE or spec.layout is Layout.BSHD:
+            return None
+        is_causal = _native_causal(spec, problem.len_q, problem.len_k, True, problem.head_dim == problem.head_dim_v)
+        if is_causal is None:
+            return None
+        options = _sdpa_options(
+            spec, is_causal, problem.heads_q != problem.heads_kv, spec.resolved_scale(problem.head_dim)
+        )
+        sdpa = F.scaled_dot_product_attention
+        return functools.partial(sdpa, **options) if options else sdpa
+
     def backward(
         self,
         spec: AttentionSpec,
@@ -390,6 +421,8 @@ class TorchSdpaBackend:
         lse: torch.Tensor,
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         """For callers of the protocol itself: the forward again under torch autograd."""
         return gradients_by_autograd(lambda again: sdpa_attention(spec, again, need_lse=True), inputs, dout, dlse)

@@ -15,7 +15,8 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-from attnkit import (
+from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     Capabilities,
@@ -27,7 +28,7 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
-from attnkit.backend import ALL_FEATURES
+from attnkit.contract import COSINE_EPS
 
 try:
     import jax
@@ -39,7 +40,6 @@ except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): availa
 else:
     _JAX_ERROR = None
 
-COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
 MAX_HEAD_DIM = 256
 # Interpreted on CPU: small tiles keep the padded work small, and still several per row; not square, and the forward's
 # and the dK/dV kernel's transposed, as on a GPU, so a bound that takes block_q for block_k is wrong here too.
@@ -382,6 +382,7 @@ class PallasBackend:
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
         features=ALL_FEATURES,
+        native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
         description=(
             "FlashAttention-2 in jax.experimental.pallas kernels (Triton path on GPU); "
@@ -395,8 +396,6 @@ class PallasBackend:
             "dense mask/bias: their sequence axes are materialised (batch/head broadcast is kept)",
         ),
     )
-    #: The harness (attnkit.testing.runners) drives it through JAX; the torch bridge has its own tests.
-    native_framework = Framework.JAX
 
     def __init__(self, interpret: bool | None = None) -> None:
         self._interpret = interpret
@@ -409,6 +408,9 @@ class PallasBackend:
         if self._interpret is not None:
             return self._interpret
         return jax.default_backend() not in ("gpu", "cuda")
+
+    def interpreted(self, device: str) -> bool:
+        return device == "cpu" or self.interpret()
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         reasons = capability_reasons(self.capabilities, spec, problem)
@@ -447,6 +449,8 @@ class PallasBackend:
         lse: Any,
         dout: Any,
         dlse: Any | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         # dbias is computed whenever there is a bias: the protocol does not say whether it is wanted.
         want_dbias = inputs.bias is not None

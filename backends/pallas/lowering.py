@@ -17,7 +17,7 @@ import re
 import sys
 from typing import Any
 
-from attnkit import AttentionInputs, AttentionSpec
+from attnkit.backend import AttentionInputs, AttentionSpec
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 import functools
 from typing import Any, NamedTuple
 
-from attnkit import (
+from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     Capabilities,
@@ -23,7 +24,7 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
-from attnkit.backend import ALL_FEATURES
+from attnkit.contract import COSINE_EPS
 
 try:
     import jax
@@ -34,7 +35,6 @@ except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): availa
 else:
     _JAX_ERROR = None
 
-COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
 DEFAULT_BLOCK_K = 128
 
 
@@ -353,6 +353,8 @@ class JaxReferenceBackend:
         lse: Any,
         dout: Any,
         dlse: Any | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         _, backward = _compiled()
         dq, dk, dv, dbias = backward(spec, self._block(spec, inputs), *_arrays(inputs), out, lse, dout, dlse)

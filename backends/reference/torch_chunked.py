@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from attnkit import (
+from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     Capabilities,
@@ -24,8 +25,8 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
-from attnkit.backend import ALL_FEATURES
-from attnkit.torch_contract import COSINE_EPS, compute_dtype, from_bhsd, to_bhsd, zero_padding
+from attnkit.contract import COSINE_EPS
+from attnkit.contract.torch import compute_dtype, from_bhsd, to_bhsd, zero_padding
 
 NEG_INF = float("-inf")
 
@@ -387,6 +388,8 @@ class TorchChunkedBackend:
         lse: torch.Tensor,
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         with torch.no_grad():
             ops, plan, tracked = self._prepare(spec, inputs, track_normalisation=True)

@@ -1,6 +1,6 @@
 """torch-naive: the contract written literally in torch, materialising the score matrix. The oracle.
 
-It shares the score and softmax arithmetic of ``attnkit.torch_contract.literal_attention`` but not its visibility:
+It shares the score and softmax arithmetic of ``attnkit.contract.torch.literal_attention`` but not its visibility:
 torch-sdpa and torch-flex build their masks from ``torch_contract.visibility``, so a slip there would pass them and
 an oracle that used it alike. :func:`oracle_visibility` reads docs/semantics.md §4 again, in another form."""
 
@@ -8,18 +8,18 @@ from __future__ import annotations
 
 import torch
 
-from attnkit import (
+from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     Capabilities,
+    CausalAlignment,
     Framework,
     Gradients,
     Problem,
     capability_reasons,
 )
-from attnkit.backend import ALL_FEATURES
-from attnkit.spec import CausalAlignment
-from attnkit.torch_contract import compute_dtype, literal_attention
+from attnkit.contract.torch import compute_dtype, literal_attention
 
 
 def oracle_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> torch.Tensor:
@@ -85,6 +85,8 @@ class TorchNaiveBackend:
         lse: torch.Tensor,
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
         dtype = compute_dtype(inputs.q.dtype)
         with torch.enable_grad():
@@ -103,8 +105,8 @@ class TorchNaiveBackend:
                 # −inf rows have no dependence on the inputs; keep their cotangent out of the graph.
                 outputs.append(torch.where(torch.isfinite(lse_again), lse_again, torch.zeros_like(lse_again)))
                 cotangents.append(dlse.to(dtype))
-            grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
-        grads = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves)]
+            found = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
+        grads = [g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(found, leaves)]
         return Gradients(
             dq=grads[0].to(inputs.q.dtype),
             dk=grads[1].to(inputs.k.dtype),

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from attnkit import (
+from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     Capabilities,
@@ -14,8 +15,7 @@ from attnkit import (
     Variant,
     capability_reasons,
 )
-from attnkit.backend import ALL_FEATURES
-from attnkit.torch_support import kernel_gradients
+from attnkit.contract.kernels import kernel_gradients
 
 from . import launch
 
@@ -58,6 +58,9 @@ class TritonBackend:
             ]
         return []
 
+    def interpreted(self, device: str) -> bool:
+        return launch.INTERPRETED
+
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         return capability_reasons(self.capabilities, spec, problem)
 
@@ -75,8 +78,9 @@ class TritonBackend:
         lse: torch.Tensor,
         dout: torch.Tensor,
         dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
     ) -> Gradients:
-        need_dbias = inputs.bias is not None and inputs.bias.requires_grad
         cosine = spec.variant is Variant.COSINE
         with torch.no_grad():
             dq, dk, dv, dscores = launch.attention_backward(

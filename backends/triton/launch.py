@@ -16,8 +16,8 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit import AttentionInputs, AttentionSpec, CausalAlignment, Variant
-from attnkit.torch_support import bhsd
+from attnkit.backend import AttentionInputs, AttentionSpec, CausalAlignment, Variant
+from attnkit.contract.kernels import bhsd
 
 from . import kernels
 

@@ -10,10 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from attnkit.backend import AttentionInputs, Gradients
-from attnkit.spec import AttentionSpec, Layout, Variant
-
-COSINE_EPS = 1e-12  # as torch.nn.functional.normalize (docs/semantics.md §3)
+from attnkit.backend import AttentionInputs, AttentionSpec, Gradients, Layout, Variant
+from attnkit.contract import COSINE_EPS
 
 
 def cosine_input_gradient(x: torch.Tensor, lengths: torch.Tensor | None, grad_unit: torch.Tensor) -> torch.Tensor:

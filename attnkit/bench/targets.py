@@ -20,21 +20,36 @@ rotating per repeat), so drift on a shared machine hits them alike; figures are 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from attnkit.bench import _status_kib, attention_flops, environment
+from attnkit.bench.calls import (
+    PASS_WORK,
+    attention_flops,
+    auto_choice,
+    call_problem,
+    interpreted,
+    random_inputs,
+)
+from attnkit.bench.peak_memory import peak_extra_bytes, run_child
+from attnkit.bench.timing import (
+    blocked,
+    device_banner,
+    environment,
+    in_ms,
+    interleaved,
+    paired_difference,
+    paired_ratio,
+)
 from attnkit.spec import AttentionSpec
+from attnkit.tables import format_table
 
 TARGET_SEQ_LENS = (512, 2048, 4096)
 TARGET_DTYPES = ("float32", "bfloat16")
@@ -46,8 +61,6 @@ PEER_RATIO = 0.95  # auto against the framework's own attention
 NON_NATIVE_RATIO = 0.7  # best attnkit path against SDPA's plain causal call at the same shape, in FLOP/s
 DECODE_BUDGET_US = 3.0
 LINEAR_EXPONENT = 1.2  # memory ~ L**e between the two largest L: e <= this counts as linear
-#: Backends that run an interpreter or an emulator on CPU: there for conformance, never timed as a path.
-INTERPRETED_ON_CPU = frozenset({"triton", "pallas", "cupy-emulated"})
 #: torch-naive materialises (B, H, Lq, Lk) float32 scores several times over: timed only up to this size.
 NAIVE_MAX_SCORE_BYTES = 32 * 2**20
 SDPA_PEER = "torch sdpa"
@@ -59,42 +72,6 @@ SDPA_CAUSAL_SPEC = AttentionSpec(causal=True, causal_alignment="top_left")  # wh
 # ---------------------------------------------------------------------------------------------- helpers
 
 
-def limit_jax_threads(threads: int | None) -> None:
-    """With one thread, ask XLA's CPU client for one too; only works before JAX is imported (a no-op after)."""
-    if threads == 1 and "jax" not in sys.modules:
-        flags = os.environ.get("XLA_FLAGS", "")
-        if "intra_op_parallelism_threads" not in flags:
-            extra = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-            os.environ["XLA_FLAGS"] = f"{flags} {extra}".strip()
-
-
-def interpreted(name: str, device: str) -> bool:
-    """Whether ``name`` runs an interpreter or emulator on ``device`` (excluded from timings and calibration): the
-    emulated backends always; triton, pallas and cupy on CPU; and any backend whose ``interpret()`` says so (pallas
-    where JAX has no GPU)."""
-    from attnkit import registry
-
-    if name.endswith("-emulated") or (device == "cpu" and name in INTERPRETED_ON_CPU):
-        return True
-    check = getattr(registry.backends().get(name), "interpret", None)
-    return bool(check()) if callable(check) else False
-
-
-def auto_choice(spec: Any, q: Any, k: Any, v: Any, kv_lengths: Any = None) -> str:
-    """The backend ``attend(..., backend="auto")`` runs for this call, as dispatch decides it."""
-    from attnkit import dispatch
-    from attnkit.api import _prepare
-
-    _, problem, _, _ = _prepare(spec, q, k, v, None, None, None, kv_lengths, False)
-    return dispatch.select(spec, problem).name
-
-
-def call_problem(spec: Any, q: Any, k: Any, v: Any, kv_lengths: Any = None) -> Any:
-    from attnkit.api import _prepare
-
-    return _prepare(spec, q, k, v, None, None, None, kv_lengths, False)[1]
-
-
 def visible_flops(spec: Any, len_q: int, len_k: int, kv_lengths: Any, pass_name: str) -> float:
     """attention_flops' count for the (query, key) pairs this call's spec and lengths leave visible (cost.py): a
     batch element with kv_lengths[b] keys computes what a call of shape (Lq, kv_lengths[b]) does."""
@@ -103,55 +80,18 @@ def visible_flops(spec: Any, len_q: int, len_k: int, kv_lengths: Any, pass_name:
     key_counts = [len_k] if kv_lengths is None else [int(n) for n in kv_lengths]
     pairs = sum(visible_pairs(spec, len_q, count) for count in key_counts) / len(key_counts)
     per_pair = 4.0 * SHAPE["batch"] * SHAPE["heads"] * SHAPE["head_dim"]
-    return per_pair * pairs * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pass_name]
+    return per_pair * pairs * PASS_WORK[pass_name]
 
 
 def flops(len_q: int, len_k: int, causal: bool, pass_name: str) -> float:
-    """attnkit.bench.attention_flops at B=1, H=8, D=64, for Lq != Lk too (scaled by Lq / Lk)."""
+    """attnkit.bench.calls.attention_flops at B=1, H=8, D=64, for Lq != Lk too (scaled by Lq / Lk)."""
     square = attention_flops(SHAPE["batch"], SHAPE["heads"], len_k, SHAPE["head_dim"], causal, pass_name)
     return square * len_q / len_k
 
 
-def interleaved(
-    functions: Mapping[str, Callable[[], Any]], repeats: int, warmup: int, min_sample_s: float = 0.05
-) -> dict[str, list[float]]:
-    """Milliseconds per call of each function, one sample per repeat; each repeat runs every function once, in an
-    order rotated by one per repeat. A sample averages enough back-to-back calls to last ``min_sample_s``."""
-    names = list(functions)
-    calls: dict[str, int] = {}
-    for name in names:
-        for _ in range(max(warmup, 1)):  # compiles (JAX), allocator and caches
-            functions[name]()
-        start = time.perf_counter()
-        functions[name]()
-        estimate = max(time.perf_counter() - start, 1e-7)
-        calls[name] = max(1, min(200, math.ceil(min_sample_s / estimate)))
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for repeat in range(repeats):
-        shift = repeat % len(names)
-        for name in names[shift:] + names[:shift]:
-            function, count = functions[name], calls[name]
-            start = time.perf_counter()
-            for _ in range(count):
-                function()
-            samples[name].append((time.perf_counter() - start) * 1000 / count)
-    return samples
-
-
-def paired_ratio(samples: Mapping[str, list[float]], numerator: str, denominator: str) -> float:
-    """The median over repeats of numerator's time / denominator's time in the same repeat: the two ran back to back,
-    so a drift of the shared machine between repeats (10-20% here) cancels, where a ratio of medians keeps it."""
-    return statistics.median(top / bottom for top, bottom in zip(samples[numerator], samples[denominator], strict=True))
-
-
-def _torch_inputs(len_q: int, len_k: int, dtype: str, seed: int = 0) -> tuple[Any, Any, Any, Any]:
-    import torch
-
-    generator = torch.Generator().manual_seed(seed)
+def _torch_inputs(len_q: int, len_k: int, dtype: str) -> tuple[Any, Any, Any, Any]:
     batch, heads, dim = SHAPE["batch"], SHAPE["heads"], SHAPE["head_dim"]
-    q, dout = (torch.randn(batch, heads, len_q, dim, generator=generator) for _ in range(2))
-    k, v = (torch.randn(batch, heads, len_k, dim, generator=generator) for _ in range(2))
-    return tuple(t.to(getattr(torch, dtype)) for t in (q, k, v, dout))  # type: ignore[return-value]
+    return random_inputs("torch", (batch, heads, len_q, dim), (batch, heads, len_k, dim), dtype)
 
 
 def torch_pass(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any, pass_name: str) -> Callable[[], Any]:
@@ -180,6 +120,12 @@ def _row(**values: Any) -> dict[str, Any]:
     return values
 
 
+def interleaved_ms(functions: Mapping[str, Callable[[], Any]], repeats: int, warmup: int) -> dict[str, list[float]]:
+    """Milliseconds per call of each function, one sample per repeat (:func:`attnkit.bench.timing.interleaved`,
+    each sample lasting about ``MIN_SAMPLE_S``)."""
+    return in_ms(interleaved(functions, repeats, warmup))
+
+
 # ---------------------------------------------------------------------------------------------- torch, jax
 
 
@@ -203,7 +149,7 @@ def bench_torch_target(seq_lens: Sequence[int], dtypes: Sequence[str], repeats: 
                     def auto(q: Any, k: Any, v: Any, spec: Any = spec) -> Any:
                         return attnkit.attend(spec, q, k, v)
 
-                    samples = interleaved(
+                    samples = interleaved_ms(
                         {
                             SDPA_PEER: torch_pass(sdpa, q, k, v, dout, pass_name),
                             "auto": torch_pass(auto, q, k, v, dout, pass_name),
@@ -264,8 +210,8 @@ def bench_jax_target(seq_lens: Sequence[int], dtypes: Sequence[str], repeats: in
     batch, heads, dim = SHAPE["batch"], SHAPE["heads"], SHAPE["head_dim"]
     for dtype in dtypes:
         for seq_len in seq_lens:
-            keys = jax.random.split(jax.random.PRNGKey(0), 4)
-            q, k, v, dout = (jax.random.normal(key, (batch, seq_len, heads, dim), jnp.dtype(dtype)) for key in keys)
+            shape = (batch, seq_len, heads, dim)
+            q, k, v, dout = random_inputs("jax", shape, shape, dtype)
             for causal in (False, True):
                 spec = attnkit.AttentionSpec(causal=causal, causal_alignment="top_left", layout="bshd")
                 path = auto_choice(spec, q, k, v)
@@ -285,18 +231,12 @@ def bench_jax_target(seq_lens: Sequence[int], dtypes: Sequence[str], repeats: in
                                 return jnp.sum(attention(q, k, v) * dout)
 
                             compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-                        functions[label] = partial(_blocked, compiled, q, k, v)
-                    samples = interleaved(functions, repeats, warmup)
+                        functions[label] = partial(blocked, compiled, q, k, v)
+                    samples = interleaved_ms(functions, repeats, warmup)
                     rows.append(
                         _peer_row(spec_name(causal), seq_len, dtype, pass_name, path, causal, samples, JAX_PEER)
                     )
     return {"target": PEER_RATIO, "peer": JAX_PEER, "rows": rows}
-
-
-def _blocked(function: Callable[..., Any], *arrays: Any) -> Any:
-    import jax
-
-    return jax.block_until_ready(function(*arrays))
 
 
 # ---------------------------------------------------------------------------------------------- non-native
@@ -389,7 +329,7 @@ def bench_non_native_target(
                     for name in backends:
                         if name != path:  # auto's own timing stands for the backend it runs
                             functions[name] = torch_pass(case.attention(name, lengths), q, k, v, dout, pass_name)
-                    samples = interleaved(functions, repeats, warmup)
+                    samples = interleaved_ms(functions, repeats, warmup)
                     medians = {name: statistics.median(values) for name, values in samples.items()}
                     reference = medians.pop(SDPA_CAUSAL)
                     paths = {(path if name == "auto" else name): ms for name, ms in medians.items()}
@@ -438,7 +378,7 @@ def bench_non_native_target(
 
 
 _MEMORY_CHILD = (
-    "import sys; from attnkit.bench_targets import _memory_child as m; "
+    "import sys; from attnkit.bench.targets import _memory_child as m; "
     "m(sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], int(sys.argv[5]))"
 )
 
@@ -459,24 +399,15 @@ def _memory_child(case_name: str, backend: str, seq_len: int, dtype: str, thread
     # Inputs, output cotangent and leaves allocated before the mark, and kept: freed, their memory would serve the
     # call's own buffers below the mark.
     run, _inputs = once(seq_len)
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
-    before = _status_kib("VmRSS")
-    run()
-    print(json.dumps({"peak_extra_bytes": (_status_kib("VmHWM") - before) * 1024}))
+    print(json.dumps({"peak_extra_bytes": peak_extra_bytes(run)}))
 
 
 def measure_memory(case: str, backend: str, seq_len: int, dtype: str, threads: int) -> int:
-    command = [sys.executable, "-c", _MEMORY_CHILD, case, backend, str(seq_len), dtype, str(threads)]
     # A fixed mmap threshold: glibc otherwise raises it as large blocks are freed and keeps later ones in its heap,
     # where a block freed before the mark serves the call unseen by VmHWM (L=2048 read 16.1 or 19.7 MiB by run).
-    environment = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
-    child = subprocess.run(command, capture_output=True, text=True, env=environment)
-    if child.returncode != 0:
-        raise RuntimeError(
-            f"memory run of {case} on {backend} failed (exit {child.returncode}):\n{child.stderr[-2000:]}"
-        )
-    return int(json.loads(child.stdout.strip().splitlines()[-1])["peak_extra_bytes"])
+    fixed_threshold = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    arguments = [case, backend, str(seq_len), dtype, str(threads)]
+    return int(run_child(_MEMORY_CHILD, arguments, f"{case} on {backend}", fixed_threshold)["peak_extra_bytes"])
 
 
 def non_native_memory(
@@ -537,22 +468,23 @@ def bench_decode_target(rounds: int, calls: int) -> dict[str, Any]:
         "full": attnkit.AttentionSpec(),
         "causal (bottom-right: sees every key)": attnkit.AttentionSpec(causal=True),
     }
-    no_grad = torch.no_grad
     rows = []
     for label, spec in specs.items():
-        functions: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
-            "attend no_grad": (partial(attnkit.attend, spec, q, k, v), no_grad),
-            "sdpa no_grad": (partial(F.scaled_dot_product_attention, q, k, v), no_grad),
-            "attend recording": (partial(attnkit.attend, spec, q_grad, k, v), contextlib.nullcontext),
-            "sdpa recording": (partial(F.scaled_dot_product_attention, q_grad, k, v), contextlib.nullcontext),
+        functions = {
+            "attend no_grad": partial(attnkit.attend, spec, q, k, v),
+            "sdpa no_grad": partial(F.scaled_dot_product_attention, q, k, v),
+            "attend recording": partial(attnkit.attend, spec, q_grad, k, v),
+            "sdpa recording": partial(F.scaled_dot_product_attention, q_grad, k, v),
         }
         paths = {
             "no_grad": auto_choice(spec, q, k, v),
             "recording": auto_choice(spec, q_grad, k, v),
         }
-        samples = _rounds(functions, rounds, calls)
+        no_grad = {name: torch.no_grad for name in functions if name.endswith("no_grad")}
+        samples = interleaved(functions, rounds, max(1, calls // 10), calls=calls, contexts=no_grad)
 
-        difference = partial(_median_difference_us, samples)
+        def difference(first: str, second: str, samples: dict[str, list[float]] = samples) -> float:
+            return paired_difference(samples, first, second) / 1000
 
         medians = {name: statistics.median(values) / 1000 for name, values in samples.items()}
         overheads = {
@@ -600,54 +532,32 @@ def _growing_cache_overhead(spec: Any, q: Any, rounds: int, steps: int) -> dict[
     first = DECODE_SHAPE["len_k"] + 1
     cache_shape = (1, DECODE_SHAPE["heads"], first + rounds * steps, DECODE_SHAPE["head_dim"])
     cache_k, cache_v = torch.randn(cache_shape), torch.randn(cache_shape)
-    per_step_us = []
+    views = [
+        [(cache_k[:, :, :length], cache_v[:, :, :length]) for length in range(start, start + steps)]
+        for start in range(first, first + rounds * steps, steps)
+    ]
+
+    def one_round(attention: Callable[..., Any]) -> Callable[[], None]:
+        """A function whose n-th call runs round n: each call of either function meets key counts of its own."""
+        rounds_left = iter(views)
+
+        def run() -> None:
+            for k, v in next(rounds_left):
+                attention(q, k, v)
+
+        return run
+
+    functions = {"attend": one_round(partial(attnkit.attend, spec)), "sdpa": one_round(F.scaled_dot_product_attention)}
     with torch.no_grad():
-        for round_index in range(rounds):
-            lengths = range(first + round_index * steps, first + (round_index + 1) * steps)
-            views = [(cache_k[:, :, :length], cache_v[:, :, :length]) for length in lengths]
-            elapsed = {}
-            for name in ("attend", "sdpa") if round_index % 2 == 0 else ("sdpa", "attend"):
-                start = time.perf_counter_ns()
-                for k, v in views:
-                    if name == "attend":
-                        attnkit.attend(spec, q, k, v)
-                    else:
-                        F.scaled_dot_product_attention(q, k, v)
-                elapsed[name] = time.perf_counter_ns() - start
-            per_step_us.append((elapsed["attend"] - elapsed["sdpa"]) / steps / 1000)
+        # No warm-up: it would cache the shapes the rounds must meet for the first time.
+        samples = interleaved(functions, rounds, warmup=0, calls=1)
     return {
         "spec": "causal",
         "len_k": [first, first + rounds * steps - 1],
         "steps_per_round": steps,
         "rounds": rounds,
-        "overhead_us": statistics.median(per_step_us),
+        "overhead_us": paired_difference(samples, "attend", "sdpa") / steps / 1000,
     }
-
-
-def _median_difference_us(samples: dict[str, list[float]], first: str, second: str) -> float:
-    return statistics.median(a - b for a, b in zip(samples[first], samples[second], strict=True)) / 1000
-
-
-def _rounds(
-    functions: dict[str, tuple[Callable[[], Any], Callable[[], Any]]], rounds: int, calls: int
-) -> dict[str, list[float]]:
-    """Per-call ns of each function (run inside its context) per round; the order rotates per round."""
-    names = list(functions)
-    for function, context in functions.values():
-        with context():
-            for _ in range(max(1, calls // 10)):
-                function()
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for round_index in range(rounds):
-        shift = round_index % len(names)
-        for name in names[shift:] + names[:shift]:
-            function, context = functions[name]
-            with context():
-                start = time.perf_counter_ns()
-                for _ in range(calls):
-                    function()
-                samples[name].append((time.perf_counter_ns() - start) / calls)
-    return samples
 
 
 # ---------------------------------------------------------------------------------------------- all
@@ -722,10 +632,7 @@ def _ms(value: float) -> str:
 
 
 def format_targets(result: dict[str, Any]) -> str:
-    from attnkit.bench import _device_banner
-    from attnkit.cli import format_table
-
-    lines = [_device_banner(result)]
+    lines = [device_banner(result)]
     targets = result["targets"]
     settings = (
         f"B={SHAPE['batch']} H={SHAPE['heads']} D={SHAPE['head_dim']}; median of {result['repeats']} interleaved "
@@ -747,11 +654,7 @@ def format_targets(result: dict[str, Any]) -> str:
                 row["dtype"],
                 row["pass_name"],
                 row["path"],
-                _ms(row["peer_ms"]),
-                _ms(row["attnkit_ms"]),
-                f"{row['ratio']:.2f}x",
-                f">= {row['target']}x",
-                _verdict(row["met"]),
+                *_ratio_cells(row),
             ]
             for row in target["rows"]
         ]
@@ -770,11 +673,7 @@ def format_targets(result: dict[str, Any]) -> str:
                 row["pass_name"],
                 f"{row['path']} ({row['auto_ratio']:.2f}x)",
                 row["best"],
-                _ms(row["peer_ms"]),
-                _ms(row["attnkit_ms"]),
-                f"{row['ratio']:.2f}x",
-                f">= {row['target']}x",
-                _verdict(row["met"]),
+                *_ratio_cells(row),
             ]
             for row in target["rows"]
         ]
@@ -871,6 +770,17 @@ def format_targets(result: dict[str, Any]) -> str:
 
 def _verdict(met: bool, yes: str = "met", no: str = "NOT MET") -> str:
     return yes if met else no
+
+
+def _ratio_cells(row: dict[str, Any]) -> list[str]:
+    """The last columns of a ratio table: the peer's and attnkit's times, their ratio, the target, the verdict."""
+    return [
+        _ms(row["peer_ms"]),
+        _ms(row["attnkit_ms"]),
+        f"{row['ratio']:.2f}x",
+        f">= {row['target']}x",
+        _verdict(row["met"]),
+    ]
 
 
 def plot_targets(result: dict[str, Any], path: str) -> None:

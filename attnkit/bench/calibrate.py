@@ -24,7 +24,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from attnkit.bench_targets import _blocked, call_problem, interleaved, interpreted
+from attnkit.bench.calls import call_problem, interpreted, random_inputs
+from attnkit.bench.timing import blocked, environment, interleaved
+from attnkit.tables import format_table
 
 CALIBRATION_DTYPES = ("float32", "bfloat16")
 HEAD_DIM = 64
@@ -106,24 +108,9 @@ def _framework(name: str) -> str:
 
 
 def _inputs(framework: str, shape: Shape, dtype: str, device: str) -> tuple[Any, Any, Any, Any]:
-    sizes = [
-        (shape.batch, shape.heads_q, shape.len_q, HEAD_DIM),
-        (shape.batch, shape.heads_kv, shape.len_k, HEAD_DIM),
-        (shape.batch, shape.heads_kv, shape.len_k, HEAD_DIM),
-        (shape.batch, shape.heads_q, shape.len_q, HEAD_DIM),
-    ]
-    if framework == "torch":
-        import torch
-
-        generator = torch.Generator().manual_seed(0)
-        return tuple(  # type: ignore[return-value]
-            torch.randn(size, generator=generator).to(device, getattr(torch, dtype)) for size in sizes
-        )
-    import jax
-    import jax.numpy as jnp
-
-    keys = jax.random.split(jax.random.PRNGKey(0), 4)
-    return tuple(jax.random.normal(key, size, jnp.dtype(dtype)) for key, size in zip(keys, sizes))  # type: ignore
+    q_shape = (shape.batch, shape.heads_q, shape.len_q, HEAD_DIM)
+    kv_shape = (shape.batch, shape.heads_kv, shape.len_k, HEAD_DIM)
+    return random_inputs(framework, q_shape, kv_shape, dtype, device)
 
 
 def _call(
@@ -164,7 +151,7 @@ def _call(
         compiled = jax.jit(attention)
     else:
         compiled = jax.jit(jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v) * dout), argnums=(0, 1, 2)))
-    return partial(_blocked, compiled, q, k, v), (q, k, v)
+    return partial(blocked, compiled, q, k, v), (q, k, v)
 
 
 def measure_backend(
@@ -201,14 +188,14 @@ def measure_backend(
                 if reasons:
                     skipped[shape.name] = "; ".join(reasons)
                     continue
-                samples = interleaved({name: function}, repeats, warmup)[name]
+                samples = interleaved({name: function}, repeats, warmup)[name]  # nanoseconds per call
                 visible, full = cost.work_units(spec, problem)
                 points.append(
                     {
                         "shape": shape.name,
                         "visible_units": visible,
                         "full_units": full,
-                        "time_us": statistics.median(samples) * 1000,
+                        "time_us": statistics.median(samples) / 1000,
                     }
                 )
             groups.append(
@@ -235,7 +222,6 @@ def calibrate(
 ) -> dict[str, Any]:
     """Measure and fit every calibratable backend; a JSON-ready dict whose ``entries`` are CostEntry fields."""
     from attnkit import cost
-    from attnkit.bench import environment
 
     say = progress or (lambda message: None)
     names, skipped = calibratable(device, only)
@@ -355,8 +341,6 @@ def render_table(result: dict[str, Any], command: str) -> str:
 
 def format_calibration(result: dict[str, Any]) -> str:
     """Measured against fitted time per point, as '#' comment lines (so stdout stays valid TOML)."""
-    from attnkit.cli import format_table
-
     rows = []
     for group in result["groups"]:
         for point in group["points"]:

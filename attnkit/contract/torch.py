@@ -9,10 +9,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from attnkit.backend import AttentionInputs, Gradients
-from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
-
-COSINE_EPS = 1e-12  # as torch.nn.functional.normalize
+from attnkit.backend import AttentionInputs, AttentionSpec, CausalAlignment, Gradients, Layout, Variant
+from attnkit.contract import COSINE_EPS
 
 
 def to_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,131 @@
+"""``attnkit bench``: runs the bench the parsed flags name and prints its table (attnkit/cli.py parses them)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TextIO
+
+from attnkit.bench import calibrate, chunked, overhead, targets, tflops
+from attnkit.environment import limit_jax_threads, torch_threads
+
+
+def _csv(text: str | None, kind: Callable[[str], Any] = str) -> tuple[Any, ...] | None:
+    return None if text is None else tuple(kind(part.strip()) for part in text.split(",") if part.strip())
+
+
+def run_bench(args: argparse.Namespace, out: TextIO) -> int:
+    """``attnkit bench`` with the parsed flags (see attnkit/cli.py); returns the exit status."""
+    if args.calibrate:
+        return run_calibrate(args, out)
+    if args.what == "targets":
+        return run_targets(args, out)
+    if args.what == "memory" and args.device != "cpu":
+        print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
+        return 2
+    repeats = args.repeats if args.repeats is not None else 3
+    with torch_threads(args.threads):
+        if args.backend is not None:
+            result = tflops.bench_backend(
+                args.backend,
+                device=args.device,
+                seq_lens=(args.seq_len,) if args.seq_len else None,
+                dtype=args.dtype,
+                repeats=repeats,
+                warmup=args.warmup,
+            )
+            text = tflops.format_backend(result)
+        elif args.what == "dispatch":
+            result = overhead.bench_dispatch(rounds=args.rounds, calls=args.calls, device=args.device)
+            text = overhead.format_dispatch(result)
+        elif args.what == "chunked":
+            result = chunked.bench_chunked(
+                seq_len=args.seq_len or 4096, repeats=repeats, warmup=args.warmup, device=args.device
+            )
+            text = chunked.format_chunked(result)
+        else:
+            result = chunked.bench_memory(seq_len=args.seq_len or 16384)
+            text = chunked.format_memory(result)
+    print(text, file=out)
+    _write_json(args, result, out)
+    return 0
+
+
+def _write_json(args: argparse.Namespace, result: Any, out: TextIO) -> None:
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.json}", file=out)
+
+
+def _progress(message: str) -> None:
+    print(f"[attnkit bench] {message}", file=sys.stderr, flush=True)
+
+
+def run_targets(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what targets measures the CPU targets of issue 6 (--device cpu)", file=sys.stderr)
+        return 2
+    if args.plot:  # fail before a long run, not after it
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            print("attnkit bench: --plot needs matplotlib: pip install 'attnkit[bench]'", file=sys.stderr)
+            return 2
+    limit_jax_threads(args.threads)
+    seq_lens = _csv(args.seq_lens, int) or ((512,) if args.quick else targets.TARGET_SEQ_LENS)
+    dtypes = _csv(args.dtypes) or targets.TARGET_DTYPES
+    chosen = _csv(args.targets) or targets.TARGETS
+    unknown = sorted(set(chosen) - set(targets.TARGETS))
+    if unknown:
+        known = ", ".join(targets.TARGETS)
+        print(f"attnkit bench: unknown --targets {unknown} (known: {known})", file=sys.stderr)
+        return 2
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 7)
+    with torch_threads(args.threads):
+        result = targets.bench_targets(
+            seq_lens=seq_lens,
+            dtypes=dtypes,
+            repeats=repeats,
+            warmup=args.warmup,
+            targets=chosen,
+            memory=not args.no_memory,
+            decode_rounds=5 if args.quick else args.rounds,
+            decode_calls=200 if args.quick else args.calls,
+            progress=_progress,
+        )
+    print(targets.format_targets(result), file=out)
+    _write_json(args, result, out)
+    if args.plot:
+        targets.plot_targets(result, args.plot)
+        print(f"wrote {args.plot}", file=out)
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace, out: TextIO) -> int:
+    limit_jax_threads(args.threads)
+    shapes = calibrate.QUICK_SHAPES if args.quick else calibrate.CALIBRATION_SHAPES
+    dtypes = _csv(args.dtypes) or calibrate.CALIBRATION_DTYPES
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    with torch_threads(args.threads):
+        result = calibrate.calibrate(
+            device=args.device,
+            dtypes=dtypes,
+            shapes=shapes,
+            repeats=repeats,
+            warmup=args.warmup,
+            only=_csv(args.backends),
+            progress=_progress,
+        )
+    command = "attnkit " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["bench"] else "attnkit bench --calibrate"
+    table = calibrate.render_table(result, command)
+    print(calibrate.format_calibration(result), file=out)
+    if args.output:
+        Path(args.output).write_text(table)
+        print(f"# wrote {args.output} ({len(result['entries'])} entries)", file=out)
+    else:
+        print(table, file=out, end="")
+    _write_json(args, result, out)
+    return 0

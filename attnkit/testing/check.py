@@ -1,0 +1,350 @@
+"""``attnkit check``: the conformance run on this machine's backends, recorded rather than raised.
+
+Each backend runs the named edge cases it declares it serves, then cases drawn by hypothesis from its declared
+capabilities; every case is compared with the float64 oracle. The run ends in a backend x feature table of the worst
+error/allowed ratio among the cases that used each feature, then every failure in full.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TextIO
+
+import hypothesis
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.errors import InvalidArgument
+
+from attnkit import registry
+from attnkit.backend import SPEC_FEATURES, Backend
+from attnkit.capability_matrix import FEATURE_ORDER
+from attnkit.environment import torch_threads
+from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
+from attnkit.tables import format_table
+from attnkit.testing import strategies
+from attnkit.testing.agreement import Comparison, backends_for, check_backend
+from attnkit.testing.cases import Case, make_arrays
+from attnkit.testing.profiles import register_profiles
+from attnkit.testing.runners import drawable_dtypes
+
+CHECK_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+# A case using none of the spec features: plain dot-product attention, bottom-right, bhsd.
+PLAIN = "plain"
+DEFAULT_EXAMPLES = 30
+
+
+@dataclass
+class Outcome:
+    """One case run on one backend: its comparisons with the oracle, or why it could not be compared."""
+
+    label: str
+    case: Case | None  # None when no case could be drawn at all
+    comparisons: list[Comparison] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def worst_ratio(self) -> float:
+        if self.error is not None:
+            return math.inf
+        return max((comparison.ratio for comparison in self.comparisons), default=0.0)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and all(comparison.ok for comparison in self.comparisons)
+
+    def columns(self) -> set[str]:
+        """The table columns this case counts towards: its features, its dtype, and ``plain``."""
+        if self.case is None:
+            return set()
+        features = self.case.features()
+        used = set(features) | {self.case.dtype}
+        if not features & SPEC_FEATURES:
+            used.add(PLAIN)
+        return used
+
+
+@dataclass
+class BackendReport:
+    name: str
+    outcomes: list[Outcome] = field(default_factory=list)
+    skipped: list[tuple[str, list[str]]] = field(default_factory=list)
+    unavailable: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def failures(self) -> list[Outcome]:
+        return [outcome for outcome in self.outcomes if not outcome.ok]
+
+    def worst(self, column: str) -> float | None:
+        ratios = [outcome.worst_ratio for outcome in self.outcomes if column in outcome.columns()]
+        return max(ratios) if ratios else None
+
+
+def edge_cases() -> list[tuple[str, Case]]:
+    """Named cases every backend runs, in float32 and bfloat16: the corners random draws reach rarely."""
+    spec = AttentionSpec
+    base = [
+        ("decode Lq=1 Lk=37", Case(spec(causal=True), heads_q=4, heads_kv=2, len_q=1, len_k=37)),
+        # Bottom-right alignment with Lq > Lk: the first Lq - Lk query rows see no key at all.
+        ("causal bottom-right Lq>Lk", Case(spec(causal=True), len_q=12, len_k=5)),
+        (
+            "causal top-left Lq<Lk",
+            Case(spec(causal=True, causal_alignment=CausalAlignment.TOP_LEFT), len_q=5, len_k=12),
+        ),
+        ("GQA 4:1", Case(spec(causal=True), heads_q=8, heads_kv=2, len_q=9, len_k=13)),
+        ("MQA", Case(spec(), heads_q=4, heads_kv=1, len_q=7, len_k=11)),
+        ("window (3,0) causal", Case(spec(causal=True, window=(3, 0)), len_q=10, len_k=16)),
+        (
+            "q_lengths + kv_lengths with a 0",
+            Case(spec(causal=True), batch=3, len_q=9, len_k=11, q_lengths=(7, 3, 9), kv_lengths=(0, 5, 11)),
+        ),
+        (
+            "mask with fully masked rows",
+            Case(spec(), len_q=8, len_k=10, mask_shape=(2, 2, 8, 10), masked_rows=(0, 5)),
+        ),
+        ("bias with grad", Case(spec(), len_q=6, len_k=9, bias_shape=(2, 1, 6, 9), bias_grad=True)),
+        ("cosine + softcap", Case(spec(variant=Variant.COSINE, softcap=5.0), len_q=7, len_k=10)),
+        ("bshd", Case(spec(causal=True, layout=Layout.BSHD), heads_q=4, heads_kv=2, len_q=6, len_k=10)),
+        ("3-D inputs", Case(spec(causal=True), heads_q=1, heads_kv=1, len_q=6, len_k=8, three_d=True)),
+        ("head dim 80", Case(spec(causal=True), len_q=7, len_k=7, head_dim=80, head_dim_v=80)),
+        ("head dim 256", Case(spec(), len_q=5, len_k=9, head_dim=256, head_dim_v=256)),
+    ]
+    return [
+        (f"{label} [{dtype}]", case.with_(dtype=dtype, seed=index))
+        for index, (label, case) in enumerate(base)
+        for dtype in ("float32", "bfloat16")
+    ]
+
+
+def run_case(backend: str, label: str, case: Case, expect_support: bool) -> Outcome:
+    """Compare one case with the oracle, turning every way of going wrong into a recorded failure."""
+    try:
+        make_arrays(case)  # cheap; a case the harness cannot build must not be blamed on the backend
+    except Exception as error:
+        return Outcome(label, case, error=f"the harness cannot build this case (not the backend's fault): {error!r}")
+    if expect_support:
+        reasons = backends_for(case, [backend])[backend]
+        if reasons:
+            message = "refused a case within its declared capabilities: " + "; ".join(reasons)
+            return Outcome(label, case, error=message)
+    try:
+        return Outcome(label, case, comparisons=check_backend(case, backend))
+    except Exception as error:  # a crashing backend is a failed check, not a crashed command
+        last = traceback.format_exception_only(type(error), error)[-1].strip()
+        return Outcome(label, case, error=last)
+
+
+def profile_settings(profile: str) -> Any:
+    """attnkit's hypothesis profile ``profile`` (ci, dev or thorough), registering the profiles if needed."""
+    try:
+        return settings.get_profile(profile)
+    except InvalidArgument:  # not registered yet in this process
+        register_profiles()
+        return settings.get_profile(profile)
+
+
+def hypothesis_settings(profile: str, examples: int) -> Any:
+    parent = profile_settings(profile)
+    # No database and only the generate phase: the run depends on the seed alone, not on earlier runs.
+    # Health checks are about the strategy, which is not what `check` is checking.
+    return settings(
+        parent=parent,
+        max_examples=examples,
+        database=None,
+        derandomize=False,
+        phases=[Phase.generate],
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=False,
+    )
+
+
+def drawn_outcomes(
+    backend: Backend, examples: int, profile: str, seed: int, on_outcome: Callable[[Outcome], None]
+) -> None:
+    """Run ``examples`` cases drawn from the backend's capabilities, recording rather than raising.
+
+    Recording keeps hypothesis from stopping at the first failure (and from shrinking), so one run
+    reports every disagreement and the worst ratios of all cases.
+    """
+    counter = itertools.count(1)
+
+    @hypothesis.seed(seed)
+    @hypothesis_settings(profile, examples)
+    @hypothesis.given(strategies.cases(capabilities=backend.capabilities, dtypes=drawable_dtypes(backend.name)))
+    def draw_and_check(case: Case) -> None:
+        on_outcome(run_case(backend.name, f"drawn #{next(counter)}", case, expect_support=True))
+
+    draw_and_check()
+
+
+def applicable_edge_cases(backend: Backend, report: BackendReport) -> list[tuple[str, Case]]:
+    """Edge cases this backend declares it serves; the rest go to ``report.skipped`` with the reasons."""
+    runnable = []
+    for label, case in edge_cases():
+        if "grad" not in backend.capabilities.features:
+            case = case.with_(grad=False)  # as the strategy does: a forward-only backend is checked forward
+        reasons = backends_for(case, [backend.name])[backend.name]
+        if reasons:
+            report.skipped.append((label, reasons))
+        else:
+            runnable.append((label, case))
+    return runnable
+
+
+class Progress:
+    """``name  [k/n]`` rewritten in place on a terminal. Elsewhere (CI logs, pipes) a plain line at most every
+    ``PLAIN_INTERVAL_S`` seconds, so a slow backend still shows signs of life without flooding the log."""
+
+    PLAIN_INTERVAL_S = 10.0
+
+    def __init__(self, out: TextIO, name: str, total: int, width: int) -> None:
+        self.out, self.name, self.total, self.width = out, name, total, width
+        self.interactive = out.isatty()
+        self.done = self.failed = 0
+        self.last_plain_line = time.monotonic()
+
+    def step(self, outcome: Outcome) -> None:
+        self.done += 1
+        self.failed += not outcome.ok
+        if self.interactive:
+            self._write("\r" + self._line())
+        elif self.done < self.total and time.monotonic() - self.last_plain_line >= self.PLAIN_INTERVAL_S:
+            self.last_plain_line = time.monotonic()
+            self._write(self._line() + "\n")
+
+    def finish(self, report: BackendReport) -> None:
+        summary = f"{len(report.failures)} failed, {len(report.skipped)} skipped, {report.seconds:.1f}s"
+        self._write(("\r" if self.interactive else "") + f"{self._line()}  {summary}\n")
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def _line(self) -> str:
+        failed = f"  ({self.failed} failing)" if self.failed and self.done < self.total else ""
+        return f"{self.name:<{self.width}} [{self.done}/{self.total}]{failed}"
+
+
+def check_one_backend(
+    backend: Backend, examples: int, profile: str, seed: int, out: TextIO, width: int
+) -> BackendReport:
+    report = BackendReport(backend.name)
+    report.unavailable = backend.available()
+    if report.unavailable:
+        print(f"{backend.name:<{width}} unavailable: {'; '.join(report.unavailable)}", file=out)
+        return report
+    started = time.perf_counter()
+    edges = applicable_edge_cases(backend, report)
+    progress = Progress(out, backend.name, examples + len(edges), width)
+
+    def record(outcome: Outcome) -> None:
+        report.outcomes.append(outcome)
+        progress.step(outcome)
+
+    for label, case in edges:
+        record(run_case(backend.name, label, case, expect_support=False))
+    if examples > 0:
+        try:
+            drawn_outcomes(backend, examples, profile, seed, record)
+        except Exception as error:  # hypothesis itself gave up: report it as a failure of this backend
+            record(Outcome("drawing cases", None, error=repr(error)))
+    report.seconds = time.perf_counter() - started
+    progress.finish(report)
+    return report
+
+
+def ratio_text(ratio: float | None) -> str:
+    if ratio is None:
+        return "-"
+    if math.isinf(ratio):
+        text = "err"
+    else:
+        text = f"{ratio:.2f}" if ratio < 100 else f"{ratio:.0f}"
+    return text + ("!" if ratio > 1 else "")
+
+
+def results_table(reports: Sequence[BackendReport]) -> str:
+    """Worst error/allowed ratio per backend and feature (rows) among the cases that used it."""
+    columns = [PLAIN, *FEATURE_ORDER, *CHECK_DTYPES]
+    checked = [report for report in reports if not report.unavailable]
+    rows = [[column, *(ratio_text(report.worst(column)) for report in checked)] for column in columns]
+    return format_table(["worst ratio", *(report.name for report in checked)], rows)
+
+
+def failure_details(reports: Sequence[BackendReport]) -> list[str]:
+    lines = []
+    for report in reports:
+        for outcome in report.failures:
+            described = outcome.case.describe() if outcome.case is not None else ""
+            lines.append(f"FAIL {report.name} {outcome.label}: {described}")
+            if outcome.error is not None:
+                lines.append(f"    {outcome.error}")
+            for comparison in outcome.comparisons:
+                lines.append(f"    {'  ' if comparison.ok else '! '}{comparison}")
+    return lines
+
+
+def backends_to_check(requested: list[str] | None, out: TextIO) -> list[Backend] | None:
+    """The named backends (each once, in order), or every available one; None after printing why not."""
+    registered = registry.backends()
+    names = (
+        list(dict.fromkeys(requested)) if requested else sorted(n for n, b in registered.items() if not b.available())
+    )
+    unknown = [name for name in names if name not in registered]
+    if unknown:
+        print(f"unknown backend(s) {', '.join(unknown)}; registered: {', '.join(sorted(registered))}", file=out)
+        return None
+    if not names:
+        print("no backend can run here: see `attnkit info`", file=out)
+        return None
+    return [registered[name] for name in names]
+
+
+def examples_per_backend(examples: int | None, profile: str | None) -> int:
+    if examples is not None:
+        return int(examples)
+    return int(profile_settings(profile).max_examples) if profile else DEFAULT_EXAMPLES
+
+
+def print_summary(reports: Sequence[BackendReport], out: TextIO) -> int:
+    """The ratio table, skips and failures; returns the exit status (1 on any failure)."""
+    print("\n" + results_table(reports), file=out)
+    print("(ratio = error / allowed by the tolerance rule; <= 1 passes, ! fails, err = raised or refused)", file=out)
+    for report in reports:
+        for label, reasons in report.skipped:
+            print(f"skipped {report.name} {label}: {'; '.join(reasons)}", file=out)
+    details = failure_details(reports)
+    if details:
+        print("\n" + "\n".join(details), file=out)
+    failed = [report.name for report in reports if report.failures or report.unavailable]
+    total = sum(len(report.outcomes) for report in reports)
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)} ({total} cases run)", file=out)
+        return 1
+    print(f"\nOK: {total} cases agree with the float64 oracle", file=out)
+    return 0
+
+
+def run_check(requested: list[str] | None, examples: int | None, profile: str | None, seed: int, out: TextIO) -> int:
+    """Check the ``requested`` backends (any registered name, plugins included), or every one available here.
+
+    Returns the exit status: 0 when every case agrees with the oracle, 1 on a failure or when nothing can run,
+    2 for an unknown backend name.
+    """
+    selected = backends_to_check(requested, out)
+    if selected is None:
+        return 2 if requested else 1
+    count = examples_per_backend(examples, profile)
+    plan = f"{count} drawn cases each (seed {seed}) + {len(edge_cases())} edge cases"
+    print(f"checking {', '.join(backend.name for backend in selected)}: {plan}", file=out)
+    width = max(len(backend.name) for backend in selected) + 1
+    # Conformance cases are tiny: intra-op threads only add synchronisation, and on a busy machine oversubscribed
+    # spinning threads made the suite ten times slower. Restored afterwards, since tests call the CLI in-process.
+    with torch_threads(1):
+        reports = [check_one_backend(backend, count, profile or "ci", seed, out, width) for backend in selected]
+    return print_summary(reports, out)
