@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
-from attnkit import config, dispatch, registry
+from attnkit import config, dispatch
 from attnkit.backend import AttentionInputs, Backend, PlainCall, Problem, Runner, own_plain_call
+from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_by_type, ops_for
 from attnkit.spec import AttentionSpec, Layout
@@ -145,16 +145,14 @@ def _check_length_values(ops: FrameworkOps, problem: Problem, q_lengths: Any, kv
         _check_range(ops, "kv_lengths", kv_lengths, problem.len_k)
 
 
-_validated_lock = threading.Lock()
-_validated: dict[tuple[Any, ...], tuple[Problem, Runner, PlainCall | None]] = {}
-_VALIDATED_LIMIT = 4096  # distinct call signatures kept; a workload rarely has more than a few dozen
+# The fast path's table and the scope state it keys on, bound once (attnkit/call_cache.py): at decode sizes an
+# attribute read costs about as much as the rest of a cached call.
+_cached_call = CACHE.calls.get
+_scope_serial = CACHE.scope_serial
 
 
-def _remember(key: tuple[Any, ...], problem: Problem, run: Runner, plain: PlainCall | None) -> None:
-    with _validated_lock:
-        if len(_validated) >= _VALIDATED_LIMIT:
-            _validated.clear()
-        _validated[key] = (problem, run, plain)
+def _remember(key: tuple[Any, ...], problem: Problem, run: Runner, plain: PlainCall | None, epoch: int) -> None:
+    CACHE.remember(CACHE.calls, key, (problem, run, plain), epoch)
 
 
 def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
@@ -201,14 +199,15 @@ def attend(
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
     # Fast path: a call whose metadata (types, shapes, dtypes, devices, grad flags) was validated and
     # dispatched before reuses that work; only length values, which are data, are checked again. At decode
-    # sizes every function call and attribute read here costs about as much as the rest, hence the inline reads
-    # of the frontend table and the config and registry serials.
+    # sizes every function call and attribute read here costs about as much as the rest, hence the inline read
+    # of the frontend table and the call cache's bound lookups (the scope is the only state in the key: a change
+    # to the config or registry clears the cache).
     ops = ops_by_type.get(type(q)) or ops_for(q, "q")
     signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths)
     if signature is not None:
-        key = (spec, signature, return_lse, backend, config.scope_state.get(), config.base_serial, registry.serial)
+        key = (spec, signature, return_lse, backend, _scope_serial())
         try:
-            hit = _validated.get(key)
+            hit = _cached_call(key)
         except TypeError:  # an unhashable argument (backend=[...]): the checks below name it
             hit = None
         if hit is not None:
@@ -219,6 +218,7 @@ def attend(
                 _check_length_values(ops, problem, q_lengths, kv_lengths)
             out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
             return (out, lse) if return_lse else out
+    epoch = CACHE.epoch  # before dispatch reads the config and registry: a clear after it stores nothing
     ops, problem, inputs, was_3d = _prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
     chosen = dispatch.select(spec, problem, backend)
     run = ops.runner(chosen, spec, problem)
@@ -232,7 +232,7 @@ def attend(
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
     # never sits there.
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
-        _remember(key, problem, run, own_plain_call(chosen, spec, problem))
+        _remember(key, problem, run, own_plain_call(chosen, spec, problem), epoch)
     if was_3d:
         head_axis = 1 if spec.layout is Layout.BHSD else 2
         out = ops.reshape(out, tuple(size for axis, size in enumerate(out.shape) if axis != head_axis))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import itertools
 import logging
 import os
 import threading
@@ -36,6 +35,7 @@ from pydantic import (
 )
 
 from attnkit import registry
+from attnkit.call_cache import CACHE
 from attnkit.cost import CostTable, load_table
 from attnkit.errors import ConfigError, InvalidInputTypeError
 from attnkit.features import ALL_FEATURES, ROUTING_FEATURES
@@ -82,7 +82,8 @@ class Refinement(BaseModel):
 
 class Config(BaseModel):
     """The validated configuration, and the type of each layer validated alone (the keys a layer gives are its
-    ``model_fields_set``). Frozen: dispatch caches key on the serial number it is put in force with."""
+    ``model_fields_set``). Frozen: what dispatch remembers under it (attnkit/call_cache.py) stays true until it is
+    replaced, which clears those caches (configure()) or leaves its scope (use_config, use_backend)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -232,19 +233,12 @@ def default_costs_path() -> Path:
 
 
 _base_lock = threading.RLock()
-# Each config in force carries a serial number: dispatch caches key on it, which is cheaper than hashing the
-# config and, unlike id(), never reused by a later config.
-_serials = itertools.count()
-_base: tuple[Config, int] | None = None
-_override: ContextVar[tuple[Config, int] | None] = ContextVar("attnkit_config", default=None)
-
-# What dispatch depends on besides the call, kept where attend() reads it on every call without a function call
-# (a call costs about as much as the read): outside any scope, the process-wide config's serial; inside a
-# use_config/use_backend scope, that scope's config serial, set once on entry. A scope's config is fixed on entry
-# (the config in force then, with the scope's keys on top), so configure() inside a scope changes nothing it
-# dispatches on until the scope ends.
-base_serial: int = -1
-scope_state: ContextVar[int | None] = ContextVar("attnkit_scope_state", default=None)
+_base: Config | None = None
+# The innermost use_config/use_backend scope's config, fixed on entry (the config in force then, with the scope's
+# keys on top): configure() inside a scope changes nothing it dispatches on until the scope ends. What dispatch
+# remembers keys on the scope by a serial number the call cache gives each scope (CACHE.scope()); a change to the
+# process-wide config clears what it remembers (CACHE.clear()).
+_override: ContextVar[Config | None] = ContextVar("attnkit_config", default=None)
 
 _log = logging.getLogger("attnkit")
 _log_handler: logging.Handler | None = None
@@ -291,27 +285,15 @@ def _build_base(extra: str | os.PathLike[str] | Mapping[str, Any] | None = None)
 
 
 def current_config() -> Config:
-    return _active()[0]
-
-
-def _active() -> tuple[Config, int]:
     override = _override.get()
     if override is not None:
         return override
-    global _base, base_serial
+    global _base
     if _base is None:
         with _base_lock:
             if _base is None:
-                _base = (_build_base(), next(_serials))
-                base_serial = _base[1]
+                _base = _build_base()  # nothing was dispatched without a config: nothing to clear
     return _base
-
-
-def state_key() -> tuple[int | None, int]:
-    """What dispatch depends on besides the call: the innermost scope's serial and the process-wide config's serial.
-    attend() reads the same two values inline on its fast path."""
-    _active()  # builds the process-wide config on first use, which sets base_serial
-    return scope_state.get(), base_serial
 
 
 def forced_backend() -> str | None:
@@ -322,23 +304,21 @@ def forced_backend() -> str | None:
 def configure(source: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> Config:
     """Set the process-wide config: the shipped default, ``ATTNKIT_CONFIG``, ``source``, then ``ATTNKIT_BACKEND``
     (the environment is read again)."""
-    global _base, base_serial
+    global _base
     with _base_lock:
         config = _build_base(source)
-        _base = (config, next(_serials))
-        base_serial = _base[1]
+        _base = config
+        CACHE.clear()  # after the change: a dispatch that read the old config stores nothing (call_cache.py)
     return config
 
 
 @contextlib.contextmanager
 def _scope(config: Config) -> Iterator[Config]:
-    serial = next(_serials)
-    token = _override.set((config, serial))
-    state_token = scope_state.set(serial)
+    token = _override.set(config)
     try:
-        yield config
+        with CACHE.scope():
+            yield config
     finally:
-        scope_state.reset(state_token)
         _override.reset(token)
 
 

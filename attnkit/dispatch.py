@@ -1,23 +1,18 @@
-"""Choosing a backend for a call: the configured priority list, each backend's reasons, a cache."""
+"""Choosing a backend for a call: the configured priority list, each backend's reasons. What it remembers (decisions,
+availability readings) lives in attnkit/call_cache.py."""
 
 from __future__ import annotations
 
 import logging
-import threading
 from dataclasses import dataclass
 
 from attnkit import config, cost, registry
 from attnkit.backend import Backend, Problem, routing_features
+from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
 from attnkit.spec import AttentionSpec
 
 _log = logging.getLogger("attnkit")
-_cache_lock = threading.Lock()
-_decisions: dict[tuple[object, ...], Backend] = {}
-_DECISIONS_LIMIT = 4096  # a KV cache growing one key a step makes a new problem each step: bounded, not a leak
-# available() looks at the machine (imports, compilers, devices): once per backend and registry generation, not on
-# every new shape, whose decision would otherwise pay for it (a growing KV cache makes one per decode step).
-_availability: dict[tuple[str, int], tuple[str, ...]] = {}
 
 
 @dataclass(frozen=True)
@@ -39,12 +34,14 @@ class Candidate:
 
 
 def _unavailable(backend: Backend) -> tuple[str, ...]:
-    key = (backend.name, registry.generation())
-    missing = _availability.get(key)
+    """available() looks at the machine (imports, compilers, devices): read once per backend until the next clear
+    (a registry change, configure(), clear_cache()), not on every new shape, whose decision would otherwise pay for it
+    (a growing KV cache makes one per decode step)."""
+    missing = CACHE.availability.get(backend.name)
     if missing is None:
+        epoch = CACHE.epoch
         missing = tuple(f"unavailable: {reason}" for reason in backend.available())
-        with _cache_lock:
-            _availability[key] = missing
+        CACHE.remember(CACHE.availability, backend.name, missing, epoch)
     return missing
 
 
@@ -105,11 +102,12 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
             f"backend={backend!r}: expected {config.AUTO!r} or a registered backend's name (a str), "
             f"got {type(backend).__name__}"
         )
-    forced = backend if backend != config.AUTO else config.forced_backend()
-    key = (spec, problem, backend, config.state_key(), registry.generation())
-    hit = _decisions.get(key)
+    epoch = CACHE.epoch  # before the config and registry are read: a clear after it drops what is found here
+    key = (spec, problem, backend, CACHE.scope_serial())
+    hit = CACHE.decisions.get(key)
     if hit is not None:
         return hit
+    forced = backend if backend != config.AUTO else config.forced_backend()
     if forced is not None:
         chosen = registry.get_backend(forced)
         reasons = _reasons(chosen, spec, problem)
@@ -124,12 +122,8 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
             table = "\n".join(str(row) for row in candidates(spec, problem))
             raise BackendUnavailableError(f"no backend can serve this call:\n{table}")
         chosen = all_backends[_choose(spec, problem, servable, None)[0]]
-    with _cache_lock:
-        if key not in _decisions:
-            _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
-            if len(_decisions) >= _DECISIONS_LIMIT:
-                _decisions.clear()
-        _decisions[key] = chosen
+    if CACHE.remember(CACHE.decisions, key, chosen, epoch):
+        _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
     return chosen
 
 
@@ -139,14 +133,11 @@ def became_unavailable(backend: Backend) -> bool:
     ``auto`` routes elsewhere and explain() says why."""
     missing = tuple(f"unavailable: {reason}" for reason in backend.available())
     if missing:
-        with _cache_lock:
-            _availability[(backend.name, registry.generation())] = missing
-            _decisions.clear()
+        CACHE.mark_unavailable(backend.name, missing)
     return bool(missing)
 
 
 def clear_cache() -> None:
-    """Forget every decision and availability reading (after installing a package or a compiler mid-process)."""
-    with _cache_lock:
-        _decisions.clear()
-        _availability.clear()
+    """Forget every cached call, decision and availability reading (attnkit/call_cache.py), e.g. after installing a
+    package or a compiler mid-process. Changes to the config or the registry clear them by themselves."""
+    CACHE.clear()

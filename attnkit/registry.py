@@ -20,6 +20,7 @@ from importlib.metadata import EntryPoint, entry_points
 
 from attnkit import backend as door
 from attnkit.backend import Backend
+from attnkit.call_cache import CACHE
 from attnkit.errors import InvalidInputError, InvalidInputTypeError, UnknownBackendError
 
 ENTRY_POINT_GROUP = "attnkit.backends"
@@ -52,16 +53,11 @@ _origins: dict[str, str] = {}
 _refused: list[RefusedPlugin] = []
 _loaded = False
 _builtins_listed = False
-# Bumped on every change, so caches keyed on it never serve stale choices. attend() reads it directly on every
-# call (a function call costs as much as the read at decode sizes); it only grows, so a key read before the
-# built-in backends loaded can never match again.
-serial = 0
 
 
 def _register(backend: Backend, replace: bool, origin: str) -> None:
     if not isinstance(backend, Backend):
         raise InvalidInputTypeError(f"backend={backend!r} does not implement attnkit.Backend (see attnkit/backend.py)")
-    global serial
     with _lock:
         previous = _backends.get(backend.name)
         if previous is not None and previous is not backend:
@@ -73,7 +69,7 @@ def _register(backend: Backend, replace: bool, origin: str) -> None:
             origin = f"{origin}, replacing {_origins[backend.name]}"
         _backends[backend.name] = backend
         _origins[backend.name] = origin
-        serial += 1
+        CACHE.clear()  # after the change: nothing dispatched before it is served again (attnkit/call_cache.py)
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
@@ -85,14 +81,13 @@ def register_backend(backend: Backend, *, replace: bool = False) -> None:
 
 
 def unregister_backend(name: str) -> None:
-    global serial
     with _lock:
         _ensure_loaded()
         if name not in _backends:
             raise UnknownBackendError(f"backend={name!r} is not registered (registered: {sorted(_backends)})")
         del _backends[name]
         del _origins[name]
-        serial += 1
+        CACHE.clear()
 
 
 def _describe(entry: EntryPoint) -> str:
@@ -195,10 +190,3 @@ def refused_plugins() -> tuple[RefusedPlugin, ...]:
     _ensure_loaded()
     with _lock:
         return tuple(_refused)
-
-
-def generation() -> int:
-    """:data:`serial`, once the built-in backends and entry points are loaded."""
-    if not _loaded:
-        _ensure_loaded()
-    return serial

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit import registry
+from attnkit import dispatch, registry
 from attnkit.backend import Framework
 from attnkit.testing import interpret_triton_without_gpu, register_profiles
 from attnkit.testing.runners import native_framework
@@ -145,7 +145,7 @@ def installed_plugin(
             registry._origins.clear()
             registry._origins.update(origins)
             registry._refused[:] = refused
-            registry.serial += 1  # every cache keyed on the registry state forgets the plugin's backends
+            dispatch.clear_cache()  # what was dispatched to the plugin's backends is forgotten
 
 
 @pytest.fixture

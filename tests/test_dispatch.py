@@ -14,6 +14,7 @@ from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch, registry
 from attnkit.backend import Feature
+from attnkit.call_cache import CACHE, CallCache
 from tests.conftest import PLUGIN_DISTRIBUTION, backend_params
 
 
@@ -398,7 +399,7 @@ def test_repeated_calls_give_the_first_calls_answer_and_gradients(backend: str) 
 
 
 def test_the_decision_cache_stays_bounded_under_a_growing_kv_cache(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dispatch, "_DECISIONS_LIMIT", 4)
+    monkeypatch.setattr(CACHE, "limit", 4)
     dispatch.clear_cache()
     spec, generator = AttentionSpec(causal=True), torch.Generator().manual_seed(0)
     q = torch.randn(1, 2, 1, 8, generator=generator)
@@ -408,4 +409,81 @@ def test_the_decision_cache_stays_bounded_under_a_growing_kv_cache(monkeypatch: 
         # the float64 oracle (torch-naive on float64 tensors), at float32's tolerance
         expected = attnkit.attend(spec, q.double(), kv.double(), kv.double(), backend="torch-naive")
         assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6)
-        assert len(dispatch._decisions) <= 4
+        assert len(CACHE.decisions) <= 4 and len(CACHE.calls) <= 4
+
+
+class LateBackend(CountingBackend):
+    """Unavailable until ``installed`` is set: a package installed mid-process."""
+
+    installed = False
+
+    def available(self):
+        return super().available() if self.installed else ["its package is not installed"]
+
+
+def test_clear_cache_makes_a_call_seen_before_dispatch_again(plugin: CountingBackend) -> None:
+    """dispatch.clear_cache() forgets attend()'s fast path too: the next call, one made before, reads the machine
+    again and runs where the new reading routes it (it kept the old runner once)."""
+    late = LateBackend("test-late")
+    attnkit.register_backend(late)
+    spec, (q, k, v) = AttentionSpec(causal=True), tensors()
+    try:
+        with attnkit.use_config({"priority": {"cpu": ["test-late", "test-plugin"]}}):
+            for _ in range(2):
+                attnkit.attend(spec, q, k, v)
+            assert (late.forward_calls, plugin.forward_calls) == (0, 2)
+            late.installed = True
+            attnkit.attend(spec, q, k, v)  # the reading is kept until told otherwise
+            assert (late.forward_calls, plugin.forward_calls) == (0, 3)
+            dispatch.clear_cache()
+            for _ in range(2):
+                attnkit.attend(spec, q, k, v)
+            assert (late.forward_calls, plugin.forward_calls) == (2, 3)
+            assert "-> test-late" in attnkit.explain(spec, q, k, v)
+    finally:
+        attnkit.unregister_backend("test-late")
+
+
+def test_one_clear_empties_every_table_and_each_change_clears() -> None:
+    spec, (q, k, v) = AttentionSpec(), tensors()
+    attnkit.attend(spec, q, k, v)
+    assert CACHE.calls and CACHE.decisions and CACHE.availability
+    dispatch.clear_cache()
+    assert not (CACHE.calls or CACHE.decisions or CACHE.availability)
+    for change in (
+        lambda: attnkit.configure(),
+        lambda: attnkit.register_backend(CountingBackend("test-change")),
+        lambda: attnkit.unregister_backend("test-change"),
+    ):
+        attnkit.attend(spec, q, k, v)
+        assert CACHE.calls
+        change()
+        assert not (CACHE.calls or CACHE.decisions or CACHE.availability)
+
+
+def test_a_store_made_before_a_clear_is_dropped() -> None:
+    """A dispatch that read the state before a clear (another thread's configure() or registration) must not store
+    what it found after the clear, where it would be served under the new state."""
+    cache = CallCache(limit=2)
+    epoch = cache.epoch
+    cache.clear()
+    assert not cache.remember(cache.decisions, "key", "stale", epoch)
+    assert cache.decisions == {}
+    assert cache.remember(cache.decisions, "key", "fresh", cache.epoch)
+    assert not cache.remember(cache.decisions, "key", "again", cache.epoch)  # stored, but not new
+    cache.remember(cache.decisions, "other", "x", cache.epoch)
+    cache.remember(cache.decisions, "third", "y", cache.epoch)  # full: emptied first
+    assert cache.decisions == {"third": "y"}
+
+
+def test_scopes_key_apart_and_end_with_their_block() -> None:
+    cache = CallCache()
+    assert cache.scope_serial() is None
+    with cache.scope() as outer:
+        assert cache.scope_serial() == outer
+        with cache.scope() as inner:
+            assert cache.scope_serial() == inner != outer
+        assert cache.scope_serial() == outer
+    with cache.scope() as again:
+        assert again not in (outer, inner)
+    assert cache.scope_serial() is None
