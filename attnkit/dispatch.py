@@ -3,11 +3,12 @@ availability readings) lives in attnkit/call_cache.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
 from attnkit import config, cost, registry
-from attnkit.backend import Backend, Problem, routing_features
+from attnkit.backend import Backend, Delegation, Problem, routing_features
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
 from attnkit.spec import AttentionSpec
@@ -24,13 +25,15 @@ class Candidate:
     selected: bool = False
     in_priority: bool = True
     predicted_us: float | None = None  # from the cost table, for backends that can serve
+    delegations: tuple[Delegation, ...] = ()  # what of its work runs another backend's code (its capabilities)
 
     def __str__(self) -> str:
         marker = "->" if self.selected else "  "
         why = "ok" if not self.reasons else "; ".join(self.reasons)
         if self.predicted_us is not None:
             why += f" (predicted {self.predicted_us:.4g} us)"
-        return f"{marker} {self.name:<16} {why}"
+        ran = "".join(f"\n{'':20}{delegation}" for delegation in self.delegations if not self.reasons)
+        return f"{marker} {self.name:<16} {why}{ran}"
 
 
 def _unavailable(backend: Backend) -> tuple[str, ...]:
@@ -92,7 +95,7 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     for name in sorted(set(all_backends) - set(order)):
         why = "forced backend is " + forced if forced else f"not in the priority list for device={problem.device}"
         rows.append(Candidate(name, _reasons(all_backends[name], spec, problem) + (why,), in_priority=False))
-    return rows
+    return [dataclasses.replace(row, delegations=all_backends[row.name].capabilities.delegations) for row in rows]
 
 
 def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Backend:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 import attnkit
 from attnkit import registry
@@ -212,6 +213,22 @@ def test_check_marks_the_rows_whose_cases_ran_another_backends_code(capsys: pyte
     assert not cells["softcap"].endswith("~") and not cells["kv_lengths"].endswith("~")
     # Of the edge cases, only "mask with fully masked rows" has a mask, in float32 and in bfloat16.
     assert f"~ {BORROWER}: 2 of {len(edge_cases())} cases: {MASKED_CALLS}" in out, out
+
+
+def test_explain_says_what_of_a_backends_work_runs_another_backends_code() -> None:
+    attnkit.register_backend(BorrowsForMasks())
+    try:
+        q = k = v = torch.zeros(1, 2, 4, 8)
+        with attnkit.use_backend(BORROWER):
+            table = attnkit.explain(attnkit.AttentionSpec(), q, k, v)
+        with attnkit.use_backend("torch-naive"):
+            elsewhere = attnkit.explain(attnkit.AttentionSpec(), q, k, v)
+    finally:
+        attnkit.unregister_backend(BORROWER)
+    lines = table.splitlines()
+    row = next(index for index, line in enumerate(lines) if line.startswith(f"-> {BORROWER}"))
+    assert lines[row + 1].strip() == str(MASKED_CALLS)
+    assert str(MASKED_CALLS) not in elsewhere  # a backend that will not run this call does not say what it would run
 
 
 def test_check_rejects_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:
