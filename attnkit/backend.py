@@ -245,8 +245,8 @@ class Backend(Protocol):
     capabilities: Capabilities
 
     def available(self) -> list[str]:
-        """Reasons this backend cannot run on this machine; empty when it can. Read once per registry generation:
-        dispatch keeps the answer until the registry changes or its cache is cleared."""
+        """Reasons this backend cannot run on this machine; empty when it can. Read once: dispatch keeps the answer
+        until the call cache is cleared (a registry or config change, ``attnkit.dispatch.clear_cache()``)."""
         ...
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
