@@ -16,8 +16,10 @@ import jax.numpy as jnp
 from attnkit.backend import AttentionSpec
 from attnkit.contract import COSINE_EPS, alignment_offset, diagonal_band
 
+# The visibility helpers return a boolean array, or None where they hide nothing (typed Any, as jnp results are).
 
-def conjoin(*conditions: Any) -> Any | None:
+
+def conjoin(*conditions: Any) -> Any:
     """The AND of the conditions that are not None; None (every pair visible) when all are."""
     visible = None
     for condition in conditions:
@@ -26,14 +28,14 @@ def conjoin(*conditions: Any) -> Any | None:
     return visible
 
 
-def in_band(band: tuple[Any, Any], rel: Any) -> Any | None:
+def in_band(band: tuple[Any, Any], rel: Any) -> Any:
     """lower ≤ rel ≤ upper for ``band = (lower, upper)`` (None: that side open), rel = j − i − off; None when
     both sides are open. The sides may be traced (the pallas kernels' per-batch band)."""
     lower, upper = band
     return conjoin(None if lower is None else rel >= lower, None if upper is None else rel <= upper)
 
 
-def band_visibility(spec: AttentionSpec, i: Any, j: Any, q_len: Any, kv_len: Any) -> Any | None:
+def band_visibility(spec: AttentionSpec, i: Any, j: Any, q_len: Any, kv_len: Any) -> Any:
     """Causal and window (§4) for query indices ``i`` and key indices ``j`` (broadcast against each other), aligned
     by the lengths (ints, or per batch element arrays that broadcast against i and j); None when the spec has
     neither."""
@@ -43,7 +45,7 @@ def band_visibility(spec: AttentionSpec, i: Any, j: Any, q_len: Any, kv_len: Any
     return in_band(band, j - i - alignment_offset(spec, q_len, kv_len))
 
 
-def length_visibility(i: Any, j: Any, q_len: Any, kv_len: Any) -> Any | None:
+def length_visibility(i: Any, j: Any, q_len: Any, kv_len: Any) -> Any:
     """i < q_len and j < kv_len (§5); a None length limits nothing on its side, and None comes back when neither
     does."""
     return conjoin(None if q_len is None else i < q_len, None if kv_len is None else j < kv_len)
