@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from attnkit.backend import (
     AttentionInputs,
     AttentionSpec,
+    BaseBackend,
     Capabilities,
     CausalAlignment,
     Feature,
@@ -29,28 +30,19 @@ from attnkit.backend import (
     Problem,
     Runner,
     Variant,
-    capability_reasons,
 )
-from attnkit.contract import COSINE_EPS
+from attnkit.contract.jax import band_visibility, conjoin, length_visibility, normalize, zero_padding
 
 
 def _bshd(spec: AttentionSpec, x: Any) -> Any:
     return x if spec.layout is Layout.BSHD else jnp.swapaxes(x, 1, 2)
 
 
-def _normalize(x: Any) -> Any:
-    """x̂ in float32 at least: rounding q̂ to a half type before q̂·k̂ costs more than the tolerance allows."""
+def _unit_rows(x: Any) -> Any:
+    """x̂ in float32 at least: rounding q̂ to a half type before q̂·k̂ costs more than the tolerance allows.
+    Differentiated by JAX, so only the unit rows are kept."""
     wide = x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
-    norm = jnp.sqrt(jnp.sum(wide * wide, axis=-1, keepdims=True))
-    return wide / jnp.maximum(norm, COSINE_EPS)
-
-
-def _zero_padding(x: Any, lengths: Any) -> Any:
-    """bshd x with rows at or beyond lengths[b] set to 0."""
-    if lengths is None:
-        return x
-    positions = jnp.arange(x.shape[1])[None, :, None, None]
-    return jnp.where(positions < lengths[:, None, None, None], x, jnp.zeros((), x.dtype))
+    return normalize(wide).unit
 
 
 def _visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> Any:
@@ -59,33 +51,9 @@ def _visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k:
     j = jnp.arange(len_k)[None, None, None, :]
     q_len = inputs.q_lengths.astype(jnp.int32)[:, None, None, None] if inputs.q_lengths is not None else None
     kv_len = inputs.kv_lengths.astype(jnp.int32)[:, None, None, None] if inputs.kv_lengths is not None else None
-    visible = None
-
-    def conjoin(condition: Any) -> None:
-        nonlocal visible
-        visible = condition if visible is None else visible & condition
-
-    if spec.causal or spec.window is not None:
-        if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT:
-            offset = (kv_len if kv_len is not None else len_k) - (q_len if q_len is not None else len_q)
-        else:
-            offset = 0
-        aligned = i + offset
-        if spec.causal:
-            conjoin(j <= aligned)
-        if spec.window is not None:
-            left, right = spec.window
-            if left is not None:
-                conjoin(j >= aligned - left)
-            if right is not None:
-                conjoin(j <= aligned + right)
-    if kv_len is not None:
-        conjoin(j < kv_len)
-    if q_len is not None:
-        conjoin(i < q_len)
-    if inputs.mask is not None:
-        conjoin(inputs.mask)
-    return visible
+    band = band_visibility(spec, i, j, len_q if q_len is None else q_len, len_k if kv_len is None else kv_len)
+    # Lengths limit only where given: with none, a spec without a band or mask needs no mask at all.
+    return conjoin(band, length_visibility(i, j, q_len, kv_len), inputs.mask)
 
 
 def _native_causal(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> bool:
@@ -138,11 +106,11 @@ def _xla_attention_traced(spec: AttentionSpec, inputs: AttentionInputs, need_lse
         out = jnp.zeros((batch, len_q, heads_q, dim_v), q.dtype)
         empty_lse = jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
         return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), empty_lse
-    q = _zero_padding(q, inputs.q_lengths)
-    k, v = _zero_padding(k, inputs.kv_lengths), _zero_padding(v, inputs.kv_lengths)
+    q = zero_padding(q, inputs.q_lengths, axis=1)
+    k, v = zero_padding(k, inputs.kv_lengths, axis=1), zero_padding(v, inputs.kv_lengths, axis=1)
     dtype = q.dtype
     if spec.variant is Variant.COSINE:
-        q, k = _normalize(q), _normalize(k)
+        q, k = _unit_rows(q), _unit_rows(k)
         v = v.astype(q.dtype)
     # With a user mask, the whole visibility goes into one mask, so empty rows are found from all of it.
     native = _native_causal(spec, inputs, len_q, len_k) and inputs.mask is None
@@ -173,7 +141,7 @@ def _xla_attention_traced(spec: AttentionSpec, inputs: AttentionInputs, need_lse
 _jitted = jax.jit(_xla_attention, static_argnums=(0, 2))
 
 
-class JaxXlaBackend:
+class JaxXlaBackend(BaseBackend):
     """jax.nn.dot_product_attention on JAX arrays, differentiated by JAX."""
 
     name = "jax-xla"
@@ -206,12 +174,6 @@ class JaxXlaBackend:
         ),
     )
 
-    def available(self) -> list[str]:
-        return []
-
-    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        return capability_reasons(self.capabilities, spec, problem)
-
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         return xla_attention(spec, inputs, need_lse)
 
@@ -231,12 +193,16 @@ class JaxXlaBackend:
         *,
         need_dbias: bool,
     ) -> Gradients:
-        """For callers of the protocol itself: jax.vjp of the forward."""
-        has_bias = inputs.bias is not None
+        """For callers of the protocol itself: jax.vjp of the forward, through the bias only when its gradient is
+        wanted."""
+        need_dbias = need_dbias and inputs.bias is not None
+        need_lse = dlse is not None
 
-        def run(q: Any, k: Any, v: Any, bias: Any) -> Any:
-            return xla_attention(spec, inputs._replace(q=q, k=k, v=v, bias=bias), need_lse=dlse is not None)
+        def run(q: Any, k: Any, v: Any, *bias: Any) -> Any:
+            differentiated = inputs._replace(q=q, k=k, v=v, bias=bias[0] if bias else inputs.bias)
+            return xla_attention(spec, differentiated, need_lse=need_lse)
 
-        (_, lse_again), vjp = jax.vjp(run, inputs.q, inputs.k, inputs.v, inputs.bias)
-        dq, dk, dv, dbias = vjp((dout, dlse if dlse is not None else lse_again))
-        return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias if has_bias else None)
+        primals = (inputs.q, inputs.k, inputs.v, *((inputs.bias,) if need_dbias else ()))
+        (_, lse_again), vjp = jax.vjp(run, *primals)
+        dq, dk, dv, *dbias = vjp((dout, dlse if dlse is not None else lse_again))
+        return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias[0] if need_dbias else None)

@@ -19,20 +19,21 @@ from attnkit.backend import (
     ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
+    BaseBackend,
     Capabilities,
-    CausalAlignment,
     Framework,
     Gradients,
     Layout,
     Problem,
     Variant,
-    capability_reasons,
 )
-from attnkit.contract import COSINE_EPS
+from attnkit.contract import alignment_offset, diagonal_band
 
 try:
     import jax
     import jax.numpy as jnp
+
+    from attnkit.contract.jax import normalize, normalize_backward, zero_padding
 
     from . import kernels
 except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
@@ -97,24 +98,21 @@ def _config(spec: AttentionSpec, len_q: int, len_k: int, dim: int, interpret: bo
 
 
 def _band(spec: AttentionSpec) -> tuple[int, int]:
-    """(left, right) of the visible band around each query's aligned position; causal clips right at 0."""
-    left, right = spec.window if spec.window is not None else (None, None)
-    left = kernels.FAR if left is None else left
-    right = kernels.FAR if right is None else right
-    if spec.causal:
-        right = min(right, 0)
-    return left, right
+    """The spec's :func:`diagonal_band` (lower, upper), an open side as ∓FAR: array values, not static ones."""
+    lower, upper = diagonal_band(spec)
+    return (-kernels.FAR if lower is None else lower), (kernels.FAR if upper is None else upper)
 
 
 @functools.lru_cache(maxsize=4096)
 def _scalar_values(spec: AttentionSpec, dim: int) -> tuple[tuple[float, ...], tuple[int, ...]]:
-    left, right = _band(spec)
-    bottom_right = int(spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT)
-    return (spec.resolved_scale(dim), spec.softcap or 1.0, 0.0, 0.0), (left, right, bottom_right)
+    lower, upper = _band(spec)
+    # The alignment offset is linear in kv_len − q_len: its factor (1 bottom-right, 0 top-left) rides as a value.
+    alignment = alignment_offset(spec, q_len=0, kv_len=1)
+    return (spec.resolved_scale(dim), spec.softcap or 1.0, 0.0, 0.0), (lower, upper, alignment)
 
 
 def _scalars(spec: AttentionSpec, dim: int) -> tuple[Any, Any]:
-    """Values that change without recompiling: params [scale, softcap, 0, 0] and band [left, right, bottom_right]."""
+    """Values that change without recompiling: params [scale, softcap, 0, 0] and band [lower, upper, alignment]."""
     params, band = _scalar_values(spec, dim)
     return jnp.asarray(params, jnp.float32), jnp.asarray(band, jnp.int32)
 
@@ -144,39 +142,20 @@ def _pad_axis(x: Any, axis: int, size: int, value: float = 0) -> Any:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _normalize(x: Any) -> tuple[Any, tuple[Any, Any, Any]]:
-    x = x.astype(jnp.float32)
-    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
-    denominator = jnp.maximum(norm, COSINE_EPS)
-    unit = x / denominator
-    return unit, (unit, denominator, norm)
-
-
-def _normalize_backward(normalization: tuple[Any, Any, Any], d_unit: Any) -> Any:
-    # x̂ = x / max(‖x‖, eps): dx = (dx̂ − x̂ (x̂·dx̂)) / ‖x‖; below eps only the division contributes.
-    unit, denominator, norm = normalization
-    radial = jnp.where(norm >= COSINE_EPS, jnp.sum(unit * d_unit, axis=-1, keepdims=True), 0)
-    return (d_unit - unit * radial) / denominator
-
-
 def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> tuple[Any, Any, Any]:
-    """(B, 4) int32 [q_len, kv_len, lo, hi] (kernels.py), and q_len, kv_len; lengths may be tracers: clamped."""
+    """(B, 4) int32 [q_len, kv_len, lo, hi] (kernels.py), and q_len, kv_len; lengths may be tracers: clamped.
+
+    ``lo, hi`` is the band (lower, upper) of ``band`` shifted by each element's alignment offset, so the kernels
+    test ``lo ≤ j − i ≤ hi``; an open side stays ∓FAR."""
     batch, len_q, len_k = sizes.batch, sizes.len_q, sizes.len_k
     q_len = jnp.full((batch,), len_q, jnp.int32) if q_lengths is None else jnp.clip(q_lengths, 0, len_q)
     kv_len = jnp.full((batch,), len_k, jnp.int32) if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k)
     q_len, kv_len = q_len.astype(jnp.int32), kv_len.astype(jnp.int32)
-    offset = (kv_len - q_len) * band[2]
-    left, right = band[0], band[1]
-    lo = jnp.where(left >= kernels.FAR, -kernels.FAR, offset - left)
-    hi = jnp.where(right >= kernels.FAR, kernels.FAR, offset + right)
+    lower, upper, alignment = band[0], band[1], band[2]
+    offset = (kv_len - q_len) * alignment
+    lo = jnp.where(lower <= -kernels.FAR, -kernels.FAR, offset + lower)
+    hi = jnp.where(upper >= kernels.FAR, kernels.FAR, offset + upper)
     return jnp.stack([q_len, kv_len, lo, hi], axis=1), q_len, kv_len
-
-
-def _zero_beyond(config: _Config, x: Any, lengths: Any) -> Any:
-    """x with the sequence positions at or beyond each batch element's length set to 0 (padding: maybe NaN)."""
-    seq_axis, _ = _axes(config)
-    positions = jnp.arange(x.shape[seq_axis]).reshape((-1, 1, 1) if seq_axis == 1 else (-1, 1))
-    return jnp.where(positions < lengths.reshape(-1, *([1] * (x.ndim - 1))), x, 0)
 
 
 def _pairwise(x: Any, sizes: _Sizes, dtype: Any) -> Any:
@@ -193,9 +172,9 @@ def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, A
     geom, q_len, kv_len = _geometry(band, sizes, inputs.q_lengths, inputs.kv_lengths)
     prepared: dict[str, Any] = {"geom": geom, "q_norm": None, "k_norm": None}
     if config.cosine:  # padding zeroed first, so its NaN cannot reach the normalisation's backward
-        q, prepared["q_norm"] = _normalize(_zero_beyond(config, q, q_len))
-        k, prepared["k_norm"] = _normalize(_zero_beyond(config, k, kv_len))
-        q, k = q.astype(inputs.q.dtype), k.astype(inputs.k.dtype)
+        prepared["q_norm"] = normalize(zero_padding(q, q_len, seq_axis).astype(jnp.float32))
+        prepared["k_norm"] = normalize(zero_padding(k, kv_len, seq_axis).astype(jnp.float32))
+        q, k = prepared["q_norm"].unit.astype(inputs.q.dtype), prepared["k_norm"].unit.astype(inputs.k.dtype)
     dim_p, dim_vp = _pow2(sizes.dim), _pow2(sizes.dim_v)
     prepared["q"] = _pad_axis(_pad_axis(q, seq_axis, sizes.pad_q), -1, dim_p)
     prepared["k"] = _pad_axis(_pad_axis(k, seq_axis, sizes.pad_k), -1, dim_p)
@@ -272,8 +251,8 @@ def _finish_backward(
     dq, dk = _unpad(config, dq, sizes.len_q, sizes.dim), _unpad(config, dk, sizes.len_k, sizes.dim)
     dv = _unpad(config, dv, sizes.len_k, sizes.dim_v)
     if config.cosine:
-        dq = _normalize_backward(prepared["q_norm"], dq)
-        dk = _normalize_backward(prepared["k_norm"], dk)
+        dq = normalize_backward(prepared["q_norm"], dq)
+        dk = normalize_backward(prepared["k_norm"], dk)
     if dbias is not None:
         dbias = dbias[:, :, : sizes.len_q, : sizes.len_k]
         axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1 and dbias.shape[axis] != 1)
@@ -284,7 +263,7 @@ def _finish_backward(
 def _backward(
     stages: _Stages,
     config: _Config,
-    want_dbias: bool,
+    need_dbias: bool,
     params: Any,
     band: Any,
     inputs: AttentionInputs,
@@ -294,14 +273,14 @@ def _backward(
     dlse: Any,
 ) -> tuple[Any, Any, Any, Any]:
     if _empty(inputs, config):
-        dbias = None if not want_dbias else jnp.zeros(inputs.bias.shape, inputs.bias.dtype)
+        dbias = None if not need_dbias else jnp.zeros(inputs.bias.shape, inputs.bias.dtype)
         return jnp.zeros_like(inputs.q), jnp.zeros_like(inputs.k), jnp.zeros_like(inputs.v), dbias
     sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     p = stages.prepare(config, band, inputs)
     do, lse, delta = stages.backward_rows(config, sizes, out, lse, dout, dlse)
     operands = (p["geom"], params, p["q"], p["k"], p["v"], do, lse, delta, p["mask"], p["bias"])
     dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands)
-    dq, dbias = stages.dq_kernel(config.kernel, *operands, want_dbias)
+    dq, dbias = stages.dq_kernel(config.kernel, *operands, need_dbias)
     return stages.finish_backward(config, sizes, inputs, p, (dq, dk, dv, dbias))
 
 
@@ -375,7 +354,7 @@ def _mask_from_int8(inputs: AttentionInputs) -> AttentionInputs:
     return inputs if inputs.mask is None else inputs._replace(mask=inputs.mask != 0)
 
 
-class PallasBackend:
+class PallasBackend(BaseBackend):
     name = "pallas"
     capabilities = Capabilities(
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
@@ -413,7 +392,7 @@ class PallasBackend:
         return device == "cpu" or self.interpret()
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        reasons = capability_reasons(self.capabilities, spec, problem)
+        reasons = super().supports(spec, problem)
         if problem.device == "cuda" and problem.framework is Framework.TORCH and _JAX_ERROR is None:
             if jax.default_backend() not in ("gpu", "cuda"):
                 reasons.append("device=cuda torch tensors need JAX with CUDA (pip install 'jax[cuda13]')")
@@ -452,13 +431,12 @@ class PallasBackend:
         *,
         need_dbias: bool,
     ) -> Gradients:
-        # dbias is computed whenever there is a bias: the protocol does not say whether it is wanted.
-        want_dbias = inputs.bias is not None
+        need_dbias = need_dbias and inputs.bias is not None
         if _is_torch(inputs.q):
             jax_inputs = _mask_from_int8(AttentionInputs(*(_to_jax(x) for x in inputs)))
             _, backward, config, params, band = self._call(spec, jax_inputs)
             cotangents = (_to_jax(x) for x in (out, lse, dout, dlse))
-            grads = backward(config, want_dbias, params, band, jax_inputs, *cotangents)
+            grads = backward(config, need_dbias, params, band, jax_inputs, *cotangents)
             return Gradients(*(_to_torch(x) for x in grads))
         _, backward, config, params, band = self._call(spec, inputs)
-        return Gradients(*backward(config, want_dbias, params, band, inputs, out, lse, dout, dlse))
+        return Gradients(*backward(config, need_dbias, params, band, inputs, out, lse, dout, dlse))

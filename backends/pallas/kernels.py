@@ -8,9 +8,9 @@ power of two (zeros), q/k already unit vectors for the cosine variant, mask as i
 (B|1, Hq|1, Lq_pad, Lk_pad). Two small operands carry everything that may change without recompiling:
 
 * ``geom`` (B, 4) int32, per batch element ``[q_len, kv_len, lo, hi]``: query ``i`` sees key ``j`` when
-  ``i < q_len``, ``j < kv_len`` and ``i + lo <= j <= i + hi``. That band is causal and window together
-  (docs/semantics.md §4): ``lo = off - left`` (or ``-FAR``), ``hi = off + right`` with ``right`` clipped at 0
-  under causal (or ``+FAR``), ``off`` the per-batch alignment offset.
+  ``i < q_len``, ``j < kv_len`` and ``lo <= j - i <= hi``. That band is causal and window together
+  (docs/semantics.md §4): ``lo = off + lower``, ``hi = off + upper`` with ``(lower, upper)`` the spec's
+  ``attnkit.contract.diagonal_band`` (an open side: ``∓FAR``) and ``off`` the per-batch alignment offset.
 * ``params`` (4,) float32: ``[scale, softcap, 0, 0]``.
 
 GQA/MQA: query head ``h`` reads kv head ``h // G`` through the K/V index maps; the dK/dV kernel runs per kv head
@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from attnkit.contract.jax import conjoin, in_band, length_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
 
@@ -90,10 +92,11 @@ def _q_range(geom: tuple[Any, ...], j0: Any, block_q: int, block_k: int) -> tupl
 
 
 def _visible(geom: tuple[Any, ...], i0: Any, j0: Any, block_q: int, block_k: int) -> Any:
+    """The tile's visible pairs: the contract's band and lengths, with this element's offset already in lo, hi."""
     q_len, kv_len, lo, hi = geom
     i = i0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
     j = j0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-    return (i < q_len) & (j < kv_len) & (j >= i + lo) & (j <= i + hi)
+    return conjoin(length_visibility(i, j, q_len, kv_len), in_band((lo, hi), j - i))
 
 
 def _valid_rows(x: Any, start: Any, length: Any) -> Any:
@@ -433,7 +436,7 @@ def dq_call(
     delta: Any,
     mask: Any,
     bias: Any,
-    want_dbias: bool,
+    need_dbias: bool,
 ) -> tuple[Any, Any]:
     """dq float32 in q's layout and, when asked, dS as dbias (B, Hq, Lq_pad, Lk_pad); grid (B, Hq, query tiles)."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
@@ -460,7 +463,7 @@ def dq_call(
             operands.append(extra)
     out_specs = [_seq_spec(static, block_q, dim, same, same)]
     out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
-    if want_dbias:
+    if need_dbias:
         out_specs.append(pl.BlockSpec((None, None, block_q, len_k), lambda b, h, x: (b, h, x, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, heads_q, len_q, len_k), jnp.float32))
     kernel = functools.partial(_bwd_dq, static=static, has=(mask is not None, bias is not None))
@@ -474,4 +477,4 @@ def dq_call(
         compiler_params=static.compiler_params(),
         name="attnkit_pallas_bwd_dq",
     )(*operands)
-    return results[0], (results[1] if want_dbias else None)
+    return results[0], (results[1] if need_dbias else None)

@@ -15,21 +15,29 @@ from attnkit.backend import (
     ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
+    BaseBackend,
     Capabilities,
-    CausalAlignment,
     Framework,
     Gradients,
     Layout,
     Problem,
     Variant,
-    capability_reasons,
 )
-from attnkit.contract import COSINE_EPS
 
 try:
     import jax
     import jax.numpy as jnp
     from jax import lax
+
+    from attnkit.contract.jax import (
+        Normalization,
+        band_visibility,
+        conjoin,
+        length_visibility,
+        normalize,
+        normalize_backward,
+        zero_padding,
+    )
 except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
     _JAX_ERROR: str | None = f"jax cannot be imported ({type(error).__name__}: {error})"
 else:
@@ -49,10 +57,9 @@ class _Operands(NamedTuple):
     keys: tuple[Any, Any, Any, Any, Any]  # (n,), (n, B, Hkv, blk, D), (n, B, Hkv, blk, Dv), (n, ...blk|1) x2
     q_limit: Any  # rows i >= q_limit see nothing: int, or (B, 1, 1, 1, 1)
     kv_limit: Any  # keys j >= kv_limit are invisible (this also hides the padding)
-    offset: Any  # alignment offset of causal and window
     scale: float
-    q_normalization: Any  # (q_hat, denominator, norm) for the cosine backward, else None
-    k_normalization: Any
+    q_normalization: Normalization | None  # for the cosine backward
+    k_normalization: Normalization | None
 
 
 def _operands(
@@ -65,16 +72,14 @@ def _operands(
     # Lengths may be tracers, so they are clamped here rather than trusted to have been checked.
     q_limit = len_q if q_lengths is None else jnp.clip(q_lengths, 0, len_q).reshape(-1, 1, 1, 1, 1)
     kv_limit = len_k if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k).reshape(-1, 1, 1, 1, 1)
-    offset = kv_limit - q_limit if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT else 0
-    # Padding is not input (§5): zeroed, its garbage (NaN included) cannot leak through 0·NaN in P·V.
-    q = _zero_padding(q, q_lengths, q_limit)
-    k, v = (_zero_padding(x, kv_lengths, kv_limit) for x in (k, v))
+    q = zero_padding(q, q_lengths, axis=2)
+    k, v = (zero_padding(x, kv_lengths, axis=2) for x in (k, v))
 
     scale = spec.resolved_scale(q.shape[-1])
     q_normalization = k_normalization = None
     if spec.variant is Variant.COSINE:
-        q, q_normalization = _normalize(q)
-        k, k_normalization = _normalize(k)
+        q_normalization, k_normalization = normalize(q), normalize(k)
+        q, k = q_normalization.unit, k_normalization.unit
     q = _group(q, heads_kv)
     mask = None if mask is None else _group(mask, heads_kv)
     bias = None if bias is None else _group(bias.astype(dtype), heads_kv)
@@ -88,20 +93,12 @@ def _operands(
         None if mask is None else _key_blocks(mask, -1, block, count, False),
         None if bias is None else _key_blocks(bias, -1, block, count, 0),
     )
-    return _Operands(q, keys, q_limit, kv_limit, offset, scale, q_normalization, k_normalization)
+    return _Operands(q, keys, q_limit, kv_limit, scale, q_normalization, k_normalization)
 
 
 def _bhsd(spec: AttentionSpec, x: Any) -> Any:
     """bshd <-> bhsd (its own inverse); bhsd stays."""
     return jnp.swapaxes(x, 1, 2) if spec.layout is Layout.BSHD else x
-
-
-def _zero_padding(x: Any, lengths: Any, limit: Any) -> Any:
-    """bhsd x with the positions at or beyond each batch element's length set to 0."""
-    if lengths is None:
-        return x
-    positions = jnp.arange(x.shape[2])[:, None]
-    return jnp.where(positions < limit[:, :, 0], x, 0)
 
 
 def _compute_dtype(dtype: Any) -> Any:
@@ -145,22 +142,6 @@ def _from_key_blocks(x: Any, axis: int, len_k: int, broadcast: bool = False) -> 
     return lax.slice_in_dim(x, 0, len_k, axis=axis)
 
 
-def _normalize(x: Any) -> tuple[Any, tuple[Any, Any, Any]]:
-    norm = jnp.sqrt(jnp.sum(x * x, axis=-1, keepdims=True))
-    denominator = jnp.maximum(norm, COSINE_EPS)
-    unit = x / denominator
-    return unit, (unit, denominator, norm)
-
-
-def _normalize_backward(normalization: tuple[Any, Any, Any], d_unit: Any) -> Any:
-    # x̂ = x / max(‖x‖, eps): dx = (dx̂ − x̂ (x̂·dx̂)) / ‖x‖. Below eps the denominator is a constant and
-    # only the division contributes (no NaN for a zero vector); at a tie torch's clamp_min passes the
-    # gradient through the norm, and so does this.
-    unit, denominator, norm = normalization
-    radial = jnp.where(norm >= COSINE_EPS, jnp.sum(unit * d_unit, axis=-1, keepdims=True), 0)
-    return (d_unit - unit * radial) / denominator
-
-
 def _matmul(subscripts: str, a: Any, b: Any) -> Any:
     # HIGHEST: a reference must not drop to TF32/bf16 passes on GPUs.
     return jnp.einsum(subscripts, a, b, precision=lax.Precision.HIGHEST)
@@ -181,18 +162,10 @@ def _block_scores(spec: AttentionSpec, ops: _Operands, keys: tuple[Any, ...]) ->
         s = s + bias
     i = jnp.arange(ops.q.shape[3])[:, None]
     j = start + jnp.arange(k.shape[2])[None, :]
-    visible = (j < ops.kv_limit) & (i < ops.q_limit)
-    aligned = i + ops.offset
-    if spec.causal:
-        visible = visible & (j <= aligned)
-    if spec.window is not None:
-        left, right = spec.window
-        if left is not None:
-            visible = visible & (j >= aligned - left)
-        if right is not None:
-            visible = visible & (j <= aligned + right)
-    if mask is not None:
-        visible = visible & mask
+    # The key limit always applies: it also hides the last block's padding beyond Lk.
+    visible = conjoin(
+        length_visibility(i, j, ops.q_limit, ops.kv_limit), band_visibility(spec, i, j, ops.q_limit, ops.kv_limit), mask
+    )
     return jnp.where(visible, s, -jnp.inf), tanh
 
 
@@ -238,6 +211,7 @@ def _forward(
 def _backward_block(
     spec: AttentionSpec,
     ops: _Operands,
+    need_dbias: bool,
     rows: tuple[Any, Any, Any],
     dq: Any,
     keys: tuple[Any, ...],
@@ -248,7 +222,7 @@ def _backward_block(
     p = jnp.exp(s - lse[..., None])
     ds = p * (_matmul("bhgqv,bhkv->bhgqk", dout, v) - delta[..., None])
     dbias = None
-    if bias is not None:
+    if need_dbias:
         axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1 and ds.shape[axis] != 1)
         dbias = ds.sum(axis=axes, keepdims=True)
     if tanh is not None:
@@ -262,6 +236,7 @@ def _backward_block(
 def _backward(
     spec: AttentionSpec,
     block: int,
+    need_dbias: bool,
     q: Any,
     k: Any,
     v: Any,
@@ -275,6 +250,7 @@ def _backward(
     dlse: Any,
 ) -> tuple[Any, Any, Any, Any]:
     ops = _operands(spec, block, q, k, v, mask, bias, q_lengths, kv_lengths)
+    need_dbias = need_dbias and bias is not None
     heads_kv, len_k = _bhsd(spec, k).shape[1:3]
     dtype = ops.q.dtype
     out, dout = (_group(_bhsd(spec, x).astype(dtype), heads_kv) for x in (out, dout))
@@ -291,14 +267,14 @@ def _backward(
     # dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse; dS is dbias. Through the softcap
     # dS' = dS ⊙ (1 − tanh²); then dQ += scale·dS'·K (carried), dK = scale·dS'ᵀ·Q per block.
     dq, (dk, dv, dbias) = lax.scan(
-        functools.partial(_backward_block, spec, ops, (lse, delta, dout)), jnp.zeros_like(ops.q), ops.keys
+        functools.partial(_backward_block, spec, ops, need_dbias, (lse, delta, dout)), jnp.zeros_like(ops.q), ops.keys
     )
     dq = _ungroup(dq)
     dk, dv = (_from_key_blocks(x, -2, len_k) for x in (dk, dv))
-    if spec.variant is Variant.COSINE:
-        dq = _normalize_backward(ops.q_normalization, dq)
-        dk = _normalize_backward(ops.k_normalization, dk)
-    if dbias is not None:
+    if ops.q_normalization is not None and ops.k_normalization is not None:  # the cosine variant
+        dq = normalize_backward(ops.q_normalization, dq)
+        dk = normalize_backward(ops.k_normalization, dk)
+    if need_dbias:
         dbias = _from_key_blocks(dbias, -1, len_k, bias.shape[-1] == 1).reshape(bias.shape).astype(bias.dtype)
     return (*(_bhsd(spec, x).astype(q.dtype) for x in (dq, dk, dv)), dbias)
 
@@ -306,11 +282,11 @@ def _backward(
 @functools.cache
 def _compiled() -> tuple[Any, Any]:
     # jit for eager callers (one XLA program instead of op-by-op dispatch); nested under a caller's jit
-    # it is inlined. spec and block are static: spec is a frozen, hashable pydantic model.
-    return jax.jit(_forward, static_argnums=(0, 1)), jax.jit(_backward, static_argnums=(0, 1))
+    # it is inlined. spec, block and need_dbias are static: spec is a frozen, hashable pydantic model.
+    return jax.jit(_forward, static_argnums=(0, 1)), jax.jit(_backward, static_argnums=(0, 1, 2))
 
 
-class JaxReferenceBackend:
+class JaxReferenceBackend(BaseBackend):
     name = "jax-reference"
     capabilities = Capabilities(
         frameworks=frozenset({Framework.JAX}),
@@ -330,7 +306,7 @@ class JaxReferenceBackend:
         return [_JAX_ERROR] if _JAX_ERROR is not None else []
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        reasons = capability_reasons(self.capabilities, spec, problem)
+        reasons = super().supports(spec, problem)
         if problem.dtype == "float64" and _JAX_ERROR is None and not jax.config.read("jax_enable_x64"):
             reasons.append("dtype=float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
         return reasons
@@ -357,7 +333,9 @@ class JaxReferenceBackend:
         need_dbias: bool,
     ) -> Gradients:
         _, backward = _compiled()
-        dq, dk, dv, dbias = backward(spec, self._block(spec, inputs), *_arrays(inputs), out, lse, dout, dlse)
+        dq, dk, dv, dbias = backward(
+            spec, self._block(spec, inputs), need_dbias, *_arrays(inputs), out, lse, dout, dlse
+        )
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias)
 
 
