@@ -23,8 +23,13 @@ def from_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
 
 
+def cosine_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / max(‖x‖, eps) along the head dim: the cosine variant's q̂ and k̂ (§3)."""
+    return F.normalize(x, dim=-1, eps=COSINE_EPS)
+
+
 def normalize_if_cosine(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
-    return F.normalize(x, dim=-1, eps=COSINE_EPS) if spec.variant is Variant.COSINE else x
+    return cosine_normalize(x) if spec.variant is Variant.COSINE else x
 
 
 def zero_padding(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -145,8 +150,11 @@ class Band:
     def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.arange(self.len_q, device=self.device), torch.arange(self.len_k, device=self.device)
 
-    def visible(self, rows: slice | None = None, cols: slice | None = None) -> torch.Tensor | None:
-        """Boolean (B|1, 1, rows, cols): may query i see key j, the user mask apart. None: every pair is visible."""
+    def visible(
+        self, rows: slice | None = None, cols: slice | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Boolean (B|1, Hq|1, rows, cols): may query i see key j, with the (rows, cols) block of the user ``mask``
+        (4-D, broadcastable) where one is given. None: every pair is visible."""
         rows, cols = rows or slice(0, self.len_q), cols or slice(0, self.len_k)
         query_positions, key_positions = self._positions
         i = query_positions[rows].view(1, 1, -1, 1)
@@ -161,6 +169,8 @@ class Band:
             visible = both(visible, j < self.kv_len.view(-1, 1, 1, 1))
         if self.q_lengths is not None:
             visible = both(visible, i < self.q_len.view(-1, 1, 1, 1))
+        if mask is not None:
+            visible = both(visible, block_of(mask, rows, cols))
         return visible
 
     def key_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -189,10 +199,7 @@ def visibility(
 ) -> torch.Tensor | None:
     """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §4): the :class:`Band` and the
     user mask. None = all visible."""
-    visible = Band(spec, inputs, len_q, len_k).visible(rows, cols)
-    if inputs.mask is None:
-        return visible
-    return both(visible, block_of(inputs.mask, rows or slice(None), cols or slice(None)))
+    return Band(spec, inputs, len_q, len_k).visible(rows, cols, inputs.mask)
 
 
 def both(visible: torch.Tensor | None, condition: torch.Tensor) -> torch.Tensor:
