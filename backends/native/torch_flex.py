@@ -146,7 +146,7 @@ FALLBACK = "torch-chunked"
 EMPTY = Delegation(FALLBACK, "calls with no queries or no keys (§9)")
 NAN_INPUTS = Delegation(FALLBACK, "calls with NaN in q, k, v or bias (the CPU kernel may not propagate it, §5)")
 LSE_RANGE = Delegation(FALLBACK, "calls whose lse the sink cannot carry in float32 (a normaliser column underflows)")
-BACKWARD = Delegation(FALLBACK, "the backward (flex has none on CPU), from flex's out and lse")
+BACKWARD = Delegation(FALLBACK, "backward passes, from flex's out and lse (flex has no CPU backward)")
 
 
 def bucket_length(n: int) -> int:

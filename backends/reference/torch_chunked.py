@@ -341,7 +341,7 @@ class TorchChunkedBackend(BaseBackend):
             delta = (dout * _query_side(to_bhsd(spec, out), heads_kv, dtype)).sum(dim=-1)
             if dlse is not None:
                 delta -= _query_side(dlse, heads_kv, dtype)
-            bias_shape = inputs.bias.shape if inputs.bias is not None else None
+            bias_shape = inputs.bias.shape if need_dbias and inputs.bias is not None else None
             dq, dk, dv, dbias = _backward_tiles(ops, plan, lse, dout, delta, bias_shape)
             dq.mul_(ops.q_scale)
         if tracked is not None:
