@@ -1,6 +1,8 @@
 """The contract (docs/semantics.md) written in torch ops: visibility, scores, layouts, and the literal attention the
 oracle runs. Public, for backends: the reference backends are built from it, and native backends use it for what
-their library call cannot express."""
+their library call cannot express. :class:`Band` is the one torch reading of §4's causal/window band and lengths
+(masks, per-row key ranges, tile planning) that every torch backend plans and masks by; only the oracle keeps a
+visibility of its own (backends/reference/torch_naive.py), so that the two can be held against each other."""
 
 from __future__ import annotations
 
@@ -59,7 +61,8 @@ def within_band(relative: Any, lower: Any, upper: Any) -> Any:
 
 
 class Band:
-    """§4's causal and window band for one call (the user mask apart: :func:`visibility` adds it), per batch element.
+    """§4's causal and window band and the lengths, for one call, per batch element (a user mask joins in
+    :meth:`visible`).
 
     Query i of element b sees key j iff ``lower ≤ j − i − offset[b] ≤ upper``, ``i < q_len[b]`` and ``j < kv_len[b]``,
     with ``(lower, upper)`` from :func:`attnkit.contract.diagonal_band` and ``offset[b]`` from
