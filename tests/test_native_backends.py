@@ -14,6 +14,7 @@ import torch
 
 import attnkit
 from attnkit import AttentionSpec
+from attnkit.contract.torch import Band
 from attnkit.testing import Case, assert_backends_agree, make_arrays
 from attnkit.testing.agreement import compare, oracle_results, rounded
 from tests.conftest import available_backends
@@ -79,7 +80,7 @@ def test_flex_forward_without_lse_agrees_with_the_oracle(case: Case) -> None:
 def test_flex_block_mask_skips_exactly_the_hidden_blocks(
     spec: AttentionSpec, len_q: int, len_k: int, lengths: tuple | None
 ) -> None:
-    from attnkit.backends.native.torch_flex import BLOCK_SIZE, _row_blocks, _Rows
+    from attnkit.backends.native.torch_flex import BLOCK_SIZE, _row_blocks
     from attnkit.backends.reference.torch_naive import oracle_visibility
 
     q_lengths, kv_lengths = lengths or (None, None)
@@ -91,7 +92,7 @@ def test_flex_block_mask_skips_exactly_the_hidden_blocks(
         q_lengths=torch.tensor(q_lengths) if q_lengths else None,
         kv_lengths=torch.tensor(kv_lengths) if kv_lengths else None,
     )
-    partial, full = _row_blocks(_Rows(spec, inputs, batch, len_q, len_k), batch, len_k)
+    partial, full = _row_blocks(Band(spec, inputs, len_q, len_k).key_ranges(), batch, len_k)
     visible = oracle_visibility(spec, inputs, len_q, len_k)  # the oracle's: written apart from what flex reads
     n_q, n_k = partial.shape[-2:]
     for b in range(batch):

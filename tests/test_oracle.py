@@ -23,8 +23,9 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import attnkit
-from attnkit import AttentionSpec, CausalAlignment, Layout, Variant, torch_contract
+from attnkit import AttentionSpec, CausalAlignment, Layout, Variant
 from attnkit.api import _prepare
+from attnkit.contract import torch as torch_contract
 from attnkit.testing import Case, assert_backends_agree, make_arrays
 from attnkit.testing.agreement import DisagreementError
 from attnkit.testing.strategies import cases
@@ -205,16 +206,16 @@ def _replace_everywhere(monkeypatch: pytest.MonkeyPatch, original: Any, replacem
                     monkeypatch.setattr(module, name, replacement)
 
 
-# defect: (call that shows it, (anchor, replacement) in torch_contract.visibility, the same in oracle_visibility)
+# defect: (call that shows it, (anchor, replacement) in torch_contract's Band, the same in oracle_visibility)
 VISIBILITY_DEFECTS = {
     "window left edge one key short": (
         Case(spec=AttentionSpec(window=(2, 1)), batch=1, len_q=10, len_k=10, dtype="float64"),
-        ("conjoin(j >= aligned - left)", "conjoin(j > aligned - left)"),
+        ("return (relative >= lower) & (relative <= upper)", "return (relative > lower) & (relative <= upper)"),
         ("element.triu_(off - left)", "element.triu_(off - left + 1)"),
     ),
     "bottom-right offset one too large": (
         Case(spec=AttentionSpec(causal=True), batch=1, len_q=5, len_k=9, dtype="float64"),
-        ("offset = (kv_len if", "offset = 1 + (kv_len if"),
+        ("[alignment_offset(self.spec, q_len, kv_len)", "[1 + alignment_offset(self.spec, q_len, kv_len)"),
         ("off = kv_len - q_len if", "off = kv_len - q_len + 1 if"),
     ),
 }
@@ -224,12 +225,12 @@ VISIBILITY_DEFECTS = {
 def test_a_defect_in_the_backends_visibility_fails_the_harness(
     defect: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """torch_contract.visibility with one defect: torch-sdpa (which builds its masks from it) must disagree with the
+    """torch_contract's Band with one defect: torch-sdpa (which builds its masks from it) must disagree with the
     oracle, which must not share the defect."""
     case, (old, new), _ = VISIBILITY_DEFECTS[defect]
     assert_backends_agree(case, backends=["torch-sdpa"])  # the unmodified helper agrees on this very call
-    defective = _defective_copy(torch_contract, old, new, tmp_path).visibility
-    _replace_everywhere(monkeypatch, torch_contract.visibility, defective)
+    defective = _defective_copy(torch_contract, old, new, tmp_path).Band
+    _replace_everywhere(monkeypatch, torch_contract.Band, defective)
     with pytest.raises(DisagreementError, match="torch-sdpa"):
         assert_backends_agree(case, backends=["torch-sdpa"])
 

@@ -11,6 +11,7 @@ from attnkit.backends.reference.torch_naive import oracle_attention, oracle_visi
 
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec
+from attnkit.contract.torch import Band
 from attnkit.testing import Case, assert_backends_agree
 
 sdpa = pytest.importorskip("attnkit.backends.native.torch_sdpa")
@@ -59,7 +60,7 @@ def test_blocks_partition_the_queries_and_cover_exactly_the_band() -> None:
         inputs = AttentionInputs(q, q, q, q_lengths=q_lengths, kv_lengths=kv_lengths)
         rows = brute_force_rows(spec, inputs, len_q, len_k)
         covered: dict[int, tuple[int, int]] = {}
-        for block in sdpa._blocks(spec, inputs, len_q, len_k):
+        for block in sdpa._blocks(spec, inputs, Band(spec, inputs, len_q, len_k)):
             if block.masked:  # the only masks built here are (block × span)
                 assert block.rows.stop - block.rows.start <= sdpa.BLOCK_Q
             seen = [j for i in range(block.rows.start, block.rows.stop) for j in rows[i]]

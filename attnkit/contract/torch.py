@@ -1,16 +1,20 @@
 """The contract (docs/semantics.md) written in torch ops: visibility, scores, layouts, and the literal attention the
 oracle runs. Public, for backends: the reference backends are built from it, and native backends use it for what
-their library call cannot express."""
+their library call cannot express. :class:`Band` is the one torch reading of §4's causal/window band and lengths
+(masks, per-row key ranges, tile planning) that every torch backend plans and masks by; only the oracle keeps a
+visibility of its own (backends/reference/torch_naive.py), so that the two can be held against each other."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from attnkit.backend import AttentionInputs, AttentionSpec, CausalAlignment, Gradients, Layout, Variant
-from attnkit.contract import COSINE_EPS
+from attnkit.backend import AttentionInputs, AttentionSpec, BaseBackend, Gradients, Layout, Variant
+from attnkit.contract import COSINE_EPS, TileVisibility, alignment_offset, diagonal_band, tile_visibility
 
 
 def to_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
@@ -21,8 +25,13 @@ def from_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2) if spec.layout is Layout.BSHD else x
 
 
+def cosine_normalize(x: torch.Tensor) -> torch.Tensor:
+    """x / max(‖x‖, eps) along the head dim: the cosine variant's q̂ and k̂ (§3)."""
+    return F.normalize(x, dim=-1, eps=COSINE_EPS)
+
+
 def normalize_if_cosine(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
-    return F.normalize(x, dim=-1, eps=COSINE_EPS) if spec.variant is Variant.COSINE else x
+    return cosine_normalize(x) if spec.variant is Variant.COSINE else x
 
 
 def zero_padding(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
@@ -40,6 +49,145 @@ def block_of(x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
     return x[:, :, rows if x.shape[2] != 1 else slice(None), cols if x.shape[3] != 1 else slice(None)]
 
 
+def within_band(relative: Any, lower: Any, upper: Any) -> Any:
+    """``lower ≤ relative ≤ upper`` for ``relative = j − i − off`` (a None bound is an open side); None when both are.
+
+    Plain operators only, so that flex_attention's traced mask_mod can call it with tensor bounds."""
+    if lower is not None and upper is not None:
+        return (relative >= lower) & (relative <= upper)
+    if lower is not None:
+        return relative >= lower
+    return relative <= upper if upper is not None else None
+
+
+class Band:
+    """§4's causal and window band and the lengths, for one call, per batch element (a user mask joins in
+    :meth:`visible`).
+
+    Query i of element b sees key j iff ``lower ≤ j − i − offset[b] ≤ upper``, ``i < q_len[b]`` and ``j < kv_len[b]``,
+    with ``(lower, upper)`` from :func:`attnkit.contract.diagonal_band` and ``offset[b]`` from
+    :func:`attnkit.contract.alignment_offset` of the element's lengths. Tiled code plans from its host side (lengths
+    read once, on first use); masks come from its tensors.
+    """
+
+    def __init__(self, spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> None:
+        self.spec = spec
+        self.lower, self.upper = diagonal_band(spec)
+        self.len_q, self.len_k = len_q, len_k
+        self.batch = inputs.q.shape[0]
+        self.device = inputs.q.device
+        self.q_lengths, self.kv_lengths = inputs.q_lengths, inputs.kv_lengths
+        self.has_lengths = self.q_lengths is not None or self.kv_lengths is not None
+
+    @property
+    def banded(self) -> bool:
+        return self.lower is not None or self.upper is not None
+
+    # Host side: plain integers per batch element.
+
+    @functools.cached_property
+    def q_lens(self) -> list[int]:
+        return self.q_lengths.tolist() if self.q_lengths is not None else [self.len_q] * self.batch
+
+    @functools.cached_property
+    def kv_lens(self) -> list[int]:
+        return self.kv_lengths.tolist() if self.kv_lengths is not None else [self.len_k] * self.batch
+
+    @functools.cached_property
+    def offsets(self) -> list[int]:
+        return [alignment_offset(self.spec, q_len, kv_len) for q_len, kv_len in zip(self.q_lens, self.kv_lens)]
+
+    @functools.cached_property
+    def extremes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        """(min, max) over the batch of the query lengths, key lengths and offsets; all (0, 0) for an empty batch."""
+        if not self.batch:
+            return (0, 0), (0, 0), (0, 0)
+        return (
+            (min(self.q_lens), max(self.q_lens)),
+            (min(self.kv_lens), max(self.kv_lens)),
+            (min(self.offsets), max(self.offsets)),
+        )
+
+    def key_span(self, rows: range) -> range:
+        """The keys any query of ``rows`` may see in some batch element (the band at its widest over the batch);
+        empty, or with first > last, when none. Keys in it may still be hidden: tiles there are masked."""
+        (_, q_max), (_, kv_max), (off_min, off_max) = self.extremes
+        last_row = min(rows.stop, q_max) - 1
+        if last_row < rows.start:
+            return range(0)
+        first = 0 if self.lower is None else max(0, rows.start + off_min + self.lower)
+        last = kv_max - 1 if self.upper is None else min(kv_max - 1, last_row + off_max + self.upper)
+        return range(first, last + 1)
+
+    def wholly_visible(self, rows: range, cols: range) -> bool:
+        """Whether every pair of the tile is visible in every batch element: it needs no mask. Each condition of
+        :func:`attnkit.contract.tile_visibility`'s FULL is monotone in the lengths and the offset, so the shortest
+        lengths with the smallest and the largest offset decide it for the whole batch."""
+        (q_min, _), (kv_min, _), (off_min, off_max) = self.extremes
+        band = (self.lower, self.upper)
+        return bool(self.batch) and all(
+            tile_visibility(band, offset, rows, cols, q_min, kv_min) is TileVisibility.FULL
+            for offset in (off_min, off_max)
+        )
+
+    # Device side: (B,) int64 tensors, and the band as masks.
+
+    @functools.cached_property
+    def q_len(self) -> torch.Tensor:
+        return self._per_element(self.q_lengths, self.len_q)
+
+    @functools.cached_property
+    def kv_len(self) -> torch.Tensor:
+        return self._per_element(self.kv_lengths, self.len_k)
+
+    @functools.cached_property
+    def offset(self) -> torch.Tensor:
+        return torch.tensor(self.offsets, dtype=torch.long, device=self.device)
+
+    def _per_element(self, lengths: torch.Tensor | None, full: int) -> torch.Tensor:
+        if lengths is None:
+            return torch.full((self.batch,), full, dtype=torch.long, device=self.device)
+        return lengths.to(self.device, torch.long)
+
+    @functools.cached_property
+    def _positions(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.arange(self.len_q, device=self.device), torch.arange(self.len_k, device=self.device)
+
+    def visible(
+        self, rows: slice | None = None, cols: slice | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Boolean (B|1, Hq|1, rows, cols): may query i see key j, with the (rows, cols) block of the user ``mask``
+        (4-D, broadcastable) where one is given. None: every pair is visible."""
+        rows, cols = rows or slice(0, self.len_q), cols or slice(0, self.len_k)
+        query_positions, key_positions = self._positions
+        i = query_positions[rows].view(1, 1, -1, 1)
+        j = key_positions[cols].view(1, 1, 1, -1)
+        visible: torch.Tensor | None = None
+        if self.banded:
+            off_min, off_max = self.extremes[2]
+            # One offset for the whole batch unless lengths make them differ.
+            offset: int | torch.Tensor = off_min if off_min == off_max else self.offset.view(-1, 1, 1, 1)
+            visible = within_band(j - i - offset, self.lower, self.upper)
+        if self.kv_lengths is not None:
+            visible = both(visible, j < self.kv_len.view(-1, 1, 1, 1))
+        if self.q_lengths is not None:
+            visible = both(visible, i < self.q_len.view(-1, 1, 1, 1))
+        if mask is not None:
+            visible = both(visible, block_of(mask, rows, cols))
+        return visible
+
+    def key_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(first, last): per batch element and query row, the keys it sees are ``first ≤ j ≤ last`` (none when
+        first > last); (B, Lq) int64, memory linear in L."""
+        rows = self._positions[0].view(1, -1)
+        aligned = rows + self.offset.view(-1, 1)
+        first = aligned + self.lower if self.lower is not None else torch.zeros_like(aligned)
+        last = aligned + self.upper if self.upper is not None else torch.full_like(aligned, self.len_k - 1)
+        last = torch.minimum(last, self.kv_len.view(-1, 1) - 1)
+        last = torch.where(rows < self.q_len.view(-1, 1), last, torch.full_like(last, -1))
+        return first.clamp(min=0), last
+
+
 #: (spec, inputs, Lq, Lk) -> boolean visibility broadcastable to (B, Hq, Lq, Lk), or None when every pair is visible.
 VisibilityRule = Callable[[AttentionSpec, AttentionInputs, int, int], torch.Tensor | None]
 
@@ -52,45 +200,14 @@ def visibility(
     rows: slice | None = None,
     cols: slice | None = None,
 ) -> torch.Tensor | None:
-    """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §4). None = all visible.
+    """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §4): the :class:`Band` and the
+    user mask. None = all visible."""
+    return Band(spec, inputs, len_q, len_k).visible(rows, cols, inputs.mask)
 
-    Causal and window use the alignment offset, per batch element when lengths are given:
-    ``off = kv_len[b] - q_len[b]`` for bottom-right, 0 for top-left.
-    """
-    device = inputs.q.device
-    rows = rows or slice(0, len_q)
-    cols = cols or slice(0, len_k)
-    i = torch.arange(rows.start, rows.stop, device=device).view(1, 1, -1, 1)
-    j = torch.arange(cols.start, cols.stop, device=device).view(1, 1, 1, -1)
-    q_len = inputs.q_lengths.view(-1, 1, 1, 1).long() if inputs.q_lengths is not None else None
-    kv_len = inputs.kv_lengths.view(-1, 1, 1, 1).long() if inputs.kv_lengths is not None else None
-    visible: torch.Tensor | None = None
 
-    def conjoin(condition: torch.Tensor) -> None:
-        nonlocal visible
-        visible = condition if visible is None else visible & condition
-
-    if spec.causal or spec.window is not None:
-        if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT:
-            offset = (kv_len if kv_len is not None else len_k) - (q_len if q_len is not None else len_q)
-        else:
-            offset = 0
-        aligned = i + offset
-        if spec.causal:
-            conjoin(j <= aligned)
-        if spec.window is not None:
-            left, right = spec.window
-            if left is not None:
-                conjoin(j >= aligned - left)
-            if right is not None:
-                conjoin(j <= aligned + right)
-    if kv_len is not None:
-        conjoin(j < kv_len)
-    if q_len is not None:
-        conjoin(i < q_len)
-    if inputs.mask is not None:
-        conjoin(block_of(inputs.mask, rows, cols))
-    return visible
+def both(visible: torch.Tensor | None, condition: torch.Tensor) -> torch.Tensor:
+    """``visible & condition``, where a None visibility hides nothing."""
+    return condition if visible is None else visible & condition
 
 
 def scores(
@@ -163,20 +280,64 @@ def literal_attention(
 
 
 def gradients_by_autograd(
-    forward: Callable[[AttentionInputs], tuple[torch.Tensor, torch.Tensor]],
+    forward: Callable[[AttentionInputs], tuple[torch.Tensor, torch.Tensor | None]],
     inputs: AttentionInputs,
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
+    *,
+    need_dbias: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> Gradients:
     """The protocol's ``backward`` for a backend whose forward is differentiable torch code: ``forward`` (inputs ->
-    out, lse) once more under autograd, pulled back from (dout, dlse). An empty row's −inf lse takes no cotangent."""
+    out, lse) once more under autograd, pulled back from (dout, dlse). An empty row's −inf lse takes no cotangent.
+
+    ``need_dbias``: the bias is a leaf too, and ``dbias`` is returned. ``dtype``: the forward runs again on q, k, v
+    (and bias) cast to it, as the oracle computes in float64; the gradients come back in the inputs' dtypes."""
+
+    def detached(t: torch.Tensor) -> torch.Tensor:
+        return t.detach() if dtype is None else t.detach().to(dtype)
+
+    q, k, v = (detached(t).requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
+    bias = detached(inputs.bias) if inputs.bias is not None else None
+    leaves, given = [q, k, v], [inputs.q, inputs.k, inputs.v]
+    if need_dbias and bias is not None:
+        leaves.append(bias.requires_grad_(True))
+        given.append(inputs.bias)
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]
-        out, lse = forward(inputs._replace(q=leaves[0], k=leaves[1], v=leaves[2]))
-        outputs, cotangents = [out], [dout]
+        out, lse = forward(inputs._replace(q=q, k=k, v=v, bias=bias))
+        outputs, cotangents = [out], [dout if dtype is None else dout.to(dtype)]
         if dlse is not None:
+            assert lse is not None, "a forward without lse cannot take its cotangent"
             outputs.append(torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)))
-            cotangents.append(dlse)
-        grads = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
-    dq, dk, dv = (g if g is not None else torch.zeros_like(leaf) for g, leaf in zip(grads, leaves))
-    return Gradients(dq=dq, dk=dk, dv=dv)
+            cotangents.append(dlse if dtype is None else dlse.to(dtype))
+        found = torch.autograd.grad(outputs, leaves, cotangents, allow_unused=True)
+    grads = [(g if g is not None else torch.zeros_like(leaf)).to(x.dtype) for g, leaf, x in zip(found, leaves, given)]
+    return Gradients(dq=grads[0], dk=grads[1], dv=grads[2], dbias=grads[3] if len(grads) > 3 else None)
+
+
+class RecomputingBackend(BaseBackend):
+    """A backend whose forward is differentiable torch code (:meth:`recompute`): its protocol ``backward`` runs that
+    forward again under autograd (:func:`gradients_by_autograd`)."""
+
+    def recompute(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(out, lse) as differentiable torch code."""
+        raise NotImplementedError(f"{type(self).__name__}.recompute")
+
+    def recompute_dtype(self, dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype the backward recomputes in, for inputs of ``dtype``; None: their own."""
+        return None
+
+    def backward(
+        self,
+        spec: AttentionSpec,
+        inputs: AttentionInputs,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        dout: torch.Tensor,
+        dlse: torch.Tensor | None,
+        *,
+        need_dbias: bool,
+    ) -> Gradients:
+        dtype = self.recompute_dtype(inputs.q.dtype)
+        recompute = functools.partial(self.recompute, spec)
+        return gradients_by_autograd(recompute, inputs, dout, dlse, need_dbias=need_dbias, dtype=dtype)

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     BackendUnavailableError,
@@ -30,14 +31,13 @@ from attnkit.backend import (
     CausalAlignment,
     Feature,
     Framework,
-    Gradients,
     Problem,
     Runner,
     TorchExtension,
     Variant,
-    capability_reasons,
 )
-from attnkit.contract.torch import from_bhsd, gradients_by_autograd, normalize_if_cosine, to_bhsd, zero_padding
+from attnkit.contract import diagonal_band
+from attnkit.contract.torch import Band, RecomputingBackend, from_bhsd, normalize_if_cosine, to_bhsd, zero_padding
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
 # Tiles (query rows, key columns): a 64 x 256 float32 score tile and its dP twin stay in L2 beside the K/V rows.
@@ -94,9 +94,8 @@ class _Band:
 
     @classmethod
     def of(cls, spec: AttentionSpec) -> _Band:
-        left, right = spec.window if spec.window is not None else (None, None)
-        high = min(right, 0) if spec.causal and right is not None else (0 if spec.causal else right)
-        return cls(-left if left is not None else None, high, spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT)
+        low, high = diagonal_band(spec)
+        return cls(low, high, spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT)
 
     def arguments(self) -> tuple[bool, int, bool, int, bool]:
         return self.low is not None, self.low or 0, self.high is not None, self.high or 0, self.bottom_right
@@ -156,16 +155,12 @@ class _CpuFlash(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None
 
 
-def _lengths(lengths: torch.Tensor | None, batch: int, full: int) -> torch.Tensor:
-    if lengths is None:
-        return torch.full((batch,), full, dtype=torch.int64)
-    return lengths.to(device="cpu", dtype=torch.int64).contiguous()
-
-
 def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) per the contract, differentiable by torch autograd; lse float32 (B, Hq, Lq)."""
     q, k, v = (to_bhsd(spec, x) for x in inputs[:3])
-    batch, _, len_q, head_dim = q.shape
+    head_dim = q.shape[-1]
+    # The kernel takes every element's lengths (the full ones where none are given) and aligns the band by them.
+    lengths = Band(spec, inputs, q.shape[2], k.shape[2])
     # Padding (beyond the lengths) is never read: the kernel's row and key ranges stop at the lengths, and it writes
     # out 0, lse −inf and zero gradients there itself, so NaN in the padding cannot leak (§5) and needs no copy
     # (zeroing a ragged KV cache first cost 25 ms per tensor at B=4, H=8, Lk=4096, where the decode step takes ~5).
@@ -178,13 +173,13 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     scale = spec.resolved_scale(head_dim)
     out, lse = _CpuFlash.apply(
         q.contiguous(), k.contiguous(), v.contiguous(),
-        _lengths(inputs.q_lengths, batch, len_q), _lengths(inputs.kv_lengths, batch, k.shape[2]),
+        lengths.q_len.contiguous(), lengths.kv_len.contiguous(),
         _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
     )  # fmt: skip
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse
 
 
-class CpuFlashBackend:
+class CpuFlashBackend(RecomputingBackend):
     """attnkit's FlashAttention-2 CPU kernel (kernel.cpp), every spec feature but masks and biases."""
 
     name = "cpu-flash"
@@ -192,20 +187,7 @@ class CpuFlashBackend:
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=frozenset(
-            {
-                Feature.CAUSAL,
-                Feature.TOP_LEFT,
-                Feature.WINDOW,
-                Feature.COSINE,
-                Feature.SOFTCAP,
-                Feature.BSHD,
-                Feature.Q_LENGTHS,
-                Feature.KV_LENGTHS,
-                Feature.LSE,
-                Feature.GRAD,
-            }
-        ),
+        features=ALL_FEATURES - {Feature.MASK, Feature.BIAS, Feature.DBIAS},
         description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
         notes=(
             "mask, bias: not lowered (torch-chunked and torch-flex serve them)",
@@ -220,9 +202,6 @@ class CpuFlashBackend:
         blas = _blas_reason()
         return [*EXTENSION.problems(), *([blas] if blas else [])]
 
-    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        return capability_reasons(self.capabilities, spec, problem)
-
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
         with torch.no_grad():
             return flash_attention(spec, inputs)
@@ -230,16 +209,6 @@ class CpuFlashBackend:
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         return lambda *tensors: flash_attention(spec, AttentionInputs(*tensors))
 
-    def backward(
-        self,
-        spec: AttentionSpec,
-        inputs: AttentionInputs,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        *,
-        need_dbias: bool,
-    ) -> Gradients:
-        """For callers of the protocol itself: the forward again under torch autograd."""
-        return gradients_by_autograd(lambda again: flash_attention(spec, again), inputs, dout, dlse)
+    def recompute(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """For callers of the protocol's backward: the forward again under torch autograd."""
+        return flash_attention(spec, inputs)

@@ -21,43 +21,31 @@ import importlib.util
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from attnkit.backend import (
+    SPEC_FEATURES,
     AttentionInputs,
     AttentionSpec,
     Capabilities,
     Feature,
     Framework,
-    Gradients,
     Layout,
     Problem,
     Runner,
     Variant,
-    capability_reasons,
 )
-from attnkit.contract import COSINE_EPS
+from attnkit.contract.torch import RecomputingBackend, cosine_normalize
 
 MAX_HEAD_DIM = 256
 
 
-class FlashAttnBackend:
+class FlashAttnBackend(RecomputingBackend):
     name = "flash-attn"
     capabilities = Capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16"}),
         devices=frozenset({"cuda"}),
-        features=frozenset(
-            {
-                Feature.CAUSAL,
-                Feature.TOP_LEFT,
-                Feature.WINDOW,
-                Feature.SOFTCAP,
-                Feature.COSINE,
-                Feature.BSHD,
-                Feature.GRAD,
-            }
-        ),
+        features=SPEC_FEATURES | {Feature.GRAD},
         head_dims=(1, MAX_HEAD_DIM),
         description="flash-attn 2 flash_attn_func (CUDA), its own forward and backward",
         notes=(
@@ -77,8 +65,8 @@ class FlashAttnBackend:
         return reasons
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        reasons = capability_reasons(self.capabilities, spec, problem)
-        if "top_left" in spec.features() and problem.len_q != problem.len_k:
+        reasons = super().supports(spec, problem)
+        if Feature.TOP_LEFT in spec.features() and problem.len_q != problem.len_k:
             reasons.append(f"top-left alignment with len_q={problem.len_q} != len_k={problem.len_k} (supported: equal)")
         if problem.head_dim != problem.head_dim_v:
             reasons.append(f"head_dim_v={problem.head_dim_v} (supported: equal to head_dim={problem.head_dim})")
@@ -95,7 +83,7 @@ class FlashAttnBackend:
         if spec.layout is Layout.BHSD:
             q, k, v = (x.transpose(1, 2) for x in (q, k, v))
         if spec.variant is Variant.COSINE:
-            q, k = (F.normalize(x.float(), dim=-1, eps=COSINE_EPS).to(x.dtype) for x in (q, k))
+            q, k = (cosine_normalize(x.float()).to(x.dtype) for x in (q, k))
         left, right = spec.window if spec.window is not None else (None, None)
         out = flash_attn_func(
             q,
@@ -108,19 +96,6 @@ class FlashAttnBackend:
         )
         return (out.transpose(1, 2) if spec.layout is Layout.BHSD else out), None
 
-    def backward(
-        self,
-        spec: AttentionSpec,
-        inputs: AttentionInputs,
-        out: Any,
-        lse: Any,
-        dout: Any,
-        dlse: Any | None,
-        *,
-        need_dbias: bool,
-    ) -> Gradients:
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v)]
-            again, _ = self.forward(spec, inputs._replace(q=leaves[0], k=leaves[1], v=leaves[2]), False)
-            dq, dk, dv = torch.autograd.grad(again, leaves, dout)
-        return Gradients(dq=dq, dk=dk, dv=dv)
+    def recompute(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, None]:
+        """For callers of the protocol's backward: flash-attn's forward again, under torch autograd."""
+        return self.forward(spec, inputs, need_lse=False)

@@ -45,20 +45,20 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
+    Backend,
+    BaseBackend,
     Capabilities,
-    CausalAlignment,
-    Feature,
+    Delegation,
     Framework,
     Gradients,
-    Problem,
     Variant,
-    capability_reasons,
+    delegated,
     peer_backend,
 )
-from attnkit.contract import COSINE_EPS
-from attnkit.contract.torch import from_bhsd, to_bhsd, visibility, zero_padding
+from attnkit.contract.torch import Band, cosine_normalize, from_bhsd, to_bhsd, within_band, zero_padding
 
 BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
 MAX_TESTED_HEAD_DIM = 512  # the C++ template states no limit; 1..512 (and Dv != D) agree with the oracle here
@@ -141,11 +141,12 @@ def _eager(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, enable_gqa: 
         return _flex_call(q, k, v, score_mod, block_mask, enable_gqa)
 
 
-FALLBACK = "torch-chunked"  # exact, linear memory: through the registry, as any backend is reached
-
-
-def _fallback() -> Any:
-    return peer_backend(FALLBACK)
+# What runs torch-chunked's code (exact, linear memory), reached through the registry as any backend is.
+FALLBACK = "torch-chunked"
+EMPTY = Delegation(FALLBACK, "calls with no queries or no keys (§9)")
+NAN_INPUTS = Delegation(FALLBACK, "calls with NaN in q, k, v or bias (the CPU kernel may not propagate it, §5)")
+LSE_RANGE = Delegation(FALLBACK, "calls whose lse the sink cannot carry in float32 (a normaliser column underflows)")
+BACKWARD = Delegation(FALLBACK, "backward passes, from flex's out and lse (flex has no CPU backward)")
 
 
 def bucket_length(n: int) -> int:
@@ -176,45 +177,6 @@ def _padded(x: torch.Tensor, shape: tuple[int, ...], value: float = 0.0, broadca
     return F.pad(x, pads, value=value) if any(pads) else x
 
 
-class _Rows:
-    """Per batch element and query row, the keys causal, window and lengths allow: ``first <= j <= last``.
-
-    ``first > last`` means none. Shapes (B, Lq), int64; memory linear in L.
-    """
-
-    def __init__(self, spec: AttentionSpec, inputs: AttentionInputs, batch: int, len_q: int, len_k: int) -> None:
-        device = inputs.q.device
-        self.kv_len = (
-            inputs.kv_lengths.to(device, torch.long)
-            if inputs.kv_lengths is not None
-            else torch.full((batch,), len_k, device=device)
-        )
-        self.q_len = (
-            inputs.q_lengths.to(device, torch.long)
-            if inputs.q_lengths is not None
-            else torch.full((batch,), len_q, device=device)
-        )
-        if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT:
-            self.offset = self.kv_len - self.q_len
-        else:
-            self.offset = torch.zeros(batch, dtype=torch.long, device=device)
-        left, right = spec.window or (None, None)
-        self.left = left
-        highs = [bound for bound in (0 if spec.causal else None, right) if bound is not None]
-        self.high = min(highs) if highs else None  # j - (i + offset) <= high
-        rows = torch.arange(len_q, device=device).view(1, -1)
-        aligned = rows + self.offset.view(-1, 1)
-        first = aligned - left if left is not None else torch.zeros_like(aligned)
-        last = aligned + self.high if self.high is not None else torch.full_like(aligned, len_k - 1)
-        self.first = first.clamp(min=0)
-        self.last = torch.minimum(last, self.kv_len.view(-1, 1) - 1)
-        self.last = torch.where(rows < self.q_len.view(-1, 1), self.last, torch.full_like(self.last, -1))
-
-    def empty(self) -> torch.Tensor:
-        """(B, 1, Lq) bool: rows that see no key."""
-        return (self.first > self.last).unsqueeze(1)
-
-
 def _dense_blocks_to_mask(
     partial: torch.Tensor, full: torch.Tensor, len_q: int, len_k: int, mask_mod: Any
 ) -> BlockMask:
@@ -239,14 +201,18 @@ def _dense_blocks_to_mask(
     )
 
 
-def _row_blocks(rows: _Rows, batch: int, kernel_len_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch, 1, nQ, nK) partial and full blocks from the row ranges: B·Lq·nK work and memory, no (Lq, Lk) grid.
+def _row_blocks(
+    key_ranges: tuple[torch.Tensor, torch.Tensor], batch: int, kernel_len_k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(batch, 1, nQ, nK) partial and full blocks from the rows' key ranges (:meth:`Band.key_ranges`): B·Lq·nK work
+    and memory, no (Lq, Lk) grid.
 
     ``batch`` may exceed the rows' batch (bucket padding): those elements see nothing, so their blocks are skipped.
     """
-    len_q = rows.first.shape[1]
+    first, last = key_ranges
+    len_q = first.shape[1]
     n_q, n_k = -(-len_q // BLOCK_SIZE), -(-kernel_len_k // BLOCK_SIZE)
-    rows_pad, batch_pad = n_q * BLOCK_SIZE - len_q, batch - rows.first.shape[0]
+    rows_pad, batch_pad = n_q * BLOCK_SIZE - len_q, batch - first.shape[0]
     big = kernel_len_k + 1
 
     def laid_out(x: torch.Tensor, past_rows: int, past_batch: int) -> torch.Tensor:
@@ -254,9 +220,9 @@ def _row_blocks(rows: _Rows, batch: int, kernel_len_k: int) -> tuple[torch.Tenso
         return x.view(batch, n_q, BLOCK_SIZE, 1)
 
     # Rows past Lq are computed and dropped: they see nothing for "any" and do not spoil "all".
-    first_any, last_any = laid_out(rows.first, big, big), laid_out(rows.last, -1, -1)
-    first_all, last_all = laid_out(rows.first, 0, big), laid_out(rows.last, big, -1)
-    starts = torch.arange(n_k, device=rows.first.device) * BLOCK_SIZE
+    first_any, last_any = laid_out(first, big, big), laid_out(last, -1, -1)
+    first_all, last_all = laid_out(first, 0, big), laid_out(last, big, -1)
+    starts = torch.arange(n_k, device=first.device) * BLOCK_SIZE
     ends = torch.clamp(starts + BLOCK_SIZE, max=kernel_len_k) - 1
     seen = (torch.maximum(first_any, starts) <= torch.minimum(last_any, ends)).any(dim=2)
     whole = ((first_all <= starts) & (last_all >= ends)).all(dim=2)
@@ -280,7 +246,7 @@ def _index(tensor_shape: torch.Size, b: Any, h: Any, i: Any, j: Any) -> tuple[An
 def _mods(
     spec: AttentionSpec,
     lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    window: tuple[int | None, int | None],
+    band_sides: tuple[int | None, int | None],
     visible: torch.Tensor | None,
     bias: torch.Tensor | None,
     scale: float,
@@ -289,14 +255,14 @@ def _mods(
 ) -> tuple[Any, Any, tuple[Any, ...]]:
     """(score_mod, mask_mod, structure): the mods for this call, and what of them changes the compiled graph.
 
-    ``lengths`` is (offset, q_len, kv_len), each (B,); ``window`` is (left, high) with ``high`` the bound of
-    j − (i + offset) that causal and the window's right side give; ``sink`` is (its key index, (B, Hq, Lq) scores).
+    ``lengths`` is (offset, q_len, kv_len), each (B,); ``band_sides`` is :class:`Band`'s (lower, upper) on
+    j − i − offset; ``sink`` is (its key index, (B, Hq, Lq) scores).
     Every number is a tensor the mods capture, so new values reuse the compiled kernel.
     """
     scale_t = torch.tensor(scale, dtype=torch.float32, device=device)
     softcap = torch.tensor(spec.softcap, dtype=torch.float32, device=device) if spec.softcap is not None else None
     offset, q_len, kv_len = lengths
-    left, high = (torch.tensor(side, device=device) if side is not None else None for side in window)
+    lower, upper = (torch.tensor(side, device=device) if side is not None else None for side in band_sides)
     sink_index, sink_scores = sink if sink is not None else (-1, None)
 
     def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -314,10 +280,8 @@ def _mods(
             allowed = visible[_index(visible.shape, b, h, q_idx, kv_idx)] & (kv_idx < kv_len[b])
         else:
             allowed = (kv_idx < kv_len[b]) & (q_idx < q_len[b])
-            if high is not None:
-                allowed = allowed & (kv_idx - q_idx - offset[b] <= high)
-            if left is not None:
-                allowed = allowed & (kv_idx - q_idx - offset[b] >= -left)
+            if lower is not None or upper is not None:
+                allowed = allowed & within_band(kv_idx - q_idx - offset[b], lower, upper)
         if sink_scores is not None:
             allowed = allowed | (kv_idx == sink_index)
         return allowed
@@ -328,8 +292,8 @@ def _mods(
         None if bias is None else tuple(bias.shape),
         None if visible is None else tuple(visible.shape),
         sink_index,
-        left is not None,
-        high is not None,
+        lower is not None,
+        upper is not None,
     )
     return score_mod, mask_mod, structure
 
@@ -369,34 +333,33 @@ def _normalised_by_sink(
     return out[..., :dim_v] / out[..., dim_v : dim_v + 1], lse.masked_fill(~live, float("-inf"))
 
 
-def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
-    """(out, lse) per the contract; lse None when not asked for. Not differentiable (see ``backward``)."""
+def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any] | Delegation:
+    """(out, lse) per the contract, lse None when not asked for; or the :class:`Delegation` that takes the call.
+    Not differentiable (see ``backward``)."""
     # detach: flex refuses inputs that require grad on CPU, even under no_grad; gradients come from ``backward``.
     q, k, v = (to_bhsd(spec, x).detach() for x in (inputs.q, inputs.k, inputs.v))
     batch, heads_q, len_q, head_dim = q.shape
     heads_kv, len_k, dim_v = k.shape[1], k.shape[2], v.shape[-1]
     if q.numel() == 0 or len_k == 0:  # §9: nothing for a kernel to do
-        return _fallback().forward(spec, inputs, need_lse)
+        return EMPTY
     dtype = q.dtype
     # With lse the two normaliser columns need float32's range (float16 cannot hold them), so that pass computes
     # in float32; so does every call without AMX, where the float32 kernel is the faster one (docs/native.md).
     kernel_dtype = dtype if dtype == torch.float32 or (HALF_KERNELS_FAST and not need_lse) else torch.float32
     scale = spec.resolved_scale(head_dim)
-    if inputs.q_lengths is not None:
-        q = zero_padding(q, inputs.q_lengths)
-    if inputs.kv_lengths is not None:
-        k, v = zero_padding(k, inputs.kv_lengths), zero_padding(v, inputs.kv_lengths)
+    q, k, v = zero_padding(q, inputs.q_lengths), zero_padding(k, inputs.kv_lengths), zero_padding(v, inputs.kv_lengths)
     if spec.variant is Variant.COSINE:
         # In float32: 1e-12 underflows to 0 in float16, and 0/0 would make a zero (padding) row NaN.
-        q, k = (F.normalize(x.float(), dim=-1, eps=COSINE_EPS) for x in (q, k))
+        q, k = (cosine_normalize(x.float()) for x in (q, k))
     q, k, v = q.to(kernel_dtype), k.to(kernel_dtype), v.to(kernel_dtype)
     if any(bool(x.isnan().any()) for x in (q, k, v, inputs.bias) if x is not None):
         # The CPU kernel does not propagate NaN scores reliably (a row that sees a NaN key can come out finite);
         # §5 wants NaN out wherever a visible input is NaN. Rare, so the exact path takes the whole call.
-        return _fallback().forward(spec, inputs, need_lse)
-    rows = _Rows(spec, inputs, batch, len_q, len_k)
-    dense = visibility(spec, inputs, len_q, len_k) if inputs.mask is not None else None
-    empty = ~dense.any(dim=-1) if dense is not None else rows.empty()  # (B|1, H|1, Lq)
+        return NAN_INPUTS
+    band = Band(spec, inputs, len_q, len_k)
+    key_ranges = band.key_ranges()
+    dense = band.visible(mask=inputs.mask) if inputs.mask is not None else None
+    empty = ~dense.any(dim=-1) if dense is not None else (key_ranges[0] > key_ranges[1]).unsqueeze(1)  # (B|1, H|1, Lq)
     bias = inputs.bias.float() if inputs.bias is not None else None
 
     # The compiled shapes (bucket_*): padded queries are dropped, padded keys are hidden, zero dims add nothing.
@@ -416,15 +379,15 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     if need_lse:
         v[:, :, len_k_p, dim_v + 1] = 1.0  # the sink's column; its key is the zero row k[len_k_p]
     # Padded batch elements get length 0: they see nothing.
-    offset, q_len, kv_len = (_padded(x, (batch_p,)) for x in (rows.offset, rows.q_len, rows.kv_len))
+    offset, q_len, kv_len = (_padded(x, (batch_p,)) for x in (band.offset, band.q_len, band.kv_len))
     if dense is not None:  # whole along B, Lq and Lk, so that its blocks can be read off it
         dense = dense.expand(batch, dense.shape[1], len_q, len_k)
         dense = _padded(dense, (batch_p, heads_q, len_q_p, kernel_len_k), value=False, broadcast=True)
     if bias is not None:
         bias = _padded(bias, (batch_p, heads_q, len_q_p, kernel_len_k), broadcast=True)
-    window = (rows.left, rows.high)
-    score_mod, mask_mod, structure = _mods(spec, (offset, q_len, kv_len), window, dense, bias, scale, sink, q.device)
-    partial, full = _dense_blocks(dense) if dense is not None else _row_blocks(rows, batch_p, kernel_len_k)
+    sides = (band.lower, band.upper)
+    score_mod, mask_mod, structure = _mods(spec, (offset, q_len, kv_len), sides, dense, bias, scale, sink, q.device)
+    partial, full = _dense_blocks(dense) if dense is not None else _row_blocks(key_ranges, batch_p, kernel_len_k)
     if need_lse:  # the sink's block is read by every query block
         partial[..., len_k_p // BLOCK_SIZE] |= ~full[..., len_k_p // BLOCK_SIZE]
     block_mask = _dense_blocks_to_mask(partial, full, len_q_p, kernel_len_k, mask_mod)
@@ -440,13 +403,13 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     if sink is not None:
         recovered = _normalised_by_sink(out, sink[1][:batch, :, :len_q], ~empty.expand(batch, heads_q, len_q), dim_v)
         if recovered is None:  # the bound was too loose for float32: exact, linear memory
-            return _fallback().forward(spec, inputs, need_lse)
+            return LSE_RANGE
         out, lse = recovered
     out = out[..., :dim_v].masked_fill(empty.unsqueeze(-1), 0.0).to(dtype)
     return from_bhsd(spec, out), lse
 
 
-class TorchFlexBackend:
+class TorchFlexBackend(BaseBackend):
     """torch flex_attention, compiled for CPU: block-sparse causal/window/lengths, score_mod softcap and bias."""
 
     name = "torch-flex"
@@ -454,23 +417,7 @@ class TorchFlexBackend:
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=frozenset(
-            {
-                Feature.CAUSAL,
-                Feature.TOP_LEFT,
-                Feature.WINDOW,
-                Feature.COSINE,
-                Feature.SOFTCAP,
-                Feature.BSHD,
-                Feature.MASK,
-                Feature.BIAS,
-                Feature.Q_LENGTHS,
-                Feature.KV_LENGTHS,
-                Feature.LSE,
-                Feature.GRAD,
-                Feature.DBIAS,
-            }
-        ),
+        features=ALL_FEATURES,
         head_dims=(1, MAX_TESTED_HEAD_DIM),
         description="torch flex_attention compiled by inductor (CPU C++ template, block-sparse); lse via a sink key",
         notes=(
@@ -486,18 +433,19 @@ class TorchFlexBackend:
             "a user mask is read densely (it is (Lq, Lk) already); causal, window and lengths are block-sparse",
             "needs inductor's C++ flex template (x86 with AVX2); tested with torch 2.13",
         ),
+        delegations=(BACKWARD, EMPTY, NAN_INPUTS, LSE_RANGE),
     )
 
     def available(self) -> list[str]:
         reason = _api_reason() or _cpu_template_reason()
         return [reason] if reason else []
 
-    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        return capability_reasons(self.capabilities, spec, problem)
-
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
         with torch.no_grad():
-            return flex_forward(spec, inputs, need_lse)
+            result = flex_forward(spec, inputs, need_lse)
+            if isinstance(result, Delegation):
+                return self._hand_over(result).forward(spec, inputs, need_lse)
+            return result
 
     def backward(
         self,
@@ -511,4 +459,9 @@ class TorchFlexBackend:
         need_dbias: bool,
     ) -> Gradients:
         """torch-chunked's FlashAttention-2 backward: flex has no backward on CPU (torch 2.13)."""
-        return _fallback().backward(spec, inputs, out, lse, dout, dlse, need_dbias=need_dbias)
+        return self._hand_over(BACKWARD).backward(spec, inputs, out, lse, dout, dlse, need_dbias=need_dbias)
+
+    def _hand_over(self, delegation: Delegation) -> Backend:
+        """The backend that runs ``delegation`` (one of this backend's), noted as run."""
+        delegated(self, delegation)
+        return peer_backend(delegation.backend)

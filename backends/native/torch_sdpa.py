@@ -30,27 +30,26 @@ import torch
 import torch.nn.functional as F
 
 from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     Capabilities,
-    CausalAlignment,
     Feature,
     Framework,
-    Gradients,
     Layout,
     PlainCall,
     Problem,
     Runner,
     Variant,
-    capability_reasons,
 )
-from attnkit.contract import COSINE_EPS
+from attnkit.contract import alignment_offset
 from attnkit.contract.torch import (
+    Band,
+    RecomputingBackend,
     block_of,
     compute_dtype,
-    gradients_by_autograd,
+    cosine_normalize,
     literal_attention,
-    visibility,
     zero_padding,
 )
 
@@ -94,9 +93,9 @@ class _Plan:
     """How one call is cut into flash-op calls, and the masks those calls need."""
 
     def __init__(self, spec: AttentionSpec, inputs: AttentionInputs, q: torch.Tensor, k: torch.Tensor) -> None:
-        self.spec, self.inputs = spec, inputs
-        self.len_q, self.len_k = q.shape[2], k.shape[2]
-        self.blocks = _blocks(spec, inputs, self.len_q, self.len_k)
+        self.inputs = inputs
+        self.band = Band(spec, inputs, q.shape[2], k.shape[2])
+        self.blocks = _blocks(spec, inputs, self.band)
         self.mask_dtype = torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype
         # Without lengths or a user mask, visibility depends on j − i only: blocks at the same diagonal offset
         # share one mask (all the interior blocks of a window do).
@@ -113,7 +112,7 @@ class _Plan:
         key = (rows.start - cols.start, rows.stop - rows.start, cols.stop - cols.start)
         shared = self._shared.get(key) if self.shift_invariant else None
         if shared is None:
-            visible = visibility(self.spec, self.inputs, self.len_q, self.len_k, rows, cols)
+            visible = self.band.visible(rows, cols, self.inputs.mask)
             assert visible is not None
             additive = torch.zeros(visible.shape, dtype=self.mask_dtype, device=visible.device)
             shared = additive.masked_fill_(~visible, float("-inf")), ~visible.any(dim=-1)
@@ -123,54 +122,30 @@ class _Plan:
         return (additive if bias_block is None else additive + bias_block), empty
 
 
-def _offsets(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> tuple[int, int]:
-    """(smallest, largest) alignment offset over the batch (docs/semantics.md §4)."""
-    if spec.causal_alignment is CausalAlignment.TOP_LEFT:
-        return 0, 0
-    batch = inputs.q.shape[0]
-    kv = inputs.kv_lengths.tolist() if inputs.kv_lengths is not None else [len_k] * batch
-    qs = inputs.q_lengths.tolist() if inputs.q_lengths is not None else [len_q] * batch
-    offsets = [k - q for k, q in zip(kv, qs)]
-    return min(offsets), max(offsets)
-
-
-def _blocks(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> list[_Block]:
-    banded = spec.causal or spec.window is not None
-    lengths = inputs.q_lengths is not None or inputs.kv_lengths is not None
-    if not banded and not lengths:
-        return [_Block(slice(0, len_q), slice(0, len_k), causal=False, masked=inputs.mask is not None)]
-    native_causal = spec.causal and spec.window is None and not lengths and _aligned_top_left(spec, len_q, len_k)
-    if native_causal:
-        return [_Block(slice(0, len_q), slice(0, len_k), causal=True, masked=inputs.mask is not None)]
-    # Row i sees keys i + offset + [low_reach, high_reach] (§4); lengths narrow that further, per batch element.
-    low_offset, high_offset = _offsets(spec, inputs, len_q, len_k)
-    left, right = spec.window if spec.window is not None else (None, None)
-    high_reach = min(right, 0) if spec.causal and right is not None else (0 if spec.causal else right)
-    max_q = int(inputs.q_lengths.max()) if inputs.q_lengths is not None and inputs.q_lengths.numel() else len_q
-    max_k = int(inputs.kv_lengths.max()) if inputs.kv_lengths is not None and inputs.kv_lengths.numel() else len_k
-    block_q = WINDOW_BLOCK_Q if left is not None else BLOCK_Q
+def _blocks(spec: AttentionSpec, inputs: AttentionInputs, band: Band) -> list[_Block]:
+    len_q, len_k = band.len_q, band.len_k
+    user_mask = inputs.mask is not None
+    if not band.banded and not band.has_lengths:
+        return [_Block(slice(0, len_q), slice(0, len_k), causal=False, masked=user_mask)]
+    if spec.causal and spec.window is None and not band.has_lengths and alignment_offset(spec, len_q, len_k) == 0:
+        return [_Block(slice(0, len_q), slice(0, len_k), causal=True, masked=user_mask)]
+    # Each block of queries reads only the keys its band reaches (per batch element with lengths: the widest).
+    max_q = band.extremes[0][1]
+    block_q = WINDOW_BLOCK_Q if band.lower is not None else BLOCK_Q
     blocks = []
     for start in range(0, min(max_q, len_q), block_q):
-        stop = min(start + block_q, len_q, max_q)
-        first = 0 if left is None else max(0, start + low_offset - left)
-        last = max_k if high_reach is None else min(max_k, stop - 1 + high_offset + high_reach + 1)
-        if first >= last:
+        rows = range(start, min(start + block_q, len_q, max_q))
+        keys = band.key_span(rows)
+        if not keys:
             continue  # every row of the block is empty: out 0, lse −inf as initialised
-        # The block needs no mask only when every row sees the whole span in every batch element.
-        whole = (
-            not lengths
-            and (left is None or stop - 1 + low_offset - left <= first)
-            and (high_reach is None or start + low_offset + high_reach + 1 >= last)
-        )
+        # The block needs no mask only when every row sees the whole span (and lengths always take one).
+        whole = not band.has_lengths and band.wholly_visible(rows, keys)
         blocks.append(
-            _Block(slice(start, stop), slice(first, last), causal=False, masked=not whole or inputs.mask is not None)
+            _Block(
+                slice(rows.start, rows.stop), slice(keys.start, keys.stop), causal=False, masked=not whole or user_mask
+            )
         )
     return blocks
-
-
-def _aligned_top_left(spec: AttentionSpec, len_q: int, len_k: int) -> bool:
-    """Whether the spec's causal diagonal is SDPA's top-left one at this shape."""
-    return spec.causal_alignment is CausalAlignment.TOP_LEFT or len_q == len_k
 
 
 def _pad_last(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -253,14 +228,14 @@ def _native_causal(spec: AttentionSpec, len_q: int, len_k: int, plain: bool, equ
         return None
     if not spec.causal:
         return False
-    if _aligned_top_left(spec, len_q, len_k):
+    if alignment_offset(spec, len_q, len_k) == 0:  # the diagonal starts at key 0, as SDPA's own causal one
         return True
     return False if len_q == 1 else None  # one bottom-right query sees every key
 
 
 def _normalized(x: torch.Tensor) -> torch.Tensor:
     """q̂ or k̂ in float32 (float64 stays): rounding q̂ to a half type before q̂·k̂ costs more than the tolerance."""
-    return F.normalize(x if x.dtype == torch.float64 else x.float(), dim=-1, eps=COSINE_EPS)
+    return cosine_normalize(x.to(compute_dtype(x.dtype)))
 
 
 def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim: int) -> Runner:
@@ -273,7 +248,7 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
         def cosine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: None) -> tuple[torch.Tensor, None]:
             if bshd:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            wide = torch.float64 if v.dtype == torch.float64 else torch.float32
+            wide = compute_dtype(v.dtype)
             out = sdpa(_normalized(q), _normalized(k), v.to(wide), is_causal=is_causal, scale=scale, enable_gqa=grouped)
             out = out.to(v.dtype)
             return (out.transpose(1, 2) if bshd else out), None
@@ -324,12 +299,9 @@ def _flash_attention(
         out = q[..., :0].sum(-1, keepdim=True).expand(batch, heads_q, len_q, dim_v) + (k.sum() + v.sum()).to(dtype)
         lse = q[..., :0].sum(-1).float() + float("-inf")
         return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
-    if inputs.q_lengths is not None:
-        q = zero_padding(q, inputs.q_lengths)
-    if inputs.kv_lengths is not None:
-        k, v = zero_padding(k, inputs.kv_lengths), zero_padding(v, inputs.kv_lengths)
+    q, k, v = zero_padding(q, inputs.q_lengths), zero_padding(k, inputs.kv_lengths), zero_padding(v, inputs.kv_lengths)
     if spec.variant is Variant.COSINE:
-        q, k, v = _normalized(q), _normalized(k), v.to(torch.float32 if dtype != torch.float64 else dtype)
+        q, k, v = _normalized(q), _normalized(k), v.to(compute_dtype(dtype))
     width = max(head_dim, dim_v)
     # The op reads rows with unit stride (the public call checks that and copies; the op does not).
     q, k, v = (_pad_last(x, width) for x in (q, k, v))
@@ -343,7 +315,7 @@ def _flash_attention(
     return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
 
 
-class TorchSdpaBackend:
+class TorchSdpaBackend(RecomputingBackend):
     """torch's scaled-dot-product attention: the CPU flash kernel, with lse, through the public call or its op."""
 
     name = "torch-sdpa"
@@ -351,21 +323,7 @@ class TorchSdpaBackend:
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu"}),
-        features=frozenset(
-            {
-                Feature.CAUSAL,
-                Feature.TOP_LEFT,
-                Feature.WINDOW,
-                Feature.COSINE,
-                Feature.BSHD,
-                Feature.MASK,
-                Feature.BIAS,
-                Feature.Q_LENGTHS,
-                Feature.KV_LENGTHS,
-                Feature.LSE,
-                Feature.GRAD,
-            }
-        ),
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS},
         description="torch scaled_dot_product_attention (CPU flash kernel; lse, windows and lengths through its op)",
         notes=(
             "softcap: SDPA has no score modifier, and a float mask is added after the scale, not before a tanh",
@@ -385,9 +343,6 @@ class TorchSdpaBackend:
                 f"(needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]})"
             ]
         return []
-
-    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        return capability_reasons(self.capabilities, spec, problem)
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
         return sdpa_attention(spec, inputs, need_lse)
@@ -413,16 +368,6 @@ class TorchSdpaBackend:
         sdpa = F.scaled_dot_product_attention
         return functools.partial(sdpa, **options) if options else sdpa
 
-    def backward(
-        self,
-        spec: AttentionSpec,
-        inputs: AttentionInputs,
-        out: torch.Tensor,
-        lse: torch.Tensor,
-        dout: torch.Tensor,
-        dlse: torch.Tensor | None,
-        *,
-        need_dbias: bool,
-    ) -> Gradients:
-        """For callers of the protocol itself: the forward again under torch autograd."""
-        return gradients_by_autograd(lambda again: sdpa_attention(spec, again, need_lse=True), inputs, dout, dlse)
+    def recompute(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, Any]:
+        """For callers of the protocol's backward: the forward again under torch autograd."""
+        return sdpa_attention(spec, inputs, need_lse=True)

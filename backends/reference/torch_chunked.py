@@ -10,23 +10,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from attnkit.backend import (
     ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
+    BaseBackend,
     Capabilities,
-    CausalAlignment,
     Framework,
     Gradients,
     Layout,
-    Problem,
     Variant,
-    capability_reasons,
 )
-from attnkit.contract import COSINE_EPS
-from attnkit.contract.torch import compute_dtype, from_bhsd, to_bhsd, zero_padding
+from attnkit.contract.torch import Band, compute_dtype, from_bhsd, normalize_if_cosine, to_bhsd, zero_padding
 
 NEG_INF = float("-inf")
 
@@ -78,76 +74,26 @@ def _rows(x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
 
 
 class _Geometry:
-    """Which (query, key) pairs causal, window and lengths allow, per tile and in aggregate over the batch.
-
-    Query i sees key j iff ``lo <= j - i - off[b] <= hi`` (``lo``/``hi`` None when unbounded),
-    ``i < q_len[b]``, ``j < kv_len[b]`` and the user mask allows it.
-    """
+    """Which (query, key) pairs the band (:class:`attnkit.contract.torch.Band`) and the user mask allow, per tile in
+    the internal layouts, and which tiles need no mask."""
 
     def __init__(self, spec: AttentionSpec, inputs: AttentionInputs, heads_kv: int, len_q: int, len_k: int) -> None:
-        device = inputs.q.device
-        batch = inputs.q.shape[0]
+        self.band = Band(spec, inputs, len_q, len_k)
         self.mask = _grouped(inputs.mask, heads_kv) if inputs.mask is not None else None
-        left, right = spec.window or (None, None)
-        self.lo = -left if left is not None else None
-        highs = [bound for bound in (0 if spec.causal else None, right) if bound is not None]
-        self.hi = min(highs) if highs else None
 
-        # Lengths are read to the host once per call: tile skipping is decided in Python.
-        q_lens = inputs.q_lengths.tolist() if inputs.q_lengths is not None else [len_q] * batch
-        kv_lens = inputs.kv_lengths.tolist() if inputs.kv_lengths is not None else [len_k] * batch
-        self.q_len = inputs.q_lengths.to(device, torch.long).view(-1, 1, 1) if inputs.q_lengths is not None else None
-        self.kv_len = inputs.kv_lengths.to(device, torch.long).view(-1, 1, 1) if inputs.kv_lengths is not None else None
-        self.q_max, self.q_min = (max(q_lens), min(q_lens)) if batch else (0, 0)
-        self.kv_max, self.kv_min = (max(kv_lens), min(kv_lens)) if batch else (0, 0)
-        bottom_right = spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
-        offsets = [kv - q for q, kv in zip(q_lens, kv_lens, strict=True)] if bottom_right else [0] * batch
-        self.off_min, self.off_max = (min(offsets), max(offsets)) if batch else (0, 0)
-        self.off: int | torch.Tensor = self.off_min
-        if self.off_min != self.off_max:  # only with lengths, which then give per-batch offsets
-            kv_len = self.kv_len if self.kv_len is not None else len_k
-            self.off = kv_len - (self.q_len if self.q_len is not None else len_q)
-        self.rows = torch.arange(len_q, device=device)
-        self.cols = torch.arange(len_k, device=device)
-
-    def key_span(self, r0: int, r1: int) -> tuple[int, int]:
-        """Keys [first, last] any query in rows r0:r1 may see for some batch element; first > last: none."""
-        last_row = min(r1, self.q_max) - 1
-        if last_row < r0:
-            return 0, -1
-        first = 0 if self.lo is None else max(0, r0 + self.off_min + self.lo)
-        last = self.kv_max - 1 if self.hi is None else min(self.kv_max - 1, last_row + self.off_max + self.hi)
-        return first, last
-
-    def is_full(self, r0: int, r1: int, c0: int, c1: int) -> bool:
+    def is_full(self, rows: range, cols: range) -> bool:
         """True when every pair in the tile is visible for every batch element, so it needs no masking."""
-        return (
-            self.mask is None
-            and r1 <= self.q_min
-            and c1 <= self.kv_min
-            and (self.hi is None or (c1 - 1) - r0 <= self.off_min + self.hi)
-            and (self.lo is None or c0 - (r1 - 1) >= self.off_max + self.lo)
-        )
+        return self.mask is None and self.band.wholly_visible(rows, cols)
 
     def visible(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         """Boolean (B|1, Hkv|1, tile_q, G|1, tile_k): may query i see key j."""
-        i = self.rows[r0:r1].view(-1, 1)
-        j = self.cols[c0:c1].view(1, -1)
-        visible = torch.ones((1, 1, 1), dtype=torch.bool, device=i.device)
-        if self.lo is not None or self.hi is not None:
-            relative = j - i - self.off
-            if self.lo is not None:
-                visible = visible & (relative >= self.lo)
-            if self.hi is not None:
-                visible = visible & (relative <= self.hi)
-        if self.kv_len is not None:
-            visible = visible & (j < self.kv_len)
-        if self.q_len is not None:
-            visible = visible & (i < self.q_len)
-        visible = visible.unsqueeze(1).unsqueeze(3)
-        if self.mask is not None:
-            visible = visible & _tile(self.mask, r0, r1, c0, c1)
-        return visible
+        band = self.band.visible(slice(r0, r1), slice(c0, c1))
+        tile = _tile(self.mask, r0, r1, c0, c1) if self.mask is not None else None
+        if band is None:
+            assert tile is not None, "a tile needs a mask only where the band or a user mask hides something"
+            return tile
+        band = band.unsqueeze(3)
+        return band if tile is None else band & tile
 
 
 # One entry per query tile with anything visible: (r0, r1, [(c0, c1, needs_mask), ...]).
@@ -158,11 +104,11 @@ def _plan(geometry: _Geometry, len_q: int, len_k: int, block_q: int, block_k: in
     plan: Plan = []
     for r0 in range(0, len_q, block_q):
         r1 = min(r0 + block_q, len_q)
-        first, last = geometry.key_span(r0, r1)
+        keys = geometry.band.key_span(range(r0, r1))
         key_tiles = []
-        for c0 in range(first - first % block_k, last + 1, block_k):
+        for c0 in range(keys.start - keys.start % block_k, keys.stop, block_k):
             c1 = min(c0 + block_k, len_k)
-            key_tiles.append((c0, c1, not geometry.is_full(r0, r1, c0, c1)))
+            key_tiles.append((c0, c1, not geometry.is_full(range(r0, r1), range(c0, c1))))
         if key_tiles:
             plan.append((r0, r1, key_tiles))
     return plan
@@ -311,7 +257,7 @@ def _accumulate_dbias(target: torch.Tensor, ds: torch.Tensor) -> None:
     target.add_(ds.sum(dim=axes, keepdim=True) if axes else ds)
 
 
-class TorchChunkedBackend:
+class TorchChunkedBackend(BaseBackend):
     name = "torch-chunked"
     capabilities = Capabilities(
         frameworks=frozenset({Framework.TORCH}),
@@ -328,12 +274,6 @@ class TorchChunkedBackend:
 
     def __repr__(self) -> str:
         return f"TorchChunkedBackend(block_q={self.block_q}, block_k={self.block_k})"
-
-    def available(self) -> list[str]:
-        return []
-
-    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        return capability_reasons(self.capabilities, spec, problem)
 
     def _prepare(
         self, spec: AttentionSpec, inputs: AttentionInputs, track_normalisation: bool = False
@@ -360,11 +300,11 @@ class TorchChunkedBackend:
             if track_normalisation:
                 q, k = q.requires_grad_(True), k.requires_grad_(True)
                 with torch.enable_grad():
-                    qn, kn = F.normalize(q, dim=-1, eps=COSINE_EPS), F.normalize(k, dim=-1, eps=COSINE_EPS)
+                    qn, kn = normalize_if_cosine(spec, q), normalize_if_cosine(spec, k)
                 tracked = (q, qn, k, kn)
                 q, k = qn.detach(), kn.detach()
             else:
-                q, k = F.normalize(q, dim=-1, eps=COSINE_EPS), F.normalize(k, dim=-1, eps=COSINE_EPS)
+                q, k = normalize_if_cosine(spec, q), normalize_if_cosine(spec, k)
         geometry = _Geometry(spec, inputs, heads_kv, len_q, len_k)
         bias = _grouped(inputs.bias, heads_kv) if inputs.bias is not None else None
         # q is a fresh copy here except when it is the detached normalised value autograd still holds.
@@ -401,7 +341,7 @@ class TorchChunkedBackend:
             delta = (dout * _query_side(to_bhsd(spec, out), heads_kv, dtype)).sum(dim=-1)
             if dlse is not None:
                 delta -= _query_side(dlse, heads_kv, dtype)
-            bias_shape = inputs.bias.shape if inputs.bias is not None else None
+            bias_shape = inputs.bias.shape if need_dbias and inputs.bias is not None else None
             dq, dk, dv, dbias = _backward_tiles(ops, plan, lse, dout, delta, bias_shape)
             dq.mul_(ops.q_scale)
         if tracked is not None:
