@@ -58,8 +58,19 @@ class Target:
 
 
 def _tests(backend: str, *files: str) -> tuple[str, ...]:
-    return (*files, "-k", backend)
+    """The tests of ``files`` about ``backend``, and every test of the shared geometry's own files among them."""
+    return (*files, "-k", f"{backend} or test_geometry")
 
+
+# The contract's geometry in integers, read by every tiled backend since the band moved there (issue 15).
+BAND = Source(
+    "attnkit/contract/__init__.py", ("alignment_offset", "diagonal_band", "tile_visibility"), "attnkit.contract"
+)
+TORCH_BAND = Source(
+    "attnkit/contract/torch.py",
+    ("within_band", "Band.extremes", "Band.key_span", "Band.wholly_visible", "Band.visible", "Band.key_ranges"),
+    "attnkit.contract.torch",
+)
 
 TARGETS = {
     "triton": Target(
@@ -78,8 +89,10 @@ TARGETS = {
                 ),
                 "attnkit.backends.triton.kernels",
             ),
+            BAND,
+            Source("attnkit/contract/kernels.py", ("prepare", "attention_backward"), "attnkit.contract.kernels"),
         ),
-        _tests("triton", "tests/test_tile_edges.py", "tests/test_kernel_backends.py"),
+        _tests("triton", "tests/test_tile_edges.py", "tests/test_kernel_backends.py", "tests/test_geometry.py"),
         _tests("triton", "tests/test_contract.py", "tests/test_conformance.py"),
     ),
     "cupy-emulated": Target(
@@ -100,8 +113,10 @@ TARGETS = {
                     "attention_backward_dkdv",
                 ),
             ),
+            BAND,
+            Source("attnkit/contract/kernels.py", ("prepare", "attention_backward"), "attnkit.contract.kernels"),
         ),
-        _tests("cupy-emulated", "tests/test_tile_edges.py", "tests/test_kernel_backends.py"),
+        _tests("cupy-emulated", "tests/test_tile_edges.py", "tests/test_kernel_backends.py", "tests/test_geometry.py"),
         _tests("cupy-emulated", "tests/test_contract.py", "tests/test_conformance.py"),
     ),
     "pallas": Target(
@@ -126,8 +141,18 @@ TARGETS = {
                 ("_band", "_geometry", "_backward_rows"),
                 "attnkit.backends.pallas.backend",
             ),
+            BAND,
+            Source(
+                "attnkit/contract/jax.py", ("in_band", "band_visibility", "length_visibility"), "attnkit.contract.jax"
+            ),
         ),
-        _tests("pallas", "tests/test_tile_edges.py", "tests/test_pallas.py"),
+        _tests(
+            "pallas",
+            "tests/test_tile_edges.py",
+            "tests/test_pallas.py",
+            "tests/test_geometry.py",
+            "tests/test_geometry_jax.py",
+        ),
         _tests("pallas", "tests/test_contract.py", "tests/test_conformance.py"),
     ),
     "cpu-flash": Target(
@@ -138,8 +163,9 @@ TARGETS = {
                 ("_Band.of", "_Band.tile", "_CpuFlash.backward"),
                 "attnkit.backends.cpu_flash.backend",
             ),
+            BAND,
         ),
-        _tests("cpu-flash", "tests/test_tile_edges.py", "tests/test_cpu_flash.py"),
+        _tests("cpu-flash", "tests/test_tile_edges.py", "tests/test_cpu_flash.py", "tests/test_geometry.py"),
         _tests("cpu-flash", "tests/test_contract.py", "tests/test_conformance.py"),
     ),
     "torch-chunked": Target(
@@ -148,7 +174,6 @@ TARGETS = {
                 "backends/reference/torch_chunked.py",
                 (
                     "_Geometry.__init__",
-                    "_Geometry.key_span",
                     "_Geometry.is_full",
                     "_Geometry.visible",
                     "_plan",
@@ -160,8 +185,10 @@ TARGETS = {
                 ),
                 "attnkit.backends.reference.torch_chunked",
             ),
+            BAND,
+            TORCH_BAND,
         ),
-        _tests("chunked", "tests/test_tile_edges.py", "tests/test_reference_backends.py"),
+        _tests("chunked", "tests/test_tile_edges.py", "tests/test_reference_backends.py", "tests/test_geometry.py"),
         _tests("torch-chunked", "tests/test_contract.py", "tests/test_conformance.py"),
     ),
 }
@@ -472,8 +499,18 @@ class Swapper:
         assert source.module is not None
         module = importlib.import_module(source.module)
         kept = {name: module.__dict__[name] for name in ("_module",) if name in module.__dict__}  # a built extension
+        before = dict(module.__dict__)
         exec(compile(text, str(self._write(source, text)), "exec"), module.__dict__)
         module.__dict__.update(kept)
+        # Names other modules imported from this one (`from attnkit.contract import diagonal_band`) follow the swap.
+        swapped = {
+            id(old): module.__dict__[name] for name, old in before.items() if module.__dict__.get(name) is not old
+        }
+        for other in list(sys.modules.values()):
+            if other is not module and getattr(other, "__name__", "").startswith("attnkit"):
+                for name, value in list(vars(other).items()):
+                    if callable(value) and id(value) in swapped:
+                        setattr(other, name, swapped[id(value)])
         if source.module.endswith("pallas.kernels"):  # backend.py holds the kernels' functions: re-run it too
             backend = importlib.import_module("attnkit.backends.pallas.backend")
             original = (ROOT / "backends/pallas/backend.py").read_text()
