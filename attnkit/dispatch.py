@@ -32,8 +32,11 @@ class Candidate:
         why = "ok" if not self.reasons else "; ".join(self.reasons)
         if self.predicted_us is not None:
             why += f" (predicted {self.predicted_us:.4g} us)"
-        ran = "".join(f"\n{'':20}{delegation}" for delegation in self.delegations if not self.reasons)
-        return f"{marker} {self.name:<16} {why}{ran}"
+        if not self.reasons:  # one line per backend: what of its work would run another backend's code, after it
+            for other in dict.fromkeys(delegation.backend for delegation in self.delegations):
+                parts = "; ".join(d.part for d in self.delegations if d.backend == other)
+                why += f"; runs {other}'s code for: {parts}"
+        return f"{marker} {self.name:<16} {why}"
 
 
 def _unavailable(backend: Backend) -> tuple[str, ...]:
