@@ -20,10 +20,11 @@ BACKEND_MAY_IMPORT = frozenset(
         "attnkit.contract.torch",
         "attnkit.contract.jax",
         "attnkit.contract.kernels",
+        "attnkit.contract.kernel_checks",
     }
 )
 #: The core modules the door and the contract helpers stand on (none of them imports api, config, dispatch, registry).
-GROUND = frozenset({"attnkit.build", "attnkit.errors", "attnkit.features", "attnkit.spec"})
+GROUND = frozenset({"attnkit.build", "attnkit.errors", "attnkit.features", "attnkit.spec", "attnkit.tables"})
 
 
 def _imports(path: Path) -> list[tuple[int, str, list[str]]]:

@@ -34,7 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from attnkit.contract.kernels import KernelSwitches, report_check, results_table, static_check_arguments
+from attnkit.contract.kernel_checks import report_check, results_table, static_check_arguments
+from attnkit.contract.kernels import KernelSwitches
 
 from . import launch
 

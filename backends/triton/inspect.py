@@ -43,7 +43,8 @@ from typing import Any
 import torch
 import triton
 
-from attnkit.contract.kernels import Kernel, KernelSwitches, report_check, results_table, static_check_arguments
+from attnkit.contract.kernel_checks import report_check, results_table, static_check_arguments
+from attnkit.contract.kernels import Kernel, KernelSwitches
 
 from . import launch
 
