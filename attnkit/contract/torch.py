@@ -50,7 +50,8 @@ def block_of(x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
 
 
 def within_band(relative: Any, lower: Any, upper: Any) -> Any:
-    """``lower ≤ relative ≤ upper`` for ``relative = j − i − off`` (a None bound is an open side); None when both are.
+    """``lower ≤ relative ≤ upper`` (a None bound is an open side); None when both are. The band test on
+    ``relative = j − i − off`` with the band's sides, or on ``j`` with the sides shifted by ``i + off``.
 
     Plain operators only, so that flex_attention's traced mask_mod can call it with tensor bounds."""
     if lower is not None and upper is not None:
@@ -167,7 +168,13 @@ class Band:
             off_min, off_max = self.extremes[2]
             # One offset for the whole batch unless lengths make them differ.
             offset: int | torch.Tensor = off_min if off_min == off_max else self.offset.view(-1, 1, 1, 1)
-            visible = within_band(j - i - offset, self.lower, self.upper)
+            # lower ≤ j − i − off as j ≥ (i + off) + lower: the bounds stay a column, only the result is a matrix.
+            aligned = i + offset
+            visible = within_band(
+                j,
+                None if self.lower is None else aligned + self.lower,
+                None if self.upper is None else aligned + self.upper,
+            )
         if self.kv_lengths is not None:
             visible = both(visible, j < self.kv_len.view(-1, 1, 1, 1))
         if self.q_lengths is not None:
