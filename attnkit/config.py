@@ -38,7 +38,7 @@ from attnkit import registry
 from attnkit.call_cache import CACHE
 from attnkit.cost import CostTable, load_table
 from attnkit.errors import ConfigError, InvalidInputTypeError
-from attnkit.features import ALL_FEATURES, ROUTING_FEATURES
+from attnkit.features import ALL_FEATURES, ROUTING_FEATURES, Feature
 
 DEVICES = frozenset({"cpu", "cuda"})
 #: The value of ``backend`` (and ``ATTNKIT_BACKEND``) that forces nothing: an inner scope's way back to ``auto``.
@@ -63,12 +63,12 @@ class Refinement(BaseModel):
 
     @field_validator("when", "when_any")
     @classmethod
-    def _known_features(cls, value: frozenset[str]) -> frozenset[str]:
+    def _known_features(cls, value: frozenset[str]) -> frozenset[Feature]:
         allowed = ALL_FEATURES | ROUTING_FEATURES
         unknown = value - allowed
         if unknown:
             raise ValueError(f"unknown feature(s) {sorted(unknown)} (allowed: {sorted(allowed)})")
-        return value
+        return frozenset(Feature(name) for name in value)
 
     @model_validator(mode="after")
     def _has_condition(self) -> Refinement:
@@ -76,7 +76,7 @@ class Refinement(BaseModel):
             raise ValueError("a refinement needs `when` (all of) or `when_any` (any of): it would replace every order")
         return self
 
-    def matches(self, features: frozenset[str]) -> bool:
+    def matches(self, features: frozenset[Feature]) -> bool:
         return self.when <= features and (not self.when_any or not self.when_any.isdisjoint(features))
 
 
@@ -116,7 +116,7 @@ class Config(BaseModel):
             return None
         return load_table(self.costs if self.costs is not None else default_costs_path())
 
-    def priority_for(self, device: str, features: frozenset[str]) -> tuple[str, ...]:
+    def priority_for(self, device: str, features: frozenset[Feature]) -> tuple[str, ...]:
         for refinement in self.refine:
             if device in refinement.priority and refinement.matches(features):
                 return refinement.priority[device]

@@ -26,6 +26,7 @@ from typing import Any
 
 from attnkit.bench.calls import call_problem, interpreted, random_inputs
 from attnkit.bench.timing import blocked, environment, interleaved
+from attnkit.features import Feature
 from attnkit.tables import format_table
 
 CALIBRATION_DTYPES = ("float32", "bfloat16")
@@ -168,7 +169,7 @@ def measure_backend(
 
     backend = attnkit.get_backend(name)
     framework = _framework(name)
-    passes = [cost.FORWARD] + ([cost.FORWARD_BACKWARD] if "grad" in backend.capabilities.features else [])
+    passes = [cost.FORWARD] + ([cost.FORWARD_BACKWARD] if Feature.GRAD in backend.capabilities.features else [])
     groups = []
     for dtype in dtypes:
         if dtype not in backend.capabilities.dtypes:

@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import InvalidArgument
 
 from attnkit import registry
-from attnkit.backend import SPEC_FEATURES, Backend, Delegation, recording_delegations
+from attnkit.backend import SPEC_FEATURES, Backend, Delegation, Feature, recording_delegations
 from attnkit.capability_matrix import FEATURE_ORDER
 from attnkit.environment import torch_threads
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
@@ -197,7 +197,7 @@ def applicable_edge_cases(backend: Backend, report: BackendReport) -> list[tuple
     """Edge cases this backend declares it serves; the rest go to ``report.skipped`` with the reasons."""
     runnable = []
     for label, case in edge_cases():
-        if "grad" not in backend.capabilities.features:
+        if Feature.GRAD not in backend.capabilities.features:
             case = case.with_(grad=False)  # as the strategy does: a forward-only backend is checked forward
         reasons = backends_for(case, [backend.name])[backend.name]
         if reasons:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from hypothesis import strategies as st
 
-from attnkit.backend import ALL_FEATURES, Capabilities
+from attnkit.backend import ALL_FEATURES, Capabilities, Feature
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 from attnkit.testing.cases import Case
 
@@ -16,20 +16,20 @@ HEAD_DIMS = (16, 24, 32, 40, 64, 80, 96, 128, 160, 256)
 
 
 @st.composite
-def specs(draw: st.DrawFn, features: frozenset[str] = ALL_FEATURES) -> AttentionSpec:
+def specs(draw: st.DrawFn, features: frozenset[Feature] = ALL_FEATURES) -> AttentionSpec:
     """Specs using only ``features`` (names as in attnkit.backend.SPEC_FEATURES)."""
-    causal = "causal" in features and draw(st.booleans())
+    causal = Feature.CAUSAL in features and draw(st.booleans())
     window = None
-    if "window" in features and draw(st.booleans()):
+    if Feature.WINDOW in features and draw(st.booleans()):
         side = st.one_of(st.none(), st.integers(0, 12))
         window = draw(st.tuples(side, side).filter(lambda sides: sides != (None, None)))
     alignment = CausalAlignment.BOTTOM_RIGHT
-    if "top_left" in features and (causal or window is not None):
+    if Feature.TOP_LEFT in features and (causal or window is not None):
         alignment = draw(st.sampled_from(list(CausalAlignment)))
-    cosine = "cosine" in features and draw(st.booleans())
-    softcap = draw(st.one_of(st.none(), st.floats(2.0, 50.0))) if "softcap" in features else None
+    cosine = Feature.COSINE in features and draw(st.booleans())
+    softcap = draw(st.one_of(st.none(), st.floats(2.0, 50.0))) if Feature.SOFTCAP in features else None
     scale = draw(st.one_of(st.none(), st.floats(0.05, 1.0)))
-    layout = draw(st.sampled_from(list(Layout))) if "bshd" in features else Layout.BHSD
+    layout = draw(st.sampled_from(list(Layout))) if Feature.BSHD in features else Layout.BHSD
     return AttentionSpec(
         causal=causal,
         causal_alignment=alignment,
@@ -78,21 +78,21 @@ def cases(
     dtype = draw(st.sampled_from(allowed_dtypes))
     mask_shape = None
     masked_rows: tuple[int, ...] = ()
-    if "mask" in features and draw(st.booleans()):
+    if Feature.MASK in features and draw(st.booleans()):
         mask_shape = draw(st.sampled_from(_broadcast_shapes(batch, heads_q, len_q, len_k, three_d)))
         if mask_shape[-2] == len_q and draw(st.booleans()):  # a broadcast query axis has no row to blank
             masked_rows = tuple(sorted(draw(st.sets(st.integers(0, len_q - 1), min_size=1, max_size=2))))
     bias_shape = None
     bias_grad = False
-    if "bias" in features and draw(st.booleans()):
+    if Feature.BIAS in features and draw(st.booleans()):
         bias_shape = draw(st.sampled_from(_broadcast_shapes(batch, heads_q, len_q, len_k, three_d)))
-        bias_grad = "dbias" in features and draw(st.booleans())
+        bias_grad = Feature.DBIAS in features and draw(st.booleans())
     lengths = st.lists(st.integers(0, max_len), min_size=batch, max_size=batch)
     q_lengths = None
-    if "q_lengths" in features and draw(st.booleans()):
+    if Feature.Q_LENGTHS in features and draw(st.booleans()):
         q_lengths = tuple(min(n, len_q) for n in draw(lengths))
     kv_lengths = None
-    if "kv_lengths" in features and draw(st.booleans()):
+    if Feature.KV_LENGTHS in features and draw(st.booleans()):
         kv_lengths = tuple(min(n, len_k) for n in draw(lengths))
     return Case(
         spec=spec,
@@ -112,5 +112,5 @@ def cases(
         kv_lengths=kv_lengths,
         three_d=three_d,
         seed=draw(st.integers(0, 2**31 - 1)),
-        grad="grad" in features,
+        grad=Feature.GRAD in features,
     )
