@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from attnkit.backend import (
+    ALL_FEATURES,
     AttentionInputs,
     AttentionSpec,
     BaseBackend,
@@ -149,22 +150,7 @@ class JaxXlaBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=frozenset(
-            {
-                Feature.CAUSAL,
-                Feature.TOP_LEFT,
-                Feature.WINDOW,
-                Feature.COSINE,
-                Feature.BSHD,
-                Feature.MASK,
-                Feature.BIAS,
-                Feature.Q_LENGTHS,
-                Feature.KV_LENGTHS,
-                Feature.LSE,
-                Feature.GRAD,
-                Feature.DBIAS,
-            }
-        ),
+        features=ALL_FEATURES - {Feature.SOFTCAP},
         description="jax.nn.dot_product_attention (XLA; materialises the (Lq, Lk) scores), differentiated by JAX",
         notes=(
             "lse: jax.nn.dot_product_attention does not return it; computed from the scores once more when asked",
