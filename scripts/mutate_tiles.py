@@ -502,12 +502,13 @@ class Swapper:
         before = dict(module.__dict__)
         exec(compile(text, str(self._write(source, text)), "exec"), module.__dict__)
         module.__dict__.update(kept)
-        # Names other modules imported from this one (`from attnkit.contract import diagonal_band`) follow the swap.
+        # Names other modules (attnkit's and the tests') imported from this one (`from attnkit.contract import
+        # diagonal_band`) follow the swap.
         swapped = {
             id(old): module.__dict__[name] for name, old in before.items() if module.__dict__.get(name) is not old
         }
         for other in list(sys.modules.values()):
-            if other is not module and getattr(other, "__name__", "").startswith("attnkit"):
+            if other is not module and getattr(other, "__name__", "").startswith(("attnkit", "tests")):
                 for name, value in list(vars(other).items()):
                     if callable(value) and id(value) in swapped:
                         setattr(other, name, swapped[id(value)])
