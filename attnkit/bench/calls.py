@@ -51,7 +51,6 @@ def auto_choice(spec: Any, q: Any, k: Any, v: Any, kv_lengths: Any = None) -> st
     return dispatch.select(spec, call_problem(spec, q, k, v, kv_lengths)).name
 
 
-# door: interpreted
 def interpreted(name: str, device: str) -> bool:
     """Whether ``name`` runs an interpreter or emulator on ``device`` (excluded from timings and calibration)."""
     from attnkit import registry
