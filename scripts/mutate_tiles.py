@@ -64,11 +64,13 @@ def _tests(backend: str, *files: str) -> tuple[str, ...]:
 
 # The contract's geometry in integers, read by every tiled backend since the band moved there (issue 15).
 BAND = Source(
-    "attnkit/contract/__init__.py", ("alignment_offset", "diagonal_band", "tile_visibility"), "attnkit.contract"
+    "attnkit/contract/__init__.py",
+    ("alignment_offset", "diagonal_band", "within_band", "conjoin", "tile_visibility"),
+    "attnkit.contract",
 )
 TORCH_BAND = Source(
     "attnkit/contract/torch.py",
-    ("within_band", "Band.extremes", "Band.key_span", "Band.wholly_visible", "Band.visible", "Band.key_ranges"),
+    ("Band.extremes", "Band.key_span", "Band.wholly_visible", "Band.visible", "Band.key_ranges"),
     "attnkit.contract.torch",
 )
 
@@ -142,9 +144,7 @@ TARGETS = {
                 "attnkit.backends.pallas.backend",
             ),
             BAND,
-            Source(
-                "attnkit/contract/jax.py", ("in_band", "band_visibility", "length_visibility"), "attnkit.contract.jax"
-            ),
+            Source("attnkit/contract/jax.py", ("band_visibility", "length_visibility"), "attnkit.contract.jax"),
         ),
         _tests(
             "pallas",

@@ -18,11 +18,9 @@ from attnkit.backends.reference.torch_naive import oracle_visibility
 
 from attnkit import AttentionSpec
 from attnkit.backend import AttentionInputs
-from attnkit.contract import COSINE_EPS, alignment_offset, diagonal_band
+from attnkit.contract import COSINE_EPS, alignment_offset, conjoin, diagonal_band, within_band
 from attnkit.contract.jax import (
     band_visibility,
-    conjoin,
-    in_band,
     length_visibility,
     normalize,
     normalize_backward,
@@ -111,7 +109,7 @@ def test_shifted_band_is_the_oracles(spec: AttentionSpec, shape: tuple) -> None:
         kv_len = len_k if kv_lengths is None else kv_lengths[element]
         offset = alignment_offset(spec, q_len, kv_len)
         band = (None if lower is None else offset + lower, None if upper is None else offset + upper)
-        got = conjoin(length_visibility(ROWS, COLS, q_len, kv_len), in_band(band, COLS - ROWS))
+        got = conjoin(length_visibility(ROWS, COLS, q_len, kv_len), within_band(COLS - ROWS, *band))
         np.testing.assert_array_equal(_cut(got, want[None])[0], want)
 
 

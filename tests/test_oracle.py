@@ -210,7 +210,7 @@ def _replace_everywhere(monkeypatch: pytest.MonkeyPatch, original: Any, replacem
 VISIBILITY_DEFECTS = {
     "window left edge one key short": (
         Case(spec=AttentionSpec(window=(2, 1)), batch=1, len_q=10, len_k=10, dtype="float64"),
-        ("return (relative >= lower) & (relative <= upper)", "return (relative > lower) & (relative <= upper)"),
+        ("else aligned + self.lower,", "else aligned + self.lower + 1,"),
         ("element.triu_(off - left)", "element.triu_(off - left + 1)"),
     ),
     "bottom-right offset one too large": (

@@ -11,6 +11,7 @@ the Triton and CUDA C kernels; :func:`tile_visibility` is the tile-level reading
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from attnkit.backend import AttentionSpec, CausalAlignment
 
@@ -30,6 +31,24 @@ def diagonal_band(spec: AttentionSpec) -> tuple[int | None, int | None]:
     left, right = spec.window or (None, None)
     uppers = [bound for bound in (0 if spec.causal else None, right) if bound is not None]
     return (-left if left is not None else None), (min(uppers) if uppers else None)
+
+
+def within_band(relative: Any, lower: Any, upper: Any) -> Any:
+    """``lower ≤ relative ≤ upper`` (a None bound is an open side); None when both are. The band test on
+    ``relative = j − i − off`` with the band's sides, or on ``j`` with the sides shifted by ``i + off``.
+
+    Plain operators only: the same code serves ints, torch tensors, jax arrays, and the traced values of
+    flex_attention's mask_mod and the pallas kernels."""
+    return conjoin(None if lower is None else relative >= lower, None if upper is None else relative <= upper)
+
+
+def conjoin(*conditions: Any) -> Any:
+    """The AND of the conditions that are not None; None (every pair visible) when all are."""
+    visible = None
+    for condition in conditions:
+        if condition is not None:
+            visible = condition if visible is None else visible & condition
+    return visible
 
 
 class TileVisibility(enum.Enum):

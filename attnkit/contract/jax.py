@@ -3,8 +3,8 @@
 jax-reference, jax-xla and pallas take their visibility, padding and cosine normalisation from here. The band is
 :func:`attnkit.contract.diagonal_band` and the offset :func:`attnkit.contract.alignment_offset`, which serves per
 batch element as it is: given arrays of lengths it returns an array of offsets. Lengths may be tracers; nothing
-here reads their values. The pallas kernels, whose band is per batch element and traced, call :func:`in_band` and
-:func:`length_visibility` inside the kernel with that band.
+here reads their values. The pallas kernels, whose band is per batch element and traced, call
+:func:`attnkit.contract.within_band` and :func:`length_visibility` inside the kernel with that band.
 """
 
 from __future__ import annotations
@@ -14,25 +14,10 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 
 from attnkit.backend import AttentionSpec
-from attnkit.contract import COSINE_EPS, alignment_offset, diagonal_band
+from attnkit.contract import COSINE_EPS, alignment_offset, conjoin, diagonal_band, within_band
 
-# The visibility helpers return a boolean array, or None where they hide nothing (typed Any, as jnp results are).
-
-
-def conjoin(*conditions: Any) -> Any:
-    """The AND of the conditions that are not None; None (every pair visible) when all are."""
-    visible = None
-    for condition in conditions:
-        if condition is not None:
-            visible = condition if visible is None else visible & condition
-    return visible
-
-
-def in_band(band: tuple[Any, Any], rel: Any) -> Any:
-    """lower ≤ rel ≤ upper for ``band = (lower, upper)`` (None: that side open), rel = j − i − off; None when
-    both sides are open. The sides may be traced (the pallas kernels' per-batch band)."""
-    lower, upper = band
-    return conjoin(None if lower is None else rel >= lower, None if upper is None else rel <= upper)
+# The visibility helpers return a boolean array, or None where they hide nothing (typed Any, as jnp results are);
+# attnkit.contract.conjoin joins them.
 
 
 def band_visibility(spec: AttentionSpec, i: Any, j: Any, q_len: Any, kv_len: Any) -> Any:
@@ -42,7 +27,7 @@ def band_visibility(spec: AttentionSpec, i: Any, j: Any, q_len: Any, kv_len: Any
     band = diagonal_band(spec)
     if band == (None, None):
         return None
-    return in_band(band, j - i - alignment_offset(spec, q_len, kv_len))
+    return within_band(j - i - alignment_offset(spec, q_len, kv_len), *band)
 
 
 def length_visibility(i: Any, j: Any, q_len: Any, kv_len: Any) -> Any:

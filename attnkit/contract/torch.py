@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from attnkit.backend import AttentionInputs, AttentionSpec, BaseBackend, Gradients, Layout, Variant
-from attnkit.contract import COSINE_EPS, TileVisibility, alignment_offset, diagonal_band, tile_visibility
+from attnkit.contract import (
+    COSINE_EPS,
+    TileVisibility,
+    alignment_offset,
+    conjoin,
+    diagonal_band,
+    tile_visibility,
+    within_band,
+)
 
 
 def to_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
@@ -47,18 +54,6 @@ def block_of(x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
     """The (rows, cols) block of a 4-D mask or bias (B|1, Hq|1, Lq|1, Lk|1), leaving broadcast (size-1) axes whole:
     slicing one of those past its first row would leave nothing."""
     return x[:, :, rows if x.shape[2] != 1 else slice(None), cols if x.shape[3] != 1 else slice(None)]
-
-
-def within_band(relative: Any, lower: Any, upper: Any) -> Any:
-    """``lower ≤ relative ≤ upper`` (a None bound is an open side); None when both are. The band test on
-    ``relative = j − i − off`` with the band's sides, or on ``j`` with the sides shifted by ``i + off``.
-
-    Plain operators only, so that flex_attention's traced mask_mod can call it with tensor bounds."""
-    if lower is not None and upper is not None:
-        return (relative >= lower) & (relative <= upper)
-    if lower is not None:
-        return relative >= lower
-    return relative <= upper if upper is not None else None
 
 
 class Band:
@@ -176,11 +171,11 @@ class Band:
                 None if self.upper is None else aligned + self.upper,
             )
         if self.kv_lengths is not None:
-            visible = both(visible, j < self.kv_len.view(-1, 1, 1, 1))
+            visible = conjoin(visible, j < self.kv_len.view(-1, 1, 1, 1))
         if self.q_lengths is not None:
-            visible = both(visible, i < self.q_len.view(-1, 1, 1, 1))
+            visible = conjoin(visible, i < self.q_len.view(-1, 1, 1, 1))
         if mask is not None:
-            visible = both(visible, block_of(mask, rows, cols))
+            visible = conjoin(visible, block_of(mask, rows, cols))
         return visible
 
     def key_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,11 +205,6 @@ def visibility(
     """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §4): the :class:`Band` and the
     user mask. None = all visible."""
     return Band(spec, inputs, len_q, len_k).visible(rows, cols, inputs.mask)
-
-
-def both(visible: torch.Tensor | None, condition: torch.Tensor) -> torch.Tensor:
-    """``visible & condition``, where a None visibility hides nothing."""
-    return condition if visible is None else visible & condition
 
 
 def scores(

@@ -32,7 +32,8 @@ from attnkit.backend import (
     Runner,
     Variant,
 )
-from attnkit.contract.jax import band_visibility, conjoin, length_visibility, normalize, zero_padding
+from attnkit.contract import conjoin
+from attnkit.contract.jax import band_visibility, length_visibility, normalize, zero_padding
 
 
 def _bshd(spec: AttentionSpec, x: Any) -> Any:

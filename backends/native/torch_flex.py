@@ -58,7 +58,8 @@ from attnkit.backend import (
     delegated,
     peer_backend,
 )
-from attnkit.contract.torch import Band, cosine_normalize, from_bhsd, to_bhsd, within_band, zero_padding
+from attnkit.contract import within_band
+from attnkit.contract.torch import Band, cosine_normalize, from_bhsd, to_bhsd, zero_padding
 
 BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
 MAX_TESTED_HEAD_DIM = 512  # the C++ template states no limit; 1..512 (and Dv != D) agree with the oracle here

@@ -33,7 +33,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from attnkit.contract.jax import conjoin, in_band, length_visibility
+from attnkit.contract import conjoin, within_band
+from attnkit.contract.jax import length_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
 
@@ -96,7 +97,7 @@ def _visible(geom: tuple[Any, ...], i0: Any, j0: Any, block_q: int, block_k: int
     q_len, kv_len, lo, hi = geom
     i = i0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
     j = j0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-    return conjoin(length_visibility(i, j, q_len, kv_len), in_band((lo, hi), j - i))
+    return conjoin(length_visibility(i, j, q_len, kv_len), within_band(j - i, lo, hi))
 
 
 def _valid_rows(x: Any, start: Any, length: Any) -> Any:

@@ -29,10 +29,10 @@ try:
     import jax.numpy as jnp
     from jax import lax
 
+    from attnkit.contract import conjoin
     from attnkit.contract.jax import (
         Normalization,
         band_visibility,
-        conjoin,
         length_visibility,
         normalize,
         normalize_backward,
