@@ -5,145 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 from attnkit import config, dispatch
-from attnkit.backend import AttentionInputs, Backend, PlainCall, Problem, Runner, own_plain_call
+from attnkit.backend import Backend, PlainCall, Problem, Runner, own_plain_call
 from attnkit.call_cache import CACHE
-from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
-from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_by_type, ops_for
+from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
+from attnkit.frontends import ops_by_type, ops_for
 from attnkit.spec import AttentionSpec, Layout
-
-
-def _broadcastable(argument: str, shape: tuple[int, ...], target: tuple[int, ...], names: str) -> None:
-    if len(shape) > len(target) or any(size not in (1, want) for size, want in zip(shape[::-1], target[::-1])):
-        raise InvalidInputError(
-            f"{argument} has shape {tuple(shape)}, expected a shape broadcastable to {names}={target}"
-        )
-
-
-def _prepare(
-    spec: AttentionSpec,
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any,
-    bias: Any,
-    q_lengths: Any,
-    kv_lengths: Any,
-    return_lse: bool,
-) -> tuple[FrameworkOps, Problem, AttentionInputs, bool]:
-    """Check every argument, and bring 3-D calls to 4-D. Returns (ops, problem, inputs, was_3d)."""
-    if not isinstance(spec, AttentionSpec):
-        raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
-    ops = ops_for(q, "q")
-    for name, tensor in (("k", k), ("v", v)):
-        if not ops.is_array(tensor):
-            raise InvalidInputTypeError(
-                f"{name} must be the same kind of array as q ({ops.framework.value}), got {type(tensor).__name__}"
-            )
-    dtype = ops.dtype_name(q)
-    if dtype not in FLOATING:
-        raise InvalidInputTypeError(f"q has dtype {dtype}, expected a floating dtype ({', '.join(sorted(FLOATING))})")
-    for name, tensor in (("k", k), ("v", v)):
-        if ops.dtype_name(tensor) != dtype:
-            raise InvalidInputTypeError(f"{name} has dtype {ops.dtype_name(tensor)}, expected q's dtype {dtype}")
-    device = ops.device(q)
-    for name, tensor in (("k", k), ("v", v)):
-        if ops.device(tensor) != device:
-            raise InvalidInputTypeError(f"{name} is on device {ops.device(tensor)}, expected q's device {device}")
-
-    ndim = q.ndim
-    if ndim not in (3, 4) or k.ndim != ndim or v.ndim != ndim:
-        raise InvalidInputError(
-            f"q, k, v must all be 4-D ({spec.layout.value}) or all 3-D (B, L, D); "
-            f"got q.ndim={q.ndim}, k.ndim={k.ndim}, v.ndim={v.ndim}"
-        )
-    was_3d = ndim == 3
-    head_axis = 1 if spec.layout is Layout.BHSD else 2
-    if was_3d:
-        q, k, v = (ops.reshape(t, (*t.shape[:head_axis], 1, *t.shape[head_axis:])) for t in (q, k, v))
-    seq_axis = 3 - head_axis
-    batch, heads_q, len_q, head_dim = q.shape[0], q.shape[head_axis], q.shape[seq_axis], q.shape[3]
-    batch_k, heads_kv, len_k, head_dim_k = k.shape[0], k.shape[head_axis], k.shape[seq_axis], k.shape[3]
-    batch_v, heads_v, len_v, head_dim_v = v.shape[0], v.shape[head_axis], v.shape[seq_axis], v.shape[3]
-    if batch_k != batch or batch_v != batch:
-        raise InvalidInputError(f"batch sizes differ: q has {batch}, k has {batch_k}, v has {batch_v}")
-    if head_dim_k != head_dim:
-        raise InvalidInputError(f"k has head_dim={head_dim_k}, expected q's head_dim={head_dim}")
-    if head_dim == 0 or head_dim_v == 0:
-        raise InvalidInputError(f"{head_dim=} (q and k) and {head_dim_v=} (v) must both be positive")
-    if len_v != len_k:
-        raise InvalidInputError(f"v has {len_v} keys, expected k's {len_k}")
-    if heads_v != heads_kv:
-        raise InvalidInputError(f"v has num_heads_kv={heads_v}, expected k's {heads_kv}")
-    if heads_q == 0 or heads_kv == 0:
-        raise InvalidInputError(f"{heads_q=} and {heads_kv=} must both be positive")
-    if heads_q % heads_kv:
-        raise InvalidInputError(f"{heads_q=} (query heads) is not a multiple of {heads_kv=} (key/value heads)")
-
-    full = (batch, heads_q, len_q, len_k)
-    if mask is not None:
-        if not ops.is_array(mask):
-            raise InvalidInputTypeError(f"mask must be a {ops.framework.value} array, got {type(mask).__name__}")
-        if ops.dtype_name(mask) != "bool":
-            raise InvalidInputTypeError(f"mask has dtype {ops.dtype_name(mask)}, expected bool (True = may attend)")
-        mask = _to_4d(ops, "mask", mask, full, was_3d)
-    if bias is not None:
-        if not ops.is_array(bias):
-            raise InvalidInputTypeError(f"bias must be a {ops.framework.value} array, got {type(bias).__name__}")
-        if ops.dtype_name(bias) not in FLOATING:
-            raise InvalidInputTypeError(f"bias has dtype {ops.dtype_name(bias)}, expected a floating dtype")
-        bias = _to_4d(ops, "bias", bias, full, was_3d)
-    for name, lengths, limit in (("q_lengths", q_lengths, len_q), ("kv_lengths", kv_lengths, len_k)):
-        if lengths is None:
-            continue
-        if not ops.is_array(lengths):
-            raise InvalidInputTypeError(f"{name} must be a {ops.framework.value} array, got {type(lengths).__name__}")
-        if ops.dtype_name(lengths) not in INTEGER:
-            raise InvalidInputTypeError(f"{name} has dtype {ops.dtype_name(lengths)}, expected an integer dtype")
-        if tuple(lengths.shape) != (batch,):
-            raise InvalidInputError(f"{name} has shape {tuple(lengths.shape)}, expected (batch,)=({batch},)")
-        if ops.device(lengths) != device:
-            raise InvalidInputTypeError(f"{name} is on device {ops.device(lengths)}, expected q's device {device}")
-        _check_range(ops, name, lengths, limit)
-    for name, tensor in (("mask", mask), ("bias", bias)):
-        if tensor is not None and ops.device(tensor) != device:
-            raise InvalidInputTypeError(f"{name} is on device {ops.device(tensor)}, expected q's device {device}")
-
-    inputs = AttentionInputs(q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths)
-    needs_grad, needs_bias_grad = ops.needs_grad(inputs)
-    problem = Problem(
-        framework=ops.framework,
-        device=device,
-        dtype=dtype,
-        batch=batch,
-        heads_q=heads_q,
-        heads_kv=heads_kv,
-        len_q=len_q,
-        len_k=len_k,
-        head_dim=head_dim,
-        head_dim_v=head_dim_v,
-        has_mask=mask is not None,
-        has_bias=bias is not None,
-        has_q_lengths=q_lengths is not None,
-        has_kv_lengths=kv_lengths is not None,
-        needs_grad=needs_grad,
-        needs_bias_grad=needs_bias_grad,
-        return_lse=return_lse,
-    )
-    return ops, problem, inputs, was_3d
-
-
-def _check_range(ops: FrameworkOps, name: str, lengths: Any, limit: int) -> None:
-    low, high = ops.value_range(lengths)
-    if low < 0 or high > limit:
-        raise InvalidInputError(f"{name} values must lie in [0, {limit}], got min={low}, max={high}")
-
-
-def _check_length_values(ops: FrameworkOps, problem: Problem, q_lengths: Any, kv_lengths: Any) -> None:
-    if q_lengths is not None:
-        _check_range(ops, "q_lengths", q_lengths, problem.len_q)
-    if kv_lengths is not None:
-        _check_range(ops, "kv_lengths", kv_lengths, problem.len_k)
-
+from attnkit.validation import check_length_values, prepare
 
 # The fast path's table and the scope state it keys on, bound once (attnkit/call_cache.py): at decode sizes an
 # attribute read costs about as much as the rest of a cached call.
@@ -160,19 +27,6 @@ def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
     ``auto`` with nothing forced, and only if ``chosen`` now says it is unavailable (a build on first use that
     failed), which dispatch then remembers, so the next dispatch picks another backend."""
     return dispatch.became_unavailable(chosen) and backend == "auto" and config.forced_backend() is None
-
-
-def _to_4d(ops: FrameworkOps, argument: str, tensor: Any, full: tuple[int, ...], was_3d: bool) -> Any:
-    """Check broadcastability and prepend unit axes so backends always see 4-D mask and bias."""
-    if was_3d:
-        target = (full[0], full[2], full[3])
-        _broadcastable(argument, tuple(tensor.shape), target, "(B, Lq, Lk)")
-        shape3 = (1,) * (3 - tensor.ndim) + tuple(tensor.shape)
-        return ops.reshape(tensor, (shape3[0], 1, shape3[1], shape3[2]))
-    _broadcastable(argument, tuple(tensor.shape), full, "(B, Hq, Lq, Lk)")
-    if tensor.ndim < 4:
-        tensor = ops.reshape(tensor, (1,) * (4 - tensor.ndim) + tuple(tensor.shape))
-    return tensor
 
 
 def attend(
@@ -215,11 +69,15 @@ def attend(
             if plain is not None:  # stored only for a call with q, k, v alone that wants no lse
                 return plain(q, k, v)
             if q_lengths is not None or kv_lengths is not None:
-                _check_length_values(ops, problem, q_lengths, kv_lengths)
+                check_length_values(ops, problem, q_lengths, kv_lengths)
             out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
             return (out, lse) if return_lse else out
+    if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
+        from attnkit.frontends import torch_graph
+
+        return torch_graph.attend(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, backend)
     epoch = CACHE.epoch  # before dispatch reads the config and registry: a clear after it stores nothing
-    ops, problem, inputs, was_3d = _prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
+    ops, problem, inputs, was_3d = prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
     chosen = dispatch.select(spec, problem, backend)
     run = ops.runner(chosen, spec, problem)
     try:
@@ -254,7 +112,7 @@ def explain(
     return_lse: bool = False,
 ) -> str:
     """The dispatch table for a call, without running it: each backend, the one that would run, and why not."""
-    _, problem, _, _ = _prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
+    _, problem, _, _ = prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
     return explain_problem(spec, problem)
 
 

@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 
 import attnkit
 from attnkit import AttentionSpec, CausalAlignment, Layout, Variant
-from attnkit.api import _prepare
 from attnkit.contract import torch as torch_contract
 from attnkit.testing import Case, assert_backends_agree, make_arrays
 from attnkit.testing.agreement import DisagreementError
 from attnkit.testing.strategies import cases
+from attnkit.validation import prepare
 
 
 def _broadcast(case: Case, arrays: dict[str, np.ndarray], name: str) -> np.ndarray | None:
@@ -145,7 +145,7 @@ def _inputs(case: Case, tensors: dict[str, torch.Tensor]) -> tuple[attnkit.Atten
     """The call as backends receive it (4-D, mask and bias with unit axes prepended), through attend's own checks;
     and whether it was 3-D."""
     names = ("q", "k", "v", "mask", "bias", "q_lengths", "kv_lengths")
-    _, _, inputs, was_3d = _prepare(case.spec, *(tensors.get(name) for name in names), True)
+    _, _, inputs, was_3d = prepare(case.spec, *(tensors.get(name) for name in names), True)
     return inputs, was_3d
 
 

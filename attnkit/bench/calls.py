@@ -39,9 +39,9 @@ def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal:
 
 def call_problem(spec: Any, q: Any, k: Any, v: Any, kv_lengths: Any = None) -> Any:
     """The Problem dispatch sees for ``attend(spec, q, k, v, kv_lengths=kv_lengths)``."""
-    from attnkit.api import _prepare
+    from attnkit.validation import prepare
 
-    return _prepare(spec, q, k, v, None, None, None, kv_lengths, False)[1]
+    return prepare(spec, q, k, v, None, None, None, kv_lengths, False)[1]
 
 
 def auto_choice(spec: Any, q: Any, k: Any, v: Any, kv_lengths: Any = None) -> str:

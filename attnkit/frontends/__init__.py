@@ -23,6 +23,11 @@ class FrameworkOps(Protocol):
 
     def needs_grad(self, inputs: AttentionInputs) -> tuple[bool, bool]: ...
 
+    def symbolic(self, q: Any) -> bool:
+        """Whether q has no values to compute with (a compiler tracing the call, meta or fake tensors): attend then
+        hands the call to the framework's graph operator (frontends/torch_graph.py)."""
+        ...
+
     def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
         """A hashable summary of everything validation and dispatch read from the arrays (never their
         values), or None where the framework offers no cheap one."""
@@ -47,18 +52,20 @@ def ops_for(x: Any, argument: str = "q") -> FrameworkOps:
     ops = ops_by_type.get(type(x))
     if ops is not None:
         return ops
+    frontends: list[FrameworkOps] = []
     if "torch" in sys.modules:
         from attnkit.frontends import torch_frontend
 
-        if torch_frontend.OPS.is_array(x):
-            ops_by_type[type(x)] = torch_frontend.OPS
-            return torch_frontend.OPS
+        frontends.append(torch_frontend.OPS)
     if "jax" in sys.modules:
         from attnkit.frontends import jax_frontend
 
-        if jax_frontend.OPS.is_array(x):
-            ops_by_type[type(x)] = jax_frontend.OPS
-            return jax_frontend.OPS
+        frontends.append(jax_frontend.OPS)
+    for ops in frontends:
+        if ops.is_array(x):
+            if not ops.symbolic(x):  # a compiler's stand-in type is not the caller's (nor a key Dynamo can store)
+                ops_by_type[type(x)] = ops
+            return ops
     raise InvalidInputTypeError(
         f"{argument} must be a torch.Tensor or a jax.Array, got {type(x).__module__}.{type(x).__qualname__}"
     )

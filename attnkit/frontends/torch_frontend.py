@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, own_forward
 from attnkit.spec import AttentionSpec
@@ -59,6 +60,7 @@ class _AttendFunction(torch.autograd.Function):
 # Read on every attend call: module globals, not attribute lookups on torch.
 _Tensor = torch.Tensor
 _is_grad_enabled = torch.is_grad_enabled
+_is_compiling = torch.compiler.is_compiling
 
 
 class TorchOps:
@@ -78,6 +80,9 @@ class TorchOps:
             return 0, 0
         low, high = torch.aminmax(x)
         return int(low), int(high)
+
+    def symbolic(self, q: torch.Tensor) -> bool:
+        return _is_compiling() or q.device.type == "meta" or isinstance(q, FakeTensor)
 
     def needs_grad(self, inputs: AttentionInputs) -> tuple[bool, bool]:
         if not torch.is_grad_enabled():
@@ -137,6 +142,13 @@ class TorchOps:
         return through_autograd
 
 
+def _signature_when_traced(q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> None:
+    """What Dynamo sees in place of the signature: no key, so a traced call is never looked up in attend's cache of
+    eager calls and goes to the graph operator (torch_graph.py)."""
+    return None
+
+
+torch.compiler.substitute_in_graph(TorchOps.signature)(_signature_when_traced)
 OPS = TorchOps()
 #: "compiled" or "python (why not compiled)": which signature keys attend's cache of validated calls.
 signature_in_use = "python"
@@ -153,6 +165,7 @@ def use_compiled_signature(build: bool = False) -> str:
     except Exception as error:  # a failed build or load leaves the Python signature, which computes the same keys
         function, reason = None, f"{type(error).__name__}: {error}".splitlines()[0]
     if function is not None:
+        torch.compiler.substitute_in_graph(function, skip_signature_check=True)(_signature_when_traced)
         OPS.signature = function  # type: ignore[method-assign]  # an instance attribute over the staticmethod
         signature_in_use = "compiled"
     else:

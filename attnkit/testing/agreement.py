@@ -83,8 +83,8 @@ def oracle_results(case: Case, arrays: dict[str, np.ndarray]) -> tuple[Results, 
 def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Results:
     import torch
 
-    from attnkit.api import _prepare
     from attnkit.backends.reference.torch_naive import oracle_attention
+    from attnkit.validation import prepare
 
     dtype = getattr(torch, case.dtype)
     tensors = {
@@ -95,7 +95,7 @@ def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Resu
     names = [name for name in ("q", "k", "v", "bias") if name in tensors and (name != "bias" or case.bias_grad)]
     for name in names:
         tensors[name].requires_grad_(True)
-    _, _, inputs, was_3d = _prepare(
+    _, _, inputs, was_3d = prepare(
         case.spec,
         tensors["q"],
         tensors["k"],

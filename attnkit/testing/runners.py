@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -39,9 +40,15 @@ def _attend(case: Case, arrays: dict[str, Any], backend: str) -> tuple[Any, Any]
 
 
 def run_torch(
-    case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None, device: str = "cpu"
+    case: Case,
+    arrays: dict[str, np.ndarray],
+    backend: str,
+    dtype: str | None = None,
+    device: str = "cpu",
+    call: Callable[[Case, dict[str, Any], str], tuple[Any, Any]] | None = None,
 ) -> Results:
-    """attend() on torch tensors on ``device`` through the public API, with autograd; ``dtype`` overrides the case's."""
+    """attend() on torch tensors on ``device`` through the public API, with autograd; ``dtype`` overrides the case's.
+    ``call`` stands in for the attend call (case, tensors, backend) -> (out, lse): a compiled one, say."""
     import torch
 
     torch_dtype = getattr(torch, dtype or case.dtype)
@@ -58,7 +65,7 @@ def run_torch(
         for name in DIFFERENTIABLE:
             if name in tensors and (name != "bias" or case.bias_grad):
                 tensors[name].requires_grad_(True)
-    out, lse = _attend(case, tensors, backend)
+    out, lse = (call or _attend)(case, tensors, backend)
     results = {"out": out, "lse": lse}
     if case.grad:
         wanted = [leaf for leaf in leaves if leaf.requires_grad]

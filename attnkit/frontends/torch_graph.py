@@ -1,0 +1,216 @@
+"""attend() as a torch operator, for calls a compiler traces and for meta tensors.
+
+``torch.ops.attnkit.attend`` is a ``torch.library.custom_op`` with a fake implementation (the output shapes, from
+metadata alone) and an autograd formula that calls ``torch.ops.attnkit.attend_backward``. Under
+``torch.compile(fullgraph=True)`` Dynamo records one operator per attend call, with no graph break, and symbolic
+sequence lengths pass through it, so a dynamic shape is traced once. Where the compiled graph runs, the operator's
+implementation validates and dispatches the call as attend() does eagerly (attnkit/op_calls.py). On meta tensors
+the dispatcher runs the fake implementation, forward and backward: outputs of the right shapes and dtypes, and no
+backend chosen.
+
+The spec crosses the operator boundary as its JSON (a constant of the traced graph), read back once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+from attnkit import op_calls
+from attnkit.backend import AttentionInputs
+from attnkit.frontends.torch_frontend import sum_to_shape
+from attnkit.spec import AttentionSpec
+from attnkit.validation import prepare
+
+Tensor = torch.Tensor
+_specs: dict[str, AttentionSpec] = {}
+
+
+@torch.compiler.assume_constant_result
+def _spec_key(spec: AttentionSpec) -> str:
+    return spec.model_dump_json()
+
+
+def _spec(key: str) -> AttentionSpec:
+    spec = _specs.get(key)
+    if spec is None:
+        if len(_specs) >= 1024:
+            _specs.clear()
+        spec = _specs[key] = AttentionSpec.model_validate_json(key)
+    return spec
+
+
+def _fresh_thread_key_sets() -> tuple[torch._C.DispatchKeySet, torch._C.DispatchKeySet]:
+    """The dispatcher's thread-local (included, excluded) key sets as eager code has them: a new thread's."""
+    found = []
+    reader = threading.Thread(
+        target=lambda: found.append(
+            (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+        )
+    )
+    reader.start()
+    reader.join()
+    return found[0]
+
+
+_EAGER_KEY_SETS = _fresh_thread_key_sets()
+
+
+@contextlib.contextmanager
+def _as_eager() -> Iterator[None]:
+    """The backend runs as it does eagerly. An operator's implementation runs with autograd switched off, and,
+    inside a compiled graph's runtime, below the dispatch modes it may have pushed (AOTAutograd's aliasing check on
+    a first run), with their keys excluded. But a backend's backward may pull its gradients back through its forward
+    (contract.torch.gradients_by_autograd), and a library a backend calls may need autograd and functorch even
+    forward (eager flex_attention's vmap): the operator is opaque to all of these anyway."""
+    with _disable_current_modes(), torch._C._ForceDispatchKeyGuard(*_EAGER_KEY_SETS):
+        yield
+
+
+def _no_lse(q: Tensor) -> Tensor:
+    return q.new_empty((0,), dtype=torch.float32)
+
+
+@torch.library.custom_op("attnkit::attend", mutates_args=())
+def _attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    q_lengths: Tensor | None,
+    kv_lengths: Tensor | None,
+    spec: str,
+    backend: str,
+    return_lse: bool,
+    needs_grad: bool,
+    needs_bias_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
+    call = op_calls.decide(_spec(spec), backend, given, return_lse, needs_grad, needs_bias_grad)
+    with _as_eager():
+        out, lse = op_calls.forward(call, _spec(spec), need_lse=return_lse or needs_grad)
+    # Contiguous, as the fake implementation describes them.
+    return out.contiguous(), _no_lse(q) if lse is None else lse.contiguous()
+
+
+@_attend.register_fake
+def _attend_shapes(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    q_lengths: Tensor | None,
+    kv_lengths: Tensor | None,
+    spec: str,
+    backend: str,
+    return_lse: bool,
+    needs_grad: bool,
+    needs_bias_grad: bool,
+) -> tuple[Tensor, Tensor]:
+    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
+    out_shape, lse_shape = op_calls.output_shapes(_spec(spec), given)
+    lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse or needs_grad else _no_lse(q)
+    return q.new_empty(out_shape), lse
+
+
+@torch.library.custom_op("attnkit::attend_backward", mutates_args=())
+def _attend_backward(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    q_lengths: Tensor | None,
+    kv_lengths: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    spec: str,
+    backend: str,
+    return_lse: bool,
+    needs_bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
+    call = op_calls.decide(_spec(spec), backend, given, return_lse, True, needs_bias_grad)
+    with _as_eager():
+        grads = op_calls.backward(call, _spec(spec), out, lse, dout, dlse, needs_bias_grad)
+    dbias = _no_lse(q)
+    if needs_bias_grad and bias is not None:
+        bias_4d = call.inputs.bias
+        dbias = sum_to_shape(grads.dbias, bias_4d.shape).reshape(bias.shape).to(bias.dtype)
+    return grads.dq.contiguous(), grads.dk.contiguous(), grads.dv.contiguous(), dbias.contiguous()
+
+
+@_attend_backward.register_fake
+def _attend_backward_shapes(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    q_lengths: Tensor | None,
+    kv_lengths: Tensor | None,
+    out: Tensor,
+    lse: Tensor,
+    dout: Tensor,
+    dlse: Tensor | None,
+    spec: str,
+    backend: str,
+    return_lse: bool,
+    needs_bias_grad: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    dbias = torch.empty_like(bias) if needs_bias_grad and bias is not None else _no_lse(q)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+
+
+def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, mask, bias, q_lengths, kv_lengths, spec, backend, return_lse, _, needs_bias_grad = inputs
+    ctx.save_for_backward(q, k, v, mask, bias, q_lengths, kv_lengths, *output)
+    ctx.spec, ctx.backend, ctx.return_lse, ctx.needs_bias_grad = spec, backend, return_lse, needs_bias_grad
+
+
+def _gradients(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, mask, bias, q_lengths, kv_lengths, out, lse = ctx.saved_tensors
+    if dout is None:
+        dout = torch.zeros_like(out)
+    dq, dk, dv, dbias = torch.ops.attnkit.attend_backward(
+        q, k, v, mask, bias, q_lengths, kv_lengths, out, lse, dout, dlse if ctx.return_lse else None,
+        ctx.spec, ctx.backend, ctx.return_lse, ctx.needs_bias_grad,
+    )  # fmt: skip
+    return dq, dk, dv, None, dbias if ctx.needs_bias_grad else None, None, None, None, None, None, None, None
+
+
+_attend.register_autograd(_gradients, setup_context=_save)
+
+
+def attend(
+    spec: AttentionSpec,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    bias: Tensor | None,
+    q_lengths: Tensor | None,
+    kv_lengths: Tensor | None,
+    return_lse: bool,
+    backend: str,
+) -> Any:
+    """attnkit.attend through the operator. Outside a trace (meta tensors) the arguments are checked here first,
+    so bad input gets attend's typed errors rather than the operator schema's."""
+    if not torch.compiler.is_compiling():
+        prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, check_values=False)
+    grad_on = torch.is_grad_enabled()
+    needs_bias_grad = grad_on and bias is not None and bias.requires_grad
+    needs_grad = needs_bias_grad or (grad_on and (q.requires_grad or k.requires_grad or v.requires_grad))
+    out, lse = torch.ops.attnkit.attend(
+        q, k, v, mask, bias, q_lengths, kv_lengths, _spec_key(spec), backend, return_lse, needs_grad, needs_bias_grad
+    )
+    return (out, lse) if return_lse else out

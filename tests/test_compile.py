@@ -1,0 +1,197 @@
+"""attend inside torch.compile(fullgraph=True) and on meta / fake tensors (attnkit/frontends/torch_graph.py).
+
+Every backend that takes torch tensors runs compiled, forward and backward, against the float64 oracle under the
+tolerance rule; one trace serves repeated calls and dynamic lengths; the backend that ran is the one explain names;
+meta and fake tensors get outputs of the right shapes with no backend chosen. Compilation uses the aot_eager
+backend (AOTAutograd's forward and backward graphs, no code generation: seconds of inductor per test buy nothing
+here), except one inductor test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo.testing
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import attnkit
+from attnkit import dispatch, op_calls, registry
+from attnkit.backend import Framework
+from attnkit.errors import InvalidInputError
+from attnkit.testing.agreement import compare, oracle_results, rounded
+from attnkit.testing.cases import Case, make_arrays
+from attnkit.testing.runners import OPTIONAL, run_torch
+
+TORCH_BACKENDS = sorted(
+    name for name, backend in registry.backends().items() if Framework.TORCH in backend.capabilities.frameworks
+)
+CAUSAL = attnkit.AttentionSpec(causal=True)
+#: Richest first: each backend runs the first it serves (the optional tensors go through the operator as arguments).
+CASES = (
+    Case(CAUSAL.replace(window=(3, 0)), len_q=6, mask_shape=(2, 1, 6, 8), bias_shape=(1, 2, 6, 8), bias_grad=True,
+         kv_lengths=(8, 5)),
+    Case(CAUSAL, len_q=6, kv_lengths=(8, 5)),
+    Case(CAUSAL),
+    Case(CAUSAL, grad=False),
+)  # fmt: skip
+
+
+def _compiled_call(counter: Any) -> Any:
+    @torch.compile(fullgraph=True, backend=counter)
+    def compiled(case: Case, tensors: dict[str, Any], backend: str) -> tuple[Any, Any]:
+        optional = {name: tensors.get(name) for name in OPTIONAL}
+        return attnkit.attend(case.spec, tensors["q"], tensors["k"], tensors["v"], **optional, return_lse=True,
+                              backend=backend)  # fmt: skip
+
+    return compiled
+
+
+def _served_case(name: str) -> Case:
+    backend = registry.get_backend(name)
+    for case in CASES:
+        if not backend.supports(case.spec, case.problem(Framework.TORCH)):
+            return case
+    pytest.skip(f"{name} serves none of the cases")
+
+
+@pytest.mark.parametrize("name", TORCH_BACKENDS)
+def test_every_torch_backend_runs_compiled_with_one_trace_for_repeated_calls(name: str) -> None:
+    if registry.get_backend(name).available():
+        pytest.skip(f"{name} is unavailable here")
+    case = _served_case(name)
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+    compiled = _compiled_call(counter)
+    arrays = rounded(case, make_arrays(case))
+    exact, baseline = oracle_results(case, arrays)
+    for _ in range(2):
+        results = run_torch(case, arrays, name, call=compiled)
+        failures = [str(c) for c in compare(case, results, exact, baseline) if not c.ok]
+        assert not failures, f"{name} compiled, {case.describe()}: {failures}"
+    assert counter.frame_count == 1, f"{name}: traced {counter.frame_count} times for one call shape"
+
+
+def test_dynamic_lengths_are_traced_once_and_dispatched_per_length() -> None:
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(fullgraph=True, backend=counter, dynamic=True)
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_lengths: torch.Tensor) -> torch.Tensor:
+        out, lse = attnkit.attend(CAUSAL, q, k, v, kv_lengths=kv_lengths, return_lse=True)
+        return out.sum() + lse.clamp(min=-1e4).sum()
+
+    generator = torch.Generator().manual_seed(0)
+    for length in (5, 9, 13):
+        q, k, v = (torch.randn(2, 4, length, 16, generator=generator, dtype=torch.float64) for _ in range(3))
+        kv_lengths = torch.tensor([length, length - 2])
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        compiled = torch.autograd.grad(step(q, k, v, kv_lengths), leaves)
+        out, lse = attnkit.attend(CAUSAL, q, k, v, kv_lengths=kv_lengths, return_lse=True, backend="torch-naive")
+        eager = torch.autograd.grad(out.sum() + lse.clamp(min=-1e4).sum(), leaves)
+        for got, want in zip(compiled, eager):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+    assert counter.frame_count == 1, f"traced {counter.frame_count} times for three lengths"
+
+
+def test_length_values_are_still_checked_where_the_compiled_call_runs() -> None:
+    compiled = torch.compile(lambda q, k, v, n: attnkit.attend(CAUSAL, q, k, v, kv_lengths=n), fullgraph=True,
+                             backend="aot_eager")  # fmt: skip
+    q = torch.randn(1, 2, 4, 16)
+    with pytest.raises(InvalidInputError, match=r"kv_lengths values must lie in \[0, 4\], got min=9, max=9"):
+        compiled(q, q, q, torch.tensor([9]))
+
+
+def test_the_backend_that_ran_compiled_is_the_one_explain_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    decide = op_calls.decide
+
+    def recording(*args: Any) -> op_calls.Call:
+        call = decide(*args)
+        ran.append(call.backend.name)
+        return call
+
+    monkeypatch.setattr(op_calls, "decide", recording)
+    q, k, v = (torch.randn(1, 4, 8, 16, requires_grad=True) for _ in range(3))
+    mask = torch.rand(1, 1, 8, 8) > 0.3
+    compiled = torch.compile(lambda q, k, v, m: attnkit.attend(CAUSAL, q, k, v, mask=m), fullgraph=True,
+                             backend="aot_eager")  # fmt: skip
+    compiled(q, k, v, mask).sum().backward()
+    selected = [row.name for row in dispatch.candidates(CAUSAL, _problem(q, k, v, mask)) if row.selected]
+    assert ran == selected * 2, f"forward and backward ran on {ran}; explain selects {selected}"
+
+
+def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> Any:
+    from attnkit.validation import prepare
+
+    return prepare(CAUSAL, q, k, v, mask, None, None, None, False)[1]
+
+
+def test_compiled_by_inductor_equals_eager() -> None:
+    spec = attnkit.AttentionSpec(causal=True, softcap=20.0)
+    q, k, v = (torch.randn(2, 4, 8, 16, requires_grad=True) for _ in range(3))
+
+    def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attnkit.attend(spec, q * 2, k, v).square().sum()
+
+    leaves = (q, k, v)
+    eager = torch.autograd.grad(step(*leaves), leaves)
+    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(*leaves), leaves)
+    for got, want in zip(compiled, eager):
+        torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("three_d", [False, True], ids=["4d", "3d"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_meta_tensors_get_shapes_forward_and_backward_without_a_backend(
+    layout: str, three_d: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(dispatch, "select", _no_dispatch)
+    spec = attnkit.AttentionSpec(causal=True, layout=layout)
+    b, hq, hkv, lq, lk, d, dv = 2, 4, 2, 5, 7, 16, 8
+    shape: dict[str, tuple[int, ...]] = (
+        {"q": (b, lq, d), "k": (b, lk, d), "v": (b, lk, dv)}
+        if three_d
+        else {name: _layout(layout, b, heads, length, dim)
+              for name, heads, length, dim in (("q", hq, lq, d), ("k", hkv, lk, d), ("v", hkv, lk, dv))}
+    )  # fmt: skip
+    q, k, v = (torch.empty(shape[name], device="meta", dtype=torch.bfloat16, requires_grad=True) for name in "qkv")
+    bias = torch.empty(1, lq, lk, device="meta", requires_grad=True, dtype=torch.bfloat16)
+    out, lse = attnkit.attend(spec, q, k, v, bias=bias, kv_lengths=torch.empty(b, dtype=torch.int64, device="meta"),
+                              return_lse=True)  # fmt: skip
+    assert (out.device.type, out.dtype, tuple(out.shape)) == ("meta", torch.bfloat16, (*shape["q"][:-1], dv))
+    assert (lse.dtype, tuple(lse.shape)) == (torch.float32, (b, lq) if three_d else (b, hq, lq))
+    (out.float().sum() + lse.sum()).backward()
+    for leaf in (q, k, v, bias):
+        assert (leaf.grad.device.type, leaf.grad.shape, leaf.grad.dtype) == ("meta", leaf.shape, leaf.dtype)
+
+
+def _layout(layout: str, batch: int, heads: int, length: int, dim: int) -> tuple[int, ...]:
+    return (batch, heads, length, dim) if layout == "bhsd" else (batch, length, heads, dim)
+
+
+def _no_dispatch(*args: Any, **kwargs: Any) -> Any:
+    raise AssertionError("a backend was chosen for a call with no values")
+
+
+def test_meta_tensors_get_attends_typed_errors() -> None:
+    q = torch.empty(1, 4, 8, 16, device="meta")
+    with pytest.raises(InvalidInputError, match=r"heads_q=4 \(query heads\) is not a multiple of heads_kv=3"):
+        attnkit.attend(CAUSAL, q, torch.empty(1, 3, 8, 16, device="meta"), torch.empty(1, 3, 8, 16, device="meta"))
+
+
+def test_fake_tensors_pass_through_attend(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dispatch, "select", _no_dispatch)
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 2, 8, 16) for _ in range(3))
+        out = attnkit.attend(CAUSAL, q, k, v)
+    assert tuple(out.shape) == (1, 2, 8, 16) and out.dtype == torch.float32
+
+
+def test_meta_output_matches_a_real_call_in_shape_and_dtype() -> None:
+    case = Case(CAUSAL, three_d=True, len_q=3)
+    arrays = make_arrays(case)
+    real = run_torch(case, arrays, "torch-naive")
+    q, k, v = (torch.tensor(np.asarray(arrays[name]), device="meta") for name in "qkv")
+    out, lse = attnkit.attend(CAUSAL, q, k, v, return_lse=True)
+    assert (tuple(out.shape), tuple(lse.shape)) == (real["out"].shape, real["lse"].shape)
