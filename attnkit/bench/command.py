@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from attnkit.bench import calibrate, chunked, overhead, targets, tflops
+from attnkit.bench import calibrate, chunked, compiled, overhead, targets, tflops
 from attnkit.environment import limit_jax_threads, torch_threads
 
 
@@ -41,6 +41,9 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         elif args.what == "dispatch":
             result = overhead.bench_dispatch(rounds=args.rounds, calls=args.calls, device=args.device)
             text = overhead.format_dispatch(result)
+        elif args.what == "compiled":
+            result = compiled.bench_compiled(repeats=repeats, warmup=args.warmup, device=args.device)
+            text = compiled.format_compiled(result)
         elif args.what == "chunked":
             result = chunked.bench_chunked(
                 seq_len=args.seq_len or 4096, repeats=repeats, warmup=args.warmup, device=args.device

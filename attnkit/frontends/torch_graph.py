@@ -167,8 +167,9 @@ def _attend_backward_shapes(
     return_lse: bool,
     needs_bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dbias = torch.empty_like(bias) if needs_bias_grad and bias is not None else _no_lse(q)
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), dbias
+    # Contiguous whatever the inputs' strides, as the implementation returns them.
+    dbias = bias.new_empty(bias.shape) if needs_bias_grad and bias is not None else _no_lse(q)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
