@@ -223,7 +223,7 @@ def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
         )
     device_name = row.get("device_name", "")
     if not isinstance(device_name, str):
-        raise ConfigError(f"{where}: key device_name={device_name!r}, expected a str (a GPU model, e.g. \"NVIDIA ...\")")
+        raise ConfigError(f"{where}: key device_name={device_name!r}, expected a str (a GPU model's name)")
     return CostEntry(
         backend=str(values["backend"]),
         device=str(values["device"]),

@@ -27,7 +27,8 @@ DEVICE_NAME = "NVIDIA H100 80GB HBM3"
 #: The bench's implementation names, and the backends they stand for.
 BACKENDS = {"triton": "triton", "cupy": "cupy", "torch sdpa": "torch-sdpa"}
 ROW = re.compile(
-    r"^(?P<name>triton|cupy|torch sdpa)\s+(?P<causal>yes|no)\s+(?P<dim>\d+)\s+(?P<length>\d+)\s+(?P<batch>\d+)x(?P<heads>\d+)"
+    r"^(?P<name>triton|cupy|torch sdpa)\s+(?P<causal>yes|no)\s+(?P<dim>\d+)\s+(?P<length>\d+)\s+"
+    r"(?P<batch>\d+)x(?P<heads>\d+)"
     r"\s+\S+ \((?P<fwd>[\d.]+) ms\)\s+\S+ \([\d.]+ ms\)\s+\S+ \((?P<fwd_bwd>[\d.]+) ms\)"
 )
 
@@ -64,7 +65,14 @@ def main() -> None:
         overhead, per_visible, per_full = cost.fit(measured, relative=True)
         entries.append(
             cost.CostEntry(
-                backend, "cuda", "bfloat16", pass_name, overhead, per_visible, per_full, tuple(measured),
+                backend,
+                "cuda",
+                "bfloat16",
+                pass_name,
+                overhead,
+                per_visible,
+                per_full,
+                tuple(measured),
                 device_name=DEVICE_NAME,
             )  # fmt: skip
         )
@@ -72,10 +80,11 @@ def main() -> None:
         [
             "attnkit cost table for CUDA (attnkit/cost.py), keyed to the GPU model it was measured on: it speaks for",
             f'calls on a "{DEVICE_NAME}" only (attnkit.environment.accelerator_name).',
-            "source: the H100 figures of docs/performance.md (\"First run on a GPU (H100, 2026-11-22)\"), made by",
+            'source: the H100 figures of docs/performance.md ("First run on a GPU (H100, 2026-11-22)"), made by',
             "`attnkit bench --backend triton --device cuda --dtype bfloat16` and `... --backend cupy ...` on",
-            "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0, CuPy 14.2; torch SDPA's rows stand for torch-sdpa.",
-            "regenerate: python scripts/cuda_costs_from_figures.py (or measure: attnkit bench --calibrate --device cuda)",
+            "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0, CuPy 14.2; torch SDPA's rows stand for",
+            "torch-sdpa. regenerate: python scripts/cuda_costs_from_figures.py (or measure on the GPU:",
+            "attnkit bench --calibrate --device cuda)",
             "shapes: D=64 and 128, L=512..16384 (Lq = Lk), causal and not, bfloat16; no decode step (overheads are",
             "extrapolated).",
         ]

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from attnkit.backends.native import torch_sdpa
 
 import attnkit
 from attnkit import cost, dispatch, environment
 from attnkit.backend import Framework, Problem
-from attnkit.backends.native import torch_sdpa
 from attnkit.spec import AttentionSpec
 from tests.conftest import installed_plugin
 

@@ -186,7 +186,9 @@ def drawn_outcomes(
 
     @hypothesis.seed(seed)
     @hypothesis_settings(profile, examples)
-    @hypothesis.given(strategies.cases(capabilities=harness_capabilities(backend.name), dtypes=drawable_dtypes(backend.name)))
+    @hypothesis.given(
+        strategies.cases(capabilities=harness_capabilities(backend.name), dtypes=drawable_dtypes(backend.name))
+    )
     def draw_and_check(case: Case) -> None:
         on_outcome(run_case(backend.name, f"drawn #{next(counter)}", case, expect_support=True))
 

@@ -18,6 +18,11 @@ Three paths, chosen per call from the spec and the optional tensors:
   that cannot happen (at least NAN_SAFE_KEYS keys, see tests/test_native_backends.py).
 
 Fully masked rows come out 0 with lse −inf (the kernel gives lse 0), and padding beyond lengths is never read.
+
+On CUDA the same paths run on CUDA's kernels: the native one is SDPA itself (flash, cuDNN or memory-efficient, as SDPA
+picks), the op one ``aten::_efficient_attention_forward``/``_backward`` in place of the CPU op (:func:`_ops_for`),
+with the kernel's own requirements met in :func:`_cuda_forward`/:func:`_cuda_backward`. float64 and head dims over
+MAX_CUDA_HEAD_DIM are refused there (``Capabilities.per_device``).
 """
 
 from __future__ import annotations
@@ -108,7 +113,14 @@ def _bmhk(x: torch.Tensor) -> torch.Tensor:
 
 
 def _cuda_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, is_causal: bool, *, attn_mask: Any, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: Any,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU op's (out, lse) from the CUDA kernel; its lse comes padded to a multiple of 32 queries."""
     mask_type = _CAUSAL_FROM_TOP_LEFT if is_causal else _NO_MASK
