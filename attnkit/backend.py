@@ -42,6 +42,7 @@ through the ``attnkit.backends`` entry-point group (a Backend, a list of them, o
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,6 +69,7 @@ __all__ = [
     "Capabilities",
     "CausalAlignment",
     "Delegation",
+    "DeviceLimits",
     "Feature",
     "Framework",
     "Gradients",
@@ -171,6 +173,15 @@ class Delegation:
 
 
 @dataclass(frozen=True)
+class DeviceLimits:
+    """What a backend serves on one device where it is narrower than its :class:`Capabilities` say (its kernels
+    there take fewer dtypes or head dims); None keeps the backend-wide value."""
+
+    dtypes: frozenset[str] | None = None
+    head_dims: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class Capabilities:
     """What a backend can do, as data. :func:`capability_reasons` reads it."""
 
@@ -186,6 +197,20 @@ class Capabilities:
     native_framework: Framework | None = None
     #: What of its work runs another backend's code: shown by ``explain`` and in the conformance table.
     delegations: tuple[Delegation, ...] = ()
+    #: Narrower dtypes or head dims on some of its devices (device name -> limits): :meth:`on` applies them.
+    per_device: tuple[tuple[str, DeviceLimits], ...] = ()
+
+    def on(self, device: str) -> Capabilities:
+        """These capabilities as they stand on ``device``: its :class:`DeviceLimits` applied, none left."""
+        limits = dict(self.per_device).get(device)
+        if limits is None:
+            return self
+        return dataclasses.replace(
+            self,
+            dtypes=self.dtypes if limits.dtypes is None else limits.dtypes,
+            head_dims=self.head_dims if limits.head_dims is None else limits.head_dims,
+            per_device=(),
+        )
 
     def __post_init__(self) -> None:
         wrong = sorted(repr(f) for f in self.features if not isinstance(f, Feature) or f not in ALL_FEATURES)
@@ -209,12 +234,15 @@ def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem
         reasons.append(f"framework={problem.framework.value} (supported: {allowed})")
     if problem.device not in caps.devices:
         reasons.append(f"device={problem.device} (supported: {', '.join(sorted(caps.devices))})")
+    # Limits of one device name it: "dtype=float64 (supported on cuda: ...)".
+    where = f" on {problem.device}" if problem.device in dict(caps.per_device) else ""
+    caps = caps.on(problem.device)
     if problem.dtype not in caps.dtypes:
-        reasons.append(f"dtype={problem.dtype} (supported: {', '.join(sorted(caps.dtypes))})")
+        reasons.append(f"dtype={problem.dtype} (supported{where}: {', '.join(sorted(caps.dtypes))})")
     low, high = caps.head_dims
     for name, value in (("head_dim", problem.head_dim), ("head_dim_v", problem.head_dim_v)):
         if not low <= value <= high:
-            reasons.append(f"{name}={value} (supported: {low}..{high})")
+            reasons.append(f"{name}={value} (supported{where}: {low}..{high})")
     for feature in sorted((spec.features() | problem.features()) - caps.features):
         reasons.append(f"{feature} is not supported")
     return reasons

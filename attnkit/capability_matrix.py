@@ -7,11 +7,11 @@ Printed by ``attnkit info`` (with what runs on this machine) and written as docs
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from attnkit import registry
-from attnkit.backend import ALL_FEATURES, CALL_FEATURES, SPEC_FEATURES, Backend
+from attnkit.backend import ALL_FEATURES, CALL_FEATURES, SPEC_FEATURES, Backend, Capabilities
 from attnkit.tables import format_table, markdown_table
 
 DEFAULT_MARKDOWN_PATH = Path("docs") / "backends.md"
@@ -49,6 +49,14 @@ def _head_dims_text(head_dims: tuple[int, int]) -> str:
     return "any" if tuple(head_dims) == UNBOUNDED_HEAD_DIMS else f"{head_dims[0]}..{head_dims[1]}"
 
 
+def _per_device(capabilities: Capabilities, text: Callable[[Capabilities], str]) -> str:
+    """``text`` of the capabilities, then of each device where they are narrower: "a, b (cuda: a)"."""
+    general = text(capabilities)
+    narrower = [(device, text(capabilities.on(device))) for device, _ in capabilities.per_device]
+    extra = "; ".join(f"{device}: {value}" for device, value in narrower if value != general)
+    return f"{general} ({extra})" if extra else general
+
+
 def capability_matrix(registered: Mapping[str, Backend]) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the capability matrix: one row per property or feature, one column per backend.
 
@@ -60,8 +68,8 @@ def capability_matrix(registered: Mapping[str, Backend]) -> tuple[list[str], lis
     rows = [
         ["frameworks", *(", ".join(sorted(f.value for f in c.frameworks)) or "-" for c in caps)],
         ["devices", *(", ".join(sorted(c.devices)) or "-" for c in caps)],
-        ["dtypes", *(", ".join(_ordered(c.dtypes, DTYPE_ORDER)) or "-" for c in caps)],
-        ["head dims", *(_head_dims_text(c.head_dims) for c in caps)],
+        ["dtypes", *(_per_device(c, lambda on: ", ".join(_ordered(on.dtypes, DTYPE_ORDER)) or "-") for c in caps)],
+        ["head dims", *(_per_device(c, lambda on: _head_dims_text(on.head_dims)) for c in caps)],
     ]
     for feature in FEATURE_ORDER:
         rows.append([feature, *("yes" if feature in c.features else "no" for c in caps)])

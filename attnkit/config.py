@@ -93,8 +93,8 @@ class Config(BaseModel):
     backend: StrictStr | None = None
     #: Let the measured cost table reorder backends that can all serve a call (attnkit/cost.py).
     use_costs: StrictBool = True
-    #: The cost table; None is the one shipped in configs/costs.toml. A relative path in a TOML file is
-    #: relative to that file.
+    #: The cost table; None: the shipped ones (configs/costs.toml and configs/costs_cuda.toml). A relative path in a
+    #: TOML file is relative to that file.
     costs: StrictStr | None = None
     #: Another backend replaces the first in priority only when predicted faster by more than this fraction.
     cost_margin: StrictNumber = 0.5
@@ -114,7 +114,7 @@ class Config(BaseModel):
     def cost_table(self) -> CostTable | None:
         if not self.use_costs:
             return None
-        return load_table(self.costs if self.costs is not None else default_costs_path())
+        return load_table(self.costs) if self.costs is not None else shipped_cost_table()
 
     def priority_for(self, device: str, features: frozenset[Feature]) -> tuple[str, ...]:
         for refinement in self.refine:
@@ -227,9 +227,19 @@ def default_config_path() -> Path:
     return Path(str(files("attnkit.configs") / "default.toml"))
 
 
-@functools.cache
-def default_costs_path() -> Path:
-    return Path(str(files("attnkit.configs") / "costs.toml"))
+#: The shipped cost tables: the CPU one ``attnkit bench --calibrate`` writes, and the CUDA one keyed by the GPU model
+#: it was measured on (configs/costs_cuda.toml says where its figures come from).
+SHIPPED_COST_TABLES = ("costs.toml", "costs_cuda.toml")
+
+
+def shipped_cost_table() -> CostTable:
+    return _combined(tuple(load_table(Path(str(files("attnkit.configs") / name))) for name in SHIPPED_COST_TABLES))
+
+
+@functools.lru_cache(maxsize=4)
+def _combined(tables: tuple[CostTable, ...]) -> CostTable:
+    """One table of the shipped ones, made once per version of their files (load_table caches each per version)."""
+    return CostTable.combined(tables)
 
 
 _base_lock = threading.RLock()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit.backend import Problem
+from attnkit.environment import accelerator_name
 from attnkit.errors import ConfigError
 from attnkit.spec import AttentionSpec, CausalAlignment
 
@@ -44,6 +45,9 @@ class CostEntry:
 
     #: (visible_units, full_units, time_us) of the calls the calibration measured.
     measured: tuple[tuple[float, float, float], ...] = ()
+    #: The GPU model it was measured on ("NVIDIA H100 80GB HBM3", :func:`attnkit.environment.accelerator_name`):
+    #: the entry then speaks only for that model. "" (CPU entries): for any machine the table is used on.
+    device_name: str = ""
     #: per measured call: (log visible, log full, measured/fitted), computed once; a decision reads every one
     _corrections: tuple[tuple[float, float, float], ...] = field(init=False, repr=False, compare=False)
 
@@ -119,11 +123,20 @@ def pass_of(problem: Problem) -> str:
 
 
 class CostTable:
-    """Entries by (backend, device, dtype, pass)."""
+    """Entries by (backend, device, dtype, pass, device name). A call on a device reads the entries measured on its
+    model (its :func:`~attnkit.environment.accelerator_name`), and entries without a device name."""
 
     def __init__(self, entries: Iterable[CostEntry], source: str = "") -> None:
         self.source = source
-        self.entries = {(e.backend, e.device, e.dtype, e.pass_name): e for e in entries}
+        self.entries = {(e.backend, e.device, e.dtype, e.pass_name, e.device_name): e for e in entries}
+        self._named_devices = frozenset(e.device for e in self.entries.values() if e.device_name)
+
+    def _device_names(self, problem: Problem) -> tuple[str, ...]:
+        """The device names whose entries speak for this call: its GPU's model first (looked up only when the table
+        has an entry measured on some model of its device), then ""."""
+        if problem.device not in self._named_devices:
+            return ("",)
+        return (accelerator_name(problem.framework.value, problem.device), "")
 
     def predict_us(self, backend: str, spec: AttentionSpec, problem: Problem) -> float | None:
         """The predicted time of one call on ``backend``, or None when the table has no entry for it."""
@@ -132,11 +145,22 @@ class CostTable:
     def predictions(self, spec: AttentionSpec, problem: Problem, backends: Iterable[str]) -> dict[str, float | None]:
         """:meth:`predict_us` of each of ``backends``, the call's work counted once."""
         units = work_units(spec, problem)
+        names, pass_name = self._device_names(problem), pass_of(problem)
         predicted: dict[str, float | None] = {}
         for backend in backends:
-            entry = self.entries.get((backend, problem.device, problem.dtype, pass_of(problem)))
+            found = (self.entries.get((backend, problem.device, problem.dtype, pass_name, name)) for name in names)
+            entry = next((e for e in found if e is not None), None)
             predicted[backend] = entry.predict_us(*units) if entry is not None else None
         return predicted
+
+    @staticmethod
+    def combined(tables: Iterable[CostTable]) -> CostTable:
+        """One table of the entries of several (a later table's entry replaces an earlier one's with the same key)."""
+        tables = tuple(tables)
+        return CostTable(
+            (entry for table in tables for entry in table.entries.values()),
+            source=", ".join(table.source for table in tables),
+        )
 
 
 def choose(servable: Sequence[str], predicted: Mapping[str, float | None], margin: float) -> str:
@@ -166,7 +190,7 @@ _FIELDS = {
     "ns_per_visible_unit": float,
     "ns_per_full_unit": float,
 }
-_OPTIONAL_FIELDS = {"measured"}
+_OPTIONAL_FIELDS = {"measured", "device_name"}
 
 
 def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
@@ -197,6 +221,9 @@ def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
         raise ConfigError(
             f"{where}: key measured={measured!r}, expected a list of [visible_units, full_units, time_us] >= 0"
         )
+    device_name = row.get("device_name", "")
+    if not isinstance(device_name, str):
+        raise ConfigError(f"{where}: key device_name={device_name!r}, expected a str (a GPU model's name)")
     return CostEntry(
         backend=str(values["backend"]),
         device=str(values["device"]),
@@ -206,6 +233,7 @@ def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
         ns_per_visible_unit=float(values["ns_per_visible_unit"]),  # type: ignore[arg-type]
         ns_per_full_unit=float(values["ns_per_full_unit"]),  # type: ignore[arg-type]
         measured=tuple((float(v), float(f), float(t)) for v, f, t in measured),
+        device_name=device_name,
     )
 
 
@@ -269,6 +297,7 @@ def write_table(entries: Sequence[CostEntry], path: str | Path, header: str) -> 
             "[[entry]]",
             f'backend = "{entry.backend}"',
             f'device = "{entry.device}"',
+            *([f'device_name = "{entry.device_name}"'] if entry.device_name else []),
             f'dtype = "{entry.dtype}"',
             f'pass = "{entry.pass_name}"',
             f"overhead_us = {entry.overhead_us:.4g}",

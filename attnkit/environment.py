@@ -1,8 +1,10 @@
-"""Process set-up: every backend this machine can run (GPU or not), and how many threads torch and XLA use."""
+"""Process set-up: every backend this machine can run (GPU or not), how many threads torch and XLA use, and which
+GPU model it has (the key of a cost table measured on one)."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -48,3 +50,23 @@ def limit_jax_threads(threads: int | None) -> None:
         if "intra_op_parallelism_threads" not in flags:
             extra = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
             os.environ["XLA_FLAGS"] = f"{flags} {extra}".strip()
+
+
+@functools.cache
+def accelerator_name(framework: str, device: str) -> str:
+    """The model of the ``device`` ("cuda") GPUs ``framework`` ("torch", "jax") sees here, e.g. "NVIDIA H100 80GB
+    HBM3"; "" for the CPU, without such a device, or when the GPUs are of more than one model (a cost table measured
+    on one model must not speak for a call that may run on another). Read once per process."""
+    if device != "cuda":
+        return ""
+    if framework == "torch":
+        import torch
+
+        if not torch.cuda.is_available():
+            return ""
+        names = {torch.cuda.get_device_name(index) for index in range(torch.cuda.device_count())}
+    else:
+        import jax
+
+        names = {d.device_kind for d in jax.devices() if d.platform == "gpu"}
+    return names.pop() if len(names) == 1 else ""

@@ -160,7 +160,7 @@ def test_calibrate_writes_a_table_that_reproduces_the_measurements(
             # at a measured call the table predicts the measurement; the file holds the fit beside it
             predicted = table.predict_us(group["backend"], spec, problem)
             assert predicted == pytest.approx(point["time_us"], rel=1e-3)
-            entry = table.entries[(group["backend"], "cpu", "float32", group["pass"])]
+            entry = table.entries[(group["backend"], "cpu", "float32", group["pass"], "")]
             fitted = entry.fitted_us(*cost.work_units(spec, problem))
             assert fitted == pytest.approx(point["predicted_us"], rel=1e-3)
             ratios.append(abs(math.log(fitted / point["time_us"])))

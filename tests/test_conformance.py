@@ -13,7 +13,7 @@ import attnkit
 from attnkit import AttentionSpec
 from attnkit.backend import Framework
 from attnkit.testing import Case, backends_for, check_backend
-from attnkit.testing.runners import drawable_dtypes
+from attnkit.testing.runners import drawable_dtypes, harness_capabilities
 from attnkit.testing.strategies import cases
 from tests.conftest import backend_params
 
@@ -21,7 +21,7 @@ from tests.conftest import backend_params
 @pytest.mark.parametrize("backend", backend_params())
 @given(data=st.data())
 def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
-    capabilities = attnkit.get_backend(backend).capabilities
+    capabilities = harness_capabilities(backend)
     case: Case = data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend)), label="case")
     note(case.describe())
     reasons = backends_for(case, [backend])[backend]
@@ -65,4 +65,5 @@ def test_harness_runs_a_backend_on_the_gpu_where_it_declares_one() -> None:
     from attnkit.testing.runners import harness_device
 
     assert harness_device("torch-naive") == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert harness_device("torch-sdpa") == "cpu"
+    assert harness_device("torch-sdpa") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert harness_device("cpu-flash") == "cpu"

@@ -144,7 +144,7 @@ def test_a_measured_call_corrects_the_fit_nearby_and_fades_beyond_twice_its_work
 def test_measured_points_round_trip_and_bad_ones_are_refused(tmp_path: Path) -> None:
     measured = CostEntry("torch-naive", "cpu", "float32", cost.FORWARD, 1.0, 2.0, 3.0, ((10.0, 20.0, 5.0),))
     table = cost.load_table(write(tmp_path / "ok.toml", [measured]))
-    assert table.entries[("torch-naive", "cpu", "float32", cost.FORWARD)] == measured
+    assert table.entries[("torch-naive", "cpu", "float32", cost.FORWARD, "")] == measured
     bad = (tmp_path / "ok.toml").read_text().replace("[[10, 20, 5]]", "[[10, 20]]")
     (tmp_path / "bad.toml").write_text(bad)
     with pytest.raises(attnkit.ConfigError, match="measured"):

@@ -26,6 +26,7 @@ from typing import Any
 
 from attnkit.bench.calls import call_problem, interpreted, random_inputs
 from attnkit.bench.timing import blocked, environment, interleaved
+from attnkit.environment import accelerator_name
 from attnkit.features import Feature
 from attnkit.tables import format_table
 
@@ -203,6 +204,8 @@ def measure_backend(
                 {
                     "backend": name,
                     "device": device,
+                    # A GPU's table speaks for its model only (attnkit/cost.py); a CPU's for any machine.
+                    "device_name": accelerator_name(framework, device),
                     "dtype": dtype,
                     "pass": pass_name,
                     "points": points,
@@ -239,8 +242,9 @@ def calibrate(
         measured = tuple((point["visible_units"], point["full_units"], point["time_us"]) for point in points)
         overhead, per_visible, per_full = cost.fit(measured, relative=True)
         entry = cost.CostEntry(
-            group["backend"], group["device"], group["dtype"], group["pass"], overhead, per_visible, per_full, measured
-        )
+            group["backend"], group["device"], group["dtype"], group["pass"], overhead, per_visible, per_full, measured,
+            device_name=group["device_name"],
+        )  # fmt: skip
         group["fit"] = {"overhead_us": overhead, "ns_per_visible_unit": per_visible, "ns_per_full_unit": per_full}
         for point in points:
             point["predicted_us"] = entry.fitted_us(point["visible_units"], point["full_units"])
@@ -260,6 +264,7 @@ def calibrate(
             {
                 "backend": e.backend,
                 "device": e.device,
+                "device_name": e.device_name,
                 "dtype": e.dtype,
                 "pass": e.pass_name,
                 "overhead_us": e.overhead_us,
@@ -297,6 +302,7 @@ def cost_entries(result: dict[str, Any]) -> list[Any]:
             row["ns_per_visible_unit"],
             row["ns_per_full_unit"],
             tuple(tuple(point) for point in row.get("measured", ())),
+            device_name=row.get("device_name", ""),
         )
         for row in result["entries"]
     ]

@@ -31,7 +31,7 @@ from attnkit.testing import strategies
 from attnkit.testing.agreement import Comparison, backends_for, check_backend
 from attnkit.testing.cases import Case, make_arrays
 from attnkit.testing.profiles import register_profiles
-from attnkit.testing.runners import drawable_dtypes
+from attnkit.testing.runners import drawable_dtypes, harness_capabilities
 
 CHECK_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
 # A case using none of the spec features: plain dot-product attention, bottom-right, bhsd.
@@ -186,7 +186,9 @@ def drawn_outcomes(
 
     @hypothesis.seed(seed)
     @hypothesis_settings(profile, examples)
-    @hypothesis.given(strategies.cases(capabilities=backend.capabilities, dtypes=drawable_dtypes(backend.name)))
+    @hypothesis.given(
+        strategies.cases(capabilities=harness_capabilities(backend.name), dtypes=drawable_dtypes(backend.name))
+    )
     def draw_and_check(case: Case) -> None:
         on_outcome(run_case(backend.name, f"drawn #{next(counter)}", case, expect_support=True))
 

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from attnkit import api, registry
-from attnkit.backend import Framework
+from attnkit.backend import Capabilities, Framework
 from attnkit.testing.cases import Case
 
 Results = dict[str, np.ndarray]
@@ -116,10 +116,16 @@ def native_framework(backend: str) -> Framework:
     return Framework.TORCH if Framework.TORCH in capabilities.frameworks else Framework.JAX
 
 
+def harness_capabilities(backend: str) -> Capabilities:
+    """What ``backend`` declares on :func:`harness_device`, where the harness runs it: the cases drawn for it."""
+    return registry.get_backend(backend).capabilities.on(harness_device(backend))
+
+
 def drawable_dtypes(backend: str) -> tuple[str, ...]:
-    """Every dtype ``backend`` declares, as the harness draws them: float64 for a backend run in JAX only while
-    jax_enable_x64 is on (JAX has no float64 array otherwise; the suite turns it on for its own x64 run)."""
-    declared = registry.get_backend(backend).capabilities.dtypes
+    """Every dtype ``backend`` declares on the harness's device, as the harness draws them: float64 for a backend run
+    in JAX only while jax_enable_x64 is on (JAX has no float64 array otherwise; the suite turns it on for its own x64
+    run)."""
+    declared = harness_capabilities(backend).dtypes
     if "float64" in declared and native_framework(backend) is Framework.JAX:
         import jax
 

@@ -18,6 +18,11 @@ Three paths, chosen per call from the spec and the optional tensors:
   that cannot happen (at least NAN_SAFE_KEYS keys, see tests/test_native_backends.py).
 
 Fully masked rows come out 0 with lse −inf (the kernel gives lse 0), and padding beyond lengths is never read.
+
+On CUDA the same paths run on CUDA's kernels: the native one is SDPA itself (flash, cuDNN or memory-efficient, as SDPA
+picks), the op one ``aten::_efficient_attention_forward``/``_backward`` in place of the CPU op (:func:`_ops_for`),
+with the kernel's own requirements met in :func:`_cuda_forward`/:func:`_cuda_backward`. float64 and head dims over
+MAX_CUDA_HEAD_DIM are refused there (``Capabilities.per_device``).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from attnkit.backend import (
     AttentionInputs,
     AttentionSpec,
     Capabilities,
+    DeviceLimits,
     Feature,
     Framework,
     Layout,
@@ -76,6 +82,88 @@ def _flash_ops() -> tuple[Any, Any] | None:
 
 
 _OPS = _flash_ops()
+
+# CUDA: the memory-efficient kernel (``aten::_efficient_attention_forward``/``_backward``), the one SDPA kernel that
+# returns lse and takes an additive mask (flash and cuDNN take none), for float32 and the half types. It reads
+# (B, L, H, D) views, rows in 16-byte vectors (head dims padded to CUDA_ALIGN; the mask's rows to MASK_ALIGN, as
+# SDPA's own preprocess_mask does), a mask of q's dtype shaped (B, H, Lq, Lk), and equal head counts (GQA expanded).
+CUDA_DTYPES = frozenset({"float16", "bfloat16", "float32"})
+MAX_CUDA_HEAD_DIM = 256  # the kernels' backward has tiles up to 256 on every architecture SDPA builds for
+CUDA_ALIGN = 8
+MASK_ALIGN = 16
+_NO_MASK, _CAUSAL_FROM_TOP_LEFT = 0, 1  # the kernel's custom_mask_type
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def _cuda_mask(mask: torch.Tensor | None, q: torch.Tensor, len_k: int) -> torch.Tensor | None:
+    """The additive (block) mask as the kernel reads it: q's dtype, rows aligned, expanded to (B, H, rows, Lk)."""
+    if mask is None:
+        return None
+    *lead, rows, cols = mask.shape
+    aligned = mask.new_zeros((*lead, rows, _round_up(cols, MASK_ALIGN)), dtype=q.dtype)[..., :cols]
+    return aligned.copy_(mask).expand(q.shape[0], q.shape[1], q.shape[2], len_k)
+
+
+def _bmhk(x: torch.Tensor) -> torch.Tensor:
+    """(B, H, L, D) as the kernel's (B, L, H, D) view, D padded to CUDA_ALIGN."""
+    return _pad_last(x, _round_up(x.shape[-1], CUDA_ALIGN)).transpose(1, 2)
+
+
+def _cuda_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: Any,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU op's (out, lse) from the CUDA kernel; its lse comes padded to a multiple of 32 queries."""
+    mask_type = _CAUSAL_FROM_TOP_LEFT if is_causal else _NO_MASK
+    out, lse, *_ = torch.ops.aten._efficient_attention_forward(
+        _bmhk(q), _bmhk(k), _bmhk(v), _cuda_mask(attn_mask, q, k.shape[2]), None, None, None, None, dropout_p,
+        mask_type, True, scale=scale,
+    )  # fmt: skip
+    return out.transpose(1, 2)[..., : v.shape[-1]], lse[..., : q.shape[2]]
+
+
+def _cuda_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: Any,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU backward op's (dq, dk, dv) from the CUDA kernel. It recomputes P = exp(S − lse): a row no key is
+    visible to has lse −inf, and +inf there makes P 0 instead of NaN."""
+    unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
+    # Padded again to the forward's multiple of 32 queries: the kernel reads lse by whole query tiles.
+    padding = _round_up(q.shape[2], 32) - q.shape[2]
+    lse = F.pad(lse.masked_fill(lse == float("-inf"), float("inf")), (0, padding), value=float("inf"))
+    dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
+        _bmhk(grad_out).contiguous(), _bmhk(q), _bmhk(k), _bmhk(v), _cuda_mask(attn_mask, q, k.shape[2]), _bmhk(out),
+        None, None, q.shape[2], k.shape[2], lse, dropout_p, unused, unused,
+        _CAUSAL_FROM_TOP_LEFT if is_causal else _NO_MASK, False, scale=scale,
+    )  # fmt: skip
+    return tuple(g.transpose(1, 2)[..., : x.shape[-1]] for g, x in ((dq, q), (dk, k), (dv, v)))  # type: ignore[return-value]
+
+
+def _ops_for(device: torch.device) -> tuple[Any, Any]:
+    """(forward, backward) with the CPU flash op's signatures, for tensors on ``device``."""
+    if device.type == "cuda":
+        return _cuda_forward, _cuda_backward
+    assert _OPS is not None
+    return _OPS
 
 
 @dataclass(frozen=True, slots=True)
@@ -163,7 +251,7 @@ class _BlockedFlash(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert _OPS is not None
+        flash_forward = _ops_for(q.device)[0]
         batch, heads, len_q, _ = q.shape
         out = q.new_zeros(batch, heads, len_q, v.shape[-1])
         lse = q.new_full((batch, heads, len_q), float("-inf"), dtype=torch.float32)
@@ -172,7 +260,7 @@ class _BlockedFlash(torch.autograd.Function):
         for block in plan.blocks:
             mask, empty = plan.mask(block)
             k_span, v_span = k[:, :, block.cols], v[:, :, block.cols]
-            block_out, block_lse = _OPS[0](
+            block_out, block_lse = flash_forward(
                 q[:, :, block.rows], k_span, v_span, 0.0, block.causal, attn_mask=mask, scale=scale
             )
             kernel_lse[:, :, block.rows] = block_lse
@@ -188,8 +276,8 @@ class _BlockedFlash(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None, _: Any) -> tuple[Any, ...]:  # type: ignore[override]
-        assert _OPS is not None
         q, k, v, out, kernel_lse = ctx.saved_tensors
+        flash_backward = _ops_for(q.device)[1]
         plan, scale = ctx.plan, ctx.scale
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         with_dlse = dlse is not None and bool(dlse.any())
@@ -209,7 +297,7 @@ class _BlockedFlash(torch.autograd.Function):
                 q_b, k_b, out_b = _pad_last(q_b, width), _pad_last(k_b, width), _pad_last(out_b, width)
                 v_b = torch.cat([v_b, torch.ones_like(v_b[..., :1])], dim=-1)
                 dout_b = torch.cat([dout_b, dlse[:, :, rows].unsqueeze(-1).to(dout.dtype)], dim=-1)
-            grads = _OPS[1](
+            grads = flash_backward(
                 dout_b.contiguous(), q_b, k_b, v_b, out_b, kernel_lse[:, :, rows], 0.0, block.causal,
                 attn_mask=mask, scale=scale,
             )  # fmt: skip
@@ -306,6 +394,8 @@ def _flash_attention(
     # The op reads rows with unit stride (the public call checks that and copies; the op does not).
     q, k, v = (_pad_last(x, width) for x in (q, k, v))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+    if q.is_cuda and k.shape[1] != heads_q:  # the CUDA kernel takes equal head counts; autograd sums dk, dv back
+        k, v = (x.repeat_interleave(heads_q // x.shape[1], dim=1) for x in (k, v))
     out, lse, kernel_lse = _BlockedFlash.apply(q, k, v, _Plan(spec, inputs, q, k), scale)
     if bool(((kernel_lse == 0) & (lse != float("-inf"))).any()):
         # A row the kernel skipped though the contract sees keys: its first scores were NaN (or −inf from bias).
@@ -322,13 +412,17 @@ class TorchSdpaBackend(RecomputingBackend):
     capabilities = Capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
-        devices=frozenset({"cpu"}),
+        devices=frozenset({"cpu", "cuda"}),
         features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS},
-        description="torch scaled_dot_product_attention (CPU flash kernel; lse, windows and lengths through its op)",
+        per_device=(("cuda", DeviceLimits(dtypes=CUDA_DTYPES, head_dims=(1, MAX_CUDA_HEAD_DIM))),),
+        description="torch scaled_dot_product_attention (CPU flash kernel, CUDA's own; lse, windows and lengths "
+        "through the kernel's op)",
         notes=(
             "softcap: SDPA has no score modifier, and a float mask is added after the scale, not before a tanh",
             "dbias: the flash backward returns no gradient for attn_mask",
-            "cuda: not lowered (the CUDA ops return lse differently; flash-attn and triton serve CUDA)",
+            "cuda: plain calls are SDPA itself (its flash, cuDNN or memory-efficient kernel, as SDPA picks); lse, "
+            "masks, bias, windows and lengths run aten::_efficient_attention_forward/_backward (float16, bfloat16, "
+            f"float32; head dims up to {MAX_CUDA_HEAD_DIM}; GQA by repeating k and v); float64: not on cuda",
             f"bottom-right causal with Lq != Lk, window, lengths: blocks of {BLOCK_Q} queries over the key span their "
             "band reaches, with a (block, span) mask; memory linear in L",
             "Dv != D: q, k, v zero-padded to max(D, Dv) for the op",

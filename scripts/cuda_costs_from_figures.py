@@ -1,0 +1,97 @@
+"""configs/costs_cuda.toml from the H100 figures in docs/performance.md ("First run on a GPU").
+
+    python scripts/cuda_costs_from_figures.py            # rewrites configs/costs_cuda.toml
+
+That run timed `attnkit bench --backend triton|cupy --device cuda --dtype bfloat16`: each backend against torch SDPA
+at the FlashAttention-2 paper's shapes (D = 64 and 128, L = 512..16384, B·H = 16k/L·32 or ·16 heads, causal or not),
+forward and forward+backward. Each row becomes a calibration point (visible_units, full_units, time_us) as
+`attnkit bench --calibrate` makes them (attnkit.cost.work_units), fitted by attnkit.cost.fit. torch SDPA's rows
+stand for the torch-sdpa backend: on these plain calls it is SDPA itself. The points are long prefill calls only (no
+decode step was timed), so the fits' overheads are extrapolated; a run of `attnkit bench --calibrate --device cuda`
+on an H100 replaces this table.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from attnkit import cost
+from attnkit.backend import Framework, Problem
+from attnkit.spec import AttentionSpec
+
+ROOT = Path(__file__).resolve().parent.parent
+FIGURES = ROOT / "docs" / "performance.md"
+OUTPUT = ROOT / "configs" / "costs_cuda.toml"
+DEVICE_NAME = "NVIDIA H100 80GB HBM3"
+#: The bench's implementation names, and the backends they stand for.
+BACKENDS = {"triton": "triton", "cupy": "cupy", "torch sdpa": "torch-sdpa"}
+ROW = re.compile(
+    r"^(?P<name>triton|cupy|torch sdpa)\s+(?P<causal>yes|no)\s+(?P<dim>\d+)\s+(?P<length>\d+)\s+"
+    r"(?P<batch>\d+)x(?P<heads>\d+)"
+    r"\s+\S+ \((?P<fwd>[\d.]+) ms\)\s+\S+ \([\d.]+ ms\)\s+\S+ \((?P<fwd_bwd>[\d.]+) ms\)"
+)
+
+
+def figure_blocks(text: str) -> list[str]:
+    """The code blocks of the H100 section that hold bench tables."""
+    section = text.split("## First run on a GPU (H100")[1].split("\n## ")[0]
+    return [block for block in section.split("```")[1::2] if DEVICE_NAME in block]
+
+
+def points(blocks: list[str]) -> dict[tuple[str, str], list[tuple[float, float, float]]]:
+    """(backend, pass) -> calibration points. torch SDPA, timed in both runs, keeps the first run's rows."""
+    found: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for index, block in enumerate(blocks):
+        for line in block.splitlines():
+            match = ROW.match(line)
+            if match is None or (match["name"] == "torch sdpa" and index > 0):
+                continue
+            length, dim = int(match["length"]), int(match["dim"])
+            problem = Problem(
+                Framework.TORCH, "cuda", "bfloat16", int(match["batch"]), int(match["heads"]), int(match["heads"]),
+                length, length, dim, dim,
+            )  # fmt: skip
+            units = cost.work_units(AttentionSpec(causal=match["causal"] == "yes"), problem)
+            for pass_name, column in ((cost.FORWARD, "fwd"), (cost.FORWARD_BACKWARD, "fwd_bwd")):
+                key = (BACKENDS[match["name"]], pass_name)
+                found.setdefault(key, []).append((*units, float(match[column]) * 1000.0))
+    return found
+
+
+def main() -> None:
+    entries = []
+    for (backend, pass_name), measured in sorted(points(figure_blocks(FIGURES.read_text())).items()):
+        overhead, per_visible, per_full = cost.fit(measured, relative=True)
+        entries.append(
+            cost.CostEntry(
+                backend,
+                "cuda",
+                "bfloat16",
+                pass_name,
+                overhead,
+                per_visible,
+                per_full,
+                tuple(measured),
+                device_name=DEVICE_NAME,
+            )  # fmt: skip
+        )
+    header = "\n".join(
+        [
+            "attnkit cost table for CUDA (attnkit/cost.py), keyed to the GPU model it was measured on: it speaks for",
+            f'calls on a "{DEVICE_NAME}" only (attnkit.environment.accelerator_name).',
+            'source: the H100 figures of docs/performance.md ("First run on a GPU (H100, 2026-11-22)"), made by',
+            "`attnkit bench --backend triton --device cuda --dtype bfloat16` and `... --backend cupy ...` on",
+            "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0, CuPy 14.2; torch SDPA's rows stand for",
+            "torch-sdpa. regenerate: python scripts/cuda_costs_from_figures.py (or measure on the GPU:",
+            "attnkit bench --calibrate --device cuda)",
+            "shapes: D=64 and 128, L=512..16384 (Lq = Lk), causal and not, bfloat16; no decode step (overheads are",
+            "extrapolated).",
+        ]
+    )
+    cost.write_table(entries, OUTPUT, header)
+    print(f"wrote {len(entries)} entries to {OUTPUT.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
