@@ -1,10 +1,12 @@
 """Everything dispatch remembers between calls, in one object with one :meth:`CallCache.clear`.
 
-:data:`CACHE` holds three tables, each bounded (emptied when full: a KV cache growing one key a step makes a new
+:data:`CACHE` holds four tables, each bounded (emptied when full: a KV cache growing one key a step makes a new
 entry every step, which must not grow without end):
 
 * ``calls``: attend()'s fast path, per call signature (spec, the frontend's signature of the tensors, return_lse,
   backend, scope): the validated Problem, the runner, and the runner's plain call if it has one;
+* ``operator_calls``: the same for calls a graph operator runs (attnkit/op_calls.py), whose key also carries the
+  caller's grad flags: the validated Problem and the chosen backend;
 * ``decisions``: dispatch.select(), per (spec, Problem, backend, scope): the chosen backend;
 * ``availability``: each backend's ``available()`` reading, by name (it looks at the machine: imports, compilers).
 
@@ -43,10 +45,22 @@ class CallCache:
     """The fast-path, decision and availability tables and the state they key on (module docstring). The tables are
     emptied in place, never replaced: attend() holds ``calls.get``."""
 
-    __slots__ = ("calls", "decisions", "availability", "limit", "epoch", "scope_serial", "_scope", "_serials", "_lock")
+    __slots__ = (
+        "calls",
+        "operator_calls",
+        "decisions",
+        "availability",
+        "limit",
+        "epoch",
+        "scope_serial",
+        "_scope",
+        "_serials",
+        "_lock",
+    )
 
     def __init__(self, limit: int = LIMIT) -> None:
         self.calls: dict[Hashable, CallEntry] = {}
+        self.operator_calls: dict[Hashable, tuple[Problem, Backend]] = {}
         self.decisions: dict[Hashable, Backend] = {}
         self.availability: dict[str, tuple[str, ...]] = {}
         self.limit = limit
@@ -87,6 +101,7 @@ class CallCache:
         with self._lock:
             self.epoch += 1
             self.calls.clear()
+            self.operator_calls.clear()
             self.decisions.clear()
             self.availability[name] = reasons
 
@@ -95,6 +110,7 @@ class CallCache:
         with self._lock:
             self.epoch += 1
             self.calls.clear()
+            self.operator_calls.clear()
             self.decisions.clear()
             self.availability.clear()
 

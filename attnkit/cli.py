@@ -139,9 +139,7 @@ def _add_bench(commands: Any) -> None:
         help="issue 6's targets against the frameworks' own attention; dispatch overhead; torch-chunked against SDPA "
         "and torch-naive in time or peak memory; --backend NAME in TFLOP/s; --calibrate the cost table",
     )
-    bench.add_argument(
-        "--what", choices=("dispatch", "chunked", "memory", "targets", "compiled"), default="dispatch"
-    )
+    bench.add_argument("--what", choices=("dispatch", "chunked", "memory", "targets", "compiled"), default="dispatch")
     bench.add_argument(
         "--backend",
         metavar="NAME",
