@@ -198,6 +198,7 @@ PATTERNS = {
     "sliding 1": masking_utils.sliding_window_causal_mask_function(1),
     "sliding 3": masking_utils.sliding_window_causal_mask_function(3),
     "bidirectional": masking_utils.bidirectional_mask_function,
+    "bidirectional sliding 2": masking_utils.sliding_window_bidirectional_mask_function(2),
 }
 TWO_D_PADDINGS = {
     "none": lambda length: [1] * length,

@@ -91,26 +91,33 @@ def _closure(function: Callable[..., Any]) -> dict[str, Any]:
 
 
 _AND_MASKS_CODE = masking_utils.and_masks(masking_utils.causal_mask_function).__code__
-_SLIDING_OVERLAY_CODE = masking_utils.sliding_window_overlay(1).__code__
+_CAUSAL_WINDOW_CODE = masking_utils.sliding_window_overlay(1).__code__
+_BIDIRECTIONAL_WINDOW_CODE = masking_utils.sliding_window_bidirectional_overlay(1).__code__
 
 
-def _pattern(mask_function: Callable[..., Any]) -> tuple[bool, int | None] | None:
-    """(causal, sliding window) of the mask functions transformers builds for causal, sliding-window causal and
-    bidirectional attention; None for any other (packed sequences, chunked attention, or/and overlays)."""
+def _pattern(mask_function: Callable[..., Any]) -> tuple[bool, tuple[int, int] | None] | None:
+    """(causal, window) of the mask functions transformers builds for causal and bidirectional attention, with or
+    without a sliding window; None for any other (packed sequences, chunked attention, or/and overlays)."""
     if mask_function is masking_utils.causal_mask_function:
         return True, None
     if mask_function is masking_utils.bidirectional_mask_function:
         return False, None
-    if getattr(mask_function, "__code__", None) is _AND_MASKS_CODE:
-        parts = _closure(mask_function).get("mask_functions", ())
-        if (
-            len(parts) == 2
-            and parts[1] is masking_utils.causal_mask_function
-            and getattr(parts[0], "__code__", None) is _SLIDING_OVERLAY_CODE
-        ):
-            sliding_window = _closure(parts[0])["sliding_window"]
-            if isinstance(sliding_window, int) and sliding_window >= 1:
-                return True, sliding_window
+    if getattr(mask_function, "__code__", None) is not _AND_MASKS_CODE:
+        return None
+    parts = _closure(mask_function).get("mask_functions", ())
+    if len(parts) != 2:
+        return None
+    overlay, base = parts
+    code = getattr(overlay, "__code__", None)
+    if code not in (_CAUSAL_WINDOW_CODE, _BIDIRECTIONAL_WINDOW_CODE):
+        return None
+    size = _closure(overlay).get("sliding_window")
+    if not isinstance(size, int) or size < 1:
+        return None
+    if code is _CAUSAL_WINDOW_CODE and base is masking_utils.causal_mask_function:
+        return True, (size - 1, 0)  # N keys, the query's own included: kv_idx > q_idx − N
+    if code is _BIDIRECTIONAL_WINDOW_CODE and base is masking_utils.bidirectional_mask_function:
+        return False, (size, size)  # |q_idx − kv_idx| <= N
     return None
 
 
@@ -153,9 +160,7 @@ def make_mask(
         )
         assert materialised is not None  # None only where a skip is allowed
         return materialised
-    causal, sliding_window = pattern
-    # transformers' sliding window holds N keys, the query's own included: kv_idx > q_idx − N.
-    window = None if sliding_window is None else (sliding_window - 1, 0)
+    causal, window = pattern
     described = functools.partial(AttnkitMask, causal, window, q_length=q_length, kv_length=kv_length)
     clip = torch.full((batch_size,), written, device=device) if written < kv_length else None
 
