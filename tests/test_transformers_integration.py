@@ -300,9 +300,9 @@ def test_attention_dropout_is_refused() -> None:
             layer.attention_dropout = 0.0
 
 
-@pytest.mark.parametrize("name", ["attention sinks", "position bias"])
-def test_what_attnkit_cannot_express_is_refused(name: str) -> None:
-    argument = {"attention sinks": "s_aux", "position bias": "position_bias"}[name]
+@pytest.mark.parametrize("argument", ["s_aux", "position_bias", "cache"])
+def test_what_attnkit_cannot_express_is_refused(argument: str) -> None:
+    """Attention sinks, a T5 position bias, a paged KV cache: a typed error naming the argument."""
     q = torch.zeros(1, 1, 2, 4)
     with pytest.raises(attnkit.InvalidInputError, match=f"{argument} is given"):
         attnkit_hf.attention(torch.nn.Module(), q, q, q, None, **{argument: torch.zeros(1)})

@@ -36,6 +36,7 @@ BACKEND_ENV = "ATTNKIT_TRANSFORMERS_BACKEND"
 _INEXPRESSIBLE = {
     "s_aux": "attention sinks (s_aux): a learned logit per head joining every softmax",
     "position_bias": "position_bias (T5-style learned relative bias)",
+    "cache": "a paged KV cache (continuous batching): attnkit reads key and value as given",
 }
 
 _backend = "auto"
