@@ -58,7 +58,7 @@ def register(backend: str | None = None) -> None:
     AttentionMaskInterface.register(NAME, make_mask)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # tensors inside: identity, not element-wise equality
 class AttnkitMask:
     """The visibility of one forward's attention calls, as attnkit's spec fields and call arguments.
 
@@ -91,6 +91,12 @@ def _closure(function: Callable[..., Any]) -> dict[str, Any]:
     return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in cells)))
 
 
+def _causal_window(size: int) -> tuple[int, int]:
+    """transformers' causal sliding window of ``size`` holds that many keys, the query's own included
+    (kv_idx > q_idx − size): attnkit's window reaches size − 1 keys back."""
+    return size - 1, 0
+
+
 _AND_MASKS_CODE = masking_utils.and_masks(masking_utils.causal_mask_function).__code__
 _CAUSAL_WINDOW_CODE = masking_utils.sliding_window_overlay(1).__code__
 _BIDIRECTIONAL_WINDOW_CODE = masking_utils.sliding_window_bidirectional_overlay(1).__code__
@@ -116,7 +122,7 @@ def _pattern(mask_function: Callable[..., Any]) -> tuple[bool, tuple[int, int] |
     if not isinstance(size, int) or size < 1:
         return None
     if code is _CAUSAL_WINDOW_CODE and base is masking_utils.causal_mask_function:
-        return True, (size - 1, 0)  # N keys, the query's own included: kv_idx > q_idx − N
+        return True, _causal_window(size)
     if code is _BIDIRECTIONAL_WINDOW_CODE and base is masking_utils.bidirectional_mask_function:
         return False, (size, size)  # |q_idx − kv_idx| <= N
     return None
@@ -225,7 +231,7 @@ def attention(
                 f"sliding_window={sliding_window} with is_causal=False and no attention_mask: the bidirectional "
                 "window's extent is ambiguous, expected an attention_mask made by transformers"
             )
-        window = None if sliding_window is None else (sliding_window - 1, 0)
+        window = None if sliding_window is None else _causal_window(sliding_window)
         spec = _spec(causal, False, window, scaling, softcap)
     else:  # a 4-D mask, given by the caller or materialised for a pattern attnkit cannot express: it is the truth
         spec = _spec(False, False, None, scaling, softcap)
