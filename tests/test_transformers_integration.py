@@ -91,7 +91,7 @@ def token_ids(seed: int, length: int = LENGTH) -> torch.Tensor:
 
 
 def supports_sdpa(model: torch.nn.Module) -> bool:
-    return type(model)._supports_sdpa  # Gemma2 refuses sdpa: it has no softcap
+    return type(model)._supports_sdpa  # sdpa has no softcap, so Gemma2 refuses it
 
 
 def padding_mask(padding: str) -> torch.Tensor:
