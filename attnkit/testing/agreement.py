@@ -136,9 +136,16 @@ def _max_error(actual: np.ndarray, expected: np.ndarray) -> float:
 
 
 def compare(case: Case, results: Results, exact: Results, baseline: Results) -> list[Comparison]:
+    return compare_outputs(case.dtype, results, exact, baseline)
+
+
+def compare_outputs(dtype: str, results: Results, exact: Results, baseline: Results) -> list[Comparison]:
+    """The tolerance rule for every output of ``exact`` (float64), with ``baseline`` the reference computed at
+    ``dtype``: for a whole model as for one call (tests/test_transformers_integration.py compares logits and
+    parameter gradients of transformers models so)."""
     comparisons = []
-    eps = _EPS[case.dtype]
-    accumulation_eps = _EPS["float64" if case.dtype == "float64" else "float32"]
+    eps = _EPS[dtype]
+    accumulation_eps = _EPS["float64" if dtype == "float64" else "float32"]
     for name, expected in exact.items():
         if name not in results:
             comparisons.append(Comparison(name, float("inf"), 0.0))

@@ -1,0 +1,246 @@
+"""``attn_implementation="attnkit"`` for Hugging Face transformers models (docs/integrations.md).
+
+    import attnkit.integrations.transformers as attnkit_hf
+    attnkit_hf.register()                     # importing registers too; register() is idempotent
+    model = AutoModelForCausalLM.from_pretrained(name, attn_implementation="attnkit")
+
+Two hooks are registered under the name ``"attnkit"``:
+
+* in ``AttentionMaskInterface``, :func:`make_mask`: transformers calls it once per forward and mask kind (full,
+  sliding) with the raw facts (the 2-D padding mask, where the queries and keys sit in the sequence, the mask
+  pattern). It answers with an :class:`AttnkitMask`: the pattern as spec fields, and padding as ``kv_lengths`` or a
+  (B, 1, 1, Lk) key mask, never an (Lq, Lk) one, except for patterns attnkit cannot express (below);
+* in ``AttentionInterface``, :func:`attention`: every attention layer's call, which runs :func:`attnkit.attend`.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from transformers import AttentionInterface, AttentionMaskInterface, masking_utils
+
+from attnkit.api import attend
+from attnkit.errors import InvalidInputError
+from attnkit.registry import get_backend
+from attnkit.spec import AttentionSpec, CausalAlignment
+
+NAME = "attnkit"
+#: Names the attnkit backend every call uses when register() is given none ("auto" when unset).
+BACKEND_ENV = "ATTNKIT_TRANSFORMERS_BACKEND"
+#: Keyword arguments of transformers' attention calls whose meaning attnkit cannot express.
+_INEXPRESSIBLE = {
+    "s_aux": "attention sinks (s_aux): a learned logit per head joining every softmax",
+    "position_bias": "position_bias (T5-style learned relative bias)",
+    "cache": "a paged KV cache (continuous batching): attnkit reads key and value as given",
+}
+
+_backend = "auto"
+
+
+def register(backend: str | None = None) -> None:
+    """Make ``attn_implementation="attnkit"`` available to transformers models. Idempotent.
+
+    ``backend`` forces one attnkit backend for every call (default: the ``ATTNKIT_TRANSFORMERS_BACKEND``
+    environment variable, else ``"auto"``, attnkit's own choice per call). An unknown name raises
+    :class:`attnkit.UnknownBackendError` here rather than at the first forward.
+    """
+    global _backend
+    chosen = backend or os.environ.get(BACKEND_ENV) or "auto"
+    if chosen != "auto":
+        get_backend(chosen)
+    _backend = chosen
+    AttentionInterface.register(NAME, attention)
+    AttentionMaskInterface.register(NAME, make_mask)
+
+
+@dataclass(frozen=True, eq=False)  # tensors inside: identity, not element-wise equality
+class AttnkitMask:
+    """The visibility of one forward's attention calls, as attnkit's spec fields and call arguments.
+
+    ``kv_lengths`` clips the unwritten slots of a static cache and, with bottom-right alignment, places the causal
+    diagonal (docs/semantics.md §4.3: ``off_b = kv_lengths[b] − Lq``); with ``top_left`` (right padding, queries
+    at the start) it is the padding itself. ``key_mask`` is (B, 1, 1, Lk): padding that no length expresses.
+    """
+
+    causal: bool
+    window: tuple[int, int] | None
+    top_left: bool
+    kv_lengths: torch.Tensor | None
+    key_mask: torch.Tensor | None
+    q_length: int
+    kv_length: int
+
+    # transformers' mask preparation reads .ndim (2 would mark a raw padding mask to convert), and generate()
+    # calls .contiguous() on the masks it prepares for static caches.
+    ndim: ClassVar[int] = 4
+
+    def contiguous(self) -> AttnkitMask:
+        return self
+
+    def spec(self, scale: float | None, softcap: float | None) -> AttentionSpec:
+        return _spec(self.causal, self.top_left, self.window, scale, softcap)
+
+
+def _closure(function: Callable[..., Any]) -> dict[str, Any]:
+    cells = function.__closure__ or ()
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in cells)))
+
+
+def _causal_window(size: int) -> tuple[int, int]:
+    """transformers' causal sliding window of ``size`` holds that many keys, the query's own included
+    (kv_idx > q_idx − size): attnkit's window reaches size − 1 keys back."""
+    return size - 1, 0
+
+
+_AND_MASKS_CODE = masking_utils.and_masks(masking_utils.causal_mask_function).__code__
+_CAUSAL_WINDOW_CODE = masking_utils.sliding_window_overlay(1).__code__
+_BIDIRECTIONAL_WINDOW_CODE = masking_utils.sliding_window_bidirectional_overlay(1).__code__
+
+
+def _pattern(mask_function: Callable[..., Any]) -> tuple[bool, tuple[int, int] | None] | None:
+    """(causal, window) of the mask functions transformers builds for causal and bidirectional attention, with or
+    without a sliding window; None for any other (packed sequences, chunked attention, or/and overlays)."""
+    if mask_function is masking_utils.causal_mask_function:
+        return True, None
+    if mask_function is masking_utils.bidirectional_mask_function:
+        return False, None
+    if getattr(mask_function, "__code__", None) is not _AND_MASKS_CODE:
+        return None
+    parts = _closure(mask_function).get("mask_functions", ())
+    if len(parts) != 2:
+        return None
+    overlay, base = parts
+    code = getattr(overlay, "__code__", None)
+    if code not in (_CAUSAL_WINDOW_CODE, _BIDIRECTIONAL_WINDOW_CODE):
+        return None
+    size = _closure(overlay).get("sliding_window")
+    if not isinstance(size, int) or size < 1:
+        return None
+    if code is _CAUSAL_WINDOW_CODE and base is masking_utils.causal_mask_function:
+        return True, _causal_window(size)
+    if code is _BIDIRECTIONAL_WINDOW_CODE and base is masking_utils.bidirectional_mask_function:
+        return False, (size, size)  # |q_idx − kv_idx| <= N
+    return None
+
+
+def make_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int | torch.Tensor = 0,
+    kv_offset: int = 0,
+    mask_function: Callable[..., Any] = masking_utils.causal_mask_function,
+    attention_mask: torch.Tensor | AttnkitMask | None = None,
+    local_size: int | None = None,
+    use_vmap: bool = False,
+    device: torch.device | str = "cpu",
+    **kwargs: Any,
+) -> AttnkitMask | torch.Tensor:
+    """transformers' mask hook: an :class:`AttnkitMask`, or for a pattern attnkit cannot express, transformers'
+    own boolean (B, 1, Lq, Lk) mask."""
+    if isinstance(attention_mask, AttnkitMask):  # prepared by generate() for this very call
+        return attention_mask
+    pattern = _pattern(mask_function)
+    # Query i sits at position q_offset + i, key j at kv_offset + j: key j is at or before query i when
+    # j <= i + diagonal. Keys from diagonal + Lq on are later than every query: a static cache's unwritten slots.
+    q_start = int(q_offset)  # a tensor for static caches
+    diagonal = q_start - kv_offset
+    written = diagonal + q_length
+    if pattern is None or not q_length <= written <= kv_length:
+        materialised = masking_utils.sdpa_mask(
+            batch_size=batch_size,
+            q_length=q_length,
+            kv_length=kv_length,
+            q_offset=q_start,
+            kv_offset=kv_offset,
+            mask_function=mask_function,
+            attention_mask=attention_mask,
+            local_size=local_size,
+            allow_is_causal_skip=False,
+            use_vmap=use_vmap,
+            device=device,
+        )
+        assert materialised is not None  # None only where a skip is allowed
+        return materialised
+    causal, window = pattern
+    described = functools.partial(AttnkitMask, causal, window, q_length=q_length, kv_length=kv_length)
+    clip = torch.full((batch_size,), written, device=device) if written < kv_length else None
+
+    padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    keys = None if padding is None else padding[:, kv_offset : kv_offset + kv_length]
+    if keys is None or bool(keys[:, :written].all()):
+        return described(top_left=False, kv_lengths=clip, key_mask=None)
+    real = keys.sum(1)
+    right_padded = torch.equal(keys, torch.arange(kv_length, device=keys.device) < real[:, None])
+    if right_padded and diagonal == 0:
+        # Queries start at key 0, so top-left alignment places the diagonal; the padding is a length. (Bottom-right
+        # would need q_lengths = kv_lengths, which empties the padded query rows that transformers computes.)
+        return described(top_left=True, kv_lengths=real, key_mask=None)
+    # Left padding (or holes): attnkit has no compact form for it yet, so a key mask, broadcast over queries.
+    return described(top_left=False, kv_lengths=clip, key_mask=keys[:, None, None, :])
+
+
+@functools.lru_cache(maxsize=256)
+def _spec(
+    causal: bool, top_left: bool, window: tuple[int, int] | None, scale: float | None, softcap: float | None
+) -> AttentionSpec:
+    alignment = CausalAlignment.TOP_LEFT if top_left else CausalAlignment.BOTTOM_RIGHT
+    return AttentionSpec(causal=causal, causal_alignment=alignment, window=window, scale=scale, softcap=softcap)
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: AttnkitMask | torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention hook: (B, H, L, D) inputs, kv heads not repeated; returns ((B, Lq, Hq, Dv), None)."""
+    if dropout:
+        raise InvalidInputError(
+            f"dropout={dropout}: attnkit has no attention dropout, expected 0.0 "
+            "(set the model config's attention_dropout to 0, or call model.eval())"
+        )
+    for name, meaning in _INEXPRESSIBLE.items():
+        if kwargs.get(name) is not None:
+            raise InvalidInputError(f"{name} is given, but attnkit cannot express {meaning}; expected None")
+    mask = bias = kv_lengths = None
+    if isinstance(attention_mask, AttnkitMask):
+        if (query.shape[2], key.shape[2]) != (attention_mask.q_length, attention_mask.kv_length):
+            raise InvalidInputError(
+                f"attention_mask was made for Lq={attention_mask.q_length}, Lk={attention_mask.kv_length}; "
+                f"got query with Lq={query.shape[2]} and key with Lk={key.shape[2]}"
+            )
+        spec = attention_mask.spec(scaling, softcap)
+        mask, kv_lengths = attention_mask.key_mask, attention_mask.kv_lengths
+    elif attention_mask is None:  # no mask made (a module called on its own): the call's own arguments
+        causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        if sliding_window is not None and not causal:
+            raise InvalidInputError(
+                f"sliding_window={sliding_window} with is_causal=False and no attention_mask: the bidirectional "
+                "window's extent is ambiguous, expected an attention_mask made by transformers"
+            )
+        window = None if sliding_window is None else _causal_window(sliding_window)
+        spec = _spec(causal, False, window, scaling, softcap)
+    else:  # a 4-D mask, given by the caller or materialised for a pattern attnkit cannot express: it is the truth
+        spec = _spec(False, False, None, scaling, softcap)
+        if attention_mask.dtype == torch.bool:
+            mask = attention_mask
+        else:
+            bias = attention_mask
+    out = attend(spec, query, key, value, mask=mask, bias=bias, kv_lengths=kv_lengths, backend=_backend)
+    return out.transpose(1, 2).contiguous(), None
+
+
+register()

@@ -1,0 +1,351 @@
+"""attn_implementation="attnkit" in Hugging Face transformers (attnkit/integrations/transformers.py,
+docs/integrations.md): the visibility each mask it makes stands for is exactly transformers' own mask, and whole
+models (GQA, softcap, sliding windows; left, right and no padding) agree with transformers' attention in logits,
+every parameter gradient and greedy generation with dynamic and static caches.
+
+The float64 oracle of the model comparisons is transformers' eager attention with its softmax in float64
+(`exact_eager` below): eager itself takes its softmax in float32, so in float64 it is neither exact nor, with
+left padding, finite (docs/integrations.md). Tiny models built from configs, no downloads; each family is built
+once per module.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip(
+    "transformers", reason="the transformers extra is not installed (pip install attnkit[transformers])"
+)
+
+import transformers  # noqa: E402
+from attnkit.backends.reference.torch_naive import oracle_visibility  # noqa: E402
+from transformers import AttentionInterface, AttentionMaskInterface, masking_utils  # noqa: E402
+
+import attnkit  # noqa: E402
+from attnkit.backend import AttentionInputs  # noqa: E402
+from attnkit.integrations import transformers as attnkit_hf  # noqa: E402
+from attnkit.testing.agreement import compare_outputs  # noqa: E402
+
+BATCH, LENGTH, NEW_TOKENS, VOCAB = 3, 12, 5, 96
+PADDINGS = ("none", "left", "right")
+
+
+def exact_eager(module: torch.nn.Module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
+    """transformers' eager attention (kv heads repeated, scale, softcap, additive mask) with the softmax in the
+    inputs' dtype."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
+    scores = query @ key.transpose(2, 3) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("exact_eager", exact_eager)
+AttentionMaskInterface.register("exact_eager", masking_utils.eager_mask)
+
+SHARED = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0)  # fmt: skip
+CONFIGS: dict[str, Callable[[], Any]] = {
+    # GQA: 4 query heads on 2 kv heads.
+    "llama": lambda: transformers.LlamaConfig(**SHARED),
+    # Softcap on scores of order 1 (a wider init than the default 0.02, where tanh would be linear), and sliding
+    # layers (4 keys, the query's own included) alternating with full ones.
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SHARED, sliding_window=4, attn_logit_softcapping=2.0, query_pre_attn_scalar=8, initializer_range=0.3
+    ),
+    # Every layer sliding, 5 keys.
+    "mistral": lambda: transformers.MistralConfig(**SHARED, sliding_window=5),
+}
+MODELS = {
+    "llama": transformers.LlamaForCausalLM,
+    "gemma2": transformers.Gemma2ForCausalLM,
+    "mistral": transformers.MistralForCausalLM,
+}
+
+
+@functools.cache
+def build(name: str) -> tuple[str, torch.nn.Module, torch.nn.Module]:
+    """(name, float32 model, the same weights in float64), in train mode with attention dropout 0."""
+    torch.manual_seed(0)
+    model = MODELS[name](CONFIGS[name]()).train()
+    return name, model, copy.deepcopy(model).double()
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def family(request: pytest.FixtureRequest) -> tuple[str, torch.nn.Module, torch.nn.Module]:
+    return build(request.param)
+
+
+def token_ids(seed: int, length: int = LENGTH) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (BATCH, length), generator=torch.Generator().manual_seed(seed))
+
+
+def supports_sdpa(model: torch.nn.Module) -> bool:
+    return type(model)._supports_sdpa  # sdpa has no softcap, so Gemma2 refuses it
+
+
+def padding_mask(padding: str) -> torch.Tensor:
+    mask = torch.ones(BATCH, LENGTH, dtype=torch.long)
+    if padding == "left":
+        mask[1, :4] = mask[2, :1] = 0
+    elif padding == "right":
+        mask[1, 8:] = mask[2, 11:] = 0
+    return mask
+
+
+def logits_and_gradients(
+    model: torch.nn.Module, implementation: str, ids, real=None, **inputs
+) -> dict[str, np.ndarray]:
+    """The logits of the ``real`` positions (default: all) and every parameter's gradient of a fixed linear loss on
+    them."""
+    model.set_attn_implementation(implementation)
+    model.zero_grad(set_to_none=True)
+    logits = model(ids, **inputs).logits
+    real = torch.ones(ids.shape, dtype=torch.bool) if real is None else real
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (logits[real] * weights[real].to(logits.dtype)).sum().backward()
+    results = {"logits": logits[real].detach().double().numpy()}
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, f"{name} got no gradient"
+        results[name] = parameter.grad.double().numpy()
+    return results
+
+
+def assert_agree(dtype: str, results, exact, baseline, what: str) -> None:
+    failures = [str(comparison) for comparison in compare_outputs(dtype, results, exact, baseline) if not comparison.ok]
+    assert not failures, f"{what}:\n  " + "\n  ".join(failures)
+
+
+@pytest.mark.parametrize("padding", PADDINGS)
+def test_logits_and_every_parameter_gradient_agree_with_transformers(family, padding: str) -> None:
+    name, model32, model64 = family
+    ids = token_ids(2)
+    mask = padding_mask(padding)
+    run = functools.partial(logits_and_gradients, ids=ids, real=mask.bool(), attention_mask=mask)
+    exact = run(model64, "exact_eager")
+    attnkit64 = run(model64, "attnkit")
+    assert_agree("float64", attnkit64, exact, exact, f"{name} float64 attnkit against the float64 oracle")
+    attnkit32 = run(model32, "attnkit")
+    peers = ["eager", "sdpa"] if supports_sdpa(model32) else ["eager"]
+    for peer in peers:
+        baseline = run(model32, peer)
+        assert_agree("float32", attnkit32, exact, baseline, f"{name} float32 attnkit, with {peer} as the baseline")
+    if supports_sdpa(model64):  # the oracle itself, against a float64 peer
+        sdpa64 = run(model64, "sdpa")
+        assert_agree("float64", sdpa64, exact, exact, f"{name} float64 sdpa against the test's oracle")
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_greedy_generation_on_a_left_padded_batch_matches_transformers(family, cache: str) -> None:
+    name, _, model = family
+    ids = token_ids(3)
+    mask = padding_mask("left")
+    references = ["exact_eager", "sdpa"] if supports_sdpa(model) else ["exact_eager"]
+    tokens = {}
+    for implementation in ["attnkit", *references]:
+        model.set_attn_implementation(implementation)
+        with torch.no_grad():
+            tokens[implementation] = model.generate(
+                ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation=cache
+            )[:, LENGTH:]
+    for reference in references:
+        assert torch.equal(tokens["attnkit"], tokens[reference]), (name, cache, reference, tokens)
+
+
+def test_a_static_cache_unwritten_slots_are_never_read(family) -> None:
+    """NaN in the slots a static cache has not written yet reaches no logit: they are beyond kv_lengths, padding
+    (docs/semantics.md §5), and the decode step agrees with a dynamic cache's."""
+    _, _, model = family
+    model.set_attn_implementation("attnkit")
+    ids, mask, step = token_ids(4), padding_mask("left"), token_ids(5, length=1)
+    longer = torch.cat([mask, torch.ones(BATCH, 1, dtype=mask.dtype)], dim=1)
+
+    def decode(cache: transformers.Cache, poison: bool) -> np.ndarray:
+        with torch.no_grad():
+            model(ids, attention_mask=mask, past_key_values=cache)
+            for layer in cache.layers if poison else ():
+                layer.keys[:, :, LENGTH:] = layer.values[:, :, LENGTH:] = float("nan")
+            return model(step, attention_mask=longer, past_key_values=cache).logits.numpy()
+
+    static = decode(transformers.StaticCache(config=model.config, max_cache_len=LENGTH + 4), poison=True)
+    dynamic = {"logits": decode(transformers.DynamicCache(config=model.config), poison=False)}
+    assert_agree("float64", {"logits": static}, dynamic, dynamic, "static cache with NaN unwritten slots")
+
+
+# Where the queries and keys sit, (q_length, kv_length, q_offset, kv_offset), as transformers' caches report them.
+GEOMETRIES = {
+    "prefill": (8, 8, 0, 0),
+    "decode": (1, 9, 8, 0),
+    "chunked prefill": (3, 9, 6, 0),
+    "static cache prefill": (8, 12, 0, 0),
+    "static cache decode": (1, 12, 8, 0),
+    # A dynamic sliding-window cache of 4 after 9 tokens keeps the last 3: keys at positions 6.. .
+    "sliding cache decode": (1, 4, 9, 6),
+    "sliding cache chunk": (3, 6, 9, 6),
+}
+PATTERNS = {
+    "causal": masking_utils.causal_mask_function,
+    "sliding 1": masking_utils.sliding_window_causal_mask_function(1),
+    "sliding 3": masking_utils.sliding_window_causal_mask_function(3),
+    "bidirectional": masking_utils.bidirectional_mask_function,
+    "bidirectional sliding 2": masking_utils.sliding_window_bidirectional_mask_function(2),
+}
+TWO_D_PADDINGS = {
+    "none": lambda length: [1] * length,
+    "left": lambda length: [0, 0] + [1] * (length - 2),
+    "right": lambda length: [1] * (length - 2) + [0, 0],
+    "holes": lambda length: [1, 0] + [1] * (length - 3) + [0],
+}
+
+
+@pytest.mark.parametrize("padding", sorted(TWO_D_PADDINGS))
+@pytest.mark.parametrize("pattern", sorted(PATTERNS))
+@pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
+def test_the_mask_made_stands_for_exactly_transformers_mask(geometry: str, pattern: str, padding: str) -> None:
+    """What attnkit sees (docs/semantics.md §4, the oracle's visibility) of the mask made for transformers' raw
+    facts equals transformers' own boolean mask, query by key, and is never (Lq, Lk)."""
+    q_length, kv_length, q_offset, kv_offset = GEOMETRIES[geometry]
+    seen = q_offset + q_length
+    two_d = torch.tensor([[1] * seen, TWO_D_PADDINGS[padding](seen)], dtype=torch.bool)
+    facts = dict(batch_size=2, q_length=q_length, kv_length=kv_length, q_offset=q_offset, kv_offset=kv_offset,
+                 mask_function=PATTERNS[pattern], attention_mask=two_d)  # fmt: skip
+    expected = masking_utils.sdpa_mask(**facts, allow_is_causal_skip=False)
+    made = attnkit_hf.make_mask(**facts)
+    assert isinstance(made, attnkit_hf.AttnkitMask)
+    assert made.key_mask is None or made.key_mask.shape == (2, 1, 1, kv_length)
+    if padding in ("none", "right") and q_offset == kv_offset:
+        assert made.key_mask is None  # right padding is a length
+    q = torch.empty(2, 1, q_length, 1)
+    k = torch.empty(2, 1, kv_length, 1)
+    inputs = AttentionInputs(q, k, k, mask=made.key_mask, kv_lengths=made.kv_lengths)
+    assert torch.equal(oracle_visibility(made.spec(None, None), inputs, q_length, kv_length), expected)
+
+
+def test_patterns_attnkit_cannot_express_get_transformers_mask() -> None:
+    """Chunked attention (and packed sequences, or/and overlays): transformers' own (B, 1, Lq, Lk) mask."""
+    chunks_of_3 = masking_utils.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
+    facts = dict(batch_size=2, q_length=6, kv_length=6, attention_mask=torch.ones(2, 6, dtype=torch.bool),
+                 mask_function=chunks_of_3)  # fmt: skip
+    made = attnkit_hf.make_mask(**facts)
+    assert torch.equal(made, masking_utils.sdpa_mask(**facts, allow_is_causal_skip=False))
+
+
+def test_packed_sequences_agree_with_transformers() -> None:
+    """Two sequences packed in each row, told apart by position_ids: the materialised mask path, whole model."""
+    _, _, model = build("llama")
+    ids = token_ids(6)
+    positions = torch.cat([torch.arange(5), torch.arange(LENGTH - 5)]).expand(BATCH, -1)
+    exact = logits_and_gradients(model, "exact_eager", ids, position_ids=positions)
+    ours = logits_and_gradients(model, "attnkit", ids, position_ids=positions)
+    assert_agree("float64", ours, exact, exact, "packed sequences")
+
+
+@pytest.mark.parametrize("mask_dtype", ["bool", "additive"])
+def test_a_four_d_mask_from_the_caller_is_the_whole_truth(mask_dtype: str) -> None:
+    """A caller's own 4-D mask (boolean, or additive floats as eager takes them) is used as given."""
+    _, _, model = build("llama")
+    ids = token_ids(7)
+    visible = torch.ones(LENGTH, LENGTH, dtype=torch.bool).tril(-2).logical_not().tril()  # causal, last 2 keys
+    visible = visible.expand(BATCH, 1, LENGTH, LENGTH)
+    mask = (
+        visible
+        if mask_dtype == "bool"
+        else torch.zeros(visible.shape, dtype=torch.float64).masked_fill(~visible, -1e30)
+    )
+    expected = logits_and_gradients(model, "sdpa", ids, attention_mask=mask)
+    got = logits_and_gradients(model, "attnkit", ids, attention_mask=mask)
+    assert_agree("float64", got, expected, expected, f"caller's {mask_dtype} 4-D mask")
+
+
+@pytest.mark.parametrize("sliding_window", [None, 1, 3])
+def test_without_a_mask_is_causal_and_sliding_window_decide(sliding_window: int | None) -> None:
+    """An attention module called with no mask (nothing made one): causal from the module, the window from the
+    call (N keys, the query's own included), against eager on transformers' own mask for the same pattern."""
+    generator = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, heads, 6, 8, generator=generator, dtype=torch.float64) for heads in (4, 2, 2))
+    module = torch.nn.Module()
+    module.is_causal = True
+    pattern = masking_utils.causal_mask_function
+    if sliding_window is not None:
+        pattern = masking_utils.sliding_window_causal_mask_function(sliding_window)
+    mask = masking_utils.eager_mask(2, 6, 6, mask_function=pattern, dtype=torch.float64)
+    expected = {"out": exact_eager(module, q, k, v, mask, scaling=0.3)[0].numpy()}
+    got = {"out": attnkit_hf.attention(module, q, k, v, None, scaling=0.3, sliding_window=sliding_window)[0].numpy()}
+    assert_agree("float64", got, expected, expected, f"no mask, sliding_window={sliding_window}")
+
+
+def test_attention_dropout_is_refused() -> None:
+    """attnkit has no dropout: a training call with dropout > 0 is a typed error naming it (dropout 0.0 in train
+    mode is what the gradient tests run)."""
+    _, model, _ = build("llama")
+    model.set_attn_implementation("attnkit")
+    layers = [layer.self_attn for layer in model.model.layers]
+    for layer in layers:
+        layer.attention_dropout = 0.1
+    try:
+        with pytest.raises(attnkit.InvalidInputError, match=r"dropout=0\.1: attnkit has no attention dropout"):
+            model(token_ids(9))
+    finally:
+        for layer in layers:
+            layer.attention_dropout = 0.0
+
+
+@pytest.mark.parametrize("argument", ["s_aux", "position_bias", "cache"])
+def test_what_attnkit_cannot_express_is_refused(argument: str) -> None:
+    """Attention sinks, a T5 position bias, a paged KV cache: a typed error naming the argument."""
+    q = torch.zeros(1, 1, 2, 4)
+    with pytest.raises(attnkit.InvalidInputError, match=f"{argument} is given"):
+        attnkit_hf.attention(torch.nn.Module(), q, q, q, None, **{argument: torch.zeros(1)})
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_a_forced_backend_serves_every_call(how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """register(backend=...) or ATTNKIT_TRANSFORMERS_BACKEND names the backend of every call; a backend that
+    cannot serve torch tensors then refuses the model's calls rather than anything falling back."""
+    _, model, _ = build("llama")
+    model.set_attn_implementation("attnkit")
+    try:
+        if how == "argument":
+            attnkit_hf.register(backend="jax-reference")
+        else:
+            monkeypatch.setenv(attnkit_hf.BACKEND_ENV, "jax-reference")
+            attnkit_hf.register()
+        with pytest.raises(attnkit.BackendUnavailableError, match="jax-reference"):
+            model(token_ids(10))
+        with pytest.raises(attnkit.UnknownBackendError, match="no-such-backend"):
+            attnkit_hf.register(backend="no-such-backend")
+    finally:
+        attnkit_hf.register(backend="auto")
+
+
+@pytest.mark.parametrize("name, feature", [("gemma2", "softcap"), ("gemma2", "window"), ("mistral", "window")])
+def test_the_models_exercise_what_they_are_here_for(name: str, feature: str) -> None:
+    """Softcap and the sliding windows change these models' logits far beyond any tolerance, so the comparisons
+    above check them (the sequence is longer than the windows and the scores are of order 1)."""
+    _, _, model = build(name)
+    model.set_attn_implementation("exact_eager")
+    ids = token_ids(11)
+    with torch.no_grad():
+        with_it = model(ids).logits
+        if feature == "softcap":
+            modules = [layer.self_attn for layer in model.model.layers]
+            for module in modules:
+                module.attn_logit_softcapping = None
+            without = model(ids).logits
+            for module in modules:
+                module.attn_logit_softcapping = model.config.attn_logit_softcapping
+        else:
+            window, model.config.sliding_window = model.config.sliding_window, LENGTH
+            without = model(ids).logits
+            model.config.sliding_window = window
+    assert (with_it - without).abs().max() > 1e-3
