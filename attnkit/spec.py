@@ -46,8 +46,9 @@ class _NotRemembered(Exception):
 class _RememberedSpecs(ModelMetaclass):
     """``AttentionSpec(**fields)`` validates once per distinct arguments: dispatch code builds the same few specs on
     every call, and validation costs ~7 us where a look-up costs well under 1. Only successful constructions are
-    remembered, so bad input is validated (and raises) every time. model_validate, copies and unpickling do not go
-    through here."""
+    remembered, so bad input is validated (and raises) every time. model_validate comes here too (pydantic calls the
+    class, which has its own __init__); copies and unpickling do not. ``type.__call__(AttentionSpec, **fields)``
+    builds one without remembering (the bench and the tests compare with it)."""
 
     def __call__(cls, /, **fields: Any) -> Any:  # fields by keyword only, as pydantic's __init__ takes them
         window = fields.get("window")

@@ -106,19 +106,25 @@ def test_explain_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         assert exit_info.value.code == 2
 
 
-def test_info_and_explain_need_neither_hypothesis_nor_the_tools() -> None:
-    """After a plain `pip install attnkit`: check and bench are imported only by their subcommands."""
+def test_the_commands_work_without_the_test_extra() -> None:
+    """After `pip install attnkit[torch]` (no hypothesis, no pytest): check and bench are imported only by their
+    subcommands, bench runs (the spec bench, and --backend, whose harness runners must not need hypothesis), and
+    check says which extra to install instead of failing with a traceback."""
     script = (
-        "import sys; sys.modules['hypothesis'] = None\n"  # `import hypothesis` now raises ImportError
+        "import sys; sys.modules['hypothesis'] = sys.modules['pytest'] = None\n"  # importing them raises ImportError
         "from attnkit.cli import main\n"
         "assert main(['info']) == 0 and main(['explain', '--causal', '--len-q', '1']) == 0\n"
         "assert main(['check']) == 2\n"
         "loaded = sorted(m for m in sys.modules if m.startswith(('attnkit.testing', 'attnkit.bench')))\n"
         "assert not loaded, loaded\n"
+        "assert main(['bench', '--what', 'spec', '--rounds', '1', '--calls', '2']) == 0\n"
+        "tiny = ['--seq-len', '16', '--repeats', '1', '--warmup', '0']\n"
+        "assert main(['bench', '--backend', 'torch-naive', *tiny]) == 0\n"
     )
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT)
     assert child.returncode == 0, child.stderr[-2000:]
-    assert "attnkit check needs torch and hypothesis" in child.stdout
+    assert 'attnkit check needs hypothesis, not installed here: pip install "attnkit[test]"' in child.stderr
+    assert "spec construction" in child.stdout and "torch-naive" in child.stdout
 
 
 def test_check_passes_on_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:
