@@ -48,7 +48,7 @@ def run_build(args: argparse.Namespace, out: TextIO) -> int:
         from attnkit.frontends import torch_compiled, torch_frontend
     except ImportError as error:
         print(f"attnkit build: needs torch ({error}): pip install 'attnkit[torch]'", file=sys.stderr)
-        return 1
+        return 2  # a missing extra, as for check and bench; 1 is a build that failed
     print(f"building {torch_compiled.SOURCE.name} into {torch_compiled.build_directory()} ...", file=out, flush=True)
     in_use = torch_frontend.use_compiled_signature(build=True)
     if in_use != "compiled":
