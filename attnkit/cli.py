@@ -1,13 +1,15 @@
 """The ``attnkit`` command: ``info``, ``check``, ``explain``, ``bench`` and ``build``.
 
-Argument parsing and calls only. ``info`` and ``explain`` need neither torch, JAX nor hypothesis; ``check`` needs
-torch (the oracle) and hypothesis; ``bench`` needs torch. The modules behind ``check`` (attnkit.testing.check) and
-``bench`` (attnkit.bench) are imported inside those subcommands, so the others keep working without them.
+Argument parsing and calls only. ``info``, ``explain`` and ``bench --what spec`` need neither torch, JAX nor
+hypothesis; ``build`` and the other benches need torch; ``check`` needs torch (the oracle) and hypothesis, and says
+which extra to install when they are missing. The modules behind ``check`` (attnkit.testing.check) and ``bench``
+(attnkit.bench) are imported inside those subcommands, so the others keep working without them.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -20,6 +22,9 @@ from attnkit.environment import interpret_triton_without_gpu
 from attnkit.errors import AttnkitError
 from attnkit.explain_flags import problem_from_args, spec_from_args, window_side
 from attnkit.spec import CausalAlignment, Layout, Variant
+
+#: What ``attnkit check`` imports beyond a plain install, with the extra that installs it.
+CHECK_NEEDS = (("torch", "torch"), ("test", "hypothesis"))
 
 
 def run_info(args: argparse.Namespace, out: TextIO) -> int:
@@ -42,8 +47,8 @@ def run_build(args: argparse.Namespace, out: TextIO) -> int:
     try:
         from attnkit.frontends import torch_compiled, torch_frontend
     except ImportError as error:
-        print(f"attnkit build: needs torch ({error})", file=sys.stderr)
-        return 1
+        print(f"attnkit build: needs torch ({error}): pip install 'attnkit[torch]'", file=sys.stderr)
+        return 2  # a missing extra, as for check and bench; 1 is a build that failed
     print(f"building {torch_compiled.SOURCE.name} into {torch_compiled.build_directory()} ...", file=out, flush=True)
     in_use = torch_frontend.use_compiled_signature(build=True)
     if in_use != "compiled":
@@ -54,11 +59,16 @@ def run_build(args: argparse.Namespace, out: TextIO) -> int:
 
 
 def run_check(args: argparse.Namespace, out: TextIO) -> int:
-    try:  # before attnkit.testing, which imports hypothesis
-        import hypothesis  # noqa: F401
-        import torch  # noqa: F401
-    except ImportError as error:
-        print(f"attnkit check needs torch and hypothesis ({error}); pip install 'attnkit[torch,test]'", file=out)
+    missing = []  # looked for before attnkit.testing.check, which imports hypothesis
+    for extra, module in CHECK_NEEDS:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            missing.append((extra, module))
+    if missing:
+        modules = " and ".join(module for _, module in missing)
+        extras = ",".join(extra for extra, _ in missing)
+        print(f'attnkit check needs {modules}, not installed here: pip install "attnkit[{extras}]"', file=sys.stderr)
         return 2
     from attnkit.testing.check import run_check as check
 
@@ -136,10 +146,13 @@ def _add_explain(commands: Any) -> argparse.ArgumentParser:
 def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
-        help="issue 6's targets against the frameworks' own attention; dispatch overhead; torch-chunked against SDPA "
-        "and torch-naive in time or peak memory; --backend NAME in TFLOP/s; --calibrate the cost table",
+        help="issue 6's targets against the frameworks' own attention; dispatch overhead; AttentionSpec construction; "
+        "torch-chunked against SDPA and torch-naive in time or peak memory; --backend NAME in TFLOP/s; --calibrate "
+        "the cost table",
     )
-    bench.add_argument("--what", choices=("dispatch", "chunked", "memory", "targets", "compiled"), default="dispatch")
+    bench.add_argument(
+        "--what", choices=("dispatch", "spec", "chunked", "memory", "targets", "compiled"), default="dispatch"
+    )
     bench.add_argument(
         "--backend",
         metavar="NAME",
@@ -157,8 +170,10 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    bench.add_argument("--rounds", type=int, default=20, help="dispatch: interleaved rounds (default %(default)s)")
-    bench.add_argument("--calls", type=int, default=2000, help="dispatch: calls per round (default %(default)s)")
+    bench.add_argument(
+        "--rounds", type=int, default=20, help="dispatch, spec: interleaved rounds (default %(default)s)"
+    )
+    bench.add_argument("--calls", type=int, default=2000, help="dispatch, spec: calls per round (default %(default)s)")
     bench.add_argument(
         "--seq-len", type=int, help="chunked, memory, --backend: sequence length (default 4096, 16384, paper's)"
     )

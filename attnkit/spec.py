@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
+from pydantic._internal._model_construction import ModelMetaclass
 
 from attnkit.errors import InvalidSpecError
 from attnkit.features import Feature
@@ -30,8 +32,49 @@ class Layout(str, enum.Enum):
 
 COSINE_DEFAULT_SCALE = 16.0
 
+#: How many specs ``AttentionSpec(...)`` remembers by their arguments (least recently used go first).
+SPEC_CACHE_SIZE = 1024
+# Argument types whose equal values validate alike; specs built from others (numpy scalars, Decimal, complex, user
+# types) are validated every time: 1+0j == True, yet it is no valid ``causal``.
+_REMEMBERED_TYPES = frozenset({bool, int, float, str, type(None), tuple, CausalAlignment, Variant, Layout})
 
-class AttentionSpec(BaseModel):
+
+class _NotRemembered(Exception):
+    """Raised inside the remembering constructors so that a spec built from other argument types is not cached."""
+
+
+class _RememberedSpecs(ModelMetaclass):
+    """``AttentionSpec(**fields)`` validates once per distinct arguments: dispatch code builds the same few specs on
+    every call, and validation costs ~7 us where a look-up costs well under 1. Only successful constructions are
+    remembered, so bad input is validated (and raises) every time. model_validate comes here too (pydantic calls the
+    class, which has its own __init__); copies and unpickling do not. ``type.__call__(AttentionSpec, **fields)``
+    builds one without remembering (the bench and the tests compare with it)."""
+
+    def __call__(cls, /, **fields: Any) -> Any:  # fields by keyword only, as pydantic's __init__ takes them
+        window = fields.get("window")
+        try:  # lru_cache(typed=True) keys on each argument's type; a window's elements' types are passed with them
+            return _by_arguments(cls, tuple(map(type, window)) if type(window) is tuple else None, **fields)
+        except (TypeError, _NotRemembered):  # an unhashable argument (a window given as a list): validated each time
+            return super().__call__(**fields)
+
+
+@functools.lru_cache(maxsize=SPEC_CACHE_SIZE, typed=True)
+def _by_arguments(cls: _RememberedSpecs, window_types: tuple[type, ...] | None, /, **fields: Any) -> Any:
+    """The spec of these arguments; other orders and defaults given explicitly (causal=False) share one spec, equal
+    specs being one object (whose model_fields_set is that of the arguments it was first built from)."""
+    defaults = {name: field.default for name, field in cls.model_fields.items()}  # type: ignore[attr-defined]
+    given = sorted((name, value) for name, value in fields.items() if value is not defaults.get(name, cls))
+    if not _REMEMBERED_TYPES.issuperset((*(type(value) for _, value in given), *(window_types or ()))):
+        raise _NotRemembered
+    return _by_canonical_arguments(cls, window_types, **dict(given))
+
+
+@functools.lru_cache(maxsize=SPEC_CACHE_SIZE, typed=True)
+def _by_canonical_arguments(cls: _RememberedSpecs, window_types: tuple[type, ...] | None, /, **fields: Any) -> Any:
+    return super(_RememberedSpecs, cls).__call__(**fields)
+
+
+class AttentionSpec(BaseModel, metaclass=_RememberedSpecs):
     """What an attention call computes; see docs/semantics.md for the full contract.
 
     Fields:
@@ -75,8 +118,16 @@ class AttentionSpec(BaseModel):
             raise InvalidSpecError(_describe(error)) from None
 
     def model_post_init(self, context: Any, /) -> None:
-        self._hash = hash(tuple(self.__dict__.values()))
-        self._features = self._used_features()
+        private = self.__pydantic_private__
+        private["_hash"] = hash(tuple(self.__dict__.values()))  # type: ignore[index]  # set while it can be
+        private["_features"] = self._used_features()  # type: ignore[index]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # pydantic's frozen models still let private attributes be set; a remembered spec is shared by every
+        # AttentionSpec(...) call with the same arguments, so none of its state may change.
+        if name in self.__private_attributes__:
+            raise AttributeError(f"AttentionSpec is frozen: {name} cannot be set (equal specs may be one object)")
+        super().__setattr__(name, value)
 
     def __hash__(self) -> int:
         return self.__pydantic_private__["_hash"]  # type: ignore[index]  # self._hash goes through __getattr__
@@ -134,7 +185,7 @@ class AttentionSpec(BaseModel):
 
     def replace(self, **changes: Any) -> AttentionSpec:
         """A copy with ``changes`` applied and validated."""
-        return AttentionSpec.model_validate({**self.model_dump(), **changes})
+        return AttentionSpec(**{**self.__dict__, **changes})  # remembered like any construction
 
     def model_copy(self, *, update: Mapping[str, Any] | None = None, deep: bool = False) -> AttentionSpec:
         """pydantic's copy, except that ``update`` is validated (pydantic skips that, and the cached hash and

@@ -16,8 +16,9 @@ from attnkit import registry
 from attnkit.backend import ALL_FEATURES
 from attnkit.capability_matrix import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown
 from attnkit.cli import main
-from attnkit.testing.check import edge_cases
-from tests.conftest import PLUGIN_DISTRIBUTION
+from attnkit.testing.check import BackendReport, applicable_edge_cases, backend_edge_cases, results_table, run_case
+from attnkit.testing.runners import drawable_dtypes
+from tests.conftest import PLUGIN_DISTRIBUTION, backend_params
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 WRONG_BACKEND = "test-cli-wrong"
@@ -106,19 +107,24 @@ def test_explain_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         assert exit_info.value.code == 2
 
 
-def test_info_and_explain_need_neither_hypothesis_nor_the_tools() -> None:
-    """After a plain `pip install attnkit`: check and bench are imported only by their subcommands."""
+def test_the_commands_work_without_the_test_extra() -> None:
+    """After `pip install attnkit[torch]` (no hypothesis, no pytest): check and bench are imported only by their
+    subcommands, bench runs (the spec bench; --backend and --calibrate import the harness runners, which must not
+    need hypothesis), and check says which extra to install instead of failing with a traceback."""
     script = (
-        "import sys; sys.modules['hypothesis'] = None\n"  # `import hypothesis` now raises ImportError
+        "import sys; sys.modules['hypothesis'] = sys.modules['pytest'] = None\n"  # importing them raises ImportError
         "from attnkit.cli import main\n"
         "assert main(['info']) == 0 and main(['explain', '--causal', '--len-q', '1']) == 0\n"
         "assert main(['check']) == 2\n"
         "loaded = sorted(m for m in sys.modules if m.startswith(('attnkit.testing', 'attnkit.bench')))\n"
         "assert not loaded, loaded\n"
+        "assert main(['bench', '--what', 'spec', '--rounds', '1', '--calls', '2']) == 0\n"
+        "from attnkit.testing.runners import native_framework\n"  # what bench --backend and --calibrate import
     )
     child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO_ROOT)
     assert child.returncode == 0, child.stderr[-2000:]
-    assert "attnkit check needs torch and hypothesis" in child.stdout
+    assert 'attnkit check needs hypothesis, not installed here: pip install "attnkit[test]"' in child.stderr
+    assert "spec construction" in child.stdout
 
 
 def test_check_passes_on_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:
@@ -212,7 +218,7 @@ def test_check_marks_the_rows_whose_cases_ran_another_backends_code(capsys: pyte
     assert cells["mask"].endswith("~") and cells["plain"].endswith("~")  # the edge cases with a mask are plain
     assert not cells["softcap"].endswith("~") and not cells["kv_lengths"].endswith("~")
     # Of the edge cases, only "mask with fully masked rows" has a mask, in float32 and in bfloat16.
-    assert f"~ {BORROWER}: 2 of {len(edge_cases())} cases: {MASKED_CALLS}" in out, out
+    assert f"~ {BORROWER}: 2 of {len(backend_edge_cases(BorrowsForMasks()))} cases: {MASKED_CALLS}" in out, out
 
 
 def test_explain_says_what_of_a_backends_work_runs_another_backends_code() -> None:
@@ -228,6 +234,26 @@ def test_explain_says_what_of_a_backends_work_runs_another_backends_code() -> No
     row = next(line for line in table.splitlines() if line.startswith(f"-> {BORROWER}"))
     assert row.endswith(f"ok; runs {MASKED_CALLS.backend}'s code for: {MASKED_CALLS.part}")
     assert MASKED_CALLS.part not in elsewhere  # a backend that will not run this call does not say what it would run
+
+
+@pytest.mark.parametrize(
+    "backend", [p for p in backend_params() if "float64" in registry.get_backend(p.values[0]).capabilities.dtypes]
+)
+def test_check_runs_float64_on_every_backend_declaring_it(backend: str) -> None:
+    """check draws float64 for every backend declaring it and runs a named float64 case on each, a JAX backend's under
+    jax_enable_x64 turned on for that case alone (without it JAX has no float64, and the case was skipped)."""
+    checked = registry.get_backend(backend)
+    assert "float64" in drawable_dtypes(backend, x64_per_case=True)
+    report = BackendReport(backend)
+    float64 = [(label, case) for label, case in applicable_edge_cases(checked, report) if case.dtype == "float64"]
+    assert float64, report.skipped
+    outcome = run_case(backend, *float64[0], expect_support=True)
+    assert outcome.ok, outcome.error or [str(comparison) for comparison in outcome.comparisons]
+    report.outcomes.append(outcome)
+    row = next(line.split() for line in results_table([report]).splitlines() if line.startswith("float64"))
+    assert row[1] != "-" and float(row[1]) <= 1, row
+    if "jax" in sys.modules:  # the x64 scope ended with the case: later cases and backends run as configured
+        assert not sys.modules["jax"].config.read("jax_enable_x64")
 
 
 def test_check_rejects_unknown_backend(capsys: pytest.CaptureFixture[str]) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pickle
+import re
 import tomllib
+from decimal import Decimal
 
 import pydantic
 import pytest
@@ -10,6 +13,7 @@ import tomli_w
 from hypothesis import given
 
 from attnkit import AttentionSpec, AttnkitError, CausalAlignment, InvalidSpecError, Layout, Variant
+from attnkit import spec as spec_module
 from attnkit.testing.strategies import specs
 
 
@@ -90,3 +94,72 @@ def test_docstring_draws_both_alignments() -> None:
     doc = AttentionSpec.__doc__ or ""
     assert "bottom_right" in doc and "top_left" in doc
     assert "q0 [ x  x  x  x  . ]" in doc and "q0 [ x  .  .  .  . ]" in doc
+
+
+@given(spec=specs())
+def test_a_spec_built_again_is_the_remembered_spec_equal_to_a_validated_one(spec: AttentionSpec) -> None:
+    """AttentionSpec(...) remembers what it built: the same arguments again, in another order, or with defaults given
+    explicitly, give one object, equal and hash-equal to what validation from scratch builds (type.__call__ goes
+    around the remembering metaclass)."""
+    fields = spec.model_dump()
+    first = AttentionSpec(**fields)
+    validated = type.__call__(AttentionSpec, **fields)
+    assert validated is not first
+    assert first == validated and hash(first) == hash(validated) and first.features() == validated.features()
+    assert AttentionSpec(**fields) is first
+    assert AttentionSpec(**dict(reversed(fields.items()))) is first
+    assert AttentionSpec(**spec.model_dump(exclude_defaults=True)) is first
+
+
+def test_a_remembered_spec_stays_frozen() -> None:
+    spec = AttentionSpec(causal=True, window=(3, 0), scale=0.5)
+    assert AttentionSpec(causal=True, window=(3, 0), scale=0.5) is spec
+    with pytest.raises(pydantic.ValidationError, match="frozen"):
+        spec.scale = 1.0  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="frozen: _hash"):
+        spec._hash = 0  # the shared spec's hash, which pydantic's frozen check does not guard
+    assert hash(AttentionSpec(causal=True, window=(3, 0), scale=0.5)) == hash(
+        type.__call__(AttentionSpec, **spec.__dict__)
+    )
+
+
+@pytest.mark.parametrize(
+    ("valid", "bad", "message"),
+    [
+        ({"causal": True}, {"causal": 1 + 0j}, "causal=(1+0j): Input should be a valid boolean"),
+        ({"scale": 0.5}, {"scale": 0.5 + 0j}, "scale=(0.5+0j): Input should be a valid number"),
+        ({"window": (3, 0)}, {"window": (3 + 0j, 0)}, "window.0=(3+0j): Input should be a valid integer"),
+        ({"scale": 0.5}, {"scale": -0.5}, "scale=-0.5 must be a finite number > 0"),
+    ],
+)
+def test_bad_input_raises_every_time_even_when_it_equals_a_remembered_argument(
+    valid: dict, bad: dict, message: str
+) -> None:
+    """1+0j == True and hashes alike, so a cache keyed on values alone would hand back the valid spec."""
+    AttentionSpec(**valid)
+    for _ in range(2):
+        with pytest.raises(InvalidSpecError, match=re.escape(message)):
+            AttentionSpec(**bad)
+
+
+def test_arguments_that_cannot_be_remembered_are_validated_each_time() -> None:
+    as_list = AttentionSpec(window=[3, "none"])  # unhashable: TOML and JSON give lists
+    assert as_list == AttentionSpec(window=(3, None)) and AttentionSpec(window=[3, "none"]) == as_list
+    from_decimal = AttentionSpec(scale=Decimal("0.5"))
+    assert from_decimal == AttentionSpec(scale=0.5) and from_decimal is not AttentionSpec(scale=Decimal("0.5"))
+    with pytest.raises(TypeError):
+        AttentionSpec(True)  # type: ignore[misc]  # fields by keyword only
+
+
+def test_remembered_specs_pickle_and_copy() -> None:
+    spec = AttentionSpec(causal=True, softcap=3.0, layout="bshd")
+    for copy in (pickle.loads(pickle.dumps(spec)), spec.model_copy(), spec.model_copy(update={"softcap": 3.0})):
+        assert copy == spec and hash(copy) == hash(spec) and copy.features() == spec.features()
+    assert AttentionSpec(causal=True, softcap=3.0, layout="bshd") is spec
+
+
+def test_the_remembered_specs_are_bounded() -> None:
+    for index in range(2 * spec_module.SPEC_CACHE_SIZE):
+        AttentionSpec(scale=1.0 + index)
+    for cache in (spec_module._by_arguments, spec_module._by_canonical_arguments):
+        assert cache.cache_info().currsize <= spec_module.SPEC_CACHE_SIZE

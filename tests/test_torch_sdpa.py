@@ -104,3 +104,16 @@ def test_float64_through_the_flash_op_agrees_with_gradients(spec: AttentionSpec)
     in float64 here and its backward takes it only so (the backward raised a dtype error before)."""
     case = Case(spec=spec, batch=2, len_q=5, len_k=9, kv_lengths=(9, 3), dtype="float64")
     assert_backends_agree(case, backends=["torch-sdpa"])
+
+
+def test_the_issues_float64_causal_backward_through_auto() -> None:
+    """Issue 16's repro, exactly: a plain causal float64 call with autograd, routed by dispatch (on CPU to torch-sdpa's
+    native call, not the lengths path above), and its gradients against the float64 oracle's."""
+    q, k, v = (torch.randn(1, 2, 8, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    spec = attnkit.AttentionSpec(causal=True)
+    attnkit.attend(spec, q, k, v).sum().backward()
+    grads = [tensor.grad for tensor in (q, k, v)]
+    expected = torch.autograd.grad(attnkit.attend(spec, q, k, v, backend="torch-naive").sum(), (q, k, v))
+    for grad, oracle in zip(grads, expected, strict=True):
+        assert grad is not None and grad.dtype == torch.float64
+        torch.testing.assert_close(grad, oracle)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from attnkit.bench import calibrate, chunked, compiled, overhead, targets, tflops
+from attnkit.bench import calibrate, chunked, compiled, overhead, spec_cost, targets, tflops
 from attnkit.environment import limit_jax_threads, torch_threads
 
 
@@ -19,6 +19,16 @@ def _csv(text: str | None, kind: Callable[[str], Any] = str) -> tuple[Any, ...] 
 
 def run_bench(args: argparse.Namespace, out: TextIO) -> int:
     """``attnkit bench`` with the parsed flags (see attnkit/cli.py); returns the exit status."""
+    if args.backend is None and not args.calibrate and args.what == "spec":
+        result = spec_cost.bench_spec(rounds=args.rounds, calls=args.calls)
+        print(spec_cost.format_spec(result), file=out)
+        _write_json(args, result, out)
+        return 0
+    try:  # every other bench times torch, or keeps torch's threads in check around JAX
+        import torch  # noqa: F401
+    except ImportError as error:
+        print(f"attnkit bench: needs torch ({error}): pip install 'attnkit[torch]'", file=sys.stderr)
+        return 2
     if args.calibrate:
         return run_calibrate(args, out)
     if args.what == "targets":

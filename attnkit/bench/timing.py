@@ -135,17 +135,21 @@ def blocked(function: Callable[..., Any], *arrays: Any) -> Any:
 
 
 def environment(device: str) -> dict[str, Any]:
-    """What the figures were measured on, so a reader never mistakes CPU numbers for GPU ones."""
-    import torch
+    """What the figures were measured on, so a reader never mistakes CPU numbers for GPU ones. Without torch (the
+    spec bench needs none) its version and thread count read "not installed" and 1."""
+    try:
+        import torch
+    except ImportError:
+        torch = None  # type: ignore[assignment]
 
     info: dict[str, Any] = {
         "device": device,
-        "torch": torch.__version__,
+        "torch": torch.__version__ if torch is not None else "not installed",
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpu_model": _cpu_model(),
         "cpu_count": os.cpu_count(),
-        "cpu_threads": torch.get_num_threads(),
+        "cpu_threads": torch.get_num_threads() if torch is not None else 1,
         "load_average": [round(load, 2) for load in os.getloadavg()],
     }
     if device == "cuda":

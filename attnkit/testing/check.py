@@ -31,9 +31,11 @@ from attnkit.testing import strategies
 from attnkit.testing.agreement import Comparison, backends_for, check_backend
 from attnkit.testing.cases import Case, make_arrays
 from attnkit.testing.profiles import register_profiles
-from attnkit.testing.runners import drawable_dtypes, harness_capabilities
+from attnkit.testing.runners import drawable_dtypes, dtype_scope, harness_capabilities
 
-CHECK_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16")
+CHECK_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
+#: The dtypes of the named edge cases; float64 gets one more (backend_edge_cases) where a backend declares it.
+EDGE_DTYPES: tuple[str, ...] = ("float32", "bfloat16")
 # A case using none of the spec features: plain dot-product attention, bottom-right, bhsd.
 PLAIN = "plain"
 #: After a cell whose row's cases ran another backend's code (delegation_lines says which).
@@ -95,8 +97,26 @@ class BackendReport:
 
 def edge_cases() -> list[tuple[str, Case]]:
     """Named cases every backend runs, in float32 and bfloat16: the corners random draws reach rarely."""
+    return [
+        (f"{label} [{dtype}]", case.with_(dtype=dtype, seed=index))
+        for index, (label, case) in enumerate(_edge_shapes())
+        for dtype in EDGE_DTYPES
+    ]
+
+
+def backend_edge_cases(backend: Backend) -> list[tuple[str, Case]]:
+    """The edge cases, and the first of them in float64 where ``backend`` declares it (a JAX backend's then runs under
+    jax_enable_x64, see run_case): a declared dtype is checked even when no drawn case happens to use it."""
+    cases = edge_cases()
+    if "float64" in backend.capabilities.dtypes:
+        label, case = _edge_shapes()[0]
+        cases.append((f"{label} [float64]", case.with_(dtype="float64")))
+    return cases
+
+
+def _edge_shapes() -> list[tuple[str, Case]]:
     spec = AttentionSpec
-    base = [
+    return [
         ("decode Lq=1 Lk=37", Case(spec(causal=True), heads_q=4, heads_kv=2, len_q=1, len_k=37)),
         # Bottom-right alignment with Lq > Lk: the first Lq - Lk query rows see no key at all.
         ("causal bottom-right Lq>Lk", Case(spec(causal=True), len_q=12, len_k=5)),
@@ -122,15 +142,16 @@ def edge_cases() -> list[tuple[str, Case]]:
         ("head dim 80", Case(spec(causal=True), len_q=7, len_k=7, head_dim=80, head_dim_v=80)),
         ("head dim 256", Case(spec(), len_q=5, len_k=9, head_dim=256, head_dim_v=256)),
     ]
-    return [
-        (f"{label} [{dtype}]", case.with_(dtype=dtype, seed=index))
-        for index, (label, case) in enumerate(base)
-        for dtype in ("float32", "bfloat16")
-    ]
 
 
 def run_case(backend: str, label: str, case: Case, expect_support: bool) -> Outcome:
-    """Compare one case with the oracle, turning every way of going wrong into a recorded failure."""
+    """Compare one case with the oracle, turning every way of going wrong into a recorded failure. A JAX backend's
+    float64 case runs under jax_enable_x64, turned on for it alone (dtype_scope)."""
+    with dtype_scope(backend, case.dtype):
+        return _run_case(backend, label, case, expect_support)
+
+
+def _run_case(backend: str, label: str, case: Case, expect_support: bool) -> Outcome:
     try:
         make_arrays(case)  # cheap; a case the harness cannot build must not be blamed on the backend
     except Exception as error:
@@ -183,12 +204,11 @@ def drawn_outcomes(
     reports every disagreement and the worst ratios of all cases.
     """
     counter = itertools.count(1)
+    dtypes = drawable_dtypes(backend.name, x64_per_case=True)
 
     @hypothesis.seed(seed)
     @hypothesis_settings(profile, examples)
-    @hypothesis.given(
-        strategies.cases(capabilities=harness_capabilities(backend.name), dtypes=drawable_dtypes(backend.name))
-    )
+    @hypothesis.given(strategies.cases(capabilities=harness_capabilities(backend.name), dtypes=dtypes))
     def draw_and_check(case: Case) -> None:
         on_outcome(run_case(backend.name, f"drawn #{next(counter)}", case, expect_support=True))
 
@@ -198,10 +218,11 @@ def drawn_outcomes(
 def applicable_edge_cases(backend: Backend, report: BackendReport) -> list[tuple[str, Case]]:
     """Edge cases this backend declares it serves; the rest go to ``report.skipped`` with the reasons."""
     runnable = []
-    for label, case in edge_cases():
+    for label, case in backend_edge_cases(backend):
         if Feature.GRAD not in backend.capabilities.features:
             case = case.with_(grad=False)  # as the strategy does: a forward-only backend is checked forward
-        reasons = backends_for(case, [backend.name])[backend.name]
+        with dtype_scope(backend.name, case.dtype):  # supports() reads jax_enable_x64 for a JAX float64 case
+            reasons = backends_for(case, [backend.name])[backend.name]
         if reasons:
             report.skipped.append((label, reasons))
         else:
@@ -371,7 +392,7 @@ def run_check(requested: list[str] | None, examples: int | None, profile: str | 
     if selected is None:
         return 2 if requested else 1
     count = examples_per_backend(examples, profile)
-    plan = f"{count} drawn cases each (seed {seed}) + {len(edge_cases())} edge cases"
+    plan = f"{count} drawn cases each (seed {seed}) + {len(edge_cases())} edge cases (+1 in float64 where declared)"
     print(f"checking {', '.join(backend.name for backend in selected)}: {plan}", file=out)
     width = max(len(backend.name) for backend in selected) + 1
     # Conformance cases are tiny: intra-op threads only add synchronisation, and on a busy machine oversubscribed

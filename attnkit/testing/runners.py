@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import numpy as np
@@ -121,17 +123,29 @@ def harness_capabilities(backend: str) -> Capabilities:
     return registry.get_backend(backend).capabilities.on(harness_device(backend))
 
 
-def drawable_dtypes(backend: str) -> tuple[str, ...]:
+def drawable_dtypes(backend: str, x64_per_case: bool = False) -> tuple[str, ...]:
     """Every dtype ``backend`` declares on the harness's device, as the harness draws them: float64 for a backend run
     in JAX only while jax_enable_x64 is on (JAX has no float64 array otherwise; the suite turns it on for its own x64
-    run)."""
+    run), or always with ``x64_per_case``, for a caller that runs each case inside :func:`dtype_scope`
+    (``attnkit check``)."""
     declared = harness_capabilities(backend).dtypes
-    if "float64" in declared and native_framework(backend) is Framework.JAX:
+    if "float64" in declared and not x64_per_case and native_framework(backend) is Framework.JAX:
         import jax
 
         if not jax.config.read("jax_enable_x64"):
             declared = declared - {"float64"}
     return tuple(sorted(declared))
+
+
+def dtype_scope(backend: str, dtype: str) -> AbstractContextManager[Any]:
+    """What a ``dtype`` case on ``backend`` runs inside: jax_enable_x64 turned on for a float64 case of a backend run
+    in JAX, for that case alone (a scoped setting, restored after), so no other case, of this backend or another, runs
+    under it; nothing otherwise."""
+    if dtype == "float64" and native_framework(backend) is Framework.JAX:
+        import jax
+
+        return jax.enable_x64(True)  # type: ignore[no-any-return]
+    return contextlib.nullcontext()
 
 
 def run_backend(case: Case, arrays: dict[str, np.ndarray], backend: str) -> Results:
