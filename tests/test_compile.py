@@ -127,6 +127,21 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
     return prepare(CAUSAL, q, k, v, mask, None, None, None, False)[1]
 
 
+def test_the_operator_passes_torchs_own_checks() -> None:
+    """torch.library.opcheck: schema, autograd registration, fake against real outputs, AOT dispatch with dynamic
+    shapes, on a call with every optional tensor and one with none."""
+    from attnkit.frontends import torch_graph  # registers the operators
+
+    spec = attnkit.AttentionSpec(causal=True, window=(2, 0))
+    q, k = torch.randn(2, 4, 6, 16, requires_grad=True), torch.randn(2, 2, 8, 16, requires_grad=True)
+    v, bias = torch.randn(2, 2, 8, 8, requires_grad=True), torch.randn(1, 4, 6, 8, requires_grad=True)
+    mask, kv_lengths = torch.rand(2, 1, 6, 8) > 0.2, torch.tensor([8, 5])
+    key = torch_graph._spec_key(spec)
+    for args in ((q, k, v, None, None, None, None, key, "auto", False, True, False),
+                 (q, k, v, mask, bias, None, kv_lengths, key, "torch-naive", True, True, True)):  # fmt: skip
+        torch.library.opcheck(torch.ops.attnkit.attend.default, args)
+
+
 def test_compiled_by_inductor_equals_eager() -> None:
     spec = attnkit.AttentionSpec(causal=True, softcap=20.0)
     q, k, v = (torch.randn(2, 8, 4, 16, requires_grad=True) for _ in range(3))
