@@ -148,10 +148,14 @@ def make_mask(
     pattern = _pattern(mask_function)
     # Query i sits at position q_offset + i, key j at kv_offset + j: key j is at or before query i when
     # j <= i + diagonal. Keys from diagonal + Lq on are later than every query: a static cache's unwritten slots.
-    q_start = int(q_offset)  # a tensor for static caches
+    # q_offset is a tensor for static caches. Inside a compiled graph its value cannot be read: a static cache keeps
+    # q_length <= written <= Lk (an overflowing write fails in the cache), and kv_lengths = written is then checked
+    # against Lk where the graph runs.
+    traced_offset = isinstance(q_offset, torch.Tensor) and torch.compiler.is_compiling()
+    q_start = q_offset if traced_offset else int(q_offset)
     diagonal = q_start - kv_offset
     written = diagonal + q_length
-    if pattern is None or not q_length <= written <= kv_length:
+    if pattern is None or not (traced_offset or q_length <= written <= kv_length):
         materialised = masking_utils.sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -169,10 +173,18 @@ def make_mask(
         return materialised
     causal, window = pattern
     described = functools.partial(AttnkitMask, causal, window, q_length=q_length, kv_length=kv_length)
-    clip = torch.full((batch_size,), written, device=device) if written < kv_length else None
+    if traced_offset:  # equal to Lk once the cache is full, where it clips nothing
+        clip = written.expand(batch_size)
+    else:
+        clip = torch.full((batch_size,), written, device=device) if written < kv_length else None
 
     padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     keys = None if padding is None else padding[:, kv_offset : kv_offset + kv_length]
+    if torch.compiler.is_compiling():
+        # No tensor value may be read in a graph, so none of the compact choices below: any padding goes in as the
+        # key mask, which is exact whatever the padding (only right padding had a shorter form).
+        key_mask = None if keys is None else keys[:, None, None, :]
+        return described(top_left=False, kv_lengths=clip, key_mask=key_mask)
     if keys is None or bool(keys[:, :written].all()):
         return described(top_left=False, kv_lengths=clip, key_mask=None)
     real = keys.sum(1)
@@ -185,12 +197,34 @@ def make_mask(
     return described(top_left=False, kv_lengths=clip, key_mask=keys[:, None, None, :])
 
 
-@functools.lru_cache(maxsize=256)
+class _Specs:
+    """The specs the attention calls use, one attribute each (see :func:`_spec`)."""
+
+
+_specs = _Specs()
+_spec_names: dict[tuple[Any, ...], str] = {}
+
+
 def _spec(
     causal: bool, top_left: bool, window: tuple[int, int] | None, scale: float | None, softcap: float | None
 ) -> AttentionSpec:
-    alignment = CausalAlignment.TOP_LEFT if top_left else CausalAlignment.BOTTOM_RIGHT
-    return AttentionSpec(causal=causal, causal_alignment=alignment, window=window, scale=scale, softcap=softcap)
+    """The spec of these fields, built once. Inside a compiled graph pydantic's validation does not trace, so the
+    spec is built where the trace cannot see (:func:`_spec_name`, whose name the graph keeps as a constant) and read
+    as an attribute of a module global, guarded by identity like any object's attribute. (A spec returned by an
+    assume_constant_result function itself is a constant Dynamo cannot guard, which attend's type check needs.)"""
+    return getattr(_specs, _spec_name(causal, top_left, window, scale, softcap))
+
+
+@torch.compiler.assume_constant_result
+def _spec_name(*fields: Any) -> str:
+    name = _spec_names.get(fields)
+    if name is None:
+        causal, top_left, window, scale, softcap = fields
+        alignment = CausalAlignment.TOP_LEFT if top_left else CausalAlignment.BOTTOM_RIGHT
+        spec = AttentionSpec(causal=causal, causal_alignment=alignment, window=window, scale=scale, softcap=softcap)
+        name = _spec_names[fields] = f"spec_{len(_spec_names)}"
+        setattr(_specs, name, spec)
+    return name
 
 
 def attention(
