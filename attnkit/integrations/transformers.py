@@ -26,6 +26,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, masking_uti
 
 from attnkit.api import attend
 from attnkit.errors import InvalidInputError
+from attnkit.frontends import torch_frontend  # noqa: F401  (torch tensors' frontend known before any trace)
 from attnkit.registry import get_backend
 from attnkit.spec import AttentionSpec, CausalAlignment
 
@@ -86,45 +87,84 @@ class AttnkitMask:
         return _spec(self.causal, self.top_left, self.window, scale, softcap)
 
 
-def _closure(function: Callable[..., Any]) -> dict[str, Any]:
-    cells = function.__closure__ or ()
-    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in cells)))
-
-
 def _causal_window(size: int) -> tuple[int, int]:
     """transformers' causal sliding window of ``size`` holds that many keys, the query's own included
     (kv_idx > q_idx − size): attnkit's window reaches size − 1 keys back."""
     return size - 1, 0
 
 
-_AND_MASKS_CODE = masking_utils.and_masks(masking_utils.causal_mask_function).__code__
-_CAUSAL_WINDOW_CODE = masking_utils.sliding_window_overlay(1).__code__
-_BIDIRECTIONAL_WINDOW_CODE = masking_utils.sliding_window_bidirectional_overlay(1).__code__
+class _NotAPattern(Exception):
+    """A mask function branched on an index's value: not a pattern :func:`_pattern` knows."""
+
+
+class _Index:
+    """An index given to a mask function in place of a number: every operation on it returns the expression it
+    stands for, so calling the function yields the function's own formula. An operation with anything but an index
+    or an int (a tensor's element: packed sequences, chunked attention, padding) yields :data:`_OPAQUE`; tensors
+    see an index through ``__torch_function__``, which a compiled graph traces as it does any Python object."""
+
+    __slots__ = ("expr",)
+    device = None  # and_masks moves each part's result to the first's device
+
+    def __init__(self, expr: Any) -> None:
+        self.expr = expr
+
+    def new_ones(self, *args: Any, **kwargs: Any) -> _Index:  # and_masks' neutral element
+        return _Index(True)
+
+    def to(self, *args: Any, **kwargs: Any) -> _Index:
+        return self
+
+    def __bool__(self) -> bool:
+        raise _NotAPattern
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> _Index:
+        return _OPAQUE
+
+
+def _operation(name: str) -> Callable[[_Index, Any], _Index]:
+    def apply(self: _Index, other: Any) -> _Index:
+        if isinstance(other, _Index):
+            return _Index((name, self.expr, other.expr))
+        return _Index((name, self.expr, other)) if type(other) is int else _OPAQUE
+
+    return apply
+
+
+for _name in ("sub", "add", "mul", "floordiv", "mod", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "getitem"):
+    setattr(_Index, f"__{_name}__", _operation(_name))
+    setattr(_Index, f"__r{_name}__", _operation(f"r{_name}"))
+_Index.__abs__ = lambda self: _Index(("abs", self.expr))  # type: ignore[attr-defined]
+_Index.__invert__ = _Index.__neg__ = lambda self: _OPAQUE  # type: ignore[attr-defined]
+_OPAQUE = _Index("opaque")
 
 
 def _pattern(mask_function: Callable[..., Any]) -> tuple[bool, tuple[int, int] | None] | None:
     """(causal, window) of the mask functions transformers builds for causal and bidirectional attention, with or
-    without a sliding window; None for any other (packed sequences, chunked attention, or/and overlays)."""
-    if mask_function is masking_utils.causal_mask_function:
-        return True, None
-    if mask_function is masking_utils.bidirectional_mask_function:
-        return False, None
-    if getattr(mask_function, "__code__", None) is not _AND_MASKS_CODE:
+    without a sliding window, read from the formula the function computes (:class:`_Index`); None for any other
+    (packed sequences, chunked attention, or/and overlays). No value is read, so a compiled graph traces it."""
+    try:
+        formula = mask_function(_Index("batch"), _Index("head"), _Index("q"), _Index("kv")).expr
+    except Exception:  # foreign code that does what no index can: transformers' own mask says what it means
         return None
-    parts = _closure(mask_function).get("mask_functions", ())
-    if len(parts) != 2:
-        return None
-    overlay, base = parts
-    code = getattr(overlay, "__code__", None)
-    if code not in (_CAUSAL_WINDOW_CODE, _BIDIRECTIONAL_WINDOW_CODE):
-        return None
-    size = _closure(overlay).get("sliding_window")
-    if not isinstance(size, int) or size < 1:
-        return None
-    if code is _CAUSAL_WINDOW_CODE and base is masking_utils.causal_mask_function:
-        return True, _causal_window(size)
-    if code is _BIDIRECTIONAL_WINDOW_CODE and base is masking_utils.bidirectional_mask_function:
-        return False, (size, size)  # |q_idx − kv_idx| <= N
+    terms: list[Any] = []
+    pending = [formula]
+    while pending:  # the conjunction's terms, and_masks' neutral True left out
+        term = pending.pop()
+        if isinstance(term, tuple) and term[0] == "and":
+            pending += term[1:]
+        elif term is not True:
+            terms.append(term)
+    match sorted(terms, key=repr):
+        case [("le", "kv", "q")]:  # kv_idx <= q_idx
+            return True, None
+        case [("ge", "q", 0)]:  # q_idx >= 0: every key
+            return False, None
+        case [("gt", "kv", ("sub", "q", int(size))), ("le", "kv", "q")] if size >= 1:  # and kv_idx > q_idx − N
+            return True, _causal_window(size)
+        case [("ge", "q", 0), ("le", ("abs", ("sub", "q", "kv")), int(size))] if size >= 1:  # and |q_idx − kv_idx| <= N
+            return False, (size, size)
     return None
 
 
