@@ -213,10 +213,14 @@ def make_mask(
         return materialised
     causal, window = pattern
     described = functools.partial(AttnkitMask, causal, window, q_length=q_length, kv_length=kv_length)
-    if traced_offset:  # equal to Lk once the cache is full, where it clips nothing
+    # A static cache's kv_lengths (q_offset a tensor) is there on every step, up to the one that fills the cache, where
+    # it clips nothing: the masks generate() hands a compiled forward keep one structure, which it is traced for.
+    if traced_offset:
         clip = written.expand(batch_size)
+    elif written < kv_length or isinstance(q_offset, torch.Tensor):
+        clip = torch.full((batch_size,), written, device=device)
     else:
-        clip = torch.full((batch_size,), written, device=device) if written < kv_length else None
+        clip = None
 
     padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     keys = None if padding is None else padding[:, kv_offset : kv_offset + kv_length]
