@@ -8,8 +8,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, own_forward
-from attnkit.spec import AttentionSpec
 from attnkit.frontends import ops_by_type
+from attnkit.spec import AttentionSpec
 
 
 def sum_to_shape(gradient: torch.Tensor, shape: torch.Size) -> torch.Tensor:

@@ -93,10 +93,6 @@ def _causal_window(size: int) -> tuple[int, int]:
     return size - 1, 0
 
 
-class _NotAPattern(Exception):
-    """A mask function branched on an index's value: not a pattern :func:`_pattern` knows."""
-
-
 class _Index:
     """An index given to a mask function in place of a number: every operation on it returns the expression it
     stands for, so calling the function yields the function's own formula. An operation with anything but an index
@@ -115,8 +111,16 @@ class _Index:
     def to(self, *args: Any, **kwargs: Any) -> _Index:
         return self
 
-    def __bool__(self) -> bool:
-        raise _NotAPattern
+    def __bool__(self) -> bool:  # a function that branches on an index is no pattern _pattern knows
+        raise TypeError("an index of a mask function's formula has no truth value")
+
+    def __abs__(self) -> _Index:
+        return _Index(("abs", self.expr))
+
+    def __invert__(self) -> _Index:
+        return _OPAQUE
+
+    __neg__ = __invert__
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> _Index:
@@ -132,11 +136,11 @@ def _operation(name: str) -> Callable[[_Index, Any], _Index]:
     return apply
 
 
-for _name in ("sub", "add", "mul", "floordiv", "mod", "lt", "le", "gt", "ge", "eq", "ne", "and", "or", "getitem"):
+for _name in ("sub", "add", "mul", "floordiv", "mod", "and", "or", "xor"):
     setattr(_Index, f"__{_name}__", _operation(_name))
     setattr(_Index, f"__r{_name}__", _operation(f"r{_name}"))
-_Index.__abs__ = lambda self: _Index(("abs", self.expr))  # type: ignore[attr-defined]
-_Index.__invert__ = _Index.__neg__ = lambda self: _OPAQUE  # type: ignore[attr-defined]
+for _name in ("lt", "le", "gt", "ge", "eq", "ne", "getitem"):
+    setattr(_Index, f"__{_name}__", _operation(_name))
 _OPAQUE = _Index("opaque")
 
 
@@ -168,6 +172,15 @@ def _pattern(mask_function: Callable[..., Any]) -> tuple[bool, tuple[int, int] |
     return None
 
 
+def _may_index_tensors(attention_mask: Any, q_offset: int | torch.Tensor, kv_offset: int, overlaid: bool) -> bool:
+    """Inside a compiled graph, whether the mask function may index a tensor by (batch, position), which a graph
+    cannot trace with :class:`_Index` positions: the overlays a model adds (transformers sets ``use_vmap`` for them),
+    and packed sequences, which transformers assumes in a graph whenever there is neither a padding mask nor a cache
+    (it cannot read position_ids there). Those patterns get transformers' own mask, as outside a graph."""
+    no_cache = type(q_offset) is int and q_offset == 0 and kv_offset == 0
+    return torch.compiler.is_compiling() and (overlaid or (attention_mask is None and no_cache))
+
+
 def make_mask(
     batch_size: int,
     q_length: int,
@@ -185,7 +198,7 @@ def make_mask(
     own boolean (B, 1, Lq, Lk) mask."""
     if isinstance(attention_mask, AttnkitMask):  # prepared by generate() for this very call
         return attention_mask
-    pattern = _pattern(mask_function)
+    pattern = None if _may_index_tensors(attention_mask, q_offset, kv_offset, use_vmap) else _pattern(mask_function)
     # Query i sits at position q_offset + i, key j at kv_offset + j: key j is at or before query i when
     # j <= i + diagonal. Keys from diagonal + Lq on are later than every query: a static cache's unwritten slots.
     # q_offset is a tensor for static caches. Inside a compiled graph its value cannot be read: a static cache keeps
@@ -200,7 +213,7 @@ def make_mask(
             batch_size=batch_size,
             q_length=q_length,
             kv_length=kv_length,
-            q_offset=q_start,
+            q_offset=q_start,  # type: ignore[arg-type]  # a tensor in a graph, as transformers itself passes it
             kv_offset=kv_offset,
             mask_function=mask_function,
             attention_mask=attention_mask,
@@ -215,7 +228,7 @@ def make_mask(
     described = functools.partial(AttnkitMask, causal, window, q_length=q_length, kv_length=kv_length)
     # A static cache's kv_lengths (q_offset a tensor) is there on every step, up to the one that fills the cache, where
     # it clips nothing: the masks generate() hands a compiled forward keep one structure, which it is traced for.
-    if traced_offset:
+    if isinstance(written, torch.Tensor):  # traced_offset
         clip = written.expand(batch_size)
     elif written < kv_length or isinstance(q_offset, torch.Tensor):
         clip = torch.full((batch_size,), written, device=device)
