@@ -26,6 +26,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, masking_uti
 
 from attnkit.api import attend
 from attnkit.errors import InvalidInputError
+from attnkit.frontends import torch_frontend  # noqa: F401  (torch tensors' frontend known before any trace)
 from attnkit.registry import get_backend
 from attnkit.spec import AttentionSpec, CausalAlignment
 
@@ -86,46 +87,98 @@ class AttnkitMask:
         return _spec(self.causal, self.top_left, self.window, scale, softcap)
 
 
-def _closure(function: Callable[..., Any]) -> dict[str, Any]:
-    cells = function.__closure__ or ()
-    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in cells)))
-
-
 def _causal_window(size: int) -> tuple[int, int]:
     """transformers' causal sliding window of ``size`` holds that many keys, the query's own included
     (kv_idx > q_idx − size): attnkit's window reaches size − 1 keys back."""
     return size - 1, 0
 
 
-_AND_MASKS_CODE = masking_utils.and_masks(masking_utils.causal_mask_function).__code__
-_CAUSAL_WINDOW_CODE = masking_utils.sliding_window_overlay(1).__code__
-_BIDIRECTIONAL_WINDOW_CODE = masking_utils.sliding_window_bidirectional_overlay(1).__code__
+class _Index:
+    """An index given to a mask function in place of a number: every operation on it returns the expression it
+    stands for, so calling the function yields the function's own formula. An operation with anything but an index
+    or an int (a tensor's element: packed sequences, chunked attention, padding) yields :data:`_OPAQUE`; tensors
+    see an index through ``__torch_function__``, which a compiled graph traces as it does any Python object."""
+
+    __slots__ = ("expr",)
+    device = None  # and_masks moves each part's result to the first's device
+
+    def __init__(self, expr: Any) -> None:
+        self.expr = expr
+
+    def new_ones(self, *args: Any, **kwargs: Any) -> _Index:  # and_masks' neutral element
+        return _Index(True)
+
+    def to(self, *args: Any, **kwargs: Any) -> _Index:
+        return self
+
+    def __bool__(self) -> bool:  # a function that branches on an index is no pattern _pattern knows
+        raise TypeError("an index of a mask function's formula has no truth value")
+
+    def __abs__(self) -> _Index:
+        return _Index(("abs", self.expr))
+
+    def __invert__(self) -> _Index:
+        return _OPAQUE
+
+    __neg__ = __invert__
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> _Index:
+        return _OPAQUE
+
+
+def _operation(name: str) -> Callable[[_Index, Any], _Index]:
+    def apply(self: _Index, other: Any) -> _Index:
+        if isinstance(other, _Index):
+            return _Index((name, self.expr, other.expr))
+        return _Index((name, self.expr, other)) if type(other) is int else _OPAQUE
+
+    return apply
+
+
+for _name in ("sub", "add", "mul", "floordiv", "mod", "and", "or", "xor"):
+    setattr(_Index, f"__{_name}__", _operation(_name))
+    setattr(_Index, f"__r{_name}__", _operation(f"r{_name}"))
+for _name in ("lt", "le", "gt", "ge", "eq", "ne", "getitem"):
+    setattr(_Index, f"__{_name}__", _operation(_name))
+_OPAQUE = _Index("opaque")
 
 
 def _pattern(mask_function: Callable[..., Any]) -> tuple[bool, tuple[int, int] | None] | None:
     """(causal, window) of the mask functions transformers builds for causal and bidirectional attention, with or
-    without a sliding window; None for any other (packed sequences, chunked attention, or/and overlays)."""
-    if mask_function is masking_utils.causal_mask_function:
-        return True, None
-    if mask_function is masking_utils.bidirectional_mask_function:
-        return False, None
-    if getattr(mask_function, "__code__", None) is not _AND_MASKS_CODE:
+    without a sliding window, read from the formula the function computes (:class:`_Index`); None for any other
+    (packed sequences, chunked attention, or/and overlays). No value is read, so a compiled graph traces it."""
+    try:
+        formula = mask_function(_Index("batch"), _Index("head"), _Index("q"), _Index("kv")).expr
+    except Exception:  # foreign code that does what no index can: transformers' own mask says what it means
         return None
-    parts = _closure(mask_function).get("mask_functions", ())
-    if len(parts) != 2:
-        return None
-    overlay, base = parts
-    code = getattr(overlay, "__code__", None)
-    if code not in (_CAUSAL_WINDOW_CODE, _BIDIRECTIONAL_WINDOW_CODE):
-        return None
-    size = _closure(overlay).get("sliding_window")
-    if not isinstance(size, int) or size < 1:
-        return None
-    if code is _CAUSAL_WINDOW_CODE and base is masking_utils.causal_mask_function:
-        return True, _causal_window(size)
-    if code is _BIDIRECTIONAL_WINDOW_CODE and base is masking_utils.bidirectional_mask_function:
-        return False, (size, size)  # |q_idx − kv_idx| <= N
+    terms: list[Any] = []
+    pending = [formula]
+    while pending:  # the conjunction's terms, and_masks' neutral True left out
+        term = pending.pop()
+        if isinstance(term, tuple) and term[0] == "and":
+            pending += term[1:]
+        elif term is not True:
+            terms.append(term)
+    match sorted(terms, key=repr):
+        case [("le", "kv", "q")]:  # kv_idx <= q_idx
+            return True, None
+        case [("ge", "q", 0)]:  # q_idx >= 0: every key
+            return False, None
+        case [("gt", "kv", ("sub", "q", int(size))), ("le", "kv", "q")] if size >= 1:  # and kv_idx > q_idx − N
+            return True, _causal_window(size)
+        case [("ge", "q", 0), ("le", ("abs", ("sub", "q", "kv")), int(size))] if size >= 1:  # and |q_idx − kv_idx| <= N
+            return False, (size, size)
     return None
+
+
+def _may_index_tensors(attention_mask: Any, q_offset: int | torch.Tensor, kv_offset: int, overlaid: bool) -> bool:
+    """Inside a compiled graph, whether the mask function may index a tensor by (batch, position), which a graph
+    cannot trace with :class:`_Index` positions: the overlays a model adds (transformers sets ``use_vmap`` for them),
+    and packed sequences, which transformers assumes in a graph whenever there is neither a padding mask nor a cache
+    (it cannot read position_ids there). Those patterns get transformers' own mask, as outside a graph."""
+    no_cache = type(q_offset) is int and q_offset == 0 and kv_offset == 0
+    return torch.compiler.is_compiling() and (overlaid or (attention_mask is None and no_cache))
 
 
 def make_mask(
@@ -145,18 +198,22 @@ def make_mask(
     own boolean (B, 1, Lq, Lk) mask."""
     if isinstance(attention_mask, AttnkitMask):  # prepared by generate() for this very call
         return attention_mask
-    pattern = _pattern(mask_function)
+    pattern = None if _may_index_tensors(attention_mask, q_offset, kv_offset, use_vmap) else _pattern(mask_function)
     # Query i sits at position q_offset + i, key j at kv_offset + j: key j is at or before query i when
     # j <= i + diagonal. Keys from diagonal + Lq on are later than every query: a static cache's unwritten slots.
-    q_start = int(q_offset)  # a tensor for static caches
+    # q_offset is a tensor for static caches. Inside a compiled graph its value cannot be read: a static cache keeps
+    # q_length <= written <= Lk (an overflowing write fails in the cache), and kv_lengths = written is then checked
+    # against Lk where the graph runs.
+    traced_offset = isinstance(q_offset, torch.Tensor) and torch.compiler.is_compiling()
+    q_start = q_offset if traced_offset else int(q_offset)
     diagonal = q_start - kv_offset
     written = diagonal + q_length
-    if pattern is None or not q_length <= written <= kv_length:
+    if pattern is None or not (traced_offset or q_length <= written <= kv_length):
         materialised = masking_utils.sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
             kv_length=kv_length,
-            q_offset=q_start,
+            q_offset=q_start,  # type: ignore[arg-type]  # a tensor in a graph, as transformers itself passes it
             kv_offset=kv_offset,
             mask_function=mask_function,
             attention_mask=attention_mask,
@@ -169,10 +226,22 @@ def make_mask(
         return materialised
     causal, window = pattern
     described = functools.partial(AttnkitMask, causal, window, q_length=q_length, kv_length=kv_length)
-    clip = torch.full((batch_size,), written, device=device) if written < kv_length else None
+    # A static cache's kv_lengths (q_offset a tensor) is there on every step, up to the one that fills the cache, where
+    # it clips nothing: the masks generate() hands a compiled forward keep one structure, which it is traced for.
+    if isinstance(written, torch.Tensor):  # traced_offset
+        clip = written.expand(batch_size)
+    elif written < kv_length or isinstance(q_offset, torch.Tensor):
+        clip = torch.full((batch_size,), written, device=device)
+    else:
+        clip = None
 
     padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
     keys = None if padding is None else padding[:, kv_offset : kv_offset + kv_length]
+    if torch.compiler.is_compiling():
+        # No tensor value may be read in a graph, so none of the compact choices below: any padding goes in as the
+        # key mask, which is exact whatever the padding (only right padding had a shorter form).
+        key_mask = None if keys is None else keys[:, None, None, :]
+        return described(top_left=False, kv_lengths=clip, key_mask=key_mask)
     if keys is None or bool(keys[:, :written].all()):
         return described(top_left=False, kv_lengths=clip, key_mask=None)
     real = keys.sum(1)
@@ -185,12 +254,34 @@ def make_mask(
     return described(top_left=False, kv_lengths=clip, key_mask=keys[:, None, None, :])
 
 
-@functools.lru_cache(maxsize=256)
+class _Specs:
+    """The specs the attention calls use, one attribute each (see :func:`_spec`)."""
+
+
+_specs = _Specs()
+_spec_names: dict[tuple[Any, ...], str] = {}
+
+
 def _spec(
     causal: bool, top_left: bool, window: tuple[int, int] | None, scale: float | None, softcap: float | None
 ) -> AttentionSpec:
-    alignment = CausalAlignment.TOP_LEFT if top_left else CausalAlignment.BOTTOM_RIGHT
-    return AttentionSpec(causal=causal, causal_alignment=alignment, window=window, scale=scale, softcap=softcap)
+    """The spec of these fields, built once. Inside a compiled graph pydantic's validation does not trace, so the
+    spec is built where the trace cannot see (:func:`_spec_name`, whose name the graph keeps as a constant) and read
+    as an attribute of a module global, guarded by identity like any object's attribute. (A spec returned by an
+    assume_constant_result function itself is a constant Dynamo cannot guard, which attend's type check needs.)"""
+    return getattr(_specs, _spec_name(causal, top_left, window, scale, softcap))
+
+
+@torch.compiler.assume_constant_result
+def _spec_name(*fields: Any) -> str:
+    name = _spec_names.get(fields)
+    if name is None:
+        causal, top_left, window, scale, softcap = fields
+        alignment = CausalAlignment.TOP_LEFT if top_left else CausalAlignment.BOTTOM_RIGHT
+        spec = AttentionSpec(causal=causal, causal_alignment=alignment, window=window, scale=scale, softcap=softcap)
+        name = _spec_names[fields] = f"spec_{len(_spec_names)}"
+        setattr(_specs, name, spec)
+    return name
 
 
 def attention(
