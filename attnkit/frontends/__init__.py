@@ -69,3 +69,16 @@ def ops_for(x: Any, argument: str = "q") -> FrameworkOps:
     raise InvalidInputTypeError(
         f"{argument} must be a torch.Tensor or a jax.Array, got {type(x).__module__}.{type(x).__qualname__}"
     )
+
+
+def register_imported_frameworks() -> None:
+    """Put the glue of a framework imported before attnkit in attend's table now, not at the first call: a graph
+    torch.compile traced before any eager call would read the table empty, and be traced again once a call filled
+    it."""
+    if "torch" in sys.modules:
+        from attnkit.frontends import torch_frontend
+
+        ops_by_type.setdefault(torch_frontend.ARRAY_TYPE, torch_frontend.OPS)
+
+
+register_imported_frameworks()

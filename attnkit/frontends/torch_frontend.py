@@ -8,7 +8,6 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, own_forward
-from attnkit.frontends import ops_by_type
 from attnkit.spec import AttentionSpec
 
 
@@ -151,9 +150,8 @@ def _signature_when_traced(q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengt
 
 torch.compiler.substitute_in_graph(TorchOps.signature)(_signature_when_traced)
 OPS = TorchOps()
-# In attend's table from the start rather than from the first eager call on: a compiled graph that read the table
-# empty (traced before any eager call) would be traced again once that call filled it.
-ops_by_type.setdefault(torch.Tensor, OPS)
+#: The array type attend's table maps to OPS from the start (attnkit/frontends/__init__.py).
+ARRAY_TYPE = torch.Tensor
 #: "compiled" or "python (why not compiled)": which signature keys attend's cache of validated calls.
 signature_in_use = "python"
 

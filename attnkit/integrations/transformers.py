@@ -26,9 +26,11 @@ from transformers import AttentionInterface, AttentionMaskInterface, masking_uti
 
 from attnkit.api import attend
 from attnkit.errors import InvalidInputError
-from attnkit.frontends import torch_frontend  # noqa: F401  (torch tensors' frontend known before any trace)
+from attnkit.frontends import register_imported_frameworks
 from attnkit.registry import get_backend
 from attnkit.spec import AttentionSpec, CausalAlignment
+
+register_imported_frameworks()  # torch tensors' frontend in attend's table before any trace
 
 NAME = "attnkit"
 #: Names the attnkit backend every call uses when register() is given none ("auto" when unset).
