@@ -39,6 +39,15 @@ CASES = (
 )  # fmt: skip
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _torch_frontend_known() -> None:
+    """As after any eager call: the very first attend call of a process, if traced, is traced once more after it
+    (frontends.register_imported_frameworks says why), which a test run's order must not decide."""
+    from attnkit.frontends import register_imported_frameworks
+
+    register_imported_frameworks()
+
+
 def _compiled_call(counter: Any) -> Any:
     @torch.compile(fullgraph=True, backend=counter)
     def compiled(case: Case, tensors: dict[str, Any], backend: str) -> tuple[Any, Any]:

@@ -72,13 +72,12 @@ def ops_for(x: Any, argument: str = "q") -> FrameworkOps:
 
 
 def register_imported_frameworks() -> None:
-    """Put the glue of a framework imported before attnkit in attend's table now, not at the first call: a graph
+    """Put the glue of every framework imported so far in attend's table now rather than at the first call. A graph
     torch.compile traced before any eager call would read the table empty, and be traced again once a call filled
-    it."""
+    it. An integration that knows its calls will be traced (attnkit.integrations.transformers) calls this; importing
+    attnkit does not, because the torch frontend imports torch._dynamo (and triton with it, which must come after
+    ``attnkit.environment.interpret_triton_without_gpu``)."""
     if "torch" in sys.modules:
         from attnkit.frontends import torch_frontend
 
         ops_by_type.setdefault(torch_frontend.ARRAY_TYPE, torch_frontend.OPS)
-
-
-register_imported_frameworks()

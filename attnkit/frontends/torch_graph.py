@@ -100,20 +100,8 @@ def _attend(
 
 
 @_attend.register_fake
-def _attend_shapes(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    bias: Tensor | None,
-    q_lengths: Tensor | None,
-    kv_lengths: Tensor | None,
-    spec: str,
-    backend: str,
-    return_lse: bool,
-    needs_grad: bool,
-    needs_bias_grad: bool,
-) -> tuple[Tensor, Tensor]:
+def _attend_shapes(*args: Any) -> tuple[Tensor, Tensor]:
+    q, k, v, mask, bias, q_lengths, kv_lengths, spec, _, return_lse, needs_grad, _ = args  # as _attend takes them
     given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
     out_shape, lse_shape = op_calls.output_shapes(_spec(spec), given)
     lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse or needs_grad else _no_lse(q)
@@ -150,23 +138,8 @@ def _attend_backward(
 
 
 @_attend_backward.register_fake
-def _attend_backward_shapes(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    mask: Tensor | None,
-    bias: Tensor | None,
-    q_lengths: Tensor | None,
-    kv_lengths: Tensor | None,
-    out: Tensor,
-    lse: Tensor,
-    dout: Tensor,
-    dlse: Tensor | None,
-    spec: str,
-    backend: str,
-    return_lse: bool,
-    needs_bias_grad: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+def _attend_backward_shapes(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    q, k, v, _, bias, *_, needs_bias_grad = args  # as _attend_backward takes them
     # Contiguous whatever the inputs' strides, as the implementation returns them.
     dbias = bias.new_empty(bias.shape) if needs_bias_grad and bias is not None else _no_lse(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
