@@ -20,6 +20,19 @@ from tests.conftest import backend_params
 
 BACKENDS = backend_params()
 
+# Drawn by the dev profile: one element without queries, whose zero padding row the float16 literal baseline (the
+# tolerance rule's) once normalised to 0/0, so that its dk was NaN and the rule fell to its floor (test_oracle.py).
+COSINE_WITHOUT_QUERIES = Case(
+    spec=AttentionSpec(variant="cosine"),
+    heads_q=1,
+    len_q=1,
+    len_k=2,
+    head_dim=32,
+    head_dim_v=32,
+    dtype="float16",
+    q_lengths=(1, 0),
+)
+
 CLAUSES = {
     # §1 layouts and shapes
     "§1 bshd": Case(spec=AttentionSpec(layout="bshd", causal=True), heads_q=4, heads_kv=2),
@@ -32,6 +45,7 @@ CLAUSES = {
     # §3 scores
     "§3 scale": Case(spec=AttentionSpec(scale=0.37)),
     "§3 cosine": Case(spec=AttentionSpec(variant="cosine")),
+    "§3 cosine float16, no queries in one element": COSINE_WITHOUT_QUERIES,
     "§3 softcap": Case(spec=AttentionSpec(softcap=1.5, scale=1.0)),
     "§3 bias+dbias": Case(spec=AttentionSpec(softcap=5.0), bias_shape=(1, 2, 8, 8), bias_grad=True),
     "§3 broadcast bias": Case(spec=AttentionSpec(), bias_shape=(8,), bias_grad=True),

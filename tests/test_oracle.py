@@ -26,9 +26,10 @@ import attnkit
 from attnkit import AttentionSpec, CausalAlignment, Layout, Variant
 from attnkit.contract import torch as torch_contract
 from attnkit.testing import Case, assert_backends_agree, make_arrays
-from attnkit.testing.agreement import DisagreementError
+from attnkit.testing.agreement import DisagreementError, oracle_results, rounded
 from attnkit.testing.strategies import cases
 from attnkit.validation import prepare
+from tests.test_contract import COSINE_WITHOUT_QUERIES
 
 
 def _broadcast(case: Case, arrays: dict[str, np.ndarray], name: str) -> np.ndarray | None:
@@ -339,3 +340,13 @@ def test_oracle_gradients_match_finite_differences(case: Case) -> None:
     # (check_undefined_grad exercises autograd.Function plumbing for absent cotangents, not these gradients.)
     both = lambda *values: (oracle(values)[0], FiniteLse.apply(*values))  # noqa: E731
     assert torch.autograd.gradcheck(both, leaves, atol=1e-7, rtol=1e-5, fast_mode=True, check_undefined_grad=False)
+
+
+def test_the_float16_baseline_is_finite_where_the_oracle_is() -> None:
+    """The tolerance rule drops a baseline (the literal algorithm in the case's dtype) that is not finite, leaving
+    the floor alone. A cosine row of padding is zero; normalised with eps = 1e-12, which float16 rounds to 0, it was
+    0/0, and 0·NaN made the baseline's dk NaN (dq, for a key row) in that batch element."""
+    case = COSINE_WITHOUT_QUERIES
+    exact, baseline = oracle_results(case, rounded(case, make_arrays(case)))
+    for name, expected in exact.items():
+        assert np.array_equal(np.isfinite(baseline[name]), np.isfinite(expected)), name

@@ -33,8 +33,14 @@ def from_bhsd(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
 
 
 def cosine_normalize(x: torch.Tensor) -> torch.Tensor:
-    """x / max(‖x‖, eps) along the head dim: the cosine variant's q̂ and k̂ (§3)."""
-    return F.normalize(x, dim=-1, eps=COSINE_EPS)
+    """x / max(‖x‖, eps) along the head dim: the cosine variant's q̂ and k̂ (§3).
+
+    In float16, where eps = 1e-12 rounds to 0, eps is float16's smallest positive value 2⁻²⁴ instead: no nonzero
+    float16 row has a smaller norm, so only a zero row (padding) changes, to 0 rather than 0/0 = NaN, which 0·NaN
+    would carry into dk (from a query row) or dq (from a key row): the harness's float16 baseline, docs/testing.md.
+    """
+    info = torch.finfo(x.dtype)
+    return F.normalize(x, dim=-1, eps=max(COSINE_EPS, info.smallest_normal * info.eps))
 
 
 def normalize_if_cosine(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
