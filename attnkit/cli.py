@@ -162,7 +162,11 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument(
         "--seq-len", type=int, help="chunked, memory, --backend: sequence length (default 4096, 16384, paper's)"
     )
-    bench.add_argument("--seq-lens", metavar="L1,L2", help="targets, masks: sequence lengths (default 512,2048,4096; masks 64,512,2048)")
+    bench.add_argument(
+        "--seq-lens",
+        metavar="L1,L2",
+        help="targets, masks: sequence lengths (default 512,2048,4096; masks 64,512,2048)",
+    )
     bench.add_argument("--targets", metavar="A,B", help="targets: which ones (default torch,jax,non-native,decode)")
     bench.add_argument(
         "--quick",

@@ -157,7 +157,10 @@ TARGETS = {
     ),
     "cpu-flash": Target(
         (
-            Source("backends/cpu_flash/kernel.cpp", ("key_range", "needs_mask", "scores", "fwd_block", "bwd_kv_head")),
+            Source(
+                "backends/cpu_flash/kernel.cpp",
+                ("key_range", "needs_mask", "scores", "fwd_block", "accumulate_dbias", "bwd_kv_head"),
+            ),
             Source(
                 "backends/cpu_flash/backend.py",
                 ("_Band.of", "_Band.tile", "_CpuFlash.backward"),

@@ -26,7 +26,8 @@ MASK_SEQ_LENS = (64, 512, 2048)
 MASK_HEADS_KV = (8, 2)
 MASK_KINDS = ("hf-4d", "hf-keypad", "random")
 PASSES = ("fwd", "fwd+bwd")
-MEMORY_SHAPE = {"batch": 1, "heads": 8, "head_dim": 64, "softcap": 30.0}
+MEMORY_SHAPE = {"batch": 1, "heads": 8, "head_dim": 64}
+MEMORY_SOFTCAP = 30.0
 MEMORY_SEQ_LENS = (1024, 2048)
 MEMORY_BACKENDS = ("cpu-flash", "torch-naive")
 _MEMORY_CHILD = "import sys; from attnkit.bench.masks import _memory_child as m; m(sys.argv[1], int(sys.argv[2]))"
@@ -133,13 +134,13 @@ def _memory_child(name: str, seq_len: int) -> None:
 
     torch.set_num_threads(1)
     batch, heads, head_dim = MEMORY_SHAPE["batch"], MEMORY_SHAPE["heads"], MEMORY_SHAPE["head_dim"]
-    spec = attnkit.AttentionSpec(softcap=MEMORY_SHAPE["softcap"])
+    spec = attnkit.AttentionSpec(softcap=MEMORY_SOFTCAP)
 
     def run(length: int) -> Callable[[], None]:
         shape = (batch, heads, length, head_dim)
         q, k, v, dout = random_inputs("torch", shape, shape)
         leaves = [t.requires_grad_(True) for t in (q, k, v)]
-        mask = (torch.ones(length, length, dtype=torch.bool).tril() & left_padding(batch, length).unsqueeze(1))
+        mask = torch.ones(length, length, dtype=torch.bool).tril() & left_padding(batch, length).unsqueeze(1)
         return lambda: attnkit.attend(spec, *leaves, mask=mask.unsqueeze(1), backend=name).backward(dout)
 
     run(64)()  # load modules and kernels before measuring
@@ -169,18 +170,24 @@ def format_masks(result: dict[str, Any]) -> str:
     ]
     header = ["mask", "L", "Hkv", "pass", "auto runs", "sdpa ms", "attend / sdpa"]
     rows = [
-        [c["mask"], str(c["len"]), str(c["heads_kv"]), c["pass"], c["backend"], f"{c['sdpa_ms']:.3g}", f"{c['ratio']:.3f}"]
+        [
+            c["mask"],
+            str(c["len"]),
+            str(c["heads_kv"]),
+            c["pass"],
+            c["backend"],
+            f"{c['sdpa_ms']:.3g}",
+            f"{c['ratio']:.3f}",
+        ]
         for c in result["cells"]
     ]
     lines.append(format_table(header, rows))
     if "memory" in result:
         memory = MEMORY_SHAPE
         lines.append(
-            f"\npeak extra memory, softcap={memory['softcap']} + (B, 1, L, L) bool mask, forward+backward, "
+            f"\npeak extra memory, softcap={MEMORY_SOFTCAP} + (B, 1, L, L) bool mask, forward+backward, "
             f"B={memory['batch']}, H={memory['heads']}, D={memory['head_dim']}, float32 (fresh process each)"
         )
-        memory_rows = [
-            [m["backend"], str(m["len"]), f"{m['peak_extra_bytes'] / 2**20:.1f}"] for m in result["memory"]
-        ]
+        memory_rows = [[m["backend"], str(m["len"]), f"{m['peak_extra_bytes'] / 2**20:.1f}"] for m in result["memory"]]
         lines.append(format_table(["backend", "L", "peak extra MiB"], memory_rows))
     return "\n".join(lines)

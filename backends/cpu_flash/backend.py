@@ -4,7 +4,8 @@ SDPA's CPU kernel cannot express softcap, and windows, lengths or bottom-right c
 must read; an unfused loop of torch ops pays for every pass over the scores in memory traffic. kernel.cpp is the
 FlashAttention-2 algorithm written once in C++: scores and products through the BLAS torch ships (MKL's sgemm),
 softcap, visibility (index arithmetic, only on tiles the band crosses) and the online softmax in one vectorised
-pass over each tile while it is in cache. Memory is linear in L: nothing of size Lq × Lk exists.
+pass over each tile while it is in cache. A mask and a bias are read per tile through their strides. Memory is
+linear in L: nothing of size Lq × Lk exists beyond a mask or bias the caller passed.
 
 Built on first use with ``torch.utils.cpp_extension`` through attnkit/build.py (tens of seconds, once per machine
 and CPU: cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; a failed build makes the backend

@@ -4,7 +4,10 @@ Three paths, chosen per call from the spec and the optional tensors:
 
 * **native**: visibility SDPA expresses (none, top-left causal, bottom-right with Lq = Lk or a single query), no
   bias, no lse, D = Dv: ``F.scaled_dot_product_attention`` itself, differentiated by torch's own autograd. This is
-  the call a user would write, so ``auto`` costs only its dispatch over it.
+  the call a user would write, so ``auto`` costs only its dispatch over it. With a user mask (no window, bias,
+  lengths or lse) it is the same call with the boolean mask as SDPA takes it (§4.4 and SDPA agree: True = may
+  attend), any causal band folded into it: no float mask, empty-row scan or lse of ours (issue 16). Rows that see no
+  key come out 0 with zero gradients from torch ≥ 2.5 itself, and NaN propagates at every key count there.
 * **flash op**: the op under it, ``aten::_scaled_dot_product_flash_attention_for_cpu``, which also returns lse, on
   query blocks (:class:`_BlockedFlash`). Causal with another alignment, windows and lengths give each block of
   BLOCK_Q queries only the key span its band can reach, with an additive 0/−inf mask of (block × span) built per
