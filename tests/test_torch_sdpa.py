@@ -38,25 +38,35 @@ def test_nan_scores_give_nan_rows_at_every_key_count(len_k: int, causal: bool, p
         assert torch.equal(out.isnan(), expected.isnan()), f"{return_lse=}"
 
 
+MASKED_PATHS = {
+    "public": AttentionSpec(),
+    "causal-op": AttentionSpec(causal=True, causal_alignment="top_left"),
+    "folded-band": AttentionSpec(causal=True),  # bottom-right with Lq = 3 != Lk
+}
+
+
+@pytest.mark.parametrize("path", MASKED_PATHS)
 @pytest.mark.parametrize("len_k", [1, 3, 15, 16, 17, 31, 33, 63, 64, 65])
-def test_nan_scores_give_nan_rows_through_the_public_masked_call(len_k: int) -> None:
-    """A masked call without lse is the public SDPA call with the mask, at every key count (no NAN_SAFE_KEYS floor):
-    a row whose one visible key has a NaN score, the mask hiding the rest of the kernel's first vector, is NaN there,
-    and a row seeing nothing is 0 (tests/test_conformance.py draws such rows with grads). Head 0's empty row holds
-    the NaN key hidden: §5 leaves that one open (SDPA gives NaN), so it is left out."""
+def test_nan_scores_give_nan_rows_on_the_masked_paths(len_k: int, path: str) -> None:
+    """A masked call without lse takes no lse and scans no empty row, at every key count (no NAN_SAFE_KEYS floor):
+    the public call with the mask, the op with its causal flag, or the band folded into the mask. A row whose visible
+    keys hold a NaN score, the mask hiding the rest of the kernel's first vector, is NaN; a row seeing nothing is 0
+    (tests/test_conformance.py draws such rows with grads). An empty row of head 0 has the NaN key hidden: §5 leaves
+    that open (SDPA gives NaN), so it is left out."""
     generator = torch.Generator().manual_seed(len_k)
     q, k, v = (torch.randn(1, 2, shape, 16, generator=generator) for shape in (3, len_k, len_k))
     k[0, 0, 0] = float("nan")
     mask = torch.ones(1, 1, 3, len_k, dtype=torch.bool)
     mask[..., 0, 1:17] = False  # row 0 sees key 0 (NaN) and, past the first vector, keys from 17 on
     mask[..., 1, :] = False  # row 1 sees nothing
-    spec = AttentionSpec(causal=True, causal_alignment="top_left")  # folded into the mask
+    spec = MASKED_PATHS[path]
     inputs = AttentionInputs(q.double(), k.double(), v.double(), mask=mask)
     expected, _ = oracle_attention(spec, inputs, torch.float64)
     out = attnkit.attend(spec, q, k, v, mask=mask, backend="torch-sdpa")
-    specified = torch.tensor([[True, True], [False, True], [True, True]]).T.reshape(1, 2, 3, 1)  # (head, row)
-    assert torch.equal(out.isnan() & specified, expected.isnan() & specified)
-    assert torch.equal(out[0, 1, 1], torch.zeros(16))  # head 1's empty row is exactly 0
+    empty = ~oracle_visibility(spec, inputs, 3, len_k).expand(1, 2, 3, len_k).any(dim=-1)
+    specified = ~(empty & (torch.arange(2).view(1, 2, 1) == 0))
+    assert torch.equal(out.isnan()[specified], expected.isnan()[specified])
+    assert torch.equal(out[0, 1][empty[0, 1]], torch.zeros(int(empty[0, 1].sum()), 16))
 
 
 def brute_force_rows(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> list[list[int]]:

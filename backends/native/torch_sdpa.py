@@ -6,8 +6,10 @@ Three paths, chosen per call from the spec and the optional tensors:
   bias, no lse, D = Dv: ``F.scaled_dot_product_attention`` itself, differentiated by torch's own autograd. This is
   the call a user would write, so ``auto`` costs only its dispatch over it. With a user mask (no window, bias,
   lengths or lse) it is the same call with the boolean mask as SDPA takes it (§4.4 and SDPA agree: True = may
-  attend), any causal band folded into it: no float mask, empty-row scan or lse of ours (issue 16). Rows that see no
-  key come out 0 with zero gradients from torch ≥ 2.5 itself, and NaN propagates at every key count there.
+  attend), no empty-row scan or lse of ours (issue 16); causal with its diagonal at key 0 runs the op with its own
+  causal flag beside the mask (it skips the key blocks past the diagonal, which SDPA given one mask cannot), another
+  alignment folds the band into the mask. Rows that see no key come out 0 with zero gradients from the kernel
+  itself, and NaN propagates at every key count there (tests/test_torch_sdpa.py).
 * **flash op**: the op under it, ``aten::_scaled_dot_product_flash_attention_for_cpu``, which also returns lse, on
   query blocks (:class:`_BlockedFlash`). Causal with another alignment, windows and lengths give each block of
   BLOCK_Q queries only the key span its band can reach, with an additive 0/−inf mask of (block × span) built per
@@ -262,10 +264,45 @@ def _causal_band(spec: AttentionSpec, len_q: int, len_k: int, device: torch.devi
     return band
 
 
+class _CausalMaskedFlash(torch.autograd.Function):
+    """out of the flash op with its own top-left causal flag and the user mask as a 0/−inf float mask, for bhsd q, k,
+    v with equal head dims: the kernel skips the key blocks past the diagonal, which SDPA given the same visibility
+    as one mask cannot. No lse is returned and no empty row is looked for: with a mask the kernel gives rows that see
+    no key out 0 and zero gradients, and propagates NaN (tests/test_torch_sdpa.py)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        assert _OPS is not None
+        additive = torch.zeros((), dtype=compute_dtype(q.dtype)).where(mask, float("-inf"))
+        out, lse = _OPS[0](q, k, v, 0.0, True, attn_mask=additive, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, additive)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        assert _OPS is not None
+        q, k, v, out, lse, additive = ctx.saved_tensors
+        grads = _OPS[1](dout.contiguous(), q, k, v, out, lse, 0.0, True, attn_mask=additive, scale=ctx.scale)
+        return grads[0], grads[1], grads[2], None, None
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """The op reads rows with unit stride (the public call checks that and copies; the op does not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def _masked_runner(spec: AttentionSpec, fold_causal: bool, grouped: bool, head_dim: int) -> Runner:
-    """The public SDPA call with the caller's boolean mask (the causal band folded in where the spec has one): what
-    a user of SDPA writes, with no float mask, empty-row scan or lse of ours around it."""
-    options = _sdpa_options(spec, False, grouped, spec.resolved_scale(head_dim))
+    """The caller's boolean mask and what SDPA makes of it, with no empty-row scan or lse of ours around it.
+
+    Without causal: the public SDPA call with the mask, what a user of SDPA writes. Causal with its diagonal at key
+    0 (top-left, or Lq = Lk): the flash op with its causal flag and the mask (:class:`_CausalMaskedFlash`), which
+    skips the key blocks past the diagonal. Other alignments: the band folded into the mask, then the public call.
+    """
+    scale = spec.resolved_scale(head_dim)
+    options = _sdpa_options(spec, False, grouped, scale)
     bshd, cosine = spec.layout is Layout.BSHD, spec.variant is Variant.COSINE
     sdpa = F.scaled_dot_product_attention
 
@@ -273,11 +310,15 @@ def _masked_runner(spec: AttentionSpec, fold_causal: bool, grouped: bool, head_d
         dtype = v.dtype
         if bshd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if fold_causal:
-            mask = mask & _causal_band(spec, q.shape[2], k.shape[2], q.device)
         if cosine:
             q, k, v = _normalized(q), _normalized(k), v.to(compute_dtype(dtype))
-        out = sdpa(q, k, v, attn_mask=mask, **options).to(dtype)
+        if not fold_causal:
+            out = sdpa(q, k, v, attn_mask=mask, **options)
+        elif alignment_offset(spec, q.shape[2], k.shape[2]) == 0:
+            out = _CausalMaskedFlash.apply(_unit_stride(q), _unit_stride(k), _unit_stride(v), mask, scale)
+        else:
+            out = sdpa(q, k, v, attn_mask=mask & _causal_band(spec, q.shape[2], k.shape[2], q.device), **options)
+        out = out.to(dtype)
         return (out.transpose(1, 2) if bshd else out), None
 
     return masked
