@@ -239,10 +239,10 @@ def _native_causal(
     """SDPA's ``is_causal`` for a call the public SDPA call computes exactly, or None when it cannot.
 
     ``plain``: no bias or lengths, and no lse wanted (and no mask unless ``masked``); ``equal_dims``: D = Dv.
-    ``masked``: a boolean mask, which SDPA takes as it is (True = may attend, as §4.4); True then means that the causal
-    band is folded into it (any alignment: SDPA takes no ``is_causal`` beside a mask). With a mask the kernel
-    propagates NaN at every key count and gives rows that see no key out 0 and zero gradients (torch ≥ 2.5: both
-    checked in tests/test_torch_sdpa.py and drawn by the conformance suite), so no key count is excluded.
+    ``masked``: a boolean mask, which SDPA takes as it is (True = may attend, as §4.4); True then means causal in any
+    alignment, which :func:`_masked_runner` applies beside the mask. With a mask the kernel propagates NaN at every
+    key count and gives rows that see no key out 0 and zero gradients (both checked in tests/test_torch_sdpa.py and
+    drawn by the conformance suite), so no key count is excluded.
     """
     if not plain or not equal_dims or spec.window is not None or (len_k < NAN_SAFE_KEYS and not masked):
         return None
@@ -275,7 +275,7 @@ class _CausalMaskedFlash(torch.autograd.Function):
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
     ) -> torch.Tensor:
         assert _OPS is not None
-        additive = torch.zeros((), dtype=compute_dtype(q.dtype)).where(mask, float("-inf"))
+        additive = torch.zeros((), dtype=compute_dtype(q.dtype), device=mask.device).where(mask, float("-inf"))
         out, lse = _OPS[0](q, k, v, 0.0, True, attn_mask=additive, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse, additive)
         ctx.scale = scale
