@@ -249,13 +249,15 @@ struct BackwardTerms {
   Strided<float> dbias;
 };
 
-// dbias row += dS row (cols entries), for a dbias plane whose keys are contiguous (col 1), broadcast (0) or strided.
-void accumulate_dbias(float* dbias, int64_t col, const float* ds, int64_t cols) {
-  const int64_t step = Vec::size();
-  int64_t c = 0;
-  if (col == 1)
-    for (; c + step <= cols; c += step) (Vec::loadu(dbias + c) + Vec::loadu(ds + c)).store(dbias + c);
-  for (; c < cols; ++c) dbias[c * col] += ds[c];
+// dbias[c .. c + lanes) += dS's lanes, for a dbias row whose keys are contiguous (col 1), broadcast (0) or strided.
+void accumulate_dbias(float* dbias, int64_t col, int64_t c, const Vec& ds) {
+  if (col == 1) {
+    (Vec::loadu(dbias + c) + ds).store(dbias + c);
+    return;
+  }
+  float lanes[Vec::size()];
+  ds.store(lanes);
+  for (int64_t lane = 0; lane < Vec::size(); ++lane) dbias[(c + lane) * col] += lanes[lane];
 }
 
 void bwd_kv_head(const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta,
@@ -296,22 +298,12 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
           float* p = s.data() + r * cols;  // becomes dU in place
           const float* dp_row = dp.data() + r * cols;
           const float* t_row = t.data() + r * cols;
+          // dbias takes dS before the softcap's chain rule: the bias is added after the tanh.
+          float* dbias_row = dbias.base ? dbias.at(r0 + r, c0) : nullptr;
           int64_t c = 0;
-          if (dbias.base) {  // dS before the softcap's chain rule: the bias is added after the tanh
-            for (; c + step <= cols; c += step) (Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - Vec(row_delta))).store(p + c);
-            for (; c < cols; ++c) p[c] *= dp_row[c] - row_delta;
-            accumulate_dbias(dbias.at(r0 + r, c0), dbias.col, p, cols);
-            if (softcap > 0) {
-              for (c = 0; c + step <= cols; c += step) {
-                Vec th = Vec::loadu(t_row + c);
-                (Vec::loadu(p + c) * (Vec(softcap) * (Vec(1.0f) - th * th))).store(p + c);
-              }
-              for (; c < cols; ++c) p[c] *= softcap * (1.0f - t_row[c] * t_row[c]);
-            }
-            continue;
-          }
           for (; c + step <= cols; c += step) {
             Vec ds = Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - Vec(row_delta));
+            if (dbias_row) accumulate_dbias(dbias_row, dbias.col, c, ds);
             if (softcap > 0) {
               Vec th = Vec::loadu(t_row + c);
               ds = ds * (Vec(softcap) * (Vec(1.0f) - th * th));
@@ -320,6 +312,7 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
           }
           for (; c < cols; ++c) {
             float ds = p[c] * (dp_row[c] - row_delta);
+            if (dbias_row) dbias_row[c * dbias.col] += ds;
             if (softcap > 0) ds *= softcap * (1.0f - t_row[c] * t_row[c]);
             p[c] = ds;
           }
