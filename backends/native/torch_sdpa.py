@@ -264,6 +264,16 @@ def _causal_band(spec: AttentionSpec, len_q: int, len_k: int, device: torch.devi
     return band
 
 
+def _causal_masked_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, the kernel's lse, the 0/−inf mask) of the flash op with its causal flag beside the boolean ``mask``."""
+    assert _OPS is not None
+    additive = torch.zeros((), dtype=compute_dtype(q.dtype), device=mask.device).where(mask, float("-inf"))
+    out, lse = _OPS[0](q, k, v, 0.0, True, attn_mask=additive, scale=scale)
+    return out, lse, additive
+
+
 class _CausalMaskedFlash(torch.autograd.Function):
     """out of the flash op with its own top-left causal flag and the user mask as a 0/−inf float mask, for bhsd q, k,
     v with equal head dims: the kernel skips the key blocks past the diagonal, which SDPA given the same visibility
@@ -274,9 +284,7 @@ class _CausalMaskedFlash(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
     ) -> torch.Tensor:
-        assert _OPS is not None
-        additive = torch.zeros((), dtype=compute_dtype(q.dtype), device=mask.device).where(mask, float("-inf"))
-        out, lse = _OPS[0](q, k, v, 0.0, True, attn_mask=additive, scale=scale)
+        out, lse, additive = _causal_masked_op(q, k, v, mask, scale)
         ctx.save_for_backward(q, k, v, out, lse, additive)
         ctx.scale = scale
         return out
@@ -294,8 +302,11 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _masked_runner(spec: AttentionSpec, fold_causal: bool, grouped: bool, head_dim: int) -> Runner:
-    """The caller's boolean mask and what SDPA makes of it, with no empty-row scan or lse of ours around it.
+def _masked_runner(
+    spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim: int, len_q: int, len_k: int
+) -> Runner:
+    """The caller's boolean mask and what SDPA makes of it, with no empty-row scan or lse of ours around it; made
+    once per (spec, problem), so the per-call work is the call itself.
 
     Without causal: the public SDPA call with the mask, what a user of SDPA writes. Causal with its diagonal at key
     0 (top-left, or Lq = Lk): the flash op with its causal flag and the mask (:class:`_CausalMaskedFlash`), which
@@ -303,22 +314,36 @@ def _masked_runner(spec: AttentionSpec, fold_causal: bool, grouped: bool, head_d
     """
     scale = spec.resolved_scale(head_dim)
     options = _sdpa_options(spec, False, grouped, scale)
-    bshd, cosine = spec.layout is Layout.BSHD, spec.variant is Variant.COSINE
     sdpa = F.scaled_dot_product_attention
+    if not is_causal:
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return sdpa(q, k, v, attn_mask=mask, **options)
+
+    elif alignment_offset(spec, len_q, len_k) == 0:
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return _CausalMaskedFlash.apply(q, k, v, mask, scale)
+            return _causal_masked_op(q, k, v, mask, scale)[0]  # inference: no autograd.Function around it
+
+    else:
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return sdpa(q, k, v, attn_mask=mask & _causal_band(spec, len_q, len_k, q.device), **options)
+
+    if spec.variant is not Variant.COSINE and spec.layout is Layout.BHSD:
+        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (attention(q, k, v, mask), None)
+    bshd = spec.layout is Layout.BSHD
 
     def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *_: None) -> tuple[Any, None]:
         dtype = v.dtype
         if bshd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        if cosine:
+        if spec.variant is Variant.COSINE:
             q, k, v = _normalized(q), _normalized(k), v.to(compute_dtype(dtype))
-        if not fold_causal:
-            out = sdpa(q, k, v, attn_mask=mask, **options)
-        elif alignment_offset(spec, q.shape[2], k.shape[2]) == 0:
-            out = _CausalMaskedFlash.apply(_unit_stride(q), _unit_stride(k), _unit_stride(v), mask, scale)
-        else:
-            out = sdpa(q, k, v, attn_mask=mask & _causal_band(spec, q.shape[2], k.shape[2], q.device), **options)
-        out = out.to(dtype)
+        out = attention(q, k, v, mask).to(dtype)
         return (out.transpose(1, 2) if bshd else out), None
 
     return masked
@@ -376,8 +401,10 @@ def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool)
     masked = inputs.mask is not None
     is_causal = _native_causal(spec, q.shape[2], k.shape[2], plain, q.shape[3] == v.shape[3], masked)
     if is_causal is not None:
-        make_runner = _masked_runner if masked else _native_runner
-        return make_runner(spec, is_causal, q.shape[1] != k.shape[1], q.shape[3])(*inputs)
+        grouped = q.shape[1] != k.shape[1]
+        if masked:
+            return _masked_runner(spec, is_causal, grouped, q.shape[3], q.shape[2], k.shape[2])(*inputs)
+        return _native_runner(spec, is_causal, grouped, q.shape[3])(*inputs)
     return _flash_attention(spec, inputs, q, k, v, spec.resolved_scale(q.shape[3]))
 
 
@@ -445,8 +472,10 @@ class TorchSdpaBackend(RecomputingBackend):
         plain = problem.is_plain() or problem.has_mask and replace(problem, has_mask=False).is_plain()
         is_causal = _native_causal(spec, problem.len_q, problem.len_k, plain, equal_dims, problem.has_mask)
         if is_causal is not None:
-            make_runner = _masked_runner if problem.has_mask else _native_runner
-            return make_runner(spec, is_causal, problem.heads_q != problem.heads_kv, problem.head_dim)
+            grouped = problem.heads_q != problem.heads_kv
+            if problem.has_mask:
+                return _masked_runner(spec, is_causal, grouped, problem.head_dim, problem.len_q, problem.len_k)
+            return _native_runner(spec, is_causal, grouped, problem.head_dim)
         need_lse = problem.return_lse
         return lambda *tensors: sdpa_attention(spec, AttentionInputs(*tensors), need_lse)
 
