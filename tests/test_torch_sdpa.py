@@ -40,13 +40,13 @@ def test_nan_scores_give_nan_rows_at_every_key_count(len_k: int, causal: bool, p
 
 MASKED_PATHS = {
     "public": AttentionSpec(),
-    "causal-op": AttentionSpec(causal=True, causal_alignment="top_left"),
+    "causal-top-left": AttentionSpec(causal=True, causal_alignment="top_left"),  # the op from CAUSAL_OP_MIN_KEYS on
     "folded-band": AttentionSpec(causal=True),  # bottom-right with Lq = 3 != Lk
 }
 
 
 @pytest.mark.parametrize("path", MASKED_PATHS)
-@pytest.mark.parametrize("len_k", [1, 3, 15, 16, 17, 31, 33, 63, 64, 65])
+@pytest.mark.parametrize("len_k", [1, 3, 15, 16, 17, 31, 33, 63, 64, 65, sdpa.CAUSAL_OP_MIN_KEYS])
 def test_nan_scores_give_nan_rows_on_the_masked_paths(len_k: int, path: str) -> None:
     """A masked call without lse takes no lse and scans no empty row, at every key count (no NAN_SAFE_KEYS floor):
     the public call with the mask, the op with its causal flag, or the band folded into the mask. A row whose visible
@@ -134,4 +134,16 @@ def test_float64_through_the_flash_op_agrees_with_gradients(spec: AttentionSpec)
     """float64 is declared, and the conformance suite draws only float32 and the half types: the op's lse comes back
     in float64 here and its backward takes it only so (the backward raised a dtype error before)."""
     case = Case(spec=spec, batch=2, len_q=5, len_k=9, kv_lengths=(9, 3), dtype="float64")
+    assert_backends_agree(case, backends=["torch-sdpa"])
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 1, 520), (2, 4, 520, 520)], ids=["key-padding", "per-head"])
+def test_causal_mask_through_the_op_agrees_with_gradients(mask_shape: tuple[int, ...]) -> None:
+    """From CAUSAL_OP_MIN_KEYS keys a causal masked call runs the op with its causal flag beside the mask, beyond the
+    conformance suite's lengths: out and gradients against the oracle, GQA, rows the mask empties."""
+    rows = (3, 300) if mask_shape[2] != 1 else ()
+    case = Case(
+        spec=AttentionSpec(causal=True), len_q=520, len_k=520, heads_q=4, heads_kv=2, mask_shape=mask_shape,
+        masked_rows=rows, dtype="bfloat16",
+    )  # fmt: skip
     assert_backends_agree(case, backends=["torch-sdpa"])

@@ -6,9 +6,9 @@ Three paths, chosen per call from the spec and the optional tensors:
   bias, no lse, D = Dv: ``F.scaled_dot_product_attention`` itself, differentiated by torch's own autograd. This is
   the call a user would write, so ``auto`` costs only its dispatch over it. With a user mask (no window, bias,
   lengths or lse) it is the same call with the boolean mask as SDPA takes it (§4.4 and SDPA agree: True = may
-  attend), no empty-row scan or lse of ours (issue 16); causal with its diagonal at key 0 runs the op with its own
-  causal flag beside the mask (it skips the key blocks past the diagonal, which SDPA given one mask cannot), another
-  alignment folds the band into the mask. Rows that see no key come out 0 with zero gradients from the kernel
+  attend), no empty-row scan or lse of ours (issue 16); causal with its diagonal at key 0 and CAUSAL_OP_MIN_KEYS
+  keys or more runs the op with its own causal flag beside the mask (it skips the key blocks past the diagonal,
+  which SDPA given one mask cannot), other causal calls fold the band into the mask. Rows that see no key come out 0 with zero gradients from the kernel
   itself, and NaN propagates at every key count there (tests/test_torch_sdpa.py).
 * **flash op**: the op under it, ``aten::_scaled_dot_product_flash_attention_for_cpu``, which also returns lse, on
   query blocks (:class:`_BlockedFlash`). Causal with another alignment, windows and lengths give each block of
@@ -66,6 +66,11 @@ WINDOW_BLOCK_Q = 64
 # The CPU kernel's first max over a row is vectorised; a row shorter than one vector whose scores are all NaN is
 # taken for a fully masked row. 64 keys cover vectors up to 2048 bits of float32.
 NAN_SAFE_KEYS = 64
+# A causal masked call from this many keys on runs the op with its causal flag, which skips the key blocks past the
+# diagonal (B=4, H=8, D=64, one thread, forward against SDPA with the (B, 1, L, L) mask: 0.87 at L=512, 0.68 at
+# 1024); below it nothing is skipped and folding the band into the mask for the public call (C++ autograd, no
+# autograd.Function) was as fast or faster (1.02 against 1.03 at L=64 forward, 0.96 against 1.00 at 256 fwd+bwd).
+CAUSAL_OP_MIN_KEYS = 512
 
 
 def _torch_version() -> tuple[int, int]:
@@ -309,8 +314,9 @@ def _masked_runner(
     once per (spec, problem), so the per-call work is the call itself.
 
     Without causal: the public SDPA call with the mask, what a user of SDPA writes. Causal with its diagonal at key
-    0 (top-left, or Lq = Lk): the flash op with its causal flag and the mask (:class:`_CausalMaskedFlash`), which
-    skips the key blocks past the diagonal. Other alignments: the band folded into the mask, then the public call.
+    0 (top-left, or Lq = Lk) and at least CAUSAL_OP_MIN_KEYS keys: the flash op with its causal flag and the mask
+    (:class:`_CausalMaskedFlash`), which skips the key blocks past the diagonal. Otherwise the band folded into the
+    mask, then the public call.
     """
     scale = spec.resolved_scale(head_dim)
     options = _sdpa_options(spec, False, grouped, scale)
@@ -320,7 +326,7 @@ def _masked_runner(
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             return sdpa(q, k, v, attn_mask=mask, **options)
 
-    elif alignment_offset(spec, len_q, len_k) == 0:
+    elif alignment_offset(spec, len_q, len_k) == 0 and len_k >= CAUSAL_OP_MIN_KEYS:
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
             q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
