@@ -12,7 +12,7 @@ from attnkit.backends.reference.torch_naive import oracle_attention, oracle_visi
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec
 from attnkit.contract.torch import Band
-from attnkit.testing import Case, assert_backends_agree
+from attnkit.testing import Case, assert_agrees_without_lse, assert_backends_agree
 
 sdpa = pytest.importorskip("attnkit.backends.native.torch_sdpa")
 pytestmark = pytest.mark.skipif(bool(attnkit.get_backend("torch-sdpa").available()), reason="torch-sdpa unavailable")
@@ -137,13 +137,33 @@ def test_float64_through_the_flash_op_agrees_with_gradients(spec: AttentionSpec)
     assert_backends_agree(case, backends=["torch-sdpa"])
 
 
-@pytest.mark.parametrize("mask_shape", [(2, 1, 1, 520), (2, 4, 520, 520)], ids=["key-padding", "per-head"])
-def test_causal_mask_through_the_op_agrees_with_gradients(mask_shape: tuple[int, ...]) -> None:
-    """From CAUSAL_OP_MIN_KEYS keys a causal masked call runs the op with its causal flag beside the mask, beyond the
-    conformance suite's lengths: out and gradients against the oracle, GQA, rows the mask empties."""
-    rows = (3, 300) if mask_shape[2] != 1 else ()
-    case = Case(
-        spec=AttentionSpec(causal=True), len_q=520, len_k=520, heads_q=4, heads_kv=2, mask_shape=mask_shape,
-        masked_rows=rows, dtype="bfloat16",
-    )  # fmt: skip
-    assert_backends_agree(case, backends=["torch-sdpa"])
+MASKED_CASES = {
+    # the public call with a per-head mask with empty rows, GQA, bfloat16
+    "public": Case(
+        spec=AttentionSpec(), len_q=9, len_k=20, heads_q=4, heads_kv=2, mask_shape=(2, 4, 9, 20), masked_rows=(0, 5),
+        dtype="bfloat16",
+    ),
+    # the band folded into a key-padding mask: bottom-right with Lq != Lk, bshd
+    "folded-offset": Case(spec=AttentionSpec(causal=True, layout="bshd"), len_q=7, len_k=15, mask_shape=(2, 1, 1, 15)),
+    # folded below CAUSAL_OP_MIN_KEYS: cosine, 3-D, float16
+    "folded-short": Case(
+        spec=AttentionSpec(causal=True, variant="cosine"), heads_q=1, heads_kv=1, len_q=12, len_k=12, three_d=True,
+        mask_shape=(2, 12, 12), masked_rows=(4,), dtype="float16",
+    ),
+    # the op with its causal flag: a key-padding mask, GQA, bfloat16; top-left with Lq < Lk and a per-head mask
+    "op-key-padding": Case(
+        spec=AttentionSpec(causal=True), len_q=520, len_k=520, heads_q=4, heads_kv=2, mask_shape=(2, 1, 1, 520),
+        dtype="bfloat16",
+    ),
+    "op-top-left": Case(
+        spec=AttentionSpec(causal=True, causal_alignment="top_left"), len_q=300, len_k=520, mask_shape=(2, 2, 300, 520),
+        masked_rows=(3, 299),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", MASKED_CASES)
+def test_masked_calls_without_lse_agree_with_gradients(path: str) -> None:
+    """A masked call that wants no lse takes the public call, the folded band or the op with its causal flag (the
+    conformance suite always asks for lse, so it never reaches them): out and gradients against the oracle."""
+    assert_agrees_without_lse(MASKED_CASES[path], "torch-sdpa")

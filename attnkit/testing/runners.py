@@ -32,16 +32,27 @@ def harness_device(backend: str) -> str:
     return "cuda" if on_gpu or "cpu" not in declared else "cpu"
 
 
-def _attend(case: Case, arrays: dict[str, Any], backend: str) -> tuple[Any, Any]:
-    """attend() on the case's arrays (q, k, v and whichever optional ones it has), with the log-sum-exp."""
+def _attend(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
+    """attend() on the case's arrays (q, k, v and whichever optional ones it has), with the log-sum-exp unless not
+    ``return_lse``."""
     optional = {name: arrays.get(name) for name in OPTIONAL}
-    return api.attend(case.spec, arrays["q"], arrays["k"], arrays["v"], **optional, return_lse=True, backend=backend)
+    return api.attend(
+        case.spec, arrays["q"], arrays["k"], arrays["v"], **optional, return_lse=return_lse, backend=backend
+    )
 
 
 def run_torch(
-    case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None, device: str = "cpu"
+    case: Case,
+    arrays: dict[str, np.ndarray],
+    backend: str,
+    dtype: str | None = None,
+    device: str = "cpu",
+    return_lse: bool = True,
 ) -> Results:
-    """attend() on torch tensors on ``device`` through the public API, with autograd; ``dtype`` overrides the case's."""
+    """attend() on torch tensors on ``device`` through the public API, with autograd; ``dtype`` overrides the case's.
+
+    ``return_lse=False``: the call without lse (a backend may take another path for it), gradients from ``dout``
+    alone; the results then hold no lse."""
     import torch
 
     torch_dtype = getattr(torch, dtype or case.dtype)
@@ -58,11 +69,16 @@ def run_torch(
         for name in DIFFERENTIABLE:
             if name in tensors and (name != "bias" or case.bias_grad):
                 tensors[name].requires_grad_(True)
-    out, lse = _attend(case, tensors, backend)
-    results = {"out": out, "lse": lse}
+    if return_lse:
+        out, lse = _attend(case, tensors, backend)
+        results = {"out": out, "lse": lse}
+        outputs, cotangents = [out, lse], [tensors["dout"], tensors["dlse"]]
+    else:
+        results = {"out": _attend(case, tensors, backend, return_lse=False)}
+        outputs, cotangents = [results["out"]], [tensors["dout"]]
     if case.grad:
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        grads = torch.autograd.grad((out, lse), wanted, (tensors["dout"], tensors["dlse"]), allow_unused=True)
+        grads = torch.autograd.grad(outputs, wanted, cotangents, allow_unused=True)
         names = [name for name in DIFFERENTIABLE if name in tensors and tensors[name].requires_grad]
         for name, grad, leaf in zip(names, grads, wanted):
             results["d" + name] = grad if grad is not None else torch.zeros_like(leaf)

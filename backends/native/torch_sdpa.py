@@ -391,7 +391,7 @@ def _sdpa_options(spec: AttentionSpec, is_causal: bool, grouped: bool, scale: fl
     options: dict[str, Any] = {}
     if is_causal:
         options["is_causal"] = True
-    if spec.scale is not None:
+    if spec.scale is not None or spec.variant is Variant.COSINE:  # cosine's default scale is 16, not SDPA's 1/√D
         options["scale"] = scale
     if grouped:
         options["enable_gqa"] = True
