@@ -159,7 +159,7 @@ TARGETS = {
         (
             Source(
                 "backends/cpu_flash/kernel.cpp",
-                ("key_range", "needs_mask", "scores", "fwd_block", "accumulate_dbias", "bwd_kv_head"),
+                ("strided", "key_range", "needs_mask", "scores", "fwd_block", "accumulate_dbias", "bwd_kv_head"),
             ),
             Source(
                 "backends/cpu_flash/backend.py",
