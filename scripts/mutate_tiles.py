@@ -485,10 +485,12 @@ class Swapper:
             launcher.source = self._write(source, text)
             launcher._libraries.clear()
         else:
+            from attnkit.backend import TorchExtension
             from attnkit.backends.cpu_flash import backend as cpu_flash
 
-            cpu_flash.KERNEL_SOURCE = self._write(source, text)
-            cpu_flash._module = None
+            # A fresh extension of the mutated source (its own build key): the backend loads EXTENSION on use.
+            built = cpu_flash.EXTENSION
+            cpu_flash.EXTENSION = TorchExtension(built.name, self._write(source, text), built.cflags)
 
     def _write(self, source: Path | Source, text: str) -> Path:
         name = Path(source.path if isinstance(source, Source) else source).name

@@ -71,6 +71,7 @@ MULTI_TILE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("case", MULTI_TILE_CASES, ids=range(len(MULTI_TILE_CASES)))
+# Ids name the backend, so that scripts/mutate_tiles.py's ``-k cpu-flash`` selects these cases.
+@pytest.mark.parametrize("case", MULTI_TILE_CASES, ids=[f"{BACKEND}-{i}" for i in range(len(MULTI_TILE_CASES))])
 def test_several_tiles_agree_with_the_oracle(case: Case) -> None:
     assert_backends_agree(case, [BACKEND])
