@@ -485,8 +485,9 @@ class Swapper:
             launcher.source = self._write(source, text)
             launcher._libraries.clear()
         else:
-            from attnkit.backend import TorchExtension
             from attnkit.backends.cpu_flash import backend as cpu_flash
+
+            from attnkit.backend import TorchExtension
 
             # A fresh extension of the mutated source (its own build key): the backend loads EXTENSION on use.
             built = cpu_flash.EXTENSION

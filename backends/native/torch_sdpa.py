@@ -8,8 +8,9 @@ Three paths, chosen per call from the spec and the optional tensors:
   lengths or lse) it is the same call with the boolean mask as SDPA takes it (§4.4 and SDPA agree: True = may
   attend), no empty-row scan or lse of ours (issue 16); causal with its diagonal at key 0 and CAUSAL_OP_MIN_KEYS
   keys or more runs the op with its own causal flag beside the mask (it skips the key blocks past the diagonal,
-  which SDPA given one mask cannot), other causal calls fold the band into the mask. Rows that see no key come out 0 with zero gradients from the kernel
-  itself, and NaN propagates at every key count there (tests/test_torch_sdpa.py).
+  which SDPA given one mask cannot), other causal calls fold the band into the mask. Rows that see no key come out
+  0 with zero gradients from the kernel itself, and NaN propagates at every key count there
+  (tests/test_torch_sdpa.py).
 * **flash op**: the op under it, ``aten::_scaled_dot_product_flash_attention_for_cpu``, which also returns lse, on
   query blocks (:class:`_BlockedFlash`). Causal with another alignment, windows and lengths give each block of
   BLOCK_Q queries only the key span its band can reach, with an additive 0/−inf mask of (block × span) built per
