@@ -636,6 +636,7 @@ def run(
         results = Path(scratch) / "results.jsonl"
         results.touch()
         pending = list(range(len(chosen)))
+        seen = 0  # lines of results read: the file outlives a worker that died, so a new one must not re-read them
         while pending:
             batch = Path(scratch) / "batch.jsonl"
             batch.write_text(
@@ -645,7 +646,7 @@ def run(
             command += ["--stage2"] if stage2 else []
             with open(log, "a") as output:
                 process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
-            current, started, seen = None, time.time(), 0
+            current, started = None, time.time()
             while True:
                 lines = results.read_text().splitlines()
                 for line in lines[seen:]:

@@ -68,6 +68,18 @@ MULTI_TILE_CASES = [
         heads_kv=4,
         dtype="bfloat16",
     ),
+    # a per-query bias broadcast over the keys (stride 0 along them: read and its gradient summed lane by lane) and a
+    # per-head mask, GQA, softcap; the conformance suite draws no key-broadcast bias
+    Case(
+        spec=AttentionSpec(softcap=15.0, causal=True),
+        len_q=70,
+        len_k=300,
+        heads_q=4,
+        heads_kv=2,
+        mask_shape=(1, 4, 70, 300),
+        bias_shape=(2, 4, 70, 1),
+        bias_grad=True,
+    ),
 ]
 
 
