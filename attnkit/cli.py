@@ -151,7 +151,7 @@ def _add_bench(commands: Any) -> None:
         "the cost table",
     )
     bench.add_argument(
-        "--what", choices=("dispatch", "spec", "chunked", "memory", "targets", "compiled"), default="dispatch"
+        "--what", choices=("dispatch", "spec", "chunked", "memory", "targets", "compiled", "masks"), default="dispatch"
     )
     bench.add_argument(
         "--backend",
@@ -177,19 +177,25 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument(
         "--seq-len", type=int, help="chunked, memory, --backend: sequence length (default 4096, 16384, paper's)"
     )
-    bench.add_argument("--seq-lens", metavar="L1,L2", help="targets: sequence lengths (default 512,2048,4096)")
+    bench.add_argument(
+        "--seq-lens",
+        metavar="L1,L2",
+        help="targets, masks: sequence lengths (default 512,2048,4096; masks 64,512,2048)",
+    )
     bench.add_argument("--targets", metavar="A,B", help="targets: which ones (default torch,jax,non-native,decode)")
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="targets: L=512 only, 2 repeats, short decode rounds; --calibrate: small shapes (smoke tests)",
+        help="targets: L=512 only, 2 repeats, short decode rounds; masks: L=64,512, 2 repeats; --calibrate: small "
+        "shapes (smoke tests)",
     )
-    bench.add_argument("--no-memory", action="store_true", help="targets: skip the non-native peak-memory runs")
+    bench.add_argument("--no-memory", action="store_true", help="targets, masks: skip the peak-memory runs")
     bench.add_argument("--plot", metavar="PATH", help="targets: also plot GFLOP/s against L to this PNG (matplotlib)")
     bench.add_argument(
         "--repeats",
         type=int,
-        help="chunked, --backend, targets, --calibrate: timed repeats (default 3; targets 7; --calibrate 5; --quick 2)",
+        help="chunked, --backend, targets, masks, --calibrate: timed repeats (default 3; targets 7; masks 5; "
+        "--calibrate 5; --quick 2)",
     )
     bench.add_argument(
         "--warmup", type=int, default=1, help="chunked, --backend, targets: untimed repeats (default %(default)s)"

@@ -157,7 +157,10 @@ TARGETS = {
     ),
     "cpu-flash": Target(
         (
-            Source("backends/cpu_flash/kernel.cpp", ("key_range", "needs_mask", "scores", "fwd_block", "bwd_kv_head")),
+            Source(
+                "backends/cpu_flash/kernel.cpp",
+                ("strided", "key_range", "needs_mask", "scores", "fwd_block", "accumulate_dbias", "bwd_kv_head"),
+            ),
             Source(
                 "backends/cpu_flash/backend.py",
                 ("_Band.of", "_Band.tile", "_CpuFlash.backward"),
@@ -484,8 +487,11 @@ class Swapper:
         else:
             from attnkit.backends.cpu_flash import backend as cpu_flash
 
-            cpu_flash.KERNEL_SOURCE = self._write(source, text)
-            cpu_flash._module = None
+            from attnkit.backend import TorchExtension
+
+            # A fresh extension of the mutated source (its own build key): the backend loads EXTENSION on use.
+            built = cpu_flash.EXTENSION
+            cpu_flash.EXTENSION = TorchExtension(built.name, self._write(source, text), built.cflags)
 
     def _write(self, source: Path | Source, text: str) -> Path:
         name = Path(source.path if isinstance(source, Source) else source).name
@@ -630,6 +636,7 @@ def run(
         results = Path(scratch) / "results.jsonl"
         results.touch()
         pending = list(range(len(chosen)))
+        seen = 0  # lines of results read: the file outlives a worker that died, so a new one must not re-read them
         while pending:
             batch = Path(scratch) / "batch.jsonl"
             batch.write_text(
@@ -639,7 +646,7 @@ def run(
             command += ["--stage2"] if stage2 else []
             with open(log, "a") as output:
                 process = subprocess.Popen(command, stdout=output, stderr=output, start_new_session=True)
-            current, started, seen = None, time.time(), 0
+            current, started = None, time.time()
             while True:
                 lines = results.read_text().splitlines()
                 for line in lines[seen:]:

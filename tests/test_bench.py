@@ -196,3 +196,32 @@ def test_relative_fit_weights_small_times() -> None:
     absolute, relative = cost.fit(points), cost.fit(points, relative=True)
     assert relative[0] == pytest.approx(10.0, rel=0.2)
     assert abs(absolute[0] - 10.0) > abs(relative[0] - 10.0)
+
+
+def test_masks_bench_pairs_attend_with_sdpa_in_every_cell(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--what masks` on one tiny length: a ratio per (mask, Hkv, pass), and the backend auto ran, which for a plain
+    masked forward is SDPA's own call; the masks it builds are the visibility each kind names."""
+    from attnkit.bench import masks, timing
+
+    monkeypatch.setattr(timing, "MIN_SAMPLE_S", 0.001)  # one call per sample: this checks the plumbing, not speed
+    target = tmp_path / "masks.json"
+    argv = ["bench", "--what", "masks", "--seq-lens", "16", "--repeats", "1", "--warmup", "0", "--no-memory"]
+    code, out = run(capsys, *argv, "--threads", "1", "--json", str(target))
+    assert code == 0 and "attend / sdpa" in out
+    cells = json.loads(target.read_text())["cells"]
+    assert {(c["mask"], c["heads_kv"], c["pass"]) for c in cells} == {
+        (kind, heads_kv, pass_name)
+        for kind in masks.MASK_KINDS
+        for heads_kv in masks.MASK_HEADS_KV
+        for pass_name in masks.PASSES
+    }
+    assert all(c["ratio"] > 0 and math.isfinite(c["ratio"]) for c in cells)
+    assert {c["backend"] for c in cells if c["mask"] == "hf-4d" and c["pass"] == "fwd"} == {"torch-sdpa"}
+    spec, keypad, full = masks.masked_call("hf-keypad", 6)
+    padded = ~masks.left_padding(masks.MASK_SHAPE["batch"], 6)
+    assert spec.causal and keypad.shape == (4, 1, 1, 6) and full.shape == (4, 1, 6, 6)
+    for b in range(4):  # element b sees key j from query i iff j <= i and j is not padding
+        for i in range(6):
+            assert full[b, 0, i].tolist() == [j <= i and not bool(padded[b, j]) for j in range(6)]

@@ -50,9 +50,9 @@ def _torch_frontend_known() -> None:
 
 def _compiled_call(counter: Any) -> Any:
     @torch.compile(fullgraph=True, backend=counter)
-    def compiled(case: Case, tensors: dict[str, Any], backend: str) -> tuple[Any, Any]:
+    def compiled(case: Case, tensors: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
         optional = {name: tensors.get(name) for name in OPTIONAL}
-        return attnkit.attend(case.spec, tensors["q"], tensors["k"], tensors["v"], **optional, return_lse=True,
+        return attnkit.attend(case.spec, tensors["q"], tensors["k"], tensors["v"], **optional, return_lse=return_lse,
                               backend=backend)  # fmt: skip
 
     return compiled

@@ -487,3 +487,24 @@ def test_scopes_key_apart_and_end_with_their_block() -> None:
     with cache.scope() as again:
         assert again not in (outer, inner)
     assert cache.scope_serial() is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "term", "expected"),
+    [
+        (AttentionSpec(), "mask", "torch-sdpa"),  # SDPA's own masked call (issue 16)
+        (AttentionSpec(softcap=30.0, causal=True), "mask", "cpu-flash"),  # SDPA has no softcap: the fused kernel
+        (AttentionSpec(variant="cosine"), "bias", "cpu-flash"),
+    ],
+    ids=["mask", "softcap-mask", "cosine-bias"],
+)
+def test_auto_serves_masks_and_biases_with_a_fused_cpu_backend(spec: AttentionSpec, term: str, expected: str) -> None:
+    """The shipped config sends masked and biased CPU calls to a backend with memory linear in L (never torch-naive),
+    with and without grad, at a length the cost table has measured."""
+    if attnkit.get_backend(expected).available():
+        pytest.skip(f"{expected} is unavailable here")
+    q, k = torch.randn(2, 4, 512, 64), torch.randn(2, 2, 512, 64)
+    extra = {"mask": torch.rand(2, 1, 1, 512) < 0.9} if term == "mask" else {"bias": torch.randn(1, 4, 512, 512)}
+    for grad in (False, True):
+        table = attnkit.explain(spec, q.requires_grad_(grad), k, k, **extra)
+        assert next(row.split()[1] for row in table.splitlines() if row.startswith("->")) == expected, table

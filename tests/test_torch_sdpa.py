@@ -12,7 +12,7 @@ from attnkit.backends.reference.torch_naive import oracle_attention, oracle_visi
 import attnkit
 from attnkit import AttentionInputs, AttentionSpec
 from attnkit.contract.torch import Band
-from attnkit.testing import Case, assert_backends_agree
+from attnkit.testing import Case, assert_agrees_without_lse, assert_backends_agree
 
 sdpa = pytest.importorskip("attnkit.backends.native.torch_sdpa")
 pytestmark = pytest.mark.skipif(bool(attnkit.get_backend("torch-sdpa").available()), reason="torch-sdpa unavailable")
@@ -36,6 +36,37 @@ def test_nan_scores_give_nan_rows_at_every_key_count(len_k: int, causal: bool, p
         result = attnkit.attend(spec, q, k, v, backend="torch-sdpa", return_lse=return_lse)
         out = result[0] if return_lse else result
         assert torch.equal(out.isnan(), expected.isnan()), f"{return_lse=}"
+
+
+MASKED_PATHS = {
+    "public": AttentionSpec(),
+    "causal-top-left": AttentionSpec(causal=True, causal_alignment="top_left"),  # the op from CAUSAL_OP_MIN_KEYS on
+    "folded-band": AttentionSpec(causal=True),  # bottom-right with Lq = 3 != Lk
+}
+
+
+@pytest.mark.parametrize("path", MASKED_PATHS)
+@pytest.mark.parametrize("len_k", [1, 3, 15, 16, 17, 31, 33, 63, 64, 65, sdpa.CAUSAL_OP_MIN_KEYS])
+def test_nan_scores_give_nan_rows_on_the_masked_paths(len_k: int, path: str) -> None:
+    """A masked call without lse takes no lse and scans no empty row, at every key count (no NAN_SAFE_KEYS floor):
+    the public call with the mask, the op with its causal flag, or the band folded into the mask. A row whose visible
+    keys hold a NaN score, the mask hiding the rest of the kernel's first vector, is NaN; a row seeing nothing is 0
+    (tests/test_conformance.py draws such rows with grads). An empty row of head 0 has the NaN key hidden: §5 leaves
+    that open (SDPA gives NaN), so it is left out."""
+    generator = torch.Generator().manual_seed(len_k)
+    q, k, v = (torch.randn(1, 2, shape, 16, generator=generator) for shape in (3, len_k, len_k))
+    k[0, 0, 0] = float("nan")
+    mask = torch.ones(1, 1, 3, len_k, dtype=torch.bool)
+    mask[..., 0, 1:17] = False  # row 0 sees key 0 (NaN) and, past the first vector, keys from 17 on
+    mask[..., 1, :] = False  # row 1 sees nothing
+    spec = MASKED_PATHS[path]
+    inputs = AttentionInputs(q.double(), k.double(), v.double(), mask=mask)
+    expected, _ = oracle_attention(spec, inputs, torch.float64)
+    out = attnkit.attend(spec, q, k, v, mask=mask, backend="torch-sdpa")
+    empty = ~oracle_visibility(spec, inputs, 3, len_k).expand(1, 2, 3, len_k).any(dim=-1)
+    specified = ~(empty & (torch.arange(2).view(1, 2, 1) == 0))
+    assert torch.equal(out.isnan()[specified], expected.isnan()[specified])
+    assert torch.equal(out[0, 1][empty[0, 1]], torch.zeros(int(empty[0, 1].sum()), 16))
 
 
 def brute_force_rows(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> list[list[int]]:
@@ -117,3 +148,35 @@ def test_the_issues_float64_causal_backward_through_auto() -> None:
     for grad, oracle in zip(grads, expected, strict=True):
         assert grad is not None and grad.dtype == torch.float64
         torch.testing.assert_close(grad, oracle)
+
+
+MASKED_CASES = {
+    # the public call with a per-head mask with empty rows, GQA, bfloat16
+    "public": Case(
+        spec=AttentionSpec(), len_q=9, len_k=20, heads_q=4, heads_kv=2, mask_shape=(2, 4, 9, 20), masked_rows=(0, 5),
+        dtype="bfloat16",
+    ),
+    # the band folded into a key-padding mask: bottom-right with Lq != Lk, bshd
+    "folded-offset": Case(spec=AttentionSpec(causal=True, layout="bshd"), len_q=7, len_k=15, mask_shape=(2, 1, 1, 15)),
+    # folded below CAUSAL_OP_MIN_KEYS: cosine, 3-D, float16
+    "folded-short": Case(
+        spec=AttentionSpec(causal=True, variant="cosine"), heads_q=1, heads_kv=1, len_q=12, len_k=12, three_d=True,
+        mask_shape=(2, 12, 12), masked_rows=(4,), dtype="float16",
+    ),
+    # the op with its causal flag: a key-padding mask, GQA, bfloat16; top-left with Lq < Lk and a per-head mask
+    "op-key-padding": Case(
+        spec=AttentionSpec(causal=True), len_q=520, len_k=520, heads_q=4, heads_kv=2, mask_shape=(2, 1, 1, 520),
+        dtype="bfloat16",
+    ),
+    "op-top-left": Case(
+        spec=AttentionSpec(causal=True, causal_alignment="top_left"), len_q=300, len_k=520, mask_shape=(2, 2, 300, 520),
+        masked_rows=(3, 299),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", MASKED_CASES)
+def test_masked_calls_without_lse_agree_with_gradients(path: str) -> None:
+    """A masked call that wants no lse takes the public call, the folded band or the op with its causal flag (the
+    conformance suite always asks for lse, so it never reaches them): out and gradients against the oracle."""
+    assert_agrees_without_lse(MASKED_CASES[path], "torch-sdpa")

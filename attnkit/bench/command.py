@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from attnkit.bench import calibrate, chunked, compiled, overhead, spec_cost, targets, tflops
+from attnkit.bench import calibrate, chunked, compiled, masks, overhead, spec_cost, targets, tflops
 from attnkit.environment import limit_jax_threads, torch_threads
 
 
@@ -33,6 +33,8 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         return run_calibrate(args, out)
     if args.what == "targets":
         return run_targets(args, out)
+    if args.what == "masks":
+        return run_masks(args, out)
     if args.what == "memory" and args.device != "cpu":
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
@@ -114,6 +116,21 @@ def run_targets(args: argparse.Namespace, out: TextIO) -> int:
     if args.plot:
         targets.plot_targets(result, args.plot)
         print(f"wrote {args.plot}", file=out)
+    return 0
+
+
+def run_masks(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what masks measures torch's CPU SDPA (--device cpu)", file=sys.stderr)
+        return 2
+    seq_lens = _csv(args.seq_lens, int) or ((64, 512) if args.quick else masks.MASK_SEQ_LENS)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    with torch_threads(args.threads):
+        result = masks.bench_masks(
+            seq_lens=seq_lens, repeats=repeats, warmup=args.warmup, memory=not args.no_memory, progress=_progress
+        )
+    print(masks.format_masks(result), file=out)
+    _write_json(args, result, out)
     return 0
 
 

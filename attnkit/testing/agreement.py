@@ -199,3 +199,18 @@ def assert_backends_agree(case: Case, backends: list[str] | None = None) -> dict
     if failures:
         raise DisagreementError(f"{case.describe()}\n  " + "\n  ".join(failures))
     return report
+
+
+def assert_agrees_without_lse(case: Case, backend: str) -> list[Comparison]:
+    """``backend`` called without lse (torch), which :func:`assert_backends_agree` never does, agrees with the oracle
+    on out and, where the case asks for gradients, on the gradients of out alone: a backend may take another path
+    for a call that wants no lse (torch-sdpa's masked calls do)."""
+    arrays = rounded(case, make_arrays(case))
+    arrays["dlse"] = np.zeros_like(arrays["dlse"])  # out alone is differentiated
+    exact, baseline = oracle_results(case, arrays)
+    results = run_torch(case, arrays, backend, device=harness_device(backend), return_lse=False)
+    comparisons = compare(case, results, {name: exact[name] for name in results}, baseline)
+    failures = [str(comparison) for comparison in comparisons if not comparison.ok]
+    if failures:
+        raise DisagreementError(f"{case.describe()} without lse\n  {backend} " + f"\n  {backend} ".join(failures))
+    return comparisons

@@ -35,10 +35,13 @@ def harness_device(backend: str) -> str:
     return "cuda" if on_gpu or "cpu" not in declared else "cpu"
 
 
-def _attend(case: Case, arrays: dict[str, Any], backend: str) -> tuple[Any, Any]:
-    """attend() on the case's arrays (q, k, v and whichever optional ones it has), with the log-sum-exp."""
+def _attend(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
+    """attend() on the case's arrays (q, k, v and whichever optional ones it has), with the log-sum-exp unless not
+    ``return_lse``."""
     optional = {name: arrays.get(name) for name in OPTIONAL}
-    return api.attend(case.spec, arrays["q"], arrays["k"], arrays["v"], **optional, return_lse=True, backend=backend)
+    return api.attend(
+        case.spec, arrays["q"], arrays["k"], arrays["v"], **optional, return_lse=return_lse, backend=backend
+    )
 
 
 def run_torch(
@@ -47,10 +50,14 @@ def run_torch(
     backend: str,
     dtype: str | None = None,
     device: str = "cpu",
-    call: Callable[[Case, dict[str, Any], str], tuple[Any, Any]] | None = None,
+    return_lse: bool = True,
+    call: Callable[..., Any] | None = None,
 ) -> Results:
     """attend() on torch tensors on ``device`` through the public API, with autograd; ``dtype`` overrides the case's.
-    ``call`` stands in for the attend call (case, tensors, backend) -> (out, lse): a compiled one, say."""
+
+    ``return_lse=False``: the call without lse (a backend may take another path for it), gradients from ``dout``
+    alone; the results then hold no lse. ``call`` stands in for the attend call, taking what :func:`_attend` takes
+    (a compiled one, say)."""
     import torch
 
     torch_dtype = getattr(torch, dtype or case.dtype)
@@ -67,11 +74,17 @@ def run_torch(
         for name in DIFFERENTIABLE:
             if name in tensors and (name != "bias" or case.bias_grad):
                 tensors[name].requires_grad_(True)
-    out, lse = (call or _attend)(case, tensors, backend)
-    results = {"out": out, "lse": lse}
+    attend = call or _attend
+    if return_lse:
+        out, lse = attend(case, tensors, backend)
+        results = {"out": out, "lse": lse}
+        outputs, cotangents = [out, lse], [tensors["dout"], tensors["dlse"]]
+    else:
+        results = {"out": attend(case, tensors, backend, return_lse=False)}
+        outputs, cotangents = [results["out"]], [tensors["dout"]]
     if case.grad:
         wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        grads = torch.autograd.grad((out, lse), wanted, (tensors["dout"], tensors["dlse"]), allow_unused=True)
+        grads = torch.autograd.grad(outputs, wanted, cotangents, allow_unused=True)
         names = [name for name in DIFFERENTIABLE if name in tensors and tensors[name].requires_grad]
         for name, grad, leaf in zip(names, grads, wanted):
             results["d" + name] = grad if grad is not None else torch.zeros_like(leaf)

@@ -4,7 +4,8 @@ SDPA's CPU kernel cannot express softcap, and windows, lengths or bottom-right c
 must read; an unfused loop of torch ops pays for every pass over the scores in memory traffic. kernel.cpp is the
 FlashAttention-2 algorithm written once in C++: scores and products through the BLAS torch ships (MKL's sgemm),
 softcap, visibility (index arithmetic, only on tiles the band crosses) and the online softmax in one vectorised
-pass over each tile while it is in cache. Memory is linear in L: nothing of size Lq × Lk exists.
+pass over each tile while it is in cache. A mask and a bias are read per tile through their strides. Memory is
+linear in L: nothing of size Lq × Lk exists beyond a mask or bias the caller passed.
 
 Built on first use with ``torch.utils.cpp_extension`` through attnkit/build.py (tens of seconds, once per machine
 and CPU: cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``; a failed build makes the backend
@@ -29,7 +30,6 @@ from attnkit.backend import (
     BuildError,
     Capabilities,
     CausalAlignment,
-    Feature,
     Framework,
     Problem,
     Runner,
@@ -109,7 +109,11 @@ class _Band:
 
 
 class _CpuFlash(torch.autograd.Function):
-    """(out, lse) for float32 contiguous bhsd q, k, v; U = q_scale q kᵀ is the score (or the tanh argument)."""
+    """(out, lse) for float32 contiguous bhsd q, k, v; U = q_scale q kᵀ is the score (or the tanh argument).
+
+    ``mask`` (uint8, 0 = hidden) and ``bias`` (float32) are 4-D and broadcastable to (B, Hq, Lq, Lk), passed as they
+    are: the kernel reads them through their strides, so nothing of size Lq × Lk is made that the caller did not
+    pass. dbias comes back in the bias's own shape."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -117,6 +121,8 @@ class _CpuFlash(torch.autograd.Function):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        mask: torch.Tensor | None,
+        bias: torch.Tensor | None,
         q_lens: torch.Tensor,
         kv_lens: torch.Tensor,
         band: _Band,
@@ -124,35 +130,29 @@ class _CpuFlash(torch.autograd.Function):
         q_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = _kernel().forward(
-            q, k, v, q_lens, kv_lens, *band.arguments(), softcap, q_scale, *band.tile(FORWARD_TILE)
+            q, k, v, q_lens, kv_lens, mask, bias, *band.arguments(), softcap, q_scale, *band.tile(FORWARD_TILE)
         )
-        ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens)
+        ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens, mask, bias)
         ctx.band, ctx.softcap, ctx.q_scale = band, softcap, q_scale
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, out, lse, q_lens, kv_lens = ctx.saved_tensors
+        q, k, v, out, lse, q_lens, kv_lens, mask, bias = ctx.saved_tensors
+        need_dbias = bias is not None and ctx.needs_input_grad[4]
         dout = dout.contiguous()
         delta = (dout * out).sum(dim=-1)
         if dlse is not None:
             delta = delta - dlse
         tile = ctx.band.tile(WINDOW_BACKWARD_TILE if ctx.band.low is not None else BACKWARD_TILE)
-        dq, dk, dv = _kernel().backward(
-            q,
-            k,
-            v,
-            dout,
-            lse,
-            delta.contiguous(),
-            q_lens,
-            kv_lens,
-            *ctx.band.arguments(),
-            ctx.softcap,
-            ctx.q_scale,
-            *tile,
-        )
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv, dbias = _kernel().backward(
+            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, mask, bias, need_dbias,
+            *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile,
+        )  # fmt: skip
+        if need_dbias:  # the kernel's (B, Hq, …) planes, summed over the batch and heads the bias broadcasts along
+            broadcast = [axis for axis in (0, 1) if bias.shape[axis] == 1]
+            dbias = dbias.sum(dim=broadcast, keepdim=True) if broadcast else dbias
+        return dq, dk, dv, None, dbias if need_dbias else None, None, None, None, None, None
 
 
 def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +171,12 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
         q, k = zero_padding(q, inputs.q_lengths), zero_padding(k, inputs.kv_lengths)
     q, k = normalize_if_cosine(spec, q), normalize_if_cosine(spec, k)
     scale = spec.resolved_scale(head_dim)
+    # The mask's bytes as uint8 (a view: no copy); the bias in float32 (§7: added in the compute dtype), which
+    # autograd casts dbias back from.
+    mask = inputs.mask.view(torch.uint8) if inputs.mask is not None else None
+    bias = inputs.bias.float() if inputs.bias is not None else None
     out, lse = _CpuFlash.apply(
-        q.contiguous(), k.contiguous(), v.contiguous(),
+        q.contiguous(), k.contiguous(), v.contiguous(), mask, bias,
         lengths.q_len.contiguous(), lengths.kv_len.contiguous(),
         _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
     )  # fmt: skip
@@ -180,17 +184,18 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
 
 
 class CpuFlashBackend(RecomputingBackend):
-    """attnkit's FlashAttention-2 CPU kernel (kernel.cpp), every spec feature but masks and biases."""
+    """attnkit's FlashAttention-2 CPU kernel (kernel.cpp): every feature, float16, bfloat16 and float32."""
 
     name = "cpu-flash"
     capabilities = Capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES - {Feature.MASK, Feature.BIAS, Feature.DBIAS},
+        features=ALL_FEATURES,
         description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
         notes=(
-            "mask, bias: not lowered (torch-chunked and torch-flex serve them)",
+            "mask, bias: read per tile through their strides (broadcast axes never expanded); dbias per batch "
+            "element and query head (B, Hq, Lq|1, Lk|1), then summed to the bias's shape",
             "float64: left to torch-chunked and torch-naive (the kernel computes in float32)",
             "half types: widened to float32 exactly, results rounded back once",
             "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "

@@ -5,7 +5,8 @@
 // call consumes it, while the tile is still in cache. U = q_scale q k^T, with q_scale = scale (/ softcap when
 // softcapped), is the score, or the tanh argument. Visibility (section 4): with rel = j - i - offset[b],
 // low <= rel <= high on each bounded side, i < q_len[b] and j < kv_len[b]; offset[b] = kv_len[b] - q_len[b] for
-// bottom-right alignment, else 0.
+// bottom-right alignment, else 0. A user mask (True = may attend) and an additive bias are read per tile through
+// their strides (0 on broadcast axes), never expanded: S = cap tanh U + bias, then hidden pairs -inf.
 
 #include <torch/extension.h>
 
@@ -16,6 +17,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <vector>
 
 extern "C" {
@@ -81,6 +83,34 @@ struct Rows {  // one batch element's view of the band
   int64_t q_len, kv_len, offset;
 };
 
+// One (batch, head)'s plane of a 4-D mask or bias as attend hands it (broadcastable to (B, Hq, Lq, Lk)): element
+// (i, j) at base[i * row + j * col], strides 0 on broadcast axes. base null: no such tensor.
+template <typename T>
+struct Plane {
+  T* base = nullptr;
+  int64_t row = 0, col = 0;
+  T* at(int64_t i, int64_t j) const { return base + i * row + j * col; }
+};
+
+template <typename T>
+struct Strided {  // the whole 4-D tensor; plane(b, h) picks one (batch, head)
+  T* data = nullptr;
+  int64_t stride[4] = {0, 0, 0, 0};
+  Plane<T> plane(int64_t b, int64_t h) const {
+    if (!data) return {};
+    return {data + b * stride[0] + h * stride[1], stride[2], stride[3]};
+  }
+};
+
+template <typename T>
+Strided<T> strided(const std::optional<torch::Tensor>& x) {
+  Strided<T> view;
+  if (!x.has_value()) return view;
+  view.data = reinterpret_cast<T*>(x->data_ptr());
+  for (int d = 0; d < 4; ++d) view.stride[d] = x->size(d) == 1 ? 0 : x->stride(d);
+  return view;
+}
+
 Rows rows_of(const Band& band, const int64_t* q_lens, const int64_t* kv_lens, int64_t b) {
   Rows r{q_lens[b], kv_lens[b], 0};
   if (band.bottom_right) r.offset = r.kv_len - r.q_len;
@@ -99,10 +129,16 @@ bool needs_mask(const Band& band, const Rows& rows, int64_t r0, int64_t r1, int6
          (band.has_high && (c1 - 1) - r0 - rows.offset > band.high);
 }
 
+// The caller's mask and bias for one (batch, head).
+struct UserTerms {
+  Plane<const uint8_t> mask;
+  Plane<const float> bias;
+};
+
 // U -> S in place for one tile (rows x cols, ld cols): S = cap tanh U when softcapped (tanh kept in `tanh_out` when
-// given), hidden pairs -inf when masked.
+// given), + bias, hidden pairs -inf (the band's when masked, then the user mask's).
 void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap, bool masked, const Band& band,
-            const Rows& geometry, int64_t r0, int64_t c0) {
+            const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user) {
   const int64_t step = Vec::size();
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * cols;
@@ -120,6 +156,13 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
         row[c] = softcap * th;
       }
     }
+    if (user.bias.base) {
+      const float* bias = user.bias.at(r0 + r, c0);
+      int64_t c = 0;
+      if (user.bias.col == 1)
+        for (; c + step <= cols; c += step) (Vec::loadu(row + c) + Vec::loadu(bias + c)).store(row + c);
+      for (; c < cols; ++c) row[c] += bias[c * user.bias.col];
+    }
     if (masked) {  // row i sees the key interval i + offset + [low, high]: fill what lies outside it
       const int64_t i = r0 + r;
       const int64_t from = band.has_low ? std::clamp<int64_t>(i + geometry.offset + band.low - c0, 0, cols) : 0;
@@ -131,6 +174,11 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
         std::fill(row + to, row + cols, kNegInf);
       }
     }
+    if (user.mask.base) {
+      const uint8_t* visible = user.mask.at(r0 + r, c0);
+      for (int64_t c = 0; c < cols; ++c)
+        if (!visible[c * user.mask.col]) row[c] = kNegInf;
+    }
   }
 }
 
@@ -140,8 +188,9 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
 // then out = acc / l and lse = m + log l. A row that has seen no key keeps m = -inf: its shift is taken as 0 so that
 // P and alpha are exp(-inf) = 0, never NaN. l = 0 at the end: no visible key, out 0 and lse -inf. NaN stays NaN.
 void fwd_block(const float* q, const float* k, const float* v, float* out, float* lse, const Sizes& n, const Band& band,
-               const Rows& geometry, float softcap, int64_t r0, int64_t r1, std::vector<float>& s,
-               std::vector<float>& acc, std::vector<float>& row_max, std::vector<float>& row_sum) {
+               const Rows& geometry, const UserTerms& user, float softcap, int64_t r0, int64_t r1,
+               std::vector<float>& s, std::vector<float>& acc, std::vector<float>& row_max,
+               std::vector<float>& row_sum) {
   const int64_t rows = r1 - r0, step = Vec::size();
   std::fill(acc.begin(), acc.begin() + rows * n.dim_v, 0.0f);
   std::fill(row_max.begin(), row_max.begin() + rows, kNegInf);
@@ -151,7 +200,8 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
   for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
     const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
     gemm(false, true, rows, cols, n.dim, n.q_scale, q + r0 * n.dim, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
-    scores(s.data(), nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0);
+    scores(s.data(), nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0,
+           user);
     for (int64_t r = 0; r < rows; ++r) {
       float* row = s.data() + r * cols;
       Vec vmax(kNegInf);
@@ -189,15 +239,36 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
 // ---------------------------------------------------------------------------------------------------------------
 // Backward. Per kv head, per query block of every head in its group, over the key tiles it sees (the forward's
 // tiles):  P = exp(S - lse) (lse +inf on empty rows, so P = 0);  dV += P^T dO;  dP = dO V^T;
-//   dS = P (dP - Delta), Delta = rowsum(dO out) - dlse;  dU = dS cap (1 - tanh^2 U) when softcapped;
+//   dS = P (dP - Delta), Delta = rowsum(dO out) - dlse;  dbias += dS;  dU = dS cap (1 - tanh^2 U) when softcapped;
 //   dq += q_scale dU K;  dK += q_scale dU^T q.
+// The task owns batch element b's kv head h_kv: its query heads' dbias planes are its alone (dbias is allocated per
+// batch element and query head), so accumulating over broadcast rows or keys needs no atomics.
+struct BackwardTerms {
+  Strided<const uint8_t> mask;
+  Strided<const float> bias;
+  Strided<float> dbias;
+};
+
+// dbias[c .. c + lanes) += dS's lanes, for a dbias row whose keys are contiguous (col 1), broadcast (0) or strided.
+void accumulate_dbias(float* dbias, int64_t col, int64_t c, const Vec& ds) {
+  if (col == 1) {
+    (Vec::loadu(dbias + c) + ds).store(dbias + c);
+    return;
+  }
+  float lanes[Vec::size()];
+  ds.store(lanes);
+  for (int64_t lane = 0; lane < Vec::size(); ++lane) dbias[(c + lane) * col] += lanes[lane];
+}
+
 void bwd_kv_head(const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta,
                  float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry, float softcap,
-                 int64_t group) {
+                 int64_t group, const BackwardTerms& terms, int64_t b, int64_t first_head) {
   std::vector<float> s(n.block_q * n.block_k), t(n.block_q * n.block_k), dp(n.block_q * n.block_k);
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head_rows = g * n.len_q;  // offset of this query head's rows within the group
+    const UserTerms user{terms.mask.plane(b, first_head + g), terms.bias.plane(b, first_head + g)};
+    const Plane<float> dbias = terms.dbias.plane(b, first_head + g);
     for (int64_t r0 = 0; r0 < q_rows; r0 += n.block_q) {
       const int64_t r1 = std::min(r0 + n.block_q, q_rows), rows = r1 - r0;
       const float* q_block = q + (head_rows + r0) * n.dim;
@@ -209,7 +280,7 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
         const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
         const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
         gemm(false, true, rows, cols, n.dim, n.q_scale, q_block, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
-        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0);
+        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0, user);
         for (int64_t r = 0; r < rows; ++r) {
           const float row_lse = lse[head_rows + r0 + r];
           const float shift = row_lse == kNegInf ? std::numeric_limits<float>::infinity() : row_lse;
@@ -227,9 +298,12 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
           float* p = s.data() + r * cols;  // becomes dU in place
           const float* dp_row = dp.data() + r * cols;
           const float* t_row = t.data() + r * cols;
+          // dbias takes dS before the softcap's chain rule: the bias is added after the tanh.
+          float* dbias_row = dbias.base ? dbias.at(r0 + r, c0) : nullptr;
           int64_t c = 0;
           for (; c + step <= cols; c += step) {
             Vec ds = Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - Vec(row_delta));
+            if (dbias_row) accumulate_dbias(dbias_row, dbias.col, c, ds);
             if (softcap > 0) {
               Vec th = Vec::loadu(t_row + c);
               ds = ds * (Vec(softcap) * (Vec(1.0f) - th * th));
@@ -238,6 +312,7 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
           }
           for (; c < cols; ++c) {
             float ds = p[c] * (dp_row[c] - row_delta);
+            if (dbias_row) dbias_row[c * dbias.col] += ds;
             if (softcap > 0) ds *= softcap * (1.0f - t_row[c] * t_row[c]);
             p[c] = ds;
           }
@@ -265,14 +340,35 @@ void check(const torch::Tensor& x, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
+// A mask (uint8) and a bias (float32) are 4-D CPU tensors, each axis q's batch, query heads, queries or k's keys, or 1.
+void check_terms(const std::optional<torch::Tensor>& mask, const std::optional<torch::Tensor>& bias,
+                 const torch::Tensor& q, const torch::Tensor& k) {
+  const int64_t full[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
+  for (const auto* term : {&mask, &bias}) {
+    if (!term->has_value()) continue;
+    const auto& x = **term;
+    const char* name = term == &mask ? "mask" : "bias";
+    TORCH_CHECK(x.scalar_type() == (term == &mask ? torch::kByte : torch::kFloat) && x.device().is_cpu(), name,
+                " must be a CPU tensor, mask uint8 and bias float32");
+    TORCH_CHECK(x.dim() == 4, name, " must be 4-D, got ", x.dim(), "-D");
+    for (int d = 0; d < 4; ++d)
+      TORCH_CHECK(x.size(d) == 1 || x.size(d) == full[d], name, " has size ", x.size(d), " on axis ", d,
+                  ", expected 1 or ", full[d]);
+  }
+}
+
 }  // namespace
 
 // q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq).
+// mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None.
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_lens,
-                                   torch::Tensor kv_lens, bool has_low, int64_t low, bool has_high, int64_t high,
-                                   bool bottom_right, double softcap, double q_scale, int64_t block_q,
+                                   torch::Tensor kv_lens, std::optional<torch::Tensor> mask,
+                                   std::optional<torch::Tensor> bias, bool has_low, int64_t low, bool has_high,
+                                   int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
                                    int64_t block_k) {
-  check(q, "q"), check(k, "k"), check(v, "v");
+  check(q, "q"), check(k, "k"), check(v, "v"), check_terms(mask, bias, q, k);
+  const Strided<const uint8_t> mask_view = strided<const uint8_t>(mask);
+  const Strided<const float> bias_view = strided<const float>(bias);
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
   auto out = torch::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
@@ -290,23 +386,34 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
       const int64_t r0 = block * n.block_q, r1 = std::min({r0 + n.block_q, n.len_q, geometry.q_len});
       if (r0 >= r1) continue;
       const int64_t kv_head = b * n.heads_kv + head / group, q_head = b * n.heads_q + head;
+      const UserTerms user{mask_view.plane(b, head), bias_view.plane(b, head)};
       fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
-                op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, (float)softcap, r0, r1, s,
-                acc, row_max, row_sum);
+                op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, (float)softcap, r0,
+                r1, s, acc, row_max, row_sum);
     }
   });
   return {out, lse};
 }
 
-// delta = rowsum(dout * out) - dlse, (B, Hq, Lq). Returns dq (for the scaled q), dk, dv.
+// delta = rowsum(dout * out) - dlse, (B, Hq, Lq). Returns dq (for the scaled q), dk, dv, and with need_dbias the
+// bias gradient as (B, Hq, Lq|1, Lk|1): summed over the bias's broadcast rows and keys, not yet over its broadcast
+// batch and heads (each task owns its planes; the caller sums those), else an empty tensor.
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout,
                                     torch::Tensor lse, torch::Tensor delta, torch::Tensor q_lens, torch::Tensor kv_lens,
-                                    bool has_low, int64_t low, bool has_high, int64_t high, bool bottom_right,
-                                    double softcap, double q_scale, int64_t block_q, int64_t block_k) {
+                                    std::optional<torch::Tensor> mask, std::optional<torch::Tensor> bias,
+                                    bool need_dbias, bool has_low, int64_t low, bool has_high, int64_t high,
+                                    bool bottom_right, double softcap, double q_scale, int64_t block_q,
+                                    int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v"), check(dout, "dout"), check(lse, "lse"), check(delta, "delta");
+  check_terms(mask, bias, q, k);
+  TORCH_CHECK(!need_dbias || bias.has_value(), "need_dbias without a bias");
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
   auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dv = torch::zeros_like(v);
+  auto dbias = need_dbias ? torch::zeros({n.batch, n.heads_q, bias->size(2), bias->size(3)}, q.options())
+                          : torch::empty({0}, q.options());
+  const BackwardTerms terms{strided<const uint8_t>(mask), strided<const float>(bias),
+                            need_dbias ? strided<float>(dbias) : Strided<float>{}};
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
   const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
   const int64_t group = n.heads_q / n.heads_kv;
@@ -320,10 +427,10 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
                   lse.data_ptr<float>() + q_offset, delta.data_ptr<float>() + q_offset,
                   dq.data_ptr<float>() + q_offset * n.dim, dk.data_ptr<float>() + task * n.len_k * n.dim,
                   dv.data_ptr<float>() + task * n.len_k * n.dim_v, n, band, rows_of(band, q_len, kv_len, b),
-                  (float)softcap, group);
+                  (float)softcap, group, terms, b, (task % n.heads_kv) * group);
     }
   });
-  return {dq, dk, dv};
+  return {dq, dk, dv, dbias};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

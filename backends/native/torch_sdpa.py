@@ -4,7 +4,13 @@ Three paths, chosen per call from the spec and the optional tensors:
 
 * **native**: visibility SDPA expresses (none, top-left causal, bottom-right with Lq = Lk or a single query), no
   bias, no lse, D = Dv: ``F.scaled_dot_product_attention`` itself, differentiated by torch's own autograd. This is
-  the call a user would write, so ``auto`` costs only its dispatch over it.
+  the call a user would write, so ``auto`` costs only its dispatch over it. With a user mask (no window, bias,
+  lengths or lse) it is the same call with the boolean mask as SDPA takes it (§4.4 and SDPA agree: True = may
+  attend), no empty-row scan or lse of ours (issue 16); causal with its diagonal at key 0 and CAUSAL_OP_MIN_KEYS
+  keys or more runs the op with its own causal flag beside the mask (it skips the key blocks past the diagonal,
+  which SDPA given one mask cannot), other causal calls fold the band into the mask. Rows that see no key come out
+  0 with zero gradients from the kernel itself, and NaN propagates at every key count there
+  (tests/test_torch_sdpa.py).
 * **flash op**: the op under it, ``aten::_scaled_dot_product_flash_attention_for_cpu``, which also returns lse, on
   query blocks (:class:`_BlockedFlash`). Causal with another alignment, windows and lengths give each block of
   BLOCK_Q queries only the key span its band can reach, with an additive 0/−inf mask of (block × span) built per
@@ -28,7 +34,7 @@ MAX_CUDA_HEAD_DIM are refused there (``Capabilities.per_device``).
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -67,6 +73,11 @@ WINDOW_BLOCK_Q = 64
 # The CPU kernel's first max over a row is vectorised; a row shorter than one vector whose scores are all NaN is
 # taken for a fully masked row. 64 keys cover vectors up to 2048 bits of float32.
 NAN_SAFE_KEYS = 64
+# A causal masked call from this many keys on runs the op with its causal flag, which skips the key blocks past the
+# diagonal (B=4, H=8, D=64, one thread, forward against SDPA with the (B, 1, L, L) mask: 0.87 at L=512, 0.68 at
+# 1024); below it nothing is skipped and folding the band into the mask for the public call (C++ autograd, no
+# autograd.Function) was as fast or faster (1.02 against 1.03 at L=64 forward, 0.96 against 1.00 at 256 fwd+bwd).
+CAUSAL_OP_MIN_KEYS = 512
 
 
 def _torch_version() -> tuple[int, int]:
@@ -202,12 +213,21 @@ class _Plan:
         if shared is None:
             visible = self.band.visible(rows, cols, self.inputs.mask)
             assert visible is not None
-            additive = torch.zeros(visible.shape, dtype=self.mask_dtype, device=visible.device)
-            shared = additive.masked_fill_(~visible, float("-inf")), ~visible.any(dim=-1)
+            # One pass each: where() writes the 0/−inf mask directly (zeros then masked_fill was two, plus a ~);
+            # a bool any() over the last axis is a scalar loop in torch 2.13 (21 ms at B=4, L=2048), the same
+            # bytes read as uint8 reduce vectorised (0.7 ms).
+            additive = torch.zeros((), dtype=self.mask_dtype, device=visible.device).where(visible, float("-inf"))
+            shared = additive, _sees_nothing(visible)
             if self.shift_invariant:
                 self._shared[key] = shared
         additive, empty = shared
         return (additive if bias_block is None else additive + bias_block), empty
+
+
+def _sees_nothing(visible: torch.Tensor) -> torch.Tensor:
+    """The rows of a boolean visibility (…, rows, cols) with no visible key: ``~visible.any(-1)``, read as uint8
+    (torch's bool any() over an axis does not vectorise)."""
+    return visible.view(torch.uint8).amax(dim=-1) == 0
 
 
 def _blocks(spec: AttentionSpec, inputs: AttentionInputs, band: Band) -> list[_Block]:
@@ -307,18 +327,121 @@ class _BlockedFlash(torch.autograd.Function):
         return dq, dk, dv, None, None
 
 
-def _native_causal(spec: AttentionSpec, len_q: int, len_k: int, plain: bool, equal_dims: bool) -> bool | None:
+def _native_causal(
+    spec: AttentionSpec, len_q: int, len_k: int, plain: bool, equal_dims: bool, masked: bool = False
+) -> bool | None:
     """SDPA's ``is_causal`` for a call the public SDPA call computes exactly, or None when it cannot.
 
-    ``plain``: no mask, bias or lengths, and no lse wanted; ``equal_dims``: D = Dv.
+    ``plain``: no bias or lengths, and no lse wanted (and no mask unless ``masked``); ``equal_dims``: D = Dv.
+    ``masked``: a boolean mask, which SDPA takes as it is (True = may attend, as §4.4); True then means causal in any
+    alignment, which :func:`_masked_runner` applies beside the mask. With a mask the kernel propagates NaN at every
+    key count and gives rows that see no key out 0 and zero gradients (both checked in tests/test_torch_sdpa.py and
+    drawn by the conformance suite), so no key count is excluded.
     """
-    if not plain or not equal_dims or spec.window is not None or len_k < NAN_SAFE_KEYS:
+    if not plain or not equal_dims or spec.window is not None or (len_k < NAN_SAFE_KEYS and not masked):
         return None
     if not spec.causal:
         return False
     if alignment_offset(spec, len_q, len_k) == 0:  # the diagonal starts at key 0, as SDPA's own causal one
         return True
-    return False if len_q == 1 else None  # one bottom-right query sees every key
+    if len_q == 1:  # one bottom-right query sees every key
+        return False
+    return True if masked else None
+
+
+@functools.lru_cache(maxsize=16)
+def _causal_band(spec: AttentionSpec, len_q: int, len_k: int, device: torch.device) -> torch.Tensor:
+    """§4.1's causal band as a boolean (1, 1, Lq, Lk), made once per shape: a mask call folds it into its mask."""
+    anchor = torch.empty(1, 0, 0, 0, device=device)
+    band = Band(spec, AttentionInputs(anchor, anchor, anchor), len_q, len_k).visible()
+    assert band is not None
+    return band
+
+
+def _causal_masked_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, the kernel's lse, the 0/−inf mask) of the flash op with its causal flag beside the boolean ``mask``."""
+    assert _OPS is not None
+    additive = torch.zeros((), dtype=compute_dtype(q.dtype), device=mask.device).where(mask, float("-inf"))
+    out, lse = _OPS[0](q, k, v, 0.0, True, attn_mask=additive, scale=scale)
+    return out, lse, additive
+
+
+class _CausalMaskedFlash(torch.autograd.Function):
+    """out of the flash op with its own top-left causal flag and the user mask as a 0/−inf float mask, for bhsd q, k,
+    v with equal head dims: the kernel skips the key blocks past the diagonal, which SDPA given the same visibility
+    as one mask cannot. No lse is returned and no empty row is looked for: with a mask the kernel gives rows that see
+    no key out 0 and zero gradients, and propagates NaN (tests/test_torch_sdpa.py)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        out, lse, additive = _causal_masked_op(q, k, v, mask, scale)
+        ctx.save_for_backward(q, k, v, out, lse, additive)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        assert _OPS is not None
+        q, k, v, out, lse, additive = ctx.saved_tensors
+        grads = _OPS[1](dout.contiguous(), q, k, v, out, lse, 0.0, True, attn_mask=additive, scale=ctx.scale)
+        return grads[0], grads[1], grads[2], None, None
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """The op reads rows with unit stride (the public call checks that and copies; the op does not)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _masked_runner(
+    spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim: int, len_q: int, len_k: int
+) -> Runner:
+    """The caller's boolean mask and what SDPA makes of it, with no empty-row scan or lse of ours around it; made
+    once per (spec, problem), so the per-call work is the call itself.
+
+    Without causal: the public SDPA call with the mask, what a user of SDPA writes. Causal with its diagonal at key
+    0 (top-left, or Lq = Lk) and at least CAUSAL_OP_MIN_KEYS keys: the flash op with its causal flag and the mask
+    (:class:`_CausalMaskedFlash`), which skips the key blocks past the diagonal. Otherwise the band folded into the
+    mask, then the public call.
+    """
+    scale = spec.resolved_scale(head_dim)
+    options = _sdpa_options(spec, False, grouped, scale)
+    sdpa = F.scaled_dot_product_attention
+    if not is_causal:
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return sdpa(q, k, v, attn_mask=mask, **options)
+
+    elif alignment_offset(spec, len_q, len_k) == 0 and len_k >= CAUSAL_OP_MIN_KEYS:
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+            if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+                return _CausalMaskedFlash.apply(q, k, v, mask, scale)
+            return _causal_masked_op(q, k, v, mask, scale)[0]  # inference: no autograd.Function around it
+
+    else:
+
+        def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return sdpa(q, k, v, attn_mask=mask & _causal_band(spec, len_q, len_k, q.device), **options)
+
+    if spec.variant is not Variant.COSINE and spec.layout is Layout.BHSD:
+        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (attention(q, k, v, mask), None)
+    bshd = spec.layout is Layout.BSHD
+
+    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *_: None) -> tuple[Any, None]:
+        dtype = v.dtype
+        if bshd:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if spec.variant is Variant.COSINE:
+            q, k, v = _normalized(q), _normalized(k), v.to(compute_dtype(dtype))
+        out = attention(q, k, v, mask).to(dtype)
+        return (out.transpose(1, 2) if bshd else out), None
+
+    return masked
 
 
 def _normalized(x: torch.Tensor) -> torch.Tensor:
@@ -357,7 +480,7 @@ def _sdpa_options(spec: AttentionSpec, is_causal: bool, grouped: bool, scale: fl
     options: dict[str, Any] = {}
     if is_causal:
         options["is_causal"] = True
-    if spec.scale is not None:
+    if spec.scale is not None or spec.variant is Variant.COSINE:  # cosine's default scale is 16, not SDPA's 1/√D
         options["scale"] = scale
     if grouped:
         options["enable_gqa"] = True
@@ -369,10 +492,14 @@ def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool)
     q, k, v = inputs.q, inputs.k, inputs.v
     if spec.layout is Layout.BSHD:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    plain = not need_lse and all(t is None for t in inputs[3:])
-    is_causal = _native_causal(spec, q.shape[2], k.shape[2], plain, q.shape[3] == v.shape[3])
+    plain = not need_lse and all(t is None for t in inputs[4:])
+    masked = inputs.mask is not None
+    is_causal = _native_causal(spec, q.shape[2], k.shape[2], plain, q.shape[3] == v.shape[3], masked)
     if is_causal is not None:
-        return _native_runner(spec, is_causal, q.shape[1] != k.shape[1], q.shape[3])(*inputs)
+        grouped = q.shape[1] != k.shape[1]
+        if masked:
+            return _masked_runner(spec, is_causal, grouped, q.shape[3], q.shape[2], k.shape[2])(*inputs)
+        return _native_runner(spec, is_causal, grouped, q.shape[3])(*inputs)
     return _flash_attention(spec, inputs, q, k, v, spec.resolved_scale(q.shape[3]))
 
 
@@ -443,9 +570,13 @@ class TorchSdpaBackend(RecomputingBackend):
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         equal_dims = problem.head_dim == problem.head_dim_v
-        is_causal = _native_causal(spec, problem.len_q, problem.len_k, problem.is_plain(), equal_dims)
+        plain = problem.is_plain() or problem.has_mask and replace(problem, has_mask=False).is_plain()
+        is_causal = _native_causal(spec, problem.len_q, problem.len_k, plain, equal_dims, problem.has_mask)
         if is_causal is not None:
-            return _native_runner(spec, is_causal, problem.heads_q != problem.heads_kv, problem.head_dim)
+            grouped = problem.heads_q != problem.heads_kv
+            if problem.has_mask:
+                return _masked_runner(spec, is_causal, grouped, problem.head_dim, problem.len_q, problem.len_k)
+            return _native_runner(spec, is_causal, grouped, problem.head_dim)
         need_lse = problem.return_lse
         return lambda *tensors: sdpa_attention(spec, AttentionInputs(*tensors), need_lse)
 
