@@ -492,8 +492,10 @@ def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool)
     q, k, v = inputs.q, inputs.k, inputs.v
     if spec.layout is Layout.BSHD:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    plain = not need_lse and all(t is None for t in inputs[4:])
     masked = inputs.mask is not None
+    # A mask takes SDPA's native path on the CPU only, where its empty rows and NaN were checked (tests): on CUDA the
+    # lse path, which finds empty rows itself, until a GPU run shows what SDPA's kernels do with them.
+    plain = not need_lse and all(t is None for t in inputs[4:]) and (not masked or q.device.type == "cpu")
     is_causal = _native_causal(spec, q.shape[2], k.shape[2], plain, q.shape[3] == v.shape[3], masked)
     if is_causal is not None:
         grouped = q.shape[1] != k.shape[1]
@@ -570,7 +572,8 @@ class TorchSdpaBackend(RecomputingBackend):
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         equal_dims = problem.head_dim == problem.head_dim_v
-        plain = problem.is_plain() or problem.has_mask and replace(problem, has_mask=False).is_plain()
+        masked_natively = problem.has_mask and problem.device == "cpu"  # as in sdpa_attention
+        plain = problem.is_plain() or masked_natively and replace(problem, has_mask=False).is_plain()
         is_causal = _native_causal(spec, problem.len_q, problem.len_k, plain, equal_dims, problem.has_mask)
         if is_causal is not None:
             grouped = problem.heads_q != problem.heads_kv
