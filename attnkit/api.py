@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnkit import config, dispatch
+from attnkit import config, dispatch, op_calls
 from attnkit.backend import Backend, PlainCall, Problem, Runner, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
 from attnkit.frontends import ops_by_type, ops_for
-from attnkit.spec import AttentionSpec, Layout
+from attnkit.spec import AttentionSpec
 from attnkit.validation import check_length_values, prepare
 
 # The fast path's table and the scope state it keys on, bound once (attnkit/call_cache.py): at decode sizes an
@@ -92,10 +92,7 @@ def attend(
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
         _remember(key, problem, run, own_plain_call(chosen, spec, problem), epoch)
     if was_3d:
-        head_axis = 1 if spec.layout is Layout.BHSD else 2
-        out = ops.reshape(out, tuple(size for axis, size in enumerate(out.shape) if axis != head_axis))
-        if return_lse:
-            lse = ops.reshape(lse, (lse.shape[0], lse.shape[2]))
+        out, lse = op_calls.as_3d(ops, spec, out, lse if return_lse else None)
     return (out, lse) if return_lse else out
 
 

@@ -72,9 +72,13 @@ def forward(call: Call, spec: AttentionSpec, need_lse: bool) -> tuple[Any, Any]:
     """(out, lse) in the caller's shapes; lse is None unless ``need_lse``."""
     out, lse = call.backend.forward(spec, call.inputs, need_lse=need_lse)
     if call.was_3d:
-        out = _drop_head_axis(call.ops, spec, out)
-        lse = None if lse is None else call.ops.reshape(lse, (lse.shape[0], lse.shape[2]))
+        out, lse = as_3d(call.ops, spec, out, lse)
     return out, lse if need_lse else None
+
+
+def as_3d(ops: FrameworkOps, spec: AttentionSpec, out: Any, lse: Any) -> tuple[Any, Any]:
+    """A 3-D call's out and lse (or None) from the 4-D ones its backend computed (one head)."""
+    return _drop_head_axis(ops, spec, out), None if lse is None else ops.reshape(lse, (lse.shape[0], lse.shape[2]))
 
 
 def backward(call: Call, spec: AttentionSpec, out: Any, lse: Any, dout: Any, dlse: Any, need_dbias: bool) -> Gradients:
