@@ -487,21 +487,44 @@ def _sdpa_options(spec: AttentionSpec, is_causal: bool, grouped: bool, scale: fl
     return options
 
 
+def _native_path(
+    spec: AttentionSpec,
+    heads_q: int,
+    heads_kv: int,
+    len_q: int,
+    len_k: int,
+    head_dim: int,
+    head_dim_v: int,
+    device: str,
+    has_mask: bool,
+    others_plain: bool,
+) -> Runner | None:
+    """The runner of SDPA's native path for a call, or None where it takes the blocked path (:func:`_flash_attention`).
+    ``others_plain``: no bias or lengths, and no lse wanted."""
+    # A mask takes SDPA's native path on the CPU only, where its empty rows and NaN were checked (tests): on CUDA the
+    # lse path, which finds empty rows itself, until a GPU run shows what SDPA's kernels do with them.
+    plain = others_plain and (not has_mask or device == "cpu")
+    is_causal = _native_causal(spec, len_q, len_k, plain, head_dim == head_dim_v, has_mask)
+    if is_causal is None:
+        return None
+    grouped = heads_q != heads_kv
+    if has_mask:
+        return _masked_runner(spec, is_causal, grouped, head_dim, len_q, len_k)
+    return _native_runner(spec, is_causal, grouped, head_dim)
+
+
 def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
     """(out, lse or None) per the contract; differentiable by torch autograd wherever grad is enabled."""
     q, k, v = inputs.q, inputs.k, inputs.v
     if spec.layout is Layout.BSHD:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    masked = inputs.mask is not None
-    # A mask takes SDPA's native path on the CPU only, where its empty rows and NaN were checked (tests): on CUDA the
-    # lse path, which finds empty rows itself, until a GPU run shows what SDPA's kernels do with them.
-    plain = not need_lse and all(t is None for t in inputs[4:]) and (not masked or q.device.type == "cpu")
-    is_causal = _native_causal(spec, q.shape[2], k.shape[2], plain, q.shape[3] == v.shape[3], masked)
-    if is_causal is not None:
-        grouped = q.shape[1] != k.shape[1]
-        if masked:
-            return _masked_runner(spec, is_causal, grouped, q.shape[3], q.shape[2], k.shape[2])(*inputs)
-        return _native_runner(spec, is_causal, grouped, q.shape[3])(*inputs)
+    others_plain = not need_lse and all(t is None for t in inputs[4:])  # no bias, lengths or lse
+    runner = _native_path(
+        spec, q.shape[1], k.shape[1], q.shape[2], k.shape[2], q.shape[3], v.shape[3], q.device.type,
+        inputs.mask is not None, others_plain,
+    )  # fmt: skip
+    if runner is not None:
+        return runner(*inputs)
     return _flash_attention(spec, inputs, q, k, v, spec.resolved_scale(q.shape[3]))
 
 
@@ -571,15 +594,12 @@ class TorchSdpaBackend(RecomputingBackend):
         return sdpa_attention(spec, inputs, need_lse)
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
-        equal_dims = problem.head_dim == problem.head_dim_v
-        masked_natively = problem.has_mask and problem.device == "cpu"  # as in sdpa_attention
-        plain = problem.is_plain() or masked_natively and replace(problem, has_mask=False).is_plain()
-        is_causal = _native_causal(spec, problem.len_q, problem.len_k, plain, equal_dims, problem.has_mask)
-        if is_causal is not None:
-            grouped = problem.heads_q != problem.heads_kv
-            if problem.has_mask:
-                return _masked_runner(spec, is_causal, grouped, problem.head_dim, problem.len_q, problem.len_k)
-            return _native_runner(spec, is_causal, grouped, problem.head_dim)
+        runner = _native_path(
+            spec, problem.heads_q, problem.heads_kv, problem.len_q, problem.len_k, problem.head_dim,
+            problem.head_dim_v, problem.device, problem.has_mask, replace(problem, has_mask=False).is_plain(),
+        )  # fmt: skip
+        if runner is not None:
+            return runner
         need_lse = problem.return_lse
         return lambda *tensors: sdpa_attention(spec, AttentionInputs(*tensors), need_lse)
 
