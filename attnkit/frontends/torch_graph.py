@@ -72,7 +72,8 @@ def _as_eager() -> Iterator[None]:
         yield
 
 
-def _no_lse(q: Tensor) -> Tensor:
+def _absent(q: Tensor) -> Tensor:
+    """An empty tensor in place of an output not asked for (lse, dbias): an operator returns tensors, never None."""
     return q.new_empty((0,), dtype=torch.float32)
 
 
@@ -85,26 +86,27 @@ def _attend(
     bias: Tensor | None,
     q_lengths: Tensor | None,
     kv_lengths: Tensor | None,
-    spec: str,
+    spec_json: str,
     backend: str,
     return_lse: bool,
     needs_grad: bool,
     needs_bias_grad: bool,
 ) -> tuple[Tensor, Tensor]:
+    spec = _spec(spec_json)
     given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
-    call = op_calls.decide(_spec(spec), backend, given, return_lse, needs_grad, needs_bias_grad)
+    call = op_calls.decide(spec, backend, given, return_lse, needs_grad, needs_bias_grad)
     with _as_eager():
-        out, lse = op_calls.forward(call, _spec(spec), need_lse=return_lse or needs_grad)
+        out, lse = op_calls.forward(call, spec, need_lse=return_lse or needs_grad)
     # Contiguous, as the fake implementation describes them.
-    return out.contiguous(), _no_lse(q) if lse is None else lse.contiguous()
+    return out.contiguous(), _absent(q) if lse is None else lse.contiguous()
 
 
 @_attend.register_fake
 def _attend_shapes(*args: Any) -> tuple[Tensor, Tensor]:
-    q, k, v, mask, bias, q_lengths, kv_lengths, spec, _, return_lse, needs_grad, _ = args  # as _attend takes them
+    q, k, v, mask, bias, q_lengths, kv_lengths, spec_json, _, return_lse, needs_grad, _ = args  # as _attend has them
     given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
-    out_shape, lse_shape = op_calls.output_shapes(_spec(spec), given)
-    lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse or needs_grad else _no_lse(q)
+    out_shape, lse_shape = op_calls.output_shapes(_spec(spec_json), given)
+    lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse or needs_grad else _absent(q)
     return q.new_empty(out_shape), lse
 
 
@@ -121,16 +123,17 @@ def _attend_backward(
     lse: Tensor,
     dout: Tensor,
     dlse: Tensor | None,
-    spec: str,
+    spec_json: str,
     backend: str,
     return_lse: bool,
     needs_bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    spec = _spec(spec_json)
     given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
-    call = op_calls.decide(_spec(spec), backend, given, return_lse, True, needs_bias_grad)
+    call = op_calls.decide(spec, backend, given, return_lse, True, needs_bias_grad)
     with _as_eager():
-        grads = op_calls.backward(call, _spec(spec), out, lse, dout, dlse, needs_bias_grad)
-    dbias = _no_lse(q)
+        grads = op_calls.backward(call, spec, out, lse, dout, dlse, needs_bias_grad)
+    dbias = _absent(q)
     if needs_bias_grad and bias is not None:
         bias_4d = call.inputs.bias
         dbias = sum_to_shape(grads.dbias, bias_4d.shape).reshape(bias.shape).to(bias.dtype)
@@ -141,14 +144,14 @@ def _attend_backward(
 def _attend_backward_shapes(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     q, k, v, _, bias, *_, needs_bias_grad = args  # as _attend_backward takes them
     # Contiguous whatever the inputs' strides, as the implementation returns them.
-    dbias = bias.new_empty(bias.shape) if needs_bias_grad and bias is not None else _no_lse(q)
+    dbias = bias.new_empty(bias.shape) if needs_bias_grad and bias is not None else _absent(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, mask, bias, q_lengths, kv_lengths, spec, backend, return_lse, _, needs_bias_grad = inputs
+    q, k, v, mask, bias, q_lengths, kv_lengths, spec_json, backend, return_lse, _, needs_bias_grad = inputs
     ctx.save_for_backward(q, k, v, mask, bias, q_lengths, kv_lengths, *output)
-    ctx.spec, ctx.backend, ctx.return_lse, ctx.needs_bias_grad = spec, backend, return_lse, needs_bias_grad
+    ctx.spec_json, ctx.backend, ctx.return_lse, ctx.needs_bias_grad = spec_json, backend, return_lse, needs_bias_grad
 
 
 def _gradients(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -157,7 +160,7 @@ def _gradients(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tens
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias = torch.ops.attnkit.attend_backward(
         q, k, v, mask, bias, q_lengths, kv_lengths, out, lse, dout, dlse if ctx.return_lse else None,
-        ctx.spec, ctx.backend, ctx.return_lse, ctx.needs_bias_grad,
+        ctx.spec_json, ctx.backend, ctx.return_lse, ctx.needs_bias_grad,
     )  # fmt: skip
     return dq, dk, dv, None, dbias if ctx.needs_bias_grad else None, None, None, None, None, None, None, None
 
