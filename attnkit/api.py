@@ -39,6 +39,8 @@ def attend(
     bias: Any = None,
     q_lengths: Any = None,
     kv_lengths: Any = None,
+    q_segment_ids: Any = None,
+    kv_segment_ids: Any = None,
     return_lse: bool = False,
     backend: str = "auto",
 ) -> Any:
@@ -58,6 +60,8 @@ def attend(
     # to the config or registry clears the cache).
     ops = ops_by_type.get(type(q)) or ops_for(q, "q")
     signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths)
+    if q_segment_ids is not None or kv_segment_ids is not None:
+        signature = ops.segment_signature(signature, q_segment_ids, kv_segment_ids)
     if signature is not None:
         key = (spec, signature, return_lse, backend, _scope_serial())
         try:
@@ -70,14 +74,18 @@ def attend(
                 return plain(q, k, v)
             if q_lengths is not None or kv_lengths is not None:
                 check_length_values(ops, problem, q_lengths, kv_lengths)
-            out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
+            out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
             return (out, lse) if return_lse else out
     if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
         from attnkit.frontends import torch_graph
 
-        return torch_graph.attend(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, backend)
+        return torch_graph.attend(
+            spec, q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse, backend
+        )
     epoch = CACHE.epoch  # before dispatch reads the config and registry: a clear after it stores nothing
-    ops, problem, inputs, was_3d = prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
+    ops, problem, inputs, was_3d = prepare(
+        spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids
+    )
     chosen = dispatch.select(spec, problem, backend)
     run = ops.runner(chosen, spec, problem)
     try:
@@ -86,7 +94,8 @@ def attend(
         if not _routes_elsewhere(chosen, backend):
             raise
         return attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                      return_lse=return_lse, backend=backend)  # fmt: skip
+                      q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=return_lse,
+                      backend=backend)  # fmt: skip
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
     # never sits there.
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
@@ -106,10 +115,14 @@ def explain(
     bias: Any = None,
     q_lengths: Any = None,
     kv_lengths: Any = None,
+    q_segment_ids: Any = None,
+    kv_segment_ids: Any = None,
     return_lse: bool = False,
 ) -> str:
     """The dispatch table for a call, without running it: each backend, the one that would run, and why not."""
-    _, problem, _, _ = prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse)
+    _, problem, _, _ = prepare(
+        spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids
+    )
     return explain_problem(spec, problem)
 
 

@@ -120,10 +120,23 @@ class Problem:
     needs_grad: bool = False
     needs_bias_grad: bool = False
     return_lse: bool = False
+    has_segment_ids: bool = False
+    #: A paged KV cache's block size (attend_paged, docs/semantics.md §13); None for contiguous keys. len_k is then
+    #: the table's capacity, max_blocks · block_size.
+    paged_block_size: int | None = None
 
     def is_plain(self) -> bool:
-        """q, k and v alone (no mask, bias or lengths), and no lse wanted: a library's plain attention call."""
-        return not (self.return_lse or self.has_mask or self.has_bias or self.has_q_lengths or self.has_kv_lengths)
+        """q, k and v alone (no mask, bias, lengths or segment ids), and no lse wanted: a library's plain attention
+        call."""
+        return not (
+            self.return_lse
+            or self.has_mask
+            or self.has_bias
+            or self.has_q_lengths
+            or self.has_kv_lengths
+            or self.has_segment_ids
+            or self.paged_block_size is not None
+        )
 
     def features(self) -> frozenset[Feature]:
         flags = (
@@ -134,6 +147,8 @@ class Problem:
             (self.return_lse, Feature.LSE),
             (self.needs_grad, Feature.GRAD),
             (self.needs_bias_grad, Feature.DBIAS),
+            (self.has_segment_ids, Feature.SEGMENT_IDS),
+            (self.paged_block_size is not None, Feature.PAGED),
         )
         return frozenset(feature for used, feature in flags if used)
 
@@ -151,6 +166,8 @@ class AttentionInputs(NamedTuple):
     bias: Any = None
     q_lengths: Any = None
     kv_lengths: Any = None
+    q_segment_ids: Any = None
+    kv_segment_ids: Any = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -260,7 +277,7 @@ def routing_features(spec: AttentionSpec, problem: Problem) -> frozenset[Feature
 
 #: What a frontend calls for one attention call: the fields of AttentionInputs as positional arguments
 #: -> (out, lse or None). Positional, not the named tuple: building one cost a sixth of a decode call's dispatch.
-Runner = Callable[[Any, Any, Any, Any, Any, Any, Any], tuple[Any, Any]]
+Runner = Callable[[Any, Any, Any, Any, Any, Any, Any, Any, Any], tuple[Any, Any]]
 #: ``(q, k, v) -> out``, for a call with no mask, bias or lengths that wants no lse.
 PlainCall = Callable[[Any, Any, Any], Any]
 

@@ -26,6 +26,9 @@ class Feature(enum.StrEnum):
     LSE = "lse"
     GRAD = "grad"
     DBIAS = "dbias"
+    SEGMENT_IDS = "segment_ids"
+    # Of attend_paged (docs/semantics.md §13): the backend reads a paged KV cache where its blocks lie.
+    PAGED = "paged"
     # Of the call's geometry, read by routing only (config ``[[refine]]``), never a capability: causal aligned
     # bottom-right with 1 < Lq != Lk, a diagonal SDPA's ``is_causal`` (top-left) cannot place.
     BOTTOM_RIGHT_OFFSET = "bottom_right_offset"
@@ -43,6 +46,8 @@ CALL_FEATURES = frozenset(
         Feature.LSE,
         Feature.GRAD,
         Feature.DBIAS,
+        Feature.SEGMENT_IDS,
+        Feature.PAGED,
     }
 )
 #: What a backend can declare: every feature but the routing ones.

@@ -42,7 +42,9 @@ def decide(
     """Validate the call with the caller's grad flags, and choose the backend. A call whose metadata was seen before
     reuses that work, as attend's fast path does: only the lengths' values, which are data, are checked again."""
     ops = ops_for(given.q)
-    signature = ops.signature(*given)
+    signature = ops.signature(*given[:7])
+    if given.q_segment_ids is not None or given.kv_segment_ids is not None:
+        signature = ops.segment_signature(signature, given.q_segment_ids, given.kv_segment_ids)
     key = (spec, signature, backend, return_lse, needs_grad, needs_bias_grad, CACHE.scope_serial())
     hit = CACHE.operator_calls.get(key) if signature is not None else None
     if hit is not None:
@@ -50,7 +52,7 @@ def decide(
         check_length_values(ops, problem, given.q_lengths, given.kv_lengths)
         return Call(ops, problem, given, False, chosen)
     epoch = CACHE.epoch
-    ops, problem, inputs, was_3d = prepare(spec, *given, return_lse)
+    ops, problem, inputs, was_3d = prepare(spec, *given[:7], return_lse, *given[7:])
     problem = dataclasses.replace(problem, needs_grad=needs_grad, needs_bias_grad=needs_bias_grad)
     chosen = dispatch.select(spec, problem, backend)
     if signature is not None and all(a is b for a, b in zip(inputs, given)):  # nothing reshaped: reusable as given
@@ -61,7 +63,7 @@ def decide(
 def output_shapes(spec: AttentionSpec, given: AttentionInputs) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """(out's shape, lse's shape) as attend() returns them, from metadata alone (meta and fake tensors, whose sizes
     may be symbolic): no value is read and no backend chosen."""
-    _, problem, _, was_3d = prepare(spec, *given, True, check_values=False)
+    _, problem, _, was_3d = prepare(spec, *given[:7], True, *given[7:], check_values=False)
     out_shape = (*given.q.shape[:-1], problem.head_dim_v)
     if was_3d:
         return out_shape, (problem.batch, problem.len_q)

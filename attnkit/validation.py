@@ -28,6 +28,8 @@ def prepare(
     q_lengths: Any,
     kv_lengths: Any,
     return_lse: bool,
+    q_segment_ids: Any = None,
+    kv_segment_ids: Any = None,
     *,
     check_values: bool = True,
 ) -> tuple[FrameworkOps, Problem, AttentionInputs, bool]:
@@ -112,8 +114,9 @@ def prepare(
     for name, tensor in (("mask", mask), ("bias", bias)):
         if tensor is not None and ops.device(tensor) != device:
             raise InvalidInputTypeError(f"{name} is on device {ops.device(tensor)}, expected q's device {device}")
+    _check_segment_ids(ops, q_segment_ids, kv_segment_ids, batch, len_q, len_k, device)
 
-    inputs = AttentionInputs(q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths)
+    inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
     needs_grad, needs_bias_grad = ops.needs_grad(inputs)
     problem = Problem(
         framework=ops.framework,
@@ -133,8 +136,30 @@ def prepare(
         needs_grad=needs_grad,
         needs_bias_grad=needs_bias_grad,
         return_lse=return_lse,
+        has_segment_ids=q_segment_ids is not None,
     )
     return ops, problem, inputs, was_3d
+
+
+def _check_segment_ids(
+    ops: FrameworkOps, q_ids: Any, kv_ids: Any, batch: int, len_q: int, len_k: int, device: str
+) -> None:
+    """§4.5: both or neither; integer arrays of the framework, (B, Lq) and (B, Lk), on q's device."""
+    if (q_ids is None) != (kv_ids is None):
+        given, missing = ("q_segment_ids", "kv_segment_ids") if kv_ids is None else ("kv_segment_ids", "q_segment_ids")
+        raise InvalidInputError(f"{given} was given without {missing}: segment ids are given for both or neither")
+    if q_ids is None:
+        return
+    for name, ids, length in (("q_segment_ids", q_ids, len_q), ("kv_segment_ids", kv_ids, len_k)):
+        if not ops.is_array(ids):
+            raise InvalidInputTypeError(f"{name} must be a {ops.framework.value} array, got {type(ids).__name__}")
+        if ops.dtype_name(ids) not in INTEGER:
+            raise InvalidInputTypeError(f"{name} has dtype {ops.dtype_name(ids)}, expected an integer dtype")
+        if tuple(ids.shape) != (batch, length):
+            which = "Lq" if name == "q_segment_ids" else "Lk"
+            raise InvalidInputError(f"{name} has shape {tuple(ids.shape)}, expected (B, {which})=({batch}, {length})")
+        if ops.device(ids) != device:
+            raise InvalidInputTypeError(f"{name} is on device {ops.device(ids)}, expected q's device {device}")
 
 
 def _check_range(ops: FrameworkOps, name: str, lengths: Any, limit: int) -> None:

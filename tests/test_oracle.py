@@ -58,6 +58,9 @@ def literal_visibility(case: Case, arrays: dict[str, np.ndarray]) -> np.ndarray:
             left, right = spec.window
             seen &= left is None or j >= i + offset - left
             seen &= right is None or j <= i + offset + right
+        if case.q_segment_ids is not None and case.kv_segment_ids is not None:
+            q_id, kv_id = case.q_segment_ids[b][i], case.kv_segment_ids[b][j]
+            seen &= q_id >= 0 and q_id == kv_id
         if mask is not None:
             seen &= bool(mask[b, h, i, j])
         visible[b, h, i, j] = seen
@@ -146,7 +149,8 @@ def _inputs(case: Case, tensors: dict[str, torch.Tensor]) -> tuple[attnkit.Atten
     """The call as backends receive it (4-D, mask and bias with unit axes prepended), through attend's own checks;
     and whether it was 3-D."""
     names = ("q", "k", "v", "mask", "bias", "q_lengths", "kv_lengths")
-    _, _, inputs, was_3d = prepare(case.spec, *(tensors.get(name) for name in names), True)
+    segment_ids = (tensors.get("q_segment_ids"), tensors.get("kv_segment_ids"))
+    _, _, inputs, was_3d = prepare(case.spec, *(tensors.get(name) for name in names), True, *segment_ids)
     return inputs, was_3d
 
 

@@ -56,6 +56,23 @@ def zero_padding(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
     return torch.where(positions < lengths.view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def zero_segment_padding(x: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """bhsd x with the positions whose segment id is negative set to 0: they are padding (§4.5), never read."""
+    if segment_ids is None:
+        return x
+    real = (segment_ids >= 0).view(segment_ids.shape[0], 1, -1, 1)
+    return torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def segment_visibility(
+    q_segment_ids: torch.Tensor, kv_segment_ids: torch.Tensor, rows: slice | None = None, cols: slice | None = None
+) -> torch.Tensor:
+    """Boolean (B, 1, rows, cols): query i and key j share a segment id and it is not negative (§4.5)."""
+    q_ids = q_segment_ids[:, rows or slice(None)].view(q_segment_ids.shape[0], 1, -1, 1)
+    kv_ids = kv_segment_ids[:, cols or slice(None)].view(kv_segment_ids.shape[0], 1, 1, -1)
+    return (q_ids == kv_ids) & (q_ids >= 0)
+
+
 def block_of(x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
     """The (rows, cols) block of a 4-D mask or bias (B|1, Hq|1, Lq|1, Lk|1), leaving broadcast (size-1) axes whole:
     slicing one of those past its first row would leave nothing."""
@@ -63,8 +80,9 @@ def block_of(x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
 
 
 class Band:
-    """§4's causal and window band and the lengths, for one call, per batch element (a user mask joins in
-    :meth:`visible`).
+    """§4's causal and window band, the lengths and the segment ids, for one call, per batch element (a user mask
+    joins in :meth:`visible`). The host-side planning (:meth:`key_span`, :meth:`wholly_visible`, :meth:`key_ranges`)
+    reads the band and lengths only: segment ids hide more, which :meth:`visible` adds.
 
     Query i of element b sees key j iff ``lower ≤ j − i − offset[b] ≤ upper``, ``i < q_len[b]`` and ``j < kv_len[b]``,
     with ``(lower, upper)`` from :func:`attnkit.contract.diagonal_band` and ``offset[b]`` from
@@ -80,6 +98,8 @@ class Band:
         self.device = inputs.q.device
         self.q_lengths, self.kv_lengths = inputs.q_lengths, inputs.kv_lengths
         self.has_lengths = self.q_lengths is not None or self.kv_lengths is not None
+        self.q_segment_ids, self.kv_segment_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+        self.has_segments = self.q_segment_ids is not None
 
     @property
     def banded(self) -> bool:
@@ -127,7 +147,7 @@ class Band:
         lengths with the smallest and the largest offset decide it for the whole batch."""
         (q_min, _), (kv_min, _), (off_min, off_max) = self.extremes
         band = (self.lower, self.upper)
-        return bool(self.batch) and all(
+        return bool(self.batch) and not self.has_segments and all(
             tile_visibility(band, offset, rows, cols, q_min, kv_min) is TileVisibility.FULL
             for offset in (off_min, off_max)
         )
@@ -180,6 +200,8 @@ class Band:
             visible = conjoin(visible, j < self.kv_len.view(-1, 1, 1, 1))
         if self.q_lengths is not None:
             visible = conjoin(visible, i < self.q_len.view(-1, 1, 1, 1))
+        if self.has_segments:
+            visible = conjoin(visible, segment_visibility(self.q_segment_ids, self.kv_segment_ids, rows, cols))
         if mask is not None:
             visible = conjoin(visible, block_of(mask, rows, cols))
         return visible
@@ -261,9 +283,12 @@ def literal_attention(
     key give out 0 and lse -inf, and (because every -inf and 0/0 is kept out of the graph with
     ``where``) zero, finite gradients.
     """
-    q = normalize_if_cosine(spec, zero_padding(to_bhsd(spec, inputs.q).to(dtype), inputs.q_lengths))
-    k = normalize_if_cosine(spec, zero_padding(to_bhsd(spec, inputs.k).to(dtype), inputs.kv_lengths))
-    v = zero_padding(to_bhsd(spec, inputs.v).to(dtype), inputs.kv_lengths)
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    q = to_bhsd(spec, inputs.q).to(dtype)
+    k = to_bhsd(spec, inputs.k).to(dtype)
+    q = normalize_if_cosine(spec, zero_segment_padding(zero_padding(q, inputs.q_lengths), q_ids))
+    k = normalize_if_cosine(spec, zero_segment_padding(zero_padding(k, inputs.kv_lengths), kv_ids))
+    v = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.v).to(dtype), inputs.kv_lengths), kv_ids)
     bias = inputs.bias.to(dtype) if inputs.bias is not None else None
     len_q, len_k = q.shape[2], k.shape[2]
     s = scores(spec, q, k, bias, spec.resolved_scale(q.shape[-1]))

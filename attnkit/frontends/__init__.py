@@ -33,6 +33,11 @@ class FrameworkOps(Protocol):
         values), or None where the framework offers no cheap one."""
         ...
 
+    def segment_signature(self, signature: Any, q_segment_ids: Any, kv_segment_ids: Any) -> Any:
+        """:meth:`signature` of a call with segment ids, extended by theirs; None where it is None or they are not
+        this framework's arrays."""
+        ...
+
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any: ...
 
     def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:

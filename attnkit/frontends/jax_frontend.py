@@ -98,6 +98,9 @@ class JaxOps:
     def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
         return None  # JAX calls are traced once under jit; the per-call validation cost does not recur there
 
+    def segment_signature(self, signature: Any, q_segment_ids: Any, kv_segment_ids: Any) -> Any:
+        return None
+
     def symbolic(self, q: Any) -> bool:
         return False  # jit traces attend itself, with the backend's own JAX code
 

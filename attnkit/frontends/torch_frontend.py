@@ -36,17 +36,19 @@ class _AttendFunction(torch.autograd.Function):
         mask: torch.Tensor | None,
         q_lengths: torch.Tensor | None,
         kv_lengths: torch.Tensor | None,
+        q_segment_ids: torch.Tensor | None,
+        kv_segment_ids: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = AttentionInputs(q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths)
+        inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
         out, lse = backend.forward(spec, inputs, need_lse=True)
         ctx.backend, ctx.spec, ctx.return_lse = backend, spec, return_lse
-        ctx.save_for_backward(q, k, v, bias, mask, q_lengths, kv_lengths, out, lse)
+        ctx.save_for_backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, bias, mask, q_lengths, kv_lengths, out, lse = ctx.saved_tensors
-        inputs = AttentionInputs(q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths)
+        q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, out, lse = ctx.saved_tensors
+        inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
         need_dbias = bias is not None and ctx.needs_input_grad[6]
         grads = ctx.backend.backward(
             ctx.spec, inputs, out, lse, dout, dlse if ctx.return_lse else None, need_dbias=need_dbias
@@ -54,7 +56,7 @@ class _AttendFunction(torch.autograd.Function):
         dbias = None
         if need_dbias:
             dbias = sum_to_shape(grads.dbias, bias.shape).to(bias.dtype)
-        return None, None, None, grads.dq, grads.dk, grads.dv, dbias, None, None, None
+        return None, None, None, grads.dq, grads.dk, grads.dv, dbias, None, None, None, None, None
 
 
 # Read on every attend call: module globals, not attribute lookups on torch.
@@ -122,6 +124,13 @@ class TorchOps:
             *optional,
         )
 
+    @staticmethod
+    def segment_signature(signature: Any, q_segment_ids: Any, kv_segment_ids: Any) -> Any:
+        if signature is None or type(q_segment_ids) is not _Tensor or type(kv_segment_ids) is not _Tensor:
+            return None
+        q_ids, kv_ids = q_segment_ids, kv_segment_ids
+        return (*signature, (q_ids.shape, q_ids.dtype, q_ids.device), (kv_ids.shape, kv_ids.dtype, kv_ids.device))
+
     def reshape(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return x.reshape(shape)
 
@@ -134,9 +143,19 @@ class TorchOps:
             return lambda *tensors: backend.forward(spec, AttentionInputs(*tensors), need_lse=return_lse)
 
         def through_autograd(
-            q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any
+            q: Any,
+            k: Any,
+            v: Any,
+            mask: Any,
+            bias: Any,
+            q_lengths: Any,
+            kv_lengths: Any,
+            q_segment_ids: Any = None,
+            kv_segment_ids: Any = None,
         ) -> tuple[Any, Any]:
-            out, lse = _AttendFunction.apply(backend, spec, return_lse, q, k, v, bias, mask, q_lengths, kv_lengths)
+            out, lse = _AttendFunction.apply(
+                backend, spec, return_lse, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids
+            )
             return out, lse
 
         return through_autograd

@@ -86,6 +86,8 @@ def _attend(
     bias: Tensor | None,
     q_lengths: Tensor | None,
     kv_lengths: Tensor | None,
+    q_segment_ids: Tensor | None,
+    kv_segment_ids: Tensor | None,
     spec_json: str,
     backend: str,
     return_lse: bool,
@@ -93,7 +95,7 @@ def _attend(
     needs_bias_grad: bool,
 ) -> tuple[Tensor, Tensor]:
     spec = _spec(spec_json)
-    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
+    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
     call = op_calls.decide(spec, backend, given, return_lse, needs_grad, needs_bias_grad)
     with _as_eager():
         out, lse = op_calls.forward(call, spec, need_lse=return_lse or needs_grad)
@@ -103,8 +105,23 @@ def _attend(
 
 @_attend.register_fake
 def _attend_shapes(*args: Any) -> tuple[Tensor, Tensor]:
-    q, k, v, mask, bias, q_lengths, kv_lengths, spec_json, _, return_lse, needs_grad, _ = args  # as _attend has them
-    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
+    (
+        q,
+        k,
+        v,
+        mask,
+        bias,
+        q_lengths,
+        kv_lengths,
+        q_segment_ids,
+        kv_segment_ids,
+        spec_json,
+        _,
+        return_lse,
+        needs_grad,
+        _,
+    ) = args  # as _attend has them
+    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
     out_shape, lse_shape = op_calls.output_shapes(_spec(spec_json), given)
     lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse or needs_grad else _absent(q)
     return q.new_empty(out_shape), lse
@@ -119,6 +136,8 @@ def _attend_backward(
     bias: Tensor | None,
     q_lengths: Tensor | None,
     kv_lengths: Tensor | None,
+    q_segment_ids: Tensor | None,
+    kv_segment_ids: Tensor | None,
     out: Tensor,
     lse: Tensor,
     dout: Tensor,
@@ -129,7 +148,7 @@ def _attend_backward(
     needs_bias_grad: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = _spec(spec_json)
-    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths)
+    given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
     call = op_calls.decide(spec, backend, given, return_lse, True, needs_bias_grad)
     with _as_eager():
         grads = op_calls.backward(call, spec, out, lse, dout, dlse, needs_bias_grad)
@@ -149,20 +168,21 @@ def _attend_backward_shapes(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]
 
 
 def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, mask, bias, q_lengths, kv_lengths, spec_json, backend, return_lse, _, needs_bias_grad = inputs
-    ctx.save_for_backward(q, k, v, mask, bias, q_lengths, kv_lengths, *output)
+    *tensors, spec_json, backend, return_lse, _, needs_bias_grad = inputs  # q, k, v, mask, ... kv_segment_ids
+    ctx.save_for_backward(*tensors, *output)
     ctx.spec_json, ctx.backend, ctx.return_lse, ctx.needs_bias_grad = spec_json, backend, return_lse, needs_bias_grad
 
 
 def _gradients(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, mask, bias, q_lengths, kv_lengths, out, lse = ctx.saved_tensors
+    *tensors, out, lse = ctx.saved_tensors  # q, k, v, mask, bias, lengths and segment ids as _attend takes them
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias = torch.ops.attnkit.attend_backward(
-        q, k, v, mask, bias, q_lengths, kv_lengths, out, lse, dout, dlse if ctx.return_lse else None,
+        *tensors, out, lse, dout, dlse if ctx.return_lse else None,
         ctx.spec_json, ctx.backend, ctx.return_lse, ctx.needs_bias_grad,
     )  # fmt: skip
-    return dq, dk, dv, None, dbias if ctx.needs_bias_grad else None, None, None, None, None, None, None, None
+    no_gradient = (None,) * 9  # mask, lengths, segment ids, and the operator's five constants
+    return dq, dk, dv, None, dbias if ctx.needs_bias_grad else None, *no_gradient
 
 
 _attend.register_autograd(_gradients, setup_context=_save)
@@ -177,17 +197,23 @@ def attend(
     bias: Tensor | None,
     q_lengths: Tensor | None,
     kv_lengths: Tensor | None,
+    q_segment_ids: Tensor | None,
+    kv_segment_ids: Tensor | None,
     return_lse: bool,
     backend: str,
 ) -> Any:
     """attnkit.attend through the operator. Outside a trace (meta tensors) the arguments are checked here first,
     so bad input gets attend's typed errors rather than the operator schema's."""
     if not torch.compiler.is_compiling():
-        prepare(spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, check_values=False)
+        prepare(
+            spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids,
+            check_values=False,
+        )  # fmt: skip
     grad_on = torch.is_grad_enabled()
     needs_bias_grad = grad_on and bias is not None and bias.requires_grad
     needs_grad = needs_bias_grad or (grad_on and (q.requires_grad or k.requires_grad or v.requires_grad))
     out, lse = torch.ops.attnkit.attend(
-        q, k, v, mask, bias, q_lengths, kv_lengths, _spec_key(spec), backend, return_lse, needs_grad, needs_bias_grad
-    )
+        q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+        _spec_key(spec), backend, return_lse, needs_grad, needs_bias_grad,
+    )  # fmt: skip
     return (out, lse) if return_lse else out

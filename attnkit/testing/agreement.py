@@ -105,6 +105,8 @@ def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Resu
         tensors.get("q_lengths"),
         tensors.get("kv_lengths"),
         True,
+        tensors.get("q_segment_ids"),
+        tensors.get("kv_segment_ids"),
     )
     out, lse = oracle_attention(case.spec, inputs, dtype)
     if was_3d:

@@ -31,6 +31,9 @@ class Case:
     bias_grad: bool = False
     q_lengths: tuple[int, ...] | None = None
     kv_lengths: tuple[int, ...] | None = None
+    # Per batch element, each query's and each key's segment id (docs/semantics.md §4.5); negative: padding.
+    q_segment_ids: tuple[tuple[int, ...], ...] | None = None
+    kv_segment_ids: tuple[tuple[int, ...], ...] | None = None
     three_d: bool = False
     seed: int = 0
     grad: bool = True
@@ -55,6 +58,7 @@ class Case:
             needs_grad=self.grad,
             needs_bias_grad=self.grad and self.bias_grad and self.bias_shape is not None,
             return_lse=True,
+            has_segment_ids=self.q_segment_ids is not None,
         )
 
     def features(self) -> frozenset[str]:
@@ -77,7 +81,8 @@ class Case:
             f"D={self.head_dim} Dv={self.head_dim_v} {self.dtype}",
             self.spec.model_dump_json(exclude_defaults=True),
         ]
-        for name in ("mask_shape", "masked_rows", "bias_shape", "q_lengths", "kv_lengths"):
+        for name in ("mask_shape", "masked_rows", "bias_shape", "q_lengths", "kv_lengths", "q_segment_ids",
+                     "kv_segment_ids"):  # fmt: skip
             value = getattr(self, name)
             if value:
                 parts.append(f"{name}={value}")
@@ -115,4 +120,7 @@ def make_arrays(case: Case) -> dict[str, np.ndarray]:
         arrays["q_lengths"] = np.asarray(case.q_lengths, dtype=np.int64)
     if case.kv_lengths is not None:
         arrays["kv_lengths"] = np.asarray(case.kv_lengths, dtype=np.int64)
+    if case.q_segment_ids is not None and case.kv_segment_ids is not None:
+        arrays["q_segment_ids"] = np.asarray(case.q_segment_ids, dtype=np.int64).reshape(case.batch, case.len_q)
+        arrays["kv_segment_ids"] = np.asarray(case.kv_segment_ids, dtype=np.int64).reshape(case.batch, case.len_k)
     return arrays

@@ -15,7 +15,7 @@ from attnkit.testing.cases import Case
 
 Results = dict[str, np.ndarray]
 DIFFERENTIABLE = ("q", "k", "v", "bias")
-OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths")
+OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
 
 
 def harness_device(backend: str) -> str:

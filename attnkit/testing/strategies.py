@@ -41,6 +41,37 @@ def specs(draw: st.DrawFn, features: frozenset[Feature] = ALL_FEATURES) -> Atten
     )
 
 
+@st.composite
+def packed_row(draw: st.DrawFn, length: int, documents: int = 3) -> tuple[int, ...]:
+    """One row of segment ids as packing makes them: runs of ids 0, 1, ... (documents of any length, one token
+    included), each run possibly followed by padding (−1); the whole row padding now and then."""
+    if draw(st.integers(0, 7)) == 0:
+        return (-1,) * length
+    ids: list[int] = []
+    document = 0
+    while len(ids) < length:
+        run = draw(st.integers(1, length - len(ids)))
+        ids += [-1 if draw(st.integers(0, 4)) == 0 else min(document, documents)] * run
+        document += 1
+    return tuple(ids)
+
+
+@st.composite
+def segment_ids(
+    draw: st.DrawFn, batch: int, len_q: int, len_k: int
+) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+    """(q_segment_ids, kv_segment_ids) per batch element: the same packed row for queries and keys where Lq = Lk
+    (self-attention over packed documents, or left padding), or two drawn apart, whose documents then meet at
+    any offsets."""
+    same = len_q == len_k and draw(st.booleans())
+    q_rows, kv_rows = [], []
+    for _ in range(batch):
+        q_row = draw(packed_row(len_q))
+        q_rows.append(q_row)
+        kv_rows.append(q_row if same else draw(packed_row(len_k)))
+    return tuple(q_rows), tuple(kv_rows)
+
+
 def _broadcast_shapes(batch: int, heads: int, len_q: int, len_k: int, three_d: bool) -> list[tuple[int, ...]]:
     if three_d:
         return [(batch, len_q, len_k), (1, len_q, len_k), (len_q, len_k), (batch, 1, len_k)]
@@ -94,6 +125,9 @@ def cases(
     kv_lengths = None
     if Feature.KV_LENGTHS in features and draw(st.booleans()):
         kv_lengths = tuple(min(n, len_k) for n in draw(lengths))
+    q_segment_ids = kv_segment_ids = None
+    if Feature.SEGMENT_IDS in features and draw(st.booleans()):
+        q_segment_ids, kv_segment_ids = draw(segment_ids(batch, len_q, len_k))
     return Case(
         spec=spec,
         batch=batch,
@@ -110,6 +144,8 @@ def cases(
         bias_grad=bias_grad,
         q_lengths=q_lengths,
         kv_lengths=kv_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
         three_d=three_d,
         seed=draw(st.integers(0, 2**31 - 1)),
         grad=Feature.GRAD in features,

@@ -52,6 +52,7 @@ from attnkit.backend import (
     BaseBackend,
     Capabilities,
     Delegation,
+    Feature,
     Framework,
     Gradients,
     Variant,
@@ -418,7 +419,7 @@ class TorchFlexBackend(BaseBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES,
+        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
         head_dims=(1, MAX_TESTED_HEAD_DIM),
         description="torch flex_attention compiled by inductor (CPU C++ template, block-sparse); lse via a sink key",
         notes=(

@@ -429,7 +429,10 @@ def _masked_runner(
             return sdpa(q, k, v, attn_mask=mask & _causal_band(spec, len_q, len_k, q.device), **options)
 
     if spec.variant is not Variant.COSINE and spec.layout is Layout.BHSD:
-        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (attention(q, k, v, mask), None)
+        return lambda q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids: (
+            attention(q, k, v, mask),
+            None,
+        )
     bshd = spec.layout is Layout.BSHD
 
     def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *_: None) -> tuple[Any, None]:
@@ -468,11 +471,14 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
     options = _sdpa_options(spec, is_causal, grouped, scale)
     # The other tensors are always None here (a plain call): named, not collected into a tuple per call.
     if bshd:
-        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
+        return lambda q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids: (
             sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options).transpose(1, 2),
             None,
         )
-    return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (sdpa(q, k, v, **options), None)
+    return lambda q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids: (
+        sdpa(q, k, v, **options),
+        None,
+    )
 
 
 def _sdpa_options(spec: AttentionSpec, is_causal: bool, grouped: bool, scale: float) -> dict[str, Any]:
@@ -565,7 +571,7 @@ class TorchSdpaBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS},
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS, Feature.SEGMENT_IDS, Feature.PAGED},
         per_device=(("cuda", DeviceLimits(dtypes=CUDA_DTYPES, head_dims=(1, MAX_CUDA_HEAD_DIM))),),
         description="torch scaled_dot_product_attention (CPU flash kernel, CUDA's own; lse, windows and lengths "
         "through the kernel's op)",

@@ -21,6 +21,7 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
+    Feature,
     Framework,
     Gradients,
     Layout,
@@ -360,7 +361,7 @@ class PallasBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES,
+        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
         native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
         description=(

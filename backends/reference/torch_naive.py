@@ -35,6 +35,11 @@ def oracle_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, 
                 element.tril_(off + right)
         element[q_len:, :] = False  # padding queries see nothing
         element[:, kv_len:] = False  # padding keys are seen by none
+    if inputs.q_segment_ids is not None:  # §4.5: the same id, and not a negative one
+        for element, q_ids, kv_ids in zip(visible[:, 0], inputs.q_segment_ids.tolist(), inputs.kv_segment_ids.tolist()):
+            rows = torch.tensor(q_ids, dtype=torch.long, device=element.device).unsqueeze(1)
+            cols = torch.tensor(kv_ids, dtype=torch.long, device=element.device).unsqueeze(0)
+            element &= (rows == cols) & (rows >= 0)
     return visible if inputs.mask is None else visible & inputs.mask
 
 
