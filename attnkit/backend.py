@@ -12,7 +12,9 @@ A backend is an object with
 * ``available()``: why it cannot run on this machine (empty list: it can);
 * ``supports(spec, problem)``: why it cannot serve this call, each reason naming the value and what is supported;
 * ``forward(spec, inputs, need_lse)`` -> ``(out, lse)``;
-* ``backward(spec, inputs, out, lse, dout, dlse, need_dbias=...)`` -> :class:`Gradients`.
+* ``backward(spec, inputs, out, lse, dout, dlse, need_dbias=...)`` -> :class:`Gradients`;
+* ``forward_paged(spec, paged_inputs, need_lse)`` -> ``(out, lse)``, where it declares ``Feature.PAGED`` (a paged KV
+  cache, :class:`PagedInputs`; forward only).
 
 :class:`BaseBackend` gives the defaults (``available()``: nothing missing; ``supports()``: what the capabilities
 say; ``backward``: refused where the capabilities declare no grad) and the optional hooks, one spelling each:
@@ -75,6 +77,7 @@ __all__ = [
     "Gradients",
     "Layout",
     "MissingPackageBackend",
+    "PagedInputs",
     "PlainCall",
     "Problem",
     "Runner",
@@ -168,6 +171,17 @@ class AttentionInputs(NamedTuple):
     kv_lengths: Any = None
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
+
+
+class PagedInputs(NamedTuple):
+    """The tensors of one attend_paged call (docs/semantics.md §13), validated: q in the spec's layout (4-D),
+    k_cache/v_cache (num_blocks, block_size, Hkv, D|Dv), block_table int32 (B, max_blocks), kv_lengths (B,)."""
+
+    q: Any
+    k_cache: Any
+    v_cache: Any
+    block_table: Any
+    kv_lengths: Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,6 +368,11 @@ class BaseBackend:
         if Feature.GRAD not in self.capabilities.features:
             raise BackendUnavailableError(f"backend={self.name!r} has no backward (grad is not supported)")
         raise NotImplementedError(f"{type(self).__name__}.backward (it declares {Feature.GRAD})")
+
+    def forward_paged(self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool) -> tuple[Any, Any]:
+        """(out, lse or None) of an attend_paged call; a backend declaring ``Feature.PAGED`` writes it, reading the
+        blocks where they lie. Forward only."""
+        raise NotImplementedError(f"{type(self).__name__}.forward_paged (it declares {Feature.PAGED})")
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner | None:
         return None
