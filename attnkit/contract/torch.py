@@ -73,6 +73,16 @@ def segment_visibility(
     return (q_ids == kv_ids) & (q_ids >= 0)
 
 
+def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+    """A paged cache (num_blocks, block_size, H, D) read through ``block_table`` (B, max_blocks) as contiguous keys
+    (B, max_blocks · block_size, H, D), key j of sequence b being slot j mod block_size of block table[b, j //
+    block_size] (§13). Entries past a sequence's blocks may hold anything: clamped into the cache, the slots they give
+    lie past kv_lengths, padding. A copy of every block the table names: the literal reading, not a fused path."""
+    batch, max_blocks = block_table.shape
+    table = block_table.long().clamp(0, max(cache.shape[0] - 1, 0))
+    return cache[table].reshape(batch, max_blocks * cache.shape[1], *cache.shape[2:])
+
+
 def block_of(x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
     """The (rows, cols) block of a 4-D mask or bias (B|1, Hq|1, Lq|1, Lk|1), leaving broadcast (size-1) axes whole:
     slicing one of those past its first row would leave nothing."""
@@ -147,9 +157,13 @@ class Band:
         lengths with the smallest and the largest offset decide it for the whole batch."""
         (q_min, _), (kv_min, _), (off_min, off_max) = self.extremes
         band = (self.lower, self.upper)
-        return bool(self.batch) and not self.has_segments and all(
-            tile_visibility(band, offset, rows, cols, q_min, kv_min) is TileVisibility.FULL
-            for offset in (off_min, off_max)
+        return (
+            bool(self.batch)
+            and not self.has_segments
+            and all(
+                tile_visibility(band, offset, rows, cols, q_min, kv_min) is TileVisibility.FULL
+                for offset in (off_min, off_max)
+            )
         )
 
     # Device side: (B,) int64 tensors, and the band as masks.

@@ -9,8 +9,17 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.backend import ALL_FEATURES, AttentionInputs, AttentionSpec, Capabilities, CausalAlignment, Framework
-from attnkit.contract.torch import RecomputingBackend, compute_dtype, literal_attention
+from attnkit.backend import (
+    ALL_FEATURES,
+    AttentionInputs,
+    AttentionSpec,
+    Capabilities,
+    CausalAlignment,
+    Framework,
+    Layout,
+    PagedInputs,
+)
+from attnkit.contract.torch import RecomputingBackend, compute_dtype, gather_pages, literal_attention
 
 
 def oracle_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> torch.Tensor:
@@ -72,3 +81,16 @@ class TorchNaiveBackend(RecomputingBackend):
         with torch.no_grad():
             out, lse = self.recompute(spec, inputs)
         return out.to(inputs.q.dtype), lse.float()
+
+    def forward_paged(
+        self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """§13 literally: the blocks gathered into contiguous (bshd) keys, then the oracle with kv_lengths."""
+        keys, values = (
+            gather_pages(inputs.k_cache, inputs.block_table),
+            gather_pages(inputs.v_cache, inputs.block_table),
+        )
+        if spec.layout is Layout.BHSD:
+            keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        gathered = AttentionInputs(inputs.q, keys, values, kv_lengths=inputs.kv_lengths)
+        return self.forward(spec, gathered, need_lse)
