@@ -211,6 +211,7 @@ def test_check_marks_the_rows_whose_cases_ran_another_backends_code(capsys: pyte
     attnkit.register_backend(BorrowsForMasks())
     try:
         code, out = run(capsys, "check", "--backend", BORROWER, "--examples", "0")
+        served = len(applicable_edge_cases(BorrowsForMasks(), BackendReport(BORROWER)))
     finally:
         attnkit.unregister_backend(BORROWER)
     assert code == 0, out
@@ -218,7 +219,6 @@ def test_check_marks_the_rows_whose_cases_ran_another_backends_code(capsys: pyte
     assert cells["mask"].endswith("~") and cells["plain"].endswith("~")  # the edge cases with a mask are plain
     assert not cells["softcap"].endswith("~") and not cells["kv_lengths"].endswith("~")
     # Of the edge cases, only "mask with fully masked rows" has a mask, in float32 and in bfloat16.
-    served = len(applicable_edge_cases(BorrowsForMasks(), BackendReport(BORROWER)))
     assert f"~ {BORROWER}: 2 of {served} cases: {MASKED_CALLS}" in out, out
 
 
