@@ -329,7 +329,8 @@ def attend_paged(
     blocks lie. Forward only. Returns out, or (out, lse), as attend does for q."""
     problem, inputs = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse)
     chosen = dispatch.select(spec, problem, backend)
-    out, lse = chosen.forward_paged(spec, inputs, need_lse=return_lse)
+    forward_paged = getattr(chosen, "forward_paged")  # noqa: B009  # the method of Feature.PAGED (attnkit.backend)
+    out, lse = forward_paged(spec, inputs, need_lse=return_lse)
     return (out, lse) if return_lse else out
 
 
