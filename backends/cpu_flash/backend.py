@@ -186,7 +186,7 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
 
 
 def decode_splits(tasks: int, keys: int, threads: int) -> int:
-    """Split-K's key ranges per row: enough for every thread when the (batch, head, query block) tasks are fewer
+    """Split-K's key ranges per row: enough for every thread when the (sequence, query block) tasks are fewer
     than the threads, each range at least two tiles long; 1 otherwise."""
     if tasks >= threads:
         return 1
@@ -203,7 +203,7 @@ def paged_attention(spec: AttentionSpec, inputs: PagedInputs) -> tuple[torch.Ten
     scale = spec.resolved_scale(head_dim)
     band = _Band.of(spec)
     block_q, block_k = band.tile(FORWARD_TILE)
-    splits = decode_splits(batch * heads_q * -(-len_q // block_q), int(kv_len.max()) if batch else 0, torch.get_num_threads())
+    splits = decode_splits(batch * -(-len_q // block_q), int(kv_len.max()) if batch else 0, torch.get_num_threads())
     out, lse = _kernel().forward_paged(
         q, inputs.k_cache.contiguous(), inputs.v_cache.contiguous(), inputs.block_table.contiguous(), q_len, kv_len,
         *band.arguments(), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,

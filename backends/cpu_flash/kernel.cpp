@@ -351,12 +351,13 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
 // normalised key; the cache is never rewritten).
 // Split-K (flash-decoding): a row's keys [first, last) may be cut into ranges, each finished alone into
 // (out_s, lse_s), then merged by section 6: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
-struct PagedHead {  // one sequence's blocks, seen from one kv head
-  const float* k;  // the caches offset to the kv head: k_cache + h_kv * D, v_cache + h_kv * Dv
+struct PagedSequence {  // one sequence's blocks
+  const float* k;  // the caches (num_blocks, block_size, Hkv, D | Dv)
   const float* v;
   const int32_t* table;  // the sequence's row of the block table
   int64_t block_size, k_block, v_block, k_row, v_row;  // strides in floats: block to block, slot to slot
   float cosine_eps;  // > 0 for the cosine variant
+  // Key (value) j of kv head 0; kv head h is h * D (h * Dv) floats on.
   const float* key(int64_t j) const { return k + table[j / block_size] * k_block + (j % block_size) * k_row; }
   const float* value(int64_t j) const { return v + table[j / block_size] * v_block + (j % block_size) * v_row; }
 };
@@ -386,29 +387,81 @@ void divide_by_key_norms(float* s, int64_t rows, int64_t ld, int64_t keys, const
   }
 }
 
-// Rows [r0, r1) of one query head over the keys [first, last) of its sequence; out and lse point at row r0.
-void fwd_block_paged(const float* q, const PagedHead& cache, float* out, float* lse, const Sizes& n, const Band& band,
-                     const Rows& geometry, float softcap, int64_t r0, int64_t r1, int64_t first, int64_t last,
-                     float* s, float* acc, float* row_max, float* row_sum) {
-  const int64_t rows = r1 - r0;
-  start_rows(rows, n.dim_v, row_max, row_sum, acc);
+// Decode-sized products, below the cost of a BLAS call (a block of 16 keys is a 1 x 16 x 128 product): rows up to
+// kFewRows take these loops. S[r, j] = alpha q_r . k_j over keys `k_row` floats apart, into s (ld columns).
+constexpr int64_t kFewRows = 4;
+
+void few_rows_scores(int64_t rows, int64_t keys, int64_t dim, float alpha, const float* q, const float* k,
+                     int64_t k_row, float* s, int64_t ld) {
+  for (int64_t j = 0; j < keys; ++j)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *key = k + j * k_row, *query = q + r * dim;
+      Vec sum(0.0f);
+      int64_t d = 0;
+      for (; d + Vec::size() <= dim; d += Vec::size()) sum = at::vec::fmadd(Vec::loadu(query + d), Vec::loadu(key + d), sum);
+      float total = lane_sum(sum);
+      for (; d < dim; ++d) total += query[d] * key[d];
+      s[r * ld + j] = alpha * total;
+    }
+}
+
+// acc[r] += sum_j P[r, j] v_j over values `v_row` floats apart, P with ld columns.
+void few_rows_values(int64_t rows, int64_t keys, int64_t dim_v, const float* p, int64_t ld, const float* v,
+                     int64_t v_row, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc_row = acc + r * dim_v;
+    for (int64_t j = 0; j < keys; ++j) {
+      const Vec weight(p[r * ld + j]);
+      const float* value = v + j * v_row;
+      int64_t d = 0;
+      for (; d + Vec::size() <= dim_v; d += Vec::size())
+        at::vec::fmadd(weight, Vec::loadu(value + d), Vec::loadu(acc_row + d)).store(acc_row + d);
+      for (; d < dim_v; ++d) acc_row[d] += p[r * ld + j] * value[d];
+    }
+  }
+}
+
+// Rows [r0, r1) of every query head of one sequence over its keys [first, last). Each tile is read for all heads in
+// turn while it is in cache: one head's rows of a block lie Hkv * D floats apart (4 KiB at Hkv = 8, D = 128), so a head
+// at a time would stream every page of the cache for an Hkv-th of it. q, out and lse point at the sequence's head 0;
+// the online softmax keeps its state per head (row_max, row_sum: block_q per head; acc: block_q * Dv per head).
+void fwd_rows_paged(const float* q, const PagedSequence& cache, float* out, float* lse, const Sizes& n,
+                    const Band& band, const Rows& geometry, float softcap, int64_t r0, int64_t r1, int64_t first,
+                    int64_t last, float* s, float* acc, float* row_max, float* row_sum) {
+  const int64_t rows = r1 - r0, group = n.heads_q / n.heads_kv, acc_size = n.block_q * n.dim_v;
+  for (int64_t h = 0; h < n.heads_q; ++h)
+    start_rows(rows, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, acc + h * acc_size);
   for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
     const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
-    for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
-      gemm(false, true, rows, b - a, n.dim, n.q_scale, q + r0 * n.dim, n.dim, cache.key(a), cache.k_row, 0.0f,
-           s + (a - c0), cols);
-      if (cache.cosine_eps > 0)
-        divide_by_key_norms(s + (a - c0), rows, cols, b - a, cache.key(a), cache.k_row, n.dim, cache.cosine_eps);
-    });
-    scores(s, nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0,
-           UserTerms{});
-    softmax_step(s, rows, cols, n.dim_v, row_max, row_sum, acc);
-    for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
-      gemm(false, false, rows, n.dim_v, b - a, 1.0f, s + (a - c0), cols, cache.value(a), cache.v_row, 1.0f, acc,
-           n.dim_v);
-    });
+    const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
+    for (int64_t h = 0; h < n.heads_q; ++h) {
+      const float* q_rows = q + (h * n.len_q + r0) * n.dim;
+      const int64_t key_head = h / group * n.dim, value_head = h / group * n.dim_v;
+      float* head_acc = acc + h * acc_size;
+      for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
+        const float* keys = cache.key(a) + key_head;
+        if (rows <= kFewRows)
+          few_rows_scores(rows, b - a, n.dim, n.q_scale, q_rows, keys, cache.k_row, s + (a - c0), cols);
+        else
+          gemm(false, true, rows, b - a, n.dim, n.q_scale, q_rows, n.dim, keys, cache.k_row, 0.0f, s + (a - c0), cols);
+        if (cache.cosine_eps > 0)
+          divide_by_key_norms(s + (a - c0), rows, cols, b - a, keys, cache.k_row, n.dim, cache.cosine_eps);
+      });
+      scores(s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, UserTerms{});
+      softmax_step(s, rows, cols, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, head_acc);
+      for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
+        const float* values = cache.value(a) + value_head;
+        if (rows <= kFewRows)
+          few_rows_values(rows, b - a, n.dim_v, s + (a - c0), cols, values, cache.v_row, head_acc);
+        else
+          gemm(false, false, rows, n.dim_v, b - a, 1.0f, s + (a - c0), cols, values, cache.v_row, 1.0f, head_acc,
+               n.dim_v);
+      });
+    }
   }
-  finish_rows(out, lse, rows, n.dim_v, row_max, row_sum, acc);
+  for (int64_t h = 0; h < n.heads_q; ++h)
+    finish_rows(out + (h * n.len_q + r0) * n.dim_v, lse + h * n.len_q + r0, rows, n.dim_v, row_max + h * n.block_q,
+                row_sum + h * n.block_q, acc + h * acc_size);
 }
 
 // Split-K's merge (section 6) of parts (splits, rows, dim_v) and their lse (splits, rows) into out, lse.
@@ -578,14 +631,15 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
   // One split writes straight into out and lse; more write parts, merged below.
   auto parts = splits == 1 ? out : torch::zeros({splits, n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
   auto part_lse = splits == 1 ? lse : torch::full({splits, n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
-  const int64_t blocks = (n.len_q + n.block_q - 1) / n.block_q, group = n.heads_q / n.heads_kv;
+  const int64_t blocks = (n.len_q + n.block_q - 1) / n.block_q;
   const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
   float *op = parts.data_ptr<float>(), *lp = part_lse.data_ptr<float>();
-  at::parallel_for(0, n.batch * n.heads_q * blocks * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(n.block_q * n.block_k), acc(n.block_q * n.dim_v), row_max(n.block_q), row_sum(n.block_q);
+  // A task: one sequence's query block, every head, one split of the keys.
+  at::parallel_for(0, n.batch * blocks * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(n.block_q * n.block_k), acc(n.heads_q * n.block_q * n.dim_v), row_max(n.heads_q * n.block_q),
+        row_sum(n.heads_q * n.block_q);
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t split = task % splits, block = task / splits % blocks;
-      const int64_t head = task / splits / blocks % n.heads_q, b = task / splits / blocks / n.heads_q;
+      const int64_t split = task % splits, block = task / splits % blocks, b = task / splits / blocks;
       const Rows geometry = rows_of(band, q_len, kv_len, b);
       const int64_t r0 = block * n.block_q, r1 = std::min({r0 + n.block_q, n.len_q, geometry.q_len});
       if (r0 >= r1) continue;
@@ -596,14 +650,13 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
       const int64_t share = (tiles + splits - 1) / splits * n.block_k;
       const int64_t from = first + split * share, to = std::min(last, from + share);
       if (split > 0 && from >= to) continue;  // empty: its part keeps out 0, lse -inf
-      const int64_t kv_head = head / group;
-      const PagedHead cache{kp + kv_head * n.dim, vp + kv_head * n.dim_v, table + b * max_blocks, block_size,
-                            block_size * n.heads_kv * n.dim, block_size * n.heads_kv * n.dim_v, n.heads_kv * n.dim,
-                            n.heads_kv * n.dim_v, (float)cosine_eps};
-      const int64_t q_head = b * n.heads_q + head, row = split * rows + q_head * n.len_q + r0;
-      fwd_block_paged(qp + q_head * n.len_q * n.dim, cache, op + row * n.dim_v, lp + row, n, band, geometry,
-                      (float)softcap, r0, r1, from, std::max(from, to), s.data(), acc.data(), row_max.data(),
-                      row_sum.data());
+      const PagedSequence cache{kp, vp, table + b * max_blocks, block_size, block_size * n.heads_kv * n.dim,
+                                block_size * n.heads_kv * n.dim_v, n.heads_kv * n.dim, n.heads_kv * n.dim_v,
+                                (float)cosine_eps};
+      const int64_t head_0 = split * rows + b * n.heads_q * n.len_q;  // row (b, head 0, query 0) of this split's part
+      fwd_rows_paged(qp + b * n.heads_q * n.len_q * n.dim, cache, op + head_0 * n.dim_v, lp + head_0, n, band,
+                     geometry, (float)softcap, r0, r1, from, std::max(from, to), s.data(), acc.data(), row_max.data(),
+                     row_sum.data());
     }
   });
   if (splits > 1) merge_splits(op, lp, splits, rows, n.dim_v, out.data_ptr<float>(), lse.data_ptr<float>());
