@@ -197,7 +197,6 @@ def paged_attention(spec: AttentionSpec, inputs: PagedInputs) -> tuple[torch.Ten
     """(out, lse) of an attend_paged call (§13): the kernel reads the float32 caches' blocks through the table."""
     q = normalize_if_cosine(spec, to_bhsd(spec, inputs.q).float()).contiguous()
     batch, heads_q, len_q, head_dim = q.shape
-    block_size = inputs.k_cache.shape[1]
     kv_len = inputs.kv_lengths.to(torch.long).contiguous()
     q_len = torch.full((batch,), len_q, dtype=torch.long)
     scale = spec.resolved_scale(head_dim)
