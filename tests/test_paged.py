@@ -11,7 +11,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from attnkit import AttentionSpec, registry  # noqa: E402
+from attnkit import AttentionSpec, attend_paged, registry  # noqa: E402
 from attnkit.backend import Feature, PagedInputs  # noqa: E402
 from attnkit.testing.agreement import ORACLE, compare_outputs  # noqa: E402
 
@@ -61,7 +61,7 @@ def _as_float64(inputs: PagedInputs) -> PagedInputs:
 
 
 def _results(backend: str, spec: AttentionSpec, inputs: PagedInputs) -> dict[str, np.ndarray]:
-    out, lse = registry.get_backend(backend).forward_paged(spec, inputs, True)
+    out, lse = attend_paged(spec, *inputs, return_lse=True, backend=backend)
     return {"out": out.double().numpy(), "lse": lse.double().numpy()}
 
 

@@ -25,8 +25,6 @@ def _calls(backend: str, seq_len: int, block_size: int) -> dict[str, Callable[[]
     import torch
 
     import attnkit
-    from attnkit.backend import PagedInputs
-    from attnkit.registry import get_backend
 
     batch, heads_q, heads_kv, head_dim, len_q = (PAGED_SHAPE[key] for key in PAGED_SHAPE)
     generator = torch.Generator().manual_seed(0)
@@ -37,11 +35,8 @@ def _calls(backend: str, seq_len: int, block_size: int) -> dict[str, Callable[[]
     num_blocks = batch * seq_len // block_size
     k_cache, v_cache = (torch.randn(num_blocks, block_size, heads_kv, head_dim, generator=generator) for _ in range(2))
     table = torch.randperm(num_blocks, generator=generator).to(torch.int32).view(batch, -1)
-    paged = PagedInputs(q, k_cache, v_cache, table, lengths)
-    # attnkit.attend_paged is the public door once it lands; the protocol call is what it dispatches to.
-    found = get_backend(backend)
     return {
-        "paged": lambda: found.forward_paged(spec, paged, False),
+        "paged": lambda: attnkit.attend_paged(spec, q, k_cache, v_cache, table, lengths, backend=backend),
         "contiguous": lambda: attnkit.attend(spec, q, k, v, kv_lengths=lengths, backend=backend),
     }
 
