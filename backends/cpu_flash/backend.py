@@ -185,10 +185,15 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse
 
 
+# Split-K did not pay on the 2 shared cores it was measured on (B=1, Hq=Hkv=8, Lk=32768, block 256, 2 threads: 2 key
+# ranges took 1.05x the time of 1, load average 11), so it starts from 4 threads, where it is untried.
+SPLIT_K_MIN_THREADS = 4
+
+
 def decode_splits(tasks: int, keys: int, threads: int) -> int:
-    """Split-K's key ranges per row: enough for every thread when the (sequence, query block) tasks are fewer
-    than the threads, each range at least two tiles long; 1 otherwise."""
-    if tasks >= threads:
+    """Split-K's key ranges per row: enough for every thread when the (sequence, query block) tasks are fewer than
+    the threads, each range at least two tiles long; 1 otherwise, and below SPLIT_K_MIN_THREADS."""
+    if tasks >= threads or threads < SPLIT_K_MIN_THREADS:
         return 1
     return max(1, min(-(-threads // max(tasks, 1)), keys // (2 * FORWARD_TILE[1])))
 
