@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from attnkit.bench import calibrate, chunked, compiled, masks, overhead, spec_cost, targets, tflops
+from attnkit.bench import calibrate, chunked, compiled, masks, overhead, paged, spec_cost, targets, tflops
 from attnkit.environment import limit_jax_threads, torch_threads
 
 
@@ -35,6 +35,8 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         return run_targets(args, out)
     if args.what == "masks":
         return run_masks(args, out)
+    if args.what == "paged":
+        return run_paged(args, out)
     if args.what == "memory" and args.device != "cpu":
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
@@ -116,6 +118,23 @@ def run_targets(args: argparse.Namespace, out: TextIO) -> int:
     if args.plot:
         targets.plot_targets(result, args.plot)
         print(f"wrote {args.plot}", file=out)
+    return 0
+
+
+def run_paged(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what paged measures the CPU backends (--device cpu)", file=sys.stderr)
+        return 2
+    with torch_threads(args.threads):
+        result = paged.bench_paged(
+            backends=_csv(args.backends) or paged.PAGED_BACKENDS,
+            seq_lens=_csv(args.seq_lens, int) or paged.PAGED_SEQ_LENS,
+            repeats=args.repeats if args.repeats is not None else 5,
+            warmup=args.warmup,
+            progress=_progress,
+        )
+    print(paged.format_paged(result), file=out)
+    _write_json(args, result, out)
     return 0
 
 

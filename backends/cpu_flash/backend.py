@@ -32,12 +32,13 @@ from attnkit.backend import (
     CausalAlignment,
     Feature,
     Framework,
+    PagedInputs,
     Problem,
     Runner,
     TorchExtension,
     Variant,
 )
-from attnkit.contract import diagonal_band
+from attnkit.contract import COSINE_EPS, diagonal_band
 from attnkit.contract.torch import Band, RecomputingBackend, from_bhsd, normalize_if_cosine, to_bhsd, zero_padding
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
@@ -184,6 +185,37 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse
 
 
+# Split-K did not pay on the 2 shared cores it was measured on (B=1, Hq=Hkv=8, Lk=32768, block 256, 2 threads: 2 key
+# ranges took 1.05x the time of 1, load average 11), so it starts from 4 threads, where it is untried.
+SPLIT_K_MIN_THREADS = 4
+
+
+def decode_splits(tasks: int, keys: int, threads: int) -> int:
+    """Split-K's key ranges per row: enough for every thread when the (sequence, query block) tasks are fewer than
+    the threads, each range at least two tiles long; 1 otherwise, and below SPLIT_K_MIN_THREADS."""
+    if tasks >= threads or threads < SPLIT_K_MIN_THREADS:
+        return 1
+    return max(1, min(-(-threads // max(tasks, 1)), keys // (2 * FORWARD_TILE[1])))
+
+
+def paged_attention(spec: AttentionSpec, inputs: PagedInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of an attend_paged call (§13): the kernel reads the float32 caches' blocks through the table."""
+    q = normalize_if_cosine(spec, to_bhsd(spec, inputs.q).float()).contiguous()
+    batch, heads_q, len_q, head_dim = q.shape
+    kv_len = inputs.kv_lengths.to(torch.long).contiguous()
+    q_len = torch.full((batch,), len_q, dtype=torch.long)
+    scale = spec.resolved_scale(head_dim)
+    band = _Band.of(spec)
+    block_q, block_k = band.tile(FORWARD_TILE)
+    splits = decode_splits(batch * -(-len_q // block_q), int(kv_len.max()) if batch else 0, torch.get_num_threads())
+    out, lse = _kernel().forward_paged(
+        q, inputs.k_cache.contiguous(), inputs.v_cache.contiguous(), inputs.block_table.contiguous(), q_len, kv_len,
+        *band.arguments(), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
+        COSINE_EPS if spec.variant is Variant.COSINE else 0.0, block_q, block_k, splits,
+    )  # fmt: skip
+    return from_bhsd(spec, out.to(inputs.q.dtype)), lse
+
+
 class CpuFlashBackend(RecomputingBackend):
     """attnkit's FlashAttention-2 CPU kernel (kernel.cpp): every feature, float16, bfloat16 and float32."""
 
@@ -192,12 +224,14 @@ class CpuFlashBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES - {Feature.SEGMENT_IDS},
         description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
         notes=(
             "mask, bias: read per tile through their strides (broadcast axes never expanded); dbias per batch "
             "element and query head (B, Hq, Lq|1, Lk|1), then summed to the bias's shape",
             "float64: left to torch-chunked and torch-naive (the kernel computes in float32)",
+            "paged: float32 caches, read where they lie (one GEMM per block piece of a tile); split-K over the keys "
+            "when a decode call has fewer rows than threads",
             "half types: widened to float32 exactly, results rounded back once",
             "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "
             "it unavailable with the reason (docs/cpu_flash.md)",
@@ -208,9 +242,19 @@ class CpuFlashBackend(RecomputingBackend):
         blas = _blas_reason()
         return [*EXTENSION.problems(), *([blas] if blas else [])]
 
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        reasons = super().supports(spec, problem)
+        if problem.paged_block_size is not None and problem.dtype != "float32":
+            reasons.append(f"paged cache dtype={problem.dtype} (supported: float32; widening would copy the cache)")
+        return reasons
+
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
         with torch.no_grad():
             return flash_attention(spec, inputs)
+
+    def forward_paged(self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
+        with torch.no_grad():
+            return paged_attention(spec, inputs)
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         return lambda *tensors: flash_attention(spec, AttentionInputs(*tensors))

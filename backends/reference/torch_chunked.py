@@ -21,9 +21,18 @@ from attnkit.backend import (
     Framework,
     Gradients,
     Layout,
+    PagedInputs,
     Variant,
 )
-from attnkit.contract.torch import Band, compute_dtype, from_bhsd, normalize_if_cosine, to_bhsd, zero_padding
+from attnkit.contract.torch import (
+    Band,
+    compute_dtype,
+    from_bhsd,
+    gather_pages,
+    normalize_if_cosine,
+    to_bhsd,
+    zero_padding,
+)
 
 NEG_INF = float("-inf")
 
@@ -125,11 +134,30 @@ def _by_key_tile(plan: Plan) -> list[tuple[int, int, list[tuple[int, int, bool]]
 
 
 @dataclass(frozen=True)
+class _Pages:
+    """A paged KV cache (§13) read a key tile at a time: only the tile's blocks are gathered, in the compute dtype,
+    padding (slots at or past a sequence's length) zeroed and cosine's normalisation applied."""
+
+    block_table: torch.Tensor
+    kv_lengths: torch.Tensor
+    spec: AttentionSpec
+    dtype: torch.dtype
+
+    def tile(self, cache: torch.Tensor, c0: int, c1: int, is_key: bool) -> torch.Tensor:
+        """Keys (values) [c0, c1) of every sequence as (B, Hkv, c1 − c0, D); tiles span whole blocks."""
+        block_size = cache.shape[1]
+        gathered = gather_pages(cache, self.block_table[:, c0 // block_size : -(-c1 // block_size)])
+        tile = zero_padding(gathered.transpose(1, 2).to(self.dtype), self.kv_lengths - c0)
+        return normalize_if_cosine(self.spec, tile) if is_key else tile
+
+
+@dataclass(frozen=True)
 class _Operands:
     """What the tile loops read, in the internal layouts.
 
     ``q`` is the (normalised) query times ``q_scale`` = scale (÷ softcap), so ``q kᵀ`` is the tanh argument
-    directly; ``softcap`` then multiplies tanh back. ``bias`` is the grouped view, in the caller's dtype.
+    directly; ``softcap`` then multiplies tanh back. ``bias`` is the grouped view, in the caller's dtype. With
+    ``pages``, ``k`` and ``v`` are the caches (num_blocks, block_size, Hkv, D), read through its table.
     """
 
     q: torch.Tensor
@@ -139,10 +167,17 @@ class _Operands:
     q_scale: float
     softcap: float | None
     geometry: _Geometry
+    pages: _Pages | None = None
 
     @property
     def group(self) -> int:
         return self.q.shape[3]
+
+    def keys(self, c0: int, c1: int) -> torch.Tensor:
+        return self.k[:, :, c0:c1] if self.pages is None else self.pages.tile(self.k, c0, c1, is_key=True)
+
+    def values(self, c0: int, c1: int) -> torch.Tensor:
+        return self.v[:, :, c0:c1] if self.pages is None else self.pages.tile(self.v, c0, c1, is_key=False)
 
 
 def _score_tile(
@@ -152,7 +187,7 @@ def _score_tile(
 
     With ``softcap_grad`` and a softcap c, also dS/dU = c·(1 − tanh²U) for U = q kᵀ (else None).
     """
-    s = torch.matmul(q, ops.k[:, :, c0:c1].transpose(-1, -2))
+    s = torch.matmul(q, ops.keys(c0, c1).transpose(-1, -2))
     derivative = None
     if ops.softcap is not None:
         s = s.tanh_()
@@ -189,7 +224,7 @@ def _forward_tiles(ops: _Operands, plan: Plan) -> tuple[torch.Tensor, torch.Tens
             p = s.sub_(shift).exp_()
             alpha = row_max.sub_(shift).exp_()
             row_sum.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-            acc.mul_(alpha).add_(torch.matmul(p, ops.v[:, :, c0:c1]))
+            acc.mul_(alpha).add_(torch.matmul(p, ops.values(c0, c1)))
             row_max = new_max
         has_keys = ~torch.isneginf(row_max)
         safe_sum = torch.where(has_keys, row_sum, 1.0)
@@ -264,7 +299,7 @@ class TorchChunkedBackend(BaseBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES - {Feature.SEGMENT_IDS},
         description="FlashAttention-2 in torch ops: tiled online softmax, memory linear in sequence length",
     )
 
@@ -319,6 +354,26 @@ class TorchChunkedBackend(BaseBackend):
         with torch.no_grad():
             ops, plan, _ = self._prepare(spec, inputs)
             out, lse = _forward_tiles(ops, plan)
+        return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).float()
+
+    def forward_paged(
+        self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's tiles over a paged cache: key tiles of whole blocks, each gathered when its turn comes, so
+        memory holds one tile of the cache at a time (a query tile gathers its key tiles again)."""
+        dtype = compute_dtype(inputs.q.dtype)
+        heads_kv, block_size = inputs.k_cache.shape[2], inputs.k_cache.shape[1]
+        q = normalize_if_cosine(spec, _query_side(to_bhsd(spec, inputs.q), heads_kv, dtype))
+        len_q, len_k = q.shape[2], inputs.block_table.shape[1] * block_size
+        scale = spec.resolved_scale(q.shape[-1])
+        q_scale = scale / spec.softcap if spec.softcap is not None else scale
+        lengths = AttentionInputs(inputs.q, None, None, kv_lengths=inputs.kv_lengths)
+        geometry = _Geometry(spec, lengths, heads_kv, len_q, len_k)
+        pages = _Pages(inputs.block_table, inputs.kv_lengths, spec, dtype)
+        ops = _Operands(q.mul_(q_scale), inputs.k_cache, inputs.v_cache, None, q_scale, spec.softcap, geometry, pages)
+        block_k = max(1, self.block_k // block_size) * block_size
+        with torch.no_grad():
+            out, lse = _forward_tiles(ops, _plan(geometry, len_q, len_k, self.block_q, block_k))
         return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).float()
 
     def backward(
