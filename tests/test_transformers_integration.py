@@ -262,8 +262,8 @@ def test_patterns_attnkit_cannot_express_get_transformers_mask() -> None:
     """Chunked attention, and sequence ids that are not the runs of the positions the pattern is computed on (no
     longer the same pattern on the indices): transformers' own (B, 1, Lq, Lk) mask."""
     chunks_of_3 = masking_utils.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
-    positions = torch.arange(6).expand(2, 6)
-    foreign_ids = torch.tensor([[0, 0, 0, 1, 1, 1]] * 2)  # one run of positions, read as two sequences
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
+    foreign_ids = torch.zeros(2, 6, dtype=torch.long)  # two runs of positions read as one sequence: q3 sees k0
     foreign_packing = masking_utils.packed_sequence_compatibility_function(
         masking_utils.causal_mask_function, positions, foreign_ids
     )
