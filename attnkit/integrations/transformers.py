@@ -8,8 +8,9 @@ Two hooks are registered under the name ``"attnkit"``:
 
 * in ``AttentionMaskInterface``, :func:`make_mask`: transformers calls it once per forward and mask kind (full,
   sliding) with the raw facts (the 2-D padding mask, where the queries and keys sit in the sequence, the mask
-  pattern). It answers with an :class:`AttnkitMask`: the pattern as spec fields, and padding as ``kv_lengths`` or a
-  (B, 1, 1, Lk) key mask, never an (Lq, Lk) one, except for patterns attnkit cannot express (below);
+  pattern). It answers with an :class:`AttnkitMask`: the pattern as spec fields, padding as ``kv_lengths`` or
+  segment ids (docs/semantics.md §4.5), packed sequences as segment ids; never a mask, except transformers' own
+  (Lq, Lk) one for patterns attnkit cannot express (docs/integrations.md);
 * in ``AttentionInterface``, :func:`attention`: every attention layer's call, which runs :func:`attnkit.attend`.
 """
 
@@ -286,9 +287,9 @@ def make_mask(
     diagonal = q_start - kv_offset
     written = diagonal + q_length
     expressible = pattern is not None and (traced_offset or q_length <= written <= kv_length)
-    if expressible and pattern.packed is not None:  # type: ignore[union-attr]  # expressible: a pattern
-        expressible = _packed_as_indexed(pattern, q_length, kv_length, diagonal)  # type: ignore[arg-type]
-    if not expressible:
+    if pattern is not None and pattern.packed is not None:
+        expressible = expressible and _packed_as_indexed(pattern, q_length, kv_length, diagonal)
+    if pattern is None or not expressible:
         materialised = masking_utils.sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -304,7 +305,6 @@ def make_mask(
         )
         assert materialised is not None  # None only where a skip is allowed
         return materialised
-    assert pattern is not None
     described = functools.partial(
         AttnkitMask, pattern.causal, pattern.window, q_length=q_length, kv_length=kv_length, top_left=False
     )
