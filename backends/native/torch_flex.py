@@ -204,10 +204,14 @@ def _dense_blocks_to_mask(
 
 
 def _row_blocks(
-    key_ranges: tuple[torch.Tensor, torch.Tensor], batch: int, kernel_len_k: int
+    key_ranges: tuple[torch.Tensor, torch.Tensor],
+    batch: int,
+    kernel_len_k: int,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch, 1, nQ, nK) partial and full blocks from the rows' key ranges (:meth:`Band.key_ranges`): B·Lq·nK work
-    and memory, no (Lq, Lk) grid.
+    """(batch, 1, nQ, nK) partial and full blocks from the rows' key ranges (:meth:`Band.key_ranges`) and the
+    segment ids (:func:`_segment_blocks`; padded to ``batch`` and the kernel's lengths): B·Lq·nK work and memory, no
+    (Lq, Lk) grid.
 
     ``batch`` may exceed the rows' batch (bucket padding): those elements see nothing, so their blocks are skipped.
     """
@@ -228,7 +232,11 @@ def _row_blocks(
     ends = torch.clamp(starts + BLOCK_SIZE, max=kernel_len_k) - 1
     seen = (torch.maximum(first_any, starts) <= torch.minimum(last_any, ends)).any(dim=2)
     whole = ((first_all <= starts) & (last_all >= ends)).all(dim=2)
-    return (seen & ~whole).unsqueeze(1), whole.unsqueeze(1)
+    seen, whole = seen.unsqueeze(1), whole.unsqueeze(1)
+    if segments is not None:  # blocks whose documents cannot meet are skipped; whole ones stay whole
+        meet, same_document = _segment_blocks(*segments)
+        seen, whole = seen & meet, whole & same_document
+    return seen & ~whole, whole
 
 
 def _segment_blocks(q_ids: torch.Tensor, kv_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -420,10 +428,10 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
         )
     lengths, sides = (offset, q_len, kv_len), (band.lower, band.upper)
     score_mod, mask_mod, structure = _mods(spec, lengths, sides, segments, dense, bias, scale, sink, q.device)
-    partial, full = _dense_blocks(dense) if dense is not None else _row_blocks(key_ranges, batch_p, kernel_len_k)
-    if segments is not None:  # blocks whose documents cannot meet are skipped; whole ones stay whole
-        meet, whole = _segment_blocks(*segments)
-        partial, full = (partial | full) & meet & ~(full & whole), full & whole
+    if dense is not None:
+        partial, full = _dense_blocks(dense)
+    else:
+        partial, full = _row_blocks(key_ranges, batch_p, kernel_len_k, segments)
     if need_lse:  # the sink's block is read by every query block
         partial[..., len_k_p // BLOCK_SIZE] |= ~full[..., len_k_p // BLOCK_SIZE]
     block_mask = _dense_blocks_to_mask(partial, full, len_q_p, kernel_len_k, mask_mod)
