@@ -3,7 +3,7 @@
 torch-flex: sequences of several 128-key blocks (the conformance shapes fit in one) agree with the oracle; the
 forward without lse (the fused kernel in the input's dtype, which the suite never reaches: it always asks for lse)
 agrees on ``out``; the BlockMask skips exactly the blocks the contract hides and takes whole only blocks it shows
-whole; new values of scale, softcap and lengths reuse the compiled kernel.
+whole, segment ids' documents included; new values of scale, softcap and lengths reuse the compiled kernel.
 """
 
 from __future__ import annotations

@@ -257,10 +257,11 @@ class Band:
         ranks = torch.unique(torch.cat([q_ids, kv_ids], dim=1), return_inverse=True)[1]
         q_rank, kv_rank = ranks[:, : self.len_q], ranks[:, self.len_q :]
         stride = self.len_k + 1
+        # Padding keys sort first as −1, below every search: a query of a negative id finds no key of its rank.
         keys = torch.where(kv_ids >= 0, kv_rank * stride + self._positions[1], -1).sort(dim=1).values
         low = torch.searchsorted(keys, q_rank * stride + first)
         high = torch.searchsorted(keys, q_rank * stride + last, right=True)
-        return empty | (q_ids < 0) | (high <= low)
+        return empty | (high <= low)
 
 
 #: (spec, inputs, Lq, Lk) -> boolean visibility broadcastable to (B, Hq, Lq, Lk), or None when every pair is visible.

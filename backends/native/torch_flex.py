@@ -17,6 +17,9 @@ The lowering:
 * Visibility: ``mask_mod`` is §4 (causal and window aligned per batch, lengths); a user mask is folded into one
   dense visibility tensor it reads (the user mask is (Lq, Lk) already). The :class:`BlockMask` is built from
   per-row key ranges, block by block, never from a dense (Lq, Lk) grid, so memory stays linear in L.
+* Segment ids (§4.5), FlexAttention's document masking: a ``mask_mod`` clause, and blocks kept only where the
+  blocks' id ranges meet (:func:`_segment_blocks`); q, k, v are zeroed at negative ids before the kernel and any
+  hand-over, so padding is never input.
 * lse, which the CPU kernel cannot return, comes out of the same fused pass through a sink key: one key after
   the (padded) keys, with score ``t`` (a per-row bound of the scores, below) and v gets two columns, 1 on the real keys
   and 1 on the sink. The kernel then returns ``o_real = Σ_real p`` and ``o_sink = p_sink``, and
@@ -26,7 +29,8 @@ The lowering:
   This pass runs in float32 (float16 cannot hold the small columns).
 * Gradients: flex has none on CPU, so ``backward`` is ``torch-chunked``'s FlashAttention-2 backward, from this
   forward's ``out`` and ``lse``.
-* Fully masked rows: found from the row ranges (or the dense visibility), set to out 0 and lse −inf.
+* Fully masked rows: found from the row ranges and ids (:meth:`Band.empty_rows`) or the dense visibility, set to out 0
+  and lse −inf.
 * Padding beyond lengths is zeroed before the kernel (0·NaN would otherwise reach visible rows).
 * NaN: the CPU kernel can turn a row whose scores include NaN into a finite one, so a call with NaN in q, k, v or
   bias (outside padding) runs on ``torch-chunked``, which propagates it (§5).

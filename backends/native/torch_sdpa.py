@@ -24,6 +24,8 @@ Three paths, chosen per call from the spec and the optional tensors:
   that cannot happen (at least NAN_SAFE_KEYS keys, see tests/test_native_backends.py).
 
 Fully masked rows come out 0 with lse −inf (the kernel gives lse 0), and padding beyond lengths is never read.
+Segment ids (§4.5) become a boolean (B, 1, Lq, Lk) mask (:func:`_segments_as_mask`) and run on the masked paths,
+with q, k, v zeroed at negative ids: O(L²) memory, no tile skipped for the documents.
 
 On CUDA the same paths run on CUDA's kernels: the native one is SDPA itself (flash, cuDNN or memory-efficient, as SDPA
 picks), the op one ``aten::_efficient_attention_forward``/``_backward`` in place of the CPU op (:func:`_ops_for`),
@@ -598,8 +600,8 @@ class TorchSdpaBackend(RecomputingBackend):
             f"bottom-right causal with Lq != Lk, window, lengths: blocks of {BLOCK_Q} queries over the key span their "
             "band reaches, with a (block, span) mask; memory linear in L",
             "segment ids: SDPA has no document clause; they become a boolean (B, 1, Lq, Lk) mask (O(L²) memory, "
-            "and every key block of a packed row is computed), with q, k, v zeroed at negative ids; auto prefers "
-            "the backends that skip the tiles documents hide",
+            "no key block skipped for the documents), with q, k, v zeroed at negative ids; the shipped order puts "
+            "the backends that skip the tiles documents hide first",
             "Dv != D: q, k, v zero-padded to max(D, Dv) for the op",
             f"needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} and aten::_scaled_dot_product_flash_attention_for_cpu",
         ),
