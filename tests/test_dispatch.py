@@ -345,9 +345,9 @@ class PlainCallBackend(CountingBackend):
         self.plain_calls = 0
 
     def differentiable_forward(self, spec, problem):
-        def run(q, k, v, mask, bias, q_lengths, kv_lengths):
+        def run(*tensors):
             self.runner_calls += 1
-            out, lse = self.forward(spec, AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths), True)
+            out, lse = self.forward(spec, AttentionInputs(*tensors), True)
             return out, lse if problem.return_lse else None
 
         return run
