@@ -13,9 +13,9 @@ import torch
 import attnkit
 from attnkit import AttentionSpec
 from attnkit.testing import Case, assert_backends_agree, backends_for, check_backend
-from attnkit.testing.agreement import rounded
+from attnkit.testing.agreement import compare, oracle_results, rounded
 from attnkit.testing.cases import make_arrays
-from attnkit.testing.runners import native_framework, run_backend
+from attnkit.testing.runners import native_framework, run_backend, run_torch
 from tests.conftest import backend_params
 
 BACKENDS = backend_params()
@@ -31,6 +31,21 @@ COSINE_WITHOUT_QUERIES = Case(
     head_dim_v=32,
     dtype="float16",
     q_lengths=(1, 0),
+)
+
+# §4.5's drawings: packed documents (element 1's ids unsorted and split), left padding, decode against a left-padded
+# cache, and an element with no real query or key.
+PACKED = ((0, 0, 0, 1, 1, 2, -1, -1, -1), (5, 5, 1, 1, 1, 1, 5, 5, -1))
+LEFT_PADDED = ((-1, -1, 0, 0, 0, 0), (0, 0, 0, 0, 0, 0))
+LEFT_PADDED_CACHE = ((-1, -1, -1, 0, 0, 0, 0, 0, 0), (-1, 0, 0, 0, 0, 0, 0, 0, 0))
+ALL_PADDING = ((-1,) * 8, (0, 0, 1, 1, -1, 2, 2, 2))
+# Padding in every place a packed row has it (before, between and after documents), and an element all padding.
+SEGMENT_PADDING = Case(
+    spec=AttentionSpec(causal=True),
+    len_q=12,
+    len_k=12,
+    q_segment_ids=((-1, -1, 0, 0, 0, 1, 1, -1, 2, 2, 2, -1), (-1,) * 12),
+    kv_segment_ids=((-1, -1, 0, 0, 0, 1, 1, -1, 2, 2, 2, -1), (-1,) * 12),
 )
 
 CLAUSES = {
@@ -59,6 +74,24 @@ CLAUSES = {
     "§4.3 both lengths": Case(spec=AttentionSpec(causal=True), len_q=6, len_k=6, q_lengths=(6, 2), kv_lengths=(6, 2)),
     "§4.3 zero lengths": Case(spec=AttentionSpec(), q_lengths=(0, 3), kv_lengths=(5, 0)),
     "§4.4 mask": Case(spec=AttentionSpec(), mask_shape=(2, 2, 8, 8)),
+    "§4.5 packed documents": Case(
+        spec=AttentionSpec(causal=True), len_q=9, len_k=9, q_segment_ids=PACKED, kv_segment_ids=PACKED
+    ),
+    "§4.5 left padding": Case(
+        spec=AttentionSpec(causal=True), len_q=6, len_k=6, q_segment_ids=LEFT_PADDED, kv_segment_ids=LEFT_PADDED
+    ),
+    "§4.5 decode, left-padded cache": Case(
+        spec=AttentionSpec(causal=True),
+        len_q=1,
+        len_k=9,
+        heads_q=4,
+        heads_kv=2,
+        q_segment_ids=((0,), (0,)),
+        kv_segment_ids=LEFT_PADDED_CACHE,
+    ),
+    "§4.5 all-padding row, window": Case(
+        spec=AttentionSpec(window=(2, 1)), q_segment_ids=ALL_PADDING, kv_segment_ids=ALL_PADDING[::-1]
+    ),
     # §5 fully masked rows
     "§5 masked rows": Case(spec=AttentionSpec(causal=True), mask_shape=(2, 1, 8, 8), masked_rows=(0, 5)),
     # §7 dtypes
@@ -127,6 +160,38 @@ def test_nan_at_a_visible_position_propagates(backend: str, tensor: str) -> None
         assert np.isnan(results["lse"][0, 0, 0]), "a NaN score must give a NaN lse, not -inf or a number"
     if tensor != "q":
         assert np.isnan(results["out"][0, 0]).any(axis=-1).all(), "key 0 is visible to every row"
+
+
+def _poisoned_at_padding(case: Case, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The (bhsd) arrays with NaN in q and k and Inf in v wherever the segment id is negative."""
+    poisoned = dict(arrays)
+    for name, ids, value in (
+        ("q", "q_segment_ids", np.nan),
+        ("k", "kv_segment_ids", np.nan),
+        ("v", "kv_segment_ids", np.inf),
+    ):
+        padding = (arrays[ids] < 0)[:, None, :, None]
+        poisoned[name] = np.where(padding, value, arrays[name])
+    return poisoned
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_by_segment_ids_is_not_input(backend: str) -> None:
+    """§5, §4.5: NaN and Inf at positions whose segment id is negative reach no output or gradient: the backend on
+    poisoned inputs agrees with the oracle on finite ones. Torch backends also without lse, which some serve by
+    another path (torch-sdpa's masked SDPA call)."""
+    _runnable(SEGMENT_PADDING, backend)
+    arrays = rounded(SEGMENT_PADDING, make_arrays(SEGMENT_PADDING))
+    poisoned = _poisoned_at_padding(SEGMENT_PADDING, arrays)
+    comparisons = compare(
+        SEGMENT_PADDING, run_backend(SEGMENT_PADDING, poisoned, backend), *oracle_results(SEGMENT_PADDING, arrays)
+    )
+    if native_framework(backend) is attnkit.Framework.TORCH:
+        arrays["dlse"] = poisoned["dlse"] = np.zeros_like(arrays["dlse"])  # out alone is differentiated
+        exact, baseline = oracle_results(SEGMENT_PADDING, arrays)
+        results = run_torch(SEGMENT_PADDING, poisoned, backend, return_lse=False)
+        comparisons += compare(SEGMENT_PADDING, results, {name: exact[name] for name in results}, baseline)
+    assert all(c.ok for c in comparisons), [str(c) for c in comparisons if not c.ok]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

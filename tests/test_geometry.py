@@ -137,3 +137,20 @@ def test_tile_visibility_on_and_one_past_each_edge(
     spec: AttentionSpec, offset: int, rows: range, cols: range, expected: TileVisibility
 ) -> None:
     assert tile_visibility(diagonal_band(spec), offset, rows, cols, 100, 100) is expected
+
+
+def test_the_band_finds_exactly_the_rows_that_see_nothing_with_segment_ids() -> None:
+    """``Band.empty_rows`` (band, lengths and segment ids, in linear memory) against the oracle's visibility: ids
+    drawn unsorted, repeated apart, negative now and then, so rows empty by their document alone show."""
+    rng = random.Random(45)
+    for _ in range(DRAWS):
+        spec, inputs = draw_call(rng)
+        batch, len_q, len_k = inputs.q.shape[0], inputs.q.shape[2], inputs.k.shape[2]
+        ids = [-1, 0, 1, 2, 7]
+        inputs = inputs._replace(
+            q_segment_ids=torch.tensor([[rng.choice(ids) for _ in range(len_q)] for _ in range(batch)]),
+            kv_segment_ids=torch.tensor([[rng.choice(ids) for _ in range(len_k)] for _ in range(batch)]),
+        )
+        expected = ~oracle_visibility(spec, inputs, len_q, len_k)[:, 0].any(dim=-1)
+        found = Band(spec, inputs, len_q, len_k).empty_rows()
+        assert torch.equal(found, expected), f"{spec!r} {inputs.q_segment_ids} {inputs.kv_segment_ids}"

@@ -3,7 +3,7 @@
 torch-flex: sequences of several 128-key blocks (the conformance shapes fit in one) agree with the oracle; the
 forward without lse (the fused kernel in the input's dtype, which the suite never reaches: it always asks for lse)
 agrees on ``out``; the BlockMask skips exactly the blocks the contract hides and takes whole only blocks it shows
-whole; new values of scale, softcap and lengths reuse the compiled kernel.
+whole, segment ids' documents included; new values of scale, softcap and lengths reuse the compiled kernel.
 """
 
 from __future__ import annotations
@@ -22,10 +22,21 @@ from tests.conftest import available_backends
 FLEX = "torch-flex"
 pytestmark = pytest.mark.skipif(FLEX not in available_backends(), reason=f"{FLEX} not available here")
 
+PACKED_ACROSS_BLOCKS = (0,) * 200 + (-1,) * 30 + (1,) * 29 + (2,)
+LEFT_PADDED = (-1,) * 20 + (0,) * 240
 # Several 128-key blocks, lengths and windows that cut blocks in the middle, Lq != Lk both ways.
 MULTI_BLOCK_CASES = [
     Case(spec=AttentionSpec(causal=True, softcap=20.0), len_q=150, len_k=300, heads_q=4, heads_kv=2),
-    Case(spec=AttentionSpec(causal=True, window=(100, 0)), len_q=260, len_k=260, kv_lengths=(260, 131)),
+    # With packed documents across blocks (§4.5; padding between them, and left padding): the compiled mask_mod
+    # reads the ids beside the window and the lengths.
+    Case(
+        spec=AttentionSpec(causal=True, window=(100, 0)),
+        len_q=260,
+        len_k=260,
+        kv_lengths=(260, 131),
+        q_segment_ids=(PACKED_ACROSS_BLOCKS, LEFT_PADDED),
+        kv_segment_ids=(PACKED_ACROSS_BLOCKS, LEFT_PADDED),
+    ),
     Case(
         spec=AttentionSpec(causal=True, causal_alignment="top_left", window=(40, 70)),
         len_q=300,
@@ -105,6 +116,32 @@ def test_flex_block_mask_skips_exactly_the_hidden_blocks(
     if spec.window == (256, 0):
         per_query_block = (partial | full).sum(dim=-1)
         assert int(per_query_block.max()) <= -(-(256 + BLOCK_SIZE) // BLOCK_SIZE) + 1
+
+
+def test_flex_block_mask_skips_the_blocks_documents_hide() -> None:
+    """§4.5: with segment ids, a block is read only where a query and a key of it share a document (FlexAttention's
+    document masking), and taken whole only where one document covers it; against the oracle's visibility, for a
+    packed causal row (documents of 300, 1, 199, 400 and 90 tokens, then padding) and a left-padded one."""
+    from attnkit.backends.native.torch_flex import BLOCK_SIZE, _row_blocks
+    from attnkit.backends.reference.torch_naive import oracle_visibility
+
+    length, spec = 1000, AttentionSpec(causal=True)
+    packed = [d for d, n in enumerate((300, 1, 199, 400, 90)) for _ in range(n)] + [-1] * 10
+    ids = torch.tensor([packed, [-1] * 130 + [0] * 870])
+    anchor = torch.zeros(2, 1, length, 1)
+    inputs = attnkit.AttentionInputs(anchor, anchor, anchor, q_segment_ids=ids, kv_segment_ids=ids)
+    partial, full = _row_blocks(Band(spec, inputs, length, length).key_ranges(), 2, length, (ids, ids))
+    visible = oracle_visibility(spec, inputs, length, length)
+    n_blocks = partial.shape[-1]
+    padded = torch.nn.functional.pad(
+        visible[:, 0], (0, n_blocks * BLOCK_SIZE - length, 0, n_blocks * BLOCK_SIZE - length)
+    )
+    tiles = padded.view(2, n_blocks, BLOCK_SIZE, n_blocks, BLOCK_SIZE)
+    seen, whole = tiles.any(dim=4).any(dim=2), tiles.all(dim=4).all(dim=2)
+    assert torch.equal(full[:, 0], whole)
+    assert torch.equal(partial[:, 0], seen & ~whole)
+    # The packed row reads what its documents cover, not the causal triangle: 22 of the triangle's 36 blocks.
+    assert int((partial | full)[0].sum()) < n_blocks * (n_blocks + 1) // 2
 
 
 def test_flex_new_values_and_shapes_in_a_bucket_reuse_the_compiled_kernel() -> None:

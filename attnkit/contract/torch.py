@@ -64,6 +64,19 @@ def zero_segment_padding(x: torch.Tensor, segment_ids: torch.Tensor | None) -> t
     return torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
+def without_segment_padding(spec: AttentionSpec, inputs: AttentionInputs) -> AttentionInputs:
+    """``inputs`` with q, k and v zeroed where their segment id is negative (§4.5, in the spec's layout): for a library
+    call that computes P · V over every key, where a weight of 0 times NaN at a padding position is still NaN."""
+    if inputs.q_segment_ids is None:
+        return inputs
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    q, k, v = (
+        from_bhsd(spec, zero_segment_padding(to_bhsd(spec, x), ids))
+        for x, ids in ((inputs.q, q_ids), (inputs.k, kv_ids), (inputs.v, kv_ids))
+    )
+    return inputs._replace(q=q, k=k, v=v)
+
+
 def segment_visibility(
     q_segment_ids: torch.Tensor, kv_segment_ids: torch.Tensor, rows: slice | None = None, cols: slice | None = None
 ) -> torch.Tensor:
@@ -230,6 +243,25 @@ class Band:
         last = torch.minimum(last, self.kv_len.view(-1, 1) - 1)
         last = torch.where(rows < self.q_len.view(-1, 1), last, torch.full_like(last, -1))
         return first.clamp(min=0), last
+
+    def empty_rows(self) -> torch.Tensor:
+        """(B, Lq) bool: the query rows that see no key through the band, the lengths and the segment ids (a user
+        mask aside); memory linear in L. With ids, a row sees a key iff some key of its own id lies in its
+        :meth:`key_ranges`: the keys sorted by (id, position) answer that by two binary searches per row."""
+        first, last = self.key_ranges()
+        empty = first > last
+        if self.q_segment_ids is None or self.kv_segment_ids is None:
+            return empty
+        q_ids, kv_ids = self.q_segment_ids.long(), self.kv_segment_ids.long()
+        # Ids ranked densely, so that rank · (Lk + 1) + position cannot overflow whatever the ids are.
+        ranks = torch.unique(torch.cat([q_ids, kv_ids], dim=1), return_inverse=True)[1]
+        q_rank, kv_rank = ranks[:, : self.len_q], ranks[:, self.len_q :]
+        stride = self.len_k + 1
+        # Padding keys sort first as −1, below every search: a query of a negative id finds no key of its rank.
+        keys = torch.where(kv_ids >= 0, kv_rank * stride + self._positions[1], -1).sort(dim=1).values
+        low = torch.searchsorted(keys, q_rank * stride + first)
+        high = torch.searchsorted(keys, q_rank * stride + last, right=True)
+        return empty | (high <= low)
 
 
 #: (spec, inputs, Lq, Lk) -> boolean visibility broadcastable to (B, Hq, Lq, Lk), or None when every pair is visible.

@@ -10,7 +10,9 @@ Lowered exactly, and nothing else declared:
 * grad: flash-attn's own backward (torch autograd; ``differentiable_forward``).
 
 Not declared: lse (its gradient is not supported by flash-attn), mask and bias (no arbitrary mask or bias),
-lengths (varlen needs unpadded cu_seqlens; not lowered here), float32/float64, Dv != D, head dims above 256.
+lengths (varlen needs unpadded cu_seqlens; not lowered here), segment ids (``flash_attn_func`` takes none; documents
+reach flash-attn only as ``flash_attn_varlen_func``'s cu_seqlens, which ``attend_varlen`` may route to later),
+float32/float64, Dv != D, head dims above 256.
 Fully masked rows (bottom-right causal with Lq > Lk, or a window) give out 0 in flash-attn, as the contract says.
 Not run on this project's CPU CI: available() says why.
 """
@@ -52,6 +54,8 @@ class FlashAttnBackend(RecomputingBackend):
             "top_left: only where it is bottom-right too (Lq = Lk); flash-attn's causal is bottom-right",
             "lse: returned by flash-attn but its gradient is not supported",
             "mask, bias: no arbitrary mask or bias in flash-attn; q_lengths/kv_lengths: varlen not lowered",
+            "segment ids: flash_attn_func takes no ids; flash_attn_varlen_func takes documents as cu_seqlens offsets, "
+            "the form of attnkit.attend_varlen, which may route to it later (padded rows with ids are not that form)",
             "Dv != D: rejected at call time (flash-attn needs equal head dims)",
         ),
     )

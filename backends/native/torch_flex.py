@@ -17,6 +17,9 @@ The lowering:
 * Visibility: ``mask_mod`` is §4 (causal and window aligned per batch, lengths); a user mask is folded into one
   dense visibility tensor it reads (the user mask is (Lq, Lk) already). The :class:`BlockMask` is built from
   per-row key ranges, block by block, never from a dense (Lq, Lk) grid, so memory stays linear in L.
+* Segment ids (§4.5), FlexAttention's document masking: a ``mask_mod`` clause, and blocks kept only where the
+  blocks' id ranges meet (:func:`_segment_blocks`); q, k, v are zeroed at negative ids before the kernel and any
+  hand-over, so padding is never input.
 * lse, which the CPU kernel cannot return, comes out of the same fused pass through a sink key: one key after
   the (padded) keys, with score ``t`` (a per-row bound of the scores, below) and v gets two columns, 1 on the real keys
   and 1 on the sink. The kernel then returns ``o_real = Σ_real p`` and ``o_sink = p_sink``, and
@@ -26,7 +29,8 @@ The lowering:
   This pass runs in float32 (float16 cannot hold the small columns).
 * Gradients: flex has none on CPU, so ``backward`` is ``torch-chunked``'s FlashAttention-2 backward, from this
   forward's ``out`` and ``lse``.
-* Fully masked rows: found from the row ranges (or the dense visibility), set to out 0 and lse −inf.
+* Fully masked rows: found from the row ranges and ids (:meth:`Band.empty_rows`) or the dense visibility, set to out 0
+  and lse −inf.
 * Padding beyond lengths is zeroed before the kernel (0·NaN would otherwise reach visible rows).
 * NaN: the CPU kernel can turn a row whose scores include NaN into a finite one, so a call with NaN in q, k, v or
   bias (outside padding) runs on ``torch-chunked``, which propagates it (§5).
@@ -60,7 +64,7 @@ from attnkit.backend import (
     peer_backend,
 )
 from attnkit.contract import within_band
-from attnkit.contract.torch import Band, cosine_normalize, from_bhsd, to_bhsd, zero_padding
+from attnkit.contract.torch import Band, cosine_normalize, from_bhsd, to_bhsd, without_segment_padding, zero_padding
 
 BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
 MAX_TESTED_HEAD_DIM = 512  # the C++ template states no limit; 1..512 (and Dv != D) agree with the oracle here
@@ -204,10 +208,14 @@ def _dense_blocks_to_mask(
 
 
 def _row_blocks(
-    key_ranges: tuple[torch.Tensor, torch.Tensor], batch: int, kernel_len_k: int
+    key_ranges: tuple[torch.Tensor, torch.Tensor],
+    batch: int,
+    kernel_len_k: int,
+    segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(batch, 1, nQ, nK) partial and full blocks from the rows' key ranges (:meth:`Band.key_ranges`): B·Lq·nK work
-    and memory, no (Lq, Lk) grid.
+    """(batch, 1, nQ, nK) partial and full blocks from the rows' key ranges (:meth:`Band.key_ranges`) and the
+    segment ids (:func:`_segment_blocks`; padded to ``batch`` and the kernel's lengths): B·Lq·nK work and memory, no
+    (Lq, Lk) grid.
 
     ``batch`` may exceed the rows' batch (bucket padding): those elements see nothing, so their blocks are skipped.
     """
@@ -228,7 +236,30 @@ def _row_blocks(
     ends = torch.clamp(starts + BLOCK_SIZE, max=kernel_len_k) - 1
     seen = (torch.maximum(first_any, starts) <= torch.minimum(last_any, ends)).any(dim=2)
     whole = ((first_all <= starts) & (last_all >= ends)).all(dim=2)
-    return (seen & ~whole).unsqueeze(1), whole.unsqueeze(1)
+    seen, whole = seen.unsqueeze(1), whole.unsqueeze(1)
+    if segments is not None:  # blocks whose documents cannot meet are skipped; whole ones stay whole
+        meet, same_document = _segment_blocks(*segments)
+        seen, whole = seen & meet, whole & same_document
+    return seen & ~whole, whole
+
+
+def _segment_blocks(q_ids: torch.Tensor, kv_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(meet, whole), (B, 1, nQ, nK), from (B, Lq) and (B, Lk) segment ids, FlexAttention's document-masking recipe
+    by per-block id ranges: ``meet`` where a query and a key of the blocks may share a non-negative id (elsewhere
+    the block is skipped), ``whole`` where every query and key of them share one (the ids hide nothing there)."""
+
+    def per_block(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        blocks = F.pad(ids, (0, -ids.shape[1] % BLOCK_SIZE), value=-1).view(ids.shape[0], -1, BLOCK_SIZE)
+        least = blocks.where(blocks >= 0, torch.iinfo(torch.long).max).amin(dim=-1)  # of the non-negative ids
+        greatest = blocks.amax(dim=-1)  # −1: no id in the block
+        return least, greatest, (blocks.amin(dim=-1) == greatest) & (greatest >= 0)
+
+    (q_least, q_greatest, q_uniform), (kv_least, kv_greatest, kv_uniform) = per_block(q_ids), per_block(kv_ids)
+    q_least, q_greatest, q_uniform = (x.unsqueeze(2) for x in (q_least, q_greatest, q_uniform))
+    kv_least, kv_greatest, kv_uniform = (x.unsqueeze(1) for x in (kv_least, kv_greatest, kv_uniform))
+    meet = torch.maximum(q_least, kv_least) <= torch.minimum(q_greatest, kv_greatest)
+    whole = q_uniform & kv_uniform & (q_least == kv_least)
+    return meet.unsqueeze(1), whole.unsqueeze(1)
 
 
 def _dense_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,6 +280,7 @@ def _mods(
     spec: AttentionSpec,
     lengths: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
     band_sides: tuple[int | None, int | None],
+    segments: tuple[torch.Tensor, torch.Tensor] | None,
     visible: torch.Tensor | None,
     bias: torch.Tensor | None,
     scale: float,
@@ -258,7 +290,8 @@ def _mods(
     """(score_mod, mask_mod, structure): the mods for this call, and what of them changes the compiled graph.
 
     ``lengths`` is (offset, q_len, kv_len), each (B,); ``band_sides`` is :class:`Band`'s (lower, upper) on
-    j − i − offset; ``sink`` is (its key index, (B, Hq, Lq) scores).
+    j − i − offset; ``segments`` is (q ids (B, Lq), kv ids (B, Lk)), or None; ``sink`` is (its key index,
+    (B, Hq, Lq) scores).
     Every number is a tensor the mods capture, so new values reuse the compiled kernel.
     """
     scale_t = torch.tensor(scale, dtype=torch.float32, device=device)
@@ -284,6 +317,9 @@ def _mods(
             allowed = (kv_idx < kv_len[b]) & (q_idx < q_len[b])
             if lower is not None or upper is not None:
                 allowed = allowed & within_band(kv_idx - q_idx - offset[b], lower, upper)
+            if segments is not None:  # §4.5: the same document, not padding
+                query_id = segments[0][b, q_idx]
+                allowed = allowed & (query_id == segments[1][b, kv_idx]) & (query_id >= 0)
         if sink_scores is not None:
             allowed = allowed | (kv_idx == sink_index)
         return allowed
@@ -293,6 +329,7 @@ def _mods(
         softcap is not None,
         None if bias is None else tuple(bias.shape),
         None if visible is None else tuple(visible.shape),
+        segments is not None,
         sink_index,
         lower is not None,
         upper is not None,
@@ -361,7 +398,7 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     band = Band(spec, inputs, len_q, len_k)
     key_ranges = band.key_ranges()
     dense = band.visible(mask=inputs.mask) if inputs.mask is not None else None
-    empty = ~dense.any(dim=-1) if dense is not None else (key_ranges[0] > key_ranges[1]).unsqueeze(1)  # (B|1, H|1, Lq)
+    empty = ~dense.any(dim=-1) if dense is not None else band.empty_rows().unsqueeze(1)  # (B|1, H|1, Lq)
     bias = inputs.bias.float() if inputs.bias is not None else None
 
     # The compiled shapes (bucket_*): padded queries are dropped, padded keys are hidden, zero dims add nothing.
@@ -387,9 +424,18 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
         dense = _padded(dense, (batch_p, heads_q, len_q_p, kernel_len_k), value=False, broadcast=True)
     if bias is not None:
         bias = _padded(bias, (batch_p, heads_q, len_q_p, kernel_len_k), broadcast=True)
-    sides = (band.lower, band.upper)
-    score_mod, mask_mod, structure = _mods(spec, (offset, q_len, kv_len), sides, dense, bias, scale, sink, q.device)
-    partial, full = _dense_blocks(dense) if dense is not None else _row_blocks(key_ranges, batch_p, kernel_len_k)
+    segments = None
+    if inputs.q_segment_ids is not None and dense is None:  # padded positions get id −1: padding
+        segments = (
+            _padded(inputs.q_segment_ids.long(), (batch_p, len_q_p), value=-1),
+            _padded(inputs.kv_segment_ids.long(), (batch_p, kernel_len_k), value=-1),
+        )
+    lengths, sides = (offset, q_len, kv_len), (band.lower, band.upper)
+    score_mod, mask_mod, structure = _mods(spec, lengths, sides, segments, dense, bias, scale, sink, q.device)
+    if dense is not None:
+        partial, full = _dense_blocks(dense)
+    else:
+        partial, full = _row_blocks(key_ranges, batch_p, kernel_len_k, segments)
     if need_lse:  # the sink's block is read by every query block
         partial[..., len_k_p // BLOCK_SIZE] |= ~full[..., len_k_p // BLOCK_SIZE]
     block_mask = _dense_blocks_to_mask(partial, full, len_q_p, kernel_len_k, mask_mod)
@@ -419,7 +465,7 @@ class TorchFlexBackend(BaseBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES - {Feature.PAGED},
         head_dims=(1, MAX_TESTED_HEAD_DIM),
         description="torch flex_attention compiled by inductor (CPU C++ template, block-sparse); lse via a sink key",
         notes=(
@@ -432,7 +478,9 @@ class TorchFlexBackend(BaseBackend):
             "batch to a power of two, lengths to 16..128 then multiples of 128, head dims to multiples of 16",
             "float16/bfloat16: computed by the float32 kernel (one rounding at the end) unless the CPU has AMX tiles; "
             "without them the half kernels are slower",
-            "a user mask is read densely (it is (Lq, Lk) already); causal, window and lengths are block-sparse",
+            "a user mask is read densely (it is (Lq, Lk) already); causal, window, lengths and segment ids are "
+            "block-sparse (segment ids: a mask_mod clause, and blocks skipped by their per-block id ranges, as "
+            "FlexAttention's document masking; q, k, v zeroed at negative ids)",
             "needs inductor's C++ flex template (x86 with AVX2); tested with torch 2.13",
         ),
         delegations=(BACKWARD, EMPTY, NAN_INPUTS, LSE_RANGE),
@@ -443,6 +491,7 @@ class TorchFlexBackend(BaseBackend):
         return [reason] if reason else []
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
+        inputs = without_segment_padding(spec, inputs)  # the kernel's P · V, and any delegate's, reads every key
         with torch.no_grad():
             result = flex_forward(spec, inputs, need_lse)
             if isinstance(result, Delegation):
@@ -461,6 +510,7 @@ class TorchFlexBackend(BaseBackend):
         need_dbias: bool,
     ) -> Gradients:
         """torch-chunked's FlashAttention-2 backward: flex has no backward on CPU (torch 2.13)."""
+        inputs = without_segment_padding(spec, inputs)
         return self._hand_over(BACKWARD).backward(spec, inputs, out, lse, dout, dlse, need_dbias=need_dbias)
 
     def _hand_over(self, delegation: Delegation) -> Backend:

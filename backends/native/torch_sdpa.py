@@ -24,6 +24,8 @@ Three paths, chosen per call from the spec and the optional tensors:
   that cannot happen (at least NAN_SAFE_KEYS keys, see tests/test_native_backends.py).
 
 Fully masked rows come out 0 with lse −inf (the kernel gives lse 0), and padding beyond lengths is never read.
+Segment ids (§4.5) become a boolean (B, 1, Lq, Lk) mask (:func:`_segments_as_mask`) and run on the masked paths,
+with q, k, v zeroed at negative ids: O(L²) memory, no tile skipped for the documents.
 
 On CUDA the same paths run on CUDA's kernels: the native one is SDPA itself (flash, cuDNN or memory-efficient, as SDPA
 picks), the op one ``aten::_efficient_attention_forward``/``_backward`` in place of the CPU op (:func:`_ops_for`),
@@ -62,6 +64,8 @@ from attnkit.contract.torch import (
     compute_dtype,
     cosine_normalize,
     literal_attention,
+    segment_visibility,
+    without_segment_padding,
     zero_padding,
 )
 
@@ -519,8 +523,20 @@ def _native_path(
     return _native_runner(spec, is_causal, grouped, head_dim)
 
 
+def _segments_as_mask(spec: AttentionSpec, inputs: AttentionInputs) -> AttentionInputs:
+    """Segment ids (§4.5) as SDPA can take them: their clause ANDed into the boolean mask, (B, 1|Hq, Lq, Lk), so
+    O(B·Lq·Lk) memory; and q, k, v zeroed at negative ids, where the kernel's P · V would multiply a weight of 0 by
+    whatever the padding holds (NaN included). The masked paths then serve the call as they serve any mask."""
+    if inputs.q_segment_ids is None:
+        return inputs
+    visible = segment_visibility(inputs.q_segment_ids, inputs.kv_segment_ids)
+    mask = visible if inputs.mask is None else visible & inputs.mask
+    return without_segment_padding(spec, inputs)._replace(mask=mask, q_segment_ids=None, kv_segment_ids=None)
+
+
 def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
     """(out, lse or None) per the contract; differentiable by torch autograd wherever grad is enabled."""
+    inputs = _segments_as_mask(spec, inputs)
     q, k, v = inputs.q, inputs.k, inputs.v
     if spec.layout is Layout.BSHD:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -571,7 +587,7 @@ class TorchSdpaBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS, Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS, Feature.PAGED},
         per_device=(("cuda", DeviceLimits(dtypes=CUDA_DTYPES, head_dims=(1, MAX_CUDA_HEAD_DIM))),),
         description="torch scaled_dot_product_attention (CPU flash kernel, CUDA's own; lse, windows and lengths "
         "through the kernel's op)",
@@ -583,6 +599,9 @@ class TorchSdpaBackend(RecomputingBackend):
             f"float32; head dims up to {MAX_CUDA_HEAD_DIM}; GQA by repeating k and v); float64: not on cuda",
             f"bottom-right causal with Lq != Lk, window, lengths: blocks of {BLOCK_Q} queries over the key span their "
             "band reaches, with a (block, span) mask; memory linear in L",
+            "segment ids: SDPA has no document clause; they become a boolean (B, 1, Lq, Lk) mask (O(L²) memory, "
+            "no key block skipped for the documents), with q, k, v zeroed at negative ids; the shipped order puts "
+            "the backends that skip the tiles documents hide first",
             "Dv != D: q, k, v zero-padded to max(D, Dv) for the op",
             f"needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} and aten::_scaled_dot_product_flash_attention_for_cpu",
         ),
@@ -600,10 +619,15 @@ class TorchSdpaBackend(RecomputingBackend):
         return sdpa_attention(spec, inputs, need_lse)
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
+        # Segment ids run as a mask (:func:`_segments_as_mask`).
+        masked = problem.has_mask or problem.has_segment_ids
+        others_plain = replace(problem, has_mask=False, has_segment_ids=False).is_plain()
         runner = _native_path(
             spec, problem.heads_q, problem.heads_kv, problem.len_q, problem.len_k, problem.head_dim,
-            problem.head_dim_v, problem.device, problem.has_mask, replace(problem, has_mask=False).is_plain(),
+            problem.head_dim_v, problem.device, masked, others_plain,
         )  # fmt: skip
+        if runner is not None and problem.has_segment_ids:
+            return lambda *tensors: runner(*_segments_as_mask(spec, AttentionInputs(*tensors)))
         if runner is not None:
             return runner
         need_lse = problem.return_lse
