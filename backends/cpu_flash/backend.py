@@ -199,7 +199,10 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     q, k, v = q.float(), k.float(), v.float()
     if spec.variant is Variant.COSINE:
         q, k = zero_padding(q, inputs.q_lengths), zero_padding(k, inputs.kv_lengths)
-    q_ids, kv_ids = (ids if ids is not None and bool((ids < 0).any()) else None for ids in (inputs.q_segment_ids, inputs.kv_segment_ids))
+    q_ids, kv_ids = (
+        ids if ids is not None and bool((ids < 0).any()) else None
+        for ids in (inputs.q_segment_ids, inputs.kv_segment_ids)
+    )
     q, k, v = zero_segment_padding(q, q_ids), zero_segment_padding(k, kv_ids), zero_segment_padding(v, kv_ids)
     q, k = normalize_if_cosine(spec, q), normalize_if_cosine(spec, k)
     scale = spec.resolved_scale(head_dim)
