@@ -326,13 +326,14 @@ def _segment_quantum(backend: str, spec: AttentionSpec) -> int:
 
 
 def _segment_cases(backend: str) -> list[Case]:
-    """Documents crossing every kernel's tile boundaries by one position either way, one-token documents, padding
-    (−1) runs inside a tile and on its edge, a left-padded element, and q and k ids drawn apart (Lq ≠ Lk)."""
+    """Documents crossing every kernel's tile boundaries by one position, a one-token document, padding (−1) runs
+    inside a tile and beside a document edge, a left-padded element, and q and k ids drawn apart (Lq ≠ Lk)."""
     cases = []
     for spec in (AttentionSpec(causal=True), AttentionSpec(causal=True, window=(3, 0)), AttentionSpec()):
         rows, keys = _quantum(_tiles(backend, spec))
         length = 2 * max(rows, keys) + 3
-        runs = [(0, rows + 1), (-1, 3), (1, keys - 5), (2, 1), (-1, 1), (3, length)]  # (id, run length)
+        # (id, run length): a tile holding two documents and no padding, padding runs inside and on tile edges
+        runs = [(0, rows + 1), (1, keys), (-1, 3), (2, 1), (-1, 1), (3, length)]
         packed = tuple(i for i, run in runs for i in [i] * run)[:length]
         left_padded = (-1,) * (rows + 3) + (0,) * (length - rows - 3)
         if spec.causal:

@@ -30,11 +30,20 @@ MEMORY_DOCUMENTS = (8, 16)
 _MEMORY_CHILD = "import sys; from attnkit.bench.packed import _memory_child as m; m(int(sys.argv[1]))"
 
 
-def packed_ids(documents: int, document_len: int = DOCUMENT_LEN) -> Any:
-    """(1, documents · document_len) int64: document d's positions hold id d."""
+def packed_ids(documents: int, document_len: int | None = None) -> Any:
+    """(1, documents · document_len) int64 (default ``DOCUMENT_LEN``): document d's positions hold id d."""
     import torch
 
-    return torch.arange(documents).repeat_interleave(document_len).view(1, -1)
+    return torch.arange(documents).repeat_interleave(document_len or DOCUMENT_LEN).view(1, -1)
+
+
+def causal_document_mask(ids: Any) -> Any:
+    """(1, 1, L, L) bool for a (1, L) row of ids: causal inside each document, what SDPA needs for the packed row."""
+    import torch
+
+    row = ids.view(-1)
+    same = row.view(-1, 1) == row.view(1, -1)
+    return (same & torch.ones(len(row), len(row), dtype=torch.bool).tril()).view(1, 1, len(row), len(row))
 
 
 def left_padded_ids(batch: int, seq_len: int, pad: int) -> Any:
@@ -61,7 +70,6 @@ def _fwd_bwd(call: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> Cal
 
 
 def _packed_cell(repeats: int, warmup: int) -> dict[str, Any]:
-    import torch
     import torch.nn.functional as F
 
     import attnkit
@@ -72,9 +80,7 @@ def _packed_cell(repeats: int, warmup: int) -> dict[str, Any]:
     q, k, v, dout = random_inputs("torch", (1, HEADS, length, HEAD_DIM), (1, HEADS, length, HEAD_DIM))
     # The same documents as a batch: (1, H, D·n, ·) -> (D, H, n, ·), each row one document.
     as_batch = [x.view(1, HEADS, DOCUMENTS, DOCUMENT_LEN, HEAD_DIM).transpose(0, 2).squeeze(2) for x in (q, k, v, dout)]
-    dense = ((ids.view(-1, 1) == ids.view(1, -1)) & torch.ones(length, length, dtype=torch.bool).tril()).view(
-        1, 1, length, length
-    )
+    dense = causal_document_mask(ids)
 
     def packed(q: Any, k: Any, v: Any) -> Any:
         return attnkit.attend(spec, q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
