@@ -245,7 +245,13 @@ def test_packed_bench_times_segment_ids_against_a_batch_sdpa_and_the_unpadded_ca
     assert code == 0 and "packed / batch" in out
     cells = json.loads(target.read_text())["cells"]
     ratios = {name: value for cell in cells for name, value in cell["ratios"].items()}
-    assert set(ratios) == {"packed / batch", "sdpa-mask / packed", "left-padded / unpadded"}
+    assert set(ratios) == {
+        "packed / batch",
+        "packed / batch-same",
+        "sdpa-mask / packed",
+        "left-padded / unpadded",
+        "left-padded / unpadded-same",
+    }
     assert all(value > 0 and math.isfinite(value) for value in ratios.values())
     skipping = {"cpu-flash", "torch-chunked"}
     assert {cell["backend"] for cell in cells} <= skipping

@@ -2,11 +2,12 @@
 ``auto``, as paired ratios (issue 17's bars).
 
 * ``packed``: one row of ``DOCUMENTS`` causal documents of ``DOCUMENT_LEN`` tokens told apart by segment ids,
-  against the same documents as a batch (``DOCUMENTS`` rows of ``DOCUMENT_LEN``, causal) and against SDPA with the
-  equivalent dense (1, 1, L, L) boolean mask (built before timing). Skipping the tiles of other documents, the row
-  costs Σ Lᵢ² like the batch, not (Σ Lᵢ)².
+  against the same documents as a batch (``DOCUMENTS`` rows of ``DOCUMENT_LEN``, causal) through auto and through
+  the backend auto ran the row on (``-same``: what the ids cost that backend), and against SDPA with the equivalent
+  dense (1, 1, L, L) boolean mask (built before timing). Skipping the tiles of other documents, the row costs Σ Lᵢ²
+  like the batch, not (Σ Lᵢ)².
 * ``left-padded``: a causal batch whose odd rows are left-padded by a quarter (segment id −1 on the pads, 0 on the
-  rest), against the unpadded causal call of the same shape.
+  rest), against the unpadded causal call of the same shape, through auto and through the same backend.
 * memory: the peak extra memory of the packed call at two row lengths (fresh process each): linear in L.
 """
 
@@ -85,21 +86,23 @@ def _packed_cell(repeats: int, warmup: int) -> dict[str, Any]:
     def packed(q: Any, k: Any, v: Any) -> Any:
         return attnkit.attend(spec, q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
 
+    backend = _backend_of(spec, q.detach().requires_grad_(True), k, v, q_segment_ids=ids, kv_segment_ids=ids)
     functions = {
         "packed": _fwd_bwd(packed, q, k, v, dout),
         "batch": _fwd_bwd(lambda q, k, v: attnkit.attend(spec, q, k, v), *as_batch),
+        "batch-same": _fwd_bwd(lambda q, k, v: attnkit.attend(spec, q, k, v, backend=backend), *as_batch),
         "sdpa-mask": _fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), q, k, v, dout),
     }
     samples = interleaved(functions, repeats, warmup)
-    grad = q.detach().requires_grad_(True)
     return {
         "cell": "packed",
         "shape": f"B=1 L={length} ({DOCUMENTS} x {DOCUMENT_LEN})",
-        "backend": _backend_of(spec, grad, k, v, q_segment_ids=ids, kv_segment_ids=ids),
+        "backend": backend,
         "baseline_backend": _backend_of(spec, as_batch[0].requires_grad_(True), *as_batch[1:3]),
         "ms": {name: statistics.median(values) / 1e6 for name, values in samples.items()},
         "ratios": {
             "packed / batch": paired_ratio(samples, "packed", "batch"),
+            "packed / batch-same": paired_ratio(samples, "packed", "batch-same"),
             "sdpa-mask / packed": paired_ratio(samples, "sdpa-mask", "packed"),
         },
     }
@@ -116,19 +119,24 @@ def _left_padded_cell(repeats: int, warmup: int) -> dict[str, Any]:
     def padded(q: Any, k: Any, v: Any) -> Any:
         return attnkit.attend(spec, q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
 
+    grad = q.detach().requires_grad_(True)
+    backend = _backend_of(spec, grad, k, v, q_segment_ids=ids, kv_segment_ids=ids)
     functions = {
         "left-padded": _fwd_bwd(padded, q, k, v, dout),
         "unpadded": _fwd_bwd(lambda q, k, v: attnkit.attend(spec, q, k, v), q, k, v, dout),
+        "unpadded-same": _fwd_bwd(lambda q, k, v: attnkit.attend(spec, q, k, v, backend=backend), q, k, v, dout),
     }
     samples = interleaved(functions, repeats, warmup)
-    grad = q.detach().requires_grad_(True)
     return {
         "cell": "left-padded",
         "shape": f"B={batch} L={length}, odd rows padded {pad}",
-        "backend": _backend_of(spec, grad, k, v, q_segment_ids=ids, kv_segment_ids=ids),
+        "backend": backend,
         "baseline_backend": _backend_of(spec, grad, k, v),
         "ms": {name: statistics.median(values) / 1e6 for name, values in samples.items()},
-        "ratios": {"left-padded / unpadded": paired_ratio(samples, "left-padded", "unpadded")},
+        "ratios": {
+            "left-padded / unpadded": paired_ratio(samples, "left-padded", "unpadded"),
+            "left-padded / unpadded-same": paired_ratio(samples, "left-padded", "unpadded-same"),
+        },
     }
 
 
