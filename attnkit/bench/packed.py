@@ -79,8 +79,11 @@ def _packed_cell(repeats: int, warmup: int) -> dict[str, Any]:
     spec = attnkit.AttentionSpec(causal=True)
     ids = packed_ids(DOCUMENTS)
     q, k, v, dout = random_inputs("torch", (1, HEADS, length, HEAD_DIM), (1, HEADS, length, HEAD_DIM))
-    # The same documents as a batch: (1, H, D·n, ·) -> (D, H, n, ·), each row one document.
-    as_batch = [x.view(1, HEADS, DOCUMENTS, DOCUMENT_LEN, HEAD_DIM).transpose(0, 2).squeeze(2) for x in (q, k, v, dout)]
+    # The same documents as a batch: (1, H, D·n, ·) -> (D, H, n, ·), each row one document, contiguous as a batch is.
+    as_batch = [
+        x.view(1, HEADS, DOCUMENTS, DOCUMENT_LEN, HEAD_DIM).transpose(0, 2).squeeze(2).contiguous()
+        for x in (q, k, v, dout)
+    ]
     dense = causal_document_mask(ids)
 
     def packed(q: Any, k: Any, v: Any) -> Any:
