@@ -147,12 +147,12 @@ def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
         help="issue 6's targets against the frameworks' own attention; dispatch overhead; AttentionSpec construction; "
-        "torch-chunked against SDPA and torch-naive in time or peak memory; --backend NAME in TFLOP/s; --calibrate "
-        "the cost table",
+        "torch-chunked against SDPA and torch-naive in time or peak memory; segment ids (packed rows, left padding); "
+        "--backend NAME in TFLOP/s; --calibrate the cost table",
     )
     bench.add_argument(
         "--what",
-        choices=("dispatch", "spec", "chunked", "memory", "targets", "compiled", "masks", "paged"),
+        choices=("dispatch", "spec", "chunked", "memory", "targets", "compiled", "masks", "packed", "paged"),
         default="dispatch",
     )
     bench.add_argument(
@@ -192,12 +192,12 @@ def _add_bench(commands: Any) -> None:
         help="targets: L=512 only, 2 repeats, short decode rounds; masks: L=64,512, 2 repeats; --calibrate: small "
         "shapes (smoke tests)",
     )
-    bench.add_argument("--no-memory", action="store_true", help="targets, masks: skip the peak-memory runs")
+    bench.add_argument("--no-memory", action="store_true", help="targets, masks, packed: skip the peak-memory runs")
     bench.add_argument("--plot", metavar="PATH", help="targets: also plot GFLOP/s against L to this PNG (matplotlib)")
     bench.add_argument(
         "--repeats",
         type=int,
-        help="chunked, --backend, targets, masks, paged, --calibrate: timed repeats (default 3; targets 7; "
+        help="chunked, --backend, targets, masks, packed, paged, --calibrate: timed repeats (default 3; targets 7; "
         "masks, paged 5; --calibrate 5; --quick 2)",
     )
     bench.add_argument(

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from attnkit.bench import calibrate, chunked, compiled, masks, overhead, paged, spec_cost, targets, tflops
+from attnkit.bench import calibrate, chunked, compiled, masks, overhead, packed, paged, spec_cost, targets, tflops
 from attnkit.environment import limit_jax_threads, torch_threads
 
 
@@ -37,6 +37,8 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         return run_masks(args, out)
     if args.what == "paged":
         return run_paged(args, out)
+    if args.what == "packed":
+        return run_packed(args, out)
     if args.what == "memory" and args.device != "cpu":
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
@@ -149,6 +151,18 @@ def run_masks(args: argparse.Namespace, out: TextIO) -> int:
             seq_lens=seq_lens, repeats=repeats, warmup=args.warmup, memory=not args.no_memory, progress=_progress
         )
     print(masks.format_masks(result), file=out)
+    _write_json(args, result, out)
+    return 0
+
+
+def run_packed(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what packed measures the CPU backends (--device cpu)", file=sys.stderr)
+        return 2
+    repeats = args.repeats if args.repeats is not None else 3
+    with torch_threads(args.threads):
+        result = packed.bench_packed(repeats=repeats, warmup=args.warmup, memory=not args.no_memory)
+    print(packed.format_packed(result), file=out)
     _write_json(args, result, out)
     return 0
 

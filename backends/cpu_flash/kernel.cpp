@@ -6,7 +6,9 @@
 // softcapped), is the score, or the tanh argument. Visibility (section 4): with rel = j - i - offset[b],
 // low <= rel <= high on each bounded side, i < q_len[b] and j < kv_len[b]; offset[b] = kv_len[b] - q_len[b] for
 // bottom-right alignment, else 0. A user mask (True = may attend) and an additive bias are read per tile through
-// their strides (0 on broadcast axes), never expanded: S = cap tanh U + bias, then hidden pairs -inf.
+// their strides (0 on broadcast axes), never expanded: S = cap tanh U + bias, then hidden pairs -inf. Segment ids
+// (section 4.5): q_ids[i] == kv_ids[j] >= 0 besides; a query block's key tiles are runs of key granules whose ids can
+// meet the block's, so a key granule that cannot is never read (a packed row costs its documents' sum of L_i^2).
 
 #include <torch/extension.h>
 
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -117,6 +120,69 @@ Rows rows_of(const Band& band, const int64_t* q_lens, const int64_t* kv_lens, in
   return r;
 }
 
+// Segment ids (section 4.5) of one batch element, and their summaries per granule of positions, as
+// attnkit.contract.torch.SegmentTiles makes them: (least, greatest) non-negative id (least > greatest: padding only)
+// and uniform (one non-negative id throughout). ids null: the call has none.
+struct IdRange {
+  int64_t least = std::numeric_limits<int64_t>::max(), greatest = -1;
+  bool uniform = true;
+};
+
+struct Segments {
+  const int64_t *q_ids = nullptr, *kv_ids = nullptr;
+  const int64_t *q_tiles = nullptr, *kv_tiles = nullptr;  // (granules, 3): least, greatest, uniform
+  int64_t granule = 1;
+
+  bool active() const { return q_ids != nullptr; }
+
+  static IdRange tile(const int64_t* tiles, int64_t g) { return {tiles[3 * g], tiles[3 * g + 1], tiles[3 * g + 2] != 0}; }
+
+  // Query rows [r0, r1) summarised over the granules they lie in.
+  IdRange queries(int64_t r0, int64_t r1) const {
+    IdRange rows;
+    for (int64_t g = r0 / granule; g <= (r1 - 1) / granule; ++g) {
+      const IdRange t = tile(q_tiles, g);
+      rows.least = std::min(rows.least, t.least), rows.greatest = std::max(rows.greatest, t.greatest);
+      rows.uniform = rows.uniform && t.uniform;
+    }
+    rows.uniform = rows.uniform && rows.least == rows.greatest;
+    return rows;
+  }
+
+  // Whether some row of `rows` may share an id with some key of key's granule.
+  bool meets(const IdRange& rows, int64_t key) const {
+    const IdRange t = tile(kv_tiles, key / granule);
+    return std::max(rows.least, t.least) <= std::min(rows.greatest, t.greatest);
+  }
+
+  // Whether every row of `rows` shares its one id with every key of [c0, c1): the ids hide no pair there.
+  bool whole(const IdRange& rows, int64_t c0, int64_t c1) const {
+    if (!rows.uniform) return false;
+    for (int64_t g = c0 / granule; g <= (c1 - 1) / granule; ++g) {
+      const IdRange t = tile(kv_tiles, g);
+      if (!t.uniform || t.least != rows.least) return false;
+    }
+    return true;
+  }
+};
+
+// The next key tile of a query block from c0 on, before last: [c0, c1) of at most block_k keys. With segment ids it
+// starts at the first key granule whose ids meet the block's and ends before the next one that does not, so no
+// granule the ids hide is ever read. False when no tile remains.
+bool next_key_tile(const Segments& segments, const IdRange& rows, int64_t block_k, int64_t last, int64_t& c0,
+                   int64_t& c1) {
+  if (!segments.active()) {
+    c1 = std::min(c0 + block_k, last);
+    return c0 < last;
+  }
+  const int64_t g = segments.granule;
+  while (c0 < last && !segments.meets(rows, c0)) c0 = (c0 / g + 1) * g;
+  const int64_t limit = std::min(c0 + block_k, last);
+  c1 = c0;
+  while (c1 < limit && segments.meets(rows, c1)) c1 = std::min((c1 / g + 1) * g, limit);
+  return c0 < last;
+}
+
 // Keys [first, last) some row of [r0, r1) may see.
 void key_range(const Band& band, const Rows& rows, int64_t r0, int64_t r1, int64_t* first, int64_t* last) {
   *first = band.has_low ? std::max<int64_t>(0, r0 + rows.offset + band.low) : 0;
@@ -135,10 +201,20 @@ struct UserTerms {
   Plane<const float> bias;
 };
 
+// One tile's segment ids (rows from r0, keys from c0); null where the ids hide no pair of the tile.
+struct TileIds {
+  const int64_t *rows = nullptr, *keys = nullptr;
+};
+
+TileIds tile_ids(const Segments& segments, const IdRange& rows, int64_t r0, int64_t c0, int64_t c1) {
+  if (!segments.active() || segments.whole(rows, c0, c1)) return {};
+  return {segments.q_ids + r0, segments.kv_ids + c0};
+}
+
 // U -> S in place for one tile (rows x cols, ld cols): S = cap tanh U when softcapped (tanh kept in `tanh_out` when
 // given), + bias, hidden pairs -inf (the band's when masked, then the user mask's).
 void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap, bool masked, const Band& band,
-            const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user) {
+            const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user, const TileIds& ids) {
   const int64_t step = Vec::size();
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * cols;
@@ -178,6 +254,11 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
       const uint8_t* visible = user.mask.at(r0 + r, c0);
       for (int64_t c = 0; c < cols; ++c)
         if (!visible[c * user.mask.col]) row[c] = kNegInf;
+    }
+    if (ids.rows) {  // a negative query id equals no key's id it may see: its whole row is hidden
+      const int64_t id = ids.rows[r];
+      for (int64_t c = 0; c < cols; ++c)
+        if (id < 0 || ids.keys[c] != id) row[c] = kNegInf;
     }
   }
 }
@@ -236,18 +317,19 @@ void finish_rows(float* out, float* lse, int64_t rows, int64_t dim_v, const floa
 // then out = acc / l and lse = m + log l. A row that has seen no key keeps m = -inf: its shift is taken as 0 so that
 // P and alpha are exp(-inf) = 0, never NaN. l = 0 at the end: no visible key, out 0 and lse -inf. NaN stays NaN.
 void fwd_block(const float* q, const float* k, const float* v, float* out, float* lse, const Sizes& n, const Band& band,
-               const Rows& geometry, const UserTerms& user, float softcap, int64_t r0, int64_t r1,
-               std::vector<float>& s, std::vector<float>& acc, std::vector<float>& row_max,
+               const Rows& geometry, const UserTerms& user, const Segments& segments, float softcap, int64_t r0,
+               int64_t r1, std::vector<float>& s, std::vector<float>& acc, std::vector<float>& row_max,
                std::vector<float>& row_sum) {
   const int64_t rows = r1 - r0;
   start_rows(rows, n.dim_v, row_max.data(), row_sum.data(), acc.data());
-  int64_t first, last;
+  int64_t first, last, c1;
   key_range(band, geometry, r0, r1, &first, &last);
-  for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
-    const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
+  const IdRange ids = segments.active() ? segments.queries(r0, r1) : IdRange{};
+  for (int64_t c0 = first; next_key_tile(segments, ids, n.block_k, last, c0, c1); c0 = c1) {
+    const int64_t cols = c1 - c0;
     gemm(false, true, rows, cols, n.dim, n.q_scale, q + r0 * n.dim, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
     scores(s.data(), nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0,
-           user);
+           user, tile_ids(segments, ids, r0, c0, c1));
     softmax_step(s.data(), rows, cols, n.dim_v, row_max.data(), row_sum.data(), acc.data());
     gemm(false, false, rows, n.dim_v, cols, 1.0f, s.data(), cols, v + c0 * n.dim_v, n.dim_v, 1.0f, acc.data(), n.dim_v);
   }
@@ -279,8 +361,9 @@ void accumulate_dbias(float* dbias, int64_t col, int64_t c, const Vec& ds) {
 }
 
 void bwd_kv_head(const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta,
-                 float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry, float softcap,
-                 int64_t group, const BackwardTerms& terms, int64_t b, int64_t first_head) {
+                 float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry,
+                 const Segments& segments, float softcap, int64_t group, const BackwardTerms& terms, int64_t b,
+                 int64_t first_head) {
   std::vector<float> s(n.block_q * n.block_k), t(n.block_q * n.block_k), dp(n.block_q * n.block_k);
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
   for (int64_t g = 0; g < group; ++g) {
@@ -292,13 +375,15 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
       const float* q_block = q + (head_rows + r0) * n.dim;
       const float* dout_block = dout + (head_rows + r0) * n.dim_v;
       float* dq_block = dq + (head_rows + r0) * n.dim;
-      int64_t first, last;
+      int64_t first, last, c1;
       key_range(band, geometry, r0, r1, &first, &last);
-      for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
-        const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
+      const IdRange ids = segments.active() ? segments.queries(r0, r1) : IdRange{};
+      for (int64_t c0 = first; next_key_tile(segments, ids, n.block_k, last, c0, c1); c0 = c1) {
+        const int64_t cols = c1 - c0;
         const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
         gemm(false, true, rows, cols, n.dim, n.q_scale, q_block, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
-        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0, user);
+        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0, user,
+               tile_ids(segments, ids, r0, c0, c1));
         for (int64_t r = 0; r < rows; ++r) {
           const float row_lse = lse[head_rows + r0 + r];
           const float shift = row_lse == kNegInf ? std::numeric_limits<float>::infinity() : row_lse;
@@ -447,7 +532,7 @@ void fwd_rows_paged(const float* q, const PagedSequence& cache, float* out, floa
         if (cache.cosine_eps > 0)
           divide_by_key_norms(s + (a - c0), rows, cols, b - a, keys, cache.k_row, n.dim, cache.cosine_eps);
       });
-      scores(s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, UserTerms{});
+      scores(s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, UserTerms{}, TileIds{});
       softmax_step(s, rows, cols, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, head_acc);
       for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
         const float* values = cache.value(a) + value_head;
@@ -522,16 +607,57 @@ void check_terms(const std::optional<torch::Tensor>& mask, const std::optional<t
   }
 }
 
+// The call's segment ids (B, Lq) and (B, Lk), int64, and their summaries (B, granules, 3), or none of them.
+struct SegmentArgs {
+  const int64_t *q_ids = nullptr, *kv_ids = nullptr, *q_tiles = nullptr, *kv_tiles = nullptr;
+  int64_t len_q = 0, len_k = 0, q_granules = 0, kv_granules = 0, granule = 1;
+
+  Segments of(int64_t b) const {
+    if (!q_ids) return {};
+    return {q_ids + b * len_q, kv_ids + b * len_k, q_tiles + b * q_granules * 3, kv_tiles + b * kv_granules * 3,
+            granule};
+  }
+};
+
+SegmentArgs segment_args(const std::optional<torch::Tensor>& q_ids, const std::optional<torch::Tensor>& kv_ids,
+                         const std::optional<torch::Tensor>& q_tiles, const std::optional<torch::Tensor>& kv_tiles,
+                         int64_t granule, const torch::Tensor& q, const torch::Tensor& k) {
+  SegmentArgs args;
+  if (!q_ids.has_value()) return args;
+  TORCH_CHECK(kv_ids.has_value() && q_tiles.has_value() && kv_tiles.has_value() && granule >= 1,
+              "segment ids need both sides and their tile summaries");
+  const int64_t granules_q = (q.size(2) + granule - 1) / granule, granules_k = (k.size(2) + granule - 1) / granule;
+  const std::pair<const torch::Tensor*, std::vector<int64_t>> expected[] = {
+      {&*q_ids, {q.size(0), q.size(2)}},
+      {&*kv_ids, {q.size(0), k.size(2)}},
+      {&*q_tiles, {q.size(0), granules_q, 3}},
+      {&*kv_tiles, {q.size(0), granules_k, 3}}};
+  for (const auto& [x, shape] : expected)
+    TORCH_CHECK(x->scalar_type() == torch::kLong && x->is_contiguous() && x->device().is_cpu() &&
+                    x->sizes() == c10::IntArrayRef(shape),
+                "segment ids and summaries must be contiguous int64 CPU tensors of shape ", c10::IntArrayRef(shape),
+                ", got ", x->sizes());
+  args.q_ids = q_ids->data_ptr<int64_t>(), args.kv_ids = kv_ids->data_ptr<int64_t>();
+  args.q_tiles = q_tiles->data_ptr<int64_t>(), args.kv_tiles = kv_tiles->data_ptr<int64_t>();
+  args.len_q = q.size(2), args.len_k = k.size(2), args.q_granules = granules_q, args.kv_granules = granules_k;
+  args.granule = granule;
+  return args;
+}
+
 }  // namespace
 
 // q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq).
-// mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None.
+// mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None. Segment ids: q_ids
+// (B, Lq), kv_ids (B, Lk) int64 and their summaries per granule of positions (B, granules, 3), or all None.
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_lens,
                                    torch::Tensor kv_lens, std::optional<torch::Tensor> mask,
-                                   std::optional<torch::Tensor> bias, bool has_low, int64_t low, bool has_high,
-                                   int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
-                                   int64_t block_k) {
+                                   std::optional<torch::Tensor> bias, std::optional<torch::Tensor> q_ids,
+                                   std::optional<torch::Tensor> kv_ids, std::optional<torch::Tensor> q_tiles,
+                                   std::optional<torch::Tensor> kv_tiles, int64_t granule, bool has_low, int64_t low,
+                                   bool has_high, int64_t high, bool bottom_right, double softcap, double q_scale,
+                                   int64_t block_q, int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v"), check_terms(mask, bias, q, k);
+  const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
   const Strided<const uint8_t> mask_view = strided<const uint8_t>(mask);
   const Strided<const float> bias_view = strided<const float>(bias);
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
@@ -553,8 +679,8 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
       const int64_t kv_head = b * n.heads_kv + head / group, q_head = b * n.heads_q + head;
       const UserTerms user{mask_view.plane(b, head), bias_view.plane(b, head)};
       fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
-                op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, (float)softcap, r0,
-                r1, s, acc, row_max, row_sum);
+                op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, segments.of(b),
+                (float)softcap, r0, r1, s, acc, row_max, row_sum);
     }
   });
   return {out, lse};
@@ -566,11 +692,14 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout,
                                     torch::Tensor lse, torch::Tensor delta, torch::Tensor q_lens, torch::Tensor kv_lens,
                                     std::optional<torch::Tensor> mask, std::optional<torch::Tensor> bias,
-                                    bool need_dbias, bool has_low, int64_t low, bool has_high, int64_t high,
-                                    bool bottom_right, double softcap, double q_scale, int64_t block_q,
+                                    std::optional<torch::Tensor> q_ids, std::optional<torch::Tensor> kv_ids,
+                                    std::optional<torch::Tensor> q_tiles, std::optional<torch::Tensor> kv_tiles,
+                                    int64_t granule, bool need_dbias, bool has_low, int64_t low, bool has_high,
+                                    int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
                                     int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v"), check(dout, "dout"), check(lse, "lse"), check(delta, "delta");
   check_terms(mask, bias, q, k);
+  const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
   TORCH_CHECK(!need_dbias || bias.has_value(), "need_dbias without a bias");
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
@@ -592,7 +721,7 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
                   lse.data_ptr<float>() + q_offset, delta.data_ptr<float>() + q_offset,
                   dq.data_ptr<float>() + q_offset * n.dim, dk.data_ptr<float>() + task * n.len_k * n.dim,
                   dv.data_ptr<float>() + task * n.len_k * n.dim_v, n, band, rows_of(band, q_len, kv_len, b),
-                  (float)softcap, group, terms, b, (task % n.heads_kv) * group);
+                  segments.of(b), (float)softcap, group, terms, b, (task % n.heads_kv) * group);
     }
   });
   return {dq, dk, dv, dbias};

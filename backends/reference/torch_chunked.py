@@ -2,7 +2,8 @@
 
 Queries and keys are cut into tiles; the forward keeps a running max and sum per row (online softmax) and
 saves only ``out`` and ``lse``; the backward recomputes each probability tile from ``lse``. Tiles that the
-causal/window/length geometry hides entirely are never computed, and tiles it shows entirely are never masked.
+causal/window/length geometry or the segment ids hide entirely (in every batch element) are never computed, and
+tiles they show entirely are never masked.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from attnkit.contract.torch import (
     normalize_if_cosine,
     to_bhsd,
     zero_padding,
+    zero_segment_padding,
 )
 
 NEG_INF = float("-inf")
@@ -91,9 +93,10 @@ class _Geometry:
         self.band = Band(spec, inputs, len_q, len_k)
         self.mask = _grouped(inputs.mask, heads_kv) if inputs.mask is not None else None
 
-    def is_full(self, rows: range, cols: range) -> bool:
-        """True when every pair in the tile is visible for every batch element, so it needs no masking."""
-        return self.mask is None and self.band.wholly_visible(rows, cols)
+    def is_full(self, rows: range, cols: range, segments_whole: bool) -> bool:
+        """True when every pair in the tile is visible for every batch element, so it needs no masking
+        (``segments_whole``: the segment ids, if any, show the whole tile)."""
+        return self.mask is None and segments_whole and self.band.band_wholly_visible(rows, cols)
 
     def visible(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         """Boolean (B|1, Hkv|1, tile_q, G|1, tile_k): may query i see key j."""
@@ -112,13 +115,18 @@ Plan = list[tuple[int, int, list[tuple[int, int, bool]]]]
 
 def _plan(geometry: _Geometry, len_q: int, len_k: int, block_q: int, block_k: int) -> Plan:
     plan: Plan = []
+    segments = geometry.band.segment_pairs(block_q, block_k)
     for r0 in range(0, len_q, block_q):
         r1 = min(r0 + block_q, len_q)
         keys = geometry.band.key_span(range(r0, r1))
         key_tiles = []
         for c0 in range(keys.start - keys.start % block_k, keys.stop, block_k):
             c1 = min(c0 + block_k, len_k)
-            key_tiles.append((c0, c1, not geometry.is_full(range(r0, r1), range(c0, c1))))
+            row, column = r0 // block_q, c0 // block_k
+            if segments is not None and not segments.meet[row][column]:
+                continue  # no query of the tile shares a segment with a key of it, in any batch element
+            whole = segments is None or segments.whole[row][column]
+            key_tiles.append((c0, c1, not geometry.is_full(range(r0, r1), range(c0, c1), whole)))
         if key_tiles:
             plan.append((r0, r1, key_tiles))
     return plan
@@ -299,7 +307,7 @@ class TorchChunkedBackend(BaseBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS},
+        features=ALL_FEATURES,
         description="FlashAttention-2 in torch ops: tiled online softmax, memory linear in sequence length",
     )
 
@@ -320,14 +328,17 @@ class TorchChunkedBackend(BaseBackend):
         (q, qn, k, kn): q and k leaves, qn and kn their normalised values with autograd history; else None.
         """
         dtype = compute_dtype(inputs.q.dtype)
-        # Padding (beyond the lengths) is zeroed, not only masked: a tile spanning a length boundary would
-        # otherwise carry NaN there into dq, dk or P·V through 0·NaN (docs/semantics.md §5).
-        k = zero_padding(to_bhsd(spec, inputs.k), inputs.kv_lengths)
+        # Padding (beyond the lengths, or a negative segment id) is zeroed, not only masked: a tile spanning it
+        # would otherwise carry NaN there into dq, dk or P·V through 0·NaN (docs/semantics.md §5).
+        q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+        k = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.k), inputs.kv_lengths), kv_ids)
         heads_kv, len_k = k.shape[1], k.shape[2]
-        q = _query_side(zero_padding(to_bhsd(spec, inputs.q), inputs.q_lengths), heads_kv, dtype)
+        q = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.q), inputs.q_lengths), q_ids)
+        q = _query_side(q, heads_kv, dtype)
         # detach: when no copy is needed these alias the caller's tensors, and cosine marks k as a leaf.
         k = k.detach().to(dtype).contiguous()
-        v = zero_padding(to_bhsd(spec, inputs.v), inputs.kv_lengths).detach().to(dtype).contiguous()
+        v = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.v), inputs.kv_lengths), kv_ids)
+        v = v.detach().to(dtype).contiguous()
         len_q = q.shape[2]
         scale = spec.resolved_scale(q.shape[-1])
         q_scale = scale / spec.softcap if spec.softcap is not None else scale
