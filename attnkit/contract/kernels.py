@@ -10,8 +10,10 @@ bias and mask broadcast to (B, Hq, Lq, Lk) by stride 0; the geometry, the scales
 Segment ids (docs/semantics.md §4.5) arrive as int64 (B, L) rows and, for tile skipping, as the range of the
 non-negative ids in each granule of SEGMENT_GRANULE positions (:func:`segment_ranges`): a kernel's tile is a whole
 number of granules, so it reads its range from them whatever its tile size, and a (query tile, key tile) pair
-whose ranges cannot meet is never loaded. A launcher (:class:`KernelLauncher`) keeps what is its own: how scalars are typed, tiles,
-compile-time constants and the launch itself.
+whose ranges cannot meet is never loaded.
+
+A launcher (:class:`KernelLauncher`) keeps what is its own: how scalars are typed, tiles, compile-time constants
+and the launch itself.
 
 The backward is the FlashAttention-2 sequence: Δ = rowsum(dO ⊙ O) − dlse, then a dQ kernel over query tiles and a
 dK/dV kernel over key tiles (which also writes dS for dbias). Kernels for the cosine variant differentiate with
