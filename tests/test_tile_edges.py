@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-import attnkit
 from attnkit import AttentionSpec, Feature
 from attnkit.testing import Case, make_arrays
 from attnkit.testing.agreement import compare, compare_outputs, oracle_results, rounded
@@ -389,86 +388,6 @@ def test_tiles_outside_the_band_are_never_loaded(backend: str) -> None:
         if leaked:
             failures.append(f"{'; '.join(what)}, {hidden.case.describe()}: NaN reached {', '.join(leaked)}")
     assert not failures, f"{backend} loaded tiles outside the band:\n  " + "\n  ".join(failures)
-
-
-# --------------------------------------------------------------------------------- segment ids (§4.5)
-
-
-def _declares_segment_ids(backend: str) -> None:
-    if Feature.SEGMENT_IDS not in attnkit.get_backend(backend).capabilities.features:
-        pytest.skip(f"{backend} does not declare segment ids")
-
-
-def _segment_quantum(backend: str, spec: AttentionSpec) -> int:
-    """A length every kernel's query and key tiles divide: documents of it start and end on tile boundaries."""
-    return math.lcm(*_quantum(_tiles(backend, spec)))
-
-
-def _segment_cases(backend: str) -> list[Case]:
-    """Documents crossing every kernel's tile boundaries by one position, a one-token document, padding (−1) runs
-    inside a tile and beside a document edge, a left-padded element, and q and k ids drawn apart (Lq ≠ Lk)."""
-    cases = []
-    for spec in (AttentionSpec(causal=True), AttentionSpec(causal=True, window=(3, 0)), AttentionSpec()):
-        rows, keys = _quantum(_tiles(backend, spec))
-        length = 2 * max(rows, keys) + 3
-        # (id, run length): a tile holding two documents and no padding, padding runs inside and on tile edges
-        runs = [(0, rows + 1), (1, keys), (-1, 3), (2, 1), (-1, 1), (3, length)]
-        packed = tuple(i for i, run in runs for i in [i] * run)[:length]
-        left_padded = (-1,) * (rows + 3) + (0,) * (length - rows - 3)
-        if spec.causal:
-            q_ids = kv_ids = (packed, left_padded)
-            len_q = len_k = length
-        else:  # cross-attention: the query side's documents meet the keys' at other offsets
-            q_ids, kv_ids = (packed[: length - keys], left_padded[: length - keys]), (packed, packed[::-1])
-            len_q, len_k = length - keys, length
-        notes = tuple(map(str, _tiles(backend, spec)))
-        cases.append(Case(spec=spec, batch=2, heads_q=2, heads_kv=1, len_q=len_q, len_k=len_k, q_segment_ids=q_ids,
-                          kv_segment_ids=kv_ids, notes=notes))  # fmt: skip
-    return cases
-
-
-def _with_nan_at_negative_ids(case: Case, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """q at negative query ids and k, v at negative key ids set to NaN: padding is never input (§5)."""
-    poisoned = {name: value.copy() for name, value in arrays.items()}
-    for name, ids in (("q", case.q_segment_ids), ("k", case.kv_segment_ids), ("v", case.kv_segment_ids)):
-        for batch, row in enumerate(ids or ()):
-            poisoned[name][batch, :, np.asarray(row) < 0] = np.nan
-    return poisoned
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_segment_ids_across_tile_boundaries(backend: str) -> None:
-    """Segment ids whose documents and padding runs end on, and one position either side of, each kernel's tile
-    boundaries, with causal, a causal window and cross-attention; NaN at every negative id must change nothing."""
-    _declares_segment_ids(backend)
-    failures = []
-    for case in _segment_cases(backend):
-        arrays, exact, baseline = _inputs_and_oracle(case)
-        results = run_backend(case, _with_nan_at_negative_ids(case, arrays), backend)
-        wrong = [str(comparison) for comparison in compare(case, results, exact, baseline) if not comparison.ok]
-        if wrong:
-            failures.append(f"{case.describe()} [{'; '.join(case.notes)}]\n    " + "\n    ".join(wrong))
-    assert not failures, f"{backend} disagrees with the oracle on segment ids:\n  " + "\n  ".join(failures)
-
-
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tiles_of_other_documents_are_never_loaded(backend: str, causal: bool) -> None:
-    """Three documents, each a whole number of every kernel's tiles; NaN in all of the middle one (q, k, v and
-    dout). Without causal every query tile would reach every key tile: the first and last documents' outputs and
-    gradients stay finite only if no tile pairing them with the middle one is computed (a packed row costs Σ Lᵢ²)."""
-    _declares_segment_ids(backend)
-    spec = AttentionSpec(causal=causal)
-    size = _segment_quantum(backend, spec)
-    ids = ((0,) * size + (1,) * size + (2,) * size,)
-    case = Case(spec=spec, len_q=3 * size, len_k=3 * size, q_segment_ids=ids, kv_segment_ids=ids, **SHAPE)
-    arrays = {name: value.copy() for name, value in _inputs_and_oracle(case)[0].items()}
-    for name in ("q", "k", "v", "dout"):
-        arrays[name][:, :, size : 2 * size] = np.nan
-    results = run_backend(case, arrays, backend)
-    others = np.r_[0:size, 2 * size : 3 * size]
-    leaked = [name for name in ("out", "lse", "dq", "dk", "dv") if not np.isfinite(results[name][:, :, others]).all()]
-    assert not leaked, f"{backend} loaded tiles of another document ({size} positions each): NaN reached {leaked}"
 
 
 # --------------------------------------------------------------------------------- the generator itself

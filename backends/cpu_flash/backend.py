@@ -30,7 +30,6 @@ from attnkit.backend import (
     BuildError,
     Capabilities,
     CausalAlignment,
-    Feature,
     Framework,
     PagedInputs,
     Problem,
