@@ -149,8 +149,9 @@ def test_the_operator_passes_torchs_own_checks() -> None:
     v, bias = torch.randn(2, 2, 8, 8, requires_grad=True), torch.randn(1, 4, 6, 8, requires_grad=True)
     mask, kv_lengths = torch.rand(2, 1, 6, 8) > 0.2, torch.tensor([8, 5])
     key = torch_graph._spec_key(spec)
-    for args in ((q, k, v, None, None, None, None, None, None, key, "auto", False, True, False),
-                 (q, k, v, mask, bias, None, kv_lengths, None, None, key, "torch-naive", True, True, True)):  # fmt: skip
+    no_ids = (None, None)  # q_segment_ids, kv_segment_ids
+    for args in ((q, k, v, None, None, None, None, *no_ids, key, "auto", False, True, False),
+                 (q, k, v, mask, bias, None, kv_lengths, *no_ids, key, "torch-naive", True, True, True)):  # fmt: skip
         torch.library.opcheck(torch.ops.attnkit.attend.default, args)
 
 
