@@ -546,7 +546,7 @@ def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool)
         inputs.mask is not None, others_plain,
     )  # fmt: skip
     if runner is not None:
-        return runner(*inputs)
+        return runner(*inputs[:7])  # segment ids are in the mask by now
     return _flash_attention(spec, inputs, q, k, v, spec.resolved_scale(q.shape[3]))
 
 
