@@ -26,6 +26,7 @@ from attnkit.errors import (
     InvalidSpecError,
     UnknownBackendError,
 )
+from attnkit.ragged import attend_paged, attend_varlen
 from attnkit.registry import backends as registered_backends
 from attnkit.registry import get_backend, register_backend, unregister_backend
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
@@ -55,6 +56,8 @@ __all__ = [
     "UnknownBackendError",
     "Variant",
     "attend",
+    "attend_paged",
+    "attend_varlen",
     "registered_backends",
     "capability_reasons",
     "configure",

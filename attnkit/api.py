@@ -74,7 +74,10 @@ def attend(
                 return plain(q, k, v)
             if q_lengths is not None or kv_lengths is not None:
                 check_length_values(ops, problem, q_lengths, kv_lengths)
-            out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+            if q_segment_ids is None:  # a backend that does not declare segment ids has a runner of seven
+                out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
+            else:
+                out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
             return (out, lse) if return_lse else out
     if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
         from attnkit.frontends import torch_graph
@@ -89,7 +92,7 @@ def attend(
     chosen = dispatch.select(spec, problem, backend)
     run = ops.runner(chosen, spec, problem)
     try:
-        out, lse = run(*inputs)
+        out, lse = run(*inputs) if inputs.q_segment_ids is not None else run(*inputs[:7])
     except BackendUnavailableError:
         if not _routes_elsewhere(chosen, backend):
             raise

@@ -290,8 +290,10 @@ def routing_features(spec: AttentionSpec, problem: Problem) -> frozenset[Feature
 
 
 #: What a frontend calls for one attention call: the fields of AttentionInputs as positional arguments
-#: -> (out, lse or None). Positional, not the named tuple: building one cost a sixth of a decode call's dispatch.
-Runner = Callable[[Any, Any, Any, Any, Any, Any, Any, Any, Any], tuple[Any, Any]]
+#: -> (out, lse or None). Positional, not the named tuple: building one cost a sixth of a decode call's dispatch. The
+#: two segment-id fields are passed only when the call has them, so a backend that does not declare segment_ids may
+#: write a runner of the first seven.
+Runner = Callable[..., tuple[Any, Any]]
 #: ``(q, k, v) -> out``, for a call with no mask, bias or lengths that wants no lse.
 PlainCall = Callable[[Any, Any, Any], Any]
 

@@ -32,6 +32,8 @@ FEATURE_MEANINGS: dict[str, str] = {
     "lse": "`return_lse=True`: the float32 log-sum-exp per query",
     "grad": "gradients with respect to q, k and v",
     "dbias": "the gradient with respect to `bias`",
+    "segment_ids": "`q_segment_ids`/`kv_segment_ids`: packed documents and left padding (§4.5)",
+    "paged": "`attend_paged`: a paged KV cache read where its blocks lie (§13; forward only)",
 }
 # Spec features first (what is computed), then call features (what is passed), each alphabetical.
 FEATURE_ORDER: tuple[str, ...] = (*sorted(SPEC_FEATURES), *sorted(CALL_FEATURES))

@@ -147,11 +147,13 @@ def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
         help="issue 6's targets against the frameworks' own attention; dispatch overhead; AttentionSpec construction; "
-        "torch-chunked against SDPA and torch-naive in time or peak memory; --backend NAME in TFLOP/s; --calibrate "
-        "the cost table",
+        "torch-chunked against SDPA and torch-naive in time or peak memory; segment ids (packed rows, left padding); "
+        "--backend NAME in TFLOP/s; --calibrate the cost table",
     )
     bench.add_argument(
-        "--what", choices=("dispatch", "spec", "chunked", "memory", "targets", "compiled", "masks"), default="dispatch"
+        "--what",
+        choices=("dispatch", "spec", "chunked", "memory", "targets", "compiled", "masks", "packed", "paged"),
+        default="dispatch",
     )
     bench.add_argument(
         "--backend",
@@ -166,7 +168,7 @@ def _add_bench(commands: Any) -> None:
         "prints it, or writes it to --output (replaces --what)",
     )
     bench.add_argument("--output", metavar="PATH", help="--calibrate: write the table here (configs/costs.toml)")
-    bench.add_argument("--backends", metavar="A,B", help="--calibrate: only these backends")
+    bench.add_argument("--backends", metavar="A,B", help="--calibrate, paged: only these backends")
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -180,7 +182,8 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument(
         "--seq-lens",
         metavar="L1,L2",
-        help="targets, masks: sequence lengths (default 512,2048,4096; masks 64,512,2048)",
+        help="targets, masks, paged: sequence lengths (default 512,2048,4096; masks 64,512,2048; "
+        "paged 1024,8192,32768)",
     )
     bench.add_argument("--targets", metavar="A,B", help="targets: which ones (default torch,jax,non-native,decode)")
     bench.add_argument(
@@ -189,13 +192,13 @@ def _add_bench(commands: Any) -> None:
         help="targets: L=512 only, 2 repeats, short decode rounds; masks: L=64,512, 2 repeats; --calibrate: small "
         "shapes (smoke tests)",
     )
-    bench.add_argument("--no-memory", action="store_true", help="targets, masks: skip the peak-memory runs")
+    bench.add_argument("--no-memory", action="store_true", help="targets, masks, packed: skip the peak-memory runs")
     bench.add_argument("--plot", metavar="PATH", help="targets: also plot GFLOP/s against L to this PNG (matplotlib)")
     bench.add_argument(
         "--repeats",
         type=int,
-        help="chunked, --backend, targets, masks, --calibrate: timed repeats (default 3; targets 7; masks 5; "
-        "--calibrate 5; --quick 2)",
+        help="chunked, --backend, targets, masks, packed, paged, --calibrate: timed repeats (default 3; targets 7; "
+        "masks, paged 5; --calibrate 5; --quick 2)",
     )
     bench.add_argument(
         "--warmup", type=int, default=1, help="chunked, --backend, targets: untimed repeats (default %(default)s)"

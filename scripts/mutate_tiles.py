@@ -70,7 +70,17 @@ BAND = Source(
 )
 TORCH_BAND = Source(
     "attnkit/contract/torch.py",
-    ("Band.extremes", "Band.key_span", "Band.wholly_visible", "Band.visible", "Band.key_ranges"),
+    (
+        "Band.extremes",
+        "Band.key_span",
+        "Band.wholly_visible",
+        "Band.band_wholly_visible",
+        "Band.visible",
+        "Band.key_ranges",
+        "Band.segment_pairs",
+        "SegmentTiles.of",
+        "SegmentTiles.pairs",
+    ),
     "attnkit.contract.torch",
 )
 
@@ -159,14 +169,25 @@ TARGETS = {
         (
             Source(
                 "backends/cpu_flash/kernel.cpp",
-                ("strided", "key_range", "needs_mask", "scores", "fwd_block", "accumulate_dbias", "bwd_kv_head"),
+                (
+                    "strided",
+                    "next_key_tile",
+                    "key_range",
+                    "needs_mask",
+                    "tile_ids",
+                    "scores",
+                    "fwd_block",
+                    "accumulate_dbias",
+                    "bwd_kv_head",
+                ),
             ),
             Source(
                 "backends/cpu_flash/backend.py",
-                ("_Band.of", "_Band.tile", "_CpuFlash.backward"),
+                ("_Band.of", "_Band.tile", "_CpuFlash.backward", "_segments", "flash_attention"),
                 "attnkit.backends.cpu_flash.backend",
             ),
             BAND,
+            TORCH_BAND,
         ),
         _tests("cpu-flash", "tests/test_tile_edges.py", "tests/test_cpu_flash.py", "tests/test_geometry.py"),
         _tests("cpu-flash", "tests/test_contract.py", "tests/test_conformance.py"),

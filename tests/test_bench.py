@@ -226,3 +226,37 @@ def test_masks_bench_pairs_attend_with_sdpa_in_every_cell(
     for b in range(4):  # element b sees key j from query i iff j <= i and j is not padding
         for i in range(6):
             assert full[b, 0, i].tolist() == [j <= i and not bool(padded[b, j]) for j in range(6)]
+
+
+def test_packed_bench_times_segment_ids_against_a_batch_sdpa_and_the_unpadded_call(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--what packed` at tiny shapes: every ratio present and finite, auto naming a backend that skips by segment
+    ids; the dense mask SDPA gets is causal within each document, and the padded rows are the odd ones."""
+    from attnkit.bench import packed, timing
+
+    monkeypatch.setattr(timing, "MIN_SAMPLE_S", 0.001)  # one call per sample: this checks the plumbing, not speed
+    monkeypatch.setattr(packed, "DOCUMENTS", 3)
+    monkeypatch.setattr(packed, "DOCUMENT_LEN", 8)
+    monkeypatch.setattr(packed, "LEFT_PADDED", {"batch": 2, "len": 16, "pad": 4})
+    target = tmp_path / "packed.json"
+    argv = ["bench", "--what", "packed", "--repeats", "1", "--warmup", "0", "--no-memory", "--threads", "1"]
+    code, out = run(capsys, *argv, "--json", str(target))
+    assert code == 0 and "packed / batch" in out
+    cells = json.loads(target.read_text())["cells"]
+    ratios = {name: value for cell in cells for name, value in cell["ratios"].items()}
+    assert set(ratios) == {
+        "packed / batch",
+        "packed / batch-same",
+        "sdpa-mask / packed",
+        "left-padded / unpadded",
+        "left-padded / unpadded-same",
+    }
+    assert all(value > 0 and math.isfinite(value) for value in ratios.values())
+    skipping = {"cpu-flash", "torch-chunked"}
+    assert {cell["backend"] for cell in cells} <= skipping
+    ids = packed.packed_ids(3, 2)
+    assert ids.tolist() == [[0, 0, 1, 1, 2, 2]]
+    mask = packed.causal_document_mask(ids)[0, 0]
+    assert mask.tolist() == [[j <= i and j // 2 == i // 2 for j in range(6)] for i in range(6)]
+    assert (packed.left_padded_ids(4, 5, 2) < 0).sum(dim=1).tolist() == [0, 2, 0, 2]

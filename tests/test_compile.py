@@ -32,6 +32,9 @@ CAUSAL = attnkit.AttentionSpec(causal=True)
 #: Richest first: each backend runs the first it serves (the optional tensors go through the operator as arguments).
 CASES = (
     Case(CAUSAL.replace(window=(3, 0)), len_q=6, mask_shape=(2, 1, 6, 8), bias_shape=(1, 2, 6, 8), bias_grad=True,
+         kv_lengths=(8, 5), q_segment_ids=((0, 0, 1, 1, 1, -1), (0,) * 6),
+         kv_segment_ids=((0, 0, 0, 1, 1, 1, 1, -1), (-1, -1, 0, 0, 0, 0, 0, 0))),
+    Case(CAUSAL.replace(window=(3, 0)), len_q=6, mask_shape=(2, 1, 6, 8), bias_shape=(1, 2, 6, 8), bias_grad=True,
          kv_lengths=(8, 5)),
     Case(CAUSAL, len_q=6, kv_lengths=(8, 5)),
     Case(CAUSAL),
@@ -146,8 +149,9 @@ def test_the_operator_passes_torchs_own_checks() -> None:
     v, bias = torch.randn(2, 2, 8, 8, requires_grad=True), torch.randn(1, 4, 6, 8, requires_grad=True)
     mask, kv_lengths = torch.rand(2, 1, 6, 8) > 0.2, torch.tensor([8, 5])
     key = torch_graph._spec_key(spec)
-    for args in ((q, k, v, None, None, None, None, key, "auto", False, True, False),
-                 (q, k, v, mask, bias, None, kv_lengths, key, "torch-naive", True, True, True)):  # fmt: skip
+    no_ids = (None, None)  # q_segment_ids, kv_segment_ids
+    for args in ((q, k, v, None, None, None, None, *no_ids, key, "auto", False, True, False),
+                 (q, k, v, mask, bias, None, kv_lengths, *no_ids, key, "torch-naive", True, True, True)):  # fmt: skip
         torch.library.opcheck(torch.ops.attnkit.attend.default, args)
 
 

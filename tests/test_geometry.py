@@ -19,7 +19,7 @@ from attnkit.backends.reference.torch_naive import oracle_visibility
 
 from attnkit import AttentionInputs, AttentionSpec
 from attnkit.contract import TileVisibility, alignment_offset, diagonal_band, tile_visibility
-from attnkit.contract.torch import Band
+from attnkit.contract.torch import Band, SegmentTiles
 
 DRAWS = 300
 
@@ -115,6 +115,51 @@ def test_tile_visibility_and_the_torch_band_match_the_oracle_pair_by_pair() -> N
                     assert list(span) == (list(range(seen[0], seen[-1] + 1)) if seen.size else []), context
                 else:  # planned from the extremes over the batch: it may be wider, never narrower
                     assert all(j in span for j in seen), context
+
+
+def _id_row(rng: random.Random, length: int, packed: bool) -> list[int]:
+    """Packed: runs of increasing ids with padding (−1) runs between them; else any ids in −1..2."""
+    if not packed:
+        return [rng.randint(-1, 2) for _ in range(length)]
+    row: list[int] = []
+    document = 0
+    while len(row) < length:
+        padding = rng.random() < 0.3
+        row += [-1 if padding else document] * rng.randint(1, 4)
+        document += not padding
+    return row[:length]
+
+
+def test_segment_tiles_plan_by_the_ids() -> None:
+    """:class:`SegmentTiles` and :meth:`Band.segment_pairs` against the segment clause pair by pair (§4.5): a tile
+    pair planned as not meeting holds no pair of one id (never hides a visible pair), and for packed rows exactly
+    those that hold none (an all-padding tile included); ``whole`` exactly where every pair shares one id."""
+    rng = random.Random(17)
+    for _ in range(DRAWS):
+        batch, len_q, len_k = rng.randint(1, 3), rng.randint(1, 13), rng.randint(1, 13)
+        packed = rng.random() < 0.6
+        if packed and rng.random() < 0.5:
+            len_k = len_q
+        q_ids = torch.tensor([_id_row(rng, len_q, packed) for _ in range(batch)])
+        kv_ids = q_ids if len_k == len_q and rng.random() < 0.5 else torch.tensor(
+            [_id_row(rng, len_k, packed) for _ in range(batch)]
+        )  # fmt: skip
+        block_q, block_k = rng.randint(1, 5), rng.randint(1, 5)
+        same = ((q_ids[:, :, None] == kv_ids[:, None, :]) & (q_ids[:, :, None] >= 0)).numpy()
+        meet, whole = SegmentTiles.of(q_ids, block_q).pairs(SegmentTiles.of(kv_ids, block_k))
+        context = f"q_ids={q_ids.tolist()} kv_ids={kv_ids.tolist()} tiles {block_q}x{block_k}"
+        for r in range(meet.shape[1]):
+            for c in range(meet.shape[2]):
+                tile = same[:, r * block_q : (r + 1) * block_q, c * block_k : (c + 1) * block_k]
+                any_pair, all_pairs = tile.any(axis=(1, 2)), tile.all(axis=(1, 2))
+                assert (meet[:, r, c].numpy() >= any_pair).all(), f"{context}: tile {r},{c} hides a visible pair"
+                if packed:  # each tile holds every id between its least and greatest: the ranges are exact
+                    assert (meet[:, r, c].numpy() == any_pair).all(), f"{context}: tile {r},{c} planned loosely"
+                assert (whole[:, r, c].numpy() == all_pairs).all(), f"{context}: tile {r},{c} whole"
+        q, k = torch.empty(batch, 1, len_q, 1), torch.empty(batch, 1, len_k, 1)
+        band = Band(AttentionSpec(), AttentionInputs(q, k, k, q_segment_ids=q_ids, kv_segment_ids=kv_ids), len_q, len_k)
+        pairs = band.segment_pairs(block_q, block_k)
+        assert pairs is not None and pairs.meet == meet.any(dim=0).tolist() and pairs.whole == whole.all(0).tolist()
 
 
 @pytest.mark.parametrize(

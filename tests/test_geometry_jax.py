@@ -24,7 +24,9 @@ from attnkit.contract.jax import (
     length_visibility,
     normalize,
     normalize_backward,
+    segment_visibility,
     zero_padding,
+    zero_segment_padding,
 )
 from attnkit.contract.torch import zero_padding as torch_zero_padding
 
@@ -47,14 +49,23 @@ SHAPES = [
 ]
 
 
-def _oracle(spec: AttentionSpec, len_q: int, len_k: int, q_lengths: tuple | None, kv_lengths: tuple | None) -> Any:
-    batch = len(q_lengths or kv_lengths or (0,))
+def _oracle(
+    spec: AttentionSpec,
+    len_q: int,
+    len_k: int,
+    q_lengths: tuple | None,
+    kv_lengths: tuple | None,
+    segment_ids: tuple[np.ndarray, np.ndarray] | None = None,
+) -> Any:
+    batch = len(q_lengths or kv_lengths or (0,)) if segment_ids is None else len(segment_ids[0])
     inputs = AttentionInputs(
         q=torch.zeros(batch, 1, len_q, 1, dtype=torch.float64),
         k=torch.zeros(batch, 1, len_k, 1, dtype=torch.float64),
         v=torch.zeros(batch, 1, len_k, 1, dtype=torch.float64),
         q_lengths=None if q_lengths is None else torch.tensor(q_lengths),
         kv_lengths=None if kv_lengths is None else torch.tensor(kv_lengths),
+        q_segment_ids=None if segment_ids is None else torch.from_numpy(segment_ids[0]),
+        kv_segment_ids=None if segment_ids is None else torch.from_numpy(segment_ids[1]),
     )
     return oracle_visibility(spec, inputs, len_q, len_k)[:, 0].numpy()
 
@@ -111,6 +122,49 @@ def test_shifted_band_is_the_oracles(spec: AttentionSpec, shape: tuple) -> None:
         band = (None if lower is None else offset + lower, None if upper is None else offset + upper)
         got = conjoin(length_visibility(ROWS, COLS, q_len, kv_len), within_band(COLS - ROWS, *band))
         np.testing.assert_array_equal(_cut(got, want[None])[0], want)
+
+
+def _segment_ids(len_q: int, len_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Three batch elements: unsorted ids with padding among them, drawn apart for q and k; a whole row of padding;
+    and (for Lq = Lk) the same packed row for both. int64 keys against int32 queries: any integer dtype."""
+    rng = np.random.default_rng(len_q * 100 + len_k)
+    q_ids = rng.integers(-1, 3, (3, len_q)).astype(np.int32)
+    kv_ids = rng.integers(-1, 3, (3, len_k))
+    q_ids[1], kv_ids[1] = -1, -1
+    if len_q == len_k:
+        q_ids[2] = kv_ids[2] = np.sort(kv_ids[2])
+    return q_ids, kv_ids
+
+
+@pytest.mark.parametrize(("spec", "shape"), CASES, ids=IDS)
+def test_segment_visibility_is_the_oracles(spec: AttentionSpec, shape: tuple) -> None:
+    """segment_visibility ANDed with the band and lengths as the JAX backends combine them (§4.5)."""
+    len_q, len_k, q_lengths, kv_lengths = shape
+    segment_ids = _segment_ids(len_q, len_k)
+    expected = _oracle(spec, len_q, len_k, q_lengths, kv_lengths, segment_ids)
+    q_len, kv_len = _lengths(q_lengths), _lengths(kv_lengths)
+    band = band_visibility(spec, ROWS, COLS, len_q if q_len is None else q_len, len_k if kv_len is None else kv_len)
+    q_ids = np.full((3, GRID), -1, np.int32)
+    kv_ids = np.full((3, GRID), -1, np.int64)
+    q_ids[:, :len_q], kv_ids[:, :len_k] = segment_ids
+    segments = segment_visibility(jnp.asarray(q_ids)[:, :, None], jnp.asarray(kv_ids)[:, None, :])
+    got = conjoin(band, length_visibility(ROWS, COLS, q_len, kv_len), segments)
+    np.testing.assert_array_equal(_cut(got, expected), expected)
+    assert segment_visibility(None, None) is None
+
+
+@pytest.mark.parametrize("axis", [1, 2])
+def test_zero_segment_padding_zeroes_negative_ids(axis: int) -> None:
+    """Positions whose id is negative are 0 (NaN there included), the others untouched, in either layout."""
+    rng = np.random.default_rng(3)
+    ids = np.array([[0, -1, 0, 1, -3], [-1, -1, 2, 2, 2]])
+    padding = (ids < 0)[:, None, :, None]  # (B, 1, L, 1) against bhsd
+    x = np.where(padding, np.nan, rng.standard_normal((2, 3, 5, 4)))
+    expected = np.where(padding, 0.0, x)
+    layout = (lambda a: np.swapaxes(a, 1, 2)) if axis == 1 else (lambda a: a)
+    got = zero_segment_padding(jnp.asarray(layout(x), jnp.float32), jnp.asarray(ids, jnp.int32), axis=axis)
+    np.testing.assert_array_equal(layout(np.asarray(got)), expected.astype(np.float32))
+    assert zero_segment_padding(x, None, axis=axis) is x
 
 
 @pytest.mark.parametrize("axis", [1, 2])

@@ -18,6 +18,8 @@ BACKENDS = [
 ]
 pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # Triton's interpreter, on NaN rows
 
+PACKED_ROWS = ((0,) * 20 + (1,) * 17 + (-1,) * 3 + (2,) * 10, (-1,) * 7 + (0,) * 43)
+
 # Sequences of several tiles (the conformance shapes stay within two), not multiples of them.
 MULTI_TILE_CASES = [
     Case(spec=AttentionSpec(causal=True), len_q=50, len_k=70, heads_q=4, heads_kv=2),
@@ -26,6 +28,18 @@ MULTI_TILE_CASES = [
     Case(spec=AttentionSpec(causal=True), len_q=1, len_k=67, heads_q=8, heads_kv=1, dtype="bfloat16"),
     Case(spec=AttentionSpec(variant="cosine"), len_q=35, len_k=36, q_lengths=(35, 3), mask_shape=(2, 1, 35, 36)),
     Case(spec=AttentionSpec(causal=True), len_q=33, len_k=33, head_dim=80, head_dim_v=48, dtype="float16"),
+    # Packed documents and padding over several tiles, with GQA, a softcap and dbias.
+    Case(
+        spec=AttentionSpec(causal=True, softcap=8.0),
+        len_q=50,
+        len_k=50,
+        heads_q=4,
+        heads_kv=2,
+        bias_shape=(1, 1, 50, 50),
+        bias_grad=True,
+        q_segment_ids=PACKED_ROWS,
+        kv_segment_ids=PACKED_ROWS,
+    ),
 ]
 
 

@@ -165,6 +165,29 @@ def test_tile_ranges_skip_what_the_geometry_hides() -> None:
     assert short == (length // block) * 8
 
 
+def test_tiles_whose_segment_ids_cannot_meet_are_never_loaded() -> None:
+    """Two documents on tile boundaries, no band: every kernel would load the other document's tiles but for the
+    segment-id ranges. The second document's q, k, v are NaN, so a tile of it loaded by the first document (0·NaN in
+    P·V, dP or dS) leaves NaN in the first document's out, lse, dq, dk or dv; they must equal the oracle's."""
+    from attnkit.backends.pallas.backend import INTERPRET_BLOCKS
+
+    half = max(max(pair) for pair in INTERPRET_BLOCKS)  # a multiple of every tile of every kernel
+    ids = ((0,) * half + (1,) * half,)
+    length = 2 * half
+    case = Case(spec=AttentionSpec(), batch=1, heads_q=1, heads_kv=1, len_q=length, len_k=length, head_dim=16)
+    case = case.with_(q_segment_ids=ids, kv_segment_ids=ids)  # bhsd: the sequence is axis 2 of every result
+    arrays = rounded(case, make_arrays(case))
+    exact, baseline = oracle_results(case, arrays)
+    poisoned = {name: value.copy() for name, value in arrays.items()}
+    for name in ("q", "k", "v"):
+        poisoned[name][:, :, half:] = np.nan
+    results = run_jax(case, poisoned, "pallas")
+    first_document = [{name: value[:, :, :half] for name, value in r.items()} for r in (results, exact, baseline)]
+    comparisons = compare(case, *first_document)
+    failures = [str(c) for c in comparisons if not c.ok]
+    assert not failures, "\n".join(failures)
+
+
 @pytest.mark.parametrize(
     "case",
     [

@@ -9,7 +9,8 @@ the float64 oracle on out, lse, dq, dk and dv. (A query-span bound one row short
 a causal window (1, 0) at Lq = Lk = 32, gave dk/dv errors of 0.1-0.2 and passed every other test for one kernel.)
 
 Each test proves one kind of edge: the causal diagonal in both alignments, each window side alone and both, causal
-with a window, and the query and key lengths (whose padding holds NaN, which must never be read).
+with a window, the query and key lengths (whose padding holds NaN, which must never be read), and segment ids (whose
+documents start on and next to tile boundaries, and whose padding holds NaN too).
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from attnkit import AttentionSpec
+from attnkit import AttentionSpec, Feature
 from attnkit.testing import Case, make_arrays
-from attnkit.testing.agreement import compare, oracle_results, rounded
-from attnkit.testing.runners import Results, run_backend
+from attnkit.testing.agreement import compare, compare_outputs, oracle_results, rounded
+from attnkit.testing.runners import Results, harness_capabilities, run_backend
 from tests.conftest import available_backends
 from tests.tiles import LOOP_FITS, TILED_BACKENDS, Edge, KernelTile, Placement, placement, placements
 
@@ -90,11 +91,18 @@ def _inputs_and_oracle(case: Case) -> tuple[dict[str, np.ndarray], Results, Resu
 
 
 def _with_nan_padding(case: Case, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """Rows of q beyond q_lengths and of k, v beyond kv_lengths set to NaN: padding is never input (§5)."""
+    """Rows of q beyond q_lengths or of a negative q segment id, and of k, v beyond kv_lengths or of a negative kv
+    segment id, set to NaN: padding is never input (§5)."""
     poisoned = {name: value.copy() for name, value in arrays.items()}
-    for name, lengths in (("q", case.q_lengths), ("k", case.kv_lengths), ("v", case.kv_lengths)):
-        for batch, length in enumerate(lengths or ()):
-            poisoned[name][batch, :, length:] = np.nan
+    for names, lengths, segment_ids in (
+        (("q",), case.q_lengths, case.q_segment_ids),
+        (("k", "v"), case.kv_lengths, case.kv_segment_ids),
+    ):
+        for name in names:
+            for batch, length in enumerate(lengths or ()):
+                poisoned[name][batch, :, length:] = np.nan
+            for batch, ids in enumerate(segment_ids or ()):
+                poisoned[name][batch, :, np.asarray(ids) < 0] = np.nan
     return poisoned
 
 
@@ -226,6 +234,78 @@ def test_lengths_on_and_next_to_tile_boundaries(backend: str) -> None:
     """q_lengths and kv_lengths on a boundary and one off it (per batch element, so the bottom-right offset differs
     too); the padding beyond them is NaN and must change nothing."""
     _assert_agree(backend, _length_cases(backend), nan_padding=True)
+
+
+def _needs_segment_ids(backend: str) -> None:
+    if Feature.SEGMENT_IDS not in harness_capabilities(backend).features:
+        pytest.skip(f"{backend} does not declare segment ids")
+
+
+def _runs(*runs: tuple[int, int]) -> tuple[int, ...]:
+    """A row of segment ids from (id, count) runs."""
+    return tuple(id_ for id_, count in runs for _ in range(count))
+
+
+def _segment_cases(backend: str) -> list[Case]:
+    """Documents and padding (id −1) starting on a boundary of every kernel's tiles and one position either side
+    of it, with a band and without, in self-attention (the same ids for queries and keys) and across (Lq ≠ Lk, the
+    ids drawn apart): an all-padding tile, left padding, a one-token document, a document spanning three tiles."""
+    cases = []
+    for spec in (AttentionSpec(causal=True), AttentionSpec(causal=True, causal_alignment="top_left", window=(5, 0))):
+        rows, keys = _quantum(_tiles(backend, spec))
+        unit = math.lcm(rows, keys)  # a boundary of every kernel's query and key tiles
+        packed = _runs((0, unit - 1), (1, unit + 2), (-1, 1), (2, 1), (3, unit - 3))
+        left_padded = _runs((-1, unit), (0, 2 * unit))
+        cases.append(
+            Case(spec=spec, batch=2, heads_q=1, heads_kv=1, len_q=3 * unit, len_k=3 * unit,
+                 q_segment_ids=(packed, left_padded), kv_segment_ids=(packed, left_padded))
+        )  # fmt: skip
+    rows, keys = _quantum(_tiles(backend, AttentionSpec()))
+    q_ids = (_runs((0, rows + 1), (-1, rows - 1), (1, rows)), _runs((-1, 3 * rows)))
+    kv_ids = (_runs((1, keys), (-1, 1), (0, keys - 1), (1, keys)), _runs((-1, keys), (0, 2 * keys)))
+    cases.append(
+        Case(spec=AttentionSpec(window=(None, 4)), batch=2, heads_q=2, heads_kv=1, len_q=3 * rows, len_k=3 * keys,
+             q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    )  # fmt: skip
+    return cases
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_segment_ids_on_and_next_to_tile_boundaries(backend: str) -> None:
+    """Segment ids whose documents and padding begin on a tile boundary and one off it (§4.5); the padding (a
+    negative id) of q, k and v is NaN and must change nothing."""
+    _needs_segment_ids(backend)
+    _assert_agree(backend, _segment_cases(backend), nan_padding=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiles_of_other_documents_are_never_loaded(backend: str) -> None:
+    """A packed row of three documents, each a whole number of every kernel's tiles, and NaN in every q, k, v and
+    dout of the middle one: the first and last documents' out, lse, dq, dk and dv agree with the oracle on finite
+    inputs. A kernel that loaded a tile of the middle document with one of theirs (a query tile with a key tile,
+    either way round) would compute 0·NaN = NaN there (§5 leaves hidden NaN open; these backends promise to skip
+    a tile pair whose segment ids cannot meet)."""
+    _needs_segment_ids(backend)
+    rows, keys = _quantum(_tiles(backend, AttentionSpec()))
+    unit = math.lcm(rows, keys)
+    ids = _runs((0, unit), (1, unit), (2, unit))
+    case = Case(spec=AttentionSpec(), **SHAPE, len_q=3 * unit, len_k=3 * unit, q_segment_ids=(ids,),
+                kv_segment_ids=(ids,))  # fmt: skip
+    arrays, exact, baseline = _inputs_and_oracle(case)
+    poisoned = {name: value.copy() for name, value in arrays.items()}
+    for name in ("q", "k", "v", "dout"):
+        poisoned[name][:, :, unit : 2 * unit] = np.nan
+    results = run_backend(case, poisoned, backend)
+    outer = np.r_[0:unit, 2 * unit : 3 * unit]  # the positions of the first and last documents
+
+    def outer_documents(outputs: Results) -> Results:
+        return {name: np.take(value, outer, axis=2) for name, value in outputs.items()}
+
+    comparisons = compare_outputs(
+        case.dtype, outer_documents(results), outer_documents(exact), outer_documents(baseline)
+    )
+    wrong = [str(comparison) for comparison in comparisons if not comparison.ok]
+    assert not wrong, f"{backend} loaded tiles of another document ({case.describe()}):\n  " + "\n  ".join(wrong)
 
 
 # --------------------------------------------------------------------------------- tiles outside the band

@@ -209,12 +209,22 @@ TWO_D_PADDINGS = {
 }
 
 
+def visibility(made: attnkit_hf.AttnkitMask, batch: int) -> torch.Tensor:
+    """What attnkit sees (docs/semantics.md §4, the oracle's visibility, segment ids included) of a mask made."""
+    q = torch.empty(batch, 1, made.q_length, 1)
+    k = torch.empty(batch, 1, made.kv_length, 1)
+    inputs = AttentionInputs(q, k, k, kv_lengths=made.kv_lengths, q_segment_ids=made.q_segment_ids,
+                             kv_segment_ids=made.kv_segment_ids)  # fmt: skip
+    return oracle_visibility(made.spec(None, None), inputs, made.q_length, made.kv_length)
+
+
 @pytest.mark.parametrize("padding", sorted(TWO_D_PADDINGS))
 @pytest.mark.parametrize("pattern", sorted(PATTERNS))
 @pytest.mark.parametrize("geometry", sorted(GEOMETRIES))
 def test_the_mask_made_stands_for_exactly_transformers_mask(geometry: str, pattern: str, padding: str) -> None:
-    """What attnkit sees (docs/semantics.md §4, the oracle's visibility) of the mask made for transformers' raw
-    facts equals transformers' own boolean mask, query by key, and is never (Lq, Lk)."""
+    """What attnkit sees of the mask made for transformers' raw facts equals transformers' own boolean mask, query
+    by key: padding is a length (right padding from the row's start) or segment ids (left padding, holes, right
+    padding behind a cache), never a mask."""
     q_length, kv_length, q_offset, kv_offset = GEOMETRIES[geometry]
     seen = q_offset + q_length
     two_d = torch.tensor([[1] * seen, TWO_D_PADDINGS[padding](seen)], dtype=torch.bool)
@@ -223,26 +233,49 @@ def test_the_mask_made_stands_for_exactly_transformers_mask(geometry: str, patte
     expected = masking_utils.sdpa_mask(**facts, allow_is_causal_skip=False)
     made = attnkit_hf.make_mask(**facts)
     assert isinstance(made, attnkit_hf.AttnkitMask)
-    assert made.key_mask is None or made.key_mask.shape == (2, 1, 1, kv_length)
-    if padding in ("none", "right") and q_offset == kv_offset:
-        assert made.key_mask is None  # right padding is a length
-    q = torch.empty(2, 1, q_length, 1)
-    k = torch.empty(2, 1, kv_length, 1)
-    inputs = AttentionInputs(q, k, k, mask=made.key_mask, kv_lengths=made.kv_lengths)
-    assert torch.equal(oracle_visibility(made.spec(None, None), inputs, q_length, kv_length), expected)
+    if padding == "none" or (padding == "right" and q_offset == kv_offset):
+        assert made.kv_segment_ids is None  # right padding is a length
+    elif not two_d[1, kv_offset:].all():  # the cache holds pad positions
+        assert made.q_segment_ids.shape == (2, q_length) and made.kv_segment_ids.shape == (2, kv_length)
+    assert torch.equal(visibility(made, 2), expected)
+
+
+# Packed rows (transformers reads them from position_ids): the lengths of the sequences in each row.
+PACKINGS = {"two": [[5, 7], [5, 7]], "one-token and whole-row sequences": [[1, 4, 1, 6], [12]]}
+
+
+@pytest.mark.parametrize("packing", sorted(PACKINGS))
+@pytest.mark.parametrize("pattern", ["causal", "sliding 1", "sliding 3"])
+def test_packed_sequences_are_segment_ids_standing_for_transformers_mask(packing: str, pattern: str) -> None:
+    """transformers' packed-sequence mask function (its own sequence ids, the pattern on the positions) becomes
+    segment ids, one per sequence, whose visibility equals transformers' mask."""
+    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKINGS[packing]])
+    ids = masking_utils.find_packed_sequence_indices(positions)
+    mask_function = masking_utils.packed_sequence_compatibility_function(PATTERNS[pattern], positions, ids)
+    facts = dict(batch_size=2, q_length=LENGTH, kv_length=LENGTH, mask_function=mask_function)
+    made = attnkit_hf.make_mask(**facts)
+    assert isinstance(made, attnkit_hf.AttnkitMask) and made.kv_segment_ids is ids
+    assert torch.equal(visibility(made, 2), masking_utils.sdpa_mask(**facts, allow_is_causal_skip=False))
 
 
 def test_patterns_attnkit_cannot_express_get_transformers_mask() -> None:
-    """Chunked attention (and packed sequences, or/and overlays): transformers' own (B, 1, Lq, Lk) mask."""
+    """Chunked attention, and sequence ids that are not the runs of the positions the pattern is computed on (no
+    longer the same pattern on the indices): transformers' own (B, 1, Lq, Lk) mask."""
     chunks_of_3 = masking_utils.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
-    facts = dict(batch_size=2, q_length=6, kv_length=6, attention_mask=torch.ones(2, 6, dtype=torch.bool),
-                 mask_function=chunks_of_3)  # fmt: skip
-    made = attnkit_hf.make_mask(**facts)
-    assert torch.equal(made, masking_utils.sdpa_mask(**facts, allow_is_causal_skip=False))
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
+    foreign_ids = torch.zeros(2, 6, dtype=torch.long)  # two runs of positions read as one sequence: q3 sees k0
+    foreign_packing = masking_utils.packed_sequence_compatibility_function(
+        masking_utils.causal_mask_function, positions, foreign_ids
+    )
+    for mask_function in (chunks_of_3, foreign_packing):
+        facts = dict(batch_size=2, q_length=6, kv_length=6, attention_mask=torch.ones(2, 6, dtype=torch.bool),
+                     mask_function=mask_function)  # fmt: skip
+        made = attnkit_hf.make_mask(**facts)
+        assert torch.equal(made, masking_utils.sdpa_mask(**facts, allow_is_causal_skip=False))
 
 
 def test_packed_sequences_agree_with_transformers() -> None:
-    """Two sequences packed in each row, told apart by position_ids: the materialised mask path, whole model."""
+    """Two sequences packed in each row, told apart by position_ids: segment ids, whole model."""
     _, _, model = build("llama")
     ids = token_ids(6)
     positions = torch.cat([torch.arange(5), torch.arange(LENGTH - 5)]).expand(BATCH, -1)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from attnkit.bench import calibrate, chunked, compiled, masks, overhead, spec_cost, targets, tflops
+from attnkit.bench import calibrate, chunked, compiled, masks, overhead, packed, paged, spec_cost, targets, tflops
 from attnkit.environment import limit_jax_threads, torch_threads
 
 
@@ -35,6 +35,10 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         return run_targets(args, out)
     if args.what == "masks":
         return run_masks(args, out)
+    if args.what == "paged":
+        return run_paged(args, out)
+    if args.what == "packed":
+        return run_packed(args, out)
     if args.what == "memory" and args.device != "cpu":
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
@@ -119,6 +123,23 @@ def run_targets(args: argparse.Namespace, out: TextIO) -> int:
     return 0
 
 
+def run_paged(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what paged measures the CPU backends (--device cpu)", file=sys.stderr)
+        return 2
+    with torch_threads(args.threads):
+        result = paged.bench_paged(
+            backends=_csv(args.backends) or paged.PAGED_BACKENDS,
+            seq_lens=_csv(args.seq_lens, int) or paged.PAGED_SEQ_LENS,
+            repeats=args.repeats if args.repeats is not None else 5,
+            warmup=args.warmup,
+            progress=_progress,
+        )
+    print(paged.format_paged(result), file=out)
+    _write_json(args, result, out)
+    return 0
+
+
 def run_masks(args: argparse.Namespace, out: TextIO) -> int:
     if args.device != "cpu":
         print("attnkit bench: --what masks measures torch's CPU SDPA (--device cpu)", file=sys.stderr)
@@ -130,6 +151,18 @@ def run_masks(args: argparse.Namespace, out: TextIO) -> int:
             seq_lens=seq_lens, repeats=repeats, warmup=args.warmup, memory=not args.no_memory, progress=_progress
         )
     print(masks.format_masks(result), file=out)
+    _write_json(args, result, out)
+    return 0
+
+
+def run_packed(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what packed measures the CPU backends (--device cpu)", file=sys.stderr)
+        return 2
+    repeats = args.repeats if args.repeats is not None else 3
+    with torch_threads(args.threads):
+        result = packed.bench_packed(repeats=repeats, warmup=args.warmup, memory=not args.no_memory)
+    print(packed.format_packed(result), file=out)
     _write_json(args, result, out)
     return 0
 

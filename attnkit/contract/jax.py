@@ -2,9 +2,9 @@
 
 jax-reference, jax-xla and pallas take their visibility, padding and cosine normalisation from here. The band is
 :func:`attnkit.contract.diagonal_band` and the offset :func:`attnkit.contract.alignment_offset`, which serves per
-batch element as it is: given arrays of lengths it returns an array of offsets. Lengths may be tracers; nothing
-here reads their values. The pallas kernels, whose band is per batch element and traced, call
-:func:`attnkit.contract.within_band` and :func:`length_visibility` inside the kernel with that band.
+batch element as it is: given arrays of lengths it returns an array of offsets. Lengths and segment ids may be
+tracers; nothing here reads their values. The pallas kernels, whose band is per batch element and traced, call
+:func:`attnkit.contract.within_band`, :func:`length_visibility` and :func:`segment_visibility` inside the kernel.
 """
 
 from __future__ import annotations
@@ -36,14 +36,35 @@ def length_visibility(i: Any, j: Any, q_len: Any, kv_len: Any) -> Any:
     return conjoin(None if q_len is None else i < q_len, None if kv_len is None else j < kv_len)
 
 
+def segment_visibility(q_ids: Any, kv_ids: Any) -> Any:
+    """q_ids == kv_ids >= 0 (§4.5) for query ids and key ids already shaped to broadcast against each other (e.g.
+    (…, Lq, 1) and (…, 1, Lk)); None when there are no ids (both or neither, as validation makes them)."""
+    if q_ids is None:
+        return None
+    return (q_ids == kv_ids) & (q_ids >= 0)
+
+
 def zero_padding(x: Any, lengths: Any, axis: int) -> Any:
     """x with the positions along ``axis`` at or beyond lengths[b] set to 0 (batch is axis 0). Padding is not
     input (§5): zeroed, its garbage (NaN included) cannot leak through 0·NaN."""
     if lengths is None:
         return x
+    return _zero_where_not(x, jnp.arange(x.shape[axis]) < lengths.reshape(-1, 1), axis)
+
+
+def zero_segment_padding(x: Any, segment_ids: Any, axis: int) -> Any:
+    """x with the positions along ``axis`` whose segment id (B, L) is negative set to 0: they are padding (§4.5,
+    §5), zeroed as :func:`zero_padding` zeroes those beyond a length."""
+    if segment_ids is None:
+        return x
+    return _zero_where_not(x, segment_ids >= 0, axis)
+
+
+def _zero_where_not(x: Any, keep: Any, axis: int) -> Any:
+    """x with 0 where ``keep`` (B|1, L), laid along batch (axis 0) and ``axis``, is False."""
     axis %= x.ndim
-    positions = jnp.arange(x.shape[axis]).reshape(-1, *([1] * (x.ndim - 1 - axis)))
-    return jnp.where(positions < lengths.reshape(-1, *([1] * (x.ndim - 1))), x, jnp.zeros((), x.dtype))
+    keep = keep.reshape(keep.shape[0], *([1] * (axis - 1)), keep.shape[1], *([1] * (x.ndim - 1 - axis)))
+    return jnp.where(keep, x, jnp.zeros((), x.dtype))
 
 
 class Normalization(NamedTuple):

@@ -2,11 +2,18 @@
 public, imports torch): what their launchers compute alike, and the backend class they share.
 
 Both kernel sets take the same arguments in the same order (:func:`attention_forward`, :func:`attention_backward`
-write them): bhsd operands with their batch, head and sequence strides; the optional bias, mask and lengths, each
-replaced by q where absent (never dereferenced) and switched on by a :class:`KernelSwitches` flag; bias and mask
-broadcast to (B, Hq, Lq, Lk) by stride 0; the geometry, the scales and the band of :func:`attnkit.contract.
-diagonal_band`. A launcher (:class:`KernelLauncher`) keeps what is its own: how scalars are typed, tiles,
-compile-time constants and the launch itself.
+write them): bhsd operands with their batch, head and sequence strides; the optional bias, mask, lengths and
+segment ids, each replaced by q where absent (never dereferenced) and switched on by a :class:`KernelSwitches` flag;
+bias and mask broadcast to (B, Hq, Lq, Lk) by stride 0; the geometry, the scales and the band of
+:func:`attnkit.contract.diagonal_band`.
+
+Segment ids (docs/semantics.md §4.5) arrive as int64 (B, L) rows and, for tile skipping, as the range of the
+non-negative ids in each granule of SEGMENT_GRANULE positions (:func:`segment_ranges`): a kernel's tile is a whole
+number of granules, so it reads its range from them whatever its tile size, and a (query tile, key tile) pair
+whose ranges cannot meet is never loaded.
+
+A launcher (:class:`KernelLauncher`) keeps what is its own: how scalars are typed, tiles, compile-time constants
+and the launch itself.
 
 The backward is the FlashAttention-2 sequence: Δ = rowsum(dO ⊙ O) − dlse, then a dQ kernel over query tiles and a
 dK/dV kernel over key tiles (which also writes dS for dbias). Kernels for the cosine variant differentiate with
@@ -38,20 +45,21 @@ from attnkit.backend import (
     Variant,
 )
 from attnkit.contract import COSINE_EPS, diagonal_band
+from attnkit.contract.torch import zero_padding, zero_segment_padding
 
 # ---------------------------------------------------------------------------------------------- the math
 
 
-def cosine_input_gradient(x: torch.Tensor, lengths: torch.Tensor | None, grad_unit: torch.Tensor) -> torch.Tensor:
+def cosine_input_gradient(
+    x: torch.Tensor, lengths: torch.Tensor | None, segment_ids: torch.Tensor | None, grad_unit: torch.Tensor
+) -> torch.Tensor:
     """The gradient wrt bhsd ``x`` (B, H, L, D) of ``F.normalize(x, dim=-1, eps=1e-12)``, given the gradient wrt
     the normalised x; float32.
 
-    Rows at or beyond ``lengths[b]`` are padding: zeroed first, so garbage there (NaN) cannot reach their zero
-    gradient (docs/semantics.md §5).
+    Rows at or beyond ``lengths[b]``, and rows whose segment id is negative, are padding: zeroed first, so garbage
+    there (NaN) cannot reach their zero gradient (docs/semantics.md §5).
     """
-    if lengths is not None:
-        positions = torch.arange(x.shape[2], device=x.device).view(1, 1, -1, 1)
-        x = torch.where(positions < lengths.to(x.device).view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype))
+    x = zero_segment_padding(zero_padding(x, lengths), segment_ids)
     leaf = x.detach().float().requires_grad_(True)
     with torch.enable_grad():
         unit = F.normalize(leaf, dim=-1, eps=COSINE_EPS)
@@ -77,8 +85,8 @@ def kernel_gradients(
     for the cosine variant) and, when dbias is wanted, dS at full (B, Hq, Lq, Lk) float32: the frontend sums it to
     the bias's shape and dtype."""
     if spec.variant is Variant.COSINE:
-        dq = cosine_input_gradient(bhsd(spec, inputs.q), inputs.q_lengths, dq)
-        dk = cosine_input_gradient(bhsd(spec, inputs.k), inputs.kv_lengths, dk)
+        dq = cosine_input_gradient(bhsd(spec, inputs.q), inputs.q_lengths, inputs.q_segment_ids, dq)
+        dk = cosine_input_gradient(bhsd(spec, inputs.k), inputs.kv_lengths, inputs.kv_segment_ids, dk)
 
     def in_layout(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         return (x.transpose(1, 2) if spec.layout is Layout.BSHD else x).to(like.dtype)
@@ -112,6 +120,7 @@ class KernelSwitches:
     cosine: bool = False
     has_q_lengths: bool = False
     has_kv_lengths: bool = False
+    has_segment_ids: bool = False
     has_dlse: bool = False  # Δ kernel: lse has a cotangent
     has_dbias: bool = False  # dK/dV kernel: write dS
     grad_float32: bool = False  # dq, dk, dv are float32 buffers (the cosine variant's chain rule follows)
@@ -155,7 +164,9 @@ class KernelCall:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    optional: tuple[torch.Tensor, ...]  # bias, mask (uint8), q_lengths, kv_lengths (int32); q where absent
+    # bias, mask (uint8), q_lengths, kv_lengths (int32), q and kv segment ids, q and kv segment ranges (int64);
+    # q where absent
+    optional: tuple[torch.Tensor, ...]
     feature_strides: tuple[Any, ...]  # bias then mask, (B, Hq, Lq, Lk) strides, 0 on broadcast axes
     geometry: tuple[Any, ...]  # heads_q, group, len_q, len_k
     qk_scale: Any
@@ -192,6 +203,26 @@ class KernelLauncher(Protocol):
         ...
 
 
+#: Positions per granule of the segment ranges: every tile's rows and keys are a multiple of it.
+SEGMENT_GRANULE = 16
+#: The range of a granule with no non-negative id: empty (low > high), so it meets no other.
+EMPTY_SEGMENT_RANGE = (torch.iinfo(torch.int64).max, -1)
+
+
+def segment_ranges(segment_ids: torch.Tensor) -> torch.Tensor:
+    """(B, ⌈L / SEGMENT_GRANULE⌉, 2) int64: per batch element and granule of positions, the least and the greatest
+    non-negative id (padding, a negative id, is in no range; a granule of padding alone gets EMPTY_SEGMENT_RANGE).
+    Tiles whose ranges do not overlap share no id, so no query of one sees a key of the other."""
+    batch, length = segment_ids.shape
+    granules = -(-length // SEGMENT_GRANULE)
+    ids = F.pad(segment_ids, (0, granules * SEGMENT_GRANULE - length), value=-1).view(batch, granules, -1)
+    real = ids >= 0
+    empty_low, empty_high = EMPTY_SEGMENT_RANGE
+    low = torch.where(real, ids, empty_low).amin(-1)
+    high = torch.where(real, ids, empty_high).amax(-1)
+    return torch.stack((low, high), -1).contiguous()
+
+
 def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInputs) -> KernelCall:
     types = launcher.types
     q, k, v = bhsd(spec, inputs.q), bhsd(spec, inputs.k), bhsd(spec, inputs.v)
@@ -207,6 +238,13 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         feature_strides.extend(types.int64(s) for s in (x.stride() if x is not None else (0, 0, 0, 0)))
     for lengths in (inputs.q_lengths, inputs.kv_lengths):
         optional.append(lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else q)
+    segments = [inputs.q_segment_ids, inputs.kv_segment_ids]
+    has_segment_ids = segments[0] is not None
+    if has_segment_ids:  # int64 whatever the given integer dtype: every id keeps its value
+        segments = [ids.to(device=q.device, dtype=torch.int64).contiguous() for ids in segments]
+        optional.extend([*segments, *map(segment_ranges, segments)])
+    else:
+        optional.extend([q] * 4)
     lower, upper = diagonal_band(spec)
     scale = spec.resolved_scale(head_dim)
     switches = KernelSwitches(
@@ -219,6 +257,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         cosine=spec.variant is Variant.COSINE,
         has_q_lengths=inputs.q_lengths is not None,
         has_kv_lengths=inputs.kv_lengths is not None,
+        has_segment_ids=has_segment_ids,
     )
     return KernelCall(
         spec=spec,
@@ -373,7 +412,7 @@ def kernel_capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({device}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES - {Feature.PAGED},
         head_dims=(1, max_head_dim),
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -86,6 +87,54 @@ def segment_visibility(
     return (q_ids == kv_ids) & (q_ids >= 0)
 
 
+class SegmentTiles(NamedTuple):
+    """One side's segment ids summarised per batch element and tile of ``block`` positions (the last tile may be
+    short): (B, tiles) tensors. Tiling code plans by these, never by the ids themselves, so planning costs O(B·L)."""
+
+    least: torch.Tensor  # int64: the least non-negative id in the tile; greater than ``greatest`` if none
+    greatest: torch.Tensor  # int64: the greatest non-negative id; −1 if none
+    uniform: torch.Tensor  # bool: every position of the tile holds one and the same non-negative id
+
+    @classmethod
+    def of(cls, segment_ids: torch.Tensor, block: int) -> SegmentTiles:
+        ids = segment_ids.long()
+        batch, length = ids.shape
+        tiles = -(-length // block)
+        none = torch.iinfo(torch.long).max
+
+        def per_tile(values: torch.Tensor, fill: int, reduce: str) -> torch.Tensor:
+            padded = values.new_full((batch, tiles * block), fill)
+            padded[:, :length] = values
+            return getattr(padded.view(batch, tiles, block), reduce)(dim=-1)
+
+        real = ids >= 0
+        least = per_tile(torch.where(real, ids, none), none, "amin")
+        greatest = per_tile(torch.where(real, ids, -1), -1, "amax")
+        # Padding past the last position takes each reduction's neutral value: a short tile is its positions' alone.
+        lowest = per_tile(ids, none, "amin")
+        return cls(least, greatest, (lowest == greatest) & (lowest >= 0))
+
+    def pairs(self, keys: SegmentTiles) -> tuple[torch.Tensor, torch.Tensor]:
+        """(meet, whole), (B, query tiles, key tiles) booleans for these query tiles against ``keys``: ``meet`` is
+        False where no query and key of the pair can share an id (the segment clause hides the pair of tiles: it is
+        never computed); ``whole`` is True where every query and key of it share one id (the clause hides nothing)."""
+        least = torch.maximum(self.least.unsqueeze(2), keys.least.unsqueeze(1))
+        greatest = torch.minimum(self.greatest.unsqueeze(2), keys.greatest.unsqueeze(1))
+        same = self.least.unsqueeze(2) == keys.least.unsqueeze(1)
+        return least <= greatest, self.uniform.unsqueeze(2) & keys.uniform.unsqueeze(1) & same
+
+    def packed(self) -> torch.Tensor:
+        """(B, tiles, 3) int64 contiguous: least, greatest, uniform (0 or 1) side by side, as a kernel reads them."""
+        return torch.stack((self.least, self.greatest, self.uniform.long()), dim=-1).contiguous()
+
+
+class SegmentPairs(NamedTuple):
+    """Host-side, per (query tile, key tile), over a whole batch: :meth:`Band.segment_pairs`."""
+
+    meet: list[list[bool]]
+    whole: list[list[bool]]
+
+
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """A paged cache (num_blocks, block_size, H, D) read through ``block_table`` (B, max_blocks) as contiguous keys
     (B, max_blocks · block_size, H, D), key j of sequence b being slot j mod block_size of block table[b, j //
@@ -104,8 +153,9 @@ def block_of(x: torch.Tensor, rows: slice, cols: slice) -> torch.Tensor:
 
 class Band:
     """§4's causal and window band, the lengths and the segment ids, for one call, per batch element (a user mask
-    joins in :meth:`visible`). The host-side planning (:meth:`key_span`, :meth:`wholly_visible`, :meth:`key_ranges`)
-    reads the band and lengths only: segment ids hide more, which :meth:`visible` adds.
+    joins in :meth:`visible`). The host-side planning (:meth:`key_span`, :meth:`band_wholly_visible`,
+    :meth:`key_ranges`) reads the band and lengths only: segment ids hide more, which :meth:`visible` adds, and
+    which tiled code skips by :meth:`segment_tiles` (:class:`SegmentTiles`).
 
     Query i of element b sees key j iff ``lower ≤ j − i − offset[b] ≤ upper``, ``i < q_len[b]`` and ``j < kv_len[b]``,
     with ``(lower, upper)`` from :func:`attnkit.contract.diagonal_band` and ``offset[b]`` from
@@ -165,19 +215,35 @@ class Band:
         return range(first, last + 1)
 
     def wholly_visible(self, rows: range, cols: range) -> bool:
-        """Whether every pair of the tile is visible in every batch element: it needs no mask. Each condition of
-        :func:`attnkit.contract.tile_visibility`'s FULL is monotone in the lengths and the offset, so the shortest
-        lengths with the smallest and the largest offset decide it for the whole batch."""
+        """Whether every pair of the tile is visible in every batch element: it needs no mask. With segment ids,
+        never: :meth:`segment_pairs` says which tiles their clause leaves whole."""
+        return not self.has_segments and self.band_wholly_visible(rows, cols)
+
+    def band_wholly_visible(self, rows: range, cols: range) -> bool:
+        """Whether the band and the lengths show every pair of the tile in every batch element (segment ids aside).
+        Each condition of :func:`attnkit.contract.tile_visibility`'s FULL is monotone in the lengths and the offset,
+        so the shortest lengths with the smallest and the largest offset decide it for the whole batch."""
         (q_min, _), (kv_min, _), (off_min, off_max) = self.extremes
         band = (self.lower, self.upper)
-        return (
-            bool(self.batch)
-            and not self.has_segments
-            and all(
-                tile_visibility(band, offset, rows, cols, q_min, kv_min) is TileVisibility.FULL
-                for offset in (off_min, off_max)
-            )
+        return bool(self.batch) and all(
+            tile_visibility(band, offset, rows, cols, q_min, kv_min) is TileVisibility.FULL
+            for offset in (off_min, off_max)
         )
+
+    def segment_tiles(self, block_q: int, block_k: int) -> tuple[SegmentTiles, SegmentTiles]:
+        """The query side's ids per tile of ``block_q`` rows and the key side's per tile of ``block_k`` keys."""
+        assert self.q_segment_ids is not None and self.kv_segment_ids is not None, "a call without segment ids"
+        return SegmentTiles.of(self.q_segment_ids, block_q), SegmentTiles.of(self.kv_segment_ids, block_k)
+
+    def segment_pairs(self, block_q: int, block_k: int) -> SegmentPairs | None:
+        """Host-side (meet, whole) per (query tile, key tile) over the whole batch, tiles of ``block_q`` rows and
+        ``block_k`` keys from 0: ``meet[r][c]``: the ids may show a pair of the tile in some element (where not, the
+        tile is never computed); ``whole[r][c]``: they show every pair in every element (no mask for them). None
+        without segment ids. For code that runs a tile for the whole batch at once (torch-chunked)."""
+        if not self.has_segments:
+            return None
+        meet, whole = SegmentTiles.pairs(*self.segment_tiles(block_q, block_k))
+        return SegmentPairs(meet.any(dim=0).tolist(), whole.all(dim=0).tolist())
 
     # Device side: (B,) int64 tensors, and the band as masks.
 

@@ -8,8 +8,9 @@ Two hooks are registered under the name ``"attnkit"``:
 
 * in ``AttentionMaskInterface``, :func:`make_mask`: transformers calls it once per forward and mask kind (full,
   sliding) with the raw facts (the 2-D padding mask, where the queries and keys sit in the sequence, the mask
-  pattern). It answers with an :class:`AttnkitMask`: the pattern as spec fields, and padding as ``kv_lengths`` or a
-  (B, 1, 1, Lk) key mask, never an (Lq, Lk) one, except for patterns attnkit cannot express (below);
+  pattern). It answers with an :class:`AttnkitMask`: the pattern as spec fields, padding as ``kv_lengths`` or
+  segment ids (docs/semantics.md §4.5), packed sequences as segment ids; never a mask, except transformers' own
+  (Lq, Lk) one for patterns attnkit cannot express (docs/integrations.md);
 * in ``AttentionInterface``, :func:`attention`: every attention layer's call, which runs :func:`attnkit.attend`.
 """
 
@@ -67,14 +68,17 @@ class AttnkitMask:
 
     ``kv_lengths`` clips the unwritten slots of a static cache and, with bottom-right alignment, places the causal
     diagonal (docs/semantics.md §4.3: ``off_b = kv_lengths[b] − Lq``); with ``top_left`` (right padding, queries
-    at the start) it is the padding itself. ``key_mask`` is (B, 1, 1, Lk): padding that no length expresses.
+    at the start) it is the padding itself. ``q_segment_ids`` (B, Lq) and ``kv_segment_ids`` (B, Lk) (§4.5) carry
+    what no length expresses: padding anywhere else (key ids −1 on the pad positions) and packed sequences (one id
+    per sequence of the row); both None otherwise.
     """
 
     causal: bool
     window: tuple[int, int] | None
     top_left: bool
     kv_lengths: torch.Tensor | None
-    key_mask: torch.Tensor | None
+    q_segment_ids: torch.Tensor | None
+    kv_segment_ids: torch.Tensor | None
     q_length: int
     kv_length: int
 
@@ -95,11 +99,24 @@ def _causal_window(size: int) -> tuple[int, int]:
     return size - 1, 0
 
 
+class _Table:
+    """A tensor that a mask function indexes by (batch, position), held in a formula without reading its values."""
+
+    __slots__ = ("tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def __repr__(self) -> str:  # formulas are sorted by repr: a tensor's would read its values
+        return "table"
+
+
 class _Index:
     """An index given to a mask function in place of a number: every operation on it returns the expression it
-    stands for, so calling the function yields the function's own formula. An operation with anything but an index
-    or an int (a tensor's element: packed sequences, chunked attention, padding) yields :data:`_OPAQUE`; tensors
-    see an index through ``__torch_function__``, which a compiled graph traces as it does any Python object."""
+    stands for, so calling the function yields the function's own formula. Indexing a tensor with indices yields
+    ``("take", table, *indices)`` (packed sequences read their sequence ids and positions so); an operation with
+    anything but an index or an int (chunked attention, padding) yields :data:`_OPAQUE`. Tensors see an index
+    through ``__torch_function__``, which a compiled graph traces as it does any Python object."""
 
     __slots__ = ("expr",)
     device = None  # and_masks moves each part's result to the first's device
@@ -126,6 +143,9 @@ class _Index:
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> _Index:
+        if func is torch.Tensor.__getitem__ and isinstance(args[0], torch.Tensor) and isinstance(args[1], tuple):
+            if all(isinstance(index, _Index) for index in args[1]):
+                return _Index(("take", _Table(args[0]), *(index.expr for index in args[1])))
         return _OPAQUE
 
 
@@ -146,32 +166,88 @@ for _name in ("lt", "le", "gt", "ge", "eq", "ne", "getitem"):
 _OPAQUE = _Index("opaque")
 
 
-def _pattern(mask_function: Callable[..., Any]) -> tuple[bool, tuple[int, int] | None] | None:
-    """(causal, window) of the mask functions transformers builds for causal and bidirectional attention, with or
-    without a sliding window, read from the formula the function computes (:class:`_Index`); None for any other
-    (packed sequences, chunked attention, or/and overlays). No value is read, so a compiled graph traces it."""
-    try:
-        formula = mask_function(_Index("batch"), _Index("head"), _Index("q"), _Index("kv")).expr
-    except Exception:  # foreign code that does what no index can: transformers' own mask says what it means
-        return None
+@dataclass(frozen=True, eq=False)
+class _Pattern:
+    """What a mask function computes, in attnkit's terms. ``packed`` (B, L): the sequence id of each position of
+    packed rows, whose pattern transformers computes on ``positions`` (B, L) rather than on the indices."""
+
+    causal: bool
+    window: tuple[int, int] | None
+    packed: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+
+
+def _conjunction(formula: Any) -> list[Any]:
+    """The terms of a formula's conjunction, and_masks' neutral True left out."""
     terms: list[Any] = []
     pending = [formula]
-    while pending:  # the conjunction's terms, and_masks' neutral True left out
+    while pending:
         term = pending.pop()
         if isinstance(term, tuple) and term[0] == "and":
             pending += term[1:]
         elif term is not True:
             terms.append(term)
+    return terms
+
+
+def _sequence_ids(term: Any) -> torch.Tensor | None:
+    """``ids`` of the term ``ids[batch, q] == ids[batch, kv]`` (query and key in the same packed sequence), else
+    None."""
+    match term:
+        case ("eq", ("take", _Table(tensor=ids), "batch", "q"), ("take", _Table(tensor=same), "batch", "kv")):
+            return ids if ids is same else None
+    return None
+
+
+def _unpack(terms: list[Any]) -> tuple[list[Any], torch.Tensor | None, torch.Tensor | None]:
+    """transformers' packed sequences (``packed_sequence_compatibility_function``: the same sequence id, and the
+    pattern computed on ``positions[batch, q_idx]``, ``positions[batch, kv_idx]``) as (the other terms with those
+    positions read as the indices q and kv, the sequence ids, the positions); anything else as (terms, None,
+    None)."""
+    packing = [term for term in terms if _sequence_ids(term) is not None]
+    if len(packing) != 1:
+        return terms, None, None
+    tables: dict[int, torch.Tensor] = {}
+
+    def as_index(expr: Any) -> Any:
+        match expr:
+            case ("take", _Table(tensor=table), "batch", ("q" | "kv") as index):
+                tables[id(table)] = table
+                return index
+            case tuple():
+                return tuple(as_index(part) for part in expr)
+        return expr
+
+    rest = [as_index(term) for term in terms if term is not packing[0]]
+    if len(tables) != 1:  # the pattern reads one positions table, and only by (batch, index)
+        return terms, None, None
+    return rest, _sequence_ids(packing[0]), next(iter(tables.values()))
+
+
+def _pattern(mask_function: Callable[..., Any]) -> _Pattern | None:
+    """The :class:`_Pattern` of the mask functions transformers builds for causal and bidirectional attention, with
+    or without a sliding window, and for packed sequences with a causal one, read from the formula the function
+    computes (:class:`_Index`); None for any other (chunked attention, or/and overlays). No value is read, so a
+    compiled graph traces it."""
+    try:
+        formula = mask_function(_Index("batch"), _Index("head"), _Index("q"), _Index("kv")).expr
+    except Exception:  # foreign code that does what no index can: transformers' own mask says what it means
+        return None
+    terms, packed, positions = _unpack(_conjunction(formula))
     match sorted(terms, key=repr):
         case [("le", "kv", "q")]:  # kv_idx <= q_idx
-            return True, None
+            causal, window = True, None
         case [("ge", "q", 0)]:  # q_idx >= 0: every key
-            return False, None
+            causal, window = False, None
         case [("gt", "kv", ("sub", "q", int(size))), ("le", "kv", "q")] if size >= 1:  # and kv_idx > q_idx − N
-            return True, _causal_window(size)
+            causal, window = True, _causal_window(size)
         case [("ge", "q", 0), ("le", ("abs", ("sub", "q", "kv")), int(size))] if size >= 1:  # and |q_idx − kv_idx| <= N
-            return False, (size, size)
-    return None
+            causal, window = False, (size, size)
+        case _:
+            return None
+    if packed is not None and not causal:  # transformers packs causal attention only; positions[q] >= 0 is no index
+        return None
+    return _Pattern(causal, window, packed, positions)
 
 
 def _may_index_tensors(attention_mask: Any, q_offset: int | torch.Tensor, kv_offset: int, overlaid: bool) -> bool:
@@ -210,7 +286,10 @@ def make_mask(
     q_start = q_offset if traced_offset else int(q_offset)
     diagonal = q_start - kv_offset
     written = diagonal + q_length
-    if pattern is None or not (traced_offset or q_length <= written <= kv_length):
+    expressible = pattern is not None and (traced_offset or q_length <= written <= kv_length)
+    if pattern is not None and pattern.packed is not None:
+        expressible = expressible and _packed_as_indexed(pattern, q_length, kv_length, diagonal)
+    if pattern is None or not expressible:
         materialised = masking_utils.sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -226,8 +305,11 @@ def make_mask(
         )
         assert materialised is not None  # None only where a skip is allowed
         return materialised
-    causal, window = pattern
-    described = functools.partial(AttnkitMask, causal, window, q_length=q_length, kv_length=kv_length)
+    described = functools.partial(
+        AttnkitMask, pattern.causal, pattern.window, q_length=q_length, kv_length=kv_length, top_left=False
+    )
+    if pattern.packed is not None:  # the whole row, Lq = Lk (_packed_as_indexed): each sequence its own id
+        return described(kv_lengths=None, q_segment_ids=pattern.packed, kv_segment_ids=pattern.packed)
     # A static cache's kv_lengths (q_offset a tensor) is there on every step, up to the one that fills the cache, where
     # it clips nothing: the masks generate() hands a compiled forward keep one structure, which it is traced for.
     if isinstance(written, torch.Tensor):  # traced_offset
@@ -238,22 +320,52 @@ def make_mask(
         clip = None
 
     padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    keys = None if padding is None else padding[:, kv_offset : kv_offset + kv_length]
+    keys = None if padding is None else padding[:, kv_offset : kv_offset + kv_length].bool()
+    unpadded = functools.partial(described, kv_lengths=clip, q_segment_ids=None, kv_segment_ids=None)
+    if keys is None:
+        return unpadded()
+
+    def by_segments() -> AttnkitMask:
+        q_ids, kv_ids = _padding_ids(keys, q_length)
+        return described(kv_lengths=clip, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+
     if torch.compiler.is_compiling():
-        # No tensor value may be read in a graph, so none of the compact choices below: any padding goes in as the
-        # key mask, which is exact whatever the padding (only right padding had a shorter form).
-        key_mask = None if keys is None else keys[:, None, None, :]
-        return described(top_left=False, kv_lengths=clip, key_mask=key_mask)
-    if keys is None or bool(keys[:, :written].all()):
-        return described(top_left=False, kv_lengths=clip, key_mask=None)
+        # No tensor value may be read in a graph, so none of the compact choices below: any padding goes in as
+        # segment ids, which are exact whatever the padding (only right padding had a shorter form).
+        return by_segments()
+    if bool(keys[:, :written].all()):
+        return unpadded()
     real = keys.sum(1)
     right_padded = torch.equal(keys, torch.arange(kv_length, device=keys.device) < real[:, None])
     if right_padded and diagonal == 0:
         # Queries start at key 0, so top-left alignment places the diagonal; the padding is a length. (Bottom-right
         # would need q_lengths = kv_lengths, which empties the padded query rows that transformers computes.)
-        return described(top_left=True, kv_lengths=real, key_mask=None)
-    # Left padding (or holes): attnkit has no compact form for it yet, so a key mask, broadcast over queries.
-    return described(top_left=False, kv_lengths=clip, key_mask=keys[:, None, None, :])
+        return described(top_left=True, kv_lengths=real, q_segment_ids=None, kv_segment_ids=None)
+    return by_segments()  # left padding (or holes, or right padding behind a cache)
+
+
+def _padding_ids(keys: torch.Tensor, q_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_segment_ids, kv_segment_ids) of a (B, Lk) boolean padding mask (True: a real key): every key id 0, and −1
+    on the pad positions, which are then never read; every query id 0, so that each query sees what transformers'
+    own mask shows it: a padded query row sees the real keys its pattern reaches (none, for causal attention behind
+    left padding), as in transformers."""
+    kv_ids = keys.to(torch.int32) - 1
+    return kv_ids.new_zeros(keys.shape[0], q_length), kv_ids
+
+
+def _packed_as_indexed(pattern: _Pattern, q_length: int, kv_length: int, diagonal: Any) -> bool:
+    """Whether packed sequences' pattern, which transformers computes on the positions, is the same pattern on the
+    indices: the call covers the whole row from its start (transformers packs only without a cache), and inside each
+    sequence the positions step by one, which holds where the sequence ids are transformers' own reading of the
+    positions (``find_packed_sequence_indices``). That reads the positions' values, so inside a compiled graph, where
+    transformers itself cannot read them and calls every row packed, it is transformers' own mask."""
+    assert pattern.packed is not None and pattern.positions is not None
+    if torch.compiler.is_compiling() or isinstance(diagonal, torch.Tensor) or diagonal != 0:
+        return False
+    if not q_length == kv_length == pattern.packed.shape[1] == pattern.positions.shape[1]:
+        return False
+    runs = masking_utils.find_packed_sequence_indices(pattern.positions.expand(pattern.packed.shape[0], -1))
+    return runs is not None and torch.equal(runs, pattern.packed)
 
 
 class _Specs:
@@ -308,7 +420,7 @@ def attention(
     for name, meaning in _INEXPRESSIBLE.items():
         if kwargs.get(name) is not None:
             raise InvalidInputError(f"{name} is given, but attnkit cannot express {meaning}; expected None")
-    mask = bias = kv_lengths = None
+    mask = bias = kv_lengths = q_segment_ids = kv_segment_ids = None
     if isinstance(attention_mask, AttnkitMask):
         if (query.shape[2], key.shape[2]) != (attention_mask.q_length, attention_mask.kv_length):
             raise InvalidInputError(
@@ -316,7 +428,8 @@ def attention(
                 f"got query with Lq={query.shape[2]} and key with Lk={key.shape[2]}"
             )
         spec = attention_mask.spec(scaling, softcap)
-        mask, kv_lengths = attention_mask.key_mask, attention_mask.kv_lengths
+        kv_lengths = attention_mask.kv_lengths
+        q_segment_ids, kv_segment_ids = attention_mask.q_segment_ids, attention_mask.kv_segment_ids
     elif attention_mask is None:  # no mask made (a module called on its own): the call's own arguments
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if sliding_window is not None and not causal:
@@ -332,7 +445,18 @@ def attention(
             mask = attention_mask
         else:
             bias = attention_mask
-    out = attend(spec, query, key, value, mask=mask, bias=bias, kv_lengths=kv_lengths, backend=_backend)
+    out = attend(
+        spec,
+        query,
+        key,
+        value,
+        mask=mask,
+        bias=bias,
+        kv_lengths=kv_lengths,
+        q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids,
+        backend=_backend,
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -141,6 +141,28 @@ def _edge_shapes() -> list[tuple[str, Case]]:
         ("3-D inputs", Case(spec(causal=True), heads_q=1, heads_kv=1, len_q=6, len_k=8, three_d=True)),
         ("head dim 80", Case(spec(causal=True), len_q=7, len_k=7, head_dim=80, head_dim_v=80)),
         ("head dim 256", Case(spec(), len_q=5, len_k=9, head_dim=256, head_dim_v=256)),
+        # §4.5: three documents packed in one row, one of a single token, and a pad position; then left padding.
+        (
+            "packed documents (segment ids)",
+            Case(
+                spec(causal=True),
+                batch=1,
+                len_q=7,
+                len_k=7,
+                q_segment_ids=((0, 0, 0, 1, 1, 2, -1),),
+                kv_segment_ids=((0, 0, 0, 1, 1, 2, -1),),
+            ),  # fmt: skip
+        ),
+        (
+            "left padding by segment ids",
+            Case(
+                spec(causal=True),
+                len_q=6,
+                len_k=6,
+                q_segment_ids=((-1, -1, 0, 0, 0, 0), (0,) * 6),
+                kv_segment_ids=((-1, -1, 0, 0, 0, 0), (0,) * 6),
+            ),  # fmt: skip
+        ),
     ]
 
 

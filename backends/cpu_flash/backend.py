@@ -30,15 +30,23 @@ from attnkit.backend import (
     BuildError,
     Capabilities,
     CausalAlignment,
-    Feature,
     Framework,
+    PagedInputs,
     Problem,
     Runner,
     TorchExtension,
     Variant,
 )
-from attnkit.contract import diagonal_band
-from attnkit.contract.torch import Band, RecomputingBackend, from_bhsd, normalize_if_cosine, to_bhsd, zero_padding
+from attnkit.contract import COSINE_EPS, diagonal_band
+from attnkit.contract.torch import (
+    Band,
+    RecomputingBackend,
+    from_bhsd,
+    normalize_if_cosine,
+    to_bhsd,
+    zero_padding,
+    zero_segment_padding,
+)
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
 # Tiles (query rows, key columns): a 64 x 256 float32 score tile and its dP twin stay in L2 beside the K/V rows.
@@ -51,6 +59,10 @@ BACKWARD_TILE = (64, 256)
 WINDOW_ROWS = 32
 WINDOW_MAX_KEYS = 1024
 WINDOW_BACKWARD_TILE = (64, 128)  # a band too wide for one tile: it crosses most key tiles, each of them masked
+# Segment ids are summarised per granule of this many queries and keys (attnkit.contract.torch.SegmentTiles): a query
+# block's key tiles are the runs of key granules whose ids can meet its own, so a key granule of other documents is
+# never read. It divides every tile's rows (so a query block is whole granules) and is small against a document.
+SEGMENT_GRANULE = 32
 
 
 def _flags() -> list[str]:
@@ -126,15 +138,17 @@ class _CpuFlash(torch.autograd.Function):
         bias: torch.Tensor | None,
         q_lens: torch.Tensor,
         kv_lens: torch.Tensor,
+        segments: _Segments,
         band: _Band,
         softcap: float,
         q_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = _kernel().forward(
-            q, k, v, q_lens, kv_lens, mask, bias, *band.arguments(), softcap, q_scale, *band.tile(FORWARD_TILE)
-        )
+            q, k, v, q_lens, kv_lens, mask, bias, *segments, SEGMENT_GRANULE, *band.arguments(), softcap, q_scale,
+            *band.tile(FORWARD_TILE),
+        )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens, mask, bias)
-        ctx.band, ctx.softcap, ctx.q_scale = band, softcap, q_scale
+        ctx.segments, ctx.band, ctx.softcap, ctx.q_scale = segments, band, softcap, q_scale
         return out, lse
 
     @staticmethod
@@ -147,13 +161,27 @@ class _CpuFlash(torch.autograd.Function):
             delta = delta - dlse
         tile = ctx.band.tile(WINDOW_BACKWARD_TILE if ctx.band.low is not None else BACKWARD_TILE)
         dq, dk, dv, dbias = _kernel().backward(
-            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, mask, bias, need_dbias,
-            *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile,
+            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, mask, bias, *ctx.segments, SEGMENT_GRANULE,
+            need_dbias, *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile,
         )  # fmt: skip
         if need_dbias:  # the kernel's (B, Hq, …) planes, summed over the batch and heads the bias broadcasts along
             broadcast = [axis for axis in (0, 1) if bias.shape[axis] == 1]
             dbias = dbias.sum(dim=broadcast, keepdim=True) if broadcast else dbias
-        return dq, dk, dv, None, dbias if need_dbias else None, None, None, None, None, None
+        return dq, dk, dv, None, dbias if need_dbias else None, None, None, None, None, None, None
+
+
+# The kernel's segment arguments: q_ids (B, Lq) and kv_ids (B, Lk) int64, and their summaries (B, granules, 3) per
+# SEGMENT_GRANULE positions; four Nones without segment ids.
+_Segments = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+
+
+def _segments(band: Band) -> _Segments:
+    if not band.has_segments:
+        return None, None, None, None
+    assert band.q_segment_ids is not None and band.kv_segment_ids is not None
+    query_tiles, key_tiles = band.segment_tiles(SEGMENT_GRANULE, SEGMENT_GRANULE)
+    q_ids, kv_ids = (ids.long().contiguous() for ids in (band.q_segment_ids, band.kv_segment_ids))
+    return q_ids, kv_ids, query_tiles.packed(), key_tiles.packed()
 
 
 def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,15 +189,21 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     q, k, v = (to_bhsd(spec, x) for x in inputs[:3])
     head_dim = q.shape[-1]
     # The kernel takes every element's lengths (the full ones where none are given) and aligns the band by them.
-    lengths = Band(spec, inputs, q.shape[2], k.shape[2])
+    geometry = Band(spec, inputs, q.shape[2], k.shape[2])
     # Padding (beyond the lengths) is never read: the kernel's row and key ranges stop at the lengths, and it writes
     # out 0, lse −inf and zero gradients there itself, so NaN in the padding cannot leak (§5) and needs no copy
     # (zeroing a ragged KV cache first cost 25 ms per tensor at B=4, H=8, Lk=4096, where the decode step takes ~5).
     # Cosine is the exception: torch normalises every row, padding included, and its backward would carry NaN from
-    # there into dq and dk (0·NaN), so q and k are zeroed beyond the lengths first.
+    # there into dq and dk (0·NaN), so q and k are zeroed beyond the lengths first. Positions with a negative segment
+    # id are zeroed (a copy) where there are any: they lie inside the tiles the kernel reads, where 0·NaN would leak.
     q, k, v = q.float(), k.float(), v.float()
     if spec.variant is Variant.COSINE:
         q, k = zero_padding(q, inputs.q_lengths), zero_padding(k, inputs.kv_lengths)
+    q_ids, kv_ids = (
+        ids if ids is not None and bool((ids < 0).any()) else None
+        for ids in (inputs.q_segment_ids, inputs.kv_segment_ids)
+    )
+    q, k, v = zero_segment_padding(q, q_ids), zero_segment_padding(k, kv_ids), zero_segment_padding(v, kv_ids)
     q, k = normalize_if_cosine(spec, q), normalize_if_cosine(spec, k)
     scale = spec.resolved_scale(head_dim)
     # The mask's bytes as uint8 (a view: no copy); the bias in float32 (§7: added in the compute dtype), which
@@ -178,8 +212,39 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     bias = inputs.bias.float() if inputs.bias is not None else None
     out, lse = _CpuFlash.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), mask, bias,
-        lengths.q_len.contiguous(), lengths.kv_len.contiguous(),
+        geometry.q_len.contiguous(), geometry.kv_len.contiguous(), _segments(geometry),
         _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
+    )  # fmt: skip
+    return from_bhsd(spec, out.to(inputs.q.dtype)), lse
+
+
+# Split-K did not pay on the 2 shared cores it was measured on (B=1, Hq=Hkv=8, Lk=32768, block 256, 2 threads: 2 key
+# ranges took 1.05x the time of 1, load average 11), so it starts from 4 threads, where it is untried.
+SPLIT_K_MIN_THREADS = 4
+
+
+def decode_splits(tasks: int, keys: int, threads: int) -> int:
+    """Split-K's key ranges per row: enough for every thread when the (sequence, query block) tasks are fewer than
+    the threads, each range at least two tiles long; 1 otherwise, and below SPLIT_K_MIN_THREADS."""
+    if tasks >= threads or threads < SPLIT_K_MIN_THREADS:
+        return 1
+    return max(1, min(-(-threads // max(tasks, 1)), keys // (2 * FORWARD_TILE[1])))
+
+
+def paged_attention(spec: AttentionSpec, inputs: PagedInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of an attend_paged call (§13): the kernel reads the float32 caches' blocks through the table."""
+    q = normalize_if_cosine(spec, to_bhsd(spec, inputs.q).float()).contiguous()
+    batch, heads_q, len_q, head_dim = q.shape
+    kv_len = inputs.kv_lengths.to(torch.long).contiguous()
+    q_len = torch.full((batch,), len_q, dtype=torch.long)
+    scale = spec.resolved_scale(head_dim)
+    band = _Band.of(spec)
+    block_q, block_k = band.tile(FORWARD_TILE)
+    splits = decode_splits(batch * -(-len_q // block_q), int(kv_len.max()) if batch else 0, torch.get_num_threads())
+    out, lse = _kernel().forward_paged(
+        q, inputs.k_cache.contiguous(), inputs.v_cache.contiguous(), inputs.block_table.contiguous(), q_len, kv_len,
+        *band.arguments(), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
+        COSINE_EPS if spec.variant is Variant.COSINE else 0.0, block_q, block_k, splits,
     )  # fmt: skip
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse
 
@@ -192,12 +257,14 @@ class CpuFlashBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES,
         description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
         notes=(
             "mask, bias: read per tile through their strides (broadcast axes never expanded); dbias per batch "
             "element and query head (B, Hq, Lq|1, Lk|1), then summed to the bias's shape",
             "float64: left to torch-chunked and torch-naive (the kernel computes in float32)",
+            "paged: float32 caches, read where they lie (one GEMM per block piece of a tile); split-K over the keys "
+            "when a decode call has fewer rows than threads",
             "half types: widened to float32 exactly, results rounded back once",
             "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "
             "it unavailable with the reason (docs/cpu_flash.md)",
@@ -208,9 +275,19 @@ class CpuFlashBackend(RecomputingBackend):
         blas = _blas_reason()
         return [*EXTENSION.problems(), *([blas] if blas else [])]
 
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        reasons = super().supports(spec, problem)
+        if problem.paged_block_size is not None and problem.dtype != "float32":
+            reasons.append(f"paged cache dtype={problem.dtype} (supported: float32; widening would copy the cache)")
+        return reasons
+
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
         with torch.no_grad():
             return flash_attention(spec, inputs)
+
+    def forward_paged(self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
+        with torch.no_grad():
+            return paged_attention(spec, inputs)
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         return lambda *tensors: flash_attention(spec, AttentionInputs(*tensors))

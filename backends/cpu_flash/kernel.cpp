@@ -6,7 +6,9 @@
 // softcapped), is the score, or the tanh argument. Visibility (section 4): with rel = j - i - offset[b],
 // low <= rel <= high on each bounded side, i < q_len[b] and j < kv_len[b]; offset[b] = kv_len[b] - q_len[b] for
 // bottom-right alignment, else 0. A user mask (True = may attend) and an additive bias are read per tile through
-// their strides (0 on broadcast axes), never expanded: S = cap tanh U + bias, then hidden pairs -inf.
+// their strides (0 on broadcast axes), never expanded: S = cap tanh U + bias, then hidden pairs -inf. Segment ids
+// (section 4.5): q_ids[i] == kv_ids[j] >= 0 besides; a query block's key tiles are runs of key granules whose ids can
+// meet the block's, so a key granule that cannot is never read (a packed row costs its documents' sum of L_i^2).
 
 #include <torch/extension.h>
 
@@ -18,6 +20,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <utility>
 #include <vector>
 
 extern "C" {
@@ -117,6 +120,69 @@ Rows rows_of(const Band& band, const int64_t* q_lens, const int64_t* kv_lens, in
   return r;
 }
 
+// Segment ids (section 4.5) of one batch element, and their summaries per granule of positions, as
+// attnkit.contract.torch.SegmentTiles makes them: (least, greatest) non-negative id (least > greatest: padding only)
+// and uniform (one non-negative id throughout). ids null: the call has none.
+struct IdRange {
+  int64_t least = std::numeric_limits<int64_t>::max(), greatest = -1;
+  bool uniform = true;
+};
+
+struct Segments {
+  const int64_t *q_ids = nullptr, *kv_ids = nullptr;
+  const int64_t *q_tiles = nullptr, *kv_tiles = nullptr;  // (granules, 3): least, greatest, uniform
+  int64_t granule = 1;
+
+  bool active() const { return q_ids != nullptr; }
+
+  static IdRange tile(const int64_t* tiles, int64_t g) { return {tiles[3 * g], tiles[3 * g + 1], tiles[3 * g + 2] != 0}; }
+
+  // Query rows [r0, r1) summarised over the granules they lie in.
+  IdRange queries(int64_t r0, int64_t r1) const {
+    IdRange rows;
+    for (int64_t g = r0 / granule; g <= (r1 - 1) / granule; ++g) {
+      const IdRange t = tile(q_tiles, g);
+      rows.least = std::min(rows.least, t.least), rows.greatest = std::max(rows.greatest, t.greatest);
+      rows.uniform = rows.uniform && t.uniform;
+    }
+    rows.uniform = rows.uniform && rows.least == rows.greatest;
+    return rows;
+  }
+
+  // Whether some row of `rows` may share an id with some key of key's granule.
+  bool meets(const IdRange& rows, int64_t key) const {
+    const IdRange t = tile(kv_tiles, key / granule);
+    return std::max(rows.least, t.least) <= std::min(rows.greatest, t.greatest);
+  }
+
+  // Whether every row of `rows` shares its one id with every key of [c0, c1): the ids hide no pair there.
+  bool whole(const IdRange& rows, int64_t c0, int64_t c1) const {
+    if (!rows.uniform) return false;
+    for (int64_t g = c0 / granule; g <= (c1 - 1) / granule; ++g) {
+      const IdRange t = tile(kv_tiles, g);
+      if (!t.uniform || t.least != rows.least) return false;
+    }
+    return true;
+  }
+};
+
+// The next key tile of a query block from c0 on, before last: [c0, c1) of at most block_k keys. With segment ids it
+// starts at the first key granule whose ids meet the block's and ends before the next one that does not, so no
+// granule the ids hide is ever read. False when no tile remains.
+bool next_key_tile(const Segments& segments, const IdRange& rows, int64_t block_k, int64_t last, int64_t& c0,
+                   int64_t& c1) {
+  if (!segments.active()) {
+    c1 = std::min(c0 + block_k, last);
+    return c0 < last;
+  }
+  const int64_t g = segments.granule;
+  while (c0 < last && !segments.meets(rows, c0)) c0 = (c0 / g + 1) * g;
+  const int64_t limit = std::min(c0 + block_k, last);
+  c1 = c0;
+  while (c1 < limit && segments.meets(rows, c1)) c1 = std::min((c1 / g + 1) * g, limit);
+  return c0 < last;
+}
+
 // Keys [first, last) some row of [r0, r1) may see.
 void key_range(const Band& band, const Rows& rows, int64_t r0, int64_t r1, int64_t* first, int64_t* last) {
   *first = band.has_low ? std::max<int64_t>(0, r0 + rows.offset + band.low) : 0;
@@ -135,10 +201,20 @@ struct UserTerms {
   Plane<const float> bias;
 };
 
+// One tile's segment ids (rows from r0, keys from c0); null where the ids hide no pair of the tile.
+struct TileIds {
+  const int64_t *rows = nullptr, *keys = nullptr;
+};
+
+TileIds tile_ids(const Segments& segments, const IdRange& rows, int64_t r0, int64_t c0, int64_t c1) {
+  if (!segments.active() || segments.whole(rows, c0, c1)) return {};
+  return {segments.q_ids + r0, segments.kv_ids + c0};
+}
+
 // U -> S in place for one tile (rows x cols, ld cols): S = cap tanh U when softcapped (tanh kept in `tanh_out` when
 // given), + bias, hidden pairs -inf (the band's when masked, then the user mask's).
 void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap, bool masked, const Band& band,
-            const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user) {
+            const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user, const TileIds& ids) {
   const int64_t step = Vec::size();
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * cols;
@@ -179,6 +255,59 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
       for (int64_t c = 0; c < cols; ++c)
         if (!visible[c * user.mask.col]) row[c] = kNegInf;
     }
+    if (ids.rows) {  // a negative query id equals no key's id it may see: its whole row is hidden
+      const int64_t id = ids.rows[r];
+      for (int64_t c = 0; c < cols; ++c)
+        if (id < 0 || ids.keys[c] != id) row[c] = kNegInf;
+    }
+  }
+}
+
+// The online softmax's state for `rows` rows: m = -inf, l = 0, acc = 0.
+void start_rows(int64_t rows, int64_t dim_v, float* row_max, float* row_sum, float* acc) {
+  std::fill(acc, acc + rows * dim_v, 0.0f);
+  std::fill(row_max, row_max + rows, kNegInf);
+  std::fill(row_sum, row_sum + rows, 0.0f);
+}
+
+// One tile's step of the online softmax (the equations over fwd_block): S (rows x cols, ld cols) becomes P in place,
+// m and l move on and acc (rows x dim_v) is rescaled by alpha; adding P V is the caller's.
+void softmax_step(float* s, int64_t rows, int64_t cols, int64_t dim_v, float* row_max, float* row_sum, float* acc) {
+  const int64_t step = Vec::size();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = s + r * cols;
+    Vec vmax(kNegInf);
+    int64_t c = 0;
+    for (; c + step <= cols; c += step) vmax = at::vec::maximum(vmax, Vec::loadu(row + c));
+    float tile_max = lane_max(vmax);
+    for (; c < cols; ++c) tile_max = nan_max(tile_max, row[c]);
+    const float new_max = nan_max(row_max[r], tile_max);
+    const float shift = new_max == kNegInf ? 0.0f : new_max;
+    const float alpha = std::exp(row_max[r] - shift);
+    Vec vsum(0.0f), vshift(shift);
+    for (c = 0; c + step <= cols; c += step) {
+      Vec p = (Vec::loadu(row + c) - vshift).exp_u20();
+      p.store(row + c);
+      vsum = vsum + p;
+    }
+    float total = lane_sum(vsum);
+    for (; c < cols; ++c) total += (row[c] = std::exp(row[c] - shift));
+    row_sum[r] = row_sum[r] * alpha + total;
+    row_max[r] = new_max;
+    float* acc_row = acc + r * dim_v;
+    if (alpha != 1.0f)
+      for (int64_t d = 0; d < dim_v; ++d) acc_row[d] *= alpha;
+  }
+}
+
+// out = acc / l and lse = m + log l for `rows` rows; a row that saw no key (l = 0) gets 0 and -inf.
+void finish_rows(float* out, float* lse, int64_t rows, int64_t dim_v, const float* row_max, const float* row_sum,
+                 const float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool empty = row_sum[r] == 0.0f;  // NaN is not empty
+    const float inverse = empty ? 0.0f : 1.0f / row_sum[r];
+    for (int64_t d = 0; d < dim_v; ++d) out[r * dim_v + d] = empty ? 0.0f : acc[r * dim_v + d] * inverse;
+    lse[r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
   }
 }
 
@@ -188,52 +317,23 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
 // then out = acc / l and lse = m + log l. A row that has seen no key keeps m = -inf: its shift is taken as 0 so that
 // P and alpha are exp(-inf) = 0, never NaN. l = 0 at the end: no visible key, out 0 and lse -inf. NaN stays NaN.
 void fwd_block(const float* q, const float* k, const float* v, float* out, float* lse, const Sizes& n, const Band& band,
-               const Rows& geometry, const UserTerms& user, float softcap, int64_t r0, int64_t r1,
-               std::vector<float>& s, std::vector<float>& acc, std::vector<float>& row_max,
+               const Rows& geometry, const UserTerms& user, const Segments& segments, float softcap, int64_t r0,
+               int64_t r1, std::vector<float>& s, std::vector<float>& acc, std::vector<float>& row_max,
                std::vector<float>& row_sum) {
-  const int64_t rows = r1 - r0, step = Vec::size();
-  std::fill(acc.begin(), acc.begin() + rows * n.dim_v, 0.0f);
-  std::fill(row_max.begin(), row_max.begin() + rows, kNegInf);
-  std::fill(row_sum.begin(), row_sum.begin() + rows, 0.0f);
-  int64_t first, last;
+  const int64_t rows = r1 - r0;
+  start_rows(rows, n.dim_v, row_max.data(), row_sum.data(), acc.data());
+  int64_t first, last, c1;
   key_range(band, geometry, r0, r1, &first, &last);
-  for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
-    const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
+  const IdRange ids = segments.active() ? segments.queries(r0, r1) : IdRange{};
+  for (int64_t c0 = first; next_key_tile(segments, ids, n.block_k, last, c0, c1); c0 = c1) {
+    const int64_t cols = c1 - c0;
     gemm(false, true, rows, cols, n.dim, n.q_scale, q + r0 * n.dim, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
     scores(s.data(), nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0,
-           user);
-    for (int64_t r = 0; r < rows; ++r) {
-      float* row = s.data() + r * cols;
-      Vec vmax(kNegInf);
-      int64_t c = 0;
-      for (; c + step <= cols; c += step) vmax = at::vec::maximum(vmax, Vec::loadu(row + c));
-      float tile_max = lane_max(vmax);
-      for (; c < cols; ++c) tile_max = nan_max(tile_max, row[c]);
-      const float new_max = nan_max(row_max[r], tile_max);
-      const float shift = new_max == kNegInf ? 0.0f : new_max;
-      const float alpha = std::exp(row_max[r] - shift);
-      Vec vsum(0.0f), vshift(shift);
-      for (c = 0; c + step <= cols; c += step) {
-        Vec p = (Vec::loadu(row + c) - vshift).exp_u20();
-        p.store(row + c);
-        vsum = vsum + p;
-      }
-      float total = lane_sum(vsum);
-      for (; c < cols; ++c) total += (row[c] = std::exp(row[c] - shift));
-      row_sum[r] = row_sum[r] * alpha + total;
-      row_max[r] = new_max;
-      float* acc_row = acc.data() + r * n.dim_v;
-      if (alpha != 1.0f)
-        for (int64_t d = 0; d < n.dim_v; ++d) acc_row[d] *= alpha;
-    }
+           user, tile_ids(segments, ids, r0, c0, c1));
+    softmax_step(s.data(), rows, cols, n.dim_v, row_max.data(), row_sum.data(), acc.data());
     gemm(false, false, rows, n.dim_v, cols, 1.0f, s.data(), cols, v + c0 * n.dim_v, n.dim_v, 1.0f, acc.data(), n.dim_v);
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const bool empty = row_sum[r] == 0.0f;  // NaN is not empty
-    const float inverse = empty ? 0.0f : 1.0f / row_sum[r];
-    for (int64_t d = 0; d < n.dim_v; ++d) out[(r0 + r) * n.dim_v + d] = empty ? 0.0f : acc[r * n.dim_v + d] * inverse;
-    lse[r0 + r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
-  }
+  finish_rows(out + r0 * n.dim_v, lse + r0, rows, n.dim_v, row_max.data(), row_sum.data(), acc.data());
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -261,8 +361,9 @@ void accumulate_dbias(float* dbias, int64_t col, int64_t c, const Vec& ds) {
 }
 
 void bwd_kv_head(const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta,
-                 float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry, float softcap,
-                 int64_t group, const BackwardTerms& terms, int64_t b, int64_t first_head) {
+                 float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry,
+                 const Segments& segments, float softcap, int64_t group, const BackwardTerms& terms, int64_t b,
+                 int64_t first_head) {
   std::vector<float> s(n.block_q * n.block_k), t(n.block_q * n.block_k), dp(n.block_q * n.block_k);
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
   for (int64_t g = 0; g < group; ++g) {
@@ -274,13 +375,15 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
       const float* q_block = q + (head_rows + r0) * n.dim;
       const float* dout_block = dout + (head_rows + r0) * n.dim_v;
       float* dq_block = dq + (head_rows + r0) * n.dim;
-      int64_t first, last;
+      int64_t first, last, c1;
       key_range(band, geometry, r0, r1, &first, &last);
-      for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
-        const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
+      const IdRange ids = segments.active() ? segments.queries(r0, r1) : IdRange{};
+      for (int64_t c0 = first; next_key_tile(segments, ids, n.block_k, last, c0, c1); c0 = c1) {
+        const int64_t cols = c1 - c0;
         const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
         gemm(false, true, rows, cols, n.dim, n.q_scale, q_block, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
-        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0, user);
+        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0, user,
+               tile_ids(segments, ids, r0, c0, c1));
         for (int64_t r = 0; r < rows; ++r) {
           const float row_lse = lse[head_rows + r0 + r];
           const float shift = row_lse == kNegInf ? std::numeric_limits<float>::infinity() : row_lse;
@@ -324,6 +427,153 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Paged forward (section 13): the forward's tiles over keys that lie in cache blocks. Key j of a sequence is slot
+// j % block_size of block table[j / block_size]; within a block one kv head's rows are Hkv * D floats apart (the cache
+// is (num_blocks, block_size, Hkv, D)), which BLAS takes as its leading dimension, so nothing is gathered. A tile of
+// block_k keys crosses several blocks or lies inside one: S = q_scale q K^T and P V are one GEMM per block piece, the
+// softmax one pass per tile as in fwd_block. Cosine scales column j of U by 1 / max(|k_j|, eps) (k_j / |k_j| is the
+// normalised key; the cache is never rewritten).
+// Split-K (flash-decoding): a row's keys [first, last) may be cut into ranges, each finished alone into
+// (out_s, lse_s), then merged by section 6: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
+struct PagedSequence {  // one sequence's blocks
+  const float* k;  // the caches (num_blocks, block_size, Hkv, D | Dv)
+  const float* v;
+  const int32_t* table;  // the sequence's row of the block table
+  int64_t block_size, k_block, v_block, k_row, v_row;  // strides in floats: block to block, slot to slot
+  float cosine_eps;  // > 0 for the cosine variant
+  // Key (value) j of kv head 0; kv head h is h * D (h * Dv) floats on.
+  const float* key(int64_t j) const { return k + table[j / block_size] * k_block + (j % block_size) * k_row; }
+  const float* value(int64_t j) const { return v + table[j / block_size] * v_block + (j % block_size) * v_row; }
+};
+
+// fn(a, b) for each piece [a, b) of the keys [c0, c1) that lies in one block.
+template <typename Fn>
+void for_each_piece(int64_t c0, int64_t c1, int64_t block_size, Fn fn) {
+  for (int64_t a = c0; a < c1;) {
+    const int64_t b = std::min(c1, (a / block_size + 1) * block_size);
+    fn(a, b);
+    a = b;
+  }
+}
+
+// Columns [0, keys) of the rows x ld tile s times 1 / max(|k_j|, eps), keys rows of length dim `row` floats apart.
+void divide_by_key_norms(float* s, int64_t rows, int64_t ld, int64_t keys, const float* k, int64_t row, int64_t dim,
+                         float eps) {
+  for (int64_t j = 0; j < keys; ++j) {
+    const float* key = k + j * row;
+    Vec squares(0.0f);
+    int64_t d = 0;
+    for (; d + Vec::size() <= dim; d += Vec::size()) squares = at::vec::fmadd(Vec::loadu(key + d), Vec::loadu(key + d), squares);
+    float total = lane_sum(squares);
+    for (; d < dim; ++d) total += key[d] * key[d];
+    const float inverse = 1.0f / std::max(std::sqrt(total), eps);
+    for (int64_t r = 0; r < rows; ++r) s[r * ld + j] *= inverse;
+  }
+}
+
+// Decode-sized products, below the cost of a BLAS call (a block of 16 keys is a 1 x 16 x 128 product): rows up to
+// kFewRows take these loops. S[r, j] = alpha q_r . k_j over keys `k_row` floats apart, into s (ld columns).
+constexpr int64_t kFewRows = 4;
+
+void few_rows_scores(int64_t rows, int64_t keys, int64_t dim, float alpha, const float* q, const float* k,
+                     int64_t k_row, float* s, int64_t ld) {
+  for (int64_t j = 0; j < keys; ++j)
+    for (int64_t r = 0; r < rows; ++r) {
+      const float *key = k + j * k_row, *query = q + r * dim;
+      Vec sum(0.0f);
+      int64_t d = 0;
+      for (; d + Vec::size() <= dim; d += Vec::size()) sum = at::vec::fmadd(Vec::loadu(query + d), Vec::loadu(key + d), sum);
+      float total = lane_sum(sum);
+      for (; d < dim; ++d) total += query[d] * key[d];
+      s[r * ld + j] = alpha * total;
+    }
+}
+
+// acc[r] += sum_j P[r, j] v_j over values `v_row` floats apart, P with ld columns.
+void few_rows_values(int64_t rows, int64_t keys, int64_t dim_v, const float* p, int64_t ld, const float* v,
+                     int64_t v_row, float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc_row = acc + r * dim_v;
+    for (int64_t j = 0; j < keys; ++j) {
+      const Vec weight(p[r * ld + j]);
+      const float* value = v + j * v_row;
+      int64_t d = 0;
+      for (; d + Vec::size() <= dim_v; d += Vec::size())
+        at::vec::fmadd(weight, Vec::loadu(value + d), Vec::loadu(acc_row + d)).store(acc_row + d);
+      for (; d < dim_v; ++d) acc_row[d] += p[r * ld + j] * value[d];
+    }
+  }
+}
+
+// Rows [r0, r1) of every query head of one sequence over its keys [first, last). Each tile is read for all heads in
+// turn while it is in cache: one head's rows of a block lie Hkv * D floats apart (4 KiB at Hkv = 8, D = 128), so a head
+// at a time would stream every page of the cache for an Hkv-th of it. q, out and lse point at the sequence's head 0;
+// the online softmax keeps its state per head (row_max, row_sum: block_q per head; acc: block_q * Dv per head).
+void fwd_rows_paged(const float* q, const PagedSequence& cache, float* out, float* lse, const Sizes& n,
+                    const Band& band, const Rows& geometry, float softcap, int64_t r0, int64_t r1, int64_t first,
+                    int64_t last, float* s, float* acc, float* row_max, float* row_sum) {
+  const int64_t rows = r1 - r0, group = n.heads_q / n.heads_kv, acc_size = n.block_q * n.dim_v;
+  for (int64_t h = 0; h < n.heads_q; ++h)
+    start_rows(rows, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, acc + h * acc_size);
+  for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
+    const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
+    const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
+    for (int64_t h = 0; h < n.heads_q; ++h) {
+      const float* q_rows = q + (h * n.len_q + r0) * n.dim;
+      const int64_t key_head = h / group * n.dim, value_head = h / group * n.dim_v;
+      float* head_acc = acc + h * acc_size;
+      for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
+        const float* keys = cache.key(a) + key_head;
+        if (rows <= kFewRows)
+          few_rows_scores(rows, b - a, n.dim, n.q_scale, q_rows, keys, cache.k_row, s + (a - c0), cols);
+        else
+          gemm(false, true, rows, b - a, n.dim, n.q_scale, q_rows, n.dim, keys, cache.k_row, 0.0f, s + (a - c0), cols);
+        if (cache.cosine_eps > 0)
+          divide_by_key_norms(s + (a - c0), rows, cols, b - a, keys, cache.k_row, n.dim, cache.cosine_eps);
+      });
+      scores(s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, UserTerms{}, TileIds{});
+      softmax_step(s, rows, cols, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, head_acc);
+      for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
+        const float* values = cache.value(a) + value_head;
+        if (rows <= kFewRows)
+          few_rows_values(rows, b - a, n.dim_v, s + (a - c0), cols, values, cache.v_row, head_acc);
+        else
+          gemm(false, false, rows, n.dim_v, b - a, 1.0f, s + (a - c0), cols, values, cache.v_row, 1.0f, head_acc,
+               n.dim_v);
+      });
+    }
+  }
+  for (int64_t h = 0; h < n.heads_q; ++h)
+    finish_rows(out + (h * n.len_q + r0) * n.dim_v, lse + h * n.len_q + r0, rows, n.dim_v, row_max + h * n.block_q,
+                row_sum + h * n.block_q, acc + h * acc_size);
+}
+
+// Split-K's merge (section 6) of parts (splits, rows, dim_v) and their lse (splits, rows) into out, lse.
+void merge_splits(const float* parts, const float* part_lse, int64_t splits, int64_t rows, int64_t dim_v, float* out,
+                  float* lse) {
+  at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      float top = kNegInf;
+      for (int64_t p = 0; p < splits; ++p) top = nan_max(top, part_lse[p * rows + r]);
+      float* out_row = out + r * dim_v;
+      std::fill(out_row, out_row + dim_v, 0.0f);
+      if (top == kNegInf) {  // every part empty: -inf - (-inf) would be NaN
+        lse[r] = kNegInf;
+        continue;
+      }
+      float total = 0.0f;
+      for (int64_t p = 0; p < splits; ++p) total += std::exp(part_lse[p * rows + r] - top);
+      lse[r] = top + std::log(total);
+      for (int64_t p = 0; p < splits; ++p) {
+        const float weight = std::exp(part_lse[p * rows + r] - lse[r]);
+        const float* part = parts + (p * rows + r) * dim_v;
+        for (int64_t d = 0; d < dim_v; ++d) out_row[d] += weight * part[d];
+      }
+    }
+  });
+}
+
 Sizes sizes_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t block_q, int64_t block_k,
                double q_scale) {
   TORCH_CHECK(block_q >= 1 && block_k >= 1, "block_q=", block_q, " and block_k=", block_k, " must be >= 1");
@@ -357,16 +607,57 @@ void check_terms(const std::optional<torch::Tensor>& mask, const std::optional<t
   }
 }
 
+// The call's segment ids (B, Lq) and (B, Lk), int64, and their summaries (B, granules, 3), or none of them.
+struct SegmentArgs {
+  const int64_t *q_ids = nullptr, *kv_ids = nullptr, *q_tiles = nullptr, *kv_tiles = nullptr;
+  int64_t len_q = 0, len_k = 0, q_granules = 0, kv_granules = 0, granule = 1;
+
+  Segments of(int64_t b) const {
+    if (!q_ids) return {};
+    return {q_ids + b * len_q, kv_ids + b * len_k, q_tiles + b * q_granules * 3, kv_tiles + b * kv_granules * 3,
+            granule};
+  }
+};
+
+SegmentArgs segment_args(const std::optional<torch::Tensor>& q_ids, const std::optional<torch::Tensor>& kv_ids,
+                         const std::optional<torch::Tensor>& q_tiles, const std::optional<torch::Tensor>& kv_tiles,
+                         int64_t granule, const torch::Tensor& q, const torch::Tensor& k) {
+  SegmentArgs args;
+  if (!q_ids.has_value()) return args;
+  TORCH_CHECK(kv_ids.has_value() && q_tiles.has_value() && kv_tiles.has_value() && granule >= 1,
+              "segment ids need both sides and their tile summaries");
+  const int64_t granules_q = (q.size(2) + granule - 1) / granule, granules_k = (k.size(2) + granule - 1) / granule;
+  const std::pair<const torch::Tensor*, std::vector<int64_t>> expected[] = {
+      {&*q_ids, {q.size(0), q.size(2)}},
+      {&*kv_ids, {q.size(0), k.size(2)}},
+      {&*q_tiles, {q.size(0), granules_q, 3}},
+      {&*kv_tiles, {q.size(0), granules_k, 3}}};
+  for (const auto& [x, shape] : expected)
+    TORCH_CHECK(x->scalar_type() == torch::kLong && x->is_contiguous() && x->device().is_cpu() &&
+                    x->sizes() == c10::IntArrayRef(shape),
+                "segment ids and summaries must be contiguous int64 CPU tensors of shape ", c10::IntArrayRef(shape),
+                ", got ", x->sizes());
+  args.q_ids = q_ids->data_ptr<int64_t>(), args.kv_ids = kv_ids->data_ptr<int64_t>();
+  args.q_tiles = q_tiles->data_ptr<int64_t>(), args.kv_tiles = kv_tiles->data_ptr<int64_t>();
+  args.len_q = q.size(2), args.len_k = k.size(2), args.q_granules = granules_q, args.kv_granules = granules_k;
+  args.granule = granule;
+  return args;
+}
+
 }  // namespace
 
 // q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq).
-// mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None.
+// mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None. Segment ids: q_ids
+// (B, Lq), kv_ids (B, Lk) int64 and their summaries per granule of positions (B, granules, 3), or all None.
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_lens,
                                    torch::Tensor kv_lens, std::optional<torch::Tensor> mask,
-                                   std::optional<torch::Tensor> bias, bool has_low, int64_t low, bool has_high,
-                                   int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
-                                   int64_t block_k) {
+                                   std::optional<torch::Tensor> bias, std::optional<torch::Tensor> q_ids,
+                                   std::optional<torch::Tensor> kv_ids, std::optional<torch::Tensor> q_tiles,
+                                   std::optional<torch::Tensor> kv_tiles, int64_t granule, bool has_low, int64_t low,
+                                   bool has_high, int64_t high, bool bottom_right, double softcap, double q_scale,
+                                   int64_t block_q, int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v"), check_terms(mask, bias, q, k);
+  const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
   const Strided<const uint8_t> mask_view = strided<const uint8_t>(mask);
   const Strided<const float> bias_view = strided<const float>(bias);
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
@@ -388,8 +679,8 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
       const int64_t kv_head = b * n.heads_kv + head / group, q_head = b * n.heads_q + head;
       const UserTerms user{mask_view.plane(b, head), bias_view.plane(b, head)};
       fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
-                op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, (float)softcap, r0,
-                r1, s, acc, row_max, row_sum);
+                op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, segments.of(b),
+                (float)softcap, r0, r1, s, acc, row_max, row_sum);
     }
   });
   return {out, lse};
@@ -401,11 +692,14 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout,
                                     torch::Tensor lse, torch::Tensor delta, torch::Tensor q_lens, torch::Tensor kv_lens,
                                     std::optional<torch::Tensor> mask, std::optional<torch::Tensor> bias,
-                                    bool need_dbias, bool has_low, int64_t low, bool has_high, int64_t high,
-                                    bool bottom_right, double softcap, double q_scale, int64_t block_q,
+                                    std::optional<torch::Tensor> q_ids, std::optional<torch::Tensor> kv_ids,
+                                    std::optional<torch::Tensor> q_tiles, std::optional<torch::Tensor> kv_tiles,
+                                    int64_t granule, bool need_dbias, bool has_low, int64_t low, bool has_high,
+                                    int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
                                     int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v"), check(dout, "dout"), check(lse, "lse"), check(delta, "delta");
   check_terms(mask, bias, q, k);
+  const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
   TORCH_CHECK(!need_dbias || bias.has_value(), "need_dbias without a bias");
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
@@ -427,13 +721,79 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
                   lse.data_ptr<float>() + q_offset, delta.data_ptr<float>() + q_offset,
                   dq.data_ptr<float>() + q_offset * n.dim, dk.data_ptr<float>() + task * n.len_k * n.dim,
                   dv.data_ptr<float>() + task * n.len_k * n.dim_v, n, band, rows_of(band, q_len, kv_len, b),
-                  (float)softcap, group, terms, b, (task % n.heads_kv) * group);
+                  segments.of(b), (float)softcap, group, terms, b, (task % n.heads_kv) * group);
     }
   });
   return {dq, dk, dv, dbias};
 }
 
+// q (B, Hq, Lq, D); k_cache (num_blocks, block_size, Hkv, D), v_cache (num_blocks, block_size, Hkv, Dv); block_table
+// int32 (B, max_blocks); lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq). Each row's keys are cut into
+// `splits` ranges (split-K) that separate tasks run, merged at the end; 1 runs each row whole.
+std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                                         torch::Tensor block_table, torch::Tensor q_lens, torch::Tensor kv_lens,
+                                         bool has_low, int64_t low, bool has_high, int64_t high, bool bottom_right,
+                                         double softcap, double q_scale, double cosine_eps, int64_t block_q,
+                                         int64_t block_k, int64_t splits) {
+  check(q, "q"), check(k_cache, "k_cache"), check(v_cache, "v_cache");
+  TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.is_contiguous() && block_table.dim() == 2,
+              "block_table must be a contiguous 2-D int32 tensor");
+  TORCH_CHECK(splits >= 1, "splits=", splits, " must be >= 1");
+  const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), max_blocks = block_table.size(1);
+  const Sizes n{q.size(0), q.size(1), k_cache.size(2), q.size(2), max_blocks * block_size, q.size(3), v_cache.size(3),
+                block_q, block_k, (float)q_scale};
+  TORCH_CHECK(block_q >= 1 && block_k >= 1, "block_q=", block_q, " and block_k=", block_k, " must be >= 1");
+  const int64_t* q_len = q_lens.data_ptr<int64_t>();
+  const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < n.batch; ++b) {  // the entries the kernel reads must lie in the cache
+    TORCH_CHECK(kv_len[b] >= 0 && kv_len[b] <= n.len_k, "kv_lengths[", b, "]=", kv_len[b], " outside [0, ", n.len_k,
+                "]");
+    for (int64_t i = 0; i < (kv_len[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(table[b * max_blocks + i] >= 0 && table[b * max_blocks + i] < num_blocks, "block_table[", b, ", ",
+                  i, "]=", table[b * max_blocks + i], " outside [0, ", num_blocks, ")");
+  }
+  const Band band = band_of(has_low, low, has_high, high, bottom_right);
+  auto out = torch::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
+  auto lse = torch::full({n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
+  const int64_t rows = n.batch * n.heads_q * n.len_q;
+  // One split writes straight into out and lse; more write parts, merged below.
+  auto parts = splits == 1 ? out : torch::zeros({splits, n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
+  auto part_lse = splits == 1 ? lse : torch::full({splits, n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
+  const int64_t blocks = (n.len_q + n.block_q - 1) / n.block_q;
+  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  float *op = parts.data_ptr<float>(), *lp = part_lse.data_ptr<float>();
+  // A task: one sequence's query block, every head, one split of the keys.
+  at::parallel_for(0, n.batch * blocks * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(n.block_q * n.block_k), acc(n.heads_q * n.block_q * n.dim_v), row_max(n.heads_q * n.block_q),
+        row_sum(n.heads_q * n.block_q);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t split = task % splits, block = task / splits % blocks, b = task / splits / blocks;
+      const Rows geometry = rows_of(band, q_len, kv_len, b);
+      const int64_t r0 = block * n.block_q, r1 = std::min({r0 + n.block_q, n.len_q, geometry.q_len});
+      if (r0 >= r1) continue;
+      int64_t first, last;
+      key_range(band, geometry, r0, r1, &first, &last);
+      // This split's share of the keys, in whole tiles.
+      const int64_t tiles = std::max<int64_t>(last - first, 0) / n.block_k + 1;
+      const int64_t share = (tiles + splits - 1) / splits * n.block_k;
+      const int64_t from = first + split * share, to = std::min(last, from + share);
+      if (split > 0 && from >= to) continue;  // empty: its part keeps out 0, lse -inf
+      const PagedSequence cache{kp, vp, table + b * max_blocks, block_size, block_size * n.heads_kv * n.dim,
+                                block_size * n.heads_kv * n.dim_v, n.heads_kv * n.dim, n.heads_kv * n.dim_v,
+                                (float)cosine_eps};
+      const int64_t head_0 = split * rows + b * n.heads_q * n.len_q;  // row (b, head 0, query 0) of this split's part
+      fwd_rows_paged(qp + b * n.heads_q * n.len_q * n.dim, cache, op + head_0 * n.dim_v, lp + head_0, n, band,
+                     geometry, (float)softcap, r0, r1, from, std::max(from, to), s.data(), acc.data(), row_max.data(),
+                     row_sum.data());
+    }
+  });
+  if (splits > 1) merge_splits(op, lp, splits, rows, n.dim_v, out.data_ptr<float>(), lse.data_ptr<float>());
+  return {out, lse};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "cpu-flash forward: (out, lse)");
   m.def("backward", &backward, "cpu-flash backward: (dq, dk, dv)");
+  m.def("forward_paged", &forward_paged, "cpu-flash forward over a paged KV cache: (out, lse)");
 }

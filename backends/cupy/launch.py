@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from attnkit.contract.kernels import ArgumentTypes, Grid, Kernel, KernelCall, KernelSwitches
+from attnkit.contract.kernels import SEGMENT_GRANULE, ArgumentTypes, Grid, Kernel, KernelCall, KernelSwitches
 
 #: The kernel source: one file, compiled by NVRTC, nvcc and the emulator's host compiler alike.
 SOURCE = Path(__file__).parent / "kernels" / "attention.cu"
@@ -179,6 +179,7 @@ def compile_options(
         "BLOCK_M": tile.block_m,
         "BLOCK_N": tile.block_n,
         "NUM_WARPS": tile.num_warps,
+        "SEGMENT_GRANULE": SEGMENT_GRANULE,  # every tile above is a multiple of it
         # The feature switches: each a -D option, so a call without a feature compiles without its code.
         **{field.name.upper(): int(getattr(switches, field.name)) for field in fields(KernelSwitches)},
     }

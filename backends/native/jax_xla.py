@@ -6,7 +6,9 @@
   ANDed with the user's: the XLA path materialises the (Lq, Lk) scores anyway.
 * Fully masked rows: jax fills hidden scores with a large *finite* negative, so an empty row outputs the mean of V;
   here such rows are found from the visibility mask and set to 0, which also zeroes their cotangent.
-* Padding beyond lengths is zeroed first (0·NaN would otherwise reach visible rows).
+* Segment ids: jax.nn.dot_product_attention has none; ``q_ids == kv_ids >= 0`` joins the same boolean mask, so a
+  packed row costs its whole (Lq, Lk) scores, (Σ Lᵢ)², with nothing skipped.
+* Padding beyond lengths and at negative segment ids is zeroed first (0·NaN would otherwise reach visible rows).
 * Differentiated by JAX itself (``differentiable_forward``): jax.grad of attend is jax.grad of the library call.
 """
 
@@ -33,7 +35,14 @@ from attnkit.backend import (
     Variant,
 )
 from attnkit.contract import conjoin
-from attnkit.contract.jax import band_visibility, length_visibility, normalize, zero_padding
+from attnkit.contract.jax import (
+    band_visibility,
+    length_visibility,
+    normalize,
+    segment_visibility,
+    zero_padding,
+    zero_segment_padding,
+)
 
 
 def _bshd(spec: AttentionSpec, x: Any) -> Any:
@@ -54,13 +63,17 @@ def _visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k:
     q_len = inputs.q_lengths.astype(jnp.int32)[:, None, None, None] if inputs.q_lengths is not None else None
     kv_len = inputs.kv_lengths.astype(jnp.int32)[:, None, None, None] if inputs.kv_lengths is not None else None
     band = band_visibility(spec, i, j, len_q if q_len is None else q_len, len_k if kv_len is None else kv_len)
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    segments = None if q_ids is None else segment_visibility(q_ids[:, None, :, None], kv_ids[:, None, None, :])
     # Lengths limit only where given: with none, a spec without a band or mask needs no mask at all.
-    return conjoin(band, length_visibility(i, j, q_len, kv_len), inputs.mask)
+    return conjoin(band, length_visibility(i, j, q_len, kv_len), inputs.mask, segments)
 
 
 def _native_causal(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> bool:
     """Whether is_causal=True expresses all of the visibility but the user mask."""
-    if inputs.q_lengths is not None or inputs.kv_lengths is not None or spec.window is not None:
+    if spec.window is not None or any(
+        x is not None for x in (inputs.q_lengths, inputs.kv_lengths, inputs.q_segment_ids)
+    ):
         return False
     return spec.causal and (spec.causal_alignment is CausalAlignment.TOP_LEFT or len_q == len_k)
 
@@ -108,8 +121,10 @@ def _xla_attention_traced(spec: AttentionSpec, inputs: AttentionInputs, need_lse
         out = jnp.zeros((batch, len_q, heads_q, dim_v), q.dtype)
         empty_lse = jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
         return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), empty_lse
-    q = zero_padding(q, inputs.q_lengths, axis=1)
-    k, v = zero_padding(k, inputs.kv_lengths, axis=1), zero_padding(v, inputs.kv_lengths, axis=1)
+    q = zero_segment_padding(zero_padding(q, inputs.q_lengths, axis=1), inputs.q_segment_ids, axis=1)
+    k, v = (
+        zero_segment_padding(zero_padding(x, inputs.kv_lengths, axis=1), inputs.kv_segment_ids, axis=1) for x in (k, v)
+    )
     dtype = q.dtype
     if spec.variant is Variant.COSINE:
         q, k = _unit_rows(q), _unit_rows(k)
@@ -151,13 +166,15 @@ class JaxXlaBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.PAGED},
         description="jax.nn.dot_product_attention (XLA; materialises the (Lq, Lk) scores), differentiated by JAX",
         notes=(
             "lse: jax.nn.dot_product_attention does not return it; computed from the scores once more when asked",
             "softcap: no score modifier in jax.nn.dot_product_attention",
             "float64: its XLA path computes logits in float32",
             "fully masked rows: set to 0 from the visibility mask (jax itself gives the mean of V)",
+            "segment ids: no such argument in jax.nn.dot_product_attention; passed as a dense (B, 1, Lq, Lk) mask, "
+            "so a packed row costs (Σ Lᵢ)² scores and memory, not Σ Lᵢ²",
         ),
     )
 

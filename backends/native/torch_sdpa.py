@@ -433,7 +433,7 @@ def _masked_runner(
             return sdpa(q, k, v, attn_mask=mask & _causal_band(spec, len_q, len_k, q.device), **options)
 
     if spec.variant is not Variant.COSINE and spec.layout is Layout.BHSD:
-        return lambda q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids: (
+        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
             attention(q, k, v, mask),
             None,
         )
@@ -475,11 +475,11 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
     options = _sdpa_options(spec, is_causal, grouped, scale)
     # The other tensors are always None here (a plain call): named, not collected into a tuple per call.
     if bshd:
-        return lambda q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids: (
+        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
             sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options).transpose(1, 2),
             None,
         )
-    return lambda q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids: (
+    return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
         sdpa(q, k, v, **options),
         None,
     )

@@ -34,7 +34,7 @@ try:
     import jax
     import jax.numpy as jnp
 
-    from attnkit.contract.jax import normalize, normalize_backward, zero_padding
+    from attnkit.contract.jax import normalize, normalize_backward, zero_padding, zero_segment_padding
 
     from . import kernels
 except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
@@ -165,13 +165,26 @@ def _pairwise(x: Any, sizes: _Sizes, dtype: Any) -> Any:
     return _pad_axis(_pad_axis(x, 2, sizes.pad_q), 3, sizes.pad_k)
 
 
+def _segments(config: _Config, sizes: _Sizes, inputs: AttentionInputs) -> tuple[Any, Any]:
+    """The segment-id operands of the forward/dQ kernels and of the dK/dV kernel (None, None without ids): ids as
+    int32, padded with −1, and their per-tile ranges for each kernel's blocks."""
+    if inputs.q_segment_ids is None:
+        return None, None
+    q_ids = _pad_axis(inputs.q_segment_ids.astype(jnp.int32), 1, sizes.pad_q, -1)
+    kv_ids = _pad_axis(inputs.kv_segment_ids.astype(jnp.int32), 1, sizes.pad_k, -1)
+    return kernels.segments_for(config.kernel, q_ids, kv_ids), kernels.segments_for(config.kernel_dkdv, q_ids, kv_ids)
+
+
 def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, Any]:
-    """Kernel operands: padded q, k, v (unit rows for cosine), int8 mask, float32 bias, geometry."""
-    q, k, v = inputs.q, inputs.k, inputs.v
-    sizes = _sizes(config, q, k, v)
+    """Kernel operands: padded q, k, v (unit rows for cosine; zero at negative segment ids), int8 mask, float32
+    bias, geometry, segment ids."""
+    sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     seq_axis, _ = _axes(config)
+    q = zero_segment_padding(inputs.q, inputs.q_segment_ids, seq_axis)
+    k, v = (zero_segment_padding(x, inputs.kv_segment_ids, seq_axis) for x in (inputs.k, inputs.v))
     geom, q_len, kv_len = _geometry(band, sizes, inputs.q_lengths, inputs.kv_lengths)
     prepared: dict[str, Any] = {"geom": geom, "q_norm": None, "k_norm": None}
+    prepared["segments"], prepared["segments_dkdv"] = _segments(config, sizes, inputs)
     if config.cosine:  # padding zeroed first, so its NaN cannot reach the normalisation's backward
         prepared["q_norm"] = normalize(zero_padding(q, q_len, seq_axis).astype(jnp.float32))
         prepared["k_norm"] = normalize(zero_padding(k, kv_len, seq_axis).astype(jnp.float32))
@@ -226,7 +239,8 @@ def _forward(stages: _Stages, config: _Config, params: Any, band: Any, inputs: A
         return _empty_forward(inputs, config)
     sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     p = stages.prepare(config, band, inputs)
-    out, lse = stages.forward_kernel(config.kernel, p["geom"], params, p["q"], p["k"], p["v"], p["mask"], p["bias"])
+    operands = (p["geom"], params, p["q"], p["k"], p["v"], p["mask"], p["bias"], p["segments"])
+    out, lse = stages.forward_kernel(config.kernel, *operands)
     return stages.finish_forward(config, sizes, out, lse)
 
 
@@ -280,8 +294,8 @@ def _backward(
     p = stages.prepare(config, band, inputs)
     do, lse, delta = stages.backward_rows(config, sizes, out, lse, dout, dlse)
     operands = (p["geom"], params, p["q"], p["k"], p["v"], do, lse, delta, p["mask"], p["bias"])
-    dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands)
-    dq, dbias = stages.dq_kernel(config.kernel, *operands, need_dbias)
+    dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands, p["segments_dkdv"])
+    dq, dbias = stages.dq_kernel(config.kernel, *operands, p["segments"], need_dbias)
     return stages.finish_backward(config, sizes, inputs, p, (dq, dk, dv, dbias))
 
 
@@ -311,7 +325,7 @@ def _compiled() -> tuple[Any, Any, Any, Any]:
         jax.jit(_finish_forward, static_argnums=(0, 1)),
         jax.jit(_backward_rows, static_argnums=(0, 1)),
         jax.jit(kernels.dkdv_call, static_argnums=(0,), compiler_options=fast),
-        jax.jit(kernels.dq_call, static_argnums=(0, 11), compiler_options=fast),
+        jax.jit(kernels.dq_call, static_argnums=(0, 12), compiler_options=fast),
         jax.jit(_finish_backward, static_argnums=(0, 1)),
     )
     whole_forward = jax.jit(functools.partial(_forward, _PLAIN), static_argnums=(0,))
@@ -361,7 +375,7 @@ class PallasBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES - {Feature.PAGED},
         native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
         description=(
@@ -374,6 +388,8 @@ class PallasBackend(BaseBackend):
             "float64: not declared (Triton's GPU dot has no float64 path)",
             "head dims up to 256, padded to a power of two >= 16; sequences padded to the block size",
             "dense mask/bias: their sequence axes are materialised (batch/head broadcast is kept)",
+            "segment ids: narrowed to int32; tile pairs whose id ranges cannot meet are skipped, so a packed row "
+            "of contiguous documents costs Σ Lᵢ²",
         ),
     )
 

@@ -13,6 +13,11 @@ power of two (zeros), q/k already unit vectors for the cosine variant, mask as i
   ``attnkit.contract.diagonal_band`` (an open side: ``∓FAR``) and ``off`` the per-batch alignment offset.
 * ``params`` (4,) float32: ``[scale, softcap, 0, 0]``.
 
+Segment ids (§4.5), when given, arrive as :class:`Segments`: the ids of the padded rows (−1 on padding, which
+``backend.py`` has also zeroed in q, k, v) and, per tile of the kernel's blocks, the smallest and largest
+non-negative id. A (query tile, key tile) pair whose ranges cannot meet is skipped inside the loop, never loaded:
+a packed row of documents costs Σ Lᵢ², not (Σ Lᵢ)², when each document's positions are contiguous.
+
 GQA/MQA: query head ``h`` reads kv head ``h // G`` through the K/V index maps; the dK/dV kernel runs per kv head
 and loops over its G query heads, so nothing is repeated and nothing is written twice (no atomics).
 
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,9 +39,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attnkit.contract import conjoin, within_band
-from attnkit.contract.jax import length_visibility
+from attnkit.contract.jax import length_visibility, segment_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
+NO_ID = (1 << 31) - 1  # the smallest id of a tile of padding only: above every largest id, so it meets nothing
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,29 @@ class Static:
     def compiler_params(self) -> Any:
         # Triton, not Mosaic GPU: the Mosaic GPU path does not take these dot_general shapes.
         return plgpu.CompilerParams(num_warps=self.num_warps, num_stages=self.num_stages)
+
+
+class Segments(NamedTuple):
+    """The segment-id operands (arrays outside the kernels, refs inside): ids (B, L_pad) int32 and, per tile of
+    the kernel's blocks, (B, 2, tiles) int32 ``[smallest, largest]`` non-negative id (``[NO_ID, −1]`` for none)."""
+
+    q_ids: Any
+    kv_ids: Any
+    q_ranges: Any
+    kv_ranges: Any
+
+
+def segments_for(static: Static, q_ids: Any, kv_ids: Any) -> Segments:
+    """The operands for a kernel with ``static``'s blocks, from padded ids (B, Lq_pad) and (B, Lk_pad)."""
+    return Segments(q_ids, kv_ids, _tile_ranges(q_ids, static.block_q), _tile_ranges(kv_ids, static.block_k))
+
+
+def _tile_ranges(ids: Any, block: int) -> Any:
+    tiles = ids.reshape(ids.shape[0], -1, block)
+    real = tiles >= 0
+    smallest = jnp.where(real, tiles, NO_ID).min(axis=-1)
+    largest = jnp.where(real, tiles, -1).max(axis=-1)
+    return jnp.stack([smallest, largest], axis=1)
 
 
 # ------------------------------------------------------------------------------------------ shared tile helpers
@@ -124,11 +153,36 @@ def _scores(q: Any, k: Any, params_ref: Any, static: Static, bias: Any, visible:
     return jnp.where(visible, s, -jnp.inf), tanh
 
 
-def _tile_visibility(geom: Any, mask_ref: Any, i0: Any, j0: Any, static: Static, rows: Any = None) -> Any:
+def _tile_visibility(
+    geom: Any, mask_ref: Any, segments: Segments | None, i0: Any, j0: Any, static: Static, rows: Any = None
+) -> Any:
     visible = _visible(geom, i0, j0, static.block_q, static.block_k)
     if mask_ref is not None:
         visible = visible & (_read(mask_ref, rows, i0, j0, static) != 0)
+    if segments is not None:
+        q_ids = segments.q_ids[pl.ds(i0, static.block_q)]
+        kv_ids = segments.kv_ids[pl.ds(j0, static.block_k)]
+        visible = visible & segment_visibility(q_ids[:, None], kv_ids[None, :])
     return visible
+
+
+def _keep(tile: Any, carry: Any) -> Any:
+    return carry
+
+
+def _where_ids_meet(segments: Segments | None, pair: Any, visit: Any, skip: Any = _keep) -> Any:
+    """A loop body that runs ``visit(tile, carry)`` only where the tile pair ``pair(tile)`` = (query tile, key
+    tile) can hold a query and a key of one segment, else ``skip``: the other tiles are never loaded."""
+    if segments is None:
+        return visit
+
+    def body(tile: Any, carry: Any) -> Any:
+        q_tile, kv_tile = pair(tile)
+        q_low, q_high = segments.q_ranges[0, q_tile], segments.q_ranges[1, q_tile]
+        kv_low, kv_high = segments.kv_ranges[0, kv_tile], segments.kv_ranges[1, kv_tile]
+        return lax.cond((q_low <= kv_high) & (kv_low <= q_high), visit, skip, tile, carry)
+
+    return body
 
 
 def _read(ref: Any, head: Any, i0: Any, j0: Any, static: Static) -> Any:
@@ -140,9 +194,30 @@ def _read(ref: Any, head: Any, i0: Any, j0: Any, static: Static) -> Any:
 
 
 def _split(refs: tuple[Any, ...], present: tuple[bool, ...]) -> list[Any]:
-    """Pop optional refs in order: ``present[n]`` says whether the n-th optional operand was passed."""
+    """Pop the optional refs in order: mask, bias, then the four of :class:`Segments` (one entry), then the
+    outputs; ``present[n]`` says whether the n-th optional operand was passed."""
     refs_list = list(refs)
-    return [refs_list.pop(0) if flag else None for flag in present] + refs_list
+    mask_present, bias_present, segments_present = present
+    mask = refs_list.pop(0) if mask_present else None
+    bias = refs_list.pop(0) if bias_present else None
+    segments = Segments(*(refs_list.pop(0) for _ in Segments._fields)) if segments_present else None
+    return [mask, bias, segments, *refs_list]
+
+
+def _optional_operands(
+    in_specs: list[Any], operands: list[Any], pair_spec: Any, mask: Any, bias: Any, segments: Segments | None
+) -> tuple[bool, bool, bool]:
+    """Append mask, bias (each with ``pair_spec(shape)``) and the segment operands (whole rows of the batch
+    element) to a call's specs and operands; the kernel's ``has``."""
+    for extra in (mask, bias):
+        if extra is not None:
+            in_specs.append(pair_spec(extra.shape))
+            operands.append(extra)
+    if segments is not None:
+        for array in segments:
+            in_specs.append(pl.BlockSpec((None, *array.shape[1:]), lambda b, h, x, n=array.ndim: (b,) + (0,) * (n - 1)))
+            operands.append(array)
+    return mask is not None, bias is not None, segments is not None
 
 
 # ------------------------------------------------------------------------------------------------- forward
@@ -151,24 +226,25 @@ def _split(refs: tuple[Any, ...], present: tuple[bool, ...]) -> list[Any]:
 def _fwd_tile(
     geom_ref: Any, params_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, static: Static, has: tuple
 ) -> None:
-    mask_ref, bias_ref, o_ref, lse_ref = _split(refs, has)
+    mask_ref, bias_ref, segments, o_ref, lse_ref = _split(refs, has)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
     q_len, kv_len = geom[0], geom[1]
-    i0 = pl.program_id(2) * block_q
+    q_tile = pl.program_id(2)
+    i0 = q_tile * block_q
     q = _valid_rows(q_ref[...], i0, q_len)
 
     # Online softmax over the visible key tiles (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'),
     # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; at the end O = acc / l, lse = m + log l.
     # A row with nothing visible yet keeps m = −inf and is shifted by 0, so exp() stays 0 instead of NaN.
-    def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    def visit(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
         row_max, row_sum, acc = carry
         j0 = tile * block_k
         keys = pl.ds(j0, block_k)
         k = _valid_rows(k_ref[keys, :], j0, kv_len)
         v = _valid_rows(v_ref[keys, :], j0, kv_len)
         bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
-        s, _ = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, i0, j0, static))
+        s, _ = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, segments, i0, j0, static))
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
         p = jnp.exp(s - shift[:, None])
@@ -183,6 +259,7 @@ def _fwd_tile(
         jnp.zeros((block_q,), jnp.float32),
         jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
     )
+    body = _where_ids_meet(segments, lambda tile: (q_tile, tile), visit)
     row_max, row_sum, acc = lax.fori_loop(first, end, body, init)
     # l = 0 only where no key is visible: out 0, lse −inf. A NaN l propagates to both.
     empty = row_sum == 0
@@ -220,7 +297,7 @@ def _geom_specs() -> list[pl.BlockSpec]:
 
 
 def forward_call(
-    static: Static, geom: Any, params: Any, q: Any, k: Any, v: Any, mask: Any, bias: Any
+    static: Static, geom: Any, params: Any, q: Any, k: Any, v: Any, mask: Any, bias: Any, segments: Segments | None
 ) -> tuple[Any, Any]:
     """out (q's layout, Dv padded) and lse (B, Hq, Lq_pad) float32; grid (B, Hq, query tiles)."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
@@ -237,12 +314,10 @@ def forward_call(
         _seq_spec(static, len_k, dim_v, lambda h: h // group, first),
     ]
     operands = [geom, params, q, k, v]
-    for extra in (mask, bias):
-        if extra is not None:
-            in_specs.append(_pair_spec(extra.shape, block_q, len_k, same, same, first))
-            operands.append(extra)
+    pair_spec = lambda shape: _pair_spec(shape, block_q, len_k, same, same, first)  # noqa: E731
+    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, segments)
     out_shape = list(q.shape[:-1]) + [dim_v]
-    kernel = functools.partial(_fwd_tile, static=static, has=(mask is not None, bias is not None))
+    kernel = functools.partial(_fwd_tile, static=static, has=has)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads_q, len_q // block_q),
@@ -278,11 +353,12 @@ def _bwd_dkdv(
     has: tuple,
     group: int,
 ) -> None:
-    mask_ref, bias_ref, dk_ref, dv_ref = _split(refs, has)
+    mask_ref, bias_ref, segments, dk_ref, dv_ref = _split(refs, has)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
     q_len, kv_len = geom[0], geom[1]
-    j0 = pl.program_id(2) * block_k
+    kv_tile = pl.program_id(2)
+    j0 = kv_tile * block_k
     k = _valid_rows(k_ref[...], j0, kv_len)
     v = _valid_rows(v_ref[...], j0, kv_len)
 
@@ -294,7 +370,7 @@ def _bwd_dkdv(
     # Per query tile of each of the G query heads reading this kv head, P recomputed from lse:
     # P = exp(S − lse), dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse,
     # dS' = dS ⊙ (1 − tanh²) through the softcap, dK += scale · dS'ᵀ·Q. Empty rows carry lse = +inf: P = 0.
-    def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+    def visit(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
         g, dk, dv = carry
         i0 = tile * block_q
         rows = pl.ds(i0, block_q)
@@ -303,7 +379,7 @@ def _bwd_dkdv(
         lse = _valid_vector(lse_ref[g, rows], i0, q_len, jnp.inf)
         delta = _valid_vector(delta_ref[g, rows], i0, q_len, 0.0)
         bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static)
-        visible = _tile_visibility(geom, mask_ref, i0, j0, static, rows=g)
+        visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g)
         s, tanh = _scores(q, k, params_ref, static, bias, visible)
         p = jnp.exp(s - lse[:, None])
         dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
@@ -312,6 +388,8 @@ def _bwd_dkdv(
             ds = ds * (1.0 - tanh * tanh)
         dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
         return g, dk, dv
+
+    body = _where_ids_meet(segments, lambda tile: (tile, kv_tile), visit)
 
     def head(g: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
         first, end = _q_range(geom, j0, block_q, block_k)
@@ -337,12 +415,13 @@ def _bwd_dq(
     static: Static,
     has: tuple,
 ) -> None:
-    mask_ref, bias_ref, dq_ref, *dbias = _split(refs, has)
+    mask_ref, bias_ref, segments, dq_ref, *dbias = _split(refs, has)
     dbias_ref = dbias[0] if dbias else None
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
     q_len, kv_len = geom[0], geom[1]
-    i0 = pl.program_id(2) * block_q
+    q_tile = pl.program_id(2)
+    i0 = q_tile * block_q
     q = _valid_rows(q_ref[...], i0, q_len)
     do = _valid_rows(do_ref[...], i0, q_len)
     lse = _valid_vector(lse_ref[...], i0, q_len, jnp.inf)
@@ -350,13 +429,14 @@ def _bwd_dq(
 
     # Per visible key tile: P = exp(S − lse), dS = P ⊙ (dO·Vᵀ − Δ) (this is dbias), dS' = dS ⊙ (1 − tanh²),
     # dQ += scale · dS'·K.
-    def body(tile: Any, dq: Any) -> Any:
+    def visit(tile: Any, dq: Any) -> Any:
         j0 = tile * block_k
         keys = pl.ds(j0, block_k)
         k = _valid_rows(k_ref[keys, :], j0, kv_len)
         v = _valid_rows(v_ref[keys, :], j0, kv_len)
         bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
-        s, tanh = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, i0, j0, static))
+        visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static)
+        s, tanh = _scores(q, k, params_ref, static, bias, visible)
         p = jnp.exp(s - lse[:, None])
         ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
         if dbias_ref is not None:
@@ -366,21 +446,34 @@ def _bwd_dq(
         return dq + _dot(ds.astype(k.dtype), k)
 
     first, end = _kv_range(geom, i0, block_q, block_k)
+    skip = _keep
     if dbias_ref is not None:  # tiles the loop skips hold no gradient: write their zeros
         zeros = jnp.zeros((block_q, block_k), dbias_ref.dtype)
 
-        def clear(tile: Any, carry: Any) -> Any:
+        def skip(tile: Any, carry: Any) -> Any:
             dbias_ref[:, pl.ds(tile * block_k, block_k)] = zeros
             return carry
 
-        lax.fori_loop(0, first, clear, 0)
-        lax.fori_loop(end, dbias_ref.shape[-1] // block_k, clear, 0)
+        lax.fori_loop(0, first, skip, 0)
+        lax.fori_loop(end, dbias_ref.shape[-1] // block_k, skip, 0)
+    body = _where_ids_meet(segments, lambda tile: (q_tile, tile), visit, skip)
     dq = lax.fori_loop(first, end, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * params_ref[0]).astype(dq_ref.dtype)
 
 
 def dkdv_call(
-    static: Static, geom: Any, params: Any, q: Any, k: Any, v: Any, do: Any, lse: Any, delta: Any, mask: Any, bias: Any
+    static: Static,
+    geom: Any,
+    params: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    do: Any,
+    lse: Any,
+    delta: Any,
+    mask: Any,
+    bias: Any,
+    segments: Segments | None,
 ) -> tuple[Any, Any]:
     """dk, dv float32 in k's layout; grid (B, Hkv, key tiles), each looping over its G query heads."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
@@ -405,11 +498,9 @@ def dkdv_call(
         rows,
     ]
     operands = [geom, params, q, k, v, do, lse, delta]
-    for extra in (mask, bias):
-        if extra is not None:
-            in_specs.append(_pair_spec(extra.shape, len_q, block_k, same, first, same, group=group))
-            operands.append(extra)
-    kernel = functools.partial(_bwd_dkdv, static=static, has=(mask is not None, bias is not None), group=group)
+    pair_spec = lambda shape: _pair_spec(shape, len_q, block_k, same, first, same, group=group)  # noqa: E731
+    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, segments)
+    kernel = functools.partial(_bwd_dkdv, static=static, has=has, group=group)
     return pl.pallas_call(
         kernel,
         grid=(batch, heads_kv, len_k // block_k),
@@ -437,6 +528,7 @@ def dq_call(
     delta: Any,
     mask: Any,
     bias: Any,
+    segments: Segments | None,
     need_dbias: bool,
 ) -> tuple[Any, Any]:
     """dq float32 in q's layout and, when asked, dS as dbias (B, Hq, Lq_pad, Lk_pad); grid (B, Hq, query tiles)."""
@@ -458,16 +550,14 @@ def dq_call(
         rows,
     ]
     operands = [geom, params, q, k, v, do, lse, delta]
-    for extra in (mask, bias):
-        if extra is not None:
-            in_specs.append(_pair_spec(extra.shape, block_q, len_k, same, same, first))
-            operands.append(extra)
+    pair_spec = lambda shape: _pair_spec(shape, block_q, len_k, same, same, first)  # noqa: E731
+    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, segments)
     out_specs = [_seq_spec(static, block_q, dim, same, same)]
     out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
     if need_dbias:
         out_specs.append(pl.BlockSpec((None, None, block_q, len_k), lambda b, h, x: (b, h, x, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, heads_q, len_q, len_k), jnp.float32))
-    kernel = functools.partial(_bwd_dq, static=static, has=(mask is not None, bias is not None))
+    kernel = functools.partial(_bwd_dq, static=static, has=has)
     results = pl.pallas_call(
         kernel,
         grid=(batch, heads_q, len_q // block_q),

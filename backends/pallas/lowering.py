@@ -40,6 +40,12 @@ def variants() -> dict[str, dict[str, Any]]:
         "mask broadcast": {"spec": AttentionSpec(), "mask": (1, 1, 200, 300)},
         "bias dbias": {"spec": AttentionSpec(softcap=20.0), "bias": (1, 4, 200, 300)},
         "lengths": {"spec": causal, "lengths": True},
+        "segment ids": {"spec": causal, "segment_ids": True},
+        "segment ids, bias dbias, window": {
+            "spec": AttentionSpec(window=(32, 8)),
+            "segment_ids": True,
+            "bias": (1, 4, 200, 300),
+        },
         "MQA": {"spec": causal, "heads_kv": 1},
         "MHA": {"spec": causal, "heads_kv": 4},
         "GQA 3:1, B=3, mask per head": {"spec": causal, "batch": 3, "heads_q": 6, "mask": (3, 6, 200, 300)},
@@ -64,6 +70,7 @@ def lower(
     mask: tuple[int, ...] | None = None,
     bias: tuple[int, ...] | None = None,
     lengths: bool = False,
+    segment_ids: bool = False,
 ) -> dict[str, list[str]]:
     """Custom-call targets of the forward and backward programs lowered for CUDA, by pass."""
     import jax
@@ -87,6 +94,8 @@ def lower(
         None if bias is None else array(bias, jnp.float32),
         length_array,
         length_array,
+        array((batch, len_q), jnp.int32) if segment_ids else None,
+        array((batch, len_k), jnp.int32) if segment_ids else None,
     )
     forward, backward, config, params, band = PallasBackend(interpret=False)._call(spec, inputs)
     out = array((*q.shape[:-1], dim_v), q.dtype)

@@ -3,7 +3,7 @@
 The forward keeps a running max, running sum and rescaled accumulator per query row and saves only
 (out, lse); the backward recomputes the probabilities of each key block from lse. Neither pass holds
 more than one (Lq, block) slab of scores. Everything is pure jax, so the backend runs under jit, under
-the frontend's custom_vjp (grad) and under vmap, with mask, bias and lengths as tracers.
+the frontend's custom_vjp (grad) and under vmap, with mask, bias, lengths and segment ids as tracers.
 """
 
 from __future__ import annotations
@@ -37,7 +37,9 @@ try:
         length_visibility,
         normalize,
         normalize_backward,
+        segment_visibility,
         zero_padding,
+        zero_segment_padding,
     )
 except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
     _JAX_ERROR: str | None = f"jax cannot be imported ({type(error).__name__}: {error})"
@@ -50,12 +52,14 @@ DEFAULT_BLOCK_K = 128
 class _Operands(NamedTuple):
     """One call in the shapes the scans use: bhsd, compute dtype, G = Hq // Hkv query heads per kv head.
 
-    ``keys`` is the scan's xs: per key block its first index, k, v, and the mask and bias columns
-    (None when absent). A mask or bias broadcast along keys (size 1) is repeated per block, not padded.
+    ``keys`` is the scan's xs: per key block its first index, k, v, the mask and bias columns and the key segment
+    ids (None when absent). A mask or bias broadcast along keys (size 1) is repeated per block, not padded.
     """
 
     q: Any  # (B, Hkv, G, Lq, D), unit rows for cosine
-    keys: tuple[Any, Any, Any, Any, Any]  # (n,), (n, B, Hkv, blk, D), (n, B, Hkv, blk, Dv), (n, ...blk|1) x2
+    # (n,), (n, B, Hkv, blk, D), (n, B, Hkv, blk, Dv), (n, ...blk|1) x2, (n, B, 1, 1, 1, blk)
+    keys: tuple[Any, Any, Any, Any, Any, Any]
+    q_segment_ids: Any  # (B, 1, 1, Lq, 1), or None
     q_limit: Any  # rows i >= q_limit see nothing: int, or (B, 1, 1, 1, 1)
     kv_limit: Any  # keys j >= kv_limit are invisible (this also hides the padding)
     scale: float
@@ -63,10 +67,9 @@ class _Operands(NamedTuple):
     k_normalization: Normalization | None
 
 
-def _operands(
-    spec: AttentionSpec, block: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any
-) -> _Operands:
-    """All the plumbing: layout, upcast, GQA grouping, cosine normalisation, lengths, key padding."""
+def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> _Operands:
+    """All the plumbing: layout, upcast, GQA grouping, cosine normalisation, lengths, segment ids, key padding."""
+    q, k, v, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids = inputs
     dtype = _compute_dtype(q.dtype)
     q, k, v = (_bhsd(spec, x).astype(dtype) for x in (q, k, v))
     heads_kv, len_q, len_k = k.shape[1], q.shape[2], k.shape[2]
@@ -75,6 +78,8 @@ def _operands(
     kv_limit = len_k if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k).reshape(-1, 1, 1, 1, 1)
     q = zero_padding(q, q_lengths, axis=2)
     k, v = (zero_padding(x, kv_lengths, axis=2) for x in (k, v))
+    q = zero_segment_padding(q, q_ids, axis=2)
+    k, v = (zero_segment_padding(x, kv_ids, axis=2) for x in (k, v))
 
     scale = spec.resolved_scale(q.shape[-1])
     q_normalization = k_normalization = None
@@ -93,8 +98,10 @@ def _operands(
         _key_blocks(v, -2, block, count, 0),
         None if mask is None else _key_blocks(mask, -1, block, count, False),
         None if bias is None else _key_blocks(bias, -1, block, count, 0),
+        None if kv_ids is None else _key_blocks(kv_ids.reshape(-1, 1, 1, 1, len_k), -1, block, count, -1),
     )
-    return _Operands(q, keys, q_limit, kv_limit, scale, q_normalization, k_normalization)
+    q_ids = None if q_ids is None else q_ids.reshape(-1, 1, 1, len_q, 1)
+    return _Operands(q, keys, q_ids, q_limit, kv_limit, scale, q_normalization, k_normalization)
 
 
 def _bhsd(spec: AttentionSpec, x: Any) -> Any:
@@ -153,7 +160,7 @@ def _block_scores(spec: AttentionSpec, ops: _Operands, keys: tuple[Any, ...]) ->
 
     Also returns tanh(raw / c), which the softcap derivative needs (None without softcap).
     """
-    start, k, _, mask, bias = keys
+    start, k, _, mask, bias, kv_ids = keys
     s = _matmul("bhgqd,bhkd->bhgqk", ops.q, k) * ops.scale
     tanh = None
     if spec.softcap is not None:
@@ -165,7 +172,10 @@ def _block_scores(spec: AttentionSpec, ops: _Operands, keys: tuple[Any, ...]) ->
     j = start + jnp.arange(k.shape[2])[None, :]
     # The key limit always applies: it also hides the last block's padding beyond Lk.
     visible = conjoin(
-        length_visibility(i, j, ops.q_limit, ops.kv_limit), band_visibility(spec, i, j, ops.q_limit, ops.kv_limit), mask
+        length_visibility(i, j, ops.q_limit, ops.kv_limit),
+        band_visibility(spec, i, j, ops.q_limit, ops.kv_limit),
+        mask,
+        segment_visibility(ops.q_segment_ids, kv_ids),
     )
     return jnp.where(visible, s, -jnp.inf), tanh
 
@@ -202,11 +212,9 @@ def _online_softmax(spec: AttentionSpec, ops: _Operands) -> tuple[Any, Any]:
     return out, lse
 
 
-def _forward(
-    spec: AttentionSpec, block: int, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any
-) -> tuple[Any, Any]:
-    out, lse = _online_softmax(spec, _operands(spec, block, q, k, v, mask, bias, q_lengths, kv_lengths))
-    return _bhsd(spec, _ungroup(out)).astype(q.dtype), _ungroup(lse).astype(jnp.float32)
+def _forward(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> tuple[Any, Any]:
+    out, lse = _online_softmax(spec, _operands(spec, block, inputs))
+    return _bhsd(spec, _ungroup(out)).astype(inputs.q.dtype), _ungroup(lse).astype(jnp.float32)
 
 
 def _backward_block(
@@ -218,7 +226,7 @@ def _backward_block(
     keys: tuple[Any, ...],
 ) -> Any:
     lse, delta, dout = rows
-    _, k, v, _, bias = keys
+    _, k, v, _, bias, _ = keys
     s, tanh = _block_scores(spec, ops, keys)
     p = jnp.exp(s - lse[..., None])
     ds = p * (_matmul("bhgqv,bhkv->bhgqk", dout, v) - delta[..., None])
@@ -238,19 +246,14 @@ def _backward(
     spec: AttentionSpec,
     block: int,
     need_dbias: bool,
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any,
-    bias: Any,
-    q_lengths: Any,
-    kv_lengths: Any,
+    inputs: AttentionInputs,
     out: Any,
     lse: Any,
     dout: Any,
     dlse: Any,
 ) -> tuple[Any, Any, Any, Any]:
-    ops = _operands(spec, block, q, k, v, mask, bias, q_lengths, kv_lengths)
+    q, k, bias = inputs.q, inputs.k, inputs.bias
+    ops = _operands(spec, block, inputs)
     need_dbias = need_dbias and bias is not None
     heads_kv, len_k = _bhsd(spec, k).shape[1:3]
     dtype = ops.q.dtype
@@ -293,7 +296,7 @@ class JaxReferenceBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES - {Feature.PAGED},
         description="FlashAttention-2 in jax.numpy: key blocks under lax.scan, online softmax; jit/grad/vmap",
         notes=("float64 needs jax_enable_x64",),
     )
@@ -320,7 +323,7 @@ class JaxReferenceBackend(BaseBackend):
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         # lse is always computed: the online softmax has it for free.
         forward, _ = _compiled()
-        return forward(spec, self._block(spec, inputs), *_arrays(inputs))
+        return forward(spec, self._block(spec, inputs), inputs)
 
     def backward(
         self,
@@ -334,11 +337,5 @@ class JaxReferenceBackend(BaseBackend):
         need_dbias: bool,
     ) -> Gradients:
         _, backward = _compiled()
-        dq, dk, dv, dbias = backward(
-            spec, self._block(spec, inputs), need_dbias, *_arrays(inputs), out, lse, dout, dlse
-        )
+        dq, dk, dv, dbias = backward(spec, self._block(spec, inputs), need_dbias, inputs, out, lse, dout, dlse)
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias)
-
-
-def _arrays(inputs: AttentionInputs) -> tuple[Any, ...]:
-    return inputs.q, inputs.k, inputs.v, inputs.mask, inputs.bias, inputs.q_lengths, inputs.kv_lengths

@@ -2,7 +2,8 @@
 
 Queries and keys are cut into tiles; the forward keeps a running max and sum per row (online softmax) and
 saves only ``out`` and ``lse``; the backward recomputes each probability tile from ``lse``. Tiles that the
-causal/window/length geometry hides entirely are never computed, and tiles it shows entirely are never masked.
+causal/window/length geometry or the segment ids hide entirely (in every batch element) are never computed, and
+tiles they show entirely are never masked.
 """
 
 from __future__ import annotations
@@ -17,13 +18,22 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
-    Feature,
     Framework,
     Gradients,
     Layout,
+    PagedInputs,
     Variant,
 )
-from attnkit.contract.torch import Band, compute_dtype, from_bhsd, normalize_if_cosine, to_bhsd, zero_padding
+from attnkit.contract.torch import (
+    Band,
+    compute_dtype,
+    from_bhsd,
+    gather_pages,
+    normalize_if_cosine,
+    to_bhsd,
+    zero_padding,
+    zero_segment_padding,
+)
 
 NEG_INF = float("-inf")
 
@@ -82,9 +92,10 @@ class _Geometry:
         self.band = Band(spec, inputs, len_q, len_k)
         self.mask = _grouped(inputs.mask, heads_kv) if inputs.mask is not None else None
 
-    def is_full(self, rows: range, cols: range) -> bool:
-        """True when every pair in the tile is visible for every batch element, so it needs no masking."""
-        return self.mask is None and self.band.wholly_visible(rows, cols)
+    def is_full(self, rows: range, cols: range, segments_whole: bool) -> bool:
+        """True when every pair in the tile is visible for every batch element, so it needs no masking
+        (``segments_whole``: the segment ids, if any, show the whole tile)."""
+        return self.mask is None and segments_whole and self.band.band_wholly_visible(rows, cols)
 
     def visible(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         """Boolean (B|1, Hkv|1, tile_q, G|1, tile_k): may query i see key j."""
@@ -103,13 +114,18 @@ Plan = list[tuple[int, int, list[tuple[int, int, bool]]]]
 
 def _plan(geometry: _Geometry, len_q: int, len_k: int, block_q: int, block_k: int) -> Plan:
     plan: Plan = []
+    segments = geometry.band.segment_pairs(block_q, block_k)
     for r0 in range(0, len_q, block_q):
         r1 = min(r0 + block_q, len_q)
         keys = geometry.band.key_span(range(r0, r1))
         key_tiles = []
         for c0 in range(keys.start - keys.start % block_k, keys.stop, block_k):
             c1 = min(c0 + block_k, len_k)
-            key_tiles.append((c0, c1, not geometry.is_full(range(r0, r1), range(c0, c1))))
+            row, column = r0 // block_q, c0 // block_k
+            if segments is not None and not segments.meet[row][column]:
+                continue  # no query of the tile shares a segment with a key of it, in any batch element
+            whole = segments is None or segments.whole[row][column]
+            key_tiles.append((c0, c1, not geometry.is_full(range(r0, r1), range(c0, c1), whole)))
         if key_tiles:
             plan.append((r0, r1, key_tiles))
     return plan
@@ -125,11 +141,30 @@ def _by_key_tile(plan: Plan) -> list[tuple[int, int, list[tuple[int, int, bool]]
 
 
 @dataclass(frozen=True)
+class _Pages:
+    """A paged KV cache (§13) read a key tile at a time: only the tile's blocks are gathered, in the compute dtype,
+    padding (slots at or past a sequence's length) zeroed and cosine's normalisation applied."""
+
+    block_table: torch.Tensor
+    kv_lengths: torch.Tensor
+    spec: AttentionSpec
+    dtype: torch.dtype
+
+    def tile(self, cache: torch.Tensor, c0: int, c1: int, is_key: bool) -> torch.Tensor:
+        """Keys (values) [c0, c1) of every sequence as (B, Hkv, c1 − c0, D); tiles span whole blocks."""
+        block_size = cache.shape[1]
+        gathered = gather_pages(cache, self.block_table[:, c0 // block_size : -(-c1 // block_size)])
+        tile = zero_padding(gathered.transpose(1, 2).to(self.dtype), self.kv_lengths - c0)
+        return normalize_if_cosine(self.spec, tile) if is_key else tile
+
+
+@dataclass(frozen=True)
 class _Operands:
     """What the tile loops read, in the internal layouts.
 
     ``q`` is the (normalised) query times ``q_scale`` = scale (÷ softcap), so ``q kᵀ`` is the tanh argument
-    directly; ``softcap`` then multiplies tanh back. ``bias`` is the grouped view, in the caller's dtype.
+    directly; ``softcap`` then multiplies tanh back. ``bias`` is the grouped view, in the caller's dtype. With
+    ``pages``, ``k`` and ``v`` are the caches (num_blocks, block_size, Hkv, D), read through its table.
     """
 
     q: torch.Tensor
@@ -139,10 +174,17 @@ class _Operands:
     q_scale: float
     softcap: float | None
     geometry: _Geometry
+    pages: _Pages | None = None
 
     @property
     def group(self) -> int:
         return self.q.shape[3]
+
+    def keys(self, c0: int, c1: int) -> torch.Tensor:
+        return self.k[:, :, c0:c1] if self.pages is None else self.pages.tile(self.k, c0, c1, is_key=True)
+
+    def values(self, c0: int, c1: int) -> torch.Tensor:
+        return self.v[:, :, c0:c1] if self.pages is None else self.pages.tile(self.v, c0, c1, is_key=False)
 
 
 def _score_tile(
@@ -152,7 +194,7 @@ def _score_tile(
 
     With ``softcap_grad`` and a softcap c, also dS/dU = c·(1 − tanh²U) for U = q kᵀ (else None).
     """
-    s = torch.matmul(q, ops.k[:, :, c0:c1].transpose(-1, -2))
+    s = torch.matmul(q, ops.keys(c0, c1).transpose(-1, -2))
     derivative = None
     if ops.softcap is not None:
         s = s.tanh_()
@@ -189,7 +231,7 @@ def _forward_tiles(ops: _Operands, plan: Plan) -> tuple[torch.Tensor, torch.Tens
             p = s.sub_(shift).exp_()
             alpha = row_max.sub_(shift).exp_()
             row_sum.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-            acc.mul_(alpha).add_(torch.matmul(p, ops.v[:, :, c0:c1]))
+            acc.mul_(alpha).add_(torch.matmul(p, ops.values(c0, c1)))
             row_max = new_max
         has_keys = ~torch.isneginf(row_max)
         safe_sum = torch.where(has_keys, row_sum, 1.0)
@@ -264,7 +306,7 @@ class TorchChunkedBackend(BaseBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SEGMENT_IDS, Feature.PAGED},
+        features=ALL_FEATURES,
         description="FlashAttention-2 in torch ops: tiled online softmax, memory linear in sequence length",
     )
 
@@ -285,14 +327,17 @@ class TorchChunkedBackend(BaseBackend):
         (q, qn, k, kn): q and k leaves, qn and kn their normalised values with autograd history; else None.
         """
         dtype = compute_dtype(inputs.q.dtype)
-        # Padding (beyond the lengths) is zeroed, not only masked: a tile spanning a length boundary would
-        # otherwise carry NaN there into dq, dk or P·V through 0·NaN (docs/semantics.md §5).
-        k = zero_padding(to_bhsd(spec, inputs.k), inputs.kv_lengths)
+        # Padding (beyond the lengths, or a negative segment id) is zeroed, not only masked: a tile spanning it
+        # would otherwise carry NaN there into dq, dk or P·V through 0·NaN (docs/semantics.md §5).
+        q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+        k = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.k), inputs.kv_lengths), kv_ids)
         heads_kv, len_k = k.shape[1], k.shape[2]
-        q = _query_side(zero_padding(to_bhsd(spec, inputs.q), inputs.q_lengths), heads_kv, dtype)
+        q = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.q), inputs.q_lengths), q_ids)
+        q = _query_side(q, heads_kv, dtype)
         # detach: when no copy is needed these alias the caller's tensors, and cosine marks k as a leaf.
         k = k.detach().to(dtype).contiguous()
-        v = zero_padding(to_bhsd(spec, inputs.v), inputs.kv_lengths).detach().to(dtype).contiguous()
+        v = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.v), inputs.kv_lengths), kv_ids)
+        v = v.detach().to(dtype).contiguous()
         len_q = q.shape[2]
         scale = spec.resolved_scale(q.shape[-1])
         q_scale = scale / spec.softcap if spec.softcap is not None else scale
@@ -319,6 +364,26 @@ class TorchChunkedBackend(BaseBackend):
         with torch.no_grad():
             ops, plan, _ = self._prepare(spec, inputs)
             out, lse = _forward_tiles(ops, plan)
+        return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).float()
+
+    def forward_paged(
+        self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward's tiles over a paged cache: key tiles of whole blocks, each gathered when its turn comes, so
+        memory holds one tile of the cache at a time (a query tile gathers its key tiles again)."""
+        dtype = compute_dtype(inputs.q.dtype)
+        heads_kv, block_size = inputs.k_cache.shape[2], inputs.k_cache.shape[1]
+        q = normalize_if_cosine(spec, _query_side(to_bhsd(spec, inputs.q), heads_kv, dtype))
+        len_q, len_k = q.shape[2], inputs.block_table.shape[1] * block_size
+        scale = spec.resolved_scale(q.shape[-1])
+        q_scale = scale / spec.softcap if spec.softcap is not None else scale
+        lengths = AttentionInputs(inputs.q, None, None, kv_lengths=inputs.kv_lengths)
+        geometry = _Geometry(spec, lengths, heads_kv, len_q, len_k)
+        pages = _Pages(inputs.block_table, inputs.kv_lengths, spec, dtype)
+        ops = _Operands(q.mul_(q_scale), inputs.k_cache, inputs.v_cache, None, q_scale, spec.softcap, geometry, pages)
+        block_k = max(1, self.block_k // block_size) * block_size
+        with torch.no_grad():
+            out, lse = _forward_tiles(ops, _plan(geometry, len_q, len_k, self.block_q, block_k))
         return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).float()
 
     def backward(

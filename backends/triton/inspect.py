@@ -69,6 +69,7 @@ FEATURES: dict[str, dict[str, bool]] = {
     "bias": {"has_bias": True},
     "softcap": {"has_softcap": True},
     "lengths": {"has_q_lengths": True, "has_kv_lengths": True},
+    "segments": {"has_segment_ids": True},
     "cosine": {"cosine": True},
     "dbias": {"has_dbias": True},  # dkdv only
     "dlse": {"has_dlse": True},  # delta only
@@ -81,6 +82,7 @@ FEATURES: dict[str, dict[str, bool]] = {
         "has_softcap": True,
         "has_q_lengths": True,
         "has_kv_lengths": True,
+        "has_segment_ids": True,
         "cosine": True,
         "has_dbias": True,
         "has_dlse": True,
@@ -88,15 +90,16 @@ FEATURES: dict[str, dict[str, bool]] = {
 }
 FEATURE_HEAD_DIM, FEATURE_DTYPE = 128, "bf16"
 _FEATURES_OF = {
-    "fwd": ("upper", "lower", "mask", "bias", "softcap", "lengths", "cosine", "all"),
-    "dq": ("upper", "lower", "mask", "bias", "softcap", "lengths", "cosine", "all"),
-    "dkdv": ("upper", "lower", "mask", "bias", "softcap", "lengths", "cosine", "dbias", "all"),
+    "fwd": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "all"),
+    "dq": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "all"),
+    "dkdv": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "dbias", "all"),
     "delta": ("dlse",),
 }
 
 KERNEL_OF = {name: kernel for kernel, name in launch.NAMES.items()}
 _FLOAT_ARGS = ("qk_scale", "softcap", "grad_scale")
 _FLOAT32_POINTERS = ("Lse", "Delta", "DLse", "DBias")
+_SEGMENT_POINTERS = ("QSegmentIds", "KvSegmentIds", "QSegmentRanges", "KvSegmentRanges")
 _DENSE_STRIDE = re.compile(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]$")
 _FEATURE_STRIDE = re.compile(r"stride_(bias|mask)_([bhmn])$")
 _TRITON_TYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
@@ -187,13 +190,21 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
     """The ASTSource signature, attributes and constexprs of one variant: the types, alignment and
     specialisation a launch would give (see the module's docstring)."""
     element = _TRITON_TYPE[variant.dtype]
+    segments = constants.get("HAS_SEGMENT_IDS", False)
     present = {  # the launch passes q in place of an absent optional tensor (attnkit.contract.kernels)
         "Bias": constants.get("HAS_BIAS", False),
         "Mask": constants.get("HAS_MASK", False),
         "QLengths": constants.get("HAS_Q_LENGTHS", False),
         "KvLengths": constants.get("HAS_KV_LENGTHS", False),
+        **dict.fromkeys(_SEGMENT_POINTERS, segments),
     }
-    present_type = {"Bias": element, "Mask": "u8", "QLengths": "i32", "KvLengths": "i32"}
+    present_type = {
+        "Bias": element,
+        "Mask": "u8",
+        "QLengths": "i32",
+        "KvLengths": "i32",
+        **dict.fromkeys(_SEGMENT_POINTERS, "i64"),
+    }
     divisible = [["tt.divisibility", 16]]
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list] = {}

@@ -10,6 +10,11 @@ window's left side gives ``LOWER = −left`` and causal and the window's right s
 ``off_b`` is the per-batch bottom-right offset ``kv_len_b − q_len_b`` (0 for top-left). Rows ``i ≥ q_len_b`` and
 keys ``j ≥ kv_len_b`` are padding: never loaded, never visible. The band also gives the loop bounds, so tiles it
 hides entirely are never loaded or multiplied.
+
+Segment ids (``HAS_SEGMENT_IDS``, §4.5) add ``q_id[i] == kv_id[j] ≥ 0``. A position with a negative id is padding,
+never loaded (its row is read as 0). A tile's ids lie in [low, high], read from the granule ranges of
+``attnkit.contract.kernels.segment_ranges``; a (query tile, key tile) pair whose ranges do not overlap shares no id
+and is skipped inside the band's loop, before any of its operands is loaded.
 """
 
 from __future__ import annotations
@@ -83,6 +88,34 @@ def _batch_geometry(
 
 
 @triton.jit
+def _positions_in_use(Ids, batch64, positions, limit, length, HAS_SEGMENT_IDS: tl.constexpr):
+    """(live, ids) of one batch element's positions (query rows or keys): live where below ``limit`` (its length)
+    and not padding; ids their segment ids, −1 past the sequence (without segment ids: the positions, unused)."""
+    live = positions < limit
+    ids = positions
+    if HAS_SEGMENT_IDS:
+        ids = tl.load(Ids + batch64 * length + positions, mask=positions < length, other=-1)
+        live = live & (ids >= 0)
+    return live, ids
+
+
+@triton.jit
+def _segment_range(Ranges, batch64, start, length, BLOCK: tl.constexpr, GRANULE: tl.constexpr):
+    """(low, high): the least and greatest non-negative segment id of positions start..start+BLOCK of one batch
+    element, from its granule ranges (B, ⌈length / GRANULE⌉, 2); low > high when all are padding."""
+    granules = (length + GRANULE - 1) // GRANULE
+    base = Ranges + batch64 * granules * 2
+    first = start // GRANULE
+    low = tl.load(base + 2 * first)
+    high = tl.load(base + 2 * first + 1)
+    for step in tl.static_range(1, BLOCK // GRANULE):
+        inside = first + step < granules
+        low = tl.minimum(low, tl.load(base + 2 * (first + step), mask=inside, other=9223372036854775807))
+        high = tl.maximum(high, tl.load(base + 2 * (first + step) + 1, mask=inside, other=-1))
+    return low, high
+
+
+@triton.jit
 def _key_span(
     row_start,
     q_len,
@@ -138,6 +171,8 @@ def _score_tile(
     k_inv_norm,
     rows,
     cols,
+    q_ids,
+    kv_ids,
     q_len,
     kv_len,
     offset,
@@ -157,6 +192,7 @@ def _score_tile(
     HAS_BIAS: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     COSINE: tl.constexpr,
+    HAS_SEGMENT_IDS: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -187,6 +223,8 @@ def _score_tile(
             MaskTile + rows[:, None] * stride_mask_m + cols[None, :] * stride_mask_n, mask=inside, other=0
         )
         visible = visible & (allowed != 0)
+    if HAS_SEGMENT_IDS:
+        visible = visible & (q_ids[:, None] == kv_ids[None, :]) & (q_ids[:, None] >= 0)
     return tl.where(visible, scores, float("-inf")), tanh_u
 
 
@@ -201,6 +239,10 @@ def _fwd_kernel(
     Mask,
     QLengths,
     KvLengths,
+    QSegmentIds,
+    KvSegmentIds,
+    QSegmentRanges,
+    KvSegmentRanges,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -244,6 +286,8 @@ def _fwd_kernel(
     COSINE: tl.constexpr,
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
+    HAS_SEGMENT_IDS: tl.constexpr,
+    SEGMENT_GRANULE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -259,9 +303,10 @@ def _fwd_kernel(
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     batch64 = batch.to(tl.int64)
+    live_rows, q_ids = _positions_in_use(QSegmentIds, batch64, rows, q_len, len_q, HAS_SEGMENT_IDS)
     q = tl.load(
         Q + batch64 * stride_qb + head * stride_qh + rows[:, None] * stride_qm + dims[None, :],
-        mask=(rows[:, None] < q_len) & (dims[None, :] < HEAD_DIM),
+        mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
     q_inv_norm = _inverse_norms(q, COSINE)
@@ -271,6 +316,8 @@ def _fwd_kernel(
     MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
 
     first, end = _key_span(row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    if HAS_SEGMENT_IDS:
+        q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -279,54 +326,63 @@ def _fwd_kernel(
     # and once at the end: out = acc / l, lse = m + log l. A row that has seen no visible key keeps m = −inf;
     # its shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
     for key_start in range(first, end, BLOCK_N):
-        cols = key_start + tl.arange(0, BLOCK_N)
-        k = tl.load(
-            KTile + cols[:, None] * stride_kn + dims[None, :],
-            mask=(cols[:, None] < kv_len) & (dims[None, :] < HEAD_DIM),
-            other=0.0,
-        )
-        k_inv_norm = _inverse_norms(k, COSINE)
-        scores, _ = _score_tile(
-            q,
-            k,
-            q_inv_norm,
-            k_inv_norm,
-            rows,
-            cols,
-            q_len,
-            kv_len,
-            offset,
-            lower,
-            upper,
-            BiasTile,
-            stride_bias_m,
-            stride_bias_n,
-            MaskTile,
-            stride_mask_m,
-            stride_mask_n,
-            qk_scale,
-            softcap,
-            HAS_LOWER,
-            HAS_UPPER,
-            HAS_MASK,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            COSINE,
-            UPCAST_DOT,
-            DOT_PRECISION,
-        )
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-        p = tl.exp(scores - shift[:, None])
-        alpha = tl.exp(row_max - shift)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = tl.load(
-            VTile + cols[:, None] * stride_vn + dims_v[None, :],
-            mask=(cols[:, None] < kv_len) & (dims_v[None, :] < HEAD_DIM_V),
-            other=0.0,
-        )
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
-        row_max = new_max
+        meets = True
+        if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
+            k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
+            meets = (q_low <= k_high) & (k_low <= q_high)
+        if meets:
+            cols = key_start + tl.arange(0, BLOCK_N)
+            live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
+            k = tl.load(
+                KTile + cols[:, None] * stride_kn + dims[None, :],
+                mask=live_cols[:, None] & (dims[None, :] < HEAD_DIM),
+                other=0.0,
+            )
+            k_inv_norm = _inverse_norms(k, COSINE)
+            scores, _ = _score_tile(
+                q,
+                k,
+                q_inv_norm,
+                k_inv_norm,
+                rows,
+                cols,
+                q_ids,
+                kv_ids,
+                q_len,
+                kv_len,
+                offset,
+                lower,
+                upper,
+                BiasTile,
+                stride_bias_m,
+                stride_bias_n,
+                MaskTile,
+                stride_mask_m,
+                stride_mask_n,
+                qk_scale,
+                softcap,
+                HAS_LOWER,
+                HAS_UPPER,
+                HAS_MASK,
+                HAS_BIAS,
+                HAS_SOFTCAP,
+                COSINE,
+                HAS_SEGMENT_IDS,
+                UPCAST_DOT,
+                DOT_PRECISION,
+            )
+            new_max = tl.maximum(row_max, tl.max(scores, 1))
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+            p = tl.exp(scores - shift[:, None])
+            alpha = tl.exp(row_max - shift)
+            row_sum = row_sum * alpha + tl.sum(p, 1)
+            v = tl.load(
+                VTile + cols[:, None] * stride_vn + dims_v[None, :],
+                mask=live_cols[:, None] & (dims_v[None, :] < HEAD_DIM_V),
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
+            row_max = new_max
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
     # give NaN out and lse, never the empty row's 0 and −inf.
@@ -397,6 +453,10 @@ def _bwd_dq_kernel(
     Mask,
     QLengths,
     KvLengths,
+    QSegmentIds,
+    KvSegmentIds,
+    QSegmentRanges,
+    KvSegmentRanges,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -444,6 +504,8 @@ def _bwd_dq_kernel(
     COSINE: tl.constexpr,
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
+    HAS_SEGMENT_IDS: tl.constexpr,
+    SEGMENT_GRANULE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -459,7 +521,7 @@ def _bwd_dq_kernel(
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     batch64 = batch.to(tl.int64)
-    live_rows = rows < q_len
+    live_rows, q_ids = _positions_in_use(QSegmentIds, batch64, rows, q_len, len_q, HAS_SEGMENT_IDS)
     q = tl.load(
         Q + batch64 * stride_qb + head * stride_qh + rows[:, None] * stride_qm + dims[None, :],
         mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
@@ -482,57 +544,69 @@ def _bwd_dq_kernel(
     MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
 
     first, end = _key_span(row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    if HAS_SEGMENT_IDS:
+        q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     # P = exp(S − lse);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K
     for key_start in range(first, end, BLOCK_N):
-        cols = key_start + tl.arange(0, BLOCK_N)
-        live_cols = cols[:, None] < kv_len
-        k = tl.load(
-            KTile + cols[:, None] * stride_kn + dims[None, :], mask=live_cols & (dims[None, :] < HEAD_DIM), other=0.0
-        )
-        k_inv_norm = _inverse_norms(k, COSINE)
-        v = tl.load(
-            VTile + cols[:, None] * stride_vn + dims_v[None, :],
-            mask=live_cols & (dims_v[None, :] < HEAD_DIM_V),
-            other=0.0,
-        )
-        scores, tanh_u = _score_tile(
-            q,
-            k,
-            q_inv_norm,
-            k_inv_norm,
-            rows,
-            cols,
-            q_len,
-            kv_len,
-            offset,
-            lower,
-            upper,
-            BiasTile,
-            stride_bias_m,
-            stride_bias_n,
-            MaskTile,
-            stride_mask_m,
-            stride_mask_n,
-            qk_scale,
-            softcap,
-            HAS_LOWER,
-            HAS_UPPER,
-            HAS_MASK,
-            HAS_BIAS,
-            HAS_SOFTCAP,
-            COSINE,
-            UPCAST_DOT,
-            DOT_PRECISION,
-        )
-        p = tl.exp(scores - lse[:, None])
-        dp = _dot(dout, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
-        ds = p * (dp - delta[:, None])
-        if HAS_SOFTCAP:
-            ds = ds * (1.0 - tanh_u * tanh_u)
-        if COSINE:  # dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
-            ds = ds * k_inv_norm[None, :]
-        dq += _dot(ds.to(k.dtype), k, UPCAST_DOT, DOT_PRECISION)
+        meets = True
+        if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
+            k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
+            meets = (q_low <= k_high) & (k_low <= q_high)
+        if meets:
+            cols = key_start + tl.arange(0, BLOCK_N)
+            live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
+            k = tl.load(
+                KTile + cols[:, None] * stride_kn + dims[None, :],
+                mask=live_cols[:, None] & (dims[None, :] < HEAD_DIM),
+                other=0.0,
+            )
+            k_inv_norm = _inverse_norms(k, COSINE)
+            v = tl.load(
+                VTile + cols[:, None] * stride_vn + dims_v[None, :],
+                mask=live_cols[:, None] & (dims_v[None, :] < HEAD_DIM_V),
+                other=0.0,
+            )
+            scores, tanh_u = _score_tile(
+                q,
+                k,
+                q_inv_norm,
+                k_inv_norm,
+                rows,
+                cols,
+                q_ids,
+                kv_ids,
+                q_len,
+                kv_len,
+                offset,
+                lower,
+                upper,
+                BiasTile,
+                stride_bias_m,
+                stride_bias_n,
+                MaskTile,
+                stride_mask_m,
+                stride_mask_n,
+                qk_scale,
+                softcap,
+                HAS_LOWER,
+                HAS_UPPER,
+                HAS_MASK,
+                HAS_BIAS,
+                HAS_SOFTCAP,
+                COSINE,
+                HAS_SEGMENT_IDS,
+                UPCAST_DOT,
+                DOT_PRECISION,
+            )
+            p = tl.exp(scores - lse[:, None])
+            dp = _dot(dout, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
+            ds = p * (dp - delta[:, None])
+            if HAS_SOFTCAP:
+                ds = ds * (1.0 - tanh_u * tanh_u)
+            if COSINE:  # dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
+                ds = ds * k_inv_norm[None, :]
+            dq += _dot(ds.to(k.dtype), k, UPCAST_DOT, DOT_PRECISION)
     dq = dq * grad_scale
     tl.store(
         DQ + batch64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqm + dims[None, :],
@@ -556,6 +630,10 @@ def _bwd_dkdv_kernel(
     Mask,
     QLengths,
     KvLengths,
+    QSegmentIds,
+    KvSegmentIds,
+    QSegmentRanges,
+    KvSegmentRanges,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -607,6 +685,8 @@ def _bwd_dkdv_kernel(
     HAS_DBIAS: tl.constexpr,
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
+    HAS_SEGMENT_IDS: tl.constexpr,
+    SEGMENT_GRANULE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -624,20 +704,22 @@ def _bwd_dkdv_kernel(
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     batch64 = batch.to(tl.int64)
-    live_cols = cols[:, None] < kv_len
+    live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
     k = tl.load(
         K + batch64 * stride_kb + head_kv * stride_kh + cols[:, None] * stride_kn + dims[None, :],
-        mask=live_cols & (dims[None, :] < HEAD_DIM),
+        mask=live_cols[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
     k_inv_norm = _inverse_norms(k, COSINE)
     v = tl.load(
         V + batch64 * stride_vb + head_kv * stride_vh + cols[:, None] * stride_vn + dims_v[None, :],
-        mask=live_cols & (dims_v[None, :] < HEAD_DIM_V),
+        mask=live_cols[:, None] & (dims_v[None, :] < HEAD_DIM_V),
         other=0.0,
     )
 
     first, end = _query_span(key_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    if HAS_SEGMENT_IDS:
+        k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     # Over the G query heads of this kv head and the query tiles that see this key tile:
@@ -650,66 +732,74 @@ def _bwd_dkdv_kernel(
         DOutHead = DOut + batch64 * stride_dob + head * stride_doh
         row_base = (batch64 * heads_q + head) * len_q
         for row_start in range(first, end, BLOCK_M):
-            rows = row_start + tl.arange(0, BLOCK_M)
-            live_rows = rows < q_len
-            q = tl.load(
-                QHead + rows[:, None] * stride_qm + dims[None, :],
-                mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
-                other=0.0,
-            )
-            q_inv_norm = _inverse_norms(q, COSINE)
-            dout = tl.load(
-                DOutHead + rows[:, None] * stride_dom + dims_v[None, :],
-                mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
-                other=0.0,
-            )
-            lse = tl.load(Lse + row_base + rows, mask=live_rows, other=float("-inf"))
-            lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(Delta + row_base + rows, mask=live_rows, other=0.0)
-            scores, tanh_u = _score_tile(
-                q,
-                k,
-                q_inv_norm,
-                k_inv_norm,
-                rows,
-                cols,
-                q_len,
-                kv_len,
-                offset,
-                lower,
-                upper,
-                BiasTile,
-                stride_bias_m,
-                stride_bias_n,
-                MaskTile,
-                stride_mask_m,
-                stride_mask_n,
-                qk_scale,
-                softcap,
-                HAS_LOWER,
-                HAS_UPPER,
-                HAS_MASK,
-                HAS_BIAS,
-                HAS_SOFTCAP,
-                COSINE,
-                UPCAST_DOT,
-                DOT_PRECISION,
-            )
-            p = tl.exp(scores - lse[:, None])
-            dv += _dot(tl.trans(p.to(dout.dtype)), dout, UPCAST_DOT, DOT_PRECISION)
-            dp = _dot(dout, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            if HAS_DBIAS:
-                tl.store(
-                    DBias + row_base * len_k + rows[:, None] * len_k + cols[None, :],
-                    ds,
-                    mask=live_rows[:, None] & (cols[None, :] < kv_len),
+            meets = True
+            if HAS_SEGMENT_IDS:  # a query tile sharing no segment id with the key tile is skipped
+                q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
+                meets = (q_low <= k_high) & (k_low <= q_high)
+            if meets:
+                rows = row_start + tl.arange(0, BLOCK_M)
+                live_rows, q_ids = _positions_in_use(QSegmentIds, batch64, rows, q_len, len_q, HAS_SEGMENT_IDS)
+                q = tl.load(
+                    QHead + rows[:, None] * stride_qm + dims[None, :],
+                    mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
+                    other=0.0,
                 )
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - tanh_u * tanh_u)
-            if COSINE:  # dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
-                ds = ds * q_inv_norm[:, None]
-            dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST_DOT, DOT_PRECISION)
+                q_inv_norm = _inverse_norms(q, COSINE)
+                dout = tl.load(
+                    DOutHead + rows[:, None] * stride_dom + dims_v[None, :],
+                    mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
+                    other=0.0,
+                )
+                lse = tl.load(Lse + row_base + rows, mask=live_rows, other=float("-inf"))
+                lse = tl.where(lse == float("-inf"), float("inf"), lse)
+                delta = tl.load(Delta + row_base + rows, mask=live_rows, other=0.0)
+                scores, tanh_u = _score_tile(
+                    q,
+                    k,
+                    q_inv_norm,
+                    k_inv_norm,
+                    rows,
+                    cols,
+                    q_ids,
+                    kv_ids,
+                    q_len,
+                    kv_len,
+                    offset,
+                    lower,
+                    upper,
+                    BiasTile,
+                    stride_bias_m,
+                    stride_bias_n,
+                    MaskTile,
+                    stride_mask_m,
+                    stride_mask_n,
+                    qk_scale,
+                    softcap,
+                    HAS_LOWER,
+                    HAS_UPPER,
+                    HAS_MASK,
+                    HAS_BIAS,
+                    HAS_SOFTCAP,
+                    COSINE,
+                    HAS_SEGMENT_IDS,
+                    UPCAST_DOT,
+                    DOT_PRECISION,
+                )
+                p = tl.exp(scores - lse[:, None])
+                dv += _dot(tl.trans(p.to(dout.dtype)), dout, UPCAST_DOT, DOT_PRECISION)
+                dp = _dot(dout, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
+                ds = p * (dp - delta[:, None])
+                if HAS_DBIAS:
+                    tl.store(
+                        DBias + row_base * len_k + rows[:, None] * len_k + cols[None, :],
+                        ds,
+                        mask=live_rows[:, None] & (cols[None, :] < kv_len),
+                    )
+                if HAS_SOFTCAP:
+                    ds = ds * (1.0 - tanh_u * tanh_u)
+                if COSINE:  # dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
+                    ds = ds * q_inv_norm[:, None]
+                dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST_DOT, DOT_PRECISION)
     dk = dk * grad_scale
     in_keys = cols[:, None] < len_k
     tl.store(

@@ -19,7 +19,7 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from attnkit.contract.kernels import ArgumentTypes, Grid, Kernel, KernelCall, KernelSwitches
+from attnkit.contract.kernels import SEGMENT_GRANULE, ArgumentTypes, Grid, Kernel, KernelCall, KernelSwitches
 
 from . import kernels
 
@@ -147,6 +147,8 @@ def kernel_constants(
         COSINE=switches.cosine,
         HAS_Q_LENGTHS=switches.has_q_lengths,
         HAS_KV_LENGTHS=switches.has_kv_lengths,
+        HAS_SEGMENT_IDS=switches.has_segment_ids,
+        SEGMENT_GRANULE=SEGMENT_GRANULE,  # every tile above is a multiple of it
         # The one place the interpreter's bfloat16 dot bug is worked around (see kernels._dot).
         UPCAST_DOT=INTERPRETED and dtype == torch.bfloat16,
         # float32 operands multiply in IEEE float32, not TF32: TF32's 10-bit mantissa would miss the tolerance

@@ -5,13 +5,19 @@
 //
 // Compile-time constants (-D): ELEMENT_TYPE (0 float32, 1 float16, 2 bfloat16), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
-// NUM_WARPS, and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-// HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32 (0 or 1): a call without a feature compiles without its code.
+// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), and the feature switches HAS_LOWER, HAS_UPPER,
+// BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE,
+// HAS_DBIAS, GRAD_FLOAT32 (0 or 1): a call without a feature compiles without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
 // per-batch bottom-right offset kv_len_b − q_len_b (0 for top-left). Rows i ≥ q_len_b and keys j ≥ kv_len_b are
 // padding: never loaded, never visible. The band gives the loop bounds, so tiles it hides are never loaded.
+//
+// Segment ids (HAS_SEGMENT_IDS, §4.5) add q_id[i] == kv_id[j] >= 0. A position with a negative id is padding, never
+// loaded (its row is read as 0). A tile's ids lie in [low, high], read from the granule ranges of
+// attnkit.contract.kernels.segment_ranges; a (query tile, key tile) pair whose ranges do not overlap shares no id
+// and is skipped inside the band's loop, before any of its operands is loaded.
 //
 // Tiles live in dynamic shared memory. Matrix products go through tile_mma: tensor cores (nvcuda::wmma, 16x16x16,
 // float32 accumulation) for float16/bfloat16, IEEE float32 FMA loops for float32. Accumulators (O, dQ, dK, dV)
@@ -51,6 +57,7 @@ typedef elem_t grad_t;
 #define THREADS_PER_ROW (NUM_THREADS / BLOCK_M)
 
 static_assert(BLOCK_D % 16 == 0 && BLOCK_DV % 16 == 0 && BLOCK_M % 16 == 0 && BLOCK_N % 16 == 0, "16-multiples");
+static_assert(BLOCK_M % SEGMENT_GRANULE == 0 && BLOCK_N % SEGMENT_GRANULE == 0, "tiles of whole granules");
 static_assert(NUM_THREADS % BLOCK_M == 0 && THREADS_PER_ROW <= 32, "whole rows per warp");
 static_assert((THREADS_PER_ROW & (THREADS_PER_ROW - 1)) == 0, "THREADS_PER_ROW is a power of two");
 
@@ -80,15 +87,23 @@ struct SharedCursor {
     }
 };
 
+// Whether a position below its length is input: not padding by a negative segment id. ids: the batch element's
+// segment ids (unread without HAS_SEGMENT_IDS).
+__device__ __forceinline__ bool not_segment_padding(const index_t* ids, int position) {
+    return !HAS_SEGMENT_IDS || ids[position] >= 0;
+}
+
 // tile[r][c] = src[(first + r) * stride + c] for rows first + r < limit and columns c < width, else 0.
-// Rows at or beyond the limit (padding beyond a length, or beyond the tensor) are never read.
+// Rows at or beyond the limit (padding beyond a length, or beyond the tensor) and rows whose segment id is
+// negative (padding) are never read.
 template <int ROWS, int COLS>
 __device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* src, index_t stride, int first, int limit,
-                                          int width) {
+                                          int width, const index_t* ids) {
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += NUM_THREADS) {
         const int r = idx / COLS, c = idx % COLS;
         float value = 0.0f;
-        if (first + r < limit && c < width) value = to_float(src[(first + r) * stride + c]);
+        if (first + r < limit && c < width && not_segment_padding(ids, first + r))
+            value = to_float(src[(first + r) * stride + c]);
         assign(tile[idx], value);
     }
 }
@@ -175,16 +190,46 @@ __device__ __forceinline__ float row_sum_reduce(float x) {
 // ------------------------------------------------------------------------------------------------ geometry
 
 struct Geometry {
-    int q_len, kv_len, offset;  // q_len_b, kv_len_b, off_b
+    int q_len, kv_len, offset;      // q_len_b, kv_len_b, off_b
+    const index_t *q_ids, *kv_ids;  // the batch element's segment ids (unread without HAS_SEGMENT_IDS)
 };
 
-__device__ __forceinline__ Geometry batch_geometry(const int* q_lengths, const int* kv_lengths, int batch, int len_q,
-                                                   int len_k) {
+__device__ __forceinline__ Geometry batch_geometry(const int* q_lengths, const int* kv_lengths,
+                                                   const index_t* q_segment_ids, const index_t* kv_segment_ids,
+                                                   int batch, int len_q, int len_k) {
     Geometry g;
     g.q_len = HAS_Q_LENGTHS ? q_lengths[batch] : len_q;
     g.kv_len = HAS_KV_LENGTHS ? kv_lengths[batch] : len_k;
     g.offset = BOTTOM_RIGHT ? g.kv_len - g.q_len : 0;
+    g.q_ids = q_segment_ids + (index_t)batch * len_q;
+    g.kv_ids = kv_segment_ids + (index_t)batch * len_k;
     return g;
+}
+
+// The least and greatest non-negative segment id of a tile's positions (low > high: all padding).
+struct SegmentRange {
+    index_t low, high;
+};
+
+// The range of positions start..start+BLOCK of one batch element, from its granule ranges (B, ceil(length /
+// SEGMENT_GRANULE), 2); without segment ids, one range that meets itself. Every thread computes the same range, so a
+// tile skipped by it is skipped by the whole block.
+template <int BLOCK>
+__device__ __forceinline__ SegmentRange segment_range(const index_t* ranges, int batch, int start, int length) {
+    if (!HAS_SEGMENT_IDS) return SegmentRange{0, 0};
+    const int granules = (length + SEGMENT_GRANULE - 1) / SEGMENT_GRANULE, first = start / SEGMENT_GRANULE;
+    const index_t* base = ranges + (index_t)batch * granules * 2;
+    SegmentRange range = {base[2 * first], base[2 * first + 1]};
+    for (int g = first + 1; g < min(first + BLOCK / SEGMENT_GRANULE, granules); ++g) {
+        range.low = min(range.low, base[2 * g]);
+        range.high = max(range.high, base[2 * g + 1]);
+    }
+    return range;
+}
+
+// Whether two tiles may share a segment id: their ranges overlap.
+__device__ __forceinline__ bool ranges_meet(SegmentRange a, SegmentRange b) {
+    return a.low <= b.high && b.low <= a.high;
 }
 
 // [first, end) of the keys rows row_start..row_start+BLOCK_M may see; first is tile-aligned.
@@ -220,6 +265,7 @@ __device__ __forceinline__ bool visible(int row, int col, Geometry g, int lower,
     if (HAS_LOWER && rel < lower) return false;
     if (HAS_UPPER && rel > upper) return false;
     if (HAS_MASK && planes.mask[row * planes.mask_m + col * planes.mask_n] == 0) return false;
+    if (HAS_SEGMENT_IDS && (g.q_ids[row] < 0 || g.q_ids[row] != g.kv_ids[col])) return false;
     return true;
 }
 
@@ -268,13 +314,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     attention_forward(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
                       elem_t* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias,
                       const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
-                      const int* __restrict__ kv_lengths, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
+                      const int* __restrict__ kv_lengths, const index_t* __restrict__ q_segment_ids,
+                      const index_t* __restrict__ kv_segment_ids, const index_t* __restrict__ q_segment_ranges,
+                      const index_t* __restrict__ kv_segment_ranges, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
                       index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t o_b, index_t o_h,
                       index_t o_m, index_t bias_b, index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b,
                       index_t mask_h, index_t mask_m, index_t mask_n, int heads_q, int group, int len_q, int len_k,
                       float qk_scale, float softcap, int lower, int upper) {
     const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
-    const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
+    const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
     const Planes planes = planes_of(mask, bias, strides, batch, head);
     const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
@@ -290,13 +338,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     float* q_inverse = cursor.take<float>(BLOCK_M);
     float* k_inverse = cursor.take<float>(BLOCK_N);
 
-    load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM);
+    load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM, g.q_ids);
     zero<BLOCK_M * BLOCK_DV>(o_acc);
     __syncthreads();
     if (COSINE) inverse_norms<BLOCK_M, BLOCK_D>(q_inverse, q_tile);
 
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
+    const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     const int r = threadIdx.x / THREADS_PER_ROW, lane = threadIdx.x % THREADS_PER_ROW, row = row_start + r;
     float row_max = negative_infinity(), row_sum = 0.0f;
     // Online softmax over the key tiles (FlashAttention-2):
@@ -304,8 +353,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     // and once at the end: out = acc / l, lse = m + log l. A row that has seen no visible key keeps m = −inf;
     // its shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
     for (int key_start = first; key_start < end; key_start += BLOCK_N) {
-        load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_n, key_start, g.kv_len, HEAD_DIM);
-        load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_n, key_start, g.kv_len, HEAD_DIM_V);
+        // A key tile sharing no segment id with the query tile is skipped.
+        if (!ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k))) continue;
+        load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_n, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
+        load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_n, key_start, g.kv_len, HEAD_DIM_V, g.kv_ids);
         __syncthreads();
         if (COSINE) inverse_norms<BLOCK_N, BLOCK_D>(k_inverse, k_tile);
         tile_mma<BLOCK_M, BLOCK_N, BLOCK_D, false, true, false>(s_tile, BLOCK_N, q_tile, BLOCK_D, k_tile, BLOCK_D);
@@ -368,13 +419,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 }
 
 // Per-row lse and Δ of a query tile; an empty row's lse (−inf) is stored as +inf so every P of it is exactly 0.
+// Padding rows (past the length, or of a negative segment id) are empty, with Δ = 0.
 __device__ __forceinline__ void load_row_statistics(float* lse_tile, float* delta_tile, const float* lse,
-                                                    const float* delta, index_t row_base, int row_start, int q_len) {
+                                                    const float* delta, index_t row_base, int row_start, Geometry g) {
     for (int r = threadIdx.x; r < BLOCK_M; r += NUM_THREADS) {
         const int row = row_start + r;
-        float value = row < q_len ? lse[row_base + row] : negative_infinity();
+        const bool real = row < g.q_len && not_segment_padding(g.q_ids, row);
+        float value = real ? lse[row_base + row] : negative_infinity();
         lse_tile[r] = value == negative_infinity() ? -negative_infinity() : value;
-        delta_tile[r] = row < q_len ? delta[row_base + row] : 0.0f;
+        delta_tile[r] = real ? delta[row_base + row] : 0.0f;
     }
 }
 
@@ -384,14 +437,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                           const elem_t* __restrict__ dout, const float* __restrict__ lse,
                           const float* __restrict__ delta, grad_t* __restrict__ dq, const float* __restrict__ bias,
                           const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
-                          const int* __restrict__ kv_lengths, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
-                          index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t do_b,
+                          const int* __restrict__ kv_lengths, const index_t* __restrict__ q_segment_ids,
+                          const index_t* __restrict__ kv_segment_ids, const index_t* __restrict__ q_segment_ranges,
+                          const index_t* __restrict__ kv_segment_ranges, index_t q_b, index_t q_h, index_t q_m,
+                          index_t k_b, index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t do_b,
                           index_t do_h, index_t do_m, index_t dq_b, index_t dq_h, index_t dq_m, index_t bias_b,
                           index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h,
                           index_t mask_m, index_t mask_n, int heads_q, int group, int len_q, int len_k,
                           float qk_scale, float softcap, float grad_scale, int lower, int upper) {
     const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
-    const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
+    const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
     const Planes planes = planes_of(mask, bias, strides, batch, head);
     const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
@@ -412,19 +467,23 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     float* q_inverse = cursor.take<float>(BLOCK_M);
     float* k_inverse = cursor.take<float>(BLOCK_N);
 
-    load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM);
-    load_tile<BLOCK_M, BLOCK_DV>(do_tile, dout + batch * do_b + head * do_h, do_m, row_start, g.q_len, HEAD_DIM_V);
-    load_row_statistics(lse_tile, delta_tile, lse, delta, row_base, row_start, g.q_len);
+    load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM, g.q_ids);
+    load_tile<BLOCK_M, BLOCK_DV>(do_tile, dout + batch * do_b + head * do_h, do_m, row_start, g.q_len, HEAD_DIM_V,
+                                 g.q_ids);
+    load_row_statistics(lse_tile, delta_tile, lse, delta, row_base, row_start, g);
     zero<BLOCK_M * BLOCK_D>(dq_acc);
     __syncthreads();
     if (COSINE) inverse_norms<BLOCK_M, BLOCK_D>(q_inverse, q_tile);
 
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
+    const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     // P = exp(S − lse);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K
     for (int key_start = first; key_start < end; key_start += BLOCK_N) {
-        load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_n, key_start, g.kv_len, HEAD_DIM);
-        load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_n, key_start, g.kv_len, HEAD_DIM_V);
+        // A key tile sharing no segment id with the query tile is skipped.
+        if (!ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k))) continue;
+        load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_n, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
+        load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_n, key_start, g.kv_len, HEAD_DIM_V, g.kv_ids);
         __syncthreads();
         if (COSINE) inverse_norms<BLOCK_N, BLOCK_D>(k_inverse, k_tile);
         tile_mma<BLOCK_M, BLOCK_N, BLOCK_D, false, true, false>(s_tile, BLOCK_N, q_tile, BLOCK_D, k_tile, BLOCK_D);
@@ -460,15 +519,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                             const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,
                             grad_t* __restrict__ dv, float* __restrict__ dbias, const float* __restrict__ bias,
                             const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
-                            const int* __restrict__ kv_lengths, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
-                            index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t do_b,
+                            const int* __restrict__ kv_lengths, const index_t* __restrict__ q_segment_ids,
+                            const index_t* __restrict__ kv_segment_ids, const index_t* __restrict__ q_segment_ranges,
+                            const index_t* __restrict__ kv_segment_ranges, index_t q_b, index_t q_h, index_t q_m,
+                            index_t k_b, index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t do_b,
                             index_t do_h, index_t do_m, index_t dk_b, index_t dk_h, index_t dk_n, index_t dv_b,
                             index_t dv_h, index_t dv_n, index_t bias_b, index_t bias_h, index_t bias_m,
                             index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n,
                             int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
                             float grad_scale, int lower, int upper) {
     const int key_start = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
-    const Geometry g = batch_geometry(q_lengths, kv_lengths, batch, len_q, len_k);
+    const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
 
     SharedCursor cursor = {shared_memory};
@@ -487,8 +548,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     float* q_inverse = cursor.take<float>(BLOCK_M);
     float* k_inverse = cursor.take<float>(BLOCK_N);
 
-    load_tile<BLOCK_N, BLOCK_D>(k_tile, k + batch * k_b + head_kv * k_h, k_n, key_start, g.kv_len, HEAD_DIM);
-    load_tile<BLOCK_N, BLOCK_DV>(v_tile, v + batch * v_b + head_kv * v_h, v_n, key_start, g.kv_len, HEAD_DIM_V);
+    load_tile<BLOCK_N, BLOCK_D>(k_tile, k + batch * k_b + head_kv * k_h, k_n, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
+    load_tile<BLOCK_N, BLOCK_DV>(v_tile, v + batch * v_b + head_kv * v_h, v_n, key_start, g.kv_len, HEAD_DIM_V,
+                                 g.kv_ids);
     zero<BLOCK_N * BLOCK_D>(dk_acc);
     zero<BLOCK_N * BLOCK_DV>(dv_acc);
     __syncthreads();
@@ -496,6 +558,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 
     int first, end;
     query_span(key_start, g, lower, upper, first, end);
+    const SegmentRange k_range = segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k);
     // Over the G query heads of this kv head and the query tiles that see this key tile:
     //   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
     //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q
@@ -503,10 +566,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         const Planes planes = planes_of(mask, bias, strides, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
         for (int row_start = first; row_start < end; row_start += BLOCK_M) {
-            load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM);
+            // A query tile sharing no segment id with the key tile is skipped.
+            if (!ranges_meet(segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q), k_range)) continue;
+            load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM,
+                                        g.q_ids);
             load_tile<BLOCK_M, BLOCK_DV>(do_tile, dout + batch * do_b + head * do_h, do_m, row_start, g.q_len,
-                                         HEAD_DIM_V);
-            load_row_statistics(lse_tile, delta_tile, lse, delta, row_base, row_start, g.q_len);
+                                         HEAD_DIM_V, g.q_ids);
+            load_row_statistics(lse_tile, delta_tile, lse, delta, row_base, row_start, g);
             __syncthreads();
             if (COSINE) inverse_norms<BLOCK_M, BLOCK_D>(q_inverse, q_tile);
             tile_mma<BLOCK_M, BLOCK_N, BLOCK_D, false, true, false>(s_tile, BLOCK_N, q_tile, BLOCK_D, k_tile, BLOCK_D);
