@@ -195,7 +195,8 @@ def format_packed(result: dict[str, Any]) -> str:
     shape = result["shape"]
     lines = [
         device_banner(result),
-        f"segment ids, causal, forward+backward (the packed row on `runs on`: auto's choice, or --backends): H={shape['heads']}, D={shape['head_dim']}, "
+        "segment ids, causal, forward+backward (the packed row on `runs on`: auto's choice, or --backends): "
+        f"H={shape['heads']}, D={shape['head_dim']}, "
         f"{shape['dtype']}; paired ratio = median over {result['repeats']} interleaved repeats of the two times in "
         "the same repeat",
     ]
