@@ -168,7 +168,7 @@ def _add_bench(commands: Any) -> None:
         "prints it, or writes it to --output (replaces --what)",
     )
     bench.add_argument("--output", metavar="PATH", help="--calibrate: write the table here (configs/costs.toml)")
-    bench.add_argument("--backends", metavar="A,B", help="--calibrate, paged: only these backends")
+    bench.add_argument("--backends", metavar="A,B", help="--calibrate, paged, packed: only these backends")
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -255,6 +255,9 @@ def test_packed_bench_times_segment_ids_against_a_batch_sdpa_and_the_unpadded_ca
     assert all(value > 0 and math.isfinite(value) for value in ratios.values())
     skipping = {"cpu-flash", "torch-chunked"}
     assert {cell["backend"] for cell in cells} <= skipping
+    # --backends: the packed row on each named backend instead of auto's.
+    code, out = run(capsys, *argv, "--backends", "torch-sdpa", "--json", str(target))
+    assert code == 0 and json.loads(target.read_text())["cells"][0]["backend"] == "torch-sdpa"
     ids = packed.packed_ids(3, 2)
     assert ids.tolist() == [[0, 0, 1, 1, 2, 2]]
     mask = packed.causal_document_mask(ids)[0, 0]

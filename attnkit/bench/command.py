@@ -161,7 +161,9 @@ def run_packed(args: argparse.Namespace, out: TextIO) -> int:
         return 2
     repeats = args.repeats if args.repeats is not None else 3
     with torch_threads(args.threads):
-        result = packed.bench_packed(repeats=repeats, warmup=args.warmup, memory=not args.no_memory)
+        result = packed.bench_packed(
+            repeats=repeats, warmup=args.warmup, memory=not args.no_memory, backends=_csv(args.backends)
+        )
     print(packed.format_packed(result), file=out)
     _write_json(args, result, out)
     return 0

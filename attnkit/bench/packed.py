@@ -4,7 +4,8 @@
 * ``packed``: one row of ``DOCUMENTS`` causal documents of ``DOCUMENT_LEN`` tokens told apart by segment ids,
   against the same documents as a batch (``DOCUMENTS`` rows of ``DOCUMENT_LEN``, causal) through auto and through
   the backend auto ran the row on (``-same``: what the ids cost that backend), and against SDPA with the equivalent
-  dense (1, 1, L, L) boolean mask (built before timing). Skipping the tiles of other documents, the row costs Σ Lᵢ²
+  dense (1, 1, L, L) boolean mask (built before timing). With ``backends``, one such cell per named backend, the
+  row and the ``-same`` batch run on it. Skipping the tiles of other documents, the row costs Σ Lᵢ²
   like the batch, not (Σ Lᵢ)².
 * ``left-padded``: a causal batch whose odd rows are left-padded by a quarter (segment id −1 on the pads, 0 on the
   rest), against the unpadded causal call of the same shape, through auto and through the same backend.
@@ -70,7 +71,7 @@ def _fwd_bwd(call: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> Cal
     return lambda: torch.autograd.grad(call(*leaves), leaves, dout)
 
 
-def _packed_cell(repeats: int, warmup: int) -> dict[str, Any]:
+def _packed_cell(repeats: int, warmup: int, named: str | None = None) -> dict[str, Any]:
     import torch.nn.functional as F
 
     import attnkit
@@ -87,9 +88,9 @@ def _packed_cell(repeats: int, warmup: int) -> dict[str, Any]:
     dense = causal_document_mask(ids)
 
     def packed(q: Any, k: Any, v: Any) -> Any:
-        return attnkit.attend(spec, q, k, v, q_segment_ids=ids, kv_segment_ids=ids)
+        return attnkit.attend(spec, q, k, v, q_segment_ids=ids, kv_segment_ids=ids, backend=named or "auto")
 
-    backend = _backend_of(spec, q.detach().requires_grad_(True), k, v, q_segment_ids=ids, kv_segment_ids=ids)
+    backend = named or _backend_of(spec, q.detach().requires_grad_(True), k, v, q_segment_ids=ids, kv_segment_ids=ids)
     functions = {
         "packed": _fwd_bwd(packed, q, k, v, dout),
         "batch": _fwd_bwd(lambda q, k, v: attnkit.attend(spec, q, k, v), *as_batch),
@@ -143,16 +144,21 @@ def _left_padded_cell(repeats: int, warmup: int) -> dict[str, Any]:
     }
 
 
-def bench_packed(repeats: int = 3, warmup: int = 1, memory: bool = True) -> dict[str, Any]:
-    """The packed-row and left-padding cells (float32, forward+backward through auto), and with ``memory`` the packed
-    call's peak extra memory per row length."""
+def bench_packed(
+    repeats: int = 3, warmup: int = 1, memory: bool = True, backends: tuple[str, ...] | None = None
+) -> dict[str, Any]:
+    """The packed-row and left-padding cells (float32, forward+backward through auto; the packed row on each of
+    ``backends`` instead where given), and with ``memory`` the packed call's peak extra memory per row length."""
     result: dict[str, Any] = {
         "what": "packed",
         "environment": environment("cpu"),
         "shape": {"heads": HEADS, "head_dim": HEAD_DIM, "dtype": "float32", "causal": True},
         "repeats": repeats,
         "warmup": warmup,
-        "cells": [_packed_cell(repeats, warmup), _left_padded_cell(repeats, warmup)],
+        "cells": [
+            *(_packed_cell(repeats, warmup, named) for named in backends or (None,)),
+            _left_padded_cell(repeats, warmup),
+        ],
     }
     if memory:
         result["memory"] = [
@@ -189,7 +195,8 @@ def format_packed(result: dict[str, Any]) -> str:
     shape = result["shape"]
     lines = [
         device_banner(result),
-        f"segment ids, causal, forward+backward through auto: H={shape['heads']}, D={shape['head_dim']}, "
+        "segment ids, causal, forward+backward (the packed row on `runs on`: auto's choice, or --backends): "
+        f"H={shape['heads']}, D={shape['head_dim']}, "
         f"{shape['dtype']}; paired ratio = median over {result['repeats']} interleaved repeats of the two times in "
         "the same repeat",
     ]
@@ -200,7 +207,7 @@ def format_packed(result: dict[str, Any]) -> str:
         for c in result["cells"]
         for name, ratio in c["ratios"].items()
     ]  # fmt: skip
-    lines.append(format_table(["cell", "shape", "auto runs", "baseline runs", "ratio", "value", "median ms"], rows))
+    lines.append(format_table(["cell", "shape", "runs on", "baseline runs", "ratio", "value", "median ms"], rows))
     if "memory" in result:
         lines.append(f"\npeak extra memory of the packed call (documents of {DOCUMENT_LEN}), fresh process each")
         memory_rows = [[str(m["len"]), f"{m['peak_extra_bytes'] / 2**20:.1f}"] for m in result["memory"]]

@@ -18,7 +18,7 @@ The lowering:
   dense visibility tensor it reads (the user mask is (Lq, Lk) already). The :class:`BlockMask` is built from
   per-row key ranges, block by block, never from a dense (Lq, Lk) grid, so memory stays linear in L.
 * Segment ids (§4.5), FlexAttention's document masking: a ``mask_mod`` clause, and blocks kept only where the
-  blocks' id ranges meet (:func:`_segment_blocks`); q, k, v are zeroed at negative ids before the kernel and any
+  blocks' id ranges meet (:class:`SegmentTiles`); q, k, v are zeroed at negative ids before the kernel and any
   hand-over, so padding is never input.
 * lse, which the CPU kernel cannot return, comes out of the same fused pass through a sink key: one key after
   the (padded) keys, with score ``t`` (a per-row bound of the scores, below) and v gets two columns, 1 on the real keys
@@ -64,7 +64,15 @@ from attnkit.backend import (
     peer_backend,
 )
 from attnkit.contract import within_band
-from attnkit.contract.torch import Band, cosine_normalize, from_bhsd, to_bhsd, without_segment_padding, zero_padding
+from attnkit.contract.torch import (
+    Band,
+    SegmentTiles,
+    cosine_normalize,
+    from_bhsd,
+    to_bhsd,
+    without_segment_padding,
+    zero_padding,
+)
 
 BLOCK_SIZE = 128  # the BlockMask block; the CPU kernel's default
 MAX_TESTED_HEAD_DIM = 512  # the C++ template states no limit; 1..512 (and Dv != D) agree with the oracle here
@@ -214,8 +222,8 @@ def _row_blocks(
     segments: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(batch, 1, nQ, nK) partial and full blocks from the rows' key ranges (:meth:`Band.key_ranges`) and the
-    segment ids (:func:`_segment_blocks`; padded to ``batch`` and the kernel's lengths): B·Lq·nK work and memory, no
-    (Lq, Lk) grid.
+    segment ids (padded to ``batch`` and the kernel's lengths; per-block id ranges, :class:`SegmentTiles`): B·Lq·nK
+    work and memory, no (Lq, Lk) grid.
 
     ``batch`` may exceed the rows' batch (bucket padding): those elements see nothing, so their blocks are skipped.
     """
@@ -238,28 +246,10 @@ def _row_blocks(
     whole = ((first_all <= starts) & (last_all >= ends)).all(dim=2)
     seen, whole = seen.unsqueeze(1), whole.unsqueeze(1)
     if segments is not None:  # blocks whose documents cannot meet are skipped; whole ones stay whole
-        meet, same_document = _segment_blocks(*segments)
+        q_tiles, kv_tiles = (SegmentTiles.of(ids, BLOCK_SIZE) for ids in segments)
+        meet, same_document = (pairs.unsqueeze(1) for pairs in q_tiles.pairs(kv_tiles))
         seen, whole = seen & meet, whole & same_document
     return seen & ~whole, whole
-
-
-def _segment_blocks(q_ids: torch.Tensor, kv_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(meet, whole), (B, 1, nQ, nK), from (B, Lq) and (B, Lk) segment ids, FlexAttention's document-masking recipe
-    by per-block id ranges: ``meet`` where a query and a key of the blocks may share a non-negative id (elsewhere
-    the block is skipped), ``whole`` where every query and key of them share one (the ids hide nothing there)."""
-
-    def per_block(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        blocks = F.pad(ids, (0, -ids.shape[1] % BLOCK_SIZE), value=-1).view(ids.shape[0], -1, BLOCK_SIZE)
-        least = blocks.where(blocks >= 0, torch.iinfo(torch.long).max).amin(dim=-1)  # of the non-negative ids
-        greatest = blocks.amax(dim=-1)  # −1: no id in the block
-        return least, greatest, (blocks.amin(dim=-1) == greatest) & (greatest >= 0)
-
-    (q_least, q_greatest, q_uniform), (kv_least, kv_greatest, kv_uniform) = per_block(q_ids), per_block(kv_ids)
-    q_least, q_greatest, q_uniform = (x.unsqueeze(2) for x in (q_least, q_greatest, q_uniform))
-    kv_least, kv_greatest, kv_uniform = (x.unsqueeze(1) for x in (kv_least, kv_greatest, kv_uniform))
-    meet = torch.maximum(q_least, kv_least) <= torch.minimum(q_greatest, kv_greatest)
-    whole = q_uniform & kv_uniform & (q_least == kv_least)
-    return meet.unsqueeze(1), whole.unsqueeze(1)
 
 
 def _dense_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

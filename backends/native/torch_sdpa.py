@@ -546,7 +546,7 @@ def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool)
         inputs.mask is not None, others_plain,
     )  # fmt: skip
     if runner is not None:
-        return runner(*inputs[:7])  # segment ids are in the mask by now
+        return runner(*inputs[:7])  # the native runners take no segment ids (they became the mask)
     return _flash_attention(spec, inputs, q, k, v, spec.resolved_scale(q.shape[3]))
 
 
@@ -627,7 +627,7 @@ class TorchSdpaBackend(RecomputingBackend):
             problem.head_dim_v, problem.device, masked, others_plain,
         )  # fmt: skip
         if runner is not None and problem.has_segment_ids:
-            return lambda *tensors: runner(*_segments_as_mask(spec, AttentionInputs(*tensors)))
+            return lambda *tensors: runner(*_segments_as_mask(spec, AttentionInputs(*tensors))[:7])
         if runner is not None:
             return runner
         need_lse = problem.return_lse
