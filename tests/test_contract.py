@@ -189,10 +189,14 @@ def test_padding_by_segment_ids_is_not_input(backend: str) -> None:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("segment_ids", [False, True], ids=["", "segment ids"])
 @pytest.mark.parametrize("extent", [{"batch": 0}, {"len_q": 0}, {"len_k": 0}], ids=["B=0", "Lq=0", "Lk=0"])
-def test_empty_extents_work(backend: str, extent: dict[str, int]) -> None:
-    """§9: empty batch or queries give empty outputs; no keys give zeros and lse -inf."""
+def test_empty_extents_work(backend: str, extent: dict[str, int], segment_ids: bool) -> None:
+    """§9: empty batch or queries give empty outputs; no keys give zeros and lse -inf; with segment ids too (§4.5)."""
     case = Case(spec=AttentionSpec(causal=True), **extent)
+    if segment_ids:  # every id drawn from −1..1, padding included
+        ids = [tuple(position % 3 - 1 for position in range(length)) for length in (case.len_q, case.len_k)]
+        case = case.with_(q_segment_ids=(ids[0],) * case.batch, kv_segment_ids=(ids[1],) * case.batch)
     _runnable(case, backend)
     results = _run(case, backend)
     assert results["out"].shape == (case.batch, 2, case.len_q, 16)

@@ -9,14 +9,12 @@
 from __future__ import annotations
 
 import gc
-import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 from attnkit.bench.calls import random_inputs
-from attnkit.bench.peak_memory import peak_extra_bytes, run_child
+from attnkit.bench.peak_memory import print_peak, run_child
 from attnkit.bench.timing import device_banner, environment, in_ms, interleaved, synchronizer, wall_clock
 from attnkit.tables import format_table
 
@@ -112,9 +110,7 @@ def _memory_child(name: str, seq_len: int, threads: int) -> None:
     function = _implementations()[name]
     _forward_backward(function, *_chunked_inputs(64, "cpu"))  # load modules and kernels before measuring
     inputs = _chunked_inputs(seq_len, "cpu")
-    start = time.perf_counter()
-    peak = peak_extra_bytes(lambda: _forward_backward(function, *inputs))
-    print(json.dumps({"peak_extra_bytes": peak, "seconds": time.perf_counter() - start}))
+    print_peak(lambda: _forward_backward(function, *inputs))
 
 
 def bench_memory(seq_len: int = 16384) -> dict[str, Any]:

@@ -10,14 +10,12 @@ takes no ``is_causal`` beside a mask, so its side gets the (B, 1, L, L) mask, bu
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 from attnkit.bench.calls import random_inputs
-from attnkit.bench.peak_memory import peak_extra_bytes, run_child
+from attnkit.bench.peak_memory import print_peak, run_child
 from attnkit.bench.timing import device_banner, environment, interleaved, paired_ratio
 from attnkit.tables import format_table
 
@@ -145,9 +143,7 @@ def _memory_child(name: str, seq_len: int) -> None:
 
     run(64)()  # load modules and kernels before measuring
     call = run(seq_len)
-    start = time.perf_counter()
-    peak = peak_extra_bytes(call)
-    print(json.dumps({"peak_extra_bytes": peak, "seconds": time.perf_counter() - start}))
+    print_peak(call)
 
 
 def bench_softcap_mask_memory(seq_lens: tuple[int, ...] = MEMORY_SEQ_LENS) -> list[dict[str, Any]]:

@@ -14,14 +14,12 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
 from attnkit.bench.calls import random_inputs
-from attnkit.bench.peak_memory import peak_extra_bytes, run_child
+from attnkit.bench.peak_memory import print_peak, run_child
 from attnkit.bench.timing import device_banner, environment, interleaved, paired_ratio
 from attnkit.tables import format_table
 
@@ -185,10 +183,7 @@ def _memory_child(documents: int) -> None:
         return lambda: attnkit.attend(spec, *leaves, q_segment_ids=ids, kv_segment_ids=ids).backward(dout)
 
     run(1)()  # load modules and build kernels before measuring
-    call = run(documents)
-    start = time.perf_counter()
-    peak = peak_extra_bytes(call)
-    print(json.dumps({"peak_extra_bytes": peak, "seconds": time.perf_counter() - start}))
+    print_peak(run(documents))
 
 
 def format_packed(result: dict[str, Any]) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -26,6 +27,14 @@ def peak_extra_bytes(run: Callable[[], Any]) -> int:
     before = status_kib("VmRSS")
     run()
     return (status_kib("VmHWM") - before) * 1024
+
+
+def print_peak(call: Callable[[], Any]) -> None:
+    """In a memory child: print the peak extra bytes of ``call()`` and the seconds it took, as the JSON object
+    :func:`run_child` reads."""
+    start = time.perf_counter()
+    peak = peak_extra_bytes(call)
+    print(json.dumps({"peak_extra_bytes": peak, "seconds": time.perf_counter() - start}))
 
 
 def run_child(code: str, arguments: Sequence[str], what: str, env: Mapping[str, str] | None = None) -> dict[str, Any]:

@@ -45,7 +45,7 @@ from attnkit.backend import (
     Variant,
 )
 from attnkit.contract import COSINE_EPS, diagonal_band
-from attnkit.contract.torch import zero_padding, zero_segment_padding
+from attnkit.contract.torch import SegmentTiles, zero_padding, zero_segment_padding
 
 # ---------------------------------------------------------------------------------------------- the math
 
@@ -205,22 +205,15 @@ class KernelLauncher(Protocol):
 
 #: Positions per granule of the segment ranges: every tile's rows and keys are a multiple of it.
 SEGMENT_GRANULE = 16
-#: The range of a granule with no non-negative id: empty (low > high), so it meets no other.
-EMPTY_SEGMENT_RANGE = (torch.iinfo(torch.int64).max, -1)
 
 
 def segment_ranges(segment_ids: torch.Tensor) -> torch.Tensor:
     """(B, ⌈L / SEGMENT_GRANULE⌉, 2) int64: per batch element and granule of positions, the least and the greatest
-    non-negative id (padding, a negative id, is in no range; a granule of padding alone gets EMPTY_SEGMENT_RANGE).
-    Tiles whose ranges do not overlap share no id, so no query of one sees a key of the other."""
-    batch, length = segment_ids.shape
-    granules = -(-length // SEGMENT_GRANULE)
-    ids = F.pad(segment_ids, (0, granules * SEGMENT_GRANULE - length), value=-1).view(batch, granules, -1)
-    real = ids >= 0
-    empty_low, empty_high = EMPTY_SEGMENT_RANGE
-    low = torch.where(real, ids, empty_low).amin(-1)
-    high = torch.where(real, ids, empty_high).amax(-1)
-    return torch.stack((low, high), -1).contiguous()
+    non-negative id (:class:`attnkit.contract.torch.SegmentTiles`, as the CPU backends plan by; padding, a negative
+    id, is in no range, and a granule of padding alone gets an empty one: int64's greatest value over −1). Tiles
+    whose ranges do not overlap share no id, so no query of one sees a key of the other."""
+    tiles = SegmentTiles.of(segment_ids, SEGMENT_GRANULE)
+    return torch.stack((tiles.least, tiles.greatest), -1).contiguous()
 
 
 def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInputs) -> KernelCall:

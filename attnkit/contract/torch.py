@@ -61,7 +61,7 @@ def zero_segment_padding(x: torch.Tensor, segment_ids: torch.Tensor | None) -> t
     """bhsd x with the positions whose segment id is negative set to 0: they are padding (§4.5), never read."""
     if segment_ids is None:
         return x
-    real = (segment_ids >= 0).view(segment_ids.shape[0], 1, -1, 1)
+    real = (segment_ids >= 0).view(segment_ids.shape[0], 1, segment_ids.shape[1], 1)
     return torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
@@ -82,8 +82,8 @@ def segment_visibility(
     q_segment_ids: torch.Tensor, kv_segment_ids: torch.Tensor, rows: slice | None = None, cols: slice | None = None
 ) -> torch.Tensor:
     """Boolean (B, 1, rows, cols): query i and key j share a segment id and it is not negative (§4.5)."""
-    q_ids = q_segment_ids[:, rows or slice(None)].view(q_segment_ids.shape[0], 1, -1, 1)
-    kv_ids = kv_segment_ids[:, cols or slice(None)].view(kv_segment_ids.shape[0], 1, 1, -1)
+    q_ids = q_segment_ids[:, rows or slice(None)].unsqueeze(1).unsqueeze(-1)  # (B, 1, rows, 1), B = 0 included
+    kv_ids = kv_segment_ids[:, cols or slice(None)].unsqueeze(1).unsqueeze(2)
     return (q_ids == kv_ids) & (q_ids >= 0)
 
 

@@ -98,9 +98,9 @@ def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> _Oper
         _key_blocks(v, -2, block, count, 0),
         None if mask is None else _key_blocks(mask, -1, block, count, False),
         None if bias is None else _key_blocks(bias, -1, block, count, 0),
-        None if kv_ids is None else _key_blocks(kv_ids.reshape(-1, 1, 1, 1, len_k), -1, block, count, -1),
+        None if kv_ids is None else _key_blocks(kv_ids.reshape(len(kv_ids), 1, 1, 1, len_k), -1, block, count, -1),
     )
-    q_ids = None if q_ids is None else q_ids.reshape(-1, 1, 1, len_q, 1)
+    q_ids = None if q_ids is None else q_ids.reshape(len(q_ids), 1, 1, len_q, 1)  # B, Lq or Lk may be 0
     return _Operands(q, keys, q_ids, q_limit, kv_limit, scale, q_normalization, k_normalization)
 
 
