@@ -103,6 +103,7 @@ def _positions_in_use(Ids, batch64, positions, limit, length, HAS_SEGMENT_IDS: t
 def _segment_range(Ranges, batch64, start, length, BLOCK: tl.constexpr, GRANULE: tl.constexpr):
     """(low, high): the least and greatest non-negative segment id of positions start..start+BLOCK of one batch
     element, from its granule ranges (B, ⌈length / GRANULE⌉, 2); low > high when all are padding."""
+    tl.static_assert(BLOCK % GRANULE == 0, "a tile is a whole number of granules")
     granules = (length + GRANULE - 1) // GRANULE
     base = Ranges + batch64 * granules * 2
     first = start // GRANULE
