@@ -110,9 +110,9 @@ def _segment_range(Ranges, batch64, start, length, BLOCK: tl.constexpr, GRANULE:
     low = tl.load(base + 2 * first)
     high = tl.load(base + 2 * first + 1)
     for step in tl.static_range(1, BLOCK // GRANULE):
-        inside = first + step < granules
-        low = tl.minimum(low, tl.load(base + 2 * (first + step), mask=inside, other=9223372036854775807))
-        high = tl.maximum(high, tl.load(base + 2 * (first + step) + 1, mask=inside, other=-1))
+        granule = tl.minimum(first + step, granules - 1)  # past the sequence: its last granule, in this tile too
+        low = tl.minimum(low, tl.load(base + 2 * granule))
+        high = tl.maximum(high, tl.load(base + 2 * granule + 1))
     return low, high
 
 
