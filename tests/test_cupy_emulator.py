@@ -31,7 +31,7 @@ DEFECTS = {
         "= NaN.\n    for (int key_start = first; key_start + BLOCK_N < end; key_start += BLOCK_N) {",
     ),
     # A tile row bound that reads one row past the length: the padding beyond kv_lengths (NaN here) leaks in.
-    "off-by-one row bound": ("if (first + r < limit && c < width)", "if (first + r <= limit && c < width)"),
+    "off-by-one row bound": ("if (first + r < limit && c < width &&", "if (first + r <= limit && c < width &&"),
 }
 
 

@@ -103,15 +103,16 @@ def _positions_in_use(Ids, batch64, positions, limit, length, HAS_SEGMENT_IDS: t
 def _segment_range(Ranges, batch64, start, length, BLOCK: tl.constexpr, GRANULE: tl.constexpr):
     """(low, high): the least and greatest non-negative segment id of positions start..start+BLOCK of one batch
     element, from its granule ranges (B, ⌈length / GRANULE⌉, 2); low > high when all are padding."""
+    tl.static_assert(BLOCK % GRANULE == 0, "a tile is a whole number of granules")
     granules = (length + GRANULE - 1) // GRANULE
     base = Ranges + batch64 * granules * 2
     first = start // GRANULE
     low = tl.load(base + 2 * first)
     high = tl.load(base + 2 * first + 1)
     for step in tl.static_range(1, BLOCK // GRANULE):
-        inside = first + step < granules
-        low = tl.minimum(low, tl.load(base + 2 * (first + step), mask=inside, other=9223372036854775807))
-        high = tl.maximum(high, tl.load(base + 2 * (first + step) + 1, mask=inside, other=-1))
+        granule = tl.minimum(first + step, granules - 1)  # past the sequence: its last granule, in this tile too
+        low = tl.minimum(low, tl.load(base + 2 * granule))
+        high = tl.maximum(high, tl.load(base + 2 * granule + 1))
     return low, high
 
 
