@@ -26,7 +26,6 @@ from attnkit.contract.jax import (
     normalize_backward,
     segment_visibility,
     zero_padding,
-    zero_segment_padding,
 )
 from attnkit.contract.torch import zero_padding as torch_zero_padding
 
@@ -154,7 +153,7 @@ def test_segment_visibility_is_the_oracles(spec: AttentionSpec, shape: tuple) ->
 
 
 @pytest.mark.parametrize("axis", [1, 2])
-def test_zero_segment_padding_zeroes_negative_ids(axis: int) -> None:
+def test_zero_padding_zeroes_negative_segment_ids(axis: int) -> None:
     """Positions whose id is negative are 0 (NaN there included), the others untouched, in either layout."""
     rng = np.random.default_rng(3)
     ids = np.array([[0, -1, 0, 1, -3], [-1, -1, 2, 2, 2]])
@@ -162,9 +161,9 @@ def test_zero_segment_padding_zeroes_negative_ids(axis: int) -> None:
     x = np.where(padding, np.nan, rng.standard_normal((2, 3, 5, 4)))
     expected = np.where(padding, 0.0, x)
     layout = (lambda a: np.swapaxes(a, 1, 2)) if axis == 1 else (lambda a: a)
-    got = zero_segment_padding(jnp.asarray(layout(x), jnp.float32), jnp.asarray(ids, jnp.int32), axis=axis)
+    got = zero_padding(jnp.asarray(layout(x), jnp.float32), None, axis=axis, segment_ids=jnp.asarray(ids, jnp.int32))
     np.testing.assert_array_equal(layout(np.asarray(got)), expected.astype(np.float32))
-    assert zero_segment_padding(x, None, axis=axis) is x
+    assert zero_padding(x, None, axis=axis, segment_ids=None) is x
 
 
 @pytest.mark.parametrize("axis", [1, 2])

@@ -44,20 +44,15 @@ def segment_visibility(q_ids: Any, kv_ids: Any) -> Any:
     return (q_ids == kv_ids) & (q_ids >= 0)
 
 
-def zero_padding(x: Any, lengths: Any, axis: int) -> Any:
-    """x with the positions along ``axis`` at or beyond lengths[b] set to 0 (batch is axis 0). Padding is not
-    input (§5): zeroed, its garbage (NaN included) cannot leak through 0·NaN."""
-    if lengths is None:
-        return x
-    return _zero_where_not(x, jnp.arange(x.shape[axis]) < lengths.reshape(-1, 1), axis)
-
-
-def zero_segment_padding(x: Any, segment_ids: Any, axis: int) -> Any:
-    """x with the positions along ``axis`` whose segment id (B, L) is negative set to 0: they are padding (§4.5,
-    §5), zeroed as :func:`zero_padding` zeroes those beyond a length."""
-    if segment_ids is None:
-        return x
-    return _zero_where_not(x, segment_ids >= 0, axis)
+def zero_padding(x: Any, lengths: Any, axis: int, segment_ids: Any = None) -> Any:
+    """x with the padding along ``axis`` set to 0 (batch is axis 0): positions at or beyond lengths[b], and those
+    whose segment id (B, L) is negative (§4.5). Padding is not input (§5): zeroed, its garbage (NaN included) cannot
+    leak through 0·NaN."""
+    keep = conjoin(
+        None if lengths is None else jnp.arange(x.shape[axis]) < lengths.reshape(-1, 1),
+        None if segment_ids is None else segment_ids >= 0,
+    )
+    return x if keep is None else _zero_where_not(x, keep, axis)
 
 
 def _zero_where_not(x: Any, keep: Any, axis: int) -> Any:

@@ -45,7 +45,7 @@ from attnkit.backend import (
     Variant,
 )
 from attnkit.contract import COSINE_EPS, diagonal_band
-from attnkit.contract.torch import SegmentTiles, zero_padding, zero_segment_padding
+from attnkit.contract.torch import SegmentTiles, zero_padding
 
 # ---------------------------------------------------------------------------------------------- the math
 
@@ -59,7 +59,7 @@ def cosine_input_gradient(
     Rows at or beyond ``lengths[b]``, and rows whose segment id is negative, are padding: zeroed first, so garbage
     there (NaN) cannot reach their zero gradient (docs/semantics.md §5).
     """
-    x = zero_segment_padding(zero_padding(x, lengths), segment_ids)
+    x = zero_padding(x, lengths, segment_ids)
     leaf = x.detach().float().requires_grad_(True)
     with torch.enable_grad():
         unit = F.normalize(leaf, dim=-1, eps=COSINE_EPS)

@@ -48,21 +48,19 @@ def normalize_if_cosine(spec: AttentionSpec, x: torch.Tensor) -> torch.Tensor:
     return cosine_normalize(x) if spec.variant is Variant.COSINE else x
 
 
-def zero_padding(x: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:
-    """bhsd x with positions at or beyond lengths[b] set to 0: padding is never read (§5), so garbage
-    there, NaN included, cannot leak through 0·NaN."""
-    if lengths is None:
+def zero_padding(
+    x: torch.Tensor, lengths: torch.Tensor | None, segment_ids: torch.Tensor | None = None
+) -> torch.Tensor:
+    """bhsd x with the padding set to 0: positions at or beyond lengths[b], and those whose segment id is negative
+    (§4.5). Padding is never read (§5), so garbage there, NaN included, cannot leak through 0·NaN."""
+    keep = None
+    if lengths is not None:
+        keep = torch.arange(x.shape[2], device=x.device).view(1, 1, -1, 1) < lengths.view(-1, 1, 1, 1)
+    if segment_ids is not None:
+        keep = conjoin(keep, (segment_ids >= 0).view(segment_ids.shape[0], 1, segment_ids.shape[1], 1))
+    if keep is None:
         return x
-    positions = torch.arange(x.shape[2], device=x.device).view(1, 1, -1, 1)
-    return torch.where(positions < lengths.view(-1, 1, 1, 1), x, torch.zeros((), dtype=x.dtype, device=x.device))
-
-
-def zero_segment_padding(x: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
-    """bhsd x with the positions whose segment id is negative set to 0: they are padding (§4.5), never read."""
-    if segment_ids is None:
-        return x
-    real = (segment_ids >= 0).view(segment_ids.shape[0], 1, segment_ids.shape[1], 1)
-    return torch.where(real, x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
 def without_segment_padding(spec: AttentionSpec, inputs: AttentionInputs) -> AttentionInputs:
@@ -72,7 +70,7 @@ def without_segment_padding(spec: AttentionSpec, inputs: AttentionInputs) -> Att
         return inputs
     q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     q, k, v = (
-        from_bhsd(spec, zero_segment_padding(to_bhsd(spec, x), ids))
+        from_bhsd(spec, zero_padding(to_bhsd(spec, x), None, ids))
         for x, ids in ((inputs.q, q_ids), (inputs.k, kv_ids), (inputs.v, kv_ids))
     )
     return inputs._replace(q=q, k=k, v=v)
@@ -398,9 +396,9 @@ def literal_attention(
     q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
     q = to_bhsd(spec, inputs.q).to(dtype)
     k = to_bhsd(spec, inputs.k).to(dtype)
-    q = normalize_if_cosine(spec, zero_segment_padding(zero_padding(q, inputs.q_lengths), q_ids))
-    k = normalize_if_cosine(spec, zero_segment_padding(zero_padding(k, inputs.kv_lengths), kv_ids))
-    v = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.v).to(dtype), inputs.kv_lengths), kv_ids)
+    q = normalize_if_cosine(spec, zero_padding(q, inputs.q_lengths, q_ids))
+    k = normalize_if_cosine(spec, zero_padding(k, inputs.kv_lengths, kv_ids))
+    v = zero_padding(to_bhsd(spec, inputs.v).to(dtype), inputs.kv_lengths, kv_ids)
     bias = inputs.bias.to(dtype) if inputs.bias is not None else None
     len_q, len_k = q.shape[2], k.shape[2]
     s = scores(spec, q, k, bias, spec.resolved_scale(q.shape[-1]))

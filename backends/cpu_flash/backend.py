@@ -45,7 +45,6 @@ from attnkit.contract.torch import (
     normalize_if_cosine,
     to_bhsd,
     zero_padding,
-    zero_segment_padding,
 )
 
 KERNEL_SOURCE = Path(__file__).with_name("kernel.cpp")
@@ -197,13 +196,14 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     # there into dq and dk (0·NaN), so q and k are zeroed beyond the lengths first. Positions with a negative segment
     # id are zeroed (a copy) where there are any: they lie inside the tiles the kernel reads, where 0·NaN would leak.
     q, k, v = q.float(), k.float(), v.float()
-    if spec.variant is Variant.COSINE:
-        q, k = zero_padding(q, inputs.q_lengths), zero_padding(k, inputs.kv_lengths)
+    cosine = spec.variant is Variant.COSINE
     q_ids, kv_ids = (
         ids if ids is not None and bool((ids < 0).any()) else None
         for ids in (inputs.q_segment_ids, inputs.kv_segment_ids)
     )
-    q, k, v = zero_segment_padding(q, q_ids), zero_segment_padding(k, kv_ids), zero_segment_padding(v, kv_ids)
+    q = zero_padding(q, inputs.q_lengths if cosine else None, q_ids)
+    k = zero_padding(k, inputs.kv_lengths if cosine else None, kv_ids)
+    v = zero_padding(v, None, kv_ids)
     q, k = normalize_if_cosine(spec, q), normalize_if_cosine(spec, k)
     scale = spec.resolved_scale(head_dim)
     # The mask's bytes as uint8 (a view: no copy); the bias in float32 (§7: added in the compute dtype), which

@@ -41,7 +41,6 @@ from attnkit.contract.jax import (
     normalize,
     segment_visibility,
     zero_padding,
-    zero_segment_padding,
 )
 
 
@@ -121,10 +120,8 @@ def _xla_attention_traced(spec: AttentionSpec, inputs: AttentionInputs, need_lse
         out = jnp.zeros((batch, len_q, heads_q, dim_v), q.dtype)
         empty_lse = jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
         return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), empty_lse
-    q = zero_segment_padding(zero_padding(q, inputs.q_lengths, axis=1), inputs.q_segment_ids, axis=1)
-    k, v = (
-        zero_segment_padding(zero_padding(x, inputs.kv_lengths, axis=1), inputs.kv_segment_ids, axis=1) for x in (k, v)
-    )
+    q = zero_padding(q, inputs.q_lengths, axis=1, segment_ids=inputs.q_segment_ids)
+    k, v = (zero_padding(x, inputs.kv_lengths, axis=1, segment_ids=inputs.kv_segment_ids) for x in (k, v))
     dtype = q.dtype
     if spec.variant is Variant.COSINE:
         q, k = _unit_rows(q), _unit_rows(k)

@@ -34,7 +34,7 @@ try:
     import jax
     import jax.numpy as jnp
 
-    from attnkit.contract.jax import normalize, normalize_backward, zero_padding, zero_segment_padding
+    from attnkit.contract.jax import normalize, normalize_backward, zero_padding
 
     from . import kernels
 except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
@@ -180,8 +180,8 @@ def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, A
     bias, geometry, segment ids."""
     sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     seq_axis, _ = _axes(config)
-    q = zero_segment_padding(inputs.q, inputs.q_segment_ids, seq_axis)
-    k, v = (zero_segment_padding(x, inputs.kv_segment_ids, seq_axis) for x in (inputs.k, inputs.v))
+    q = zero_padding(inputs.q, None, seq_axis, inputs.q_segment_ids)
+    k, v = (zero_padding(x, None, seq_axis, inputs.kv_segment_ids) for x in (inputs.k, inputs.v))
     geom, q_len, kv_len = _geometry(band, sizes, inputs.q_lengths, inputs.kv_lengths)
     prepared: dict[str, Any] = {"geom": geom, "q_norm": None, "k_norm": None}
     prepared["segments"], prepared["segments_dkdv"] = _segments(config, sizes, inputs)

@@ -39,7 +39,6 @@ try:
         normalize_backward,
         segment_visibility,
         zero_padding,
-        zero_segment_padding,
     )
 except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
     _JAX_ERROR: str | None = f"jax cannot be imported ({type(error).__name__}: {error})"
@@ -76,10 +75,8 @@ def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> _Oper
     # Lengths may be tracers, so they are clamped here rather than trusted to have been checked.
     q_limit = len_q if q_lengths is None else jnp.clip(q_lengths, 0, len_q).reshape(-1, 1, 1, 1, 1)
     kv_limit = len_k if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k).reshape(-1, 1, 1, 1, 1)
-    q = zero_padding(q, q_lengths, axis=2)
-    k, v = (zero_padding(x, kv_lengths, axis=2) for x in (k, v))
-    q = zero_segment_padding(q, q_ids, axis=2)
-    k, v = (zero_segment_padding(x, kv_ids, axis=2) for x in (k, v))
+    q = zero_padding(q, q_lengths, axis=2, segment_ids=q_ids)
+    k, v = (zero_padding(x, kv_lengths, axis=2, segment_ids=kv_ids) for x in (k, v))
 
     scale = spec.resolved_scale(q.shape[-1])
     q_normalization = k_normalization = None

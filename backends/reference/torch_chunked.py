@@ -32,7 +32,6 @@ from attnkit.contract.torch import (
     normalize_if_cosine,
     to_bhsd,
     zero_padding,
-    zero_segment_padding,
 )
 
 NEG_INF = float("-inf")
@@ -330,13 +329,13 @@ class TorchChunkedBackend(BaseBackend):
         # Padding (beyond the lengths, or a negative segment id) is zeroed, not only masked: a tile spanning it
         # would otherwise carry NaN there into dq, dk or P·V through 0·NaN (docs/semantics.md §5).
         q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
-        k = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.k), inputs.kv_lengths), kv_ids)
+        k = zero_padding(to_bhsd(spec, inputs.k), inputs.kv_lengths, kv_ids)
         heads_kv, len_k = k.shape[1], k.shape[2]
-        q = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.q), inputs.q_lengths), q_ids)
+        q = zero_padding(to_bhsd(spec, inputs.q), inputs.q_lengths, q_ids)
         q = _query_side(q, heads_kv, dtype)
         # detach: when no copy is needed these alias the caller's tensors, and cosine marks k as a leaf.
         k = k.detach().to(dtype).contiguous()
-        v = zero_segment_padding(zero_padding(to_bhsd(spec, inputs.v), inputs.kv_lengths), kv_ids)
+        v = zero_padding(to_bhsd(spec, inputs.v), inputs.kv_lengths, kv_ids)
         v = v.detach().to(dtype).contiguous()
         len_q = q.shape[2]
         scale = spec.resolved_scale(q.shape[-1])
