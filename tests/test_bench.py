@@ -249,6 +249,7 @@ def test_packed_bench_times_segment_ids_against_a_batch_sdpa_and_the_unpadded_ca
         "packed / batch",
         "packed / batch-same",
         "sdpa-mask / packed",
+        "varlen / batch",
         "left-padded / unpadded",
         "left-padded / unpadded-same",
     }

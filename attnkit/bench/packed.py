@@ -4,8 +4,9 @@
 * ``packed``: one row of ``DOCUMENTS`` causal documents of ``DOCUMENT_LEN`` tokens told apart by segment ids,
   against the same documents as a batch (``DOCUMENTS`` rows of ``DOCUMENT_LEN``, causal) through auto and through
   the backend auto ran the row on (``-same``: what the ids cost that backend), and against SDPA with the equivalent
-  dense (1, 1, L, L) boolean mask (built before timing). With ``backends``, one such cell per named backend, the
-  row and the ``-same`` batch run on it. Skipping the tiles of other documents, the row costs Σ Lᵢ²
+  dense (1, 1, L, L) boolean mask (built before timing); ``varlen`` is the same row through ``attend_varlen``
+  (cu_seqlens, (total, H, D) tensors). With ``backends``, one such cell per named backend, the row, ``varlen`` and
+  the ``-same`` batch run on it. Skipping the tiles of other documents, the row costs Σ Lᵢ²
   like the batch, not (Σ Lᵢ)².
 * ``left-padded``: a causal batch whose odd rows are left-padded by a quarter (segment id −1 on the pads, 0 on the
   rest), against the unpadded causal call of the same shape, through auto and through the same backend.
@@ -70,6 +71,7 @@ def _fwd_bwd(call: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> Cal
 
 
 def _packed_cell(repeats: int, warmup: int, named: str | None = None) -> dict[str, Any]:
+    import torch
     import torch.nn.functional as F
 
     import attnkit
@@ -84,6 +86,12 @@ def _packed_cell(repeats: int, warmup: int, named: str | None = None) -> dict[st
         for x in (q, k, v, dout)
     ]
     dense = causal_document_mask(ids)
+    # attend_varlen's (total, H, D) tensors and offsets: the same row, as flash-attn's callers hold it.
+    as_packed = [x[0].transpose(0, 1).contiguous() for x in (q, k, v, dout)]
+    offsets = torch.arange(0, length + 1, DOCUMENT_LEN, dtype=torch.int32)
+
+    def varlen(q: Any, k: Any, v: Any) -> Any:
+        return attnkit.attend_varlen(spec, q, k, v, offsets, offsets, backend=named or "auto")
 
     def packed(q: Any, k: Any, v: Any) -> Any:
         return attnkit.attend(spec, q, k, v, q_segment_ids=ids, kv_segment_ids=ids, backend=named or "auto")
@@ -94,6 +102,7 @@ def _packed_cell(repeats: int, warmup: int, named: str | None = None) -> dict[st
         "batch": _fwd_bwd(lambda q, k, v: attnkit.attend(spec, q, k, v), *as_batch),
         "batch-same": _fwd_bwd(lambda q, k, v: attnkit.attend(spec, q, k, v, backend=backend), *as_batch),
         "sdpa-mask": _fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense), q, k, v, dout),
+        "varlen": _fwd_bwd(varlen, *as_packed),
     }
     samples = interleaved(functions, repeats, warmup)
     return {
@@ -106,6 +115,7 @@ def _packed_cell(repeats: int, warmup: int, named: str | None = None) -> dict[st
             "packed / batch": paired_ratio(samples, "packed", "batch"),
             "packed / batch-same": paired_ratio(samples, "packed", "batch-same"),
             "sdpa-mask / packed": paired_ratio(samples, "sdpa-mask", "packed"),
+            "varlen / batch": paired_ratio(samples, "varlen", "batch"),
         },
     }
 

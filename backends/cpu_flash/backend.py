@@ -263,7 +263,8 @@ class CpuFlashBackend(RecomputingBackend):
             "mask, bias: read per tile through their strides (broadcast axes never expanded); dbias per batch "
             "element and query head (B, Hq, Lq|1, Lk|1), then summed to the bias's shape",
             "float64: left to torch-chunked and torch-naive (the kernel computes in float32)",
-            "paged: float32 caches, read where they lie (one GEMM per block piece of a tile); split-K over the keys "
+            "paged: float32 caches, read where they lie (decode rows slot by slot for every head, in address order; "
+            "more rows one GEMM per block piece of a tile); split-K over the keys "
             "when a decode call has fewer rows than threads",
             "half types: widened to float32 exactly, results rounded back once",
             "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "

@@ -457,92 +457,118 @@ void for_each_piece(int64_t c0, int64_t c1, int64_t block_size, Fn fn) {
   }
 }
 
+// q_r . k over dim floats: two accumulators, so the FMA chain is half as long.
+float dot(const float* q, const float* k, int64_t dim) {
+  const int64_t step = Vec::size();
+  Vec even(0.0f), odd(0.0f);
+  int64_t d = 0;
+  for (; d + 2 * step <= dim; d += 2 * step) {
+    even = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), even);
+    odd = at::vec::fmadd(Vec::loadu(q + d + step), Vec::loadu(k + d + step), odd);
+  }
+  for (; d + step <= dim; d += step) even = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), even);
+  float total = lane_sum(even + odd);
+  for (; d < dim; ++d) total += q[d] * k[d];
+  return total;
+}
+
+float inverse_norm(const float* k, int64_t dim, float eps) { return 1.0f / std::max(std::sqrt(dot(k, k, dim)), eps); }
+
 // Columns [0, keys) of the rows x ld tile s times 1 / max(|k_j|, eps), keys rows of length dim `row` floats apart.
 void divide_by_key_norms(float* s, int64_t rows, int64_t ld, int64_t keys, const float* k, int64_t row, int64_t dim,
                          float eps) {
   for (int64_t j = 0; j < keys; ++j) {
-    const float* key = k + j * row;
-    Vec squares(0.0f);
-    int64_t d = 0;
-    for (; d + Vec::size() <= dim; d += Vec::size()) squares = at::vec::fmadd(Vec::loadu(key + d), Vec::loadu(key + d), squares);
-    float total = lane_sum(squares);
-    for (; d < dim; ++d) total += key[d] * key[d];
-    const float inverse = 1.0f / std::max(std::sqrt(total), eps);
+    const float inverse = inverse_norm(k + j * row, dim, eps);
     for (int64_t r = 0; r < rows; ++r) s[r * ld + j] *= inverse;
   }
 }
 
-// Decode-sized products, below the cost of a BLAS call (a block of 16 keys is a 1 x 16 x 128 product): rows up to
-// kFewRows take these loops. S[r, j] = alpha q_r . k_j over keys `k_row` floats apart, into s (ld columns).
+// Decode-sized products (kFewRows query rows per head), below the cost of a BLAS call, read slot by slot: a slot
+// holds every kv head's key (Hkv * D floats in a row), so the cache streams in address order, where a head at a time
+// would touch each slot's 4 KiB Hkv times, an Hkv-th of it each time (1.3-1.5x slower, docs/performance.md).
 constexpr int64_t kFewRows = 4;
+constexpr int64_t kAhead = 2;  // slots read ahead
 
-void few_rows_scores(int64_t rows, int64_t keys, int64_t dim, float alpha, const float* q, const float* k,
-                     int64_t k_row, float* s, int64_t ld) {
-  for (int64_t j = 0; j < keys; ++j)
-    for (int64_t r = 0; r < rows; ++r) {
-      const float *key = k + j * k_row, *query = q + r * dim;
-      Vec sum(0.0f);
-      int64_t d = 0;
-      for (; d + Vec::size() <= dim; d += Vec::size()) sum = at::vec::fmadd(Vec::loadu(query + d), Vec::loadu(key + d), sum);
-      float total = lane_sum(sum);
-      for (; d < dim; ++d) total += query[d] * key[d];
-      s[r * ld + j] = alpha * total;
-    }
+void prefetch_row(const float* row, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i);
 }
 
-// acc[r] += sum_j P[r, j] v_j over values `v_row` floats apart, P with ld columns.
-void few_rows_values(int64_t rows, int64_t keys, int64_t dim_v, const float* p, int64_t ld, const float* v,
-                     int64_t v_row, float* acc) {
-  for (int64_t r = 0; r < rows; ++r) {
-    float* acc_row = acc + r * dim_v;
-    for (int64_t j = 0; j < keys; ++j) {
-      const Vec weight(p[r * ld + j]);
-      const float* value = v + j * v_row;
-      int64_t d = 0;
-      for (; d + Vec::size() <= dim_v; d += Vec::size())
-        at::vec::fmadd(weight, Vec::loadu(value + d), Vec::loadu(acc_row + d)).store(acc_row + d);
-      for (; d < dim_v; ++d) acc_row[d] += p[r * ld + j] * value[d];
+// S_h[r, j - c0] = q_scale q_{h,r} . k_{j,h/group} for the keys [c0, c1) of every head h: S_h is `rows` x cols at
+// s + h * rows * cols. Cosine divides column j by max(|k_j|, eps) (the cache keeps unnormalised keys).
+void few_rows_scores(const float* q, const PagedSequence& cache, const Sizes& n, int64_t rows, int64_t c0, int64_t c1,
+                     float* s) {
+  const int64_t cols = c1 - c0, group = n.heads_q / n.heads_kv;
+  for (int64_t j = c0; j < c1; ++j) {
+    const float* slot = cache.key(j);
+    if (j + kAhead < c1) prefetch_row(cache.key(j + kAhead), n.heads_kv * n.dim);
+    for (int64_t h_kv = 0; h_kv < n.heads_kv; ++h_kv) {
+      const float* key = slot + h_kv * n.dim;
+      const float alpha = n.q_scale * (cache.cosine_eps > 0 ? inverse_norm(key, n.dim, cache.cosine_eps) : 1.0f);
+      for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h)
+        for (int64_t r = 0; r < rows; ++r)
+          s[(h * rows + r) * cols + (j - c0)] = alpha * dot(q + (h * n.len_q + r) * n.dim, key, n.dim);
     }
   }
 }
 
-// Rows [r0, r1) of every query head of one sequence over its keys [first, last). Each tile is read for all heads in
-// turn while it is in cache: one head's rows of a block lie Hkv * D floats apart (4 KiB at Hkv = 8, D = 128), so a head
-// at a time would stream every page of the cache for an Hkv-th of it. q, out and lse point at the sequence's head 0;
-// the online softmax keeps its state per head (row_max, row_sum: block_q per head; acc: block_q * Dv per head).
+// acc_h[r] += sum_j P_h[r, j - c0] v_{j,h/group} for the keys [c0, c1) of every head, P_h laid out as S_h above and
+// acc_h at acc + h * acc_size.
+void few_rows_values(const float* p, const PagedSequence& cache, const Sizes& n, int64_t rows, int64_t c0, int64_t c1,
+                     float* acc, int64_t acc_size) {
+  const int64_t cols = c1 - c0, group = n.heads_q / n.heads_kv, step = Vec::size();
+  for (int64_t j = c0; j < c1; ++j) {
+    const float* slot = cache.value(j);
+    if (j + kAhead < c1) prefetch_row(cache.value(j + kAhead), n.heads_kv * n.dim_v);
+    for (int64_t h = 0; h < n.heads_q; ++h) {
+      const float* value = slot + h / group * n.dim_v;
+      for (int64_t r = 0; r < rows; ++r) {
+        const float weight = p[(h * rows + r) * cols + (j - c0)];
+        float* acc_row = acc + h * acc_size + r * n.dim_v;
+        int64_t d = 0;
+        for (; d + step <= n.dim_v; d += step)
+          at::vec::fmadd(Vec(weight), Vec::loadu(value + d), Vec::loadu(acc_row + d)).store(acc_row + d);
+        for (; d < n.dim_v; ++d) acc_row[d] += weight * value[d];
+      }
+    }
+  }
+}
+
+// Rows [r0, r1) of every query head of one sequence over its keys [first, last). q, out and lse point at the
+// sequence's head 0; the online softmax keeps its state per head (row_max, row_sum: block_q per head; acc:
+// block_q * Dv per head). Decode-sized rows read the tile slot by slot for all heads at once (few_rows_*; s holds
+// every head's scores); more rows take one GEMM per head and block piece, each head's rows of a block Hkv * D floats
+// apart, which BLAS takes as its leading dimension.
 void fwd_rows_paged(const float* q, const PagedSequence& cache, float* out, float* lse, const Sizes& n,
                     const Band& band, const Rows& geometry, float softcap, int64_t r0, int64_t r1, int64_t first,
                     int64_t last, float* s, float* acc, float* row_max, float* row_sum) {
   const int64_t rows = r1 - r0, group = n.heads_q / n.heads_kv, acc_size = n.block_q * n.dim_v;
+  const bool few = rows <= kFewRows;
   for (int64_t h = 0; h < n.heads_q; ++h)
     start_rows(rows, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, acc + h * acc_size);
   for (int64_t c0 = first; c0 < last; c0 += n.block_k) {
     const int64_t c1 = std::min(c0 + n.block_k, last), cols = c1 - c0;
     const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
+    if (few) few_rows_scores(q + r0 * n.dim, cache, n, rows, c0, c1, s);
     for (int64_t h = 0; h < n.heads_q; ++h) {
-      const float* q_rows = q + (h * n.len_q + r0) * n.dim;
-      const int64_t key_head = h / group * n.dim, value_head = h / group * n.dim_v;
-      float* head_acc = acc + h * acc_size;
-      for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
-        const float* keys = cache.key(a) + key_head;
-        if (rows <= kFewRows)
-          few_rows_scores(rows, b - a, n.dim, n.q_scale, q_rows, keys, cache.k_row, s + (a - c0), cols);
-        else
+      float* head_s = few ? s + h * rows * cols : s;
+      if (!few) {
+        const float* q_rows = q + (h * n.len_q + r0) * n.dim;
+        for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
+          const float* keys = cache.key(a) + h / group * n.dim;
           gemm(false, true, rows, b - a, n.dim, n.q_scale, q_rows, n.dim, keys, cache.k_row, 0.0f, s + (a - c0), cols);
-        if (cache.cosine_eps > 0)
-          divide_by_key_norms(s + (a - c0), rows, cols, b - a, keys, cache.k_row, n.dim, cache.cosine_eps);
-      });
-      scores(s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, UserTerms{}, TileIds{});
-      softmax_step(s, rows, cols, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, head_acc);
-      for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
-        const float* values = cache.value(a) + value_head;
-        if (rows <= kFewRows)
-          few_rows_values(rows, b - a, n.dim_v, s + (a - c0), cols, values, cache.v_row, head_acc);
-        else
-          gemm(false, false, rows, n.dim_v, b - a, 1.0f, s + (a - c0), cols, values, cache.v_row, 1.0f, head_acc,
-               n.dim_v);
-      });
+          if (cache.cosine_eps > 0)
+            divide_by_key_norms(s + (a - c0), rows, cols, b - a, keys, cache.k_row, n.dim, cache.cosine_eps);
+        });
+      }
+      scores(head_s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, UserTerms{}, TileIds{});
+      softmax_step(head_s, rows, cols, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, acc + h * acc_size);
+      if (!few)
+        for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
+          gemm(false, false, rows, n.dim_v, b - a, 1.0f, s + (a - c0), cols, cache.value(a) + h / group * n.dim_v,
+               cache.v_row, 1.0f, acc + h * acc_size, n.dim_v);
+        });
     }
+    if (few) few_rows_values(s, cache, n, rows, c0, c1, acc, acc_size);
   }
   for (int64_t h = 0; h < n.heads_q; ++h)
     finish_rows(out + (h * n.len_q + r0) * n.dim_v, lse + h * n.len_q + r0, rows, n.dim_v, row_max + h * n.block_q,
@@ -765,7 +791,8 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
   float *op = parts.data_ptr<float>(), *lp = part_lse.data_ptr<float>();
   // A task: one sequence's query block, every head, one split of the keys.
   at::parallel_for(0, n.batch * blocks * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(n.block_q * n.block_k), acc(n.heads_q * n.block_q * n.dim_v), row_max(n.heads_q * n.block_q),
+    std::vector<float> s(std::max(n.block_q, n.heads_q * kFewRows) * n.block_k), acc(n.heads_q * n.block_q * n.dim_v),
+        row_max(n.heads_q * n.block_q),
         row_sum(n.heads_q * n.block_q);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t split = task % splits, block = task / splits % blocks, b = task / splits / blocks;

@@ -57,6 +57,8 @@ class FlashAttnBackend(RecomputingBackend):
             "segment ids: flash_attn_func takes no ids; flash_attn_varlen_func takes documents as cu_seqlens offsets, "
             "the form of attnkit.attend_varlen, which may route to it later (padded rows with ids are not that form)",
             "Dv != D: rejected at call time (flash-attn needs equal head dims)",
+            "paged: flash_attn_with_kvcache takes a block table (page sizes a multiple of 256); not lowered yet, as "
+            "nothing here could run it (no CUDA)",
         ),
     )
 

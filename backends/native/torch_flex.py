@@ -471,6 +471,9 @@ class TorchFlexBackend(BaseBackend):
             "a user mask is read densely (it is (Lq, Lk) already); causal, window, lengths and segment ids are "
             "block-sparse (segment ids: a mask_mod clause, and blocks skipped by their per-block id ranges, as "
             "FlexAttention's document masking; q, k, v zeroed at negative ids)",
+            "paged: flex reaches a paged cache only through a map from each cache slot to one logical position "
+            "(torch's experimental PagedAttention), which cannot hold a block that a sequence reads twice (§13 "
+            "allows it), and each new cache size recompiles",
             "needs inductor's C++ flex template (x86 with AVX2); tested with torch 2.13",
         ),
         delegations=(BACKWARD, EMPTY, NAN_INPUTS, LSE_RANGE),

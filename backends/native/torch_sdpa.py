@@ -603,6 +603,8 @@ class TorchSdpaBackend(RecomputingBackend):
             "no key block skipped for the documents), with q, k, v zeroed at negative ids; the shipped order puts "
             "the backends that skip the tiles documents hide first",
             "Dv != D: q, k, v zero-padded to max(D, Dv) for the op",
+            "paged: SDPA reads contiguous k and v only; a block table would need the cache gathered into a copy, "
+            "which attend_paged exists to avoid",
             f"needs torch >= {MIN_TORCH[0]}.{MIN_TORCH[1]} and aten::_scaled_dot_product_flash_attention_for_cpu",
         ),
     )
