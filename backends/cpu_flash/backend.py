@@ -232,7 +232,8 @@ def decode_splits(tasks: int, keys: int, threads: int) -> int:
 
 
 def paged_attention(spec: AttentionSpec, inputs: PagedInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of an attend_paged call (§13): the kernel reads the float32 caches' blocks through the table."""
+    """(out, lse) of an attend_paged call (§13): the kernel reads the caches' blocks through the table, in their
+    dtype (q alone is widened to float32 here)."""
     q = normalize_if_cosine(spec, to_bhsd(spec, inputs.q).float()).contiguous()
     batch, heads_q, len_q, head_dim = q.shape
     kv_len = inputs.kv_lengths.to(torch.long).contiguous()
@@ -263,8 +264,8 @@ class CpuFlashBackend(RecomputingBackend):
             "mask, bias: read per tile through their strides (broadcast axes never expanded); dbias per batch "
             "element and query head (B, Hq, Lq|1, Lk|1), then summed to the bias's shape",
             "float64: left to torch-chunked and torch-naive (the kernel computes in float32)",
-            "paged: float32 caches, read where they lie (decode rows slot by slot for every head, in address order; "
-            "more rows one GEMM per block piece of a tile); split-K over the keys "
+            "paged: caches read where they lie, half types widened as they are read (decode rows slot by slot for "
+            "every head, in address order; more rows one GEMM per block piece of a tile); split-K over the keys "
             "when a decode call has fewer rows than threads",
             "half types: widened to float32 exactly, results rounded back once",
             "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "
@@ -275,12 +276,6 @@ class CpuFlashBackend(RecomputingBackend):
     def available(self) -> list[str]:
         blas = _blas_reason()
         return [*EXTENSION.problems(), *([blas] if blas else [])]
-
-    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        reasons = super().supports(spec, problem)
-        if problem.paged_block_size is not None and problem.dtype != "float32":
-            reasons.append(f"paged cache dtype={problem.dtype} (supported: float32; widening would copy the cache)")
-        return reasons
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
         with torch.no_grad():

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -433,19 +434,51 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
 // is (num_blocks, block_size, Hkv, D)), which BLAS takes as its leading dimension, so nothing is gathered. A tile of
 // block_k keys crosses several blocks or lies inside one: S = q_scale q K^T and P V are one GEMM per block piece, the
 // softmax one pass per tile as in fwd_block. Cosine scales column j of U by 1 / max(|k_j|, eps) (k_j / |k_j| is the
-// normalised key; the cache is never rewritten).
+// normalised key; the cache is never rewritten). Caches of float16 or bfloat16 (T) are widened as they are read:
+// vector by vector in the decode loops, a block piece at a time into a float buffer for the GEMMs.
 // Split-K (flash-decoding): a row's keys [first, last) may be cut into ranges, each finished alone into
 // (out_s, lse_s), then merged by section 6: lse = log sum_s exp(lse_s), out = sum_s exp(lse_s - lse) out_s.
+template <typename T>
 struct PagedSequence {  // one sequence's blocks
-  const float* k;  // the caches (num_blocks, block_size, Hkv, D | Dv)
-  const float* v;
+  const T* k;  // the caches (num_blocks, block_size, Hkv, D | Dv)
+  const T* v;
   const int32_t* table;  // the sequence's row of the block table
-  int64_t block_size, k_block, v_block, k_row, v_row;  // strides in floats: block to block, slot to slot
+  int64_t block_size, k_block, v_block, k_row, v_row;  // strides in elements: block to block, slot to slot
   float cosine_eps;  // > 0 for the cosine variant
-  // Key (value) j of kv head 0; kv head h is h * D (h * Dv) floats on.
-  const float* key(int64_t j) const { return k + table[j / block_size] * k_block + (j % block_size) * k_row; }
-  const float* value(int64_t j) const { return v + table[j / block_size] * v_block + (j % block_size) * v_row; }
+  // Key (value) j of kv head 0; kv head h is h * D (h * Dv) elements on.
+  const T* key(int64_t j) const { return k + table[j / block_size] * k_block + (j % block_size) * k_row; }
+  const T* value(int64_t j) const { return v + table[j / block_size] * v_block + (j % block_size) * v_row; }
 };
+
+// Vec::size() elements from p, as floats.
+template <typename T>
+Vec load_floats(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return Vec::loadu(p);
+  } else {
+    Vec out;
+    at::vec::load_to_float<T>(p, out);
+    return out;
+  }
+}
+
+// `rows` rows of `width` elements, `row` elements apart, as floats: where they lie when T is float (leading dimension
+// `row`), else widened into staging (leading dimension `width`).
+struct FloatRows {
+  const float* data;
+  int64_t ld;
+};
+
+template <typename T>
+FloatRows float_rows(const T* x, int64_t rows, int64_t width, int64_t row, float* staging) {
+  if constexpr (std::is_same_v<T, float>) {
+    return {x, row};
+  } else {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t d = 0; d < width; ++d) staging[r * width + d] = static_cast<float>(x[r * row + d]);
+    return {staging, width};
+  }
+}
 
 // fn(a, b) for each piece [a, b) of the keys [c0, c1) that lies in one block.
 template <typename Fn>
@@ -457,25 +490,30 @@ void for_each_piece(int64_t c0, int64_t c1, int64_t block_size, Fn fn) {
   }
 }
 
-// q_r . k over dim floats: two accumulators, so the FMA chain is half as long.
-float dot(const float* q, const float* k, int64_t dim) {
+// x . y over dim elements, in float: two accumulators, so the FMA chain is half as long.
+template <typename A, typename B>
+float dot(const A* x, const B* y, int64_t dim) {
   const int64_t step = Vec::size();
   Vec even(0.0f), odd(0.0f);
   int64_t d = 0;
   for (; d + 2 * step <= dim; d += 2 * step) {
-    even = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), even);
-    odd = at::vec::fmadd(Vec::loadu(q + d + step), Vec::loadu(k + d + step), odd);
+    even = at::vec::fmadd(load_floats(x + d), load_floats(y + d), even);
+    odd = at::vec::fmadd(load_floats(x + d + step), load_floats(y + d + step), odd);
   }
-  for (; d + step <= dim; d += step) even = at::vec::fmadd(Vec::loadu(q + d), Vec::loadu(k + d), even);
+  for (; d + step <= dim; d += step) even = at::vec::fmadd(load_floats(x + d), load_floats(y + d), even);
   float total = lane_sum(even + odd);
-  for (; d < dim; ++d) total += q[d] * k[d];
+  for (; d < dim; ++d) total += static_cast<float>(x[d]) * static_cast<float>(y[d]);
   return total;
 }
 
-float inverse_norm(const float* k, int64_t dim, float eps) { return 1.0f / std::max(std::sqrt(dot(k, k, dim)), eps); }
+template <typename T>
+float inverse_norm(const T* k, int64_t dim, float eps) {
+  return 1.0f / std::max(std::sqrt(dot(k, k, dim)), eps);
+}
 
 // Columns [0, keys) of the rows x ld tile s times 1 / max(|k_j|, eps), keys rows of length dim `row` floats apart.
-void divide_by_key_norms(float* s, int64_t rows, int64_t ld, int64_t keys, const float* k, int64_t row, int64_t dim,
+template <typename T>
+void divide_by_key_norms(float* s, int64_t rows, int64_t ld, int64_t keys, const T* k, int64_t row, int64_t dim,
                          float eps) {
   for (int64_t j = 0; j < keys; ++j) {
     const float inverse = inverse_norm(k + j * row, dim, eps);
@@ -489,20 +527,22 @@ void divide_by_key_norms(float* s, int64_t rows, int64_t ld, int64_t keys, const
 constexpr int64_t kFewRows = 4;
 constexpr int64_t kAhead = 2;  // slots read ahead
 
-void prefetch_row(const float* row, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 64 / sizeof(float)) __builtin_prefetch(row + i);
+template <typename T>
+void prefetch_row(const T* row, int64_t count) {
+  for (int64_t i = 0; i < count; i += 64 / sizeof(T)) __builtin_prefetch(row + i);
 }
 
 // S_h[r, j - c0] = q_scale q_{h,r} . k_{j,h/group} for the keys [c0, c1) of every head h: S_h is `rows` x cols at
 // s + h * rows * cols. Cosine divides column j by max(|k_j|, eps) (the cache keeps unnormalised keys).
-void few_rows_scores(const float* q, const PagedSequence& cache, const Sizes& n, int64_t rows, int64_t c0, int64_t c1,
+template <typename T>
+void few_rows_scores(const float* q, const PagedSequence<T>& cache, const Sizes& n, int64_t rows, int64_t c0, int64_t c1,
                      float* s) {
   const int64_t cols = c1 - c0, group = n.heads_q / n.heads_kv;
   for (int64_t j = c0; j < c1; ++j) {
-    const float* slot = cache.key(j);
+    const T* slot = cache.key(j);
     if (j + kAhead < c1) prefetch_row(cache.key(j + kAhead), n.heads_kv * n.dim);
     for (int64_t h_kv = 0; h_kv < n.heads_kv; ++h_kv) {
-      const float* key = slot + h_kv * n.dim;
+      const T* key = slot + h_kv * n.dim;
       const float alpha = n.q_scale * (cache.cosine_eps > 0 ? inverse_norm(key, n.dim, cache.cosine_eps) : 1.0f);
       for (int64_t h = h_kv * group; h < (h_kv + 1) * group; ++h)
         for (int64_t r = 0; r < rows; ++r)
@@ -513,21 +553,22 @@ void few_rows_scores(const float* q, const PagedSequence& cache, const Sizes& n,
 
 // acc_h[r] += sum_j P_h[r, j - c0] v_{j,h/group} for the keys [c0, c1) of every head, P_h laid out as S_h above and
 // acc_h at acc + h * acc_size.
-void few_rows_values(const float* p, const PagedSequence& cache, const Sizes& n, int64_t rows, int64_t c0, int64_t c1,
+template <typename T>
+void few_rows_values(const float* p, const PagedSequence<T>& cache, const Sizes& n, int64_t rows, int64_t c0, int64_t c1,
                      float* acc, int64_t acc_size) {
   const int64_t cols = c1 - c0, group = n.heads_q / n.heads_kv, step = Vec::size();
   for (int64_t j = c0; j < c1; ++j) {
-    const float* slot = cache.value(j);
+    const T* slot = cache.value(j);
     if (j + kAhead < c1) prefetch_row(cache.value(j + kAhead), n.heads_kv * n.dim_v);
     for (int64_t h = 0; h < n.heads_q; ++h) {
-      const float* value = slot + h / group * n.dim_v;
+      const T* value = slot + h / group * n.dim_v;
       for (int64_t r = 0; r < rows; ++r) {
         const float weight = p[(h * rows + r) * cols + (j - c0)];
         float* acc_row = acc + h * acc_size + r * n.dim_v;
         int64_t d = 0;
         for (; d + step <= n.dim_v; d += step)
-          at::vec::fmadd(Vec(weight), Vec::loadu(value + d), Vec::loadu(acc_row + d)).store(acc_row + d);
-        for (; d < n.dim_v; ++d) acc_row[d] += weight * value[d];
+          at::vec::fmadd(Vec(weight), load_floats(value + d), Vec::loadu(acc_row + d)).store(acc_row + d);
+        for (; d < n.dim_v; ++d) acc_row[d] += weight * static_cast<float>(value[d]);
       }
     }
   }
@@ -538,9 +579,10 @@ void few_rows_values(const float* p, const PagedSequence& cache, const Sizes& n,
 // block_q * Dv per head). Decode-sized rows read the tile slot by slot for all heads at once (few_rows_*; s holds
 // every head's scores); more rows take one GEMM per head and block piece, each head's rows of a block Hkv * D floats
 // apart, which BLAS takes as its leading dimension.
-void fwd_rows_paged(const float* q, const PagedSequence& cache, float* out, float* lse, const Sizes& n,
+template <typename T>
+void fwd_rows_paged(const float* q, const PagedSequence<T>& cache, float* out, float* lse, const Sizes& n,
                     const Band& band, const Rows& geometry, float softcap, int64_t r0, int64_t r1, int64_t first,
-                    int64_t last, float* s, float* acc, float* row_max, float* row_sum) {
+                    int64_t last, float* s, float* acc, float* row_max, float* row_sum, float* staging) {
   const int64_t rows = r1 - r0, group = n.heads_q / n.heads_kv, acc_size = n.block_q * n.dim_v;
   const bool few = rows <= kFewRows;
   for (int64_t h = 0; h < n.heads_q; ++h)
@@ -554,18 +596,20 @@ void fwd_rows_paged(const float* q, const PagedSequence& cache, float* out, floa
       if (!few) {
         const float* q_rows = q + (h * n.len_q + r0) * n.dim;
         for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
-          const float* keys = cache.key(a) + h / group * n.dim;
-          gemm(false, true, rows, b - a, n.dim, n.q_scale, q_rows, n.dim, keys, cache.k_row, 0.0f, s + (a - c0), cols);
+          const FloatRows keys = float_rows(cache.key(a) + h / group * n.dim, b - a, n.dim, cache.k_row, staging);
+          gemm(false, true, rows, b - a, n.dim, n.q_scale, q_rows, n.dim, keys.data, keys.ld, 0.0f, s + (a - c0), cols);
           if (cache.cosine_eps > 0)
-            divide_by_key_norms(s + (a - c0), rows, cols, b - a, keys, cache.k_row, n.dim, cache.cosine_eps);
+            divide_by_key_norms(s + (a - c0), rows, cols, b - a, keys.data, keys.ld, n.dim, cache.cosine_eps);
         });
       }
       scores(head_s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, UserTerms{}, TileIds{});
       softmax_step(head_s, rows, cols, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, acc + h * acc_size);
       if (!few)
         for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
-          gemm(false, false, rows, n.dim_v, b - a, 1.0f, s + (a - c0), cols, cache.value(a) + h / group * n.dim_v,
-               cache.v_row, 1.0f, acc + h * acc_size, n.dim_v);
+          const FloatRows values =
+              float_rows(cache.value(a) + h / group * n.dim_v, b - a, n.dim_v, cache.v_row, staging);
+          gemm(false, false, rows, n.dim_v, b - a, 1.0f, s + (a - c0), cols, values.data, values.ld, 1.0f,
+               acc + h * acc_size, n.dim_v);
         });
     }
     if (few) few_rows_values(s, cache, n, rows, c0, c1, acc, acc_size);
@@ -761,7 +805,12 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
                                          bool has_low, int64_t low, bool has_high, int64_t high, bool bottom_right,
                                          double softcap, double q_scale, double cosine_eps, int64_t block_q,
                                          int64_t block_k, int64_t splits) {
-  check(q, "q"), check(k_cache, "k_cache"), check(v_cache, "v_cache");
+  check(q, "q");
+  for (const auto* cache : {&k_cache, &v_cache})
+    TORCH_CHECK(cache->is_contiguous() && cache->device().is_cpu() && cache->scalar_type() == k_cache.scalar_type() &&
+                    (cache->scalar_type() == torch::kFloat || cache->scalar_type() == torch::kBFloat16 ||
+                     cache->scalar_type() == torch::kHalf),
+                "k_cache and v_cache must be contiguous CPU tensors of one dtype: float32, bfloat16 or float16");
   TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table must be a contiguous 2-D int32 tensor");
   TORCH_CHECK(splits >= 1, "splits=", splits, " must be >= 1");
@@ -787,34 +836,41 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
   auto parts = splits == 1 ? out : torch::zeros({splits, n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
   auto part_lse = splits == 1 ? lse : torch::full({splits, n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
   const int64_t blocks = (n.len_q + n.block_q - 1) / n.block_q;
-  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  const float* qp = q.data_ptr<float>();
   float *op = parts.data_ptr<float>(), *lp = part_lse.data_ptr<float>();
-  // A task: one sequence's query block, every head, one split of the keys.
-  at::parallel_for(0, n.batch * blocks * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(std::max(n.block_q, n.heads_q * kFewRows) * n.block_k), acc(n.heads_q * n.block_q * n.dim_v),
-        row_max(n.heads_q * n.block_q),
-        row_sum(n.heads_q * n.block_q);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t split = task % splits, block = task / splits % blocks, b = task / splits / blocks;
-      const Rows geometry = rows_of(band, q_len, kv_len, b);
-      const int64_t r0 = block * n.block_q, r1 = std::min({r0 + n.block_q, n.len_q, geometry.q_len});
-      if (r0 >= r1) continue;
-      int64_t first, last;
-      key_range(band, geometry, r0, r1, &first, &last);
-      // This split's share of the keys, in whole tiles.
-      const int64_t tiles = std::max<int64_t>(last - first, 0) / n.block_k + 1;
-      const int64_t share = (tiles + splits - 1) / splits * n.block_k;
-      const int64_t from = first + split * share, to = std::min(last, from + share);
-      if (split > 0 && from >= to) continue;  // empty: its part keeps out 0, lse -inf
-      const PagedSequence cache{kp, vp, table + b * max_blocks, block_size, block_size * n.heads_kv * n.dim,
-                                block_size * n.heads_kv * n.dim_v, n.heads_kv * n.dim, n.heads_kv * n.dim_v,
-                                (float)cosine_eps};
-      const int64_t head_0 = split * rows + b * n.heads_q * n.len_q;  // row (b, head 0, query 0) of this split's part
-      fwd_rows_paged(qp + b * n.heads_q * n.len_q * n.dim, cache, op + head_0 * n.dim_v, lp + head_0, n, band,
-                     geometry, (float)softcap, r0, r1, from, std::max(from, to), s.data(), acc.data(), row_max.data(),
-                     row_sum.data());
-    }
-  });
+  const auto run = [&](auto element) {  // the caches' element type: float, at::BFloat16 or at::Half
+    using scalar_t = decltype(element);
+    const scalar_t *kp = k_cache.data_ptr<scalar_t>(), *vp = v_cache.data_ptr<scalar_t>();
+    // A task: one sequence's query block, every head, one split of the keys.
+    at::parallel_for(0, n.batch * blocks * splits, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> s(std::max(n.block_q, n.heads_q * kFewRows) * n.block_k), acc(n.heads_q * n.block_q * n.dim_v),
+          row_max(n.heads_q * n.block_q), row_sum(n.heads_q * n.block_q),
+          staging(std::is_same_v<scalar_t, float> ? 0 : std::min(n.block_k, block_size) * std::max(n.dim, n.dim_v));
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t split = task % splits, block = task / splits % blocks, b = task / splits / blocks;
+        const Rows geometry = rows_of(band, q_len, kv_len, b);
+        const int64_t r0 = block * n.block_q, r1 = std::min({r0 + n.block_q, n.len_q, geometry.q_len});
+        if (r0 >= r1) continue;
+        int64_t first, last;
+        key_range(band, geometry, r0, r1, &first, &last);
+        // This split's share of the keys, in whole tiles.
+        const int64_t tiles = std::max<int64_t>(last - first, 0) / n.block_k + 1;
+        const int64_t share = (tiles + splits - 1) / splits * n.block_k;
+        const int64_t from = first + split * share, to = std::min(last, from + share);
+        if (split > 0 && from >= to) continue;  // empty: its part keeps out 0, lse -inf
+        const PagedSequence<scalar_t> cache{kp, vp, table + b * max_blocks, block_size, block_size * n.heads_kv * n.dim,
+                                  block_size * n.heads_kv * n.dim_v, n.heads_kv * n.dim, n.heads_kv * n.dim_v,
+                                  (float)cosine_eps};
+        const int64_t head_0 = split * rows + b * n.heads_q * n.len_q;  // row (b, head 0, query 0) of this split's part
+        fwd_rows_paged(qp + b * n.heads_q * n.len_q * n.dim, cache, op + head_0 * n.dim_v, lp + head_0, n, band,
+                       geometry, (float)softcap, r0, r1, from, std::max(from, to), s.data(), acc.data(), row_max.data(),
+                       row_sum.data(), staging.data());
+      }
+    });
+  };
+  if (k_cache.scalar_type() == torch::kFloat) run(float{});
+  else if (k_cache.scalar_type() == torch::kBFloat16) run(at::BFloat16{});
+  else run(at::Half{});
   if (splits > 1) merge_splits(op, lp, splits, rows, n.dim_v, out.data_ptr<float>(), lse.data_ptr<float>());
   return {out, lse};
 }
