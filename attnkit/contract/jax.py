@@ -84,3 +84,14 @@ def normalize_backward(normalization: Normalization, d_unit: Any) -> Any:
     unit, denominator, norm = normalization
     radial = jnp.where(norm >= COSINE_EPS, jnp.sum(unit * d_unit, axis=-1, keepdims=True), 0)
     return (d_unit - unit * radial) / denominator
+
+
+def gather_pages(cache: Any, block_table: Any) -> Any:
+    """A paged cache (num_blocks, block_size, H, D) read through ``block_table`` (B, max_blocks) as contiguous keys
+    (B, max_blocks · block_size, H, D), key j of sequence b being slot j mod block_size of block table[b, j //
+    block_size] (§13); attnkit.contract.torch.gather_pages in jax.numpy. Entries past a sequence's blocks may hold
+    anything (the table may be traced): clamped into the cache, the slots they give lie past kv_lengths, padding.
+    A copy of every block the table names: the literal reading, not a fused path."""
+    batch, max_blocks = block_table.shape
+    table = jnp.clip(block_table, 0, max(cache.shape[0] - 1, 0))
+    return cache[table].reshape(batch, max_blocks * cache.shape[1], *cache.shape[2:])

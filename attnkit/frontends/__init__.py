@@ -21,6 +21,10 @@ class FrameworkOps(Protocol):
 
     def value_range(self, x: Any) -> tuple[int, int]: ...
 
+    def host_values(self, x: Any) -> Any:
+        """x's values as a numpy array on the host, or None where it has none yet (a JAX tracer under jit)."""
+        ...
+
     def needs_grad(self, inputs: AttentionInputs) -> tuple[bool, bool]: ...
 
     def symbolic(self, q: Any) -> bool:

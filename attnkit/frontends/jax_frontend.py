@@ -95,6 +95,9 @@ class JaxOps:
         values = np.asarray(x)
         return int(values.min()), int(values.max())
 
+    def host_values(self, x: jax.Array) -> np.ndarray | None:
+        return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
     def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
         return None  # JAX calls are traced once under jit; the per-call validation cost does not recur there
 

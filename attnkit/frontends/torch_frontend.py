@@ -83,6 +83,9 @@ class TorchOps:
         low, high = torch.aminmax(x)
         return int(low), int(high)
 
+    def host_values(self, x: torch.Tensor) -> Any:
+        return x.detach().cpu().numpy()
+
     def symbolic(self, q: torch.Tensor) -> bool:
         return _is_compiling() or q.device.type == "meta" or isinstance(q, FakeTensor)
 
