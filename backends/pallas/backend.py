@@ -2,7 +2,8 @@
 through DLPack, for torch tensors.
 
 This module is the plumbing around the kernels: layouts, padding to the block sizes, cosine normalisation and
-its backward, per-batch geometry, dbias reduced to the bias's shape, empty extents, and the torch bridge.
+its backward, per-batch geometry, dbias reduced to the bias's shape, empty extents, the torch bridge, the paged
+forward's configuration (a key tile inside one cache block) and the split-K rule (``decode_splits``).
 Forward and backward are plain functions of arrays; the frontends' custom_vjp (JAX) and autograd.Function
 (torch) tie them together, so jit, grad and vmap work as for any backend.
 
@@ -21,7 +22,6 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
-    Feature,
     Framework,
     Gradients,
     Layout,

@@ -1,7 +1,11 @@
-"""The Pallas kernels: FlashAttention-2 forward, and a backward in two kernels (dK/dV, then dQ).
+"""The Pallas kernels: FlashAttention-2 forward, a backward in two kernels (dK/dV, then dQ), and the forward over
+a paged KV cache (attend_paged, docs/semantics.md §13), read through its block table where the blocks lie.
 
-Each kernel has a launcher (grid, BlockSpecs and index maps: ``forward_call``, ``dkdv_call``, ``dq_call``) and
-a tile function (``_fwd_tile``, ``_bwd_dkdv``, ``_bwd_dq``) that runs on one grid cell and holds the tiled loop.
+Each kernel has a launcher (grid, BlockSpecs and index maps: ``forward_call``, ``dkdv_call``, ``dq_call``,
+``paged_forward_call``) and a tile function (``_fwd_tile``, ``_bwd_dkdv``, ``_bwd_dq``, ``_paged_tile``) that runs
+on one grid cell and holds the tiled loop; the two forwards share the online softmax (``_softmax_over_tiles``) and
+the launch (``_launch_forward``). With ``Static.splits`` > 1 a forward is split-K: a fourth grid axis of key ranges
+whose partial (out, lse) are merged by lse (§6).
 
 Operands arrive prepared by ``backend.py``: sequences padded to a multiple of the block sizes and head dims to a
 power of two (zeros), q/k already unit vectors for the cosine variant, mask as int8 and bias as float32 in
@@ -360,15 +364,17 @@ def _launch_forward(
     out_spec = _seq_spec(static, block_q, dim_v, lambda h: h, lambda x: x)
     lse_spec = pl.BlockSpec((None, None, block_q), lambda b, h, x, *_: (b, h, x))
     out_dtype, grid = q.dtype, (batch, heads_q, len_q // block_q)
-    if splits > 1:  # each key range's partial results, on a leading axis
-        row_spec = out_spec
-        out_spec = pl.BlockSpec((None, *row_spec.block_shape), lambda b, h, x, s: (s, *row_spec.index_map(b, h, x)))
+    if splits > 1:  # each key range's partial results, float32, on a leading axis
+        if static.bshd:
+            out_spec = pl.BlockSpec((None, None, block_q, None, dim_v), lambda b, h, x, s: (s, b, x, h, 0))
+        else:
+            out_spec = pl.BlockSpec((None, None, None, block_q, dim_v), lambda b, h, x, s: (s, b, h, x, 0))
         lse_spec = pl.BlockSpec((None, None, None, block_q), lambda b, h, x, s: (s, b, h, x))
-        out_dtype, grid = jnp.float32, (*grid, splits)
+        out_dtype = jnp.float32
     lead = (splits,) if splits > 1 else ()
     out, lse = pl.pallas_call(
         kernel,
-        grid=grid,
+        grid=(*grid, splits) if splits > 1 else grid,
         in_specs=in_specs,
         out_specs=[out_spec, lse_spec],
         out_shape=[
