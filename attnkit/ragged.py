@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -321,7 +322,8 @@ def attend_paged(
     problem, inputs = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse)
     chosen = dispatch.select(spec, problem, backend)
     forward_paged = getattr(chosen, "forward_paged")  # noqa: B009  # the method of Feature.PAGED (attnkit.backend)
-    out, lse = forward_paged(spec, inputs, need_lse=return_lse)
+    run = functools.partial(forward_paged, spec, need_lse=return_lse)
+    out, lse = ops_for(q).forward_only("attend_paged (docs/semantics.md §13)", run, inputs)
     return (out, lse) if return_lse else out
 
 

@@ -152,3 +152,16 @@ def test_pallas_split_k_decode_on_contiguous_keys() -> None:
     paged = {"q": q, "k_cache": k.transpose(0, 2, 1, 3), "v_cache": v.transpose(0, 2, 1, 3)}
     paged |= {"block_table": np.arange(3, dtype=np.int32)[:, None], "kv_lengths": lengths}  # one block per row
     _check(spec, paged, out, lse)
+
+
+@pytest.mark.parametrize("backend", JAX_PAGED_BACKENDS)
+def test_differentiating_paged_is_a_typed_error(backend: str) -> None:
+    """§13 is forward only: under jax.grad the refusal comes from the backward (torch refuses before the call)."""
+    case = CASES["causal-gqa-block4"]
+    arrays = {n: jnp.asarray(x) for n, x in _paged_arrays(case).items()}
+
+    def loss(q: Any) -> Any:
+        return attend_paged(case.spec, **{**arrays, "q": q}, backend=backend).sum()
+
+    with pytest.raises(InvalidInputError, match="attend_paged .* is forward only"):
+        jax.grad(loss)(arrays["q"])

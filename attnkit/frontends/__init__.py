@@ -44,6 +44,11 @@ class FrameworkOps(Protocol):
 
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any: ...
 
+    def forward_only(self, what: str, run: Any, arrays: Any) -> Any:
+        """``run(arrays)``, a call with no gradient (``what`` names it): differentiating it raises InvalidInputError
+        where the framework decides differentiation after the call (JAX); torch refuses grad before it."""
+        ...
+
     def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
         """The function that runs calls with this (spec, problem) on ``backend``, gradients wired in; made once
         per dispatch decision and cached with it."""

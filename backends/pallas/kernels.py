@@ -42,8 +42,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from attnkit.contract import COSINE_EPS, conjoin, within_band
-from attnkit.contract.jax import length_visibility, merge_partials, segment_visibility
+from attnkit.contract import conjoin, within_band
+from attnkit.contract.jax import length_visibility, merge_partials, normalize, segment_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
 NO_ID = (1 << 31) - 1  # the smallest id of a tile of padding only: above every largest id, so it meets nothing
@@ -412,8 +412,7 @@ def _paged_tile(
         k = _valid_rows(k_ref[block, slots, :], j0, kv_len)
         v = _valid_rows(v_ref[block, slots, :], j0, kv_len)
         if static.normalize_keys:
-            k32 = k.astype(jnp.float32)
-            k = (k32 / jnp.maximum(jnp.sqrt(jnp.sum(k32 * k32, axis=1, keepdims=True)), COSINE_EPS)).astype(k.dtype)
+            k = normalize(k.astype(jnp.float32)).unit.astype(k.dtype)
         s, _ = _scores(q, k, params_ref, static, None, _visible(geom, i0, j0, block_q, block_k))
         return s, v
 
