@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,15 +20,6 @@ from attnkit.spec import AttentionSpec, Layout
 def _packed_spec(spec: AttentionSpec) -> AttentionSpec:
     """The spec with layout bshd: a packed (total, H, D) array is one row of a bshd batch."""
     return spec if spec.layout is Layout.BSHD else AttentionSpec(**{**spec.model_dump(), "layout": Layout.BSHD})
-
-
-def _is_traced(x: Any) -> bool:
-    """A JAX tracer: its values are unknown (under jit)."""
-    return type(x).__module__.startswith("jax") and "Tracer" in type(x).__name__
-
-
-def _host_values(ops: FrameworkOps, x: Any) -> np.ndarray:
-    return np.asarray(x.detach().cpu() if ops.framework.value == "torch" else x)
 
 
 def _check_array(ops: FrameworkOps, name: str, x: Any, dtypes: frozenset[str], kind: str) -> None:
@@ -117,16 +109,15 @@ def attend_varlen(
             "expected the same number of sequences"
         )
     total_q, total_k = q.shape[0], k.shape[0]
-    traced = _is_traced(cu_seqlens_q) or _is_traced(cu_seqlens_k)
+    offsets_q, offsets_k = ops.host_values(cu_seqlens_q), ops.host_values(cu_seqlens_k)
     self_packed = False
-    if traced:
+    if offsets_q is None or offsets_k is None:  # traced (jax.jit): the values are the caller's to answer for
         if max_seqlen_q is None or max_seqlen_k is None:
             raise InvalidInputError(
                 "max_seqlen_q and max_seqlen_k must be given (Python ints) when cu_seqlens are traced (jax.jit): "
                 f"got max_seqlen_q={max_seqlen_q}, max_seqlen_k={max_seqlen_k}"
             )
     else:
-        offsets_q, offsets_k = _host_values(ops, cu_seqlens_q), _host_values(ops, cu_seqlens_k)
         _check_offsets("cu_seqlens_q", offsets_q, total_q)
         _check_offsets("cu_seqlens_k", offsets_k, total_k)
         longest_q, longest_k = int(np.diff(offsets_q).max(initial=0)), int(np.diff(offsets_k).max(initial=0))
@@ -269,8 +260,9 @@ def prepare_paged(
         if ops.device(x) != ops.device(q):
             raise InvalidInputTypeError(f"{name} is on device {ops.device(x)}, expected q's device {ops.device(q)}")
     capacity = block_table.shape[1] * block_size
-    if not (_is_traced(block_table) or _is_traced(kv_lengths)):
-        _check_table(_host_values(ops, block_table), _host_values(ops, kv_lengths), num_blocks, block_size, capacity)
+    table_values, length_values = ops.host_values(block_table), ops.host_values(kv_lengths)
+    if table_values is not None and length_values is not None:  # under jax.jit they are traced: unchecked (§11)
+        _check_table(table_values, length_values, num_blocks, block_size, capacity)
     inputs = PagedInputs(q, k_cache, v_cache, block_table, kv_lengths)
     if ops.needs_grad(AttentionInputs(q, k_cache, v_cache))[0]:  # torch with grad on; JAX differentiates later
         name = next(name for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) if x.requires_grad)
@@ -330,7 +322,8 @@ def attend_paged(
     problem, inputs = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse)
     chosen = dispatch.select(spec, problem, backend)
     forward_paged = getattr(chosen, "forward_paged")  # noqa: B009  # the method of Feature.PAGED (attnkit.backend)
-    out, lse = forward_paged(spec, inputs, need_lse=return_lse)
+    run = functools.partial(forward_paged, spec, need_lse=return_lse)
+    out, lse = ops_for(q).forward_only("attend_paged (docs/semantics.md §13)", run, inputs)
     return (out, lse) if return_lse else out
 
 

@@ -56,9 +56,9 @@ def lowered() -> dict[tuple[str, str], dict]:
 
 
 def _variant_ids() -> list[tuple[str, str]]:
-    from attnkit.backends.pallas.lowering import variants
+    from attnkit.backends.pallas.lowering import passes, variants
 
-    return [(name, kernel_pass) for name in variants() for kernel_pass in ("forward", "backward")]
+    return [(name, kernel_pass) for name, variant in variants().items() for kernel_pass in passes(variant)]
 
 
 @pytest.mark.parametrize(("variant", "kernel_pass"), _variant_ids(), ids=[f"{v}-{p}" for v, p in _variant_ids()])

@@ -84,3 +84,27 @@ def normalize_backward(normalization: Normalization, d_unit: Any) -> Any:
     unit, denominator, norm = normalization
     radial = jnp.where(norm >= COSINE_EPS, jnp.sum(unit * d_unit, axis=-1, keepdims=True), 0)
     return (d_unit - unit * radial) / denominator
+
+
+def gather_pages(cache: Any, block_table: Any) -> Any:
+    """A paged cache (num_blocks, block_size, H, D) read through ``block_table`` (B, max_blocks) as contiguous keys
+    (B, max_blocks · block_size, H, D), key j of sequence b being slot j mod block_size of block table[b, j //
+    block_size] (§13); attnkit.contract.torch.gather_pages in jax.numpy. Entries past a sequence's blocks may hold
+    anything (the table may be traced): clamped into the cache, the slots they give lie past kv_lengths, padding.
+    A copy of every block the table names: the literal reading, not a fused path."""
+    batch, max_blocks = block_table.shape
+    table = jnp.clip(block_table, 0, max(cache.shape[0] - 1, 0))
+    return cache[table].reshape(batch, max_blocks * cache.shape[1], *cache.shape[2:])
+
+
+def merge_partials(out: Any, lse: Any, seq_axis: int) -> tuple[Any, Any]:
+    """§6's merge of partial results over disjoint key ranges, stacked on a leading axis: out (S, B, …, Dv) with its
+    sequence axis at ``seq_axis`` + 1 (q's layout: 1 for bshd, 2 for bhsd), lse (S, B, H, L) float32. Returns out
+    float32 and lse. An empty part (lse −inf) weighs 0; where all are empty, lse is −inf and out 0; NaN propagates."""
+    top = jnp.max(lse, axis=0)
+    shift = jnp.where(top == -jnp.inf, 0.0, top)
+    total = shift + jnp.log(jnp.sum(jnp.exp(lse - shift), axis=0))
+    weights = jnp.where(total == -jnp.inf, 0.0, jnp.exp(lse - total))  # exp(−inf − (−inf)) would be NaN
+    if seq_axis == 1:  # (S, B, H, L) -> (S, B, L, H), along bshd rows
+        weights = jnp.swapaxes(weights, 2, 3)
+    return jnp.sum(weights[..., None] * out.astype(jnp.float32), axis=0), total

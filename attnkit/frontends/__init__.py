@@ -21,6 +21,10 @@ class FrameworkOps(Protocol):
 
     def value_range(self, x: Any) -> tuple[int, int]: ...
 
+    def host_values(self, x: Any) -> Any:
+        """x's values as a numpy array on the host, or None where it has none yet (a JAX tracer under jit)."""
+        ...
+
     def needs_grad(self, inputs: AttentionInputs) -> tuple[bool, bool]: ...
 
     def symbolic(self, q: Any) -> bool:
@@ -39,6 +43,11 @@ class FrameworkOps(Protocol):
         ...
 
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any: ...
+
+    def forward_only(self, what: str, run: Any, arrays: Any) -> Any:
+        """``run(arrays)``, a call with no gradient (``what`` names it): differentiating it raises InvalidInputError
+        where the framework decides differentiation after the call (JAX); torch refuses grad before it."""
+        ...
 
     def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
         """The function that runs calls with this (spec, problem) on ``backend``, gradients wired in; made once

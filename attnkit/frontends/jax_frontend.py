@@ -11,7 +11,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from attnkit.backend import AttentionInputs, Backend, Feature, Framework, Problem, Runner, own_forward
-from attnkit.errors import BackendUnavailableError
+from attnkit.errors import BackendUnavailableError, InvalidInputError
 from attnkit.spec import AttentionSpec
 
 
@@ -72,6 +72,24 @@ def _is_primal(leaf: Any) -> bool:
 _attend.defvjp(_attend_fwd, _attend_bwd, symbolic_zeros=True)
 
 
+@partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _forward_only(what: str, run: Any, arrays: Any) -> Any:
+    return run(arrays)
+
+
+def _forward_only_fwd(what: str, run: Any, arrays: Any) -> tuple[Any, None]:
+    return run(arrays), None
+
+
+def _forward_only_bwd(what: str, run: Any, residuals: None, cotangents: Any) -> Any:
+    raise InvalidInputError(
+        f"{what} is forward only, but it is being differentiated: wrap its inputs in jax.lax.stop_gradient"
+    )
+
+
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+
+
 class JaxOps:
     framework = Framework.JAX
 
@@ -95,6 +113,9 @@ class JaxOps:
         values = np.asarray(x)
         return int(values.min()), int(values.max())
 
+    def host_values(self, x: jax.Array) -> np.ndarray | None:
+        return None if isinstance(x, jax.core.Tracer) else np.asarray(x)
+
     def signature(self, q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengths: Any, kv_lengths: Any) -> Any:
         return None  # JAX calls are traced once under jit; the per-call validation cost does not recur there
 
@@ -110,6 +131,10 @@ class JaxOps:
 
     def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         return x.reshape(shape)
+
+    def forward_only(self, what: str, run: Any, arrays: Any) -> Any:
+        # JAX differentiates after the call: the refusal can only come from the backward.
+        return _forward_only(what, run, arrays)
 
     def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
         own = own_forward(backend, spec, problem)

@@ -83,6 +83,12 @@ class TorchOps:
         low, high = torch.aminmax(x)
         return int(low), int(high)
 
+    def forward_only(self, what: str, run: Any, arrays: Any) -> Any:
+        return run(arrays)  # grad is refused before the call (needs_grad), as torch knows it there
+
+    def host_values(self, x: torch.Tensor) -> Any:
+        return x.detach().cpu().numpy()
+
     def symbolic(self, q: torch.Tensor) -> bool:
         return _is_compiling() or q.device.type == "meta" or isinstance(q, FakeTensor)
 

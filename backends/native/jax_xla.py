@@ -172,6 +172,8 @@ class JaxXlaBackend(BaseBackend):
             "fully masked rows: set to 0 from the visibility mask (jax itself gives the mean of V)",
             "segment ids: no such argument in jax.nn.dot_product_attention; passed as a dense (B, 1, Lq, Lk) mask, "
             "so a packed row costs (Σ Lᵢ)² scores and memory, not Σ Lᵢ²",
+            "paged KV cache: not declared; jax.nn.dot_product_attention takes no block table, so it could only run "
+            "on a gathered copy of the cache (jax-reference reads it so, pallas through the table)",
         ),
     )
 

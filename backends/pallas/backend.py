@@ -2,7 +2,8 @@
 through DLPack, for torch tensors.
 
 This module is the plumbing around the kernels: layouts, padding to the block sizes, cosine normalisation and
-its backward, per-batch geometry, dbias reduced to the bias's shape, empty extents, and the torch bridge.
+its backward, per-batch geometry, dbias reduced to the bias's shape, empty extents, the torch bridge, the paged
+forward's configuration (a key tile inside one cache block) and the split-K rule (``decode_splits``).
 Forward and backward are plain functions of arrays; the frontends' custom_vjp (JAX) and autograd.Function
 (torch) tie them together, so jit, grad and vmap work as for any backend.
 
@@ -21,10 +22,10 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
-    Feature,
     Framework,
     Gradients,
     Layout,
+    PagedInputs,
     Problem,
     Variant,
 )
@@ -46,6 +47,11 @@ MAX_HEAD_DIM = 256
 # Interpreted on CPU: small tiles keep the padded work small, and still several per row; not square, and the forward's
 # and the dK/dV kernel's transposed, as on a GPU, so a bound that takes block_q for block_k is wrong here too.
 INTERPRET_BLOCKS = ((32, 16), (16, 32))  # (block_q, block_k) of the forward/dQ kernels, then of the dK/dV kernel
+# Split-K decode (kernels._split_range): a forward with one query tile per (batch, head) leaves a GPU mostly idle
+# when B·Hq is small, so its keys are cut into ranges on a fourth grid axis, until about SPLIT_CELLS cells (an H100
+# has 132 SMs), each range at least SPLIT_MIN_TILES key tiles, at most SPLIT_MAX ranges. Interpreted (CPU), cells run
+# one after another and splitting buys nothing: there only PallasBackend(decode_splits=n) splits.
+SPLIT_CELLS, SPLIT_MIN_TILES, SPLIT_MAX = 128, 4, 16
 
 
 class _Config(NamedTuple):
@@ -87,12 +93,31 @@ def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[in
     return clip(fwd), clip(bwd), warps
 
 
+def decode_splits(cells: int, query_tiles: int, key_tiles: int) -> int:
+    """Key ranges for a forward of ``cells`` = B·Hq (batch, head) pairs: split-K only with one query tile each."""
+    if query_tiles > 1:
+        return 1
+    return max(1, min(SPLIT_MAX, key_tiles // SPLIT_MIN_TILES, -(-SPLIT_CELLS // max(cells, 1))))
+
+
+def _splits(forced: int | None, interpret: bool, cells: int, len_q: int, len_k: int, blocks: tuple[int, int]) -> int:
+    if forced is not None:
+        return max(1, min(forced, len_k // blocks[1]))
+    if interpret:
+        return 1
+    return decode_splits(cells, -(-len_q // blocks[0]), -(-len_k // blocks[1]))
+
+
 @functools.lru_cache(maxsize=4096)
-def _config(spec: AttentionSpec, len_q: int, len_k: int, dim: int, interpret: bool) -> _Config:
+def _config(
+    spec: AttentionSpec, len_q: int, len_k: int, dim: int, interpret: bool, cells: int = 1, forced: int | None = None
+) -> _Config:
     fwd, bwd, warps = _blocks(interpret, len_q, len_k, dim)
     common = {"bshd": spec.layout is Layout.BSHD, "softcap": spec.softcap is not None, "interpret": interpret}
+    padded_k = -(-len_k // max(fwd[1], bwd[1])) * max(fwd[1], bwd[1])
+    splits = _splits(forced, interpret, cells, len_q, padded_k, fwd)
     return _Config(
-        kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=warps, **common),
+        kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=warps, splits=splits, **common),
         kernel_dkdv=kernels.Static(block_q=bwd[0], block_k=bwd[1], num_warps=warps, **common),
         cosine=spec.variant is Variant.COSINE,
     )
@@ -338,6 +363,75 @@ def _compiled() -> tuple[Any, Any, Any, Any]:
     )
 
 
+# ------------------------------------------------------------------------------------------------ paged cache
+
+
+def _page_tile(page: int, block_k: int) -> int:
+    """The paged kernel's key tile: the whole block when it fits the forward's tile, else the largest divisor of the
+    block that does, so that no tile straddles two blocks (on a GPU both are powers of two: the smaller)."""
+    if page <= block_k:
+        return page
+    return max(tile for tile in range(1, block_k + 1) if page % tile == 0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _paged_config(
+    spec: AttentionSpec, len_q: int, page: int, max_blocks: int, dim: int, interpret: bool, cells: int,
+    forced: int | None,
+) -> Any:  # fmt: skip
+    """The paged forward's kernels.Static: the forward's query tile, a key tile inside one block."""
+    capacity = page * max_blocks
+    (block_q, block_k), _, warps = _blocks(interpret, len_q, capacity, dim)
+    block_k = _page_tile(page, block_k)
+    return kernels.Static(
+        bshd=spec.layout is Layout.BSHD,
+        softcap=spec.softcap is not None,
+        block_q=block_q,
+        block_k=block_k,
+        interpret=interpret,
+        num_warps=warps,
+        splits=_splits(forced, interpret, cells, len_q, capacity, (block_q, block_k)),
+        normalize_keys=spec.variant is Variant.COSINE,
+    )
+
+
+def _paged_forward(static: Any, params: Any, band: Any, inputs: PagedInputs) -> tuple[Any, Any]:
+    """(out, lse) of attend_paged (§13): q padded to the query tile (unit rows for cosine), the cache as it lies."""
+    q, k_cache, v_cache, block_table, kv_lengths = inputs
+    seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
+    batch, len_q, heads_q = q.shape[0], q.shape[seq_axis], q.shape[head_axis]
+    capacity = block_table.shape[1] * k_cache.shape[1]
+    if 0 in (batch, len_q, capacity, k_cache.shape[0]):  # nothing to compute, or no key to see
+        out = jnp.zeros((*q.shape[:-1], v_cache.shape[-1]), q.dtype)
+        return out, jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
+    pad_q = -(-len_q // static.block_q) * static.block_q
+    sizes = _Sizes(batch, len_q, capacity, q.shape[-1], v_cache.shape[-1], pad_q, capacity)
+    geom, _, _ = _geometry(band, sizes, None, kv_lengths)
+    if static.normalize_keys:
+        q = normalize(q.astype(jnp.float32)).unit.astype(q.dtype)
+    table = block_table.astype(jnp.int32)
+    out, lse = kernels.paged_forward_call(static, geom, params, table, _pad_axis(q, seq_axis, pad_q), k_cache, v_cache)
+    return jax.lax.slice_in_dim(out, 0, len_q, axis=seq_axis), lse[:, :, :len_q]
+
+
+@functools.cache
+def _compiled_paged() -> Any:
+    return jax.jit(_paged_forward, static_argnums=(0,))
+
+
+def _paged_reasons(problem: Problem) -> list[str]:
+    """What the paged kernel cannot take on a GPU: Triton tiles are powers of two (a dot at least 16 wide), and the
+    cache is read in place, so neither its block size nor its head dims can be padded."""
+    reasons = []
+    block_size = problem.paged_block_size or 0
+    if block_size < 16 or block_size & (block_size - 1):
+        reasons.append(f"paged block_size={block_size} on a GPU (supported: a power of two >= 16)")
+    for name, dim in (("head_dim", problem.head_dim), ("head_dim_v", problem.head_dim_v)):
+        if dim < 16 or dim & (dim - 1):
+            reasons.append(f"{name}={dim} with a paged cache on a GPU (supported: a power of two in 16..256)")
+    return reasons
+
+
 # ----------------------------------------------------------------------------------------------- torch bridge
 
 
@@ -375,7 +469,7 @@ class PallasBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.PAGED},
+        features=ALL_FEATURES,
         native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
         description=(
@@ -390,11 +484,19 @@ class PallasBackend(BaseBackend):
             "dense mask/bias: their sequence axes are materialised (batch/head broadcast is kept)",
             "segment ids: narrowed to int32; tile pairs whose id ranges cannot meet are skipped, so a packed row "
             "of contiguous documents costs Σ Lᵢ²",
+            "paged KV cache (forward only): the kernel reads each key tile where it lies, through the block table "
+            "(a tile never straddles two blocks); on a GPU the block size and head dims must be powers of two >= 16",
+            "split-K decode on a GPU: one query tile per (batch, head) and few of those: the keys are cut into up "
+            "to 16 ranges (at least 4 key tiles each) until about 128 grid cells, merged by lse; the backward is "
+            "not split",
         ),
     )
 
-    def __init__(self, interpret: bool | None = None) -> None:
+    def __init__(self, interpret: bool | None = None, decode_splits: int | None = None) -> None:
+        """``decode_splits`` forces that many key ranges on every forward (at most one per key tile), whatever the
+        rule (SPLIT_CELLS): for tests of split-K where the interpreter runs the kernels."""
         self._interpret = interpret
+        self._decode_splits = decode_splits
 
     def available(self) -> list[str]:
         return [_JAX_ERROR] if _JAX_ERROR is not None else []
@@ -413,13 +515,16 @@ class PallasBackend(BaseBackend):
         if problem.device == "cuda" and problem.framework is Framework.TORCH and _JAX_ERROR is None:
             if jax.default_backend() not in ("gpu", "cuda"):
                 reasons.append("device=cuda torch tensors need JAX with CUDA (pip install 'jax[cuda13]')")
+        if problem.paged_block_size is not None and not self.interpreted(problem.device):
+            reasons.extend(_paged_reasons(problem))
         return reasons
 
     def _call(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, Any, _Config, Any, Any]:
         seq_axis = 1 if spec.layout is Layout.BSHD else 2
         len_q, len_k, dim = inputs.q.shape[seq_axis], inputs.k.shape[seq_axis], inputs.q.shape[-1]
         interpret = self.interpret()
-        config = _config(spec, len_q, len_k, max(dim, inputs.v.shape[-1]), interpret)
+        cells = inputs.q.shape[0] * inputs.q.shape[3 - seq_axis]  # B·Hq
+        config = _config(spec, len_q, len_k, max(dim, inputs.v.shape[-1]), interpret, cells, self._decode_splits)
         params, band = _scalars(spec, dim)
         if any(isinstance(x, jax.core.Tracer) for x in inputs):  # under the caller's jit/vmap/grad: inline
             return functools.partial(_forward, _PLAIN), functools.partial(_backward, _PLAIN), config, params, band
@@ -436,6 +541,20 @@ class PallasBackend(BaseBackend):
             return _to_torch(out), _to_torch(lse)
         forward, _, *call = self._call(spec, inputs)
         return forward(*call, inputs)
+
+    def forward_paged(self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool) -> tuple[Any, Any]:
+        if _is_torch(inputs.q):
+            out, lse = self.forward_paged(spec, PagedInputs(*(_to_jax(x) for x in inputs)), need_lse)
+            return _to_torch(out), _to_torch(lse)
+        q, k_cache = inputs.q, inputs.k_cache
+        len_q, heads_q = (q.shape[1], q.shape[2]) if spec.layout is Layout.BSHD else (q.shape[2], q.shape[1])
+        dim = max(q.shape[-1], inputs.v_cache.shape[-1])
+        static = _paged_config(spec, len_q, k_cache.shape[1], inputs.block_table.shape[1], dim, self.interpret(),
+                               q.shape[0] * heads_q, self._decode_splits)  # fmt: skip
+        params, band = _scalars(spec, q.shape[-1])
+        if any(isinstance(x, jax.core.Tracer) for x in inputs):  # under the caller's jit: inline
+            return _paged_forward(static, params, band, inputs)
+        return _compiled_paged()(static, params, band, inputs)
 
     def backward(
         self,

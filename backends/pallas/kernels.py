@@ -1,7 +1,11 @@
-"""The Pallas kernels: FlashAttention-2 forward, and a backward in two kernels (dK/dV, then dQ).
+"""The Pallas kernels: FlashAttention-2 forward, a backward in two kernels (dK/dV, then dQ), and the forward over
+a paged KV cache (attend_paged, docs/semantics.md §13), read through its block table where the blocks lie.
 
-Each kernel has a launcher (grid, BlockSpecs and index maps: ``forward_call``, ``dkdv_call``, ``dq_call``) and
-a tile function (``_fwd_tile``, ``_bwd_dkdv``, ``_bwd_dq``) that runs on one grid cell and holds the tiled loop.
+Each kernel has a launcher (grid, BlockSpecs and index maps: ``forward_call``, ``dkdv_call``, ``dq_call``,
+``paged_forward_call``) and a tile function (``_fwd_tile``, ``_bwd_dkdv``, ``_bwd_dq``, ``_paged_tile``) that runs
+on one grid cell and holds the tiled loop; the two forwards share the online softmax (``_softmax_over_tiles``) and
+the launch (``_launch_forward``). With ``Static.splits`` > 1 a forward is split-K: a fourth grid axis of key ranges
+whose partial (out, lse) are merged by lse (§6).
 
 Operands arrive prepared by ``backend.py``: sequences padded to a multiple of the block sizes and head dims to a
 power of two (zeros), q/k already unit vectors for the cosine variant, mask as int8 and bias as float32 in
@@ -39,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from attnkit.contract import conjoin, within_band
-from attnkit.contract.jax import length_visibility, segment_visibility
+from attnkit.contract.jax import length_visibility, merge_partials, normalize, segment_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
 NO_ID = (1 << 31) - 1  # the smallest id of a tile of padding only: above every largest id, so it meets nothing
@@ -56,6 +60,8 @@ class Static:
     interpret: bool
     num_warps: int = 4
     num_stages: int = 2
+    splits: int = 1  # forward only: key ranges on a fourth grid axis, merged by lse (split-K decode)
+    normalize_keys: bool = False  # paged cosine: k̂ = k / max(‖k‖, eps) as each tile is read (the cache stays put)
 
     def compiler_params(self) -> Any:
         # Triton, not Mosaic GPU: the Mosaic GPU path does not take these dot_general shapes.
@@ -215,7 +221,7 @@ def _optional_operands(
             operands.append(extra)
     if segments is not None:
         for array in segments:
-            in_specs.append(pl.BlockSpec((None, *array.shape[1:]), lambda b, h, x, n=array.ndim: (b,) + (0,) * (n - 1)))
+            in_specs.append(pl.BlockSpec((None, *array.shape[1:]), lambda b, *_, n=array.ndim: (b,) + (0,) * (n - 1)))
             operands.append(array)
     return mask is not None, bias is not None, segments is not None
 
@@ -234,17 +240,32 @@ def _fwd_tile(
     i0 = q_tile * block_q
     q = _valid_rows(q_ref[...], i0, q_len)
 
-    # Online softmax over the visible key tiles (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'),
-    # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; at the end O = acc / l, lse = m + log l.
-    # A row with nothing visible yet keeps m = −inf and is shifted by 0, so exp() stays 0 instead of NaN.
-    def visit(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-        row_max, row_sum, acc = carry
+    def scores(tile: Any) -> tuple[Any, Any]:
         j0 = tile * block_k
         keys = pl.ds(j0, block_k)
         k = _valid_rows(k_ref[keys, :], j0, kv_len)
         v = _valid_rows(v_ref[keys, :], j0, kv_len)
         bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
         s, _ = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, segments, i0, j0, static))
+        return s, v
+
+    first, end = _split_range(static, k_ref.shape[0], *_kv_range(geom, i0, block_q, block_k))
+    guard = functools.partial(_where_ids_meet, segments, lambda tile: (q_tile, tile))
+    _store_rows(o_ref, lse_ref, *_softmax_over_tiles(first, end, scores, block_q, v_ref.shape[-1], guard))
+
+
+def _softmax_over_tiles(
+    first: Any, end: Any, scores: Any, rows: int, dim_v: int, guard: Any = None
+) -> tuple[Any, Any, Any]:
+    """(row max, row sum, accumulator) over key tiles [first, end); ``scores(tile)`` gives S (−inf where hidden) and
+    the tile's V, and ``guard(visit)`` may wrap the loop body (segment ids skip tiles)."""
+
+    # Online softmax (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'), P = exp(S − m'),
+    # l' = α·l + rowsum P, acc' = α·acc + P·V; at the end O = acc / l, lse = m + log l.
+    # A row with nothing visible yet keeps m = −inf and is shifted by 0, so exp() stays 0 instead of NaN.
+    def visit(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+        row_max, row_sum, acc = carry
+        s, v = scores(tile)
         new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
         shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
         p = jnp.exp(s - shift[:, None])
@@ -253,19 +274,32 @@ def _fwd_tile(
         acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
         return new_max, row_sum, acc
 
-    first, end = _kv_range(geom, i0, block_q, block_k)
     init = (
-        jnp.full((block_q,), -jnp.inf, jnp.float32),
-        jnp.zeros((block_q,), jnp.float32),
-        jnp.zeros((block_q, v_ref.shape[-1]), jnp.float32),
+        jnp.full((rows,), -jnp.inf, jnp.float32),
+        jnp.zeros((rows,), jnp.float32),
+        jnp.zeros((rows, dim_v), jnp.float32),
     )
-    body = _where_ids_meet(segments, lambda tile: (q_tile, tile), visit)
-    row_max, row_sum, acc = lax.fori_loop(first, end, body, init)
-    # l = 0 only where no key is visible: out 0, lse −inf. A NaN l propagates to both.
+    return lax.fori_loop(first, end, visit if guard is None else guard(visit), init)
+
+
+def _store_rows(o_ref: Any, lse_ref: Any, row_max: Any, row_sum: Any, acc: Any) -> None:
+    """O = acc / l and lse = m + log l; l = 0 only where no key is visible: out 0, lse −inf. A NaN l propagates
+    to both."""
     empty = row_sum == 0
     safe = jnp.where(empty, 1.0, row_sum)
     o_ref[...] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log(safe))
+
+
+def _split_range(static: Static, len_k: int, first: Any, end: Any) -> tuple[Any, Any]:
+    """[first, end) cut to this cell's key range (grid axis 3) under split-K: range s holds tiles [s·n, (s+1)·n),
+    n = ⌈tiles / splits⌉; a range the row cannot see comes out empty (its cell writes out 0, lse −inf)."""
+    if static.splits == 1:
+        return first, end
+    per_split = -(-(len_k // static.block_k) // static.splits)
+    start = pl.program_id(3) * per_split
+    first = jnp.maximum(first, start)
+    return first, jnp.maximum(first, jnp.minimum(end, start + per_split))
 
 
 def _seq_spec(static: Static, block: int, dim: int, head: Any, index: Any) -> pl.BlockSpec:
@@ -274,8 +308,8 @@ def _seq_spec(static: Static, block: int, dim: int, head: Any, index: Any) -> pl
     ``head(b, h)`` and ``index(x)`` map the grid's head coordinate and tile coordinate.
     """
     if static.bshd:
-        return pl.BlockSpec((None, block, None, dim), lambda b, h, x: (b, index(x), head(h), 0))
-    return pl.BlockSpec((None, None, block, dim), lambda b, h, x: (b, head(h), index(x), 0))
+        return pl.BlockSpec((None, block, None, dim), lambda b, h, x, *_: (b, index(x), head(h), 0))
+    return pl.BlockSpec((None, None, block, dim), lambda b, h, x, *_: (b, head(h), index(x), 0))
 
 
 def _pair_spec(shape: tuple[int, ...], rows: int, cols: int, head: Any, row: Any, col: Any, group: int = 1) -> Any:
@@ -286,54 +320,128 @@ def _pair_spec(shape: tuple[int, ...], rows: int, cols: int, head: Any, row: Any
     batch_broadcast, head_broadcast = shape[0] == 1, shape[1] == 1
     heads = None if head_broadcast else (group if group > 1 else None)
 
-    def index(b: Any, h: Any, x: Any) -> tuple[Any, ...]:
+    def index(b: Any, h: Any, x: Any, *_: Any) -> tuple[Any, ...]:
         return (0 if batch_broadcast else b, 0 if head_broadcast else head(h), row(x), col(x))
 
     return pl.BlockSpec((None, heads, rows, cols), index)
 
 
 def _geom_specs() -> list[pl.BlockSpec]:
-    return [pl.BlockSpec((None, 4), lambda b, h, x: (b, 0)), pl.BlockSpec((4,), lambda b, h, x: (0,))]
+    return [pl.BlockSpec((None, 4), lambda b, h, *_: (b, 0)), pl.BlockSpec((4,), lambda *_: (0,))]
 
 
 def forward_call(
     static: Static, geom: Any, params: Any, q: Any, k: Any, v: Any, mask: Any, bias: Any, segments: Segments | None
 ) -> tuple[Any, Any]:
-    """out (q's layout, Dv padded) and lse (B, Hq, Lq_pad) float32; grid (B, Hq, query tiles)."""
+    """out (q's layout, Dv padded) and lse (B, Hq, Lq_pad) float32; grid (B, Hq, query tiles[, key ranges])."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
-    batch, len_q, heads_q, dim = q.shape[0], q.shape[seq_axis], q.shape[head_axis], q.shape[-1]
     len_k, heads_kv, dim_v = k.shape[seq_axis], k.shape[head_axis], v.shape[-1]
-    group = heads_q // heads_kv
-    block_q = static.block_q
+    group = q.shape[head_axis] // heads_kv
     same = lambda x: x  # noqa: E731
     first = lambda x: 0  # noqa: E731
     in_specs = [
         *_geom_specs(),
-        _seq_spec(static, block_q, dim, same, same),
-        _seq_spec(static, len_k, dim, lambda h: h // group, first),
+        _seq_spec(static, static.block_q, q.shape[-1], same, same),
+        _seq_spec(static, len_k, k.shape[-1], lambda h: h // group, first),
         _seq_spec(static, len_k, dim_v, lambda h: h // group, first),
     ]
     operands = [geom, params, q, k, v]
-    pair_spec = lambda shape: _pair_spec(shape, block_q, len_k, same, same, first)  # noqa: E731
+    pair_spec = lambda shape: _pair_spec(shape, static.block_q, len_k, same, same, first)  # noqa: E731
     has = _optional_operands(in_specs, operands, pair_spec, mask, bias, segments)
-    out_shape = list(q.shape[:-1]) + [dim_v]
     kernel = functools.partial(_fwd_tile, static=static, has=has)
-    return pl.pallas_call(
+    return _launch_forward(static, kernel, in_specs, operands, q, dim_v, "attnkit_pallas_fwd")
+
+
+def _launch_forward(
+    static: Static, kernel: Any, in_specs: list[Any], operands: list[Any], q: Any, dim_v: int, name: str
+) -> tuple[Any, Any]:
+    """The forward's pallas_call over (B, Hq, query tiles), with a fourth axis of key ranges under split-K whose
+    partial (out, lse), float32, are merged by lse (docs/semantics.md §6)."""
+    seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
+    batch, len_q, heads_q = q.shape[0], q.shape[seq_axis], q.shape[head_axis]
+    block_q, splits = static.block_q, static.splits
+    out_shape = (*q.shape[:-1], dim_v)
+    out_spec = _seq_spec(static, block_q, dim_v, lambda h: h, lambda x: x)
+    lse_spec = pl.BlockSpec((None, None, block_q), lambda b, h, x, *_: (b, h, x))
+    out_dtype, grid = q.dtype, (batch, heads_q, len_q // block_q)
+    if splits > 1:  # each key range's partial results, float32, on a leading axis
+        if static.bshd:
+            out_spec = pl.BlockSpec((None, None, block_q, None, dim_v), lambda b, h, x, s: (s, b, x, h, 0))
+        else:
+            out_spec = pl.BlockSpec((None, None, None, block_q, dim_v), lambda b, h, x, s: (s, b, h, x, 0))
+        lse_spec = pl.BlockSpec((None, None, None, block_q), lambda b, h, x, s: (s, b, h, x))
+        out_dtype = jnp.float32
+    lead = (splits,) if splits > 1 else ()
+    out, lse = pl.pallas_call(
         kernel,
-        grid=(batch, heads_q, len_q // block_q),
+        grid=(*grid, splits) if splits > 1 else grid,
         in_specs=in_specs,
-        out_specs=[
-            _seq_spec(static, block_q, dim_v, same, same),
-            pl.BlockSpec((None, None, block_q), lambda b, h, x: (b, h, x)),
-        ],
+        out_specs=[out_spec, lse_spec],
         out_shape=[
-            jax.ShapeDtypeStruct(tuple(out_shape), q.dtype),
-            jax.ShapeDtypeStruct((batch, heads_q, len_q), jnp.float32),
+            jax.ShapeDtypeStruct((*lead, *out_shape), out_dtype),
+            jax.ShapeDtypeStruct((*lead, batch, heads_q, len_q), jnp.float32),
         ],
         interpret=static.interpret,
         compiler_params=static.compiler_params(),
-        name="attnkit_pallas_fwd",
+        name=name,
     )(*operands)
+    if splits > 1:
+        out, lse = merge_partials(out, lse, seq_axis)
+    return out.astype(q.dtype), lse
+
+
+# --------------------------------------------------------------------------------------------- paged forward
+
+
+def _paged_tile(
+    geom_ref: Any, params_ref: Any, table_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any,
+    *, static: Static, page: int,
+) -> None:  # fmt: skip
+    """The forward over a paged cache: key j of this sequence is slot j mod page of block table[j // page]. A key
+    tile (block_k keys) lies inside one block, read where it lies; tiles at or past kv_len are never loaded."""
+    block_q, block_k = static.block_q, static.block_k
+    geom = _geometry(geom_ref)
+    q_len, kv_len = geom[0], geom[1]
+    i0 = pl.program_id(2) * block_q
+    q = _valid_rows(q_ref[...], i0, q_len)
+
+    def scores(tile: Any) -> tuple[Any, Any]:
+        j0 = tile * block_k
+        block = jnp.clip(table_ref[lax.div(j0, jnp.int32(page))], 0, k_ref.shape[0] - 1)  # a traced table: in range
+        slots = pl.ds(lax.rem(j0, jnp.int32(page)), block_k)
+        k = _valid_rows(k_ref[block, slots, :], j0, kv_len)
+        v = _valid_rows(v_ref[block, slots, :], j0, kv_len)
+        if static.normalize_keys:
+            k = normalize(k.astype(jnp.float32)).unit.astype(k.dtype)
+        s, _ = _scores(q, k, params_ref, static, None, _visible(geom, i0, j0, block_q, block_k))
+        return s, v
+
+    capacity = table_ref.shape[0] * page
+    first, end = _split_range(static, capacity, *_kv_range(geom, i0, block_q, block_k))
+    _store_rows(o_ref, lse_ref, *_softmax_over_tiles(first, end, scores, block_q, v_ref.shape[-1]))
+
+
+def paged_forward_call(
+    static: Static, geom: Any, params: Any, block_table: Any, q: Any, k_cache: Any, v_cache: Any
+) -> tuple[Any, Any]:
+    """attend_paged's forward: out (q's layout) and lse (B, Hq, Lq_pad); grid (B, Hq, query tiles[, key ranges]).
+    k_cache/v_cache (num_blocks, page, Hkv, D|Dv) go in whole (one kv head per cell) and are read a tile at a time
+    through the table (B, max_blocks) int32; ``static.block_k`` divides the page."""
+    num_blocks, page, heads_kv, dim = k_cache.shape
+    head_axis = 2 if static.bshd else 1
+    group = q.shape[head_axis] // heads_kv
+    dim_v = v_cache.shape[-1]
+    same = lambda x: x  # noqa: E731
+    in_specs = [
+        *_geom_specs(),
+        pl.BlockSpec((None, block_table.shape[1]), lambda b, *_: (b, 0)),
+        _seq_spec(static, static.block_q, dim, same, same),
+        pl.BlockSpec((num_blocks, page, None, dim), lambda b, h, *_: (0, 0, h // group, 0)),
+        pl.BlockSpec((num_blocks, page, None, dim_v), lambda b, h, *_: (0, 0, h // group, 0)),
+    ]
+    operands = [geom, params, block_table, q, k_cache, v_cache]
+    kernel = functools.partial(_paged_tile, static=static, page=page)
+    return _launch_forward(static, kernel, in_specs, operands, q, dim_v, "attnkit_pallas_paged_fwd")
 
 
 # ------------------------------------------------------------------------------------------------ backward

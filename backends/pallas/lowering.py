@@ -5,7 +5,10 @@ lowering_platforms=("cuda",))`` runs Pallas' Triton lowering of each kernel (the
 cannot express: shapes, dtypes, ops) and yields ``__gpu$xla.gpu.triton`` custom calls, with
 ``JAX_PLATFORMS=cpu``. What it does not run is Triton's own compile to PTX, which happens on the GPU.
 
-``python -m attnkit.backends.pallas.lowering`` prints one JSON line per variant:
+Paged variants (``"paged": block_size``) lower the paged forward only (attend_paged has no backward); the decode
+variants with long keys lower the split-K forward (a fourth grid axis).
+
+``python -m attnkit.backends.pallas.lowering`` prints one JSON line per variant and pass:
 ``{"variant": ..., "pass": "forward"|"backward", "ok": bool, "targets": [...], "error": ...}``.
 tests/test_pallas.py runs it in a subprocess (``JAX_PLATFORMS=cpu``) and checks every line.
 """
@@ -17,7 +20,7 @@ import re
 import sys
 from typing import Any
 
-from attnkit.backend import AttentionInputs, AttentionSpec
+from attnkit.backend import AttentionInputs, AttentionSpec, PagedInputs
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -53,7 +56,26 @@ def variants() -> dict[str, dict[str, Any]]:
         "head dim 40": {"spec": causal, "dim": 40, "dim_v": 40},
         "head dim 128, Dv 64": {"spec": causal, "dim": 128, "dim_v": 64},
         "head dim 256": {"spec": causal, "dim": 256, "dim_v": 256},
+        "decode split-K": {"spec": causal, "len_q": 1, "len_k": 2048},
+        "paged decode split-K, block 16": {"spec": AttentionSpec(causal=True, layout="bshd"), "len_q": 1, "paged": 16},
+        "paged block 256, window softcap": {
+            "spec": AttentionSpec(causal=True, window=(300, 0), softcap=30.0, layout="bshd"),
+            "len_q": 4,
+            "paged": 256,
+        },
+        "paged cosine float32 bhsd MQA": {
+            "spec": AttentionSpec(variant="cosine"),
+            "len_q": 3,
+            "dtype": "float32",
+            "heads_kv": 1,
+            "paged": 32,
+        },
     }
+
+
+def passes(variant: dict[str, Any]) -> tuple[str, ...]:
+    """The programs a variant lowers: attend_paged is forward only."""
+    return ("forward",) if "paged" in variant else ("forward", "backward")
 
 
 def lower(
@@ -71,12 +93,17 @@ def lower(
     bias: tuple[int, ...] | None = None,
     lengths: bool = False,
     segment_ids: bool = False,
+    paged: int | None = None,
 ) -> dict[str, list[str]]:
-    """Custom-call targets of the forward and backward programs lowered for CUDA, by pass."""
+    """Custom-call targets of the forward and backward programs lowered for CUDA, by pass; with ``paged`` (a block
+    size), of attend_paged's forward over a cache of ``len_k`` keys per sequence."""
     import jax
     import jax.numpy as jnp
 
     from .backend import PallasBackend
+
+    if paged is not None:
+        return _lower_paged(spec, batch, heads_q, heads_kv, len_q, len_k, dim, dim_v, dtype, paged)
 
     def shape(heads: int, length: int, d: int) -> tuple[int, ...]:
         return (batch, length, heads, d) if spec.layout.value == "bshd" else (batch, heads, length, d)
@@ -104,11 +131,37 @@ def lower(
         "forward": forward.trace(config, params, band, inputs),
         "backward": backward.trace(config, bias is not None, params, band, inputs, out, lse, out, lse),
     }
-    targets = {}
-    for name, traced in programs.items():
-        text = traced.lower(lowering_platforms=("cuda",)).as_text()
-        targets[name] = sorted(set(re.findall(r"custom_call @([\w$.]+)", text)))
-    return targets
+    return {name: _targets(traced) for name, traced in programs.items()}
+
+
+def _targets(traced: Any) -> list[str]:
+    text = traced.lower(lowering_platforms=("cuda",)).as_text()
+    return sorted(set(re.findall(r"custom_call @([\w$.]+)", text)))
+
+
+def _lower_paged(
+    spec: AttentionSpec, batch: int, heads_q: int, heads_kv: int, len_q: int, len_k: int, dim: int, dim_v: int,
+    dtype: str, block_size: int,
+) -> dict[str, list[str]]:  # fmt: skip
+    import jax
+    import jax.numpy as jnp
+
+    from .backend import _compiled_paged, _paged_config, _scalars
+
+    array = jax.ShapeDtypeStruct
+    max_blocks = -(-len_k // block_size)
+    num_blocks = batch * max_blocks + 1
+    q_shape = (batch, len_q, heads_q, dim) if spec.layout.value == "bshd" else (batch, heads_q, len_q, dim)
+    inputs = PagedInputs(
+        array(q_shape, jnp.dtype(dtype)),
+        array((num_blocks, block_size, heads_kv, dim), jnp.dtype(dtype)),
+        array((num_blocks, block_size, heads_kv, dim_v), jnp.dtype(dtype)),
+        array((batch, max_blocks), jnp.int32),
+        array((batch,), jnp.int32),
+    )
+    static = _paged_config(spec, len_q, block_size, max_blocks, max(dim, dim_v), False, batch * heads_q, None)
+    params, band = _scalars(spec, dim)
+    return {"forward": _targets(_compiled_paged().trace(static, params, band, inputs))}
 
 
 def main() -> int:
@@ -121,7 +174,7 @@ def main() -> int:
         except Exception as error:  # reported per variant, so one failure does not hide the others
             failures += 1
             message = f"{type(error).__name__}: {error}"[:2000]
-            for kernel_pass in ("forward", "backward"):
+            for kernel_pass in passes(variant):
                 print(json.dumps({"variant": name, "pass": kernel_pass, "ok": False, "targets": [], "error": message}))
             continue
         for kernel_pass, found in targets.items():

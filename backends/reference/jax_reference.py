@@ -17,10 +17,10 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
-    Feature,
     Framework,
     Gradients,
     Layout,
+    PagedInputs,
     Problem,
     Variant,
 )
@@ -34,6 +34,7 @@ try:
     from attnkit.contract.jax import (
         Normalization,
         band_visibility,
+        gather_pages,
         length_visibility,
         normalize,
         normalize_backward,
@@ -293,9 +294,13 @@ class JaxReferenceBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.PAGED},
+        features=ALL_FEATURES,
         description="FlashAttention-2 in jax.numpy: key blocks under lax.scan, online softmax; jit/grad/vmap",
-        notes=("float64 needs jax_enable_x64",),
+        notes=(
+            "float64 needs jax_enable_x64",
+            "paged KV cache: read literally, the table's blocks gathered into contiguous keys (a reference, not a "
+            "fused path)",
+        ),
     )
 
     def __init__(self, block_k: int = DEFAULT_BLOCK_K) -> None:
@@ -321,6 +326,15 @@ class JaxReferenceBackend(BaseBackend):
         # lse is always computed: the online softmax has it for free.
         forward, _ = _compiled()
         return forward(spec, self._block(spec, inputs), inputs)
+
+    def forward_paged(self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool) -> tuple[Any, Any]:
+        """§13 literally: the blocks gathered into contiguous (bshd) keys, then this backend's forward with
+        kv_lengths."""
+        keys, values = (gather_pages(cache, inputs.block_table) for cache in (inputs.k_cache, inputs.v_cache))
+        if spec.layout is Layout.BHSD:
+            keys, values = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)
+        gathered = AttentionInputs(inputs.q, keys, values, kv_lengths=inputs.kv_lengths)
+        return self.forward(spec, gathered, need_lse)
 
     def backward(
         self,
