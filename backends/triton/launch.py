@@ -155,6 +155,8 @@ def kernel_constants(
         # rule for float32 (docs/testing.md) by three orders of magnitude.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )
+    if kernel is Kernel.FORWARD:
+        constants.update(PAGED=switches.paged, SPLIT_K=switches.split_k)
     if kernel is Kernel.DKDV:
         constants["HAS_DBIAS"] = switches.has_dbias
     return constants
