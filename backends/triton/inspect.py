@@ -99,10 +99,11 @@ FEATURES: dict[str, dict[str, bool]] = {
 FEATURE_HEAD_DIM, FEATURE_DTYPE = 128, "bf16"
 #: The feature variants of ``--scope required``: attend's switches all at once, and the paged decode.
 REQUIRED_FEATURES = ("all", "paged-split")
+_SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine")
 _FEATURES_OF = {
-    "fwd": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "paged", "split", "paged-split", "all"),
-    "dq": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "all"),
-    "dkdv": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "dbias", "all"),
+    "fwd": (*_SWITCHES_ALONE, "paged", "split", "paged-split", "all"),
+    "dq": (*_SWITCHES_ALONE, "all"),
+    "dkdv": (*_SWITCHES_ALONE, "dbias", "all"),
     "delta": ("dlse",),
 }
 
@@ -359,7 +360,8 @@ def inspect_all(selected: list[Variant], jobs: int = 1) -> Iterator[Result]:
 
 def violations(results: list[Result]) -> list[str]:
     """The requirements of the static check, broken: no spills at the default tiles for D = 64 and 128 in the
-    float16 / bfloat16 dot kernels (NO_SPILL_FEATURES), HMMA on sm_80 and HGMMA on sm_90 in every float16 / bfloat16 dot kernel."""
+    float16 / bfloat16 dot kernels (NO_SPILL_FEATURES), HMMA on sm_80 and HGMMA on sm_90 in every float16 /
+    bfloat16 dot kernel."""
     broken = []
     for result in results:
         variant = result.variant
