@@ -120,6 +120,24 @@ __device__ __forceinline__ index_t row_offset(const PagedRows& rows, int row) {
     return rows.table[row / rows.block_size] * rows.block_stride + (row % rows.block_size) * rows.stride;
 }
 
+#if PAGED
+typedef PagedRows KeyRows;
+#else
+typedef index_t KeyRows;
+#endif
+
+// How one batch element's keys lie from their head's base: through its row of the block table, the cache's block
+// stride given as batch_stride (PAGED), or row_stride apart (the base then holds batch · batch_stride). Built where a
+// tile is loaded, so the kernel keeps no copy of it in registers across the loop.
+__device__ __forceinline__ KeyRows key_rows(const int* block_table, int batch, int max_blocks, int block_size,
+                                            index_t batch_stride, index_t row_stride) {
+#if PAGED
+    return PagedRows{block_table + (index_t)batch * max_blocks, block_size, batch_stride, row_stride};
+#else
+    return row_stride;
+#endif
+}
+
 // tile[r][c] = src[row_offset(rows, first + r) + c] for rows first + r < limit and columns c < width, else 0.
 // Rows at or beyond the limit (padding beyond a length, or beyond the tensor) and rows whose segment id is
 // negative (padding) are never read, nor their block-table entries.
@@ -358,26 +376,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                       index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m,
                       index_t mask_n, int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
                       int lower, int upper, int block_size, int max_blocks, int splits) {
-    int tile = blockIdx.x, split = 0;
-    if (SPLIT_K) {
-        const int query_tiles = (len_q + BLOCK_M - 1) / BLOCK_M;
-        split = tile / query_tiles;
-        tile %= query_tiles;
-    }
-    const int row_start = tile * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
+    // Split-major: block x is split · query_tiles + tile (its split read again from blockIdx where needed).
+    const int query_tiles = (len_q + BLOCK_M - 1) / BLOCK_M;
+    const int row_start = (SPLIT_K ? blockIdx.x % query_tiles : blockIdx.x) * BLOCK_M, head = blockIdx.y,
+              batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
     const Planes planes = planes_of(mask, bias, strides, batch, head);
-#if PAGED  // a block of the cache in the batch element's place: its keys go through its row of the table
-    const elem_t* k_head = k + (head / group) * k_h;
-    const elem_t* v_head = v + (head / group) * v_h;
-    const int* table_row = block_table + (index_t)batch * max_blocks;
-    const PagedRows k_rows = {table_row, block_size, k_b, k_n}, v_rows = {table_row, block_size, v_b, v_n};
-#else
-    const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
-    const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
-    const index_t k_rows = k_n, v_rows = v_n;
-#endif
+    // A paged cache's keys go through the block table (key_rows): no batch offset in the head's base.
+    const elem_t* k_head = k + (PAGED ? 0 : batch * k_b) + (head / group) * k_h;
+    const elem_t* v_head = v + (PAGED ? 0 : batch * v_b) + (head / group) * v_h;
 
     SharedCursor cursor = {shared_memory};
     elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
@@ -396,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
-    if (SPLIT_K) split_range(split, splits, first, end);
+    if (SPLIT_K) split_range(blockIdx.x / query_tiles, splits, first, end);
     const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     const int r = threadIdx.x / THREADS_PER_ROW, lane = threadIdx.x % THREADS_PER_ROW, row = row_start + r;
     float row_max = negative_infinity(), row_sum = 0.0f;
@@ -407,6 +415,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     for (int key_start = first; key_start < end; key_start += BLOCK_N) {
         // A key tile sharing no segment id with the query tile is skipped.
         if (!ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k))) continue;
+        const KeyRows k_rows = key_rows(block_table, batch, max_blocks, block_size, k_b, k_n);
+        const KeyRows v_rows = key_rows(block_table, batch, max_blocks, block_size, v_b, v_n);
         load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_rows, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
         load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_rows, key_start, g.kv_len, HEAD_DIM_V, g.kv_ids);
         __syncthreads();
@@ -444,6 +454,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     // give NaN out and lse, never the empty row's 0 and −inf.
     const bool empty = row_sum == 0.0f;
     if (row < len_q) {
+        const int split = SPLIT_K ? blockIdx.x / query_tiles : 0;
         out_t* out_row = out + split * o_s + batch * o_b + head * o_h + row * o_m;
         for (int c = lane; c < HEAD_DIM_V; c += THREADS_PER_ROW)
             assign(out_row[c], empty ? 0.0f : o_acc[r * BLOCK_DV + c] / row_sum);
