@@ -233,9 +233,7 @@ def segment_ranges(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.stack((tiles.least, tiles.greatest), -1).contiguous()
 
 
-def paged_operands(
-    inputs: PagedInputs,
-) -> tuple[AttentionInputs, torch.Tensor, int, int]:
+def paged_operands(inputs: PagedInputs) -> tuple[AttentionInputs, torch.Tensor, int, int]:
     """An attend_paged call as the kernels take it: the caches as (num_blocks, Hkv, block_size, D) views (a block
     in the batch's place; views, never copies, unless the head dim is strided), kv_lengths among the optional
     tensors, the int32 block table, the block size and the table's capacity in keys."""

@@ -219,7 +219,8 @@ class TritonLauncher:
             return
         block_d, spec = constants["BLOCK_D"], call.spec
         configs = gpu_configs(NAMES[kernel], block_d, call.q.dtype)
-        key = (NAMES[kernel], block_d, call.q.dtype, spec.causal, spec.window is not None)
+        paged_or_split = (switches.paged, switches.split_k)  # their loads and grids differ from the plain forward's
+        key = (NAMES[kernel], block_d, call.q.dtype, spec.causal, spec.window is not None, *paged_or_split)
         launch(_autotuner.choose(key, configs, launch))
 
 
