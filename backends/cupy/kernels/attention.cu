@@ -287,6 +287,15 @@ __device__ __forceinline__ void key_span(int row_start, Geometry g, int lower, i
     first = first / BLOCK_N * BLOCK_N;
 }
 
+// The forward's block x is split · query tiles + query tile (split-major); without SPLIT_K, the query tile. Both are
+// read from blockIdx where they are needed, so no register holds them across the key loop.
+__device__ __forceinline__ int query_tile(int len_q) {
+    return SPLIT_K ? blockIdx.x % ((len_q + BLOCK_M - 1) / BLOCK_M) : blockIdx.x;
+}
+__device__ __forceinline__ int key_split(int len_q) {
+    return SPLIT_K ? blockIdx.x / ((len_q + BLOCK_M - 1) / BLOCK_M) : 0;
+}
+
 // Split-K: the split-th of `splits` runs of whole key tiles covering [first, end), first tile-aligned; empty
 // (first >= end) for the ranges past a short span.
 __device__ __forceinline__ void split_range(int split, int splits, int& first, int& end) {
@@ -376,10 +385,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                       index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m,
                       index_t mask_n, int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
                       int lower, int upper, int block_size, int max_blocks, int splits) {
-    // Split-major: block x is split · query_tiles + tile (its split read again from blockIdx where needed).
-    const int query_tiles = (len_q + BLOCK_M - 1) / BLOCK_M;
-    const int row_start = (SPLIT_K ? blockIdx.x % query_tiles : blockIdx.x) * BLOCK_M, head = blockIdx.y,
-              batch = blockIdx.z;
+    const int row_start = query_tile(len_q) * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
     const Planes planes = planes_of(mask, bias, strides, batch, head);
@@ -404,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
-    if (SPLIT_K) split_range(blockIdx.x / query_tiles, splits, first, end);
+    if (SPLIT_K) split_range(key_split(len_q), splits, first, end);
     const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     const int r = threadIdx.x / THREADS_PER_ROW, lane = threadIdx.x % THREADS_PER_ROW, row = row_start + r;
     float row_max = negative_infinity(), row_sum = 0.0f;
@@ -454,7 +460,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     // give NaN out and lse, never the empty row's 0 and −inf.
     const bool empty = row_sum == 0.0f;
     if (row < len_q) {
-        const int split = SPLIT_K ? blockIdx.x / query_tiles : 0;
+        const int split = key_split(len_q);
         out_t* out_row = out + split * o_s + batch * o_b + head * o_h + row * o_m;
         for (int c = lane; c < HEAD_DIM_V; c += THREADS_PER_ROW)
             assign(out_row[c], empty ? 0.0f : o_acc[r * BLOCK_DV + c] / row_sum);
