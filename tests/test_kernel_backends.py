@@ -1,7 +1,8 @@
 """Extras of the tiled kernel backends (triton, interpreted; cupy, through the emulation harness): several tiles per
-sequence agree with the oracle, strided inputs are read in place. Agreement on everything else comes from the
-conformance suite; band edges on tile boundaries, and tiles outside the band never loaded, from
-tests/test_tile_edges.py."""
+sequence agree with the oracle, strided inputs are read in place, paged caches with block sizes that cut across the
+key tile are read where they lie, and split-K's partials merge to the oracle's result. Agreement on everything else
+comes from the conformance suite (paged caches: tests/test_paged.py); band edges on tile boundaries, and tiles
+outside the band never loaded, from tests/test_tile_edges.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import attnkit
 from attnkit import AttentionSpec
 from attnkit.testing import Case, assert_backends_agree
 from tests.conftest import available_backends
+from tests.tiles import TILED_BACKENDS
 
 BACKENDS = [
     pytest.param(name, marks=pytest.mark.skipif(name not in available_backends(), reason=f"{name} not available here"))
@@ -88,3 +90,81 @@ def test_triton_pads_both_head_dims_to_one_width() -> None:
     for head_dim, head_dim_v in ((40, 24), (24, 40), (80, 48), (64, 32), (128, 128)):
         constants = launch.kernel_constants(Kernel.FORWARD, head_dim, head_dim_v, torch.float16)
         assert constants["BLOCK_D"] == constants["BLOCK_DV"] >= max(head_dim, head_dim_v), (head_dim, head_dim_v)
+
+
+# ---------------------------------------------------------------------------------------------- paged and split-K
+
+
+def _paged_call(block_size: int, kv_lengths: tuple[int, ...], heads_q: int = 4, heads_kv: int = 2, len_q: int = 3):
+    """q (B, Lq, Hq, 16) and a float32 cache whose sequences take blocks in reverse order from a shared pool (sequence
+    b + 1 reuses sequence b's first block), every slot none of them reads NaN, table entries past a sequence's
+    blocks −1."""
+    import torch
+
+    generator = torch.Generator().manual_seed(block_size)
+    needed = [-(-length // block_size) for length in kv_lengths]
+    num_blocks = sum(needed) + 2  # two blocks no sequence reads
+    table = torch.full((len(kv_lengths), max(needed) + 1), -1, dtype=torch.int32)
+    read = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    start = 0
+    for b, (length, count) in enumerate(zip(kv_lengths, needed)):
+        blocks = torch.arange(start + count - 1, start - 1, -1, dtype=torch.int32)
+        if b and count:
+            blocks[0] = table[b - 1, 0] if needed[b - 1] else blocks[0]
+        table[b, :count] = blocks
+        for j in range(length):
+            read[table[b, j // block_size], j % block_size] = True
+        start += count
+
+    def cache() -> torch.Tensor:
+        values = torch.randn(num_blocks, block_size, heads_kv, 16, generator=generator)
+        return values.masked_fill(~read[:, :, None, None], float("nan"))
+
+    q = torch.randn(len(kv_lengths), len_q, heads_q, 16, generator=generator)
+    return q, cache(), cache(), table, torch.tensor(kv_lengths)
+
+
+def _assert_paged_agrees(backend: str, spec: AttentionSpec, call: tuple) -> None:
+    from attnkit.testing.agreement import ORACLE, compare_outputs
+
+    def results(name: str, tensors: tuple) -> dict:
+        out, lse = attnkit.attend_paged(spec, *tensors, return_lse=True, backend=name)
+        return {"out": out.double().numpy(), "lse": lse.double().numpy()}
+
+    q, k_cache, v_cache, table, lengths = call
+    exact = results(ORACLE, (q.double(), k_cache.double(), v_cache.double(), table, lengths))
+    comparisons = compare_outputs("float32", results(backend, call), exact, results(ORACLE, call))
+    assert all(comparison.ok for comparison in comparisons), [str(c) for c in comparisons]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_paged_blocks_cutting_across_key_tiles(backend: str) -> None:
+    """Block sizes that do not divide the forward's key tile, one smaller and one larger than it: a tile gathers keys
+    from several blocks, or a block spans tiles, and the last block of each sequence is partial; NaN fills every slot
+    no sequence reads, so a key read past its length or from an unreferenced block would show."""
+    key_tile = next(tile.keys for tile in TILED_BACKENDS[backend](AttentionSpec()) if tile.kernel == "forward")
+    assert key_tile is not None
+    spec = AttentionSpec(causal=True, window=(2 * key_tile, 0), softcap=20.0, layout="bshd")
+    for block_size in (key_tile - 3, key_tile + 5):
+        _assert_paged_agrees(backend, spec, _paged_call(block_size, (3 * key_tile + 1, key_tile - 1, 0, block_size)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_k_merges_to_the_oracle(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split-K forced to three key ranges per query tile, paged and contiguous, forward and backward: rows whose keys
+    fill all three ranges (five key tiles), some (two tiles: the third range is empty) and none (kv_length 0, every
+    range empty, out 0 and lse −inf), merged by lse to the float64 oracle's result."""
+    from attnkit.contract import kernels
+
+    key_tile = next(tile.keys for tile in TILED_BACKENDS[backend](AttentionSpec()) if tile.kernel == "forward")
+    assert key_tile is not None
+    merges = []
+    merge = kernels.merge_splits
+    monkeypatch.setattr(kernels, "decode_splits", lambda programs, keys, processors: 3)
+    monkeypatch.setattr(kernels, "merge_splits", lambda out, lse: merges.append(out.shape[0]) or merge(out, lse))
+    kv_lengths = (5 * key_tile - 2, 2 * key_tile - 1, 0)
+    spec = AttentionSpec(causal=True, layout="bshd")
+    _assert_paged_agrees(backend, spec, _paged_call(7, kv_lengths, len_q=2))
+    case = Case(spec=spec, batch=3, len_q=2, len_k=5 * key_tile, heads_q=4, heads_kv=2, kv_lengths=kv_lengths)
+    assert_backends_agree(case, backends=[backend])
+    assert merges and set(merges) == {3}, merges

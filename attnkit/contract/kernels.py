@@ -7,6 +7,15 @@ segment ids, each replaced by q where absent (never dereferenced) and switched o
 bias and mask broadcast to (B, Hq, Lq, Lk) by stride 0; the geometry, the scales and the band of
 :func:`attnkit.contract.diagonal_band`.
 
+A paged KV cache (attend_paged, docs/semantics.md §13) is read where its blocks lie: the caches arrive as
+(num_blocks, Hkv, block_size, D) views whose first stride, the block stride, takes the batch stride's place, with
+the block table and the block size; a kernel compiled with :attr:`KernelSwitches.paged` finds key j of batch row b
+at block ``block_table[b, j // block_size]``, slot ``j % block_size``, and never copies the cache.
+
+Split-K (flash-decoding): when a call has too few (batch, head, query tile) programs to fill the GPU and long keys
+(:func:`decode_splits`), each program runs one of ``splits`` ranges of its key tiles and writes a float32 partial
+out and lse; :func:`merge_splits` combines them by their lse.
+
 Segment ids (docs/semantics.md §4.5) arrive as int64 (B, L) rows and, for tile skipping, as the range of the
 non-negative ids in each granule of SEGMENT_GRANULE positions (:func:`segment_ranges`): a kernel's tile is a whole
 number of granules, so it reads its range from them whatever its tile size, and a (query tile, key tile) pair
@@ -24,6 +33,7 @@ per backward.
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any, NamedTuple, Protocol
@@ -38,10 +48,10 @@ from attnkit.backend import (
     BaseBackend,
     Capabilities,
     CausalAlignment,
-    Feature,
     Framework,
     Gradients,
     Layout,
+    PagedInputs,
     Variant,
 )
 from attnkit.contract import COSINE_EPS, diagonal_band
@@ -109,7 +119,8 @@ class Kernel(enum.StrEnum):
 @dataclass(frozen=True)
 class KernelSwitches:
     """The feature switches of the kernels: compile-time constants, so a call without a feature runs without its
-    code. Each kernel reads some of them (the forward none of the last three)."""
+    code. Each kernel reads some of them (the forward none of has_dlse, has_dbias and grad_float32; only the forward
+    paged and split_k)."""
 
     has_lower: bool = False  # the band's lower side: a window's left
     has_upper: bool = False  # the band's upper side: causal, or a window's right
@@ -124,6 +135,8 @@ class KernelSwitches:
     has_dlse: bool = False  # Δ kernel: lse has a cotangent
     has_dbias: bool = False  # dK/dV kernel: write dS
     grad_float32: bool = False  # dq, dk, dv are float32 buffers (the cosine variant's chain rule follows)
+    paged: bool = False  # forward: keys through a block table (attend_paged)
+    split_k: bool = False  # forward: one of several key ranges per program, float32 partials for merge_splits
 
     @classmethod
     def all(cls) -> KernelSwitches:
@@ -142,17 +155,19 @@ class ArgumentTypes(NamedTuple):
 
 
 class Grid(NamedTuple):
-    """Programs along a sequence (query rows, or keys with ``along_keys``) × heads × batch."""
+    """Programs along a sequence (query rows, or keys with ``along_keys``) × heads × batch; with split-K, ``splits``
+    programs per query tile (the first axis is split-major: split · tiles + tile)."""
 
     length: int
     heads: int
     batch: int
     along_keys: bool = False
+    splits: int = 1
 
     def blocks(self, block_m: int, block_n: int) -> tuple[int, int, int]:
         """The launch grid for a tile of ``block_m`` query rows × ``block_n`` keys."""
         block = block_n if self.along_keys else block_m
-        return -(-self.length // block), self.heads, self.batch
+        return -(-self.length // block) * self.splits, self.heads, self.batch
 
 
 @dataclass(frozen=True)
@@ -168,19 +183,21 @@ class KernelCall:
     # q where absent
     optional: tuple[torch.Tensor, ...]
     feature_strides: tuple[Any, ...]  # bias then mask, (B, Hq, Lq, Lk) strides, 0 on broadcast axes
-    geometry: tuple[Any, ...]  # heads_q, group, len_q, len_k
+    geometry: tuple[Any, ...]  # heads_q, group, len_q, len_k (a paged cache's len_k: the table's capacity)
     qk_scale: Any
     softcap: Any
     scale: Any
     band: tuple[Any, Any]  # lower, upper (0 where unbounded: the switch is off)
     switches: KernelSwitches
     types: ArgumentTypes
+    block_table: torch.Tensor  # int32 (B, max_blocks) of a paged cache; q where contiguous
+    paging: tuple[Any, Any]  # block_size, max_blocks (1, 0 where contiguous)
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
         """batch, heads_q, len_q, heads_kv, len_k."""
         batch, heads_q, len_q, _ = self.q.shape
-        return batch, heads_q, len_q, self.k.shape[1], self.k.shape[2]
+        return batch, heads_q, len_q, self.k.shape[1], int(self.geometry[3])
 
     @property
     def head_dims(self) -> tuple[int, int]:
@@ -216,11 +233,34 @@ def segment_ranges(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.stack((tiles.least, tiles.greatest), -1).contiguous()
 
 
-def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInputs) -> KernelCall:
+def paged_operands(inputs: PagedInputs) -> tuple[AttentionInputs, torch.Tensor, int, int]:
+    """An attend_paged call as the kernels take it: the caches as (num_blocks, Hkv, block_size, D) views (a block
+    in the batch's place; views, never copies, unless the head dim is strided), kv_lengths among the optional
+    tensors, the int32 block table, the block size and the table's capacity in keys."""
+
+    def blocks_first(cache: torch.Tensor) -> torch.Tensor:
+        view = cache.permute(0, 2, 1, 3)
+        return view if view.stride(-1) == 1 else view.contiguous()
+
+    table = inputs.block_table.to(device=inputs.q.device, dtype=torch.int32).contiguous()
+    block_size = inputs.k_cache.shape[1]
+    views = AttentionInputs(
+        inputs.q, blocks_first(inputs.k_cache), blocks_first(inputs.v_cache), kv_lengths=inputs.kv_lengths
+    )
+    return views, table, block_size, table.shape[1] * block_size
+
+
+def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInputs | PagedInputs) -> KernelCall:
     types = launcher.types
-    q, k, v = bhsd(spec, inputs.q), bhsd(spec, inputs.k), bhsd(spec, inputs.v)
+    table: torch.Tensor | None = None
+    if isinstance(inputs, PagedInputs):
+        inputs, table, block_size, len_k = paged_operands(inputs)
+        q, k, v = bhsd(spec, inputs.q), inputs.k, inputs.v
+    else:
+        q, k, v = bhsd(spec, inputs.q), bhsd(spec, inputs.k), bhsd(spec, inputs.v)
+        block_size, len_k = 1, k.shape[2]
     batch, heads_q, len_q, head_dim = q.shape
-    heads_kv, len_k = k.shape[1], k.shape[2]
+    heads_kv = k.shape[1]
     optional: list[torch.Tensor] = []
     feature_strides: list[Any] = []
     for x in (inputs.bias, inputs.mask):  # broadcast by stride 0, never expanded in memory
@@ -251,6 +291,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         has_q_lengths=inputs.q_lengths is not None,
         has_kv_lengths=inputs.kv_lengths is not None,
         has_segment_ids=has_segment_ids,
+        paged=table is not None,
     )
     return KernelCall(
         spec=spec,
@@ -267,38 +308,93 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         band=(types.int32(lower or 0), types.int32(upper or 0)),
         switches=switches,
         types=types,
+        block_table=table if table is not None else q,
+        paging=(types.int32(block_size), types.int32(table.shape[1] if table is not None else 0)),
     )
 
 
+# Split-K's rule (flash-decoding). A forward program is one (batch, query head, query tile); when a call has fewer
+# of them than the GPU has SMs, each tile's keys are split into ranges run by separate programs, enough for about
+# SPLIT_K_WAVES programs per SM, each range at least SPLIT_K_MIN_KEYS keys (below that, a program's fixed cost and
+# the partials' traffic outweigh the parallelism), at most SPLIT_K_MAX ranges. Query tiles are counted as
+# SPLIT_K_QUERY_TILE rows, the GPU forward tiles' usual height. Off on CPU tensors: the Triton interpreter and the CUDA
+# emulator run one program at a time, where splitting only adds work.
+SPLIT_K_WAVES = 2
+SPLIT_K_MIN_KEYS = 512
+SPLIT_K_MAX = 64
+SPLIT_K_QUERY_TILE = 64
+
+
+def decode_splits(programs: int, keys: int, processors: int) -> int:
+    """Key ranges per query tile for ``programs`` unsplit programs over ``keys`` keys on ``processors`` SMs (0 on
+    CPU): 1 (no split) unless the programs are fewer than the processors, then by the rule above."""
+    if programs >= processors:
+        return 1
+    return max(1, min(-(-SPLIT_K_WAVES * processors // max(programs, 1)), keys // SPLIT_K_MIN_KEYS, SPLIT_K_MAX))
+
+
+@functools.cache
+def _processors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 0
+
+
+def merge_splits(out: torch.Tensor, lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K's merge of float32 partials out (S, ..., Dv) and lse (S, ...) along the first axis:
+
+        lse = log Σ_s exp(lse_s);  out = Σ_s exp(lse_s − lse) · out_s
+
+    A range with no visible key (lse_s = −inf, out_s = 0) weighs exactly 0, never exp(−inf + inf) = NaN, so a row
+    empty in every range keeps out 0 and lse −inf; a NaN in any range stays NaN."""
+    merged = torch.logsumexp(lse, dim=0)
+    weights = torch.where(lse == float("-inf"), 0.0, torch.exp(lse - merged))
+    return (weights.unsqueeze(-1) * out).sum(0), merged
+
+
 def attention_forward(
-    launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInputs
+    launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInputs | PagedInputs
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """out (spec layout, q's dtype) and lse (B, Hq, Lq) float32."""
+    """out (spec layout, q's dtype) and lse (B, Hq, Lq) float32, of a call with contiguous keys or a paged cache."""
     call = prepare(launcher, spec, inputs)
     batch, heads_q, len_q, _, len_k = call.shape
-    out = torch.empty((*inputs.q.shape[:3], inputs.v.shape[3]), dtype=inputs.q.dtype, device=inputs.q.device)
-    lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=inputs.q.device)
+    device = call.q.device
+    out = torch.empty((*inputs.q.shape[:3], call.v.shape[3]), dtype=inputs.q.dtype, device=device)
+    lse = torch.empty((batch, heads_q, len_q), dtype=torch.float32, device=device)
     if out.numel() == 0 or len_k == 0:
         return out.zero_(), lse.fill_(float("-inf"))
+    splits = decode_splits(batch * heads_q * -(-len_q // SPLIT_K_QUERY_TILE), len_k, _processors(device))
     out_view = bhsd(spec, out)
+    if splits > 1:  # float32 partials, split-major, then merged into out and lse
+        partial_out = torch.empty((splits, *out_view.shape), dtype=torch.float32, device=device)
+        partial_lse = torch.empty((splits, *lse.shape), dtype=torch.float32, device=device)
+        targets, split_strides = (partial_out[0], partial_lse), (partial_out.stride(0), partial_lse.stride(0))
+    else:
+        targets, split_strides = (out_view, lse), (0, 0)
     args = [
         call.q,
         call.k,
         call.v,
-        out_view,
-        lse,
+        *targets,
         *call.optional,
+        call.block_table,
         *call.strides(call.q),
         *call.strides(call.k),
         *call.strides(call.v),
-        *call.strides(out_view),
+        *call.strides(targets[0]),
+        *map(call.types.int64, split_strides),
         *call.feature_strides,
         *call.geometry,
         call.qk_scale,
         call.softcap,
         *call.band,
+        *call.paging,
+        call.types.int32(splits),
     ]
-    launcher.run(Kernel.FORWARD, call, Grid(len_q, heads_q, batch), args, call.switches)
+    grid = Grid(len_q, heads_q, batch, splits=splits)
+    launcher.run(Kernel.FORWARD, call, grid, args, call.switches.with_(split_k=splits > 1))
+    if splits > 1:
+        merged_out, merged_lse = merge_splits(partial_out, partial_lse)
+        out_view.copy_(merged_out)
+        lse.copy_(merged_lse)
     return out, lse
 
 
@@ -389,6 +485,9 @@ KERNEL_NOTES = (
     "cosine: q·k on the raw inputs, scaled by both inverse norms in float32 (q̂ is never rounded)",
     "dbias is computed at full (B, Hq, Lq, Lk) float32, then summed to the bias's shape",
     "float64: not supported by the kernels (torch-chunked serves it)",
+    "paged: the forward reads the caches' blocks where they lie, through the block table, per key (any block size)",
+    "split-K (flash-decoding) on CUDA when (batch, head, query tile) programs are fewer than the SMs and keys are "
+    "long: float32 partials merged by their lse (contract.kernels.decode_splits)",
 )
 
 
@@ -405,7 +504,7 @@ def kernel_capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({device}),
-        features=ALL_FEATURES - {Feature.PAGED},
+        features=ALL_FEATURES,
         head_dims=(1, max_head_dim),
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),
@@ -421,6 +520,12 @@ class KernelBackend(BaseBackend):
 
     def forward(
         self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return attention_forward(self.kernel_launcher(), spec, inputs)
+
+    def forward_paged(
+        self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             return attention_forward(self.kernel_launcher(), spec, inputs)

@@ -149,8 +149,8 @@ _SWITCHES = frozenset(field.name for field in fields(KernelSwitches))
 KERNEL_SWITCHES: dict[str, frozenset[str]] = {
     Kernel.FORWARD: _SWITCHES - {"has_dlse", "has_dbias", "grad_float32"},
     Kernel.DELTA: frozenset({"has_dlse"}),
-    Kernel.DQ: _SWITCHES - {"has_dlse", "has_dbias"},
-    Kernel.DKDV: _SWITCHES - {"has_dlse"},
+    Kernel.DQ: _SWITCHES - {"has_dlse", "has_dbias", "paged", "split_k"},
+    Kernel.DKDV: _SWITCHES - {"has_dlse", "paged", "split_k"},
 }
 
 

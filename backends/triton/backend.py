@@ -21,7 +21,7 @@ class TritonBackend(KernelBackend):
         mode = (
             "interpreted: TRITON_INTERPRET=1, CPU tensors only (slow; for conformance, not performance)"
             if launch.INTERPRETED
-            else "compiled: CUDA tensors, tiles autotuned per (head dim, dtype, causal, window)"
+            else "compiled: CUDA tensors, tiles autotuned per (head dim, dtype, causal, window, paged, split-K)"
         )
         self.capabilities = kernel_capabilities(
             launch.KERNEL_DEVICE,

@@ -56,11 +56,14 @@ KERNELS = ("fwd", "delta", "dq", "dkdv")
 DOT_KERNELS = ("fwd", "dq", "dkdv")
 #: Head dims whose default configurations must compile without spills (256 is reported, spills allowed).
 NO_SPILL_HEAD_DIMS = (64, 128)
+#: Feature variants that must compile without spills there: no feature, and the paged split-K decode forward.
+NO_SPILL_FEATURES = ("plain", "paged-split")
 #: The tensor-core instruction each arch must show in every float16 / bfloat16 dot-bearing kernel.
 REQUIRED_TENSOR_CORE = {"sm_80": "HMMA", "sm_90": "HGMMA"}
 
-#: Feature switches (``KernelSwitches`` fields), each on by itself, then all at once. Inspected at D = 128 bfloat16
-#: on both archs.
+#: Feature switches (``KernelSwitches`` fields), each on by itself, then all of attend's at once (a paged cache and
+#: split-K are the forward's, of decode calls with kv_lengths alone: "paged-split" has them together). Inspected at
+#: D = 128 bfloat16 on both archs.
 FEATURES: dict[str, dict[str, bool]] = {
     "plain": {},
     "upper": {"has_upper": True},  # causal, or a window's right side
@@ -73,6 +76,11 @@ FEATURES: dict[str, dict[str, bool]] = {
     "cosine": {"cosine": True},
     "dbias": {"has_dbias": True},  # dkdv only
     "dlse": {"has_dlse": True},  # delta only
+    # attend_paged's decode: keys through the block table, bottom-right causal over kv_lengths (fwd only)
+    "paged": {"paged": True, "has_upper": True, "bottom_right": True, "has_kv_lengths": True},
+    "split": {"split_k": True},  # fwd only: one key range per program, float32 partials
+    # paged decode on a GPU: both
+    "paged-split": {"paged": True, "split_k": True, "has_upper": True, "bottom_right": True, "has_kv_lengths": True},
     "all": {
         "has_lower": True,
         "has_upper": True,
@@ -89,10 +97,13 @@ FEATURES: dict[str, dict[str, bool]] = {
     },
 }
 FEATURE_HEAD_DIM, FEATURE_DTYPE = 128, "bf16"
+#: The feature variants of ``--scope required``: attend's switches all at once, and the paged decode.
+REQUIRED_FEATURES = ("all", "paged-split")
+_SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine")
 _FEATURES_OF = {
-    "fwd": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "all"),
-    "dq": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "all"),
-    "dkdv": ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "dbias", "all"),
+    "fwd": (*_SWITCHES_ALONE, "paged", "split", "paged-split", "all"),
+    "dq": (*_SWITCHES_ALONE, "all"),
+    "dkdv": (*_SWITCHES_ALONE, "dbias", "all"),
     "delta": ("dlse",),
 }
 
@@ -147,7 +158,7 @@ class Result:
 def variants(scope: str = "full") -> list[Variant]:
     """``full``: every kernel × arch × dtype × head dim at the default tile, then the feature switches at D = 128
     bfloat16. ``required``: only what :func:`violations` checks (dot kernels, fp16/bf16, D = 64 and 128, and the
-    feature switches all at once)."""
+    REQUIRED_FEATURES: the feature switches all at once, and the paged split-K decode forward)."""
     if scope not in ("full", "required"):
         raise ValueError(f"scope must be 'full' or 'required', not {scope!r}")
     required = scope == "required"
@@ -166,7 +177,7 @@ def variants(scope: str = "full") -> list[Variant]:
         for kernel in kernels_
         for arch in ARCHS
         for features in _FEATURES_OF[kernel]
-        if not required or features == "all"
+        if not required or features in REQUIRED_FEATURES
     ]
     return plain + featured
 
@@ -197,6 +208,7 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         "QLengths": constants.get("HAS_Q_LENGTHS", False),
         "KvLengths": constants.get("HAS_KV_LENGTHS", False),
         **dict.fromkeys(_SEGMENT_POINTERS, segments),
+        "BlockTable": constants.get("PAGED", False),
     }
     present_type = {
         "Bias": element,
@@ -204,7 +216,10 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         "QLengths": "i32",
         "KvLengths": "i32",
         **dict.fromkeys(_SEGMENT_POINTERS, "i64"),
+        "BlockTable": "i32",
     }
+    # Split-K's partial outputs are float32 whatever the inputs' dtype.
+    float32_pointers = (*_FLOAT32_POINTERS, "Out") if constants.get("SPLIT_K", False) else _FLOAT32_POINTERS
     divisible = [["tt.divisibility", 16]]
     signature: dict[str, str] = {}
     attrs: dict[tuple[int, ...], list] = {}
@@ -215,7 +230,7 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         if param.is_constexpr:
             signature[name] = "constexpr"
         elif name[0].isupper():  # a tensor
-            if name in _FLOAT32_POINTERS:
+            if name in float32_pointers:
                 signature[name] = "*fp32"
             elif name in present:
                 signature[name] = "*" + (present_type[name] if present[name] else element)
@@ -345,14 +360,15 @@ def inspect_all(selected: list[Variant], jobs: int = 1) -> Iterator[Result]:
 
 def violations(results: list[Result]) -> list[str]:
     """The requirements of the static check, broken: no spills at the default tiles for D = 64 and 128 in the
-    float16 / bfloat16 dot kernels, HMMA on sm_80 and HGMMA on sm_90 in every float16 / bfloat16 dot kernel."""
+    float16 / bfloat16 dot kernels (NO_SPILL_FEATURES), HMMA on sm_80 and HGMMA on sm_90 in every float16 /
+    bfloat16 dot kernel."""
     broken = []
     for result in results:
         variant = result.variant
         if not variant.has_dot or variant.dtype == "fp32":
             continue
         name = f"{variant.kernel} {variant.arch} {variant.dtype} D={variant.head_dim} {variant.features}"
-        if variant.head_dim in NO_SPILL_HEAD_DIMS and variant.features == "plain" and result.spill_bytes:
+        if variant.head_dim in NO_SPILL_HEAD_DIMS and variant.features in NO_SPILL_FEATURES and result.spill_bytes:
             broken.append(
                 f"{name}: spills (stack {result.stack_bytes} B, local {result.local_bytes} B, "
                 f"STL {result.spill_store_bytes} B, LDL {result.spill_load_bytes} B)"

@@ -15,6 +15,12 @@ Segment ids (``HAS_SEGMENT_IDS``, §4.5) add ``q_id[i] == kv_id[j] ≥ 0``. A po
 never loaded (its row is read as 0). A tile's ids lie in [low, high], read from the granule ranges of
 ``attnkit.contract.kernels.segment_ranges``; a (query tile, key tile) pair whose ranges do not overlap shares no id
 and is skipped inside the band's loop, before any of its operands is loaded.
+
+A paged KV cache (``PAGED``, §13) changes only where the forward finds a key: key j of batch row b is slot
+``j % block_size`` of block ``block_table[b, j // block_size]`` (``_key_places``), the cache's block stride in the
+batch stride's place; any block size works, smaller or larger than BLOCK_N, and table entries past kv_len_b are never
+read. Split-K (``SPLIT_K``, flash-decoding) runs one of ``splits`` ranges of a query tile's key tiles per program
+and writes that range's out and lse to float32 partials, which ``attnkit.contract.kernels.merge_splits`` combines.
 """
 
 from __future__ import annotations
@@ -165,6 +171,27 @@ def _query_span(
 
 
 @triton.jit
+def _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED: tl.constexpr):
+    """(outer, inner) of keys ``cols`` of one batch element: key j lies at outer · stride_b + inner · stride_n
+    from its head's base. Contiguous: (b, j). Paged: (block_table[b, j // block_size], j % block_size), stride_b
+    being the cache's block stride; the table is read only for live keys."""
+    if PAGED:
+        blocks = tl.load(BlockTable + batch64 * max_blocks + cols // block_size, mask=live_cols, other=0)
+        return blocks.to(tl.int64), cols % block_size
+    else:
+        return batch64, cols
+
+
+@triton.jit
+def _split_range(first, end, split, splits, BLOCK_N: tl.constexpr):
+    """Split-K: the ``split``-th of ``splits`` runs of whole key tiles covering [first, end), first tile-aligned;
+    empty (first ≥ end) for the ranges past a short span."""
+    tiles_per_split = tl.cdiv(tl.cdiv(end - first, BLOCK_N), splits)
+    start = first + split * tiles_per_split * BLOCK_N
+    return start, tl.minimum(end, start + tiles_per_split * BLOCK_N)
+
+
+@triton.jit
 def _score_tile(
     q,
     k,
@@ -244,6 +271,7 @@ def _fwd_kernel(
     KvSegmentIds,
     QSegmentRanges,
     KvSegmentRanges,
+    BlockTable,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -256,6 +284,8 @@ def _fwd_kernel(
     stride_ob,
     stride_oh,
     stride_om,
+    stride_os,
+    stride_ls,
     stride_bias_b,
     stride_bias_h,
     stride_bias_m,
@@ -272,6 +302,9 @@ def _fwd_kernel(
     softcap,
     lower,
     upper,
+    block_size,
+    max_blocks,
+    splits,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -288,12 +321,21 @@ def _fwd_kernel(
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
+    PAGED: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     SEGMENT_GRANULE: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One query tile of one (batch, query head): out and lse. Grid (query tiles, Hq, B)."""
-    row_start = tl.program_id(0) * BLOCK_M
+    """One query tile of one (batch, query head): out and lse, or with SPLIT_K one key range's partial out and lse
+    (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major."""
+    tile = tl.program_id(0)
+    split = 0
+    if SPLIT_K:
+        query_tiles = tl.cdiv(len_q, BLOCK_M)
+        split = tile // query_tiles
+        tile = tile % query_tiles
+    row_start = tile * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_kv = head // group
@@ -311,12 +353,14 @@ def _fwd_kernel(
         other=0.0,
     )
     q_inv_norm = _inverse_norms(q, COSINE)
-    KTile = K + batch64 * stride_kb + head_kv * stride_kh
-    VTile = V + batch64 * stride_vb + head_kv * stride_vh
+    KHead = K + head_kv * stride_kh
+    VHead = V + head_kv * stride_vh
     BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
     MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
 
     first, end = _key_span(row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
+    if SPLIT_K:
+        first, end = _split_range(first, end, split, splits, BLOCK_N)
     if HAS_SEGMENT_IDS:
         q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -334,8 +378,10 @@ def _fwd_kernel(
         if meets:
             cols = key_start + tl.arange(0, BLOCK_N)
             live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
+            outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
+            k_rows = outer * stride_kb + inner * stride_kn
             k = tl.load(
-                KTile + cols[:, None] * stride_kn + dims[None, :],
+                KHead + k_rows[:, None] + dims[None, :],
                 mask=live_cols[:, None] & (dims[None, :] < HEAD_DIM),
                 other=0.0,
             )
@@ -377,8 +423,9 @@ def _fwd_kernel(
             p = tl.exp(scores - shift[:, None])
             alpha = tl.exp(row_max - shift)
             row_sum = row_sum * alpha + tl.sum(p, 1)
+            v_rows = outer * stride_vb + inner * stride_vn
             v = tl.load(
-                VTile + cols[:, None] * stride_vn + dims_v[None, :],
+                VHead + v_rows[:, None] + dims_v[None, :],
                 mask=live_cols[:, None] & (dims_v[None, :] < HEAD_DIM_V),
                 other=0.0,
             )
@@ -392,11 +439,11 @@ def _fwd_kernel(
     out = tl.where(empty[:, None], 0.0, acc / safe_sum[:, None])
     lse = tl.where(empty, float("-inf"), row_max + tl.log(safe_sum))
     tl.store(
-        Out + batch64 * stride_ob + head * stride_oh + rows[:, None] * stride_om + dims_v[None, :],
+        Out + split * stride_os + batch64 * stride_ob + head * stride_oh + rows[:, None] * stride_om + dims_v[None, :],
         out.to(Out.dtype.element_ty),
         mask=(rows[:, None] < len_q) & (dims_v[None, :] < HEAD_DIM_V),
     )
-    tl.store(Lse + (batch64 * heads_q + head) * len_q + rows, lse, mask=rows < len_q)
+    tl.store(Lse + split * stride_ls + (batch64 * heads_q + head) * len_q + rows, lse, mask=rows < len_q)
 
 
 @triton.jit

@@ -155,6 +155,8 @@ def kernel_constants(
         # rule for float32 (docs/testing.md) by three orders of magnitude.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )
+    if kernel is Kernel.FORWARD:
+        constants.update(PAGED=switches.paged, SPLIT_K=switches.split_k)
     if kernel is Kernel.DKDV:
         constants["HAS_DBIAS"] = switches.has_dbias
     return constants
@@ -217,7 +219,8 @@ class TritonLauncher:
             return
         block_d, spec = constants["BLOCK_D"], call.spec
         configs = gpu_configs(NAMES[kernel], block_d, call.q.dtype)
-        key = (NAMES[kernel], block_d, call.q.dtype, spec.causal, spec.window is not None)
+        paged_or_split = (switches.paged, switches.split_k)  # their loads and grids differ from the plain forward's
+        key = (NAMES[kernel], block_d, call.q.dtype, spec.causal, spec.window is not None, *paged_or_split)
         launch(_autotuner.choose(key, configs, launch))
 
 

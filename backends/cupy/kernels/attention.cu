@@ -7,7 +7,7 @@
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
 // NUM_WARPS, SEGMENT_GRANULE (positions per segment range), and the feature switches HAS_LOWER, HAS_UPPER,
 // BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE,
-// HAS_DBIAS, GRAD_FLOAT32 (0 or 1): a call without a feature compiles without its code.
+// HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K (0 or 1): a call without a feature compiles without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -18,6 +18,12 @@
 // loaded (its row is read as 0). A tile's ids lie in [low, high], read from the granule ranges of
 // attnkit.contract.kernels.segment_ranges; a (query tile, key tile) pair whose ranges do not overlap shares no id
 // and is skipped inside the band's loop, before any of its operands is loaded.
+//
+// A paged KV cache (PAGED, §13) changes only where the forward finds a key: key j of batch row b is slot
+// j % block_size of block block_table[b, j / block_size] (PagedRows), the cache's block stride in the batch stride's
+// place; any block size works, smaller or larger than BLOCK_N, and table entries past kv_len_b are never read.
+// Split-K (SPLIT_K, flash-decoding) runs one of `splits` ranges of a query tile's key tiles per block and writes that
+// range's out and lse to float32 partials, which attnkit.contract.kernels.merge_splits combines.
 //
 // Tiles live in dynamic shared memory. Matrix products go through tile_mma: tensor cores (nvcuda::wmma, 16x16x16,
 // float32 accumulation) for float16/bfloat16, IEEE float32 FMA loops for float32. Accumulators (O, dQ, dK, dV)
@@ -50,6 +56,13 @@ typedef __nv_bfloat16 elem_t;
 typedef float grad_t;
 #else
 typedef elem_t grad_t;
+#endif
+
+// The forward's output: float32 partials under split-K (merged on the host side), else the input dtype.
+#if SPLIT_K
+typedef float out_t;
+#else
+typedef elem_t out_t;
 #endif
 
 #define NUM_THREADS (NUM_WARPS * 32)
@@ -93,17 +106,49 @@ __device__ __forceinline__ bool not_segment_padding(const index_t* ids, int posi
     return !HAS_SEGMENT_IDS || ids[position] >= 0;
 }
 
-// tile[r][c] = src[(first + r) * stride + c] for rows first + r < limit and columns c < width, else 0.
+// Where key j of one batch element lies in a paged cache, from its head's base: slot j % block_size of block
+// table[j / block_size] (the batch element's row of the block table), block_stride elements per block.
+struct PagedRows {
+    const int* table;
+    int block_size;
+    index_t block_stride, stride;
+};
+
+// The offset of row j from an operand's base: j · stride, or through the block table.
+__device__ __forceinline__ index_t row_offset(index_t stride, int row) { return row * stride; }
+__device__ __forceinline__ index_t row_offset(const PagedRows& rows, int row) {
+    return rows.table[row / rows.block_size] * rows.block_stride + (row % rows.block_size) * rows.stride;
+}
+
+#if PAGED
+typedef PagedRows KeyRows;
+#else
+typedef index_t KeyRows;
+#endif
+
+// How one batch element's keys lie from their head's base: through its row of the block table, the cache's block
+// stride given as batch_stride (PAGED), or row_stride apart (the base then holds batch · batch_stride). Built where a
+// tile is loaded, so the kernel keeps no copy of it in registers across the loop.
+__device__ __forceinline__ KeyRows key_rows(const int* block_table, int batch, int max_blocks, int block_size,
+                                            index_t batch_stride, index_t row_stride) {
+#if PAGED
+    return PagedRows{block_table + (index_t)batch * max_blocks, block_size, batch_stride, row_stride};
+#else
+    return row_stride;
+#endif
+}
+
+// tile[r][c] = src[row_offset(rows, first + r) + c] for rows first + r < limit and columns c < width, else 0.
 // Rows at or beyond the limit (padding beyond a length, or beyond the tensor) and rows whose segment id is
-// negative (padding) are never read.
-template <int ROWS, int COLS>
-__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* src, index_t stride, int first, int limit,
-                                          int width, const index_t* ids) {
+// negative (padding) are never read, nor their block-table entries.
+template <int ROWS, int COLS, class Rows>
+__device__ __forceinline__ void load_tile(elem_t* tile, const elem_t* src, Rows rows, int first, int limit, int width,
+                                          const index_t* ids) {
     for (int idx = threadIdx.x; idx < ROWS * COLS; idx += NUM_THREADS) {
         const int r = idx / COLS, c = idx % COLS;
         float value = 0.0f;
         if (first + r < limit && c < width && not_segment_padding(ids, first + r))
-            value = to_float(src[(first + r) * stride + c]);
+            value = to_float(src[row_offset(rows, first + r) + c]);
         assign(tile[idx], value);
     }
 }
@@ -242,6 +287,23 @@ __device__ __forceinline__ void key_span(int row_start, Geometry g, int lower, i
     first = first / BLOCK_N * BLOCK_N;
 }
 
+// The forward's block x is split · query tiles + query tile (split-major); without SPLIT_K, the query tile. Both are
+// read from blockIdx where they are needed, so no register holds them across the key loop.
+__device__ __forceinline__ int query_tile(int len_q) {
+    return SPLIT_K ? blockIdx.x % ((len_q + BLOCK_M - 1) / BLOCK_M) : blockIdx.x;
+}
+__device__ __forceinline__ int key_split(int len_q) {
+    return SPLIT_K ? blockIdx.x / ((len_q + BLOCK_M - 1) / BLOCK_M) : 0;
+}
+
+// Split-K: the split-th of `splits` runs of whole key tiles covering [first, end), first tile-aligned; empty
+// (first >= end) for the ranges past a short span.
+__device__ __forceinline__ void split_range(int split, int splits, int& first, int& end) {
+    const int tiles_per_split = ((end - first + BLOCK_N - 1) / BLOCK_N + splits - 1) / splits;
+    first += split * tiles_per_split * BLOCK_N;
+    end = min(end, first + tiles_per_split * BLOCK_N);
+}
+
 // [first, end) of the query rows that may see keys key_start..key_start+BLOCK_N; first is tile-aligned.
 __device__ __forceinline__ void query_span(int key_start, Geometry g, int lower, int upper, int& first, int& end) {
     const int last_key = min(key_start + BLOCK_N, g.kv_len) - 1;
@@ -309,24 +371,27 @@ __device__ __forceinline__ Planes planes_of(const unsigned char* mask, const flo
 
 // ------------------------------------------------------------------------------------------------ kernels
 
-// One query tile of one (batch, query head): out and lse. Grid (query tiles, Hq, B).
+// One query tile of one (batch, query head): out and lse, or under SPLIT_K one key range's partial out and lse
+// (offset by split · o_s, lse_s). Grid (query tiles × splits, Hq, B), split-major.
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     attention_forward(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
-                      elem_t* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias,
+                      out_t* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias,
                       const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
                       const int* __restrict__ kv_lengths, const index_t* __restrict__ q_segment_ids,
                       const index_t* __restrict__ kv_segment_ids, const index_t* __restrict__ q_segment_ranges,
-                      const index_t* __restrict__ kv_segment_ranges, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
-                      index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t o_b, index_t o_h,
-                      index_t o_m, index_t bias_b, index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b,
-                      index_t mask_h, index_t mask_m, index_t mask_n, int heads_q, int group, int len_q, int len_k,
-                      float qk_scale, float softcap, int lower, int upper) {
-    const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
+                      const index_t* __restrict__ kv_segment_ranges, const int* __restrict__ block_table, index_t q_b,
+                      index_t q_h, index_t q_m, index_t k_b, index_t k_h, index_t k_n, index_t v_b, index_t v_h,
+                      index_t v_n, index_t o_b, index_t o_h, index_t o_m, index_t o_s, index_t lse_s, index_t bias_b,
+                      index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m,
+                      index_t mask_n, int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
+                      int lower, int upper, int block_size, int max_blocks, int splits) {
+    const int row_start = query_tile(len_q) * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
     const Planes planes = planes_of(mask, bias, strides, batch, head);
-    const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
-    const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
+    // A paged cache's keys go through the block table (key_rows): no batch offset in the head's base.
+    const elem_t* k_head = k + (PAGED ? 0 : batch * k_b) + (head / group) * k_h;
+    const elem_t* v_head = v + (PAGED ? 0 : batch * v_b) + (head / group) * v_h;
 
     SharedCursor cursor = {shared_memory};
     elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
@@ -345,6 +410,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
+    if (SPLIT_K) split_range(key_split(len_q), splits, first, end);
     const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     const int r = threadIdx.x / THREADS_PER_ROW, lane = threadIdx.x % THREADS_PER_ROW, row = row_start + r;
     float row_max = negative_infinity(), row_sum = 0.0f;
@@ -355,8 +421,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     for (int key_start = first; key_start < end; key_start += BLOCK_N) {
         // A key tile sharing no segment id with the query tile is skipped.
         if (!ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k))) continue;
-        load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_n, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
-        load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_n, key_start, g.kv_len, HEAD_DIM_V, g.kv_ids);
+        const KeyRows k_rows = key_rows(block_table, batch, max_blocks, block_size, k_b, k_n);
+        const KeyRows v_rows = key_rows(block_table, batch, max_blocks, block_size, v_b, v_n);
+        load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_rows, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
+        load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_rows, key_start, g.kv_len, HEAD_DIM_V, g.kv_ids);
         __syncthreads();
         if (COSINE) inverse_norms<BLOCK_N, BLOCK_D>(k_inverse, k_tile);
         tile_mma<BLOCK_M, BLOCK_N, BLOCK_D, false, true, false>(s_tile, BLOCK_N, q_tile, BLOCK_D, k_tile, BLOCK_D);
@@ -392,11 +460,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     // give NaN out and lse, never the empty row's 0 and −inf.
     const bool empty = row_sum == 0.0f;
     if (row < len_q) {
-        elem_t* out_row = out + batch * o_b + head * o_h + row * o_m;
+        const int split = key_split(len_q);
+        out_t* out_row = out + split * o_s + batch * o_b + head * o_h + row * o_m;
         for (int c = lane; c < HEAD_DIM_V; c += THREADS_PER_ROW)
             assign(out_row[c], empty ? 0.0f : o_acc[r * BLOCK_DV + c] / row_sum);
         if (lane == 0)
-            lse[((index_t)batch * heads_q + head) * len_q + row] = empty ? negative_infinity() : row_max + logf(row_sum);
+            lse[split * lse_s + ((index_t)batch * heads_q + head) * len_q + row] =
+                empty ? negative_infinity() : row_max + logf(row_sum);
     }
 }
 
