@@ -532,15 +532,30 @@ void prefetch_row(const T* row, int64_t count) {
   for (int64_t i = 0; i < count; i += 64 / sizeof(T)) __builtin_prefetch(row + i);
 }
 
+// fn(j, slot) for the keys [c0, c1) in order, slot pointing at key j's row (every kv head) in `cache` (the k or v
+// cache of `sequence`, blocks `block` and slots `row` elements apart), the slot kAhead on prefetched. The table is
+// read once per block piece: a division per key cost as much as a slot's products at block_size 16.
+template <typename T, typename Fn>
+void for_each_slot(const T* cache, const PagedSequence<T>& sequence, int64_t block, int64_t row, int64_t c0,
+                   int64_t c1, Fn fn) {
+  const int64_t block_size = sequence.block_size;
+  const auto at = [&](int64_t j) { return cache + sequence.table[j / block_size] * block + (j % block_size) * row; };
+  for_each_piece(c0, c1, block_size, [&](int64_t a, int64_t b) {
+    const T* slot = at(a);
+    for (int64_t j = a; j < b; ++j, slot += row) {
+      if (j + kAhead < c1) prefetch_row(j + kAhead < b ? slot + kAhead * row : at(j + kAhead), row);
+      fn(j, slot);
+    }
+  });
+}
+
 // S_h[r, j - c0] = q_scale q_{h,r} . k_{j,h/group} for the keys [c0, c1) of every head h: S_h is `rows` x cols at
 // s + h * rows * cols. Cosine divides column j by max(|k_j|, eps) (the cache keeps unnormalised keys).
 template <typename T>
 void few_rows_scores(const float* q, const PagedSequence<T>& cache, const Sizes& n, int64_t rows, int64_t c0, int64_t c1,
                      float* s) {
   const int64_t cols = c1 - c0, group = n.heads_q / n.heads_kv;
-  for (int64_t j = c0; j < c1; ++j) {
-    const T* slot = cache.key(j);
-    if (j + kAhead < c1) prefetch_row(cache.key(j + kAhead), n.heads_kv * n.dim);
+  for_each_slot(cache.k, cache, cache.k_block, cache.k_row, c0, c1, [&](int64_t j, const T* slot) {
     for (int64_t h_kv = 0; h_kv < n.heads_kv; ++h_kv) {
       const T* key = slot + h_kv * n.dim;
       const float alpha = n.q_scale * (cache.cosine_eps > 0 ? inverse_norm(key, n.dim, cache.cosine_eps) : 1.0f);
@@ -548,7 +563,7 @@ void few_rows_scores(const float* q, const PagedSequence<T>& cache, const Sizes&
         for (int64_t r = 0; r < rows; ++r)
           s[(h * rows + r) * cols + (j - c0)] = alpha * dot(q + (h * n.len_q + r) * n.dim, key, n.dim);
     }
-  }
+  });
 }
 
 // acc_h[r] += sum_j P_h[r, j - c0] v_{j,h/group} for the keys [c0, c1) of every head, P_h laid out as S_h above and
@@ -557,9 +572,7 @@ template <typename T>
 void few_rows_values(const float* p, const PagedSequence<T>& cache, const Sizes& n, int64_t rows, int64_t c0, int64_t c1,
                      float* acc, int64_t acc_size) {
   const int64_t cols = c1 - c0, group = n.heads_q / n.heads_kv, step = Vec::size();
-  for (int64_t j = c0; j < c1; ++j) {
-    const T* slot = cache.value(j);
-    if (j + kAhead < c1) prefetch_row(cache.value(j + kAhead), n.heads_kv * n.dim_v);
+  for_each_slot(cache.v, cache, cache.v_block, cache.v_row, c0, c1, [&](int64_t j, const T* slot) {
     for (int64_t h = 0; h < n.heads_q; ++h) {
       const T* value = slot + h / group * n.dim_v;
       for (int64_t r = 0; r < rows; ++r) {
@@ -571,7 +584,7 @@ void few_rows_values(const float* p, const PagedSequence<T>& cache, const Sizes&
         for (; d < n.dim_v; ++d) acc_row[d] += weight * static_cast<float>(value[d]);
       }
     }
-  }
+  });
 }
 
 // Rows [r0, r1) of every query head of one sequence over its keys [first, last). q, out and lse point at the
