@@ -2,8 +2,8 @@
 
 Each backend runs the named edge cases it declares it serves, then cases drawn by hypothesis from its declared
 capabilities (attend calls, and attend_varlen and attend_paged calls where the backend serves them); every case is
-compared with the float64 oracle. The run ends in a backend x feature table of the worst
-error/allowed ratio among the cases that used each feature, then every failure in full. A backend that runs
+compared with the float64 oracle. The run ends in a backend x feature table of the worst error/allowed ratio among
+the cases that used each feature, then every failure in full. A backend that runs
 another backend's code for part of its work (its ``Capabilities.delegations``) has the rows whose cases ran it marked,
 with what ran and how often.
 """
@@ -206,7 +206,7 @@ def ragged_edge_shapes() -> list[tuple[str, Case]]:
                 heads_q=4,
                 heads_kv=2,
             ),
-        ),  # fmt: skip
+        ),
     ]
 
 
