@@ -21,7 +21,7 @@ from attnkit.testing.strategies import cases, paged_cases, serves_paged, varlen_
 from tests.conftest import backend_params
 
 #: Drawn ragged calls per backend: a few, each form's corners being in tests/test_ragged.py's named cases.
-RAGGED_EXAMPLES = max(2, settings.default.max_examples // 8)
+RAGGED_EXAMPLES = max(2, settings.default.max_examples // 10)
 
 
 def _assert_agrees(backend: str, case: Case) -> None:
