@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import hypothesis
 import pytest
 import torch
 
 import attnkit
 from attnkit import registry
-from attnkit.backend import ALL_FEATURES
+from attnkit.backend import ALL_FEATURES, Feature
 from attnkit.capability_matrix import FEATURE_MEANINGS, STALE_MARKDOWN_MESSAGE, capability_markdown
 from attnkit.cli import main
+from attnkit.testing import strategies
 from attnkit.testing.check import BackendReport, applicable_edge_cases, results_table, run_case
 from attnkit.testing.runners import drawable_dtypes
 from tests.conftest import PLUGIN_DISTRIBUTION, backend_params
@@ -132,6 +135,21 @@ def test_check_passes_on_the_oracle(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 0, out
     assert "worst ratio" in out and "bfloat16" in out
     assert "torch-naive" in out and "0 failed" in out
+    cells = dict(line.split() for line in out.splitlines() if len(line.split()) == 2 and line.split()[0].isidentifier())
+    assert float(cells["paged"]) <= 1 and float(cells["varlen"]) <= 1  # the named ragged cases ran, and agree
+    assert "varlen: `attend_varlen`" in out  # the call-form columns are explained under the table
+
+
+def test_check_draws_varlen_and_paged_calls_where_a_backend_serves_them() -> None:
+    """attnkit check draws the three call forms for a backend serving them all, and knows a backend whose declared
+    features serve neither ragged form (calls() then draws attend alone)."""
+    naive = registry.get_backend("torch-naive").capabilities
+    for wanted in (lambda case: case.varlen is not None, lambda case: case.paged is not None):
+        assert wanted(hypothesis.find(strategies.calls(naive), wanted))
+    unragged = dataclasses.replace(
+        naive, features=naive.features - {Feature.PAGED, Feature.SEGMENT_IDS, Feature.Q_LENGTHS}
+    )
+    assert not strategies.varlen_forms(unragged) and not strategies.serves_paged(unragged)
 
 
 def test_check_runs_a_backend_registered_through_an_entry_point(
@@ -190,7 +208,7 @@ class BorrowsForMasks(attnkit.BaseBackend):
             frameworks=chunked.frameworks,
             dtypes=chunked.dtypes,
             devices=chunked.devices,
-            features=chunked.features,
+            features=chunked.features - {attnkit.Feature.PAGED},  # it writes no forward_paged
             delegations=(MASKED_CALLS,),
         )
 

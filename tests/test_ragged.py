@@ -1,7 +1,7 @@
-"""attend_varlen and attend_paged (docs/semantics.md §12, §13) on every backend that serves them, against the float64
-oracle under the tolerance rule: each call is run as the attend call the contract says it equals (a Case: one packed
-row with segment ids, a right-padded batch with lengths, or contiguous keys with kv_lengths), its arrays converted to
-the ragged layout and back. Plus each bad input's typed error."""
+"""attend_varlen and attend_paged (docs/semantics.md §12, §13): the named ragged cases of the conformance harness on
+every backend that serves them, against the float64 oracle under the tolerance rule (the drawn ones are in
+tests/test_conformance.py); what the harness cannot draw (JAX under jit, cpu-flash's split-K, a shared block read by
+hand); and each bad input's typed error."""
 
 from __future__ import annotations
 
@@ -13,104 +13,50 @@ import torch
 
 import attnkit
 from attnkit import AttentionSpec, Feature, InvalidInputError, InvalidInputTypeError
-from attnkit.testing import Case, backends_for
-from attnkit.testing.agreement import compare, oracle_results, rounded
-from attnkit.testing.cases import make_arrays
-from attnkit.testing.runners import harness_device, native_framework, run_torch
+from attnkit.testing import backends_for, check_backend
+from attnkit.testing.cases import paged_case, shuffled_table
+from attnkit.testing.check import ragged_edge_shapes
 from tests.conftest import backend_params
 
-TORCH_BACKENDS = [p for p in backend_params() if native_framework(p.values[0]).value == "torch"]
-
-
-def _bshd(spec: AttentionSpec) -> AttentionSpec:
-    return AttentionSpec(**{**spec.model_dump(), "layout": "bshd"})
+RAGGED_CASES = dict(ragged_edge_shapes())
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:
     return torch.tensor([0, *np.cumsum(lengths)], dtype=torch.int32)
 
 
-def _packed_case(spec: AttentionSpec, lengths: list[int], **shape: Any) -> Case:
-    """Self-attention over packed documents: one bshd row whose segment id is the document's index."""
-    ids = tuple(s for s, n in enumerate(lengths) for _ in range(n))
-    return Case(spec=_bshd(spec), batch=1, len_q=len(ids), len_k=len(ids),
-                q_segment_ids=(ids,), kv_segment_ids=(ids,), **shape)  # fmt: skip
-
-
-def _varlen_self(case: Case, tensors: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
-    cu = _offsets([list(case.q_segment_ids[0]).count(s) for s in range(max(case.q_segment_ids[0]) + 1)])
-    result = attnkit.attend_varlen(case.spec, tensors["q"][0], tensors["k"][0], tensors["v"][0], cu, cu,
-                                   return_lse=return_lse, backend=backend)  # fmt: skip
-    return (result[0][None], result[1][None]) if return_lse else result[None]
-
-
-def _varlen_cross(case: Case, tensors: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
-    """The padded batch of the case packed (its real rows only), through attend_varlen, and padded back."""
-    q_lens, kv_lens = list(case.q_lengths), list(case.kv_lengths)
-    pack = lambda x, lens: torch.cat([x[b, :n] for b, n in enumerate(lens)])  # noqa: E731
-    out, lse = attnkit.attend_varlen(
-        case.spec, pack(tensors["q"], q_lens), pack(tensors["k"], kv_lens), pack(tensors["v"], kv_lens),
-        _offsets(q_lens), _offsets(kv_lens), return_lse=True, backend=backend,
-    )  # fmt: skip
-    padded_out = out.new_zeros(case.batch, case.len_q, *out.shape[1:])
-    padded_lse = lse.new_full((case.batch, lse.shape[0], case.len_q), float("-inf"))
-    starts = _offsets(q_lens).tolist()
-    for b, n in enumerate(q_lens):
-        padded_out[b, :n] = out[starts[b] : starts[b] + n]
-        padded_lse[b, :, :n] = lse[:, starts[b] : starts[b] + n]
-    return (padded_out, padded_lse) if return_lse else padded_out
-
-
-VARLEN = {
-    "packed, causal window, one-token and crossing documents": (
-        _varlen_self,
-        _packed_case(AttentionSpec(causal=True, window=(5, 0)), [7, 1, 20, 4], heads_q=4, heads_kv=2),
-    ),
-    "packed, bidirectional, softcap": (_varlen_self, _packed_case(AttentionSpec(softcap=3.0), [3, 17, 2])),
-    "cross lengths, bottom-right, an empty sequence of each kind": (
-        _varlen_cross,
-        Case(
-            spec=AttentionSpec(causal=True, layout="bshd"),
-            batch=4,
-            heads_q=4,
-            heads_kv=1,
-            len_q=6,
-            len_k=9,
-            q_lengths=(1, 6, 0, 3),
-            kv_lengths=(9, 4, 2, 0),
-        ),  # fmt: skip
-    ),
-    "cross lengths, top-left": (
-        _varlen_cross,
-        Case(
-            spec=AttentionSpec(causal=True, causal_alignment="top_left", layout="bshd"),
-            batch=2,
-            len_q=5,
-            len_k=3,
-            q_lengths=(5, 2),
-            kv_lengths=(3, 3),
-        ),  # fmt: skip
-    ),
-}
-
-
-def _agree(case: Case, backend: str, call: Any) -> None:
+def _assert_agrees(case: Any, backend: str) -> None:
+    if Feature.GRAD not in attnkit.get_backend(backend).capabilities.features:
+        case = case.with_(grad=False)  # a forward-only backend is checked forward, as the strategies draw it
     reasons = backends_for(case, [backend])[backend]
     if reasons:
-        pytest.skip(f"{backend} declares it cannot serve the equivalent attend call: {reasons}")
-    arrays = rounded(case, make_arrays(case))
-    exact, baseline = oracle_results(case, arrays)
-    results = run_torch(case, arrays, backend, device=harness_device(backend), call=call)
-    failures = [str(c) for c in compare(case, results, exact, baseline) if not c.ok]
+        pytest.skip(f"{backend} declares it cannot serve this call: {reasons}")
+    failures = [str(c) for c in check_backend(case, backend) if not c.ok]
     assert not failures, f"{backend} on {case.describe()}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("backend", TORCH_BACKENDS)
-@pytest.mark.parametrize("name", list(VARLEN))
-def test_varlen_agrees_with_the_oracle(name: str, backend: str) -> None:
-    """§12: outputs, lse and gradients of attend_varlen equal the oracle's on the attend call it stands for."""
-    call, case = VARLEN[name]
-    _agree(case, backend, call)
+@pytest.mark.parametrize("backend", backend_params())
+@pytest.mark.parametrize("name", list(RAGGED_CASES))
+def test_ragged_call_agrees_with_the_oracle(name: str, backend: str) -> None:
+    """§12: outputs, lse and gradients of attend_varlen equal the oracle's on the attend call it stands for; §13:
+    attend_paged equals attend on the gathered keys, whatever the blocks' order and sharing, with NaN in every slot
+    no sequence reads."""
+    _assert_agrees(RAGGED_CASES[name], backend)
+
+
+def test_cpu_flash_split_k_merges_like_one_pass(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Split-K (each row's keys cut into ranges, merged by lse, §6) gives the oracle's result, for rows whose keys
+    fill every range, some ranges and none (kv_lengths 600, 257, 16 with three ranges of 256-key tiles)."""
+    cpu_flash = attnkit.get_backend("cpu-flash")
+    if cpu_flash.available():
+        pytest.skip(f"cpu-flash: {cpu_flash.available()}")
+    from attnkit.backends.cpu_flash import backend as cpu_flash_module
+
+    monkeypatch.setattr(cpu_flash_module, "decode_splits", lambda tasks, keys, threads: 3)
+    kv_lengths = (600, 257, 16)
+    table, num_blocks = shuffled_table(kv_lengths, block_size=16, seed=1, shared=2)
+    case = paged_case(AttentionSpec(causal=True, layout="bshd"), 16, table, kv_lengths, num_blocks, len_q=1, heads_kv=2)
+    _assert_agrees(case, "cpu-flash")
 
 
 def test_varlen_in_jax_under_jit_is_each_sequence_alone() -> None:
@@ -137,7 +83,9 @@ def test_varlen_in_jax_under_jit_is_each_sequence_alone() -> None:
     for s in range(3):
         rows, keys = slice(*_offsets(q_lens)[s : s + 2].tolist()), slice(*_offsets(kv_lens)[s : s + 2].tolist())
         expected.append(
-            attnkit.attend(_bshd(spec), tq[None, rows], tk[None, keys], tv[None, keys], backend="torch-naive")[0]
+            attnkit.attend(
+                spec.replace(layout="bshd"), tq[None, rows], tk[None, keys], tv[None, keys], backend="torch-naive"
+            )[0]
         )
     reference = torch.cat(expected)
     reference_grads = torch.autograd.grad((reference * reference).sum(), (tq, tk, tv))
@@ -148,71 +96,6 @@ def test_varlen_in_jax_under_jit_is_each_sequence_alone() -> None:
 
 # ---------------------------------------------------------------------------------------------------------------
 # attend_paged
-
-
-def _paged_call(block_size: int, seed: int) -> Any:
-    """attend on a case's contiguous keys, made into a paged cache: blocks in a shuffled order, unreferenced blocks and
-    unread slots full of NaN, table entries past each sequence's blocks −1."""
-
-    def call(case: Case, tensors: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
-        rng = np.random.default_rng(seed)
-        k, v, lengths = tensors["k"], tensors["v"], tensors["kv_lengths"]
-        if case.spec.layout.value == "bhsd":  # the cache's blocks hold (slot, head, dim) whatever q's layout
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        per_sequence = -(-case.len_k // block_size)
-        num_blocks = case.batch * per_sequence + 2
-        order = rng.permutation(num_blocks)
-        caches = []
-        for x in (k, v):
-            cache = x.new_full((num_blocks, block_size, *x.shape[2:]), float("nan"))
-            padded = torch.cat([x, x.new_full((case.batch, per_sequence * block_size - case.len_k, *x.shape[2:]),
-                                              float("nan"))], dim=1)  # fmt: skip
-            blocks = padded.reshape(case.batch * per_sequence, block_size, *x.shape[2:])
-            cache[torch.as_tensor(order[: len(blocks)])] = blocks
-            caches.append(cache)
-        table = torch.as_tensor(order[: case.batch * per_sequence], dtype=torch.int32).reshape(case.batch, -1)
-        table = torch.cat([table, torch.full((case.batch, 1), -1, dtype=torch.int32)], dim=1)
-        with torch.no_grad():
-            return attnkit.attend_paged(case.spec, tensors["q"], caches[0], caches[1], table, lengths,
-                                        return_lse=return_lse, backend=backend)  # fmt: skip
-
-    return call
-
-
-PAGED = {
-    "decode, GQA, partial last block": (
-        Case(
-            spec=AttentionSpec(causal=True, layout="bshd"),
-            batch=3,
-            heads_q=4,
-            heads_kv=2,
-            len_q=1,
-            len_k=21,
-            kv_lengths=(21, 5, 0),
-            grad=False,
-        ),  # fmt: skip
-        4,
-    ),
-    "chunked prefill, window, block of 1": (
-        Case(
-            spec=AttentionSpec(causal=True, window=(6, 0)), batch=2, len_q=3, len_k=10, kv_lengths=(10, 7), grad=False
-        ),  # fmt: skip
-        1,
-    ),
-}
-
-
-@pytest.mark.parametrize("backend", backend_params())
-@pytest.mark.parametrize("name", list(PAGED))
-def test_paged_agrees_with_the_oracle(name: str, backend: str) -> None:
-    """§13: attend_paged equals attend on the gathered keys, whatever the blocks' order, with NaN in every slot and
-    block the table does not reach; on each backend declaring ``paged``."""
-    case, block_size = PAGED[name]
-    if Feature.PAGED not in attnkit.get_backend(backend).capabilities.features:
-        pytest.skip(f"{backend} does not declare {Feature.PAGED}")
-    if native_framework(backend).value != "torch":
-        pytest.skip("the paged conformance runs torch tensors; JAX backends are checked in their own tests")
-    _agree(case, backend, _paged_call(block_size, seed=len(name)))
 
 
 def test_paged_blocks_may_be_shared_between_sequences() -> None:

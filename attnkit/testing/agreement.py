@@ -22,7 +22,7 @@ import numpy as np
 
 from attnkit import registry
 from attnkit.testing.cases import Case, make_arrays
-from attnkit.testing.runners import Results, harness_device, native_framework, run_backend, run_torch
+from attnkit.testing.runners import FLOATING_INPUTS, Results, harness_device, native_framework, run_backend, run_torch
 
 FLOOR_ULPS = 32
 ORACLE = "torch-naive"
@@ -64,7 +64,7 @@ def rounded(case: Case, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     import torch
 
     result = dict(arrays)
-    for name in ("q", "k", "v", "bias", "dout"):
+    for name in FLOATING_INPUTS:
         if name in arrays:
             result[name] = torch.tensor(arrays[name]).to(getattr(torch, case.dtype)).double().numpy()
     if "dlse" in arrays:

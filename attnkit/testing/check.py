@@ -1,8 +1,9 @@
 """``attnkit check``: the conformance run on this machine's backends, recorded rather than raised.
 
 Each backend runs the named edge cases it declares it serves, then cases drawn by hypothesis from its declared
-capabilities; every case is compared with the float64 oracle. The run ends in a backend x feature table of the worst
-error/allowed ratio among the cases that used each feature, then every failure in full. A backend that runs
+capabilities (attend calls, and attend_varlen and attend_paged calls where the backend serves them); every case is
+compared with the float64 oracle. The run ends in a backend x feature table of the worst error/allowed ratio among
+the cases that used each feature, then every failure in full. A backend that runs
 another backend's code for part of its work (its ``Capabilities.delegations``) has the rows whose cases ran it marked,
 with what ran and how often.
 """
@@ -23,13 +24,13 @@ from hypothesis.errors import InvalidArgument
 
 from attnkit import registry
 from attnkit.backend import SPEC_FEATURES, Backend, Delegation, Feature, recording_delegations
-from attnkit.capability_matrix import FEATURE_ORDER
+from attnkit.capability_matrix import FEATURE_MEANINGS, FEATURE_ORDER
 from attnkit.environment import torch_threads
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 from attnkit.tables import format_table
 from attnkit.testing import strategies
 from attnkit.testing.agreement import Comparison, backends_for, check_backend
-from attnkit.testing.cases import Case, make_arrays
+from attnkit.testing.cases import VARLEN, Case, make_arrays, paged_case, shuffled_table, varlen_case
 from attnkit.testing.profiles import register_profiles
 from attnkit.testing.runners import drawable_dtypes, dtype_scope, harness_capabilities
 
@@ -41,6 +42,12 @@ PLAIN = "plain"
 #: After a cell whose row's cases ran another backend's code (delegation_lines says which).
 DELEGATED_MARK = "~"
 DEFAULT_EXAMPLES = 30
+#: The columns that are ways of calling rather than spec features, under the table: varlen is no backend feature
+#: (attend_varlen runs as an attend call with segment ids or lengths), paged is one (the backend reads the cache).
+CALL_FORM_MEANINGS = {
+    Feature.PAGED.value: FEATURE_MEANINGS[Feature.PAGED],
+    VARLEN: "`attend_varlen`: packed sequences (§12), run as one attend call with segment ids or lengths",
+}
 
 
 @dataclass
@@ -163,6 +170,43 @@ def _edge_shapes() -> list[tuple[str, Case]]:
                 kv_segment_ids=((-1, -1, 0, 0, 0, 0), (0,) * 6),
             ),  # fmt: skip
         ),
+        *ragged_edge_shapes(),
+    ]
+
+
+def ragged_edge_shapes() -> list[tuple[str, Case]]:
+    """The named attend_varlen and attend_paged cases (also run over the registry by tests/test_ragged.py)."""
+    spec = AttentionSpec
+    shared_table, blocks = shuffled_table((7, 5, 0, 9), block_size=1, seed=0, shared=3)
+    decode_table, decode_blocks = shuffled_table((21, 5, 13), block_size=5, seed=1, shared=0)
+    return [
+        # §12: empty sequences of each kind (no query; no key: out 0, lse −inf) beside full and one-token ones.
+        (
+            "varlen with empty sequences",
+            varlen_case(spec(causal=True), (1, 6, 0, 3), (9, 4, 2, 0), heads_q=4, heads_kv=1),
+        ),
+        (
+            "varlen self-packed, one-token and empty documents",
+            varlen_case(spec(causal=True, window=(4, 0)), (7, 1, 0, 4), (7, 1, 0, 4), heads_q=4, heads_kv=2),
+        ),
+        # §13: a 3-block prefix shared by the sequences, blocks out of order, an empty sequence, NaN in unread blocks.
+        (
+            "paged, shared and out-of-order blocks, block size 1",
+            paged_case(spec(causal=True), 1, shared_table, (7, 5, 0, 9), blocks, len_q=2, heads_q=4, heads_kv=2),
+        ),
+        (
+            "paged decode, block size 5, partial last blocks, window, bshd",
+            paged_case(
+                spec(causal=True, window=(9, 0), layout=Layout.BSHD),
+                5,
+                decode_table,
+                (21, 5, 13),
+                decode_blocks,
+                len_q=1,
+                heads_q=4,
+                heads_kv=2,
+            ),
+        ),
     ]
 
 
@@ -230,7 +274,7 @@ def drawn_outcomes(
 
     @hypothesis.seed(seed)
     @hypothesis_settings(profile, examples)
-    @hypothesis.given(strategies.cases(capabilities=harness_capabilities(backend.name), dtypes=dtypes))
+    @hypothesis.given(strategies.calls(capabilities=harness_capabilities(backend.name), dtypes=dtypes))
     def draw_and_check(case: Case) -> None:
         on_outcome(run_case(backend.name, f"drawn #{next(counter)}", case, expect_support=True))
 
@@ -326,7 +370,7 @@ def ratio_text(ratio: float | None, delegated: bool = False) -> str:
 
 def results_table(reports: Sequence[BackendReport]) -> str:
     """Worst error/allowed ratio per backend and feature (rows) among the cases that used it."""
-    columns = [PLAIN, *FEATURE_ORDER, *CHECK_DTYPES]
+    columns = [PLAIN, *FEATURE_ORDER, VARLEN, *CHECK_DTYPES]
     checked = [report for report in reports if not report.unavailable]
     rows = [
         [column, *(ratio_text(report.worst(column), report.delegated(column)) for report in checked)]
@@ -387,6 +431,8 @@ def print_summary(reports: Sequence[BackendReport], out: TextIO) -> int:
     """The ratio table, skips and failures; returns the exit status (1 on any failure)."""
     print("\n" + results_table(reports), file=out)
     print("(ratio = error / allowed by the tolerance rule; <= 1 passes, ! fails, err = raised or refused)", file=out)
+    for column, meaning in CALL_FORM_MEANINGS.items():
+        print(f"{column}: {meaning}", file=out)
     for line in delegation_lines(reports):
         print(line, file=out)
     for report in reports:

@@ -9,12 +9,14 @@ from typing import Any
 
 import numpy as np
 
-from attnkit import api, registry
+from attnkit import api, ragged, registry
 from attnkit.backend import Capabilities, Framework
 from attnkit.testing.cases import Case
 
 Results = dict[str, np.ndarray]
 DIFFERENTIABLE = ("q", "k", "v", "bias")
+#: Inputs in the case's dtype (an attend_paged case's caches too); dlse is float32, the rest integer or boolean.
+FLOATING_INPUTS = ("q", "k", "v", "dout", "bias", "k_cache", "v_cache")
 OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
 
 
@@ -44,6 +46,69 @@ def _attend(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool =
     )
 
 
+def _offsets(lengths: tuple[int, ...]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+
+
+def _framework_of(x: Any) -> tuple[Callable[[np.ndarray], Any], Callable[..., Any]]:
+    """(NumPy array -> array of x's framework on x's device, where) for x a torch tensor or a JAX array."""
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return (lambda a: torch.as_tensor(a, device=x.device)), torch.where
+    import jax.numpy as jnp
+
+    return jnp.asarray, jnp.where
+
+
+def _varlen(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
+    """attend_varlen on the case's arrays packed (§12), its results laid out as the case's attend call's: the
+    packed row itself (self-packed), or the padded batch with zeros in out and −inf in lse past each length."""
+    assert case.varlen is not None
+    as_array, where = _framework_of(arrays["q"])
+    q_lengths, kv_lengths = case.varlen.q_lengths, case.varlen.kv_lengths
+    cu_q, cu_k = as_array(_offsets(q_lengths)), as_array(_offsets(kv_lengths))
+    if case.varlen.self_packed:
+        q, k, v = (arrays[name][0] for name in ("q", "k", "v"))
+        result = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_q, return_lse=return_lse, backend=backend)
+        return (result[0][None], result[1][None]) if return_lse else result[None]
+
+    def pack(x: Any, lengths: tuple[int, ...]) -> Any:  # the padded batch's real rows, sequence after sequence
+        sequence = np.repeat(np.arange(len(lengths)), lengths)
+        position = np.arange(sum(lengths)) - np.repeat(_offsets(lengths)[:-1], lengths)
+        return x[as_array(sequence), as_array(position)]
+
+    q, k, v = pack(arrays["q"], q_lengths), pack(arrays["k"], kv_lengths), pack(arrays["v"], kv_lengths)
+    out, lse = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_k, return_lse=True, backend=backend)
+    # Position (b, t) of the padded batch is packed row cu_q[b] + t, for t < q_lengths[b].
+    positions = np.arange(case.len_q)[None, :]
+    real = positions < np.asarray(q_lengths)[:, None]
+    packed_row = as_array(np.where(real, _offsets(q_lengths)[:-1, None] + positions, 0))
+    real = as_array(real)
+    padded_out = where(real[:, :, None, None], out[packed_row], 0.0)
+    if not return_lse:
+        return padded_out
+    return padded_out, where(real[:, None, :], lse[:, packed_row].swapaxes(0, 1), -np.inf)
+
+
+def _paged(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
+    """attend_paged on the case's cache and block table (§13)."""
+    return ragged.attend_paged(
+        case.spec, arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["block_table"], arrays["kv_lengths"],
+        return_lse=return_lse, backend=backend,
+    )  # fmt: skip
+
+
+def call_of(case: Case) -> Callable[..., Any]:
+    """How a backend is called on ``case``: attend_varlen or attend_paged where the case is one of those calls, else
+    attend. Each takes what :func:`_attend` takes and returns results laid out as the case's attend call's."""
+    if case.varlen is not None:
+        return _varlen
+    if case.paged is not None:
+        return _paged
+    return _attend
+
+
 def run_torch(
     case: Case,
     arrays: dict[str, np.ndarray],
@@ -63,10 +128,10 @@ def run_torch(
     torch_dtype = getattr(torch, dtype or case.dtype)
     tensors: dict[str, Any] = {}
     for name, value in arrays.items():
-        if name in ("q", "k", "v", "dout"):
+        if name in FLOATING_INPUTS:
             tensors[name] = torch.tensor(value, dtype=torch_dtype, device=device)
-        elif name in ("bias", "dlse"):
-            tensors[name] = torch.tensor(value, dtype=torch.float32 if name == "dlse" else torch_dtype, device=device)
+        elif name == "dlse":
+            tensors[name] = torch.tensor(value, dtype=torch.float32, device=device)
         else:
             tensors[name] = torch.tensor(value, device=device)
     leaves = [tensors[name] for name in DIFFERENTIABLE if name in tensors]
@@ -91,33 +156,40 @@ def run_torch(
     return {name: value.detach().double().cpu().numpy() for name, value in results.items()}
 
 
-def run_jax(case: Case, arrays: dict[str, np.ndarray], backend: str, dtype: str | None = None) -> Results:
-    """attend() on JAX arrays through the public API, differentiated with jax.vjp."""
+def run_jax(
+    case: Case,
+    arrays: dict[str, np.ndarray],
+    backend: str,
+    dtype: str | None = None,
+    call: Callable[..., Any] | None = None,
+) -> Results:
+    """attend() on JAX arrays through the public API, differentiated with jax.vjp; ``call`` as for :func:`run_torch`."""
     import jax
     import jax.numpy as jnp
 
     jax_dtype = jnp.dtype(dtype or case.dtype)
     converted: dict[str, Any] = {}
     for name, value in arrays.items():
-        if name in ("q", "k", "v", "dout", "bias"):
+        if name in FLOATING_INPUTS:
             converted[name] = jnp.asarray(value, dtype=jax_dtype)
         elif name == "dlse":
             converted[name] = jnp.asarray(value, dtype=jnp.float32)
         else:  # masks, and lengths as JAX makes integers: int32, or int64 under jax_enable_x64
             converted[name] = jnp.asarray(value)
     names = [name for name in DIFFERENTIABLE if name in converted and (name != "bias" or case.bias_grad)]
-    fixed = {name: converted.get(name) for name in ("q", "k", "v", *OPTIONAL) if name not in names}
+    fixed = {name: value for name, value in converted.items() if name not in names}
+    attend = call or _attend
 
-    def call(*differentiable: Any) -> tuple[Any, Any]:
-        return _attend(case, {**fixed, **dict(zip(names, differentiable))}, backend)
+    def attend_on(*differentiable: Any) -> tuple[Any, Any]:
+        return attend(case, {**fixed, **dict(zip(names, differentiable))}, backend)  # type: ignore[no-any-return]
 
     primals = [converted[name] for name in names]
     if case.grad:
-        (out, lse), pullback = jax.vjp(call, *primals)
+        (out, lse), pullback = jax.vjp(attend_on, *primals)
         grads = pullback((converted["dout"], converted["dlse"]))
         results = {"out": out, "lse": lse, **{"d" + name: grad for name, grad in zip(names, grads)}}
     else:
-        out, lse = call(*primals)
+        out, lse = attend_on(*primals)
         results = {"out": out, "lse": lse}
     return {name: np.asarray(value, dtype=np.float64) for name, value in results.items()}
 
@@ -162,9 +234,9 @@ def dtype_scope(backend: str, dtype: str) -> AbstractContextManager[Any]:
 
 
 def run_backend(case: Case, arrays: dict[str, np.ndarray], backend: str) -> Results:
-    """attend() on ``backend`` in its native framework on :func:`harness_device`, with gradients when the case asks
-    for them. (JAX places arrays on its default device, which is the GPU whenever JAX has one.)"""
+    """The case's call (:func:`call_of`) on ``backend`` in its native framework on :func:`harness_device`, with
+    gradients when the case asks for them. (JAX places arrays on its default device, the GPU whenever JAX has one.)"""
     framework = native_framework(backend)
     if framework is Framework.TORCH:
-        return run_torch(case, arrays, backend, device=harness_device(backend))
-    return run_jax(case, arrays, backend)
+        return run_torch(case, arrays, backend, device=harness_device(backend), call=call_of(case))
+    return run_jax(case, arrays, backend, call=call_of(case))

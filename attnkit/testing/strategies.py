@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from hypothesis import strategies as st
 
 from attnkit.backend import ALL_FEATURES, Capabilities, Feature
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
-from attnkit.testing.cases import Case
+from attnkit.testing.cases import VARLEN, Case, blocks_needed, paged_case, varlen_case
 
 SMALL_HEAD_DIMS = (16, 24, 32, 40)
 FLOATING_DTYPES = ("float32", "float16", "bfloat16", "float64")  # float32 first: hypothesis shrinks towards it
@@ -78,6 +79,32 @@ def _broadcast_shapes(batch: int, heads: int, len_q: int, len_k: int, three_d: b
     return [(batch, heads, len_q, len_k), (batch, 1, len_q, len_k), (len_q, len_k), (1, heads, 1, len_k)]
 
 
+def _declared(
+    capabilities: Capabilities | None, dtypes: Iterable[str] | None, head_dims: Iterable[int]
+) -> tuple[frozenset[Feature], list[str], list[int]]:
+    """(features, dtypes, head dims) to draw from: the backend's declared ones, or all; ``dtypes`` narrows them."""
+    features = capabilities.features if capabilities is not None else ALL_FEATURES
+    declared = capabilities.dtypes if capabilities is not None else frozenset(FLOATING_DTYPES)
+    allowed_dtypes = [d for d in FLOATING_DTYPES if d in declared and (dtypes is None or d in dtypes)]
+    low, high = capabilities.head_dims if capabilities is not None else (1, 1 << 30)
+    return frozenset(features), allowed_dtypes, [d for d in head_dims if low <= d <= high]
+
+
+@st.composite
+def _geometry(draw: st.DrawFn, dtypes: list[str], head_dims: list[int]) -> dict[str, Any]:
+    """Heads (GQA/MQA), head dims (Dv ≠ D now and then), dtype and seed of a ragged call."""
+    heads_kv = draw(st.integers(1, 2))
+    head_dim = draw(st.sampled_from(head_dims))
+    return {
+        "heads_kv": heads_kv,
+        "heads_q": heads_kv * draw(st.sampled_from([1, 2, 4])),
+        "head_dim": head_dim,
+        "head_dim_v": draw(st.one_of(st.just(head_dim), st.sampled_from(head_dims))),
+        "dtype": draw(st.sampled_from(dtypes)),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
+
+
 @st.composite
 def cases(
     draw: st.DrawFn,
@@ -92,12 +119,8 @@ def cases(
     With ``capabilities``, only the features, dtypes and head dims that backend declares are drawn; ``dtypes``
     (default: every declared one, or all four floating dtypes) narrows the dtypes.
     """
-    features = capabilities.features if capabilities is not None else ALL_FEATURES
-    declared = capabilities.dtypes if capabilities is not None else frozenset(FLOATING_DTYPES)
-    allowed_dtypes = [d for d in FLOATING_DTYPES if d in declared and (dtypes is None or d in dtypes)]
-    low, high = capabilities.head_dims if capabilities is not None else (1, 1 << 30)
-    allowed_dims = [d for d in head_dims if low <= d <= high]
-    spec = draw(specs(frozenset(features)))
+    features, allowed_dtypes, allowed_dims = _declared(capabilities, dtypes, head_dims)
+    spec = draw(specs(features))
     three_d = draw(st.booleans()) if draw(st.integers(0, 9)) == 0 else False
     batch = draw(st.integers(1, 3))
     heads_kv = 1 if three_d else draw(st.integers(1, 2))
@@ -150,3 +173,92 @@ def cases(
         seed=draw(st.integers(0, 2**31 - 1)),
         grad=Feature.GRAD in features,
     )
+
+
+def _call_features(case: Case) -> frozenset[Feature]:
+    """The features a ragged call of this form needs whatever its spec (gradients are drawn only where declared)."""
+    return frozenset(Feature(name) for name in case.features() - {VARLEN, Feature.GRAD})
+
+
+# What each ragged form needs, read off the cases it builds: the attend call attend_varlen makes of equal offsets
+# (segment ids) and of different ones (lengths), and attend_paged (§12, §13).
+_SELF_PACKED = _call_features(varlen_case(AttentionSpec(), (1,), (1,), grad=False))
+_CROSS = _call_features(varlen_case(AttentionSpec(), (1,), (2,), grad=False))
+_PAGED = _call_features(paged_case(AttentionSpec(), 1, ((0,),), (1,), num_blocks=1))
+#: Block sizes of drawn paged caches: 1, and sizes that divide no kernel tile.
+PAGED_BLOCK_SIZES = (1, 2, 3, 5, 16)
+
+
+def varlen_forms(capabilities: Capabilities | None) -> list[bool]:
+    """The attend_varlen forms a backend serves, by ``self_packed``: the attend call each makes uses only declared
+    features."""
+    features = capabilities.features if capabilities is not None else ALL_FEATURES
+    return [self_packed for self_packed, needs in ((True, _SELF_PACKED), (False, _CROSS)) if needs <= features]
+
+
+def serves_paged(capabilities: Capabilities | None) -> bool:
+    return _PAGED <= (capabilities.features if capabilities is not None else ALL_FEATURES)
+
+
+@st.composite
+def varlen_cases(
+    draw: st.DrawFn,
+    capabilities: Capabilities | None = None,
+    dtypes: Iterable[str] | None = None,
+    max_len: int = 12,
+    head_dims: Iterable[int] = SMALL_HEAD_DIMS,
+) -> Case:
+    """attend_varlen calls (§12): 1 to 4 sequences, empty and one-token ones included, self-packed (cu_q = cu_k) or
+    cross, over every spec feature declared; gradients where declared. Needs :func:`varlen_forms` non-empty."""
+    features, allowed_dtypes, allowed_dims = _declared(capabilities, dtypes, head_dims)
+    self_packed = draw(st.sampled_from(varlen_forms(capabilities)))
+    count = draw(st.integers(1, 4))
+    lengths = st.lists(st.one_of(st.sampled_from([0, 1]), st.integers(0, max_len)), min_size=count, max_size=count)
+    q_lengths = tuple(draw(lengths))
+    if not any(q_lengths):
+        q_lengths = (1, *q_lengths[1:])  # some query: an empty packed q is §9's business, not §12's
+    kv_lengths = q_lengths if self_packed else tuple(draw(lengths))
+    if not self_packed and kv_lengths == q_lengths:  # equal offsets would make it self-packed
+        kv_lengths = (*kv_lengths[:-1], kv_lengths[-1] + 1)
+    spec = draw(specs(features))
+    geometry = draw(_geometry(allowed_dtypes, allowed_dims))
+    return varlen_case(spec, q_lengths, kv_lengths, grad=Feature.GRAD in features, **geometry)
+
+
+@st.composite
+def paged_cases(
+    draw: st.DrawFn,
+    capabilities: Capabilities | None = None,
+    dtypes: Iterable[str] | None = None,
+    max_len: int = 20,
+    head_dims: Iterable[int] = SMALL_HEAD_DIMS,
+) -> Case:
+    """attend_paged calls (§13, forward only): 1 to 4 new queries per sequence; kv_lengths including 0 and partial
+    last blocks; block tables drawing blocks from a cache too small for every sequence to have its own (so blocks are
+    shared, within a sequence too) in any order; entries past a sequence's blocks −1, out of range, or any block.
+    make_arrays puts NaN in every slot no sequence reads. Needs :func:`serves_paged`."""
+    features, allowed_dtypes, allowed_dims = _declared(capabilities, dtypes, head_dims)
+    batch = draw(st.integers(1, 3))
+    block_size = draw(st.sampled_from(PAGED_BLOCK_SIZES))
+    lengths = st.lists(st.one_of(st.just(0), st.integers(0, max_len)), min_size=batch, max_size=batch)
+    kv_lengths = tuple(draw(lengths))
+    needed = [blocks_needed(n, block_size) for n in kv_lengths]
+    max_blocks = max(max(needed) + draw(st.integers(0, 1)), 1)
+    num_blocks = draw(st.integers(1, sum(needed) + 2))
+    read = st.integers(0, num_blocks - 1)
+    never_read = st.one_of(st.sampled_from([-1, num_blocks, 2**31 - 1]), read)
+    table = tuple(tuple(draw(read if j < n else never_read) for j in range(max_blocks)) for n in needed)
+    spec = draw(specs(features))
+    geometry = draw(_geometry(allowed_dtypes, allowed_dims))
+    return paged_case(spec, block_size, table, kv_lengths, num_blocks, len_q=draw(st.integers(1, 4)), **geometry)
+
+
+@st.composite
+def calls(draw: st.DrawFn, capabilities: Capabilities | None = None, dtypes: Iterable[str] | None = None) -> Case:
+    """Every call form a backend serves: attend in half the draws, attend_varlen and attend_paged in the rest."""
+    ragged: list[Callable[..., st.SearchStrategy[Case]]] = []
+    ragged += [varlen_cases] if varlen_forms(capabilities) else []
+    ragged += [paged_cases] if serves_paged(capabilities) else []
+    attend_only = not ragged or draw(st.booleans())
+    form = cases if attend_only else draw(st.sampled_from(ragged))
+    return draw(form(capabilities=capabilities, dtypes=dtypes))
