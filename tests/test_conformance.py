@@ -15,7 +15,6 @@ import attnkit
 from attnkit import AttentionSpec
 from attnkit.backend import Framework
 from attnkit.testing import Case, backends_for, check_backend
-from attnkit.testing.check import ragged_edge_shapes
 from attnkit.testing.runners import drawable_dtypes, harness_capabilities
 from attnkit.testing.strategies import cases, paged_cases, serves_paged, varlen_cases, varlen_forms
 from tests.conftest import backend_params
@@ -39,32 +38,19 @@ def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
     _assert_agrees(backend, data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend)), label="case"))
 
 
-def _serving(form: str, serves: Any, template: Case) -> list[object]:
-    """The registry's backends, those whose declared features serve no ``form`` call skipped, saying so; one that
-    refuses ``template`` in a dtype it declares (and the strategy therefore draws) expected to fail, saying why."""
+def _serving(form: str, serves: Any) -> list[object]:
+    """The registry's backends, those whose declared features serve no ``form`` call skipped, saying so."""
     params = []
     for param in backend_params():
         name = param.values[0]  # type: ignore[attr-defined]
         marks = list(param.marks)  # type: ignore[attr-defined]
-        refused = {}
         if not serves(harness_capabilities(name)):
             marks.append(pytest.mark.skip(reason=f"{name} declares no feature set serving an {form} call"))
-        elif not marks:
-            refused = {d: backends_for(template.with_(dtype=d), [name])[name] for d in drawable_dtypes(name)}
-        if any(refused.values()):
-            why = {dtype: reasons for dtype, reasons in refused.items() if reasons}
-            reason = f"{name} declares {form} and these dtypes, which it refuses for {form}: {why}"
-            marks.append(pytest.mark.xfail(reason=reason, raises=AssertionError, strict=False))
         params.append(pytest.param(name, marks=marks, id=name))
     return params
 
 
-RAGGED_CASES = dict(ragged_edge_shapes())
-_VARLEN = RAGGED_CASES["varlen with empty sequences"].with_(grad=False)
-_PAGED = RAGGED_CASES["paged, shared and out-of-order blocks, block size 1"]
-
-
-@pytest.mark.parametrize("backend", _serving("attend_varlen", varlen_forms, _VARLEN))
+@pytest.mark.parametrize("backend", _serving("attend_varlen", varlen_forms))
 @settings(max_examples=RAGGED_EXAMPLES)
 @given(data=st.data())
 def test_backend_agrees_with_oracle_on_varlen(backend: str, data: st.DataObject) -> None:
@@ -74,7 +60,7 @@ def test_backend_agrees_with_oracle_on_varlen(backend: str, data: st.DataObject)
     _assert_agrees(backend, case)
 
 
-@pytest.mark.parametrize("backend", _serving("attend_paged", serves_paged, _PAGED))
+@pytest.mark.parametrize("backend", _serving("attend_paged", serves_paged))
 @settings(max_examples=RAGGED_EXAMPLES)
 @given(data=st.data())
 def test_backend_agrees_with_oracle_on_paged(backend: str, data: st.DataObject) -> None:
