@@ -1,0 +1,109 @@
+"""Sequence sharding for context parallelism (docs/semantics.md §14), in plain integers for every framework: which
+global positions each rank holds, and how one block of the global call (a chunk of queries against a chunk of keys)
+runs as a local ``attnkit.attend`` call.
+
+A sequence of L positions is cut into equal chunks: ``contiguous`` gives rank r chunk r of P; ``zigzag`` gives it
+chunks r and 2P−1−r of 2P (in that order), so that under causal attention every rank sees as many visible pairs.
+A rank's local tensor is its chunks concatenated along the sequence axis.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from attnkit.contract import TileVisibility, alignment_offset, diagonal_band, tile_visibility
+from attnkit.errors import InvalidInputError
+from attnkit.spec import AttentionSpec, CausalAlignment
+
+
+class Sharding(enum.StrEnum):
+    CONTIGUOUS = "contiguous"
+    ZIGZAG = "zigzag"
+
+
+class Strategy(enum.StrEnum):
+    RING = "ring"  # K/V chunks passed around the ring, one block computed per step
+    ALLGATHER = "allgather"  # K and V all-gathered, the local queries against every key
+    ULYSSES = "ulysses"  # all-to-all from sequence shards to head shards, a whole-sequence call per head group
+
+
+def chunk_count(sharding: Sharding, world: int) -> int:
+    """How many equal chunks the sequence is cut into."""
+    return world if sharding is Sharding.CONTIGUOUS else 2 * world
+
+
+def chunk_size(name: str, length: int, world: int, sharding: Sharding) -> int:
+    """The length of one chunk of a ``length``-long sequence; a typed error naming ``name`` if it does not divide."""
+    chunks = chunk_count(sharding, world)
+    if length % chunks:
+        raise InvalidInputError(
+            f"{name} is {length} positions long along the sequence, not divisible into {chunks} equal chunks "
+            f"({sharding.value} sharding over {world} ranks): pad it to a multiple of {chunks} and pass the true "
+            "lengths as q_lengths/kv_lengths"
+        )
+    return length // chunks
+
+
+def rank_chunks(world: int, rank: int, sharding: Sharding) -> tuple[int, ...]:
+    """The chunks rank ``rank`` holds, in its local order."""
+    if sharding is Sharding.CONTIGUOUS:
+        return (rank,)
+    return (rank, 2 * world - 1 - rank)
+
+
+def rank_spans(length: int, world: int, rank: int, sharding: Sharding, name: str = "the sequence") -> tuple[range, ...]:
+    """The global positions rank ``rank`` holds, one range per chunk, in its local order."""
+    size = chunk_size(name, length, world, sharding)
+    return tuple(range(chunk * size, (chunk + 1) * size) for chunk in rank_chunks(world, rank, sharding))
+
+
+def gather_order(length: int, world: int, sharding: Sharding) -> list[int]:
+    """Global positions in rank-major local order: the local tensors of ranks 0..P−1 concatenated hold positions
+    ``gather_order(...)``; ``shard`` takes rank r's slice of ``x[gather_order]`` and ``unshard`` inverts it."""
+    spans = (span for rank in range(world) for span in rank_spans(length, world, rank, sharding))
+    return [position for span in spans for position in span]
+
+
+class BlockKind(enum.Enum):
+    HIDDEN = "hidden"  # no pair visible: neither computed nor, where the schedule allows, sent
+    FULL = "full"  # every pair visible under causal/window: the block spec has neither
+    ALIGNED = "aligned"  # the band falls on the block as the block spec's own causal/window with an alignment
+    MASKED = "masked"  # the band crosses the block off its alignments: a boolean mask of the global band
+
+
+@dataclass(frozen=True)
+class Block:
+    """How one (query chunk × key chunk) block of the global call runs locally. ``spec``: the local call's spec
+    (the global one, its causal/window dropped for FULL and MASKED, its alignment chosen for ALIGNED). ``offset``:
+    the global alignment offset of the block's first query against its first key, ``rel = j − i − offset`` in
+    block-local indices (for MASKED blocks, which build ``lower ≤ rel ≤ upper`` from ``band``)."""
+
+    kind: BlockKind
+    spec: AttentionSpec
+    offset: int
+    band: tuple[int | None, int | None]
+
+
+def block_plan(spec: AttentionSpec, q_span: range, k_span: range, len_q: int, len_k: int, has_lengths: bool) -> Block:
+    """The block of the global call with queries ``q_span`` and keys ``k_span`` (global positions) of a call with
+    ``len_q`` queries and ``len_k`` keys. With lengths under bottom-right alignment the offset differs per batch
+    element (``kv_len − q_len``): such blocks are MASKED by the caller with each element's offset, unless hidden or
+    full by the band alone, which this reads at the full lengths."""
+    band = diagonal_band(spec)
+    offset = alignment_offset(spec, len_q, len_k) - (k_span.start - q_span.start)
+    open_band = spec.replace(causal=False, window=None)
+    if band == (None, None):
+        return Block(BlockKind.FULL, open_band, offset, band)
+    per_element = has_lengths and spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
+    if not per_element:
+        seen = tile_visibility(band, offset, range(len(q_span)), range(len(k_span)), len(q_span), len(k_span))
+        if seen is TileVisibility.HIDDEN:
+            return Block(BlockKind.HIDDEN, spec, offset, band)
+        if seen is TileVisibility.FULL:
+            return Block(BlockKind.FULL, open_band, offset, band)
+        if offset == 0:
+            return Block(BlockKind.ALIGNED, spec.replace(causal_alignment=CausalAlignment.TOP_LEFT), offset, band)
+        if offset == len(k_span) - len(q_span) and not has_lengths:  # with lengths, bottom-right follows them
+            return Block(BlockKind.ALIGNED, spec.replace(causal_alignment=CausalAlignment.BOTTOM_RIGHT), offset, band)
+    return Block(BlockKind.MASKED, open_band, offset, band)
