@@ -183,7 +183,7 @@ def _agree(group: Group, world: int, rank: int, describe: Callable[[], dict[str,
             prefix = "" if other == rank else f"on rank {other} of {world}: "
             raise cls(f"{prefix}{message}" + ("" if other == rank else " (every rank of the group raises)"))
     for other, (_, theirs) in enumerate(everyone):
-        for key in sorted(set(facts) | set(theirs)):
+        for key in [*facts, *(key for key in theirs if key not in facts)]:  # q's facts first
             mine, given = facts.get(key), theirs.get(key)
             if mine != given:
                 cls = InvalidInputTypeError if key.endswith(("dtype", "device type")) else InvalidInputError
