@@ -64,6 +64,16 @@ CASES = {
 }  # fmt: skip
 
 
+# CI's budget: the four-rank group (where the ring makes more than one hop) runs the cases that reach furthest across
+# shards; the two-rank group runs them all.
+FOUR_RANK_CASES = ("causal bottom-right Lq<Lk", "window softcap", "lengths bottom-right", "segment ids causal",
+                   "mask and bias")  # fmt: skip
+
+
+def _cases_for(world: int) -> list[str]:
+    return list(CASES) if world == 2 else list(FOUR_RANK_CASES)
+
+
 def _runs(case: Case, world: int) -> list[tuple[str, str]]:
     """Every strategy × sharding that serves the case; Ulysses needs heads divisible by P and takes no mask/bias."""
     ulysses = case.heads_q % world == 0 and case.heads_kv % world == 0 and case.mask_shape is None
@@ -175,10 +185,12 @@ def oracle() -> dict[str, tuple[Case, dict[str, np.ndarray], Any]]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_sharded_call_equals_the_single_device_call(world: int, tmp_path: Path, oracle: dict) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    reports = _spawn(world, tmp_path, {name: (case, arrays) for name, (case, arrays, _) in oracle.items()})
+    names = _cases_for(world)
+    reports = _spawn(world, tmp_path, {name: oracle[name][:2] for name in names})
     results = reports[0]["results"]
     failures = []
-    for name, (case, _, (exact, baseline)) in oracle.items():
+    for name in names:
+        case, _, (exact, baseline) = oracle[name]
         for strategy, sharding in _runs(case, world):
             got = results[(name, strategy, sharding)]
             failures += [f"{name} {strategy} {sharding}: {c}" for c in compare_outputs("float32", got, exact, baseline)
