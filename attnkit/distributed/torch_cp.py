@@ -172,14 +172,16 @@ def _agree(group: Group, world: int, rank: int, describe: Callable[[], dict[str,
     facts: dict[str, Any] = {}
     try:
         facts = describe()
-    except errors.AttnkitError as raised:
-        error = (type(raised).__name__, str(raised))
+    except Exception as raised:  # any failure here must reach the other ranks, or they wait in the exchange below
+        known = isinstance(raised, errors.AttnkitError)
+        error = (type(raised).__name__, str(raised) if known else f"{type(raised).__name__}: {raised}")
     everyone: list[Any] = [None] * world
     dist.all_gather_object(everyone, (error, facts), group=group)
-    for other, (raised, _) in enumerate(everyone):
-        if raised is not None:
-            kind, message = raised
-            cls = getattr(errors, kind, InvalidInputError)
+    for other, (reported, _) in enumerate(everyone):
+        if reported is not None:
+            kind, message = reported
+            cls = getattr(errors, kind, None)
+            cls = cls if isinstance(cls, type) and issubclass(cls, errors.AttnkitError) else InvalidInputError
             prefix = "" if other == rank else f"on rank {other} of {world}: "
             raise cls(f"{prefix}{message}" + ("" if other == rank else " (every rank of the group raises)"))
     for other, (_, theirs) in enumerate(everyone):
@@ -418,7 +420,7 @@ def _merge(call: _Call, parts: list[Partial], empty: Callable[[], Partial]) -> P
     total = torch.exp(lses - top).sum(0)
     has_keys = total != 0  # NaN counts as having keys: NaN in, NaN out
     lse = torch.where(has_keys, top + torch.log(torch.where(has_keys, total, torch.ones_like(total))), -torch.inf)
-    out = sum(_per_row(call, _weights(part_lse, lse)) * part_out for part_out, part_lse in parts)
+    out = torch.stack([_per_row(call, _weights(part_lse, lse)) * part_out for part_out, part_lse in parts]).sum(0)
     return out, lse
 
 
