@@ -1,0 +1,672 @@
+"""Context parallelism over torch.distributed (docs/semantics.md §14): every rank of a process group holds a shard of
+the sequence of q, k and v, and together they compute the single-device ``attnkit.attend`` call on the whole tensors,
+outputs and gradients.
+
+Each strategy cuts the global call into blocks (a chunk of queries against a chunk of keys, planned by
+:func:`attnkit.distributed.sharding.block_plan`), runs each visible block as a local ``attnkit.attend`` call with its
+lse, and merges the blocks of a query chunk by their lse (§6):
+
+    lse = log Σ_s exp(lse_s);   out = Σ_s exp(lse_s − lse) · out_s
+
+``allgather`` and ``ulysses`` are differentiated by autograd through differentiable collectives; the ring has a
+backward of its own that runs the ring again (one remote K/V chunk at a time), recomputing each block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from attnkit import errors
+from attnkit.api import attend as local_attend
+from attnkit.contract import conjoin, within_band
+from attnkit.contract.torch import block_of, compute_dtype
+from attnkit.distributed.sharding import (
+    BlockKind,
+    Sharding,
+    Strategy,
+    block_plan,
+    chunk_size,
+    gather_order,
+    rank_spans,
+)
+from attnkit.errors import InvalidInputError, InvalidInputTypeError
+from attnkit.spec import AttentionSpec, CausalAlignment, Layout
+from attnkit.validation import prepare
+
+Group = Any  # a torch.distributed ProcessGroup, or None for the default group
+Partial = tuple[torch.Tensor, torch.Tensor]  # (out, lse) of one block
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Groups and differentiable collectives
+
+
+def _world(group: Group) -> tuple[int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise InvalidInputError(
+            "group: torch.distributed is not initialised; call torch.distributed.init_process_group first"
+        )
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _global_rank(group: Group, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _gathered(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order (differentiable)."""
+    return _AllGather.apply(x, group, dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:  # type: ignore[override]
+        world, rank = _world(group)
+        ctx.group, ctx.dim, ctx.rank, ctx.size = group, dim, rank, x.shape[dim]
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        # Every rank's output took gradients: the sum over ranks, this rank's slice (gloo has no reduce_scatter).
+        total = grad.contiguous()
+        dist.all_reduce(total, group=ctx.group)
+        return total.narrow(ctx.dim, ctx.rank * ctx.size, ctx.size), None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    """Split ``x`` into P parts along ``split_dim``, part p to rank p; the parts received concatenated along
+    ``concat_dim`` in rank order. Its gradient is the same exchange with the two axes swapped."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, split_dim: int, concat_dim: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.group, ctx.split_dim, ctx.concat_dim = group, split_dim, concat_dim
+        return _all_to_all(x, group, split_dim, concat_dim)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        return _all_to_all(grad, ctx.group, ctx.concat_dim, ctx.split_dim), None, None, None
+
+
+def _all_to_all(x: torch.Tensor, group: Group, split_dim: int, concat_dim: int) -> torch.Tensor:
+    world, _ = _world(group)
+    sends = [part.contiguous() for part in x.chunk(world, split_dim)]
+    receives = [torch.empty_like(part) for part in sends]
+    dist.all_to_all(receives, sends, group=group)
+    return torch.cat(receives, concat_dim)
+
+
+def _reordered(x: torch.Tensor, dim: int, positions: Sequence[int]) -> torch.Tensor:
+    return x.index_select(dim, torch.tensor(positions, device=x.device))
+
+
+def _to_global_order(x: torch.Tensor, dim: int, world: int, sharding: Sharding) -> torch.Tensor:
+    """Rank-major local order (the ranks' shards concatenated) to global positions."""
+    order = gather_order(x.shape[dim], world, sharding)
+    inverse = [0] * len(order)
+    for local, position in enumerate(order):
+        inverse[position] = local
+    return _reordered(x, dim, inverse)
+
+
+def shard_torch(x: torch.Tensor, group: Group = None, sharding: str = "zigzag", seq_axis: int = 2) -> torch.Tensor:
+    """This rank's shard of the whole tensor ``x`` along ``seq_axis``: its chunks concatenated (§14)."""
+    world, rank = _world(group)
+    spans = rank_spans(x.shape[seq_axis], world, rank, _sharding(sharding), "x")
+    return torch.cat([x.narrow(seq_axis, span.start, len(span)) for span in spans], seq_axis)
+
+
+def unshard_torch(
+    x_local: torch.Tensor, group: Group = None, sharding: str = "zigzag", seq_axis: int = 2
+) -> torch.Tensor:
+    """The whole tensor from every rank's shard (a collective; differentiable): the inverse of :func:`shard_torch`."""
+    world, _ = _world(group)
+    return _to_global_order(_gathered(x_local, group, seq_axis), seq_axis, world, _sharding(sharding))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Validation, and agreement across ranks before any data moves
+
+
+def _sharding(value: str) -> Sharding:
+    try:
+        return Sharding(value)
+    except ValueError:
+        raise InvalidInputError(
+            f"sharding is {value!r}, expected one of {', '.join(repr(s.value) for s in Sharding)}"
+        ) from None
+
+
+def _strategy(value: str) -> Strategy:
+    try:
+        return Strategy(value)
+    except ValueError:
+        raise InvalidInputError(
+            f"strategy is {value!r}, expected one of {', '.join(repr(s.value) for s in Strategy)}"
+        ) from None
+
+
+def _describe(name: str, x: Any) -> dict[str, Any]:
+    """What the ranks must agree on about one argument: kind, shape, dtype, device type (and lengths' values)."""
+    if x is None:
+        return {name: None}
+    if not isinstance(x, torch.Tensor):
+        raise InvalidInputTypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    facts: dict[str, Any] = {f"{name} shape": tuple(x.shape), f"{name} dtype": str(x.dtype)}
+    facts[f"{name} device type"] = x.device.type
+    if name.endswith("lengths") and x.ndim == 1 and not x.is_floating_point():
+        facts[f"{name} values"] = x.tolist()  # global lengths: the same on every rank
+    return facts
+
+
+def _agree(group: Group, world: int, rank: int, describe: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """Each rank's ``describe()`` (or the typed error it raised), exchanged: an error on any rank, or a fact that
+    differs between ranks, raises the same typed error on every rank, so none is left waiting in a collective."""
+    error: tuple[str, str] | None = None
+    facts: dict[str, Any] = {}
+    try:
+        facts = describe()
+    except Exception as raised:  # any failure here must reach the other ranks, or they wait in the exchange below
+        known = isinstance(raised, errors.AttnkitError)
+        error = (type(raised).__name__, str(raised) if known else f"{type(raised).__name__}: {raised}")
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, (error, facts), group=group)
+    for other, (reported, _) in enumerate(everyone):
+        if reported is not None:
+            kind, message = reported
+            cls = getattr(errors, kind, None)
+            cls = cls if isinstance(cls, type) and issubclass(cls, errors.AttnkitError) else InvalidInputError
+            prefix = "" if other == rank else f"on rank {other} of {world}: "
+            raise cls(f"{prefix}{message}" + ("" if other == rank else " (every rank of the group raises)"))
+    for other, (_, theirs) in enumerate(everyone):
+        for key in [*facts, *(key for key in theirs if key not in facts)]:  # q's facts first
+            mine, given = facts.get(key), theirs.get(key)
+            if mine != given:
+                cls = InvalidInputTypeError if key.endswith(("dtype", "device type")) else InvalidInputError
+                raise cls(
+                    f"{key} differs across ranks: rank {rank} has {mine}, rank {other} has {given}; every rank of the "
+                    "group must pass shards of the same call"
+                )
+    return facts
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One sharded call, as every rank agreed on it."""
+
+    spec: AttentionSpec
+    group: Group
+    world: int
+    rank: int
+    sharding: Sharding
+    seq_axis: int  # of q, k, v and out in the spec's layout
+    len_q: int  # global lengths of the sequence axes
+    len_k: int
+    q_lengths: torch.Tensor | None
+    kv_lengths: torch.Tensor | None
+    mask: torch.Tensor | None
+    bias: torch.Tensor | None
+    backend: str
+
+    @property
+    def chunk_q(self) -> int:
+        return chunk_size("q", self.len_q, self.world, self.sharding)
+
+    @property
+    def chunk_k(self) -> int:
+        return chunk_size("k", self.len_k, self.world, self.sharding)
+
+    def q_spans(self) -> tuple[range, ...]:
+        return rank_spans(self.len_q, self.world, self.rank, self.sharding, "q")
+
+    def k_spans(self, rank: int) -> tuple[range, ...]:
+        return rank_spans(self.len_k, self.world, rank, self.sharding, "k")
+
+
+def _validated(
+    spec: AttentionSpec,
+    tensors: dict[str, Any],
+    group: Group,
+    strategy: Strategy | str,
+    sharding: Sharding | str,
+    backend: str,
+) -> _Call:
+    world, rank = _world(group)
+
+    def describe() -> dict[str, Any]:
+        if type(spec) is not AttentionSpec:
+            raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
+        facts: dict[str, Any] = {"spec": spec.model_dump_json(), "strategy": _strategy(strategy).value}
+        facts.update(sharding=_sharding(sharding).value, backend=backend)
+        for name, tensor in tensors.items():
+            facts.update(_describe(name, tensor))
+        q, k = tensors["q"], tensors["k"]
+        if q.ndim != 4 or k.ndim != 4:
+            raise InvalidInputError(
+                f"q is {q.ndim}-D and k {k.ndim}-D: attnkit.distributed.attend takes 4-D q, k, v (the spec's layout)"
+            )
+        return facts
+
+    facts = _agree(group, world, rank, describe)
+    # From here on every check reads agreed facts only: it raises alike on every rank, with no further exchange.
+    strategy, sharding = _strategy(strategy), _sharding(sharding)
+    q, k = tensors["q"], tensors["k"]
+    seq_axis = 1 if spec.layout is Layout.BSHD else 2
+    len_q, len_k = q.shape[seq_axis] * world, k.shape[seq_axis] * world
+    chunk_size("q", len_q, world, sharding)
+    chunk_size("k", len_k, world, sharding)
+    heads_axis = 3 - seq_axis
+    if strategy is Strategy.ULYSSES:
+        heads_q, heads_kv = q.shape[heads_axis], k.shape[heads_axis]
+        if heads_q % world or heads_kv % world:
+            raise InvalidInputError(
+                f"strategy 'ulysses' splits the heads across the {world} ranks: Hq={heads_q} and Hkv={heads_kv} must "
+                f"both be multiples of {world}; use 'ring' or 'allgather'"
+            )
+        if tensors["mask"] is not None or tensors["bias"] is not None:
+            raise InvalidInputError(
+                "strategy 'ulysses' does not take mask or bias yet (they would need an all-to-all of their own); "
+                "use 'ring' or 'allgather'"
+            )
+    for name in ("mask", "bias"):  # as attend broadcasts them: leading axes of size 1 (blocks slice 4-D ones)
+        x = tensors[name]
+        if x is not None and x.ndim < 4:
+            tensors = {**tensors, name: x[(None,) * (4 - x.ndim)]}
+    _check_global_call(spec, tensors, seq_axis, len_q, len_k, facts)
+    return _Call(spec, group, world, rank, sharding, seq_axis, len_q, len_k, tensors["q_lengths"],
+                 tensors["kv_lengths"], tensors["mask"], tensors["bias"], backend)  # fmt: skip
+
+
+def _check_global_call(
+    spec: AttentionSpec,
+    tensors: dict[str, Any],
+    seq_axis: int,
+    len_q: int,
+    len_k: int,
+    facts: dict[str, Any],
+) -> None:
+    """attend's own checks on the global call, run on meta tensors of its shapes (no data is read): every rank
+    raises alike. Local shapes must be the global ones with the sequence axes cut (rows of mask/bias: local)."""
+
+    local_q = tensors["q"].shape[seq_axis]
+    global_lengths = {"q": (seq_axis, len_q), "k": (seq_axis, len_k), "v": (seq_axis, len_k),
+                      "q_segment_ids": (1, len_q), "kv_segment_ids": (1, len_k),
+                      "mask": (2, len_q), "bias": (2, len_q)}  # fmt: skip
+
+    def global_shape(name: str) -> torch.Tensor | None:
+        x = tensors[name]
+        if x is None:
+            return None
+        shape = list(x.shape)
+        if name in global_lengths and len(shape) > global_lengths[name][0]:
+            axis, length = global_lengths[name]
+            if name in ("mask", "bias") and shape[axis] not in (1, local_q):
+                raise InvalidInputError(
+                    f"{name} has shape {tuple(x.shape)}: its query axis must hold this rank's {local_q} queries (or "
+                    f"1) and its key axis all {len_k} keys in global order"
+                )
+            shape[axis] = length if shape[axis] != 1 or name not in ("mask", "bias") else 1
+        return torch.empty(shape, dtype=x.dtype, device="meta")
+
+    metas = {name: global_shape(name) for name in tensors}
+    prepare(spec, metas["q"], metas["k"], metas["v"], metas["mask"], metas["bias"], metas["q_lengths"],
+            metas["kv_lengths"], True, metas["q_segment_ids"], metas["kv_segment_ids"], check_values=False)  # fmt: skip
+    for name, limit in (("q_lengths", len_q), ("kv_lengths", len_k)):
+        values = facts.get(f"{name} values") or []
+        if any(not 0 <= value <= limit for value in values):
+            raise InvalidInputError(f"{name} are {values}, expected global lengths in [0, {limit}]")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Blocks and their merge
+
+
+@dataclass(frozen=True)
+class _KeyShard:
+    """One rank's keys as they travel: its k, v (and kv segment ids) shards and their global positions."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    segment_ids: torch.Tensor | None
+    spans: tuple[range, ...]
+
+    def chunks(self, call: _Call) -> Iterator[tuple[range, slice]]:
+        """(global span, local slice) of each chunk."""
+        for index, span in enumerate(self.spans):
+            yield span, slice(index * call.chunk_k, (index + 1) * call.chunk_k)
+
+
+def _clipped(lengths: torch.Tensor | None, span: range) -> torch.Tensor | None:
+    """Global lengths seen from a chunk: how many of its positions are real."""
+    return None if lengths is None else (lengths - span.start).clamp(0, len(span))
+
+
+def _band_mask(
+    call: _Call, q_span: range, k_span: range, offset: int, band: tuple[int | None, int | None], device: torch.device
+) -> Any:
+    """(B|1, 1, chunk q, chunk k) boolean: §4's band on global positions, rel = j − i − off_b in block indices."""
+    rows = torch.arange(len(q_span), device=device).view(-1, 1)
+    cols = torch.arange(len(k_span), device=device).view(1, -1)
+    per_element = call.spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT and (
+        call.q_lengths is not None or call.kv_lengths is not None
+    )
+    if per_element:  # off_b = kv_len_b − q_len_b (§4.3), shifted by the block's place like the plan's offset
+        kv_len = call.kv_lengths if call.kv_lengths is not None else torch.tensor(call.len_k, device=device)
+        q_len = call.q_lengths if call.q_lengths is not None else torch.tensor(call.len_q, device=device)
+        element_offset = (kv_len.long() - q_len.long()).to(device) - (k_span.start - q_span.start)
+        relative = cols - rows - element_offset.view(-1, 1, 1, 1)
+    else:
+        relative = (cols - rows - offset).view(1, 1, len(q_span), len(k_span))
+    return within_band(relative, *band)
+
+
+def _block(
+    call: _Call, q: torch.Tensor, q_span: range, q_rows: slice, q_ids: torch.Tensor | None, keys: _KeyShard,
+    k_span: range, k_cols: slice, bias: torch.Tensor | None,
+) -> Partial | None:  # fmt: skip
+    """The (queries ``q_span`` × keys ``k_span``) block as a local attend call, or None when nothing is visible.
+    ``q`` is the query chunk; ``q_rows`` its rows in the local tensors (mask, bias), ``k_cols`` the key chunk's in
+    ``keys``. ``bias``: the call's bias, or a leaf standing for it (the ring's backward)."""
+    spec = call.spec
+    has_lengths = call.q_lengths is not None or call.kv_lengths is not None
+    plan = block_plan(spec, q_span, k_span, call.len_q, call.len_k, has_lengths)
+    if plan.kind is BlockKind.HIDDEN:
+        return None
+    columns = slice(k_span.start, k_span.stop)
+    masked = plan.kind is BlockKind.MASKED
+    band = _band_mask(call, q_span, k_span, plan.offset, plan.band, q.device) if masked else None
+    mask = conjoin(band, block_of(call.mask, q_rows, columns) if call.mask is not None else None)
+    axis = call.seq_axis
+    k, v = keys.k.narrow(axis, k_cols.start, len(k_span)), keys.v.narrow(axis, k_cols.start, len(k_span))
+    kv_ids = keys.segment_ids[:, k_cols] if keys.segment_ids is not None else None
+    out, lse = local_attend(
+        plan.spec, q, k, v,
+        mask=mask,
+        bias=block_of(bias, q_rows, columns) if bias is not None else None,
+        q_lengths=_clipped(call.q_lengths, q_span),
+        kv_lengths=_clipped(call.kv_lengths, k_span),
+        q_segment_ids=q_ids,
+        kv_segment_ids=kv_ids,
+        return_lse=True,
+        backend=call.backend,
+    )  # fmt: skip
+    return out, lse
+
+
+def _weights(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(lse_s − lse): a part with no visible key, or a row with none at all, weighs exactly 0 (never NaN)."""
+    safe = torch.where(lse == float("-inf"), torch.zeros_like(lse), lse)
+    return torch.exp(lse_part - safe)
+
+
+def _per_row(call: _Call, x: torch.Tensor) -> torch.Tensor:
+    """A (B, H, L) row quantity broadcast against out in the spec's layout."""
+    return (x.transpose(1, 2) if call.seq_axis == 1 else x).unsqueeze(-1)
+
+
+def _merge(call: _Call, parts: list[Partial], empty: Callable[[], Partial]) -> Partial:
+    """§6's merge of one query chunk's blocks, differentiable: out in the accumulation dtype, lse float32."""
+    if not parts:
+        return empty()
+    lses = torch.stack([lse for _, lse in parts])
+    top = lses.amax(0).detach()  # cancels; made finite so that empty rows stay −inf without NaN
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)
+    total = torch.exp(lses - top).sum(0)
+    has_keys = total != 0  # NaN counts as having keys: NaN in, NaN out
+    lse = torch.where(has_keys, top + torch.log(torch.where(has_keys, total, torch.ones_like(total))), -torch.inf)
+    out = torch.stack([_per_row(call, _weights(part_lse, lse)) * part_out for part_out, part_lse in parts]).sum(0)
+    return out, lse
+
+
+def _empty_like(call: _Call, q: torch.Tensor, v: torch.Tensor) -> Callable[[], Partial]:
+    """A query chunk that sees no key: out 0, lse −inf."""
+
+    def empty() -> Partial:
+        shape = list(q.shape)
+        shape[-1] = v.shape[-1]
+        heads = q.shape[3 - call.seq_axis]
+        lse = torch.full((q.shape[0], heads, q.shape[call.seq_axis]), -torch.inf, device=q.device)
+        return torch.zeros(shape, dtype=compute_dtype(q.dtype), device=q.device), lse
+
+    return empty
+
+
+def _query_chunks(call: _Call, q: torch.Tensor, q_ids: torch.Tensor | None) -> Iterator[tuple[range, slice, Any, Any]]:
+    """(global span, local rows, q chunk, q segment ids chunk) of each of this rank's query chunks."""
+    for index, span in enumerate(call.q_spans()):
+        rows = slice(index * call.chunk_q, (index + 1) * call.chunk_q)
+        ids = q_ids[:, rows] if q_ids is not None else None
+        yield span, rows, q.narrow(call.seq_axis, rows.start, len(span)), ids
+
+
+def _attend_blocks(
+    call: _Call, q: torch.Tensor, q_ids: torch.Tensor | None, key_shards: Sequence[_KeyShard], bias: Any
+) -> Partial:
+    """This rank's queries against every key of ``key_shards``, merged: (out in q's dtype, lse)."""
+    outs, lses = [], []
+    for q_span, rows, q_chunk, ids in _query_chunks(call, q, q_ids):
+        parts = [
+            part
+            for keys in key_shards
+            for k_span, cols in keys.chunks(call)
+            if (part := _block(call, q_chunk, q_span, rows, ids, keys, k_span, cols, bias)) is not None
+        ]
+        out, lse = _merge(call, parts, _empty_like(call, q_chunk, key_shards[0].v))
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, call.seq_axis).to(q.dtype), torch.cat(lses, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Strategies
+
+
+def _allgather(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Partial:
+    """K and V (and kv segment ids) all-gathered; the rank's queries against every chunk, by autograd throughout."""
+    axis = call.seq_axis
+    every_k, every_v = _gathered(k, call.group, axis), _gathered(v, call.group, axis)
+    every_ids = _gathered(kv_ids, call.group, 1) if kv_ids is not None else None
+    shards, size = [], k.shape[axis]
+    for rank in range(call.world):
+        ids = every_ids[:, rank * size : (rank + 1) * size] if every_ids is not None else None
+        local = slice(rank * size, (rank + 1) * size)
+        shards.append(
+            _KeyShard(
+                every_k.narrow(axis, local.start, size),
+                every_v.narrow(axis, local.start, size),
+                ids,
+                call.k_spans(rank),
+            )  # fmt: skip
+        )
+    return _attend_blocks(call, q, q_ids, shards, call.bias)
+
+
+def _ulysses(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Partial:
+    """Sequence shards to head shards (all-to-all), one whole-sequence attend call, and back."""
+    seq, heads, group, world = call.seq_axis, 3 - call.seq_axis, call.group, call.world
+
+    def heads_of(x: torch.Tensor) -> torch.Tensor:
+        return _to_global_order(_AllToAll.apply(x, group, heads, seq), seq, world, call.sharding)
+
+    def everywhere(ids: torch.Tensor | None) -> torch.Tensor | None:
+        return None if ids is None else _to_global_order(_gathered(ids, group, 1), 1, world, call.sharding)
+
+    out, lse = local_attend(
+        call.spec, heads_of(q), heads_of(k), heads_of(v),
+        q_lengths=call.q_lengths, kv_lengths=call.kv_lengths,
+        q_segment_ids=everywhere(q_ids), kv_segment_ids=everywhere(kv_ids),
+        return_lse=True, backend=call.backend,
+    )  # fmt: skip
+    order = gather_order(call.len_q, world, call.sharding)
+    out = _AllToAll.apply(_reordered(out, seq, order), group, seq, heads)
+    lse = _AllToAll.apply(_reordered(lse, 2, order), group, 2, 1)
+    return out, lse
+
+
+def _shifted(call: _Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+    """Post sending ``tensors`` to the next rank of the ring and receiving the previous rank's: (buffers, requests)."""
+    following = _global_rank(call.group, (call.rank + 1) % call.world)
+    preceding = _global_rank(call.group, (call.rank - 1) % call.world)
+    buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
+    operations = [dist.P2POp(dist.isend, t.contiguous(), following, call.group) for t in tensors]
+    operations += [dist.P2POp(dist.irecv, buffer, preceding, call.group) for buffer in buffers]
+    return buffers, dist.batch_isend_irecv(operations)
+
+
+def _wait(requests: list[Any]) -> None:
+    for request in requests:
+        request.wait()
+
+
+def _ring_steps(call: _Call, k: torch.Tensor, v: torch.Tensor, kv_ids: Any) -> Iterator[tuple[_KeyShard, Callable]]:
+    """The ring: at step s this rank holds the keys of rank r − s; the next step's transfer is posted before the
+    caller computes on them (``finish()`` waits for it)."""
+    keys = [k, v] + ([kv_ids] if kv_ids is not None else [])
+    for step in range(call.world):
+        source = (call.rank - step) % call.world
+        pending = _shifted(call, keys) if step < call.world - 1 else None
+        held = _KeyShard(keys[0], keys[1], keys[2] if kv_ids is not None else None, call.k_spans(source))
+
+        def finish(pending: Any = pending) -> None:
+            nonlocal keys
+            if pending is not None:
+                buffers, requests = pending
+                _wait(requests)
+                keys = buffers
+
+        yield held, finish
+
+
+def _ring_forward(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Partial:
+    chunks = list(_query_chunks(call, q, q_ids))
+    parts: list[list[Partial]] = [[] for _ in chunks]
+    for keys, finish in _ring_steps(call, k, v, kv_ids):
+        for merged, (q_span, rows, q_chunk, ids) in zip(parts, chunks):
+            for k_span, cols in keys.chunks(call):
+                part = _block(call, q_chunk, q_span, rows, ids, keys, k_span, cols, call.bias)
+                if part is not None:  # merged as it comes: one partial per query chunk is held
+                    merged[:] = [_merge(call, [*merged, part], _empty_like(call, q_chunk, v))]
+        finish()
+    results = [_merge(call, merged, _empty_like(call, chunk, v)) for merged, (_, _, chunk, _) in zip(parts, chunks)]
+    return torch.cat([out for out, _ in results], call.seq_axis).to(q.dtype), torch.cat([lse for _, lse in results], 2)
+
+
+class _Ring(torch.autograd.Function):
+    """The ring, with a backward that runs the ring again: each block is recomputed and pulled back from its share of
+    the merged cotangents, dq accumulating here and dk/dv travelling with their keys back to their rank:
+
+        w_s = exp(lse_s − lse);  d out_s = w_s · dout;  d lse_s = w_s · (dlse + ⟨dout, out_s − out⟩)
+    """
+
+    @staticmethod
+    def forward(ctx: Any, call: _Call, q: Any, k: Any, v: Any, bias: Any, q_ids: Any, kv_ids: Any) -> Partial:  # type: ignore[override]
+        with torch.no_grad():
+            out, lse = _ring_forward(call, q, k, v, q_ids, kv_ids)
+        ctx.call = call
+        ctx.save_for_backward(q, k, v, bias, q_ids, kv_ids, out, lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+        call: _Call = ctx.call
+        q, k, v, bias, q_ids, kv_ids, out, lse = ctx.saved_tensors
+        accumulate = compute_dtype(q.dtype)
+        want_bias = bias is not None and ctx.needs_input_grad[4]
+        dq = torch.zeros_like(q, dtype=accumulate)
+        dbias = torch.zeros_like(bias, dtype=accumulate) if want_bias else None
+        dkv = [torch.zeros_like(k, dtype=accumulate), torch.zeros_like(v, dtype=accumulate)]
+        if dlse is None:
+            dlse = torch.zeros_like(lse)
+        dlse = torch.where(torch.isneginf(lse), torch.zeros_like(dlse), dlse)  # an empty row's lse takes none
+        for keys, finish in _ring_steps(call, k, v, kv_ids):
+            for q_span, rows, q_chunk, ids in _query_chunks(call, q, q_ids):
+                for k_span, cols in keys.chunks(call):
+                    _block_backward(call, (q_chunk, q_span, rows, ids), keys, (k_span, cols), (out, lse, dout, dlse),
+                                    (dq, dkv, bias, dbias))  # fmt: skip
+            finish()
+            # The dk/dv of the keys just used follow them to the next rank: after P steps they are home.
+            buffers, requests = _shifted(call, dkv)
+            _wait(requests)
+            dkv = buffers
+        return None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dbias, None, None
+
+
+def _block_backward(call: _Call, query: tuple, keys: _KeyShard, key: tuple, merged: tuple, grads: tuple) -> None:
+    """Recompute one block and add its share of the gradients into ``grads`` (dq, [dk, dv], bias, dbias)."""
+    q_chunk, q_span, rows, ids = query
+    k_span, cols = key
+    out, lse, dout, dlse = merged
+    dq, dkv, bias, dbias = grads
+    axis = call.seq_axis
+    q_leaf = q_chunk.detach().requires_grad_(True)
+    k_leaf, v_leaf = keys.k.detach().requires_grad_(True), keys.v.detach().requires_grad_(True)
+    bias_leaf = bias.detach().requires_grad_(True) if dbias is not None else bias
+    with torch.enable_grad():
+        leaf_keys = _KeyShard(k_leaf, v_leaf, keys.segment_ids, keys.spans)
+        part = _block(call, q_leaf, q_span, rows, ids, leaf_keys, k_span, cols, bias_leaf)
+        if part is None:
+            return
+        part_out, part_lse = part
+        row_lse, row_dlse = lse[:, :, rows], dlse[:, :, rows]
+        row_out, row_dout = out.narrow(axis, rows.start, len(q_span)), dout.narrow(axis, rows.start, len(q_span))
+        weight = _weights(part_lse.detach(), row_lse)
+        inner = (row_dout.to(weight.dtype) * (part_out.detach() - row_out).to(weight.dtype)).sum(-1)
+        if axis == 1:
+            inner = inner.transpose(1, 2)
+        lse_cotangent = weight * (row_dlse + inner)
+        lse_cotangent = torch.where(torch.isneginf(part_lse.detach()), torch.zeros_like(lse_cotangent), lse_cotangent)
+        finite_lse = torch.where(torch.isfinite(part_lse), part_lse, torch.zeros_like(part_lse))
+        leaves = [q_leaf, k_leaf, v_leaf] + ([bias_leaf] if dbias is not None else [])
+        found = torch.autograd.grad(
+            (part_out, finite_lse),
+            leaves,
+            ((_per_row(call, weight) * row_dout).to(part_out.dtype), lse_cotangent),
+            allow_unused=True,
+        )
+    if found[0] is not None:
+        dq.narrow(axis, rows.start, len(q_span)).add_(found[0])
+    for accumulator, grad in zip(dkv, found[1:3]):
+        if grad is not None:
+            accumulator.add_(grad)
+    if dbias is not None and found[3] is not None:
+        dbias.add_(found[3])
+
+
+def _ring(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Partial:
+    return _Ring.apply(call, q, k, v, call.bias, q_ids, kv_ids)
+
+
+_STRATEGIES = {Strategy.RING: _ring, Strategy.ALLGATHER: _allgather, Strategy.ULYSSES: _ulysses}
+
+
+def attend_torch(
+    spec: AttentionSpec,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: Group = None,
+    strategy: str = "ring",
+    sharding: str = "zigzag",
+    q_lengths: torch.Tensor | None = None,
+    kv_lengths: torch.Tensor | None = None,
+    q_segment_ids: torch.Tensor | None = None,
+    kv_segment_ids: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Any:
+    """§14 on torch tensors: this rank's shards in, this rank's shard of out (and lse) back. A collective: every rank
+    of ``group`` calls it; a bad input on any rank raises a typed error on every rank."""
+    tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_segment_ids": q_segment_ids,
+               "kv_segment_ids": kv_segment_ids, "mask": mask, "bias": bias}  # fmt: skip
+    call = _validated(spec, tensors, group, strategy, sharding, backend)
+    out, lse = _STRATEGIES[_strategy(strategy)](call, q, k, v, q_segment_ids, kv_segment_ids)
+    return (out, lse) if return_lse else out
