@@ -1,8 +1,8 @@
 """Context parallelism on a JAX mesh (docs/semantics.md §14): attnkit.distributed's JAX calls on 4 host devices equal
 the single-device call on the whole arrays, out, lse and dq, dk, dv (through out and lse), against the float64
 oracle (torch-naive) under the tolerance rule, for every strategy × sharding over causal (both alignments, Lq ≠ Lk),
-windows, GQA, softcap, cosine, lengths, segment ids and 3-D inputs; under jax.jit, eagerly, and inside the caller's
-own shard_map. Bad input raises a typed error naming the value.
+windows, GQA, softcap, cosine, lengths, segment ids and 3-D inputs; under jax.jit, on arrays laid out by shard_jax
+and inside the caller's own shard_map. Bad input raises a typed error naming the value.
 
 JAX makes its host devices when it is first imported (XLA_FLAGS), and this process imported it long ago: the
 sharded calls run in ONE child process (this file run as a script), which writes each case's results for the tests
@@ -33,19 +33,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CHILD_TIMEOUT_S = 600
 PAD = -1
 # Three documents and one padding position, for 16 positions: documents cross shard boundaries either way.
+OPTIONAL = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
 IDS = (0,) * 5 + (1,) * 7 + (2,) * 3 + (PAD,)
 
 
 @dataclass(frozen=True)
 class Run:
     """One sharded call of ``case``: how it is split and run. ``inside``: attend_jax(mesh=None) called inside a
-    shard_map of the test's own; else attend_jax(mesh=...) on arrays laid out by shard_jax."""
+    shard_map of the test's own; else attend_jax(mesh=...) on arrays laid out by shard_jax. Both under jax.jit."""
 
     name: str
     case: Case
     strategy: str
     sharding: str
-    jit: bool = True
     inside: bool = False
 
 
@@ -58,13 +58,12 @@ CAUSAL = AttentionSpec(causal=True)
 TOP_LEFT = AttentionSpec(causal=True, causal_alignment="top_left")
 RUNS = [
     Run("ring-zigzag-causal-gqa", _case(CAUSAL, heads_q=4, heads_kv=2), "ring", "zigzag"),
-    Run("ring-zigzag-causal-lq<lk", _case(CAUSAL, len_q=8), "ring", "zigzag"),
-    Run("ring-contiguous-top-left-lq<lk", _case(TOP_LEFT, len_q=8), "ring", "contiguous"),
+    Run("ring-zigzag-causal-lq<lk-3d", _case(CAUSAL, len_q=8, three_d=True), "ring", "zigzag"),
+    Run("ring-contiguous-top-left-lq<lk-segments",
+        _case(TOP_LEFT, len_q=8, q_segment_ids=(IDS[::2],), kv_segment_ids=(IDS,)), "ring", "contiguous"),  # fmt: skip
     Run("ring-zigzag-window-bshd", _case(AttentionSpec(window=(3, 2), layout="bshd")), "ring", "zigzag"),
     # Bottom-right with lengths: the band's offset per element, masked blocks; b=1's first rows see nothing.
     Run("ring-zigzag-lengths", _case(CAUSAL, batch=2, q_lengths=(16, 11), kv_lengths=(16, 6)), "ring", "zigzag"),
-    Run("ring-contiguous-segments", _case(CAUSAL, q_segment_ids=(IDS,), kv_segment_ids=(IDS,)), "ring", "contiguous"),
-    Run("ring-zigzag-3d", _case(CAUSAL, three_d=True), "ring", "zigzag"),
     Run("allgather-zigzag-softcap", _case(AttentionSpec(causal=True, softcap=2.0)), "allgather", "zigzag"),
     Run("allgather-contiguous-cosine-window",
         _case(AttentionSpec(causal=True, window=(4, 0), variant="cosine")), "allgather", "contiguous"),  # fmt: skip
@@ -75,8 +74,8 @@ RUNS = [
     Run("ulysses-contiguous-window-lengths",
         _case(AttentionSpec(window=(2, 5)), heads_q=4, heads_kv=4, batch=2, q_lengths=(16, 7), kv_lengths=(9, 16)),
         "ulysses", "contiguous"),  # fmt: skip
-    Run("allgather-contiguous-eager", _case(AttentionSpec()), "allgather", "contiguous", jit=False),
-    Run("ring-zigzag-inside-own-shard-map", _case(CAUSAL, heads_q=4, heads_kv=2), "ring", "zigzag", inside=True),
+    Run("allgather-contiguous-gqa-inside-own-shard-map", _case(CAUSAL, heads_q=4, heads_kv=2), "allgather",
+        "contiguous", inside=True),  # fmt: skip
 ]
 # Bad input: (name, what is called, substrings the InvalidInputError's message must hold).
 BAD = {
@@ -93,7 +92,8 @@ def _seq_axis(case: Case) -> int:
 
 
 def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """The case's call sharded over the mesh, differentiated with jax.vjp; results back in global order."""
+    """The case's call sharded over the mesh and differentiated with jax.vjp, one jitted program from the whole
+    arrays (laid out by shard_jax) to the whole results (put back by unshard_jax)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh
@@ -103,14 +103,6 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
     case, mesh = run.case, Mesh(np.array(jax.devices()[:WORLD]), (AXIS,))
     seq_axis = _seq_axis(case)
-
-    def shard(name: str, axis: int, dtype: Any) -> Any:
-        return shard_jax(jnp.asarray(arrays[name], dtype), mesh, AXIS, run.sharding, axis)
-
-    q, k, v, dout = (shard(name, seq_axis, jnp.float32) for name in ("q", "k", "v", "dout"))
-    dlse = shard("dlse", -1, jnp.float32)
-    optional = {name: jnp.asarray(arrays[name]) for name in ("q_lengths", "kv_lengths") if name in arrays}
-    optional.update({name: shard(name, 1, jnp.int32) for name in ("q_segment_ids", "kv_segment_ids") if name in arrays})
     options = dict(axis_name=AXIS, strategy=run.strategy, sharding=run.sharding, return_lse=True)
 
     def call(q: Any, k: Any, v: Any, optional: dict[str, Any]) -> Any:
@@ -126,16 +118,21 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
         )
         return local(q, k, v, optional)
 
-    def forward_backward(q: Any, k: Any, v: Any, dout: Any, dlse: Any, optional: dict[str, Any]) -> Any:
-        (out, lse), pullback = jax.vjp(lambda q, k, v: call(q, k, v, optional), q, k, v)
-        return (out, lse, *pullback((dout, dlse)))
+    def forward_backward(floats: dict[str, Any], optional: dict[str, Any]) -> list[Any]:
+        def shard(x: Any, axis: int) -> Any:
+            return shard_jax(x, mesh, AXIS, run.sharding, axis)
 
-    results = (jax.jit(forward_backward) if run.jit else forward_backward)(q, k, v, dout, dlse, optional)
-    axes = {"out": seq_axis, "lse": -1, "dq": seq_axis, "dk": seq_axis, "dv": seq_axis}
-    return {
-        name: np.asarray(unshard_jax(value, mesh, AXIS, run.sharding, axes[name]), np.float64)
-        for name, value in zip(axes, results)
-    }
+        q, k, v, dout = (shard(floats[name], seq_axis) for name in ("q", "k", "v", "dout"))
+        optional = {name: shard(x, 1) if name.endswith("ids") else x for name, x in optional.items()}
+        (out, lse), pullback = jax.vjp(lambda q, k, v: call(q, k, v, optional), q, k, v)
+        results = (out, lse, *pullback((dout, shard(floats["dlse"], -1))))
+        axes = (seq_axis, -1, seq_axis, seq_axis, seq_axis)
+        return [unshard_jax(x, mesh, AXIS, run.sharding, axis) for x, axis in zip(results, axes)]
+
+    floats = {name: jnp.asarray(arrays[name], jnp.float32) for name in ("q", "k", "v", "dout", "dlse")}
+    optional = {name: jnp.asarray(arrays[name], jnp.int32) for name in OPTIONAL if name in arrays}
+    results = jax.jit(forward_backward)(floats, optional)
+    return {name: np.asarray(x, np.float64) for name, x in zip(("out", "lse", "dq", "dk", "dv"), results)}
 
 
 def _bad_call(name: str) -> None:
