@@ -56,27 +56,29 @@ def _case(spec: AttentionSpec, **shape: Any) -> Case:
 
 CAUSAL = AttentionSpec(causal=True)
 TOP_LEFT = AttentionSpec(causal=True, causal_alignment="top_left")
+# fmt: off
 RUNS = [
     Run("ring-zigzag-causal-gqa", _case(CAUSAL, heads_q=4, heads_kv=2), "ring", "zigzag"),
     Run("ring-zigzag-causal-lq<lk-3d", _case(CAUSAL, len_q=8, three_d=True), "ring", "zigzag"),
     Run("ring-contiguous-top-left-lq<lk-segments",
-        _case(TOP_LEFT, len_q=8, q_segment_ids=(IDS[::2],), kv_segment_ids=(IDS,)), "ring", "contiguous"),  # fmt: skip
+        _case(TOP_LEFT, len_q=8, q_segment_ids=(IDS[::2],), kv_segment_ids=(IDS,)), "ring", "contiguous"),
     Run("ring-zigzag-window-bshd", _case(AttentionSpec(window=(3, 2), layout="bshd")), "ring", "zigzag"),
     # Bottom-right with lengths: the band's offset per element, masked blocks; b=1's first rows see nothing.
     Run("ring-zigzag-lengths", _case(CAUSAL, batch=2, q_lengths=(16, 11), kv_lengths=(16, 6)), "ring", "zigzag"),
     Run("allgather-zigzag-softcap", _case(AttentionSpec(causal=True, softcap=2.0)), "allgather", "zigzag"),
     Run("allgather-contiguous-cosine-window",
-        _case(AttentionSpec(causal=True, window=(4, 0), variant="cosine")), "allgather", "contiguous"),  # fmt: skip
+        _case(AttentionSpec(causal=True, window=(4, 0), variant="cosine")), "allgather", "contiguous"),
     Run("allgather-zigzag-top-left-lengths-segments",
         _case(TOP_LEFT, q_lengths=(13,), kv_lengths=(15,), q_segment_ids=(IDS,), kv_segment_ids=(IDS,)),
-        "allgather", "zigzag"),  # fmt: skip
+        "allgather", "zigzag"),
     Run("ulysses-zigzag-causal-gqa", _case(CAUSAL, heads_q=8, heads_kv=4), "ulysses", "zigzag"),
     Run("ulysses-contiguous-window-lengths",
         _case(AttentionSpec(window=(2, 5)), heads_q=4, heads_kv=4, batch=2, q_lengths=(16, 7), kv_lengths=(9, 16)),
-        "ulysses", "contiguous"),  # fmt: skip
+        "ulysses", "contiguous"),
     Run("allgather-contiguous-gqa-inside-own-shard-map", _case(CAUSAL, heads_q=4, heads_kv=2), "allgather",
-        "contiguous", inside=True),  # fmt: skip
+        "contiguous", inside=True),
 ]
+# fmt: on
 # Bad input: (name, what is called, substrings the InvalidInputError's message must hold).
 BAD = {
     "ulysses-query-heads": (dict(heads_q=2, heads_kv=2, strategy="ulysses"), ("q has 2 heads", "4 devices")),

@@ -20,6 +20,7 @@ can overlap; its backward is the reverse ppermute, derived by JAX), the all-gath
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -131,13 +132,15 @@ def attend_jax(
     return (out, lse) if return_lse else out
 
 
+@dataclass(frozen=True)
 class _Config:
     """What every device computes with: the spec, strategy, sharding, axis and backend."""
 
-    def __init__(self, spec: AttentionSpec, strategy: Strategy, sharding: Sharding, axis_name: str, backend: str):
-        self.spec, self.strategy, self.sharding, self.axis_name, self.backend = (
-            spec, strategy, sharding, axis_name, backend,
-        )  # fmt: skip
+    spec: AttentionSpec
+    strategy: Strategy
+    sharding: Sharding
+    axis_name: str
+    backend: str
 
     @classmethod
     def make(cls, spec: AttentionSpec, strategy: str, sharding: str, axis_name: str, backend: str) -> _Config:
