@@ -68,7 +68,7 @@ def _seq_spec(ndim: int, seq_axis: int, axis_name: str) -> Spec:
     return Spec(*(axis_name if axis == seq_axis else None for axis in range(ndim)))
 
 
-def shard_jax(x: Any, mesh: Any, axis_name: str, sharding: str, seq_axis: int) -> Any:
+def shard_jax(x: Any, mesh: Any, axis_name: str, sharding: str = "zigzag", seq_axis: int = 2) -> Any:
     """A whole array laid out for ``attend_jax(mesh=...)``: its sequence axis permuted to ``gather_order`` and placed
     on ``mesh`` so that device r of ``axis_name`` holds its chunks (rank r's local array, §14)."""
     world, kind = _world(mesh, axis_name), _choice(Sharding, "sharding", sharding)
@@ -78,7 +78,7 @@ def shard_jax(x: Any, mesh: Any, axis_name: str, sharding: str, seq_axis: int) -
     return jax.device_put(jnp.take(x, order, axis=seq_axis), placed)
 
 
-def unshard_jax(x: Any, mesh: Any, axis_name: str, sharding: str, seq_axis: int) -> Any:
+def unshard_jax(x: Any, mesh: Any, axis_name: str, sharding: str = "zigzag", seq_axis: int = 2) -> Any:
     """The inverse of :func:`shard_jax`: the sequence axis back in global order (for out, lse and gradients too)."""
     world, kind = _world(mesh, axis_name), _choice(Sharding, "sharding", sharding)
     seq_axis %= x.ndim
