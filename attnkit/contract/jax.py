@@ -100,11 +100,15 @@ def gather_pages(cache: Any, block_table: Any) -> Any:
 def merge_partials(out: Any, lse: Any, seq_axis: int) -> tuple[Any, Any]:
     """§6's merge of partial results over disjoint key ranges, stacked on a leading axis: out (S, B, …, Dv) with its
     sequence axis at ``seq_axis`` + 1 (q's layout: 1 for bshd, 2 for bhsd), lse (S, B, H, L) float32. Returns out
-    float32 and lse. An empty part (lse −inf) weighs 0; where all are empty, lse is −inf and out 0; NaN propagates."""
+    float32 and lse. An empty part (lse −inf) weighs 0; where all are empty, lse is −inf and out 0; NaN propagates.
+    Differentiable through out and lse: in an all-empty row no log(0) or −inf − (−inf) is even computed (jnp.where
+    passes NaN gradients from the branch it discards), so that row's gradients are 0 (§5)."""
     top = jnp.max(lse, axis=0)
-    shift = jnp.where(top == -jnp.inf, 0.0, top)
-    total = shift + jnp.log(jnp.sum(jnp.exp(lse - shift), axis=0))
-    weights = jnp.where(total == -jnp.inf, 0.0, jnp.exp(lse - total))  # exp(−inf − (−inf)) would be NaN
+    empty = top == -jnp.inf
+    shift = jnp.where(empty, 0.0, top)
+    total_sum = jnp.sum(jnp.exp(lse - shift), axis=0)
+    total = jnp.where(empty, -jnp.inf, shift + jnp.log(jnp.where(empty, 1.0, total_sum)))
+    weights = jnp.where(empty, 0.0, jnp.exp(lse - jnp.where(empty, 0.0, total)))
     if seq_axis == 1:  # (S, B, H, L) -> (S, B, L, H), along bshd rows
         weights = jnp.swapaxes(weights, 2, 3)
     return jnp.sum(weights[..., None] * out.astype(jnp.float32), axis=0), total

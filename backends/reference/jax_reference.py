@@ -194,10 +194,11 @@ def _forward_block(spec: AttentionSpec, ops: _Operands, carry: tuple[Any, Any, A
 def _online_softmax(spec: AttentionSpec, ops: _Operands) -> tuple[Any, Any]:
     """(out, lse) in the compute dtype, grouped: (B, Hkv, G, Lq, Dv) and (B, Hkv, G, Lq)."""
     rows = ops.q.shape[:-1]
+    # full_like keeps q's type inside a shard_map (varying over its axes), which the scan's carry must match.
     init = (
-        jnp.full(rows, -jnp.inf, ops.q.dtype),
-        jnp.zeros(rows, ops.q.dtype),
-        jnp.zeros((*rows, ops.keys[2].shape[-1]), ops.q.dtype),
+        lax.full_like(ops.q, -jnp.inf, shape=rows),
+        lax.full_like(ops.q, 0, shape=rows),
+        lax.full_like(ops.q, 0, shape=(*rows, ops.keys[2].shape[-1])),
     )
     # Online softmax over key blocks (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'),
     # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; finally O = acc / l, lse = m + log l.

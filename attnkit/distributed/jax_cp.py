@@ -1,0 +1,371 @@
+"""Context parallelism on JAX meshes (docs/semantics.md §14): attention over a sequence sharded along one mesh axis,
+built on shard_map and its collectives (all_gather, ppermute, all_to_all), under jax.jit and jax.grad.
+
+Inside the map each device holds its chunks of q, k and v (:mod:`attnkit.distributed.sharding`). A device's rank is a
+traced value (``lax.axis_index``), so which block of the global call a (query chunk, key chunk) pair is — hidden, full,
+aligned or masked — is read from a static table over every (query rank, key rank) pair built by
+:func:`attnkit.distributed.sharding.block_plan`, and run with ``lax.switch`` among the few distinct plans: one traced
+copy per plan, a hidden block really skipped at run time (only the taken branch executes), and the aligned blocks
+keep the backends' own causal/window skipping. Masked blocks build their mask from traced global positions. Partial
+results merge by lse (§6), exactly and differentiably (:func:`attnkit.contract.jax.merge_partials`):
+
+    lse = logsumexp_s lse_s,    out = Σ_s exp(lse_s − lse) · out_s
+
+``ring`` and ``allgather`` share that per-step visit of one rank's K/V chunks (a ``lax.scan`` over the P source
+ranks): the ring receives them by ``ppermute`` (the next transfer issued before the current blocks run, so the two
+can overlap; its backward is the reverse ppermute, derived by JAX), the all-gather slices them from gathered K/V.
+``ulysses`` trades sequence shards for head shards with ``all_to_all`` and makes one whole-sequence call.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as Spec
+
+from attnkit import api
+from attnkit.contract.jax import band_visibility, merge_partials
+from attnkit.distributed.sharding import (
+    Block,
+    BlockKind,
+    Sharding,
+    Strategy,
+    block_plan,
+    chunk_size,
+    gather_order,
+    rank_chunks,
+    rank_spans,
+)
+from attnkit.errors import InvalidInputError
+from attnkit.spec import AttentionSpec, CausalAlignment, Layout
+from attnkit.validation import prepare
+
+__all__ = ["attend_jax", "shard_jax", "unshard_jax"]
+
+
+def _choice(enum: type[Sharding] | type[Strategy], name: str, value: Any) -> Any:
+    try:
+        return enum(value)
+    except ValueError:
+        allowed = ", ".join(repr(member.value) for member in enum)
+        raise InvalidInputError(f"{name}={value!r} is not one of {allowed}") from None
+
+
+def _world(mesh: Any, axis_name: str) -> int:
+    if axis_name not in mesh.shape:
+        raise InvalidInputError(f"axis_name={axis_name!r} is not an axis of the mesh (axes: {tuple(mesh.shape)})")
+    return int(mesh.shape[axis_name])
+
+
+def _seq_spec(ndim: int, seq_axis: int, axis_name: str) -> Spec:
+    return Spec(*(axis_name if axis == seq_axis else None for axis in range(ndim)))
+
+
+def shard_jax(x: Any, mesh: Any, axis_name: str, sharding: str = "zigzag", seq_axis: int = 2) -> Any:
+    """A whole array laid out for ``attend_jax(mesh=...)``: its sequence axis permuted to ``gather_order`` and placed
+    on ``mesh`` so that device r of ``axis_name`` holds its chunks (rank r's local array, §14)."""
+    world, kind = _world(mesh, axis_name), _choice(Sharding, "sharding", sharding)
+    seq_axis %= x.ndim
+    order = np.asarray(gather_order(x.shape[seq_axis], world, kind))
+    placed = NamedSharding(mesh, _seq_spec(x.ndim, seq_axis, axis_name))
+    return jax.device_put(jnp.take(x, order, axis=seq_axis), placed)
+
+
+def unshard_jax(x: Any, mesh: Any, axis_name: str, sharding: str = "zigzag", seq_axis: int = 2) -> Any:
+    """The inverse of :func:`shard_jax`: the sequence axis back in global order (for out, lse and gradients too)."""
+    world, kind = _world(mesh, axis_name), _choice(Sharding, "sharding", sharding)
+    seq_axis %= x.ndim
+    order = gather_order(x.shape[seq_axis], world, kind)
+    return jnp.take(x, np.argsort(order), axis=seq_axis)
+
+
+def attend_jax(
+    spec: AttentionSpec,
+    q: Any,
+    k: Any,
+    v: Any,
+    *,
+    mesh: Any = None,
+    axis_name: str,
+    strategy: str = "ring",
+    sharding: str = "zigzag",
+    q_lengths: Any = None,
+    kv_lengths: Any = None,
+    q_segment_ids: Any = None,
+    kv_segment_ids: Any = None,
+    mask: Any = None,
+    bias: Any = None,
+    return_lse: bool = False,
+    backend: str = "auto",
+) -> Any:
+    """``attnkit.attend`` on a sequence sharded along mesh axis ``axis_name`` (§14), equal to the single-device call
+    on the whole arrays in outputs and gradients.
+
+    With ``mesh``: q, k, v (and segment ids) are whole arrays laid out by :func:`shard_jax`; out and lse come back
+    so laid out (:func:`unshard_jax` restores global order). Without: called inside the caller's shard_map over
+    ``axis_name``, they are the device's local shards, and so are out and lse. Lengths are global, (B,), replicated."""
+    for name, value in (("mask", mask), ("bias", bias)):
+        if value is not None:
+            raise InvalidInputError(
+                f"{name} is not taken by attnkit.distributed.attend on JAX arrays yet (got one of shape "
+                f"{tuple(value.shape)}); express the visibility with lengths or segment ids"
+            )
+    config = _Config.make(spec, strategy, sharding, axis_name, backend)
+    optional = {"q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_ids": q_segment_ids, "kv_ids": kv_segment_ids}
+    if mesh is None:
+        world = lax.axis_size(axis_name)
+        # Local shards: metadata only (the lengths are global and traced here; attend checks each block's).
+        prepare(spec, q, k, v, None, None, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids,
+                check_values=False)  # fmt: skip
+        out, lse = _attend_local(config, world, q, k, v, optional)
+    else:
+        world = _world(mesh, axis_name)
+        prepare(spec, q, k, v, None, None, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids)
+        out, lse = _attend_on_mesh(config, mesh, world, q, k, v, optional)
+    return (out, lse) if return_lse else out
+
+
+@dataclass(frozen=True)
+class _Config:
+    """What every device computes with: the spec, strategy, sharding, axis and backend."""
+
+    spec: AttentionSpec
+    strategy: Strategy
+    sharding: Sharding
+    axis_name: str
+    backend: str
+
+    @classmethod
+    def make(cls, spec: AttentionSpec, strategy: str, sharding: str, axis_name: str, backend: str) -> _Config:
+        return cls(
+            spec, _choice(Strategy, "strategy", strategy), _choice(Sharding, "sharding", sharding), axis_name, backend
+        )
+
+    @property
+    def seq_axis(self) -> int:
+        return 2 if self.spec.layout is Layout.BHSD else 1
+
+    @property
+    def head_axis(self) -> int:
+        return 3 - self.seq_axis
+
+
+def _attend_on_mesh(
+    config: _Config, mesh: Any, world: int, q: Any, k: Any, v: Any, optional: dict[str, Any]
+) -> tuple[Any, Any]:
+    """Form (a): shard_map over ``mesh``, each device its contiguous slice of the gather-ordered arrays."""
+    seq_axis = 1 if q.ndim == 3 else config.seq_axis
+    for name, x in (("q", q), ("k", k)):
+        chunk_size(name, x.shape[seq_axis], world, config.sharding)
+    present = {name: value for name, value in optional.items() if value is not None}
+    sequence = _seq_spec(q.ndim, seq_axis, config.axis_name)
+    specs = {"q_lengths": Spec(), "kv_lengths": Spec(), "q_ids": Spec(None, config.axis_name)}
+    specs["kv_ids"] = specs["q_ids"]
+    lse_spec = _seq_spec(q.ndim - 1, q.ndim - 2, config.axis_name)
+
+    def local(q: Any, k: Any, v: Any, present: dict[str, Any]) -> tuple[Any, Any]:
+        return _attend_local(config, world, q, k, v, {**optional, **present})
+
+    mapped = jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(sequence, sequence, sequence, {name: specs[name] for name in present}),
+        out_specs=(sequence, lse_spec),
+    )
+    return mapped(q, k, v, present)  # type: ignore[no-any-return]
+
+
+def _attend_local(config: _Config, world: int, q: Any, k: Any, v: Any, optional: dict[str, Any]) -> tuple[Any, Any]:
+    """One device's shards in, its shards of out and lse back; 3-D calls run as one head."""
+    if q.ndim == 3:
+        head_axis = config.head_axis
+        q, k, v = (jnp.expand_dims(x, head_axis) for x in (q, k, v))
+        out, lse = _attend_local(config, world, q, k, v, optional)
+        return jnp.squeeze(out, head_axis), jnp.squeeze(lse, 1)
+    seq_axis, local_k = config.seq_axis, k.shape[config.seq_axis]
+    geometry = _Geometry(config, world, q.shape[seq_axis] * world, local_k * world, optional)
+    if config.strategy is Strategy.ULYSSES:
+        return _ulysses(geometry, q, k, v)
+    rank = lax.axis_index(config.axis_name)
+    queries = geometry.split(q, optional["q_ids"])
+    # Running (out float32, lse) per local query chunk, from nothing seen: out 0, lse −inf (full_like keeps the
+    # chunk's device-varying type, which scan's carry must match).
+    state = [
+        (
+            lax.full_like(chunk, 0, jnp.float32, (*chunk.shape[:-1], v.shape[-1])),
+            lax.full_like(chunk, -jnp.inf, jnp.float32, geometry.lse_shape(chunk)),
+        )
+        for chunk, _ in queries
+    ]
+    held = (k, v, optional["kv_ids"])
+    if config.strategy is Strategy.RING:
+        ring = [(source, (source + 1) % world) for source in range(world)]
+
+        def ring_step(carry: Any, step: Any) -> tuple[Any, None]:
+            held, state = carry
+            arriving = lax.ppermute(held, config.axis_name, ring)  # issued first: it may overlap this step's blocks
+            return (arriving, geometry.visit(queries, rank, held, (rank - step) % world, state)), None
+
+        (held, state), _ = lax.scan(ring_step, (held, state), jnp.arange(world - 1))
+        state = geometry.visit(queries, rank, held, (rank + 1) % world, state)  # the last arrival: no further send
+    else:
+        gathered = [
+            None if x is None else lax.all_gather(x, config.axis_name, axis=axis, tiled=True)
+            for x, axis in zip(held, (seq_axis, seq_axis, 1))
+        ]
+
+        def gather_step(state: Any, source: Any) -> tuple[Any, None]:
+            own = [
+                None if x is None else lax.dynamic_slice_in_dim(x, source * local_k, local_k, axis=axis)
+                for x, axis in zip(gathered, (seq_axis, seq_axis, 1))
+            ]
+            return geometry.visit(queries, rank, own, source, state), None
+
+        state, _ = lax.scan(gather_step, state, jnp.arange(world))
+    outs, lses = zip(*state)
+    return jnp.concatenate(outs, axis=seq_axis).astype(q.dtype), jnp.concatenate(lses, axis=2)
+
+
+class _Geometry:
+    """The global call as seen from one device: global lengths, chunk sizes, and for each (local query chunk, local
+    key chunk) pair the distinct block plans over all (query rank, key rank) pairs with a table choosing among them."""
+
+    def __init__(self, config: _Config, world: int, len_q: int, len_k: int, optional: dict[str, Any]):
+        self.config, self.world, self.len_q, self.len_k = config, world, len_q, len_k
+        sharding = config.sharding
+        self.chunk_q = chunk_size("q", len_q, world, sharding)
+        self.chunk_k = chunk_size("k", len_k, world, sharding)
+        self.optional = optional
+        self.q_lengths, self.kv_lengths = optional["q_lengths"], optional["kv_lengths"]
+        has_lengths = self.q_lengths is not None or self.kv_lengths is not None
+        self.per_element = has_lengths and config.spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
+        self.count = len(rank_chunks(world, 0, sharding))
+        self.plans: dict[tuple[int, int], tuple[list[Block], np.ndarray]] = {}
+        for q_chunk in range(self.count):
+            for k_chunk in range(self.count):
+                distinct: dict[Any, int] = {}
+                blocks: list[Block] = []
+                table = np.zeros((world, world), np.int32)
+                for rank in range(world):
+                    q_span = rank_spans(len_q, world, rank, sharding, "q")[q_chunk]
+                    for source in range(world):
+                        k_span = rank_spans(len_k, world, source, sharding, "k")[k_chunk]
+                        block = block_plan(config.spec, q_span, k_span, len_q, len_k, has_lengths)
+                        # A masked block's mask comes from traced positions: one branch serves every offset.
+                        key = block.kind if block.kind in (BlockKind.HIDDEN, BlockKind.MASKED) else block.spec
+                        if key not in distinct:
+                            distinct[key] = len(blocks)
+                            blocks.append(block)
+                        table[rank, source] = distinct[key]
+                self.plans[q_chunk, k_chunk] = blocks, table
+
+    def lse_shape(self, chunk: Any) -> tuple[int, int, int]:
+        seq_axis = self.config.seq_axis
+        return chunk.shape[0], chunk.shape[3 - seq_axis], chunk.shape[seq_axis]
+
+    def split(self, x: Any, ids: Any) -> list[tuple[Any, Any]]:
+        """A local array cut into its chunks, each with its segment ids (or None)."""
+        chunks = jnp.split(x, self.count, axis=self.config.seq_axis)
+        return list(zip(chunks, [None] * self.count if ids is None else jnp.split(ids, self.count, axis=1)))
+
+    def visit(self, queries: list[tuple[Any, Any]], rank: Any, held: Any, source: Any, state: list[Any]) -> list[Any]:
+        """Every block of this device's query chunks against ``source``'s key chunks ``held`` = (k, v, kv_ids),
+        merged into the running (out, lse) of each query chunk."""
+        k, v, kv_ids = held
+        keys = self.split(k, kv_ids)
+        values = jnp.split(v, self.count, axis=self.config.seq_axis)
+        merged = []
+        for q_chunk, ((q, q_ids), (out, lse)) in enumerate(zip(queries, state)):
+            outs, lses = [out], [lse]
+            for k_chunk, ((k_part, k_ids), v_part) in enumerate(zip(keys, values)):
+                block_out, block_lse = self.block(q_chunk, k_chunk, rank, source, q, q_ids, k_part, v_part, k_ids)
+                outs.append(block_out)
+                lses.append(block_lse)
+            merged.append(merge_partials(jnp.stack(outs), jnp.stack(lses), self.config.seq_axis))
+        return merged
+
+    def block(
+        self, q_chunk: int, k_chunk: int, rank: Any, source: Any, q: Any, q_ids: Any, k: Any, v: Any, kv_ids: Any
+    ) -> tuple[Any, Any]:
+        """One (query chunk × key chunk) block of the global call as a local attend, its plan chosen by the traced
+        ranks among the distinct plans this pair of local chunks can take."""
+        blocks, table = self.plans[q_chunk, k_chunk]
+        q_start = rank_chunks(self.world, rank, self.config.sharding)[q_chunk] * self.chunk_q
+        k_start = rank_chunks(self.world, source, self.config.sharding)[k_chunk] * self.chunk_k
+        operands = (q, k, v, q_ids, kv_ids, q_start, k_start)
+        branches = [functools.partial(self._run, block) for block in blocks]
+        if len(branches) == 1:
+            return branches[0](*operands)
+        return lax.switch(jnp.asarray(table)[rank, source], branches, *operands)  # type: ignore[no-any-return]
+
+    def _run(
+        self, block: Block, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any, q_start: Any, k_start: Any
+    ) -> tuple[Any, Any]:
+        seq_axis = self.config.seq_axis
+        if block.kind is BlockKind.HIDDEN:
+            return (
+                lax.full_like(q, 0, q.dtype, (*q.shape[:-1], v.shape[-1])),
+                lax.full_like(q, -jnp.inf, jnp.float32, self.lse_shape(q)),
+            )
+        mask = None
+        if block.kind is BlockKind.MASKED:  # the global band on global positions (per element with lengths)
+            rows = q_start + jnp.arange(q.shape[seq_axis]).reshape(1, 1, -1, 1)
+            cols = k_start + jnp.arange(k.shape[seq_axis]).reshape(1, 1, 1, -1)
+            mask = band_visibility(
+                self.config.spec, rows, cols, self._global_lengths(self.q_lengths, self.len_q),
+                self._global_lengths(self.kv_lengths, self.len_k),
+            )  # fmt: skip
+        return api.attend(  # type: ignore[no-any-return]
+            block.spec, q, k, v, mask=mask,
+            q_lengths=self._local_lengths(self.q_lengths, q_start, q.shape[seq_axis]),
+            kv_lengths=self._local_lengths(self.kv_lengths, k_start, k.shape[seq_axis]),
+            q_segment_ids=q_ids, kv_segment_ids=kv_ids, return_lse=True, backend=self.config.backend,
+        )  # fmt: skip
+
+    def _global_lengths(self, lengths: Any, full: int) -> Any:
+        """Per element (B, 1, 1, 1) where the band's offset follows the lengths, else the full length."""
+        return lengths.reshape(-1, 1, 1, 1) if self.per_element and lengths is not None else full
+
+    @staticmethod
+    def _local_lengths(lengths: Any, start: Any, size: int) -> Any:
+        """A chunk's lengths: the global ones counted from its first position, clipped to it."""
+        return None if lengths is None else jnp.clip(lengths - start, 0, size).astype(lengths.dtype)
+
+
+def _ulysses(geometry: _Geometry, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
+    """Sequence shards to head shards (all_to_all), one whole-sequence attend in global order, and back."""
+    config, world = geometry.config, geometry.world
+    seq_axis, head_axis, axis_name = config.seq_axis, config.head_axis, config.axis_name
+    for name, x in (("q", q), ("k", k)):
+        if x.shape[head_axis] % world:
+            raise InvalidInputError(
+                f"strategy='ulysses' needs {name}'s heads divisible by the {world} devices of axis "
+                f"{axis_name!r}: {name} has {x.shape[head_axis]} heads"
+            )
+    q_order = np.asarray(gather_order(geometry.len_q, world, config.sharding))
+    to_global, kv_to_global = np.argsort(q_order), np.argsort(gather_order(geometry.len_k, world, config.sharding))
+
+    def heads_sharded(x: Any, order: np.ndarray) -> Any:  # (…, H, L_local, …) -> (…, H/P, L global order, …)
+        whole = lax.all_to_all(x, axis_name, head_axis, seq_axis, tiled=True)
+        return jnp.take(whole, order, axis=seq_axis)
+
+    def whole_ids(ids: Any, order: np.ndarray) -> Any:
+        return None if ids is None else jnp.take(lax.all_gather(ids, axis_name, axis=1, tiled=True), order, axis=1)
+
+    q_ids = whole_ids(geometry.optional["q_ids"], to_global)
+    kv_ids = whole_ids(geometry.optional["kv_ids"], kv_to_global)
+    out, lse = api.attend(
+        config.spec, heads_sharded(q, to_global), heads_sharded(k, kv_to_global), heads_sharded(v, kv_to_global),
+        q_lengths=geometry.q_lengths, kv_lengths=geometry.kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+        return_lse=True, backend=config.backend,
+    )  # fmt: skip
+    out = lax.all_to_all(jnp.take(out, q_order, axis=seq_axis), axis_name, seq_axis, head_axis, tiled=True)
+    lse = lax.all_to_all(jnp.take(lse, q_order, axis=2), axis_name, 2, 1, tiled=True)
+    return out, lse

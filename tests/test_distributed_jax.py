@@ -1,0 +1,209 @@
+"""Context parallelism on a JAX mesh (docs/semantics.md §14): attnkit.distributed's JAX calls on 4 host devices equal
+the single-device call on the whole arrays, out, lse and dq, dk, dv (through out and lse), against the float64
+oracle (torch-naive) under the tolerance rule, for every strategy × sharding over causal (both alignments, Lq ≠ Lk),
+windows, GQA, softcap, cosine, lengths, segment ids and 3-D inputs; under jax.jit, on arrays laid out by shard_jax
+and inside the caller's own shard_map. Bad input raises a typed error naming the value.
+
+JAX makes its host devices when it is first imported (XLA_FLAGS), and this process imported it long ago: the
+sharded calls run in ONE child process (this file run as a script), which writes each case's results for the tests
+here to compare. The oracle runs here, on the same drawn inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from attnkit import AttentionSpec
+from attnkit.testing import Case, make_arrays
+from attnkit.testing.agreement import compare_outputs, oracle_results, rounded
+
+WORLD = 4
+AXIS = "cp"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CHILD_TIMEOUT_S = 600
+PAD = -1
+# Three documents and one padding position, for 16 positions: documents cross shard boundaries either way.
+OPTIONAL = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
+IDS = (0,) * 5 + (1,) * 7 + (2,) * 3 + (PAD,)
+
+
+@dataclass(frozen=True)
+class Run:
+    """One sharded call of ``case``: how it is split and run. ``inside``: attend_jax(mesh=None) called inside a
+    shard_map of the test's own; else attend_jax(mesh=...) on arrays laid out by shard_jax. Both under jax.jit."""
+
+    name: str
+    case: Case
+    strategy: str
+    sharding: str
+    inside: bool = False
+
+
+def _case(spec: AttentionSpec, **shape: Any) -> Case:
+    return Case(spec, **{"batch": 1, "heads_q": 2, "heads_kv": 2, "len_q": 16, "len_k": 16, "head_dim": 8,
+                         "head_dim_v": 8, **shape})  # fmt: skip
+
+
+CAUSAL = AttentionSpec(causal=True)
+TOP_LEFT = AttentionSpec(causal=True, causal_alignment="top_left")
+# fmt: off
+RUNS = [
+    Run("ring-zigzag-causal-gqa", _case(CAUSAL, heads_q=4, heads_kv=2), "ring", "zigzag"),
+    Run("ring-zigzag-causal-lq<lk-3d", _case(CAUSAL, len_q=8, three_d=True), "ring", "zigzag"),
+    Run("ring-contiguous-top-left-lq<lk-segments",
+        _case(TOP_LEFT, len_q=8, q_segment_ids=(IDS[::2],), kv_segment_ids=(IDS,)), "ring", "contiguous"),
+    Run("ring-zigzag-window-bshd", _case(AttentionSpec(window=(3, 2), layout="bshd")), "ring", "zigzag"),
+    # Bottom-right with lengths: the band's offset per element, masked blocks; b=1's first rows see nothing.
+    Run("ring-zigzag-lengths", _case(CAUSAL, batch=2, q_lengths=(16, 11), kv_lengths=(16, 6)), "ring", "zigzag"),
+    Run("allgather-zigzag-softcap", _case(AttentionSpec(causal=True, softcap=2.0)), "allgather", "zigzag"),
+    Run("allgather-contiguous-cosine-window",
+        _case(AttentionSpec(causal=True, window=(4, 0), variant="cosine")), "allgather", "contiguous"),
+    Run("allgather-zigzag-top-left-lengths-segments",
+        _case(TOP_LEFT, q_lengths=(13,), kv_lengths=(15,), q_segment_ids=(IDS,), kv_segment_ids=(IDS,)),
+        "allgather", "zigzag"),
+    Run("ulysses-zigzag-causal-gqa", _case(CAUSAL, heads_q=8, heads_kv=4), "ulysses", "zigzag"),
+    Run("ulysses-contiguous-window-lengths",
+        _case(AttentionSpec(window=(2, 5)), heads_q=4, heads_kv=4, batch=2, q_lengths=(16, 7), kv_lengths=(9, 16)),
+        "ulysses", "contiguous"),
+    Run("allgather-contiguous-gqa-inside-own-shard-map", _case(CAUSAL, heads_q=4, heads_kv=2), "allgather",
+        "contiguous", inside=True),
+]
+# fmt: on
+# Bad input: (name, what is called, substrings the InvalidInputError's message must hold).
+BAD = {
+    "ulysses-query-heads": (dict(heads_q=2, heads_kv=2, strategy="ulysses"), ("q has 2 heads", "4 devices")),
+    "ulysses-kv-heads": (dict(heads_q=4, heads_kv=2, strategy="ulysses"), ("k has 2 heads", "4 devices")),
+    "length-not-divisible": (dict(len_q=12, len_k=12, strategy="ring"), ("q is 12 positions long", "8 equal chunks")),
+    "mask": (dict(mask=True, strategy="ring"), ("mask is not taken",)),
+    "unknown-strategy": (dict(strategy="tree"), ("strategy='tree'", "'ring'")),
+}
+
+
+def _seq_axis(case: Case) -> int:
+    return 1 if case.three_d or case.spec.layout.value == "bshd" else 2
+
+
+def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The case's call sharded over the mesh and differentiated with jax.vjp, one jitted program from the whole
+    arrays (laid out by shard_jax) to the whole results (put back by unshard_jax)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as Spec
+
+    from attnkit.distributed.jax_cp import attend_jax, shard_jax, unshard_jax
+
+    case, mesh = run.case, Mesh(np.array(jax.devices()[:WORLD]), (AXIS,))
+    seq_axis = _seq_axis(case)
+    options = dict(axis_name=AXIS, strategy=run.strategy, sharding=run.sharding, return_lse=True)
+
+    def call(q: Any, k: Any, v: Any, optional: dict[str, Any]) -> Any:
+        if not run.inside:
+            return attend_jax(case.spec, q, k, v, mesh=mesh, **optional, **options)
+        sequence = Spec(*(AXIS if axis == seq_axis else None for axis in range(q.ndim)))
+        specs = {name: Spec() if name.endswith("lengths") else Spec(None, AXIS) for name in optional}
+        local = jax.shard_map(
+            lambda q, k, v, optional: attend_jax(case.spec, q, k, v, **optional, **options),
+            mesh=mesh,
+            in_specs=(sequence, sequence, sequence, specs),
+            out_specs=(sequence, Spec(*(AXIS if axis == q.ndim - 2 else None for axis in range(q.ndim - 1)))),
+        )
+        return local(q, k, v, optional)
+
+    def forward_backward(floats: dict[str, Any], optional: dict[str, Any]) -> list[Any]:
+        def shard(x: Any, axis: int) -> Any:
+            return shard_jax(x, mesh, AXIS, run.sharding, axis)
+
+        q, k, v, dout = (shard(floats[name], seq_axis) for name in ("q", "k", "v", "dout"))
+        optional = {name: shard(x, 1) if name.endswith("ids") else x for name, x in optional.items()}
+        (out, lse), pullback = jax.vjp(lambda q, k, v: call(q, k, v, optional), q, k, v)
+        results = (out, lse, *pullback((dout, shard(floats["dlse"], -1))))
+        axes = (seq_axis, -1, seq_axis, seq_axis, seq_axis)
+        return [unshard_jax(x, mesh, AXIS, run.sharding, axis) for x, axis in zip(results, axes)]
+
+    floats = {name: jnp.asarray(arrays[name], jnp.float32) for name in ("q", "k", "v", "dout", "dlse")}
+    optional = {name: jnp.asarray(arrays[name], jnp.int32) for name in OPTIONAL if name in arrays}
+    results = jax.jit(forward_backward)(floats, optional)
+    return {name: np.asarray(x, np.float64) for name, x in zip(("out", "lse", "dq", "dk", "dv"), results)}
+
+
+def _bad_call(name: str) -> None:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh
+
+    from attnkit.distributed.jax_cp import attend_jax
+
+    changes, _ = BAD[name]
+    shape = {key: value for key, value in changes.items() if key in ("heads_q", "heads_kv", "len_q", "len_k")}
+    arrays = make_arrays(_case(CAUSAL, **shape))
+    q, k, v = (jnp.asarray(arrays[key], jnp.float32) for key in ("q", "k", "v"))
+    mask = jnp.ones((1, 1, q.shape[2], k.shape[2]), bool) if changes.get("mask") else None
+    mesh = Mesh(np.array(jax.devices()[:WORLD]), (AXIS,))
+    attend_jax(CAUSAL, q, k, v, mesh=mesh, axis_name=AXIS, strategy=changes["strategy"], mask=mask)
+
+
+def _child(directory: Path) -> None:
+    """Every run and bad call, each result or error written to ``directory``."""
+    outcomes: dict[str, Any] = {}
+    for run in RUNS:
+        try:
+            np.savez(directory / f"{run.name}.npz", **_run_sharded(run, rounded(run.case, make_arrays(run.case))))
+            outcomes[run.name] = None
+        except Exception:  # reported by that case's test, the others still run
+            outcomes[run.name] = traceback.format_exc()
+    for name in BAD:
+        try:
+            _bad_call(name)
+            outcomes[name] = None
+        except Exception as error:
+            outcomes[name] = [type(error).__name__, str(error)]
+    (directory / "outcomes.json").write_text(json.dumps(outcomes))
+
+
+@pytest.fixture(scope="module")
+def child_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    directory = tmp_path_factory.mktemp("distributed_jax")
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={WORLD}", "JAX_PLATFORMS": "cpu"}
+    child = subprocess.run(
+        [sys.executable, "-m", "tests.test_distributed_jax", str(directory)],
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+    )  # fmt: skip
+    assert child.returncode == 0, child.stderr[-4000:]
+    return directory, json.loads((directory / "outcomes.json").read_text())
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[run.name for run in RUNS])
+def test_sharded_call_equals_single_device(run: Run, child_results: tuple[Path, dict[str, Any]]) -> None:
+    directory, outcomes = child_results
+    assert outcomes[run.name] is None, outcomes[run.name]
+    with np.load(directory / f"{run.name}.npz") as loaded:
+        results = dict(loaded)
+    exact, baseline = oracle_results(run.case, rounded(run.case, make_arrays(run.case)))
+    comparisons = compare_outputs(run.case.dtype, results, exact, baseline)
+    failures = [str(comparison) for comparison in comparisons if not comparison.ok]
+    assert not failures, f"{run.strategy}/{run.sharding} {run.case.describe()}\n  " + "\n  ".join(failures)
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_raises_typed_error(name: str, child_results: tuple[Path, dict[str, Any]]) -> None:
+    _, outcomes = child_results
+    assert outcomes[name] is not None, f"{name}: no error raised"
+    kind, message = outcomes[name]
+    assert kind == "InvalidInputError", (kind, message)
+    for expected in BAD[name][1]:
+        assert expected in message, (expected, message)
+
+
+if __name__ == "__main__":
+    _child(Path(sys.argv[1]))
