@@ -209,10 +209,10 @@ def test_sharded_call_equals_the_single_device_call(world: int, tmp_path: Path, 
     assert all("rank 0" in report["bad"]["strategy on one rank"] for report in reports[1:])
 
 
-def test_refuses_jax_and_missing_group() -> None:
+def test_refuses_other_arrays_and_a_missing_group() -> None:
     spec = AttentionSpec()
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(attnkit.InvalidInputError, match="not initialised"):
         distributed.attend(spec, q, q, q)
-    with pytest.raises(attnkit.InvalidInputTypeError, match="torch tensors"):
+    with pytest.raises(attnkit.InvalidInputTypeError, match="torch.Tensor or a jax.Array, got numpy.ndarray"):
         distributed.attend(spec, q.numpy(), q, q)

@@ -1,41 +1,73 @@
-"""Context parallelism (docs/semantics.md §14): attention over a sequence sharded across ranks or devices."""
+"""Context parallelism (docs/semantics.md §14): attention over a sequence sharded across ranks or devices.
+
+torch tensors run on a torch.distributed process group (:mod:`attnkit.distributed.torch_cp`); JAX arrays on a mesh
+axis, or inside the caller's own shard_map (:mod:`attnkit.distributed.jax_cp`).
+"""
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 from attnkit.distributed.sharding import Sharding, Strategy
-from attnkit.errors import InvalidInputTypeError
+from attnkit.errors import InvalidInputError
+from attnkit.frontends import ops_for
 
 
-def _torch_entry(x: Any, argument: str) -> Any:
-    """The torch implementation for a torch tensor; a typed error for anything else (JAX lands separately)."""
-    import sys
+def _implementation(x: Any, argument: str) -> ModuleType:
+    """The module serving ``x``'s framework; ops_for raises the typed error for anything else."""
+    if ops_for(x, argument).framework.value == "jax":
+        from attnkit.distributed import jax_cp
 
-    torch = sys.modules.get("torch")
-    if torch is not None and isinstance(x, torch.Tensor):
-        from attnkit.distributed import torch_cp
+        return jax_cp
+    from attnkit.distributed import torch_cp
 
-        return torch_cp
-    raise InvalidInputTypeError(
-        f"{argument} is a {type(x).__module__}.{type(x).__name__}: attnkit.distributed takes torch tensors for now "
-        "(the JAX entry points are not available yet)"
-    )
+    return torch_cp
+
+
+def _placement(is_jax: bool, group: Any, mesh: Any, axis_name: Any) -> None:
+    if is_jax and (mesh is None or axis_name is None):
+        raise InvalidInputError(f"JAX arrays need mesh= and axis_name= (got mesh={mesh!r}, axis_name={axis_name!r})")
+    if is_jax and group is not None:
+        raise InvalidInputError("group= is a torch.distributed process group; JAX arrays take mesh= and axis_name=")
+    if not is_jax and (mesh is not None or axis_name is not None):
+        raise InvalidInputError("mesh= and axis_name= are for JAX arrays; torch tensors take group=")
 
 
 def attend(spec: Any, q: Any, k: Any, v: Any, **options: Any) -> Any:
-    """The sharded call of §14: every rank passes its shards of q, k, v and gets its shard of out (and lse)."""
-    return _torch_entry(q, "q").attend_torch(spec, q, k, v, **options)
+    """The sharded call of §14: every rank (device) passes its shards of q, k, v and gets its shard of out (and lse).
+    torch: ``group=``; JAX: ``mesh=`` and ``axis_name=``, or ``axis_name=`` alone inside a shard_map."""
+    implementation = _implementation(q, "q")
+    if implementation.__name__.endswith("jax_cp"):
+        return implementation.attend_jax(spec, q, k, v, **options)
+    return implementation.attend_torch(spec, q, k, v, **options)
 
 
-def shard(x: Any, group: Any = None, sharding: str = "zigzag", seq_axis: int = 2) -> Any:
-    """This rank's shard of the whole tensor ``x`` along ``seq_axis``."""
-    return _torch_entry(x, "x").shard_torch(x, group, sharding, seq_axis)
+def shard(
+    x: Any, group: Any = None, sharding: str = "zigzag", seq_axis: int = 2, *, mesh: Any = None, axis_name: Any = None
+) -> Any:
+    """This rank's shard of the whole tensor ``x`` along ``seq_axis`` (torch); for JAX, the whole array laid out on
+    ``mesh`` so that device r of ``axis_name`` holds its chunks."""
+    implementation = _implementation(x, "x")
+    is_jax = implementation.__name__.endswith("jax_cp")
+    _placement(is_jax, group, mesh, axis_name)
+    if is_jax:
+        return implementation.shard_jax(x, mesh, axis_name, sharding, seq_axis)
+    return implementation.shard_torch(x, group, sharding, seq_axis)
 
 
-def unshard(x_local: Any, group: Any = None, sharding: str = "zigzag", seq_axis: int = 2) -> Any:
-    """The whole tensor from every rank's shard along ``seq_axis`` (a collective)."""
-    return _torch_entry(x_local, "x_local").unshard_torch(x_local, group, sharding, seq_axis)
+def unshard(
+    x_local: Any, group: Any = None, sharding: str = "zigzag", seq_axis: int = 2, *, mesh: Any = None,
+    axis_name: Any = None,
+) -> Any:  # fmt: skip
+    """The whole tensor in global order: from every rank's shard (torch, a collective), or from a JAX array laid out
+    by :func:`shard` (out, lse and gradients too)."""
+    implementation = _implementation(x_local, "x_local")
+    is_jax = implementation.__name__.endswith("jax_cp")
+    _placement(is_jax, group, mesh, axis_name)
+    if is_jax:
+        return implementation.unshard_jax(x_local, mesh, axis_name, sharding, seq_axis)
+    return implementation.unshard_torch(x_local, group, sharding, seq_axis)
 
 
 __all__ = ["Sharding", "Strategy", "attend", "shard", "unshard"]

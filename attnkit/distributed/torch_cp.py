@@ -510,7 +510,10 @@ def _ulysses(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Pa
 
 
 def _shifted(call: _Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
-    """Post sending ``tensors`` to the next rank of the ring and receiving the previous rank's: (buffers, requests)."""
+    """Post sending ``tensors`` to the next rank of the ring and receiving the previous rank's: (buffers, requests).
+    A ring of one rank is its own neighbour: nothing moves."""
+    if call.world == 1:
+        return list(tensors), []
     following = _global_rank(call.group, (call.rank + 1) % call.world)
     preceding = _global_rank(call.group, (call.rank - 1) % call.world)
     buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
