@@ -14,8 +14,10 @@ backward of its own that runs the ring again (one remote K/V chunk at a time), r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,6 +42,48 @@ from attnkit.validation import prepare
 
 Group = Any  # a torch.distributed ProcessGroup, or None for the default group
 Partial = tuple[torch.Tensor, torch.Tensor]  # (out, lse) of one block
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a rank moves and waits for (``attnkit bench --what context-parallel``)
+
+
+@dataclass
+class Traffic:
+    """This rank's sharded calls while :func:`recording`: the bytes it handed to each kind of transfer (what it
+    sends), the blocks it computed, and per ring transfer ``(what, busy, waited)``: the wall seconds from posting the
+    transfer to the end of the compute it overlaps, then the seconds spent waiting for it."""
+
+    sent_bytes: dict[str, int] = field(default_factory=dict)
+    blocks: int = 0
+    ring_transfers: list[tuple[str, float, float]] = field(default_factory=list)
+
+
+_traffic: Traffic | None = None
+
+
+@contextmanager
+def recording() -> Iterator[Traffic]:
+    """Record this rank's :class:`Traffic` for the calls made inside the block."""
+    global _traffic
+    _traffic = traffic = Traffic()
+    try:
+        yield traffic
+    finally:
+        _traffic = None
+
+
+def _note_sent(what: str, nbytes: int) -> None:
+    if _traffic is not None:
+        _traffic.sent_bytes[what] = _traffic.sent_bytes.get(what, 0) + nbytes
+
+
+def _waited_for(what: str, requests: list[Any], posted: float) -> None:
+    """Wait for a posted ring transfer, noting how long the compute since ``posted`` hid it and what was left."""
+    busy = time.perf_counter() - posted
+    _wait(requests)
+    if _traffic is not None:
+        _traffic.ring_transfers.append((what, busy, time.perf_counter() - posted - busy))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -70,14 +114,17 @@ class _AllGather(torch.autograd.Function):
         ctx.group, ctx.dim, ctx.rank, ctx.size = group, dim, rank, x.shape[dim]
         parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(world)]
         dist.all_gather(parts, x.contiguous(), group=group)
+        _note_sent("all-gather", x.nbytes * (world - 1))
         return torch.cat(parts, dim)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
-        # Every rank's output took gradients: the sum over ranks, this rank's slice (gloo has no reduce_scatter).
-        total = grad.contiguous()
-        dist.all_reduce(total, group=ctx.group)
-        return total.narrow(ctx.dim, ctx.rank * ctx.size, ctx.size), None, None
+        # Every rank's output took gradients: this rank's slice, summed over the ranks.
+        parts = [part.contiguous() for part in grad.split(ctx.size, ctx.dim)]
+        mine = torch.empty_like(parts[ctx.rank])
+        dist.reduce_scatter(mine, parts, group=ctx.group)
+        _note_sent("reduce-scatter", sum(part.nbytes for index, part in enumerate(parts) if index != ctx.rank))
+        return mine, None, None
 
 
 class _AllToAll(torch.autograd.Function):
@@ -95,10 +142,11 @@ class _AllToAll(torch.autograd.Function):
 
 
 def _all_to_all(x: torch.Tensor, group: Group, split_dim: int, concat_dim: int) -> torch.Tensor:
-    world, _ = _world(group)
+    world, rank = _world(group)
     sends = [part.contiguous() for part in x.chunk(world, split_dim)]
     receives = [torch.empty_like(part) for part in sends]
     dist.all_to_all(receives, sends, group=group)
+    _note_sent("all-to-all", sum(part.nbytes for part in sends) - sends[rank].nbytes)
     return torch.cat(receives, concat_dim)
 
 
@@ -366,6 +414,20 @@ def _band_mask(
     return within_band(relative, *band)
 
 
+def _segment_range(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per batch element, the least and greatest non-negative id (lo > hi when every position is padding)."""
+    real = ids >= 0
+    lo = torch.where(real, ids, torch.iinfo(ids.dtype).max).amin(1)
+    return lo, torch.where(real, ids, -1).amax(1)
+
+
+def _segments_meet(q_ids: torch.Tensor, kv_ids: Any) -> bool:
+    """Whether some query of a block may share a segment with some key of it, by id ranges per batch element (§4.5):
+    a block of other documents only, or of padding, is skipped like a hidden one."""
+    (q_lo, q_hi), (k_lo, k_hi) = _segment_range(q_ids), _segment_range(kv_ids)
+    return bool(((q_lo <= k_hi) & (k_lo <= q_hi)).any())
+
+
 def _block(
     call: _Call, q: torch.Tensor, q_span: range, q_rows: slice, q_ids: torch.Tensor | None, keys: _KeyShard,
     k_span: range, k_cols: slice, bias: torch.Tensor | None,
@@ -376,15 +438,17 @@ def _block(
     spec = call.spec
     has_lengths = call.q_lengths is not None or call.kv_lengths is not None
     plan = block_plan(spec, q_span, k_span, call.len_q, call.len_k, has_lengths)
-    if plan.kind is BlockKind.HIDDEN:
+    kv_ids = keys.segment_ids[:, k_cols] if keys.segment_ids is not None else None
+    if plan.kind is BlockKind.HIDDEN or (q_ids is not None and not _segments_meet(q_ids, kv_ids)):
         return None
+    if _traffic is not None:
+        _traffic.blocks += 1
     columns = slice(k_span.start, k_span.stop)
     masked = plan.kind is BlockKind.MASKED
     band = _band_mask(call, q_span, k_span, plan.offset, plan.band, q.device) if masked else None
     mask = conjoin(band, block_of(call.mask, q_rows, columns) if call.mask is not None else None)
     axis = call.seq_axis
     k, v = keys.k.narrow(axis, k_cols.start, len(k_span)), keys.v.narrow(axis, k_cols.start, len(k_span))
-    kv_ids = keys.segment_ids[:, k_cols] if keys.segment_ids is not None else None
     out, lse = local_attend(
         plan.spec, q, k, v,
         mask=mask,
@@ -509,11 +573,12 @@ def _ulysses(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Pa
     return out, lse
 
 
-def _shifted(call: _Call, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+def _shifted(call: _Call, tensors: Sequence[torch.Tensor], what: str) -> tuple[list[torch.Tensor], list[Any]]:
     """Post sending ``tensors`` to the next rank of the ring and receiving the previous rank's: (buffers, requests).
     A ring of one rank is its own neighbour: nothing moves."""
     if call.world == 1:
         return list(tensors), []
+    _note_sent(what, sum(t.nbytes for t in tensors))
     following = _global_rank(call.group, (call.rank + 1) % call.world)
     preceding = _global_rank(call.group, (call.rank - 1) % call.world)
     buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
@@ -527,20 +592,23 @@ def _wait(requests: list[Any]) -> None:
         request.wait()
 
 
-def _ring_steps(call: _Call, k: torch.Tensor, v: torch.Tensor, kv_ids: Any) -> Iterator[tuple[_KeyShard, Callable]]:
+def _ring_steps(
+    call: _Call, k: torch.Tensor, v: torch.Tensor, kv_ids: Any, phase: str
+) -> Iterator[tuple[_KeyShard, Callable]]:
     """The ring: at step s this rank holds the keys of rank r − s; the next step's transfer is posted before the
     caller computes on them (``finish()`` waits for it)."""
     keys = [k, v] + ([kv_ids] if kv_ids is not None else [])
     for step in range(call.world):
         source = (call.rank - step) % call.world
-        pending = _shifted(call, keys) if step < call.world - 1 else None
+        pending = _shifted(call, keys, f"ring k/v ({phase})") if step < call.world - 1 else None
+        posted = time.perf_counter()
         held = _KeyShard(keys[0], keys[1], keys[2] if kv_ids is not None else None, call.k_spans(source))
 
-        def finish(pending: Any = pending) -> None:
+        def finish(pending: Any = pending, posted: float = posted) -> None:
             nonlocal keys
             if pending is not None:
                 buffers, requests = pending
-                _wait(requests)
+                _waited_for(f"k/v ({phase})", requests, posted)
                 keys = buffers
 
         yield held, finish
@@ -549,7 +617,7 @@ def _ring_steps(call: _Call, k: torch.Tensor, v: torch.Tensor, kv_ids: Any) -> I
 def _ring_forward(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Partial:
     chunks = list(_query_chunks(call, q, q_ids))
     parts: list[list[Partial]] = [[] for _ in chunks]
-    for keys, finish in _ring_steps(call, k, v, kv_ids):
+    for keys, finish in _ring_steps(call, k, v, kv_ids, "forward"):
         for merged, (q_span, rows, q_chunk, ids) in zip(parts, chunks):
             for k_span, cols in keys.chunks(call):
                 part = _block(call, q_chunk, q_span, rows, ids, keys, k_span, cols, call.bias)
@@ -562,7 +630,8 @@ def _ring_forward(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) 
 
 class _Ring(torch.autograd.Function):
     """The ring, with a backward that runs the ring again: each block is recomputed and pulled back from its share of
-    the merged cotangents, dq accumulating here and dk/dv travelling with their keys back to their rank:
+    the merged cotangents, dq accumulating here and dk/dv following their keys round the ring back to their rank,
+    each step's sum in flight while the next step computes:
 
         w_s = exp(lse_s − lse);  d out_s = w_s · dout;  d lse_s = w_s · (dlse + ⟨dout, out_s − out⟩)
     """
@@ -583,20 +652,29 @@ class _Ring(torch.autograd.Function):
         want_bias = bias is not None and ctx.needs_input_grad[4]
         dq = torch.zeros_like(q, dtype=accumulate)
         dbias = torch.zeros_like(bias, dtype=accumulate) if want_bias else None
-        dkv = [torch.zeros_like(k, dtype=accumulate), torch.zeros_like(v, dtype=accumulate)]
         if dlse is None:
             dlse = torch.zeros_like(lse)
         dlse = torch.where(torch.isneginf(lse), torch.zeros_like(dlse), dlse)  # an empty row's lse takes none
-        for keys, finish in _ring_steps(call, k, v, kv_ids):
+        arriving: tuple[list[torch.Tensor], list[Any], float] | None = None  # the preceding rank's sum of dk/dv
+        # for the keys held now, in flight
+        for keys, finish in _ring_steps(call, k, v, kv_ids, "backward"):
+            dkv = [torch.zeros_like(k, dtype=accumulate), torch.zeros_like(v, dtype=accumulate)]
             for q_span, rows, q_chunk, ids in _query_chunks(call, q, q_ids):
                 for k_span, cols in keys.chunks(call):
                     _block_backward(call, (q_chunk, q_span, rows, ids), keys, (k_span, cols), (out, lse, dout, dlse),
                                     (dq, dkv, bias, dbias))  # fmt: skip
             finish()
-            # The dk/dv of the keys just used follow them to the next rank: after P steps they are home.
-            buffers, requests = _shifted(call, dkv)
-            _wait(requests)
-            dkv = buffers
+            if arriving is not None:
+                buffers, requests, posted = arriving
+                _waited_for("dk/dv", requests, posted)
+                for mine, theirs in zip(dkv, buffers):
+                    mine.add_(theirs)
+            # The sum follows the keys to the next rank, which adds its share at its next step: after P steps the
+            # sums are home.
+            arriving = (*_shifted(call, dkv, "ring dk/dv"), time.perf_counter())
+        assert arriving is not None  # a ring has at least one step
+        dkv, requests, posted = arriving
+        _waited_for("dk/dv", requests, posted)
         return None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dbias, None, None
 
 
