@@ -152,7 +152,18 @@ def _add_bench(commands: Any) -> None:
     )
     bench.add_argument(
         "--what",
-        choices=("dispatch", "spec", "chunked", "memory", "targets", "compiled", "masks", "packed", "paged"),
+        choices=(
+            "dispatch",
+            "spec",
+            "chunked",
+            "memory",
+            "targets",
+            "compiled",
+            "masks",
+            "packed",
+            "paged",
+            "context-parallel",
+        ),  # fmt: skip
         default="dispatch",
     )
     bench.add_argument(
@@ -168,7 +179,11 @@ def _add_bench(commands: Any) -> None:
         "prints it, or writes it to --output (replaces --what)",
     )
     bench.add_argument("--output", metavar="PATH", help="--calibrate: write the table here (configs/costs.toml)")
-    bench.add_argument("--backends", metavar="A,B", help="--calibrate, paged, packed: only these backends")
+    bench.add_argument(
+        "--backends",
+        metavar="A,B",
+        help="--calibrate, paged, packed: only these backends; context-parallel: the local blocks' backend",
+    )
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -177,8 +192,11 @@ def _add_bench(commands: Any) -> None:
     )
     bench.add_argument("--calls", type=int, default=2000, help="dispatch, spec: calls per round (default %(default)s)")
     bench.add_argument(
-        "--seq-len", type=int, help="chunked, memory, --backend: sequence length (default 4096, 16384, paper's)"
+        "--seq-len",
+        type=int,
+        help="chunked, memory, --backend, context-parallel: sequence length (default 4096, 16384, paper's, 16384)",
     )
+    bench.add_argument("--world", type=int, default=4, help="context-parallel: ranks of the gloo group (default 4)")
     bench.add_argument(
         "--seq-lens",
         metavar="L1,L2",

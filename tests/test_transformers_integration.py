@@ -244,6 +244,17 @@ def test_the_mask_made_stands_for_exactly_transformers_mask(geometry: str, patte
 PACKINGS = {"two": [[5, 7], [5, 7]], "one-token and whole-row sequences": [[1, 4, 1, 6], [12]]}
 
 
+def packed_mask_function(pattern: Callable, positions: torch.Tensor, ids: torch.Tensor) -> Callable:
+    """The mask function transformers' create_causal_mask builds for packed rows, as the installed version writes it:
+    one function up to 5.23, the pattern on the positions AND-ed with the same-sequence term from 5.24."""
+    if hasattr(masking_utils, "packed_sequence_compatibility_function"):
+        return masking_utils.packed_sequence_compatibility_function(pattern, positions, ids)
+    return masking_utils.and_masks(
+        masking_utils.remap_positions_for_packed_sequence(pattern, positions),
+        masking_utils.packed_sequence_mask_function(ids),
+    )
+
+
 @pytest.mark.parametrize("packing", sorted(PACKINGS))
 @pytest.mark.parametrize("pattern", ["causal", "sliding 1", "sliding 3"])
 def test_packed_sequences_are_segment_ids_standing_for_transformers_mask(packing: str, pattern: str) -> None:
@@ -251,7 +262,7 @@ def test_packed_sequences_are_segment_ids_standing_for_transformers_mask(packing
     segment ids, one per sequence, whose visibility equals transformers' mask."""
     positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in PACKINGS[packing]])
     ids = masking_utils.find_packed_sequence_indices(positions)
-    mask_function = masking_utils.packed_sequence_compatibility_function(PATTERNS[pattern], positions, ids)
+    mask_function = packed_mask_function(PATTERNS[pattern], positions, ids)
     facts = dict(batch_size=2, q_length=LENGTH, kv_length=LENGTH, mask_function=mask_function)
     made = attnkit_hf.make_mask(**facts)
     assert isinstance(made, attnkit_hf.AttnkitMask) and made.kv_segment_ids is ids
@@ -264,9 +275,7 @@ def test_patterns_attnkit_cannot_express_get_transformers_mask() -> None:
     chunks_of_3 = masking_utils.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
     positions = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
     foreign_ids = torch.zeros(2, 6, dtype=torch.long)  # two runs of positions read as one sequence: q3 sees k0
-    foreign_packing = masking_utils.packed_sequence_compatibility_function(
-        masking_utils.causal_mask_function, positions, foreign_ids
-    )
+    foreign_packing = packed_mask_function(masking_utils.causal_mask_function, positions, foreign_ids)
     for mask_function in (chunks_of_3, foreign_packing):
         facts = dict(batch_size=2, q_length=6, kv_length=6, attention_mask=torch.ones(2, 6, dtype=torch.bool),
                      mask_function=mask_function)  # fmt: skip

@@ -9,7 +9,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TextIO
 
-from attnkit.bench import calibrate, chunked, compiled, masks, overhead, packed, paged, spec_cost, targets, tflops
+from attnkit.bench import (
+    calibrate,
+    chunked,
+    compiled,
+    context_parallel,
+    masks,
+    overhead,
+    packed,
+    paged,
+    spec_cost,
+    targets,
+    tflops,
+)
 from attnkit.environment import limit_jax_threads, torch_threads
 
 
@@ -39,6 +51,8 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         return run_paged(args, out)
     if args.what == "packed":
         return run_packed(args, out)
+    if args.what == "context-parallel":
+        return run_context_parallel(args, out)
     if args.what == "memory" and args.device != "cpu":
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
@@ -165,6 +179,24 @@ def run_packed(args: argparse.Namespace, out: TextIO) -> int:
             repeats=repeats, warmup=args.warmup, memory=not args.no_memory, backends=_csv(args.backends)
         )
     print(packed.format_packed(result), file=out)
+    _write_json(args, result, out)
+    return 0
+
+
+def run_context_parallel(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what context-parallel runs gloo groups of CPU processes (--device cpu)",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    result = context_parallel.bench_context_parallel(
+        world=args.world,
+        seq_len=args.seq_len or context_parallel.SHAPE["seq_len"],
+        repeats=args.repeats if args.repeats is not None else 2,
+        threads=args.threads or 1,
+        backend=(_csv(args.backends) or ("auto",))[0],
+        progress=_progress,
+    )
+    print(context_parallel.format_context_parallel(result), file=out)
     _write_json(args, result, out)
     return 0
 

@@ -614,17 +614,31 @@ def _ring_steps(
         yield held, finish
 
 
+def _merged_into(call: _Call, running: Partial | None, part: Partial) -> Partial:
+    """§6's merge of one more block into a query chunk's running (out float32, lse), in place: the ring's forward,
+    where no gradient flows, holds one partial per query chunk and no stack of them."""
+    part_out, part_lse = part
+    if running is None:
+        return part_out.to(compute_dtype(part_out.dtype), memory_format=torch.contiguous_format, copy=True), part_lse
+    out, lse = running
+    merged_lse = torch.logaddexp(lse, part_lse)
+    out.mul_(_per_row(call, _weights(lse, merged_lse))).addcmul_(
+        _per_row(call, _weights(part_lse, merged_lse)), part_out
+    )
+    return out, merged_lse
+
+
 def _ring_forward(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Partial:
     chunks = list(_query_chunks(call, q, q_ids))
-    parts: list[list[Partial]] = [[] for _ in chunks]
+    running: list[Partial | None] = [None] * len(chunks)
     for keys, finish in _ring_steps(call, k, v, kv_ids, "forward"):
-        for merged, (q_span, rows, q_chunk, ids) in zip(parts, chunks):
+        for index, (q_span, rows, q_chunk, ids) in enumerate(chunks):
             for k_span, cols in keys.chunks(call):
                 part = _block(call, q_chunk, q_span, rows, ids, keys, k_span, cols, call.bias)
-                if part is not None:  # merged as it comes: one partial per query chunk is held
-                    merged[:] = [_merge(call, [*merged, part], _empty_like(call, q_chunk, v))]
+                if part is not None:
+                    running[index] = _merged_into(call, running[index], part)
         finish()
-    results = [_merge(call, merged, _empty_like(call, chunk, v)) for merged, (_, _, chunk, _) in zip(parts, chunks)]
+    results = [merged or _empty_like(call, chunk, v)() for merged, (_, _, chunk, _) in zip(running, chunks)]
     return torch.cat([out for out, _ in results], call.seq_axis).to(q.dtype), torch.cat([lse for _, lse in results], 2)
 
 
