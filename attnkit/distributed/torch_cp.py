@@ -673,15 +673,12 @@ class _Ring(torch.autograd.Function):
         # for the keys held now, in flight
         for keys, finish in _ring_steps(call, k, v, kv_ids, "backward"):
             dkv = [torch.zeros_like(k, dtype=accumulate), torch.zeros_like(v, dtype=accumulate)]
-            for q_span, rows, q_chunk, ids in _query_chunks(call, q, q_ids):
-                for k_span, cols in keys.chunks(call):
-                    _block_backward(call, (q_chunk, q_span, rows, ids), keys, (k_span, cols), (out, lse, dout, dlse),
-                                    (dq, dkv, bias, dbias))  # fmt: skip
+            for query, key in _backward_pieces(call, q, q_ids, keys):
+                _block_backward(call, query, keys, key, (out, lse, dout, dlse), (dq, dkv, bias, dbias))
             finish()
-            if arriving is not None:
-                buffers, requests, posted = arriving
-                _waited_for("dk/dv", requests, posted)
-                for mine, theirs in zip(dkv, buffers):
+            if arriving is not None:  # (read in place: a name bound to its buffers would keep them a step longer)
+                _waited_for("dk/dv", arriving[1], arriving[2])
+                for mine, theirs in zip(dkv, arriving[0]):
                     mine.add_(theirs)
             # The sum follows the keys to the next rank, which adds its share at its next step: after P steps the
             # sums are home.
@@ -690,6 +687,32 @@ class _Ring(torch.autograd.Function):
         dkv, requests, posted = arriving
         _waited_for("dk/dv", requests, posted)
         return None, dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), dbias, None, None
+
+
+#: The ring's backward recomputes each block in pieces of at most this many queries and keys: a recompute holds
+#: temporaries of its block's size (its out, the cotangents, the backend's own), which for whole chunks outweighed
+#: the K/V buffers (docs/performance.md, context parallelism).
+_BACKWARD_PIECE = 512
+
+
+def _pieces(span: range, local: slice, limit: int) -> Iterator[tuple[range, slice]]:
+    """(global span, local slice) of consecutive pieces of a chunk, at most ``limit`` positions each."""
+    for start in range(0, len(span), limit):
+        stop = min(start + limit, len(span))
+        yield range(span.start + start, span.start + stop), slice(local.start + start, local.start + stop)
+
+
+def _backward_pieces(
+    call: _Call, q: torch.Tensor, q_ids: torch.Tensor | None, keys: _KeyShard
+) -> Iterator[tuple[tuple, tuple[range, slice]]]:
+    """((q piece, its span, its local rows, its ids), (key span, key columns)) of every piece of every block."""
+    for q_span, rows, _, _ in _query_chunks(call, q, q_ids):
+        for q_piece, piece_rows in _pieces(q_span, rows, _BACKWARD_PIECE):
+            q_chunk = q.narrow(call.seq_axis, piece_rows.start, len(q_piece))
+            ids = q_ids[:, piece_rows] if q_ids is not None else None
+            for k_span, cols in keys.chunks(call):
+                for key in _pieces(k_span, cols, _BACKWARD_PIECE):
+                    yield (q_chunk, q_piece, piece_rows, ids), key
 
 
 def _block_backward(call: _Call, query: tuple, keys: _KeyShard, key: tuple, merged: tuple, grads: tuple) -> None:
