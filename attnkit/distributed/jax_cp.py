@@ -301,19 +301,32 @@ class _Geometry:
         k_start = rank_chunks(self.world, source, self.config.sharding)[k_chunk] * self.chunk_k
         operands = (q, k, v, q_ids, kv_ids, q_start, k_start)
         branches = [functools.partial(self._run, block) for block in blocks]
-        if len(branches) == 1:
-            return branches[0](*operands)
-        return lax.switch(jnp.asarray(table)[rank, source], branches, *operands)  # type: ignore[no-any-return]
+
+        def run(*operands: Any) -> tuple[Any, Any]:
+            if len(branches) == 1:
+                return branches[0](*operands)
+            return lax.switch(jnp.asarray(table)[rank, source], branches, *operands)  # type: ignore[no-any-return]
+
+        if q_ids is None:
+            return run(*operands)
+        # A block of other documents only, or of padding, is skipped like a hidden one (decided on the device).
+        return lax.cond(  # type: ignore[no-any-return]
+            _segments_meet(q_ids, kv_ids), run, lambda q, k, v, *_: self._nothing_seen(q, v), *operands
+        )
+
+    def _nothing_seen(self, q: Any, v: Any) -> tuple[Any, Any]:
+        """A block no query sees a key of: out 0, lse −inf."""
+        return (
+            lax.full_like(q, 0, q.dtype, (*q.shape[:-1], v.shape[-1])),
+            lax.full_like(q, -jnp.inf, jnp.float32, self.lse_shape(q)),
+        )
 
     def _run(
         self, block: Block, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any, q_start: Any, k_start: Any
     ) -> tuple[Any, Any]:
         seq_axis = self.config.seq_axis
         if block.kind is BlockKind.HIDDEN:
-            return (
-                lax.full_like(q, 0, q.dtype, (*q.shape[:-1], v.shape[-1])),
-                lax.full_like(q, -jnp.inf, jnp.float32, self.lse_shape(q)),
-            )
+            return self._nothing_seen(q, v)
         mask = None
         if block.kind is BlockKind.MASKED:  # the global band on global positions (per element with lengths)
             rows = q_start + jnp.arange(q.shape[seq_axis]).reshape(1, 1, -1, 1)
@@ -337,6 +350,18 @@ class _Geometry:
     def _local_lengths(lengths: Any, start: Any, size: int) -> Any:
         """A chunk's lengths: the global ones counted from its first position, clipped to it."""
         return None if lengths is None else jnp.clip(lengths - start, 0, size).astype(lengths.dtype)
+
+
+def _segment_range(ids: Any) -> tuple[Any, Any]:
+    """Per batch element, the least and greatest non-negative id (lo > hi when every position is padding)."""
+    real = ids >= 0
+    return jnp.where(real, ids, jnp.iinfo(ids.dtype).max).min(1), jnp.where(real, ids, -1).max(1)
+
+
+def _segments_meet(q_ids: Any, kv_ids: Any) -> Any:
+    """Whether some query of a block may share a segment with some key of it, by id ranges per element (§4.5)."""
+    (q_lo, q_hi), (k_lo, k_hi) = _segment_range(q_ids), _segment_range(kv_ids)
+    return jnp.any((q_lo <= k_hi) & (k_lo <= q_hi))
 
 
 def _ulysses(geometry: _Geometry, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
