@@ -723,11 +723,13 @@ def _block_backward(call: _Call, query: tuple, keys: _KeyShard, key: tuple, merg
     dq, dkv, bias, dbias = grads
     axis = call.seq_axis
     q_leaf = q_chunk.detach().requires_grad_(True)
-    k_leaf, v_leaf = keys.k.detach().requires_grad_(True), keys.v.detach().requires_grad_(True)
+    # Leaves of the block's keys only: a leaf of the whole shard would take a whole-shard gradient per block.
+    k_leaf, v_leaf = (x.narrow(axis, cols.start, len(k_span)).detach().requires_grad_(True) for x in (keys.k, keys.v))
     bias_leaf = bias.detach().requires_grad_(True) if dbias is not None else bias
     with torch.enable_grad():
-        leaf_keys = _KeyShard(k_leaf, v_leaf, keys.segment_ids, keys.spans)
-        part = _block(call, q_leaf, q_span, rows, ids, leaf_keys, k_span, cols, bias_leaf)
+        kv_ids = keys.segment_ids[:, cols] if keys.segment_ids is not None else None
+        leaf_keys = _KeyShard(k_leaf, v_leaf, kv_ids, keys.spans)
+        part = _block(call, q_leaf, q_span, rows, ids, leaf_keys, k_span, slice(0, len(k_span)), bias_leaf)
         if part is None:
             return
         part_out, part_lse = part
@@ -751,7 +753,7 @@ def _block_backward(call: _Call, query: tuple, keys: _KeyShard, key: tuple, merg
         dq.narrow(axis, rows.start, len(q_span)).add_(found[0])
     for accumulator, grad in zip(dkv, found[1:3]):
         if grad is not None:
-            accumulator.add_(grad)
+            accumulator.narrow(axis, cols.start, len(k_span)).add_(grad)
     if dbias is not None and found[3] is not None:
         dbias.add_(found[3])
 
