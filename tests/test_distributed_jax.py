@@ -1,7 +1,8 @@
 """Context parallelism on a JAX mesh (docs/semantics.md §14): attnkit.distributed's JAX calls on 4 host devices equal
 the single-device call on the whole arrays, out, lse and dq, dk, dv (through out and lse), against the float64
-oracle (torch-naive) under the tolerance rule, for every strategy × sharding over causal (both alignments, Lq ≠ Lk),
-windows, GQA, softcap, cosine, lengths, segment ids and 3-D inputs; under jax.jit, on arrays laid out by shard_jax
+oracle (torch-naive) under the tolerance rule at the case's dtype (float32, and bfloat16 runs), for every
+strategy × sharding over causal (both alignments, Lq ≠ Lk), windows, GQA, softcap, cosine, lengths, segment ids and
+3-D inputs; under jax.jit, on arrays laid out by shard_jax
 and inside the caller's own shard_map. Bad input raises a typed error naming the value.
 
 JAX makes its host devices when it is first imported (XLA_FLAGS), and this process imported it long ago: the
@@ -59,6 +60,13 @@ TOP_LEFT = AttentionSpec(causal=True, causal_alignment="top_left")
 # fmt: off
 RUNS = [
     Run("ring-zigzag-causal-gqa", _case(CAUSAL, heads_q=4, heads_kv=2), "ring", "zigzag"),
+    # bfloat16 (not float16: the runs are jitted, and JAX's CPU dot_general rejects the F16_F16_F32 product of the
+    # jitted backward, backends/native/jax_xla.py).
+    Run("ring-contiguous-window-gqa-bfloat16",
+        _case(AttentionSpec(causal=True, window=(5, 0)), heads_q=4, heads_kv=2, dtype="bfloat16"), "ring",
+        "contiguous"),
+    Run("ulysses-zigzag-top-left-lq<lk-bfloat16", _case(TOP_LEFT, heads_q=4, heads_kv=4, len_q=8, dtype="bfloat16"),
+        "ulysses", "zigzag"),
     Run("ring-zigzag-causal-lq<lk-3d", _case(CAUSAL, len_q=8, three_d=True), "ring", "zigzag"),
     Run("ring-contiguous-top-left-lq<lk-segments",
         _case(TOP_LEFT, len_q=8, q_segment_ids=(IDS[::2],), kv_segment_ids=(IDS,)), "ring", "contiguous"),
@@ -131,7 +139,8 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
         axes = (seq_axis, -1, seq_axis, seq_axis, seq_axis)
         return [unshard_jax(x, mesh, AXIS, run.sharding, axis) for x, axis in zip(results, axes)]
 
-    floats = {name: jnp.asarray(arrays[name], jnp.float32) for name in ("q", "k", "v", "dout", "dlse")}
+    floats = {name: jnp.asarray(arrays[name], case.dtype) for name in ("q", "k", "v", "dout")}
+    floats["dlse"] = jnp.asarray(arrays["dlse"], jnp.float32)  # lse is float32 whatever the inputs' dtype (§6)
     optional = {name: jnp.asarray(arrays[name], jnp.int32) for name in OPTIONAL if name in arrays}
     results = jax.jit(forward_backward)(floats, optional)
     return {name: np.asarray(x, np.float64) for name, x in zip(("out", "lse", "dq", "dk", "dv"), results)}

@@ -33,6 +33,7 @@ from attnkit.errors import AttnkitError  # noqa: E402
 from attnkit.spec import AttentionSpec  # noqa: E402
 from attnkit.testing.agreement import compare_outputs, oracle_results, rounded  # noqa: E402
 from attnkit.testing.cases import Case, make_arrays  # noqa: E402
+from attnkit.testing.runners import FLOATING_INPUTS  # noqa: E402
 from attnkit.testing.strategies import cases, segment_ids  # noqa: E402
 
 STRATEGIES = ("ring", "allgather", "ulysses")
@@ -93,8 +94,8 @@ FIXED_CASES = {
 def _shardable_case(draw: st.DrawFn, world: int) -> Case:
     """A case drawn by attnkit.testing.strategies.cases, made shardable over ``world`` ranks: 4-D (distributed.attend
     takes no 3-D inputs), Lq and Lk stretched to the next multiple of 2P (zigzag's chunk count; contiguous needs P)
-    with the mask and bias shapes following and the segment ids drawn again for them; in half the draws without
-    mask or bias, the heads multiplied by P so that Ulysses serves the case too."""
+    with the mask and bias shapes following and the segment ids drawn again for them; without mask or bias, the heads
+    multiplied by P so that Ulysses serves the case too."""
     case = draw(cases(dtypes=SHARDED_DTYPES, max_len=16).filter(lambda case: not case.three_d))
     unit = 2 * world
     len_q, len_k = (unit * -(-length // unit) for length in (case.len_q, case.len_k))
@@ -105,9 +106,7 @@ def _shardable_case(draw: st.DrawFn, world: int) -> Case:
     ids = (case.q_segment_ids, case.kv_segment_ids)
     if case.q_segment_ids is not None:
         ids = draw(segment_ids(case.batch, len_q, len_k))
-    heads = 1
-    if case.mask_shape is None and case.bias_shape is None and draw(st.booleans()):
-        heads = world
+    heads = world if case.mask_shape is None and case.bias_shape is None else 1
     return case.with_(len_q=len_q, len_k=len_k, mask_shape=stretched(case.mask_shape),
                       bias_shape=stretched(case.bias_shape), q_segment_ids=ids[0], kv_segment_ids=ids[1],
                       heads_q=case.heads_q * heads, heads_kv=case.heads_kv * heads)  # fmt: skip
@@ -142,13 +141,13 @@ def _seq_axis(case: Case) -> int:
 def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding: str) -> dict[str, np.ndarray]:
     """One sharded call with its backward, unsharded: the results as the harness names them."""
     axis = _seq_axis(case)
-    dtype = getattr(torch, case.dtype)
 
     def local(name: str, seq_axis: int | None = None, grad: bool = False) -> Any:
         """This rank's shard; mask and bias (any rank of §4.4) are sharded on their query axis unless broadcast."""
         if name not in arrays:
             return None
-        value = torch.tensor(arrays[name], dtype=dtype if arrays[name].dtype.kind == "f" else None)
+        dtype = getattr(torch, case.dtype) if name in FLOATING_INPUTS else torch.float32 if name == "dlse" else None
+        value = torch.tensor(arrays[name], dtype=dtype)
         seq_axis = value.ndim - 2 if seq_axis is None else seq_axis
         if name in ("mask", "bias") and value.shape[seq_axis] == 1:
             shard = value
