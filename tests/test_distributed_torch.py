@@ -3,8 +3,8 @@
 One spawn of a gloo group per world size (2, 3 and 4 ranks) runs every case under every strategy × sharding that
 serves it, and the bad inputs, in the children. The cases are fixed ones naming the clause each reaches across shards
 and, per world size, cases drawn in the parent by attnkit.testing.strategies (every spec feature, GQA/MQA, masks, bias,
-lengths, segment ids, all four floating dtypes) with their sequences stretched to a multiple of 2P; how many follows
-the hypothesis profile (derandomised under ``ci``). The parent holds each result (out, lse, dq, dk, dv, dbias
+lengths, segment ids; float32, float16 and bfloat16) with their sequences stretched to a multiple of 2P; how many
+follows the hypothesis profile (derandomised under ``ci``). The parent holds each result (out, lse, dq, dk, dv, dbias
 unsharded) against the float64 oracle under the tolerance rule at the case's dtype, and checks that a bad input on any
 rank raised a typed error on every rank (nothing hung: the spawn has a deadline)."""
 
@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
@@ -34,17 +33,14 @@ from attnkit.spec import AttentionSpec  # noqa: E402
 from attnkit.testing.agreement import compare_outputs, oracle_results, rounded  # noqa: E402
 from attnkit.testing.cases import Case, make_arrays  # noqa: E402
 from attnkit.testing.runners import FLOATING_INPUTS  # noqa: E402
-from attnkit.testing.strategies import cases, segment_ids  # noqa: E402
+from tests.sharded_cases import SHARDED_DTYPES, examples, shardable_cases  # noqa: E402
 
 STRATEGIES = ("ring", "allgather", "ulysses")
 SHARDINGS = ("contiguous", "zigzag")
 WORLDS = (2, 3, 4)
+# The group's deadline (a rank hung in a collective fails the test, not CI): a base, and time for each case.
 DEADLINE_S = 120
-# Not float64: a block's lse is float32 (§6), so the merge's weights exp(lse_s − lse) carry float32 rounding and a
-# float64 sharded call agrees with the oracle to ~1e-7, not float64's tolerance (reported on issue 18).
-SHARDED_DTYPES = ("float32", "float16", "bfloat16")
-#: Drawn cases per world size: a few under the ``ci`` profile (CI's budget), more the more examples the profile runs.
-DRAWN_PER_WORLD = max(2, settings.default.max_examples // 8)
+DEADLINE_PER_CASE_S = 10
 
 
 def _packed(lengths: tuple[int, ...], total: int) -> tuple[int, ...]:
@@ -90,40 +86,11 @@ FIXED_CASES = {
 }  # fmt: skip
 
 
-@st.composite
-def _shardable_case(draw: st.DrawFn, world: int) -> Case:
-    """A case drawn by attnkit.testing.strategies.cases, made shardable over ``world`` ranks: 4-D (distributed.attend
-    takes no 3-D inputs), Lq and Lk stretched to the next multiple of 2P (zigzag's chunk count; contiguous needs P)
-    with the mask and bias shapes following and the segment ids drawn again for them; without mask or bias, the heads
-    multiplied by P so that Ulysses serves the case too."""
-    case = draw(cases(dtypes=SHARDED_DTYPES, max_len=16).filter(lambda case: not case.three_d))
-    unit = 2 * world
-    len_q, len_k = (unit * -(-length // unit) for length in (case.len_q, case.len_k))
-
-    def stretched(shape: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        return None if shape is None else (*shape[:-2], 1 if shape[-2] == 1 else len_q, len_k)
-
-    ids = (case.q_segment_ids, case.kv_segment_ids)
-    if case.q_segment_ids is not None:
-        ids = draw(segment_ids(case.batch, len_q, len_k))
-    heads = world if case.mask_shape is None and case.bias_shape is None else 1
-    return case.with_(len_q=len_q, len_k=len_k, mask_shape=stretched(case.mask_shape),
-                      bias_shape=stretched(case.bias_shape), q_segment_ids=ids[0], kv_segment_ids=ids[1],
-                      heads_q=case.heads_q * heads, heads_kv=case.heads_kv * heads)  # fmt: skip
-
-
 def _drawn_cases() -> dict[int, dict[str, Case]]:
-    """DRAWN_PER_WORLD cases per world size, drawn together (so the worlds get different ones) and, under the ``ci``
-    profile, the same on every run."""
-    drawn: list[tuple[Case, ...]] = []
-
-    @settings(max_examples=DRAWN_PER_WORLD, database=None, phases=[Phase.generate])
-    @given(st.tuples(*(_shardable_case(world) for world in WORLDS)))
-    def collect(per_world: tuple[Case, ...]) -> None:
-        drawn.append(per_world)
-
-    collect()
-    return {world: {f"drawn {index}": row[position] for index, row in enumerate(drawn)}
+    """The drawn cases of each world size, drawn together (so that the worlds get different ones)."""
+    shardable = (shardable_cases(world, SHARDED_DTYPES, mask_and_bias=True, three_d=False) for world in WORLDS)
+    rows = examples(st.tuples(*shardable))
+    return {world: {f"drawn {index}": row[position] for index, row in enumerate(rows)}
             for position, world in enumerate(WORLDS)}  # fmt: skip
 
 
@@ -229,12 +196,13 @@ def _spawn(world: int, tmp_path: Path, cases: dict[str, tuple[Case, dict[str, np
     context = torch.multiprocessing.start_processes(
         _child, args=(world, str(tmp_path), cases), nprocs=world, join=False, start_method="spawn"
     )
-    deadline = time.monotonic() + DEADLINE_S
+    limit = DEADLINE_S + DEADLINE_PER_CASE_S * len(cases)
+    deadline = time.monotonic() + limit
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the {world}-rank group did not finish within {DEADLINE_S} s: a rank hung in a collective")
+            pytest.fail(f"the {world}-rank group did not finish within {limit} s: a rank hung in a collective")
     return [pickle.loads(Path(tmp_path, f"rank{rank}.pkl").read_bytes()) for rank in range(world)]
 
 
