@@ -20,7 +20,7 @@ T = TypeVar("T")
 # float64's tolerance.
 SHARDED_DTYPES = ("float32", "float16", "bfloat16")
 #: Drawn cases per test: a few under the ``ci`` profile (CI's budget), more the more examples the profile runs.
-DRAWN = max(2, settings.default.max_examples // 8)
+DRAWN = max(2, settings().max_examples // 8)
 
 
 @st.composite
