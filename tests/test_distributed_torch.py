@@ -130,6 +130,7 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
         q_segment_ids=local("q_segment_ids", 1), kv_segment_ids=local("kv_segment_ids", 1), return_lse=True,
         **lengths,
     )  # fmt: skip
+    assert out.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, lse.dtype)  # §14: as attend's
     finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     leaves = [q, k, v] + ([bias] if case.bias_grad else [])
     grads = torch.autograd.grad((out, finite_lse), leaves, (local("dout", axis), local("dlse", 2)))
