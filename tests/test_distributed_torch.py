@@ -56,6 +56,9 @@ CASES = {
         len_k=16, head_dim=8, head_dim_v=8, seed=1,
     ),
     "causal bottom-right Lq<Lk": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=4, len_q=8, len_k=16, seed=2),
+    # Contiguous: rank 0's queries precede every key, so none of its blocks is visible, yet its call is differentiable.
+    "causal bottom-right Lq>Lk": Case(AttentionSpec(causal=True), batch=1, heads_q=2, heads_kv=2, len_q=16, len_k=8,
+                                      seed=10),
     "window softcap bfloat16": Case(AttentionSpec(window=(3, 1), softcap=5.0), batch=1, heads_q=4, heads_kv=4,
                                     len_q=16, len_k=16, dtype="bfloat16", seed=3),
     "cosine sliding window": Case(AttentionSpec(causal=True, window=(4, 0), variant="cosine", layout="bshd"),
