@@ -141,7 +141,7 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
                "dv": (grads[2], axis)}  # fmt: skip
     whole = {name: distributed.unshard(x.detach(), sharding=sharding, seq_axis=a) for name, (x, a) in results.items()}
     if case.bias_grad:
-        dbias, bias_rows = grads[3], grads[3].ndim - 2
+        dbias, bias_rows = grads[3].contiguous(), grads[3].ndim - 2  # a gradient may be an expanded view
         if dbias.shape[bias_rows] == 1:  # every rank holds the whole bias: its gradient is the sum of theirs
             dist.all_reduce(dbias)
             whole["dbias"] = dbias
