@@ -1,36 +1,41 @@
 """Context parallelism on a JAX mesh (docs/semantics.md §14): attnkit.distributed's JAX calls on 4 host devices equal
 the single-device call on the whole arrays, out, lse and dq, dk, dv (through out and lse), against the float64
-oracle (torch-naive) under the tolerance rule, for every strategy × sharding over causal (both alignments, Lq ≠ Lk),
-windows, GQA, softcap, cosine, lengths, segment ids and 3-D inputs; under jax.jit, on arrays laid out by shard_jax
-and inside the caller's own shard_map. Bad input raises a typed error naming the value.
+oracle (torch-naive) under the tolerance rule at the case's dtype (float32 and bfloat16), for every
+strategy × sharding over causal (both alignments, Lq ≠ Lk), windows, GQA, softcap, cosine, lengths, segment ids and
+3-D inputs, fixed runs and runs drawn by attnkit.testing.strategies (as many as the hypothesis profile says,
+derandomised under ``ci``); under jax.jit, on arrays laid out by shard_jax and inside the caller's own shard_map. Bad
+input raises a typed error naming the value.
 
 JAX makes its host devices when it is first imported (XLA_FLAGS), and this process imported it long ago: the
-sharded calls run in ONE child process (this file run as a script), which writes each case's results for the tests
-here to compare. The oracle runs here, on the same drawn inputs.
+sharded calls run in ONE child process (this file run as a script), which reads the drawn runs from its directory and
+writes each run's results there for the tests here to compare. The oracle runs here, on the same inputs.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 from attnkit import AttentionSpec
 from attnkit.testing import Case, make_arrays
 from attnkit.testing.agreement import compare_outputs, oracle_results, rounded
+from tests.sharded_cases import DRAWN, examples, shardable_cases
 
 WORLD = 4
 AXIS = "cp"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CHILD_TIMEOUT_S = 600
+CHILD_TIMEOUT_S = 600  # and 10 s more for each drawn run
 PAD = -1
 # Three documents and one padding position, for 16 positions: documents cross shard boundaries either way.
 OPTIONAL = ("q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
@@ -59,6 +64,11 @@ TOP_LEFT = AttentionSpec(causal=True, causal_alignment="top_left")
 # fmt: off
 RUNS = [
     Run("ring-zigzag-causal-gqa", _case(CAUSAL, heads_q=4, heads_kv=2), "ring", "zigzag"),
+    # bfloat16 (not float16: the runs are jitted, and JAX's CPU dot_general rejects the F16_F16_F32 product of the
+    # jitted backward, backends/native/jax_xla.py).
+    Run("ring-contiguous-window-gqa-bfloat16",
+        _case(AttentionSpec(causal=True, window=(5, 0)), heads_q=4, heads_kv=2, dtype="bfloat16"), "ring",
+        "contiguous"),
     Run("ring-zigzag-causal-lq<lk-3d", _case(CAUSAL, len_q=8, three_d=True), "ring", "zigzag"),
     Run("ring-contiguous-top-left-lq<lk-segments",
         _case(TOP_LEFT, len_q=8, q_segment_ids=(IDS[::2],), kv_segment_ids=(IDS,)), "ring", "contiguous"),
@@ -79,6 +89,20 @@ RUNS = [
         "contiguous", inside=True),
 ]
 # fmt: on
+# Drawn runs: JAX takes no mask or bias; float16 is left out as above, float64 needs x64 (and a block's lse is float32).
+DRAWN_DTYPES = ("float32", "bfloat16")
+# Half as many as the torch tests draw: each run here compiles a program of its own.
+DRAWN_RUNS = max(2, DRAWN // 2)
+
+
+@st.composite
+def _drawn_run(draw: st.DrawFn) -> Run:
+    """A case drawn by attnkit.testing.strategies, made shardable, under a drawn strategy × sharding that serves it."""
+    case = draw(shardable_cases(WORLD, DRAWN_DTYPES, mask_and_bias=False, three_d=True))
+    strategies = ["ring", "allgather"] + (["ulysses"] if case.heads_q % WORLD == case.heads_kv % WORLD == 0 else [])
+    return Run("drawn", case, draw(st.sampled_from(strategies)), draw(st.sampled_from(["contiguous", "zigzag"])))
+
+
 # Bad input: (name, what is called, substrings the InvalidInputError's message must hold).
 BAD = {
     "ulysses-query-heads": (dict(heads_q=2, heads_kv=2, strategy="ulysses"), ("q has 2 heads", "4 devices")),
@@ -131,7 +155,8 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
         axes = (seq_axis, -1, seq_axis, seq_axis, seq_axis)
         return [unshard_jax(x, mesh, AXIS, run.sharding, axis) for x, axis in zip(results, axes)]
 
-    floats = {name: jnp.asarray(arrays[name], jnp.float32) for name in ("q", "k", "v", "dout", "dlse")}
+    floats = {name: jnp.asarray(arrays[name], case.dtype) for name in ("q", "k", "v", "dout")}
+    floats["dlse"] = jnp.asarray(arrays["dlse"], jnp.float32)  # lse is float32 whatever the inputs' dtype (§6)
     optional = {name: jnp.asarray(arrays[name], jnp.int32) for name in OPTIONAL if name in arrays}
     results = jax.jit(forward_backward)(floats, optional)
     return {name: np.asarray(x, np.float64) for name, x in zip(("out", "lse", "dq", "dk", "dv"), results)}
@@ -154,9 +179,9 @@ def _bad_call(name: str) -> None:
 
 
 def _child(directory: Path) -> None:
-    """Every run and bad call, each result or error written to ``directory``."""
+    """Every run (the drawn ones read from ``directory``) and bad call, each result or error written there."""
     outcomes: dict[str, Any] = {}
-    for run in RUNS:
+    for run in RUNS + pickle.loads((directory / "drawn.pkl").read_bytes()):
         try:
             np.savez(directory / f"{run.name}.npz", **_run_sharded(run, rounded(run.case, make_arrays(run.case))))
             outcomes[run.name] = None
@@ -172,27 +197,45 @@ def _child(directory: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def child_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+def drawn_runs() -> list[Run]:
+    return [replace(run, name=f"drawn-{index}") for index, run in enumerate(examples(_drawn_run(), DRAWN_RUNS))]
+
+
+@pytest.fixture(scope="module")
+def child_results(tmp_path_factory: pytest.TempPathFactory, drawn_runs: list[Run]) -> tuple[Path, dict[str, Any]]:
     directory = tmp_path_factory.mktemp("distributed_jax")
+    (directory / "drawn.pkl").write_bytes(pickle.dumps(drawn_runs))
     env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={WORLD}", "JAX_PLATFORMS": "cpu"}
     child = subprocess.run(
         [sys.executable, "-m", "tests.test_distributed_jax", str(directory)],
-        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S,
+        cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S + 10 * len(drawn_runs),
     )  # fmt: skip
     assert child.returncode == 0, child.stderr[-4000:]
     return directory, json.loads((directory / "outcomes.json").read_text())
 
 
-@pytest.mark.parametrize("run", RUNS, ids=[run.name for run in RUNS])
-def test_sharded_call_equals_single_device(run: Run, child_results: tuple[Path, dict[str, Any]]) -> None:
-    directory, outcomes = child_results
-    assert outcomes[run.name] is None, outcomes[run.name]
+def _disagreements(run: Run, directory: Path, outcomes: dict[str, Any]) -> list[str]:
+    """The run's error in the child, or each output outside the tolerance rule; [] when it agrees."""
+    if outcomes[run.name] is not None:
+        return [f"{run.name} {run!r}: {outcomes[run.name]}"]
     with np.load(directory / f"{run.name}.npz") as loaded:
         results = dict(loaded)
     exact, baseline = oracle_results(run.case, rounded(run.case, make_arrays(run.case)))
     comparisons = compare_outputs(run.case.dtype, results, exact, baseline)
-    failures = [str(comparison) for comparison in comparisons if not comparison.ok]
-    assert not failures, f"{run.strategy}/{run.sharding} {run.case.describe()}\n  " + "\n  ".join(failures)
+    return [f"{run.name} {run.strategy}/{run.sharding} {run.case!r}: {c}" for c in comparisons if not c.ok]
+
+
+@pytest.mark.parametrize("run", RUNS, ids=[run.name for run in RUNS])
+def test_sharded_call_equals_single_device(run: Run, child_results: tuple[Path, dict[str, Any]]) -> None:
+    failures = _disagreements(run, *child_results)
+    assert not failures, "\n".join(failures)
+
+
+def test_drawn_sharded_calls_equal_single_device(
+    drawn_runs: list[Run], child_results: tuple[Path, dict[str, Any]]
+) -> None:
+    failures = [failure for run in drawn_runs for failure in _disagreements(run, *child_results)]
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("name", list(BAD))

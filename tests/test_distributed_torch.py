@@ -1,9 +1,12 @@
 """attnkit.distributed.attend on torch (docs/semantics.md §14): the sharded call equals the single-device one.
 
-One spawn of a gloo group per world size runs every case under every strategy × sharding, and the bad inputs, in the
-children; the parent holds each result (out, lse, dq, dk, dv unsharded) against the float64 oracle under the
-tolerance rule, and checks that a bad input on any rank raised a typed error on every rank (nothing hung: the spawn
-has a deadline)."""
+One spawn of a gloo group per world size (2, 3 and 4 ranks) runs every case under every strategy × sharding that
+serves it, and the bad inputs, in the children. The cases are fixed ones naming the clause each reaches across shards
+and, per world size, cases drawn in the parent by attnkit.testing.strategies (every spec feature, GQA/MQA, masks, bias,
+lengths, segment ids; float32, float16 and bfloat16) with their sequences stretched to a multiple of 2P; how many
+follows the hypothesis profile (derandomised under ``ci``). The parent holds each result (out, lse, dq, dk, dv, dbias
+unsharded) against the float64 oracle under the tolerance rule at the case's dtype, and checks that a bad input on any
+rank raised a typed error on every rank (nothing hung: the spawn has a deadline)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import strategies as st
 
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
@@ -28,10 +32,15 @@ from attnkit.errors import AttnkitError  # noqa: E402
 from attnkit.spec import AttentionSpec  # noqa: E402
 from attnkit.testing.agreement import compare_outputs, oracle_results, rounded  # noqa: E402
 from attnkit.testing.cases import Case, make_arrays  # noqa: E402
+from attnkit.testing.runners import FLOATING_INPUTS  # noqa: E402
+from tests.sharded_cases import SHARDED_DTYPES, examples, shardable_cases  # noqa: E402
 
 STRATEGIES = ("ring", "allgather", "ulysses")
 SHARDINGS = ("contiguous", "zigzag")
+WORLDS = (2, 3, 4)
+# The group's deadline (a rank hung in a collective fails the test, not CI): a base, and time for each case.
 DEADLINE_S = 120
+DEADLINE_PER_CASE_S = 10
 
 
 def _packed(lengths: tuple[int, ...], total: int) -> tuple[int, ...]:
@@ -47,8 +56,11 @@ CASES = {
         len_k=16, head_dim=8, head_dim_v=8, seed=1,
     ),
     "causal bottom-right Lq<Lk": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=4, len_q=8, len_k=16, seed=2),
-    "window softcap": Case(AttentionSpec(window=(3, 1), softcap=5.0), batch=1, heads_q=4, heads_kv=4, len_q=16,
-                           len_k=16, seed=3),
+    # Contiguous: rank 0's queries precede every key, so none of its blocks is visible, yet its call is differentiable.
+    "causal bottom-right Lq>Lk": Case(AttentionSpec(causal=True), batch=1, heads_q=2, heads_kv=2, len_q=16, len_k=8,
+                                      seed=10),
+    "window softcap bfloat16": Case(AttentionSpec(window=(3, 1), softcap=5.0), batch=1, heads_q=4, heads_kv=4,
+                                    len_q=16, len_k=16, dtype="bfloat16", seed=3),
     "cosine sliding window": Case(AttentionSpec(causal=True, window=(4, 0), variant="cosine", layout="bshd"),
                                   heads_q=4, heads_kv=4, len_q=16, len_k=16, head_dim=8, head_dim_v=8, seed=4),
     "lengths bottom-right": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=4, len_q=16, len_k=16,
@@ -58,20 +70,31 @@ CASES = {
     "segment ids causal": Case(AttentionSpec(causal=True), batch=1, heads_q=4, heads_kv=4, len_q=16, len_k=16,
                                q_segment_ids=(_packed((5, 6, 3), 16),), kv_segment_ids=(_packed((5, 6, 3), 16),),
                                seed=7),
-    "mask and bias": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=16, len_k=16,
-                          mask_shape=(2, 1, 16, 16), masked_rows=(3,), bias_shape=(1, 4, 16, 16), bias_grad=True,
-                          seed=8),
+    "mask and bias float16": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=16, len_k=16,
+                                  mask_shape=(2, 1, 16, 16), masked_rows=(3,), bias_shape=(1, 4, 16, 16),
+                                  bias_grad=True, dtype="float16", seed=8),
+    # Three ranks: lengths multiples of 2P = 6, heads of P = 3 (Ulysses serves it).
+    "three ranks causal GQA Lq<Lk lengths": Case(AttentionSpec(causal=True), heads_q=6, heads_kv=3, len_q=6,
+                                                 len_k=12, kv_lengths=(12, 7), seed=9),
 }  # fmt: skip
 
 
 # CI's budget: the four-rank group (where the ring makes more than one hop) runs the cases that reach furthest across
-# shards; the two-rank group runs them all.
-FOUR_RANK_CASES = ("causal bottom-right Lq<Lk", "window softcap", "lengths bottom-right", "segment ids causal",
-                   "mask and bias")  # fmt: skip
+# shards; the two-rank group runs the rest whose lengths it divides; the three-rank group its own case and its draws.
+FIXED_CASES = {
+    2: [name for name in CASES if not name.startswith("three ranks")],
+    3: ["three ranks causal GQA Lq<Lk lengths"],
+    4: ["causal bottom-right Lq<Lk", "window softcap bfloat16", "lengths bottom-right", "segment ids causal",
+        "mask and bias float16"],
+}  # fmt: skip
 
 
-def _cases_for(world: int) -> list[str]:
-    return list(CASES) if world == 2 else list(FOUR_RANK_CASES)
+def _drawn_cases() -> dict[int, dict[str, Case]]:
+    """The drawn cases of each world size, drawn together (so that the worlds get different ones)."""
+    shardable = (shardable_cases(world, SHARDED_DTYPES, mask_and_bias=True, three_d=False) for world in WORLDS)
+    rows = examples(st.tuples(*shardable))
+    return {world: {f"drawn {index}": row[position] for index, row in enumerate(rows)}
+            for position, world in enumerate(WORLDS)}  # fmt: skip
 
 
 def _runs(case: Case, world: int) -> list[tuple[str, str]]:
@@ -89,10 +112,13 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
     """One sharded call with its backward, unsharded: the results as the harness names them."""
     axis = _seq_axis(case)
 
-    def local(name: str, seq_axis: int, grad: bool = False) -> Any:
+    def local(name: str, seq_axis: int | None = None, grad: bool = False) -> Any:
+        """This rank's shard; mask and bias (any rank of §4.4) are sharded on their query axis unless broadcast."""
         if name not in arrays:
             return None
-        value = torch.tensor(arrays[name], dtype=torch.float32 if arrays[name].dtype.kind == "f" else None)
+        dtype = getattr(torch, case.dtype) if name in FLOATING_INPUTS else torch.float32 if name == "dlse" else None
+        value = torch.tensor(arrays[name], dtype=dtype)
+        seq_axis = value.ndim - 2 if seq_axis is None else seq_axis
         if name in ("mask", "bias") and value.shape[seq_axis] == 1:
             shard = value
         else:
@@ -100,13 +126,14 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
         return shard.clone().requires_grad_(True) if grad else shard
 
     q, k, v = (local(name, axis, grad=True) for name in ("q", "k", "v"))
-    bias = local("bias", 2, grad=case.bias_grad)
+    bias = local("bias", grad=case.bias_grad)
     lengths = {name: torch.tensor(arrays[name]) for name in ("q_lengths", "kv_lengths") if name in arrays}
     out, lse = distributed.attend(
-        case.spec, q, k, v, strategy=strategy, sharding=sharding, mask=local("mask", 2), bias=bias,
+        case.spec, q, k, v, strategy=strategy, sharding=sharding, mask=local("mask"), bias=bias,
         q_segment_ids=local("q_segment_ids", 1), kv_segment_ids=local("kv_segment_ids", 1), return_lse=True,
         **lengths,
     )  # fmt: skip
+    assert out.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, lse.dtype)  # §14: as attend's
     finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     leaves = [q, k, v] + ([bias] if case.bias_grad else [])
     grads = torch.autograd.grad((out, finite_lse), leaves, (local("dout", axis), local("dlse", 2)))
@@ -114,13 +141,19 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
                "dv": (grads[2], axis)}  # fmt: skip
     whole = {name: distributed.unshard(x.detach(), sharding=sharding, seq_axis=a) for name, (x, a) in results.items()}
     if case.bias_grad:
-        whole["dbias"] = distributed.unshard(grads[3], sharding=sharding, seq_axis=2)
+        dbias, bias_rows = grads[3].contiguous(), grads[3].ndim - 2  # a gradient may be an expanded view
+        if dbias.shape[bias_rows] == 1:  # every rank holds the whole bias: its gradient is the sum of theirs
+            dist.all_reduce(dbias)
+            whole["dbias"] = dbias
+        else:
+            whole["dbias"] = distributed.unshard(dbias, sharding=sharding, seq_axis=bias_rows)
     return {name: x.double().numpy() for name, x in whole.items()}
 
 
 def _bad_inputs(world: int, rank: int) -> dict[str, str]:
     """Each bad call, made on every rank: the typed error each rank raised (or 'no error')."""
     spec = AttentionSpec(causal=True)
+    q = torch.randn(1, 4, 4, 8)
 
     def tensors(length: int, heads: int = 4, dtype: Any = torch.float32) -> list[Any]:
         return [torch.randn(1, heads, length, 8, dtype=dtype) for _ in range(3)]
@@ -131,6 +164,9 @@ def _bad_inputs(world: int, rank: int) -> dict[str, str]:
         "ulysses heads": lambda: distributed.attend(spec, *tensors(4, heads=world + 1), strategy="ulysses"),
         "dtype on one rank": lambda: distributed.attend(
             spec, *tensors(4, dtype=torch.float64 if rank == 1 else torch.float32)
+        ),
+        "k dtype on one rank": lambda: distributed.attend(
+            spec, q, torch.randn(1, 4, 4, 8, dtype=torch.float16 if rank == world - 1 else torch.float32), q
         ),
         "strategy on one rank": lambda: distributed.attend(spec, *tensors(4), strategy="ring" if rank else "rings"),
     }
@@ -164,43 +200,51 @@ def _spawn(world: int, tmp_path: Path, cases: dict[str, tuple[Case, dict[str, np
     context = torch.multiprocessing.start_processes(
         _child, args=(world, str(tmp_path), cases), nprocs=world, join=False, start_method="spawn"
     )
-    deadline = time.monotonic() + DEADLINE_S
+    limit = DEADLINE_S + DEADLINE_PER_CASE_S * len(cases)
+    deadline = time.monotonic() + limit
     while not context.join(timeout=1):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            pytest.fail(f"the {world}-rank group did not finish within {DEADLINE_S} s: a rank hung in a collective")
+            pytest.fail(f"the {world}-rank group did not finish within {limit} s: a rank hung in a collective")
     return [pickle.loads(Path(tmp_path, f"rank{rank}.pkl").read_bytes()) for rank in range(world)]
+
+
+def _with_oracle(case: Case) -> tuple[Case, dict[str, np.ndarray], Any]:
+    arrays = rounded(case, make_arrays(case))
+    return case, arrays, oracle_results(case, arrays)
 
 
 @pytest.fixture(scope="module")
 def oracle() -> dict[str, tuple[Case, dict[str, np.ndarray], Any]]:
-    table = {}
-    for name, case in CASES.items():
-        arrays = rounded(case, make_arrays(case))
-        table[name] = (case, arrays, oracle_results(case, arrays))
-    return table
+    return {name: _with_oracle(case) for name, case in CASES.items()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_sharded_call_equals_the_single_device_call(world: int, tmp_path: Path, oracle: dict) -> None:
+@pytest.fixture(scope="module")
+def drawn() -> dict[int, dict[str, Case]]:
+    return _drawn_cases()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sharded_call_equals_the_single_device_call(world: int, tmp_path: Path, oracle: dict, drawn: dict) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    names = _cases_for(world)
-    reports = _spawn(world, tmp_path, {name: oracle[name][:2] for name in names})
+    table = {name: oracle[name] for name in FIXED_CASES[world]}
+    table.update({name: _with_oracle(case) for name, case in drawn[world].items()})
+    reports = _spawn(world, tmp_path, {name: (case, arrays) for name, (case, arrays, _) in table.items()})
     results = reports[0]["results"]
     failures = []
-    for name in names:
-        case, _, (exact, baseline) = oracle[name]
+    for name, (case, _, (exact, baseline)) in table.items():
         for strategy, sharding in _runs(case, world):
             got = results[(name, strategy, sharding)]
-            failures += [f"{name} {strategy} {sharding}: {c}" for c in compare_outputs("float32", got, exact, baseline)
-                         if not c.ok]  # fmt: skip
+            failures += [f"{name} {strategy} {sharding} {case!r}: {c}"
+                         for c in compare_outputs(case.dtype, got, exact, baseline) if not c.ok]  # fmt: skip
     assert not failures, "\n".join(failures)
     expected = {
         "unequal shards": "InvalidInputError: q shape differs across ranks",
         "length not divisible": "InvalidInputError: q is",
         "ulysses heads": "InvalidInputError: strategy 'ulysses' splits the heads",
         "dtype on one rank": "InvalidInputTypeError: q dtype differs across ranks",
+        "k dtype on one rank": "InvalidInputTypeError: k dtype differs across ranks",
         "strategy on one rank": "InvalidInputError: ",
     }
     for rank, report in enumerate(reports):

@@ -513,7 +513,7 @@ def _attend_blocks(
     call: _Call, q: torch.Tensor, q_ids: torch.Tensor | None, key_shards: Sequence[_KeyShard], bias: Any
 ) -> Partial:
     """This rank's queries against every key of ``key_shards``, merged: (out in q's dtype, lse)."""
-    outs, lses = [], []
+    outs, lses, visible = [], [], False
     for q_span, rows, q_chunk, ids in _query_chunks(call, q, q_ids):
         parts = [
             part
@@ -521,10 +521,18 @@ def _attend_blocks(
             for k_span, cols in keys.chunks(call)
             if (part := _block(call, q_chunk, q_span, rows, ids, keys, k_span, cols, bias)) is not None
         ]
+        visible = visible or bool(parts)
         out, lse = _merge(call, parts, _empty_like(call, q_chunk, key_shards[0].v))
         outs.append(out)
         lses.append(lse)
-    return torch.cat(outs, call.seq_axis).to(q.dtype), torch.cat(lses, 2)
+    out, lse = torch.cat(outs, call.seq_axis).to(q.dtype), torch.cat(lses, 2)
+    if not visible:  # still functions of the inputs (zero gradients), so that this rank's backward joins the
+        # collectives of the others' (the gathered keys'); where() takes nothing from the side it does not select.
+        inputs = [q, bias, *(x for keys in key_shards for x in (keys.k, keys.v))]
+        anchor = sum(x.sum() for x in inputs if x is not None)
+        never = torch.zeros((), dtype=torch.bool, device=out.device)
+        out, lse = torch.where(never, anchor.to(out.dtype), out), torch.where(never, anchor.to(lse.dtype), lse)
+    return out, lse
 
 
 # ---------------------------------------------------------------------------------------------------------------------
