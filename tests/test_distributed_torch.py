@@ -28,6 +28,8 @@ if not dist.is_available():
 
 import attnkit  # noqa: E402
 from attnkit import distributed  # noqa: E402
+from attnkit.bench.context_parallel import analytic_sent_bytes  # noqa: E402
+from attnkit.distributed import torch_cp  # noqa: E402
 from attnkit.errors import AttnkitError  # noqa: E402
 from attnkit.spec import AttentionSpec  # noqa: E402
 from attnkit.testing.agreement import compare_outputs, oracle_results, rounded  # noqa: E402
@@ -181,8 +183,36 @@ def _bad_inputs(world: int, rank: int) -> dict[str, str]:
     return raised
 
 
+# What the traffic check runs: a causal GQA call (K/V volume ∝ Hkv) and a packed row of three documents and padding.
+TRAFFIC = {"batch": 1, "heads": 4, "heads_kv": 2, "head_dim": 8, "chunk": 4, "documents": (5, 6, 3)}
+
+
+def _traffic(world: int) -> dict[str, Any]:
+    """What this rank sent per strategy in a forward+backward (torch_cp.recording), and the blocks it computed in a
+    forward of the packed row under the ring."""
+    length = TRAFFIC["chunk"] * 2 * world
+    spec = AttentionSpec(causal=True)
+    shape = (TRAFFIC["batch"], TRAFFIC["heads"], length, TRAFFIC["head_dim"])
+    q, k, v = (
+        torch.randn(shape[0], heads, *shape[2:]) for heads in (shape[1], TRAFFIC["heads_kv"], TRAFFIC["heads_kv"])
+    )
+    local = [distributed.shard(x, sharding="zigzag") for x in (q, k, v)]
+    sent = {}
+    for strategy in ("ring", "allgather"):
+        leaves = [x.clone().requires_grad_(True) for x in local]
+        with torch_cp.recording() as traffic:
+            out = distributed.attend(spec, *leaves, strategy=strategy)
+            torch.autograd.grad(out, leaves, torch.ones_like(out))
+        sent[strategy] = traffic.sent_bytes
+    ids = distributed.shard(torch.tensor([_packed(TRAFFIC["documents"], length)]), sharding="zigzag", seq_axis=1)
+    with torch.no_grad(), torch_cp.recording() as traffic:
+        distributed.attend(spec, *local, q_segment_ids=ids, kv_segment_ids=ids)
+    return {"sent": sent, "blocks": traffic.blocks}
+
+
 def _child(rank: int, world: int, directory: str, cases: dict[str, tuple[Case, dict[str, np.ndarray]]]) -> None:
     torch.set_num_threads(1)
+    torch_cp._BACKWARD_PIECE = 3  # the ring's backward pieces: smaller than most chunks here, and uneven
     dist.init_process_group("gloo", init_method=f"file://{directory}/init", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))  # fmt: skip
     try:
@@ -190,7 +220,7 @@ def _child(rank: int, world: int, directory: str, cases: dict[str, tuple[Case, d
         for name, (case, arrays) in cases.items():
             for strategy, sharding in _runs(case, world):
                 results[(name, strategy, sharding)] = _run_case(case, arrays, strategy, sharding)
-        report = {"results": results if rank == 0 else {}, "bad": _bad_inputs(world, rank)}
+        report = {"results": results if rank == 0 else {}, "bad": _bad_inputs(world, rank), "traffic": _traffic(world)}
         Path(directory, f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -225,12 +255,20 @@ def drawn() -> dict[int, dict[str, Case]]:
     return _drawn_cases()
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_sharded_call_equals_the_single_device_call(world: int, tmp_path: Path, oracle: dict, drawn: dict) -> None:
+@pytest.fixture(scope="module", params=WORLDS, ids=lambda world: f"{world} ranks")
+def group(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, oracle: dict, drawn: dict) -> Any:
+    """One spawn of a ``world``-rank group for every test of this module: (world, the cases it ran, each rank's
+    report)."""
+    world = request.param
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     table = {name: oracle[name] for name in FIXED_CASES[world]}
     table.update({name: _with_oracle(case) for name, case in drawn[world].items()})
-    reports = _spawn(world, tmp_path, {name: (case, arrays) for name, (case, arrays, _) in table.items()})
+    directory = tmp_path_factory.mktemp(f"group{world}")
+    return world, table, _spawn(world, directory, {name: (case, arrays) for name, (case, arrays, _) in table.items()})
+
+
+def test_sharded_call_equals_the_single_device_call(group: Any) -> None:
+    world, table, reports = group
     results = reports[0]["results"]
     failures = []
     for name, (case, _, (exact, baseline)) in table.items():
@@ -239,6 +277,11 @@ def test_sharded_call_equals_the_single_device_call(world: int, tmp_path: Path, 
             failures += [f"{name} {strategy} {sharding} {case!r}: {c}"
                          for c in compare_outputs(case.dtype, got, exact, baseline) if not c.ok]  # fmt: skip
     assert not failures, "\n".join(failures)
+
+
+def test_a_bad_input_on_one_rank_raises_on_every_rank(group: Any) -> None:
+    """Each bad call was made on every rank; each raised a typed error there, and the group still worked after."""
+    world, _, reports = group
     expected = {
         "unequal shards": "InvalidInputError: q shape differs across ranks",
         "length not divisible": "InvalidInputError: q is",
@@ -251,6 +294,26 @@ def test_sharded_call_equals_the_single_device_call(world: int, tmp_path: Path, 
         for name, start in expected.items():
             assert report["bad"][name].startswith(start), (rank, name, report["bad"][name])
     assert all("rank 0" in report["bad"]["strategy on one rank"] for report in reports[1:])
+
+
+def test_each_rank_sends_the_analytic_volume_and_skips_blocks_of_other_documents(group: Any) -> None:
+    """Bytes sent per rank equal the analytic count of each strategy (K/V sized by Hkv); the ring computes exactly the
+    blocks with a visible pair, causal and the same document, counted here by brute force on global positions."""
+    world, _, reports = group
+    length = TRAFFIC["chunk"] * 2 * world
+    for strategy in ("ring", "allgather"):
+        expected = analytic_sent_bytes(strategy, world, {**TRAFFIC, "seq_len": length})
+        for report in reports:
+            assert report["traffic"]["sent"][strategy] == pytest.approx(expected), strategy
+    ids = np.array(_packed(TRAFFIC["documents"], length))
+    position = np.arange(length)
+    visible = (position[:, None] >= position[None, :]) & (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+    chunk = TRAFFIC["chunk"]
+    for rank, report in enumerate(reports):
+        query_chunks = (rank, 2 * world - 1 - rank)  # zigzag
+        seen = sum(bool(visible[i * chunk : (i + 1) * chunk, j * chunk : (j + 1) * chunk].any())
+                   for i in query_chunks for j in range(2 * world))  # fmt: skip
+        assert report["traffic"]["blocks"] == seen, rank
 
 
 def test_refuses_other_arrays_and_a_missing_group() -> None:
