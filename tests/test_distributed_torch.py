@@ -87,7 +87,7 @@ FIXED_CASES = {
     2: [name for name in CASES if not name.startswith("three ranks")],
     3: ["three ranks causal GQA Lq<Lk lengths"],
     4: ["causal bottom-right Lq<Lk", "window softcap bfloat16", "lengths bottom-right", "segment ids causal",
-        "mask and bias float16"],
+        "mask and bias float16", "cosine sliding window"],  # contiguous: the ring stops after one hop
 }  # fmt: skip
 
 
@@ -183,8 +183,11 @@ def _bad_inputs(world: int, rank: int) -> dict[str, str]:
     return raised
 
 
-# What the traffic check runs: a causal GQA call (K/V volume ∝ Hkv) and a packed row of three documents and padding.
+# What the traffic check runs: a causal GQA call (K/V volume ∝ Hkv), the same under a sliding window of one
+# contiguous shard, and a packed row of three documents and padding.
 TRAFFIC = {"batch": 1, "heads": 4, "heads_kv": 2, "head_dim": 8, "chunk": 4, "documents": (5, 6, 3)}
+
+TRAFFIC_WINDOW = (2 * TRAFFIC["chunk"], 0)  # a query sees back to the first position of the preceding contiguous shard
 
 
 def _traffic(world: int) -> dict[str, Any]:
@@ -198,12 +201,18 @@ def _traffic(world: int) -> dict[str, Any]:
     )
     local = [distributed.shard(x, sharding="zigzag") for x in (q, k, v)]
     sent = {}
-    for strategy in ("ring", "allgather"):
-        leaves = [x.clone().requires_grad_(True) for x in local]
+    window = AttentionSpec(causal=True, window=TRAFFIC_WINDOW)
+    runs = {
+        "ring": (spec, local, "zigzag"),
+        "allgather": (spec, local, "zigzag"),
+        "ring window": (window, [distributed.shard(x, sharding="contiguous") for x in (q, k, v)], "contiguous"),
+    }
+    for name, (run_spec, shards, sharding) in runs.items():
+        leaves = [x.clone().requires_grad_(True) for x in shards]
         with torch_cp.recording() as traffic:
-            out = distributed.attend(spec, *leaves, strategy=strategy)
+            out = distributed.attend(run_spec, *leaves, strategy=name.split()[0], sharding=sharding)
             torch.autograd.grad(out, leaves, torch.ones_like(out))
-        sent[strategy] = traffic.sent_bytes
+        sent[name] = traffic.sent_bytes
     ids = distributed.shard(torch.tensor([_packed(TRAFFIC["documents"], length)]), sharding="zigzag", seq_axis=1)
     with torch.no_grad(), torch_cp.recording() as traffic:
         distributed.attend(spec, *local, q_segment_ids=ids, kv_segment_ids=ids)
@@ -297,17 +306,27 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank(group: Any) -> None:
 
 
 def test_each_rank_sends_the_analytic_volume_and_skips_blocks_of_other_documents(group: Any) -> None:
-    """Bytes sent per rank equal the analytic count of each strategy (K/V sized by Hkv); the ring computes exactly the
-    blocks with a visible pair, causal and the same document, counted here by brute force on global positions."""
+    """Bytes sent per rank equal the analytic count of each strategy (K/V sized by Hkv; a windowed ring carries K/V
+    only as far as some rank still sees them); the ring computes exactly the blocks with a visible pair, causal and
+    the same document, counted here by brute force on global positions."""
     world, _, reports = group
     length = TRAFFIC["chunk"] * 2 * world
-    for strategy in ("ring", "allgather"):
-        expected = analytic_sent_bytes(strategy, world, {**TRAFFIC, "seq_len": length})
-        for report in reports:
-            assert report["traffic"]["sent"][strategy] == pytest.approx(expected), strategy
-    ids = np.array(_packed(TRAFFIC["documents"], length))
     position = np.arange(length)
-    visible = (position[:, None] >= position[None, :]) & (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
+    causal = position[:, None] >= position[None, :]
+    # The windowed ring carries each contiguous shard only as far as the furthest rank whose queries see into it.
+    left, _ = TRAFFIC_WINDOW
+    shard = length // world
+    windowed = causal & (position[:, None] - position[None, :] <= left)
+    hops = max((r - s) % world for r in range(world) for s in range(world)
+               if windowed[r * shard : (r + 1) * shard, s * shard : (s + 1) * shard].any())  # fmt: skip
+    config = {**TRAFFIC, "seq_len": length}
+    expected = {"ring": analytic_sent_bytes("ring", world, config), "allgather": analytic_sent_bytes("allgather", world,
+                config), "ring window": analytic_sent_bytes("ring", world, config, hops=hops)}  # fmt: skip
+    for name, sent in expected.items():
+        for report in reports:
+            assert report["traffic"]["sent"][name] == pytest.approx(sent), name
+    ids = np.array(_packed(TRAFFIC["documents"], length))
+    visible = causal & (ids[:, None] == ids[None, :]) & (ids[:, None] >= 0)
     chunk = TRAFFIC["chunk"]
     for rank, report in enumerate(reports):
         query_chunks = (rank, 2 * world - 1 - rank)  # zigzag

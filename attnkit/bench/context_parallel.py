@@ -60,14 +60,21 @@ def visible_pairs(spec: Any, positions: Any, len_q: int, len_k: int) -> int:
     return int(np.maximum(0, last - first + 1).sum())
 
 
-def analytic_sent_bytes(strategy: str, world: int, config: dict[str, Any]) -> dict[str, float]:
+def analytic_sent_bytes(strategy: str, world: int, config: dict[str, Any], hops: int | None = None) -> dict[str, float]:
     """Bytes one rank sends per attention call (forward+backward, gradient through out only), by kind of transfer:
-    K and V (and their float32 gradients) sized by Hkv, q, out and their gradients by Hq."""
+    K and V (and their float32 gradients) sized by Hkv, q, out and their gradients by Hq. ``hops``: how far the
+    ring carries K/V, P − 1 unless the call hides whole shards from the ranks behind them."""
     share = (world - 1) / world  # of a whole tensor, what a rank's sends add up to when every rank holds 1/P
     per_head = config["batch"] * config["seq_len"] * config["head_dim"] * 4  # a whole float32 (B, 1, L, D)
     kv = 2 * config["heads_kv"] * per_head
-    if strategy == "ring":  # K/V pass P−1 hops each way; the dK/dV sums P hops, back home
-        return {"ring k/v (forward)": share * kv, "ring k/v (backward)": share * kv, "ring dk/dv": kv}
+    if strategy == "ring":  # K/V pass `hops` shards each way; the dK/dV sums as many, and one more hop home
+        hops = world - 1 if hops is None else hops
+        carried = hops / world * kv
+        return {
+            "ring k/v (forward)": carried,
+            "ring k/v (backward)": carried,
+            "ring dk/dv": carried + kv / world * bool(hops),
+        }
     if strategy == "allgather":
         return {"all-gather": share * kv, "reduce-scatter": share * kv}
     q = config["heads"] * per_head

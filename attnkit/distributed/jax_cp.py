@@ -42,6 +42,7 @@ from attnkit.distributed.sharding import (
     gather_order,
     rank_chunks,
     rank_spans,
+    ring_hops,
 )
 from attnkit.errors import InvalidInputError
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout
@@ -213,8 +214,10 @@ def _attend_local(config: _Config, world: int, q: Any, k: Any, v: Any, optional:
             arriving = lax.ppermute(held, config.axis_name, ring)  # issued first: it may overlap this step's blocks
             return (arriving, geometry.visit(queries, rank, held, (rank - step) % world, state)), None
 
-        (held, state), _ = lax.scan(ring_step, (held, state), jnp.arange(world - 1))
-        state = geometry.visit(queries, rank, held, (rank + 1) % world, state)  # the last arrival: no further send
+        # No device needs keys from further behind than `hops` (causal or a window may hide the rest).
+        hops = ring_hops(config.spec, geometry.len_q, geometry.len_k, world, config.sharding, geometry.has_lengths)
+        (held, state), _ = lax.scan(ring_step, (held, state), jnp.arange(hops))
+        state = geometry.visit(queries, rank, held, (rank - hops) % world, state)  # the last arrival: no further send
     else:
         gathered = [
             None if x is None else lax.all_gather(x, config.axis_name, axis=axis, tiled=True)
@@ -244,7 +247,7 @@ class _Geometry:
         self.chunk_k = chunk_size("k", len_k, world, sharding)
         self.optional = optional
         self.q_lengths, self.kv_lengths = optional["q_lengths"], optional["kv_lengths"]
-        has_lengths = self.q_lengths is not None or self.kv_lengths is not None
+        self.has_lengths = has_lengths = self.q_lengths is not None or self.kv_lengths is not None
         self.per_element = has_lengths and config.spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
         self.count = len(rank_chunks(world, 0, sharding))
         self.plans: dict[tuple[int, int], tuple[list[Block], np.ndarray]] = {}

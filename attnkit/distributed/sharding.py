@@ -107,3 +107,21 @@ def block_plan(spec: AttentionSpec, q_span: range, k_span: range, len_q: int, le
         if offset == len(k_span) - len(q_span) and not has_lengths:  # with lengths, bottom-right follows them
             return Block(BlockKind.ALIGNED, spec.replace(causal_alignment=CausalAlignment.BOTTOM_RIGHT), offset, band)
     return Block(BlockKind.MASKED, open_band, offset, band)
+
+
+def ring_hops(spec: AttentionSpec, len_q: int, len_k: int, world: int, sharding: Sharding, has_lengths: bool) -> int:
+    """How far the ring must carry K/V: the largest (r − s) mod P over the ranks r whose queries see some key of rank
+    s (a block not HIDDEN). P − 1 unless causal or a window hides whole shards from the ranks behind them (a sliding
+    window over contiguous shards needs the nearest ones only); the ring then stops after that many hops."""
+    hops = 0
+    for rank in range(world):
+        for source in range(world):
+            distance = (rank - source) % world
+            if distance <= hops:
+                continue
+            q_spans = rank_spans(len_q, world, rank, sharding, "q")
+            k_spans = rank_spans(len_k, world, source, sharding, "k")
+            if any(block_plan(spec, q_span, k_span, len_q, len_k, has_lengths).kind is not BlockKind.HIDDEN
+                   for q_span in q_spans for k_span in k_spans):  # fmt: skip
+                hops = distance
+    return hops

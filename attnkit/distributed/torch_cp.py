@@ -35,6 +35,7 @@ from attnkit.distributed.sharding import (
     chunk_size,
     gather_order,
     rank_spans,
+    ring_hops,
 )
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout
@@ -82,7 +83,7 @@ def _waited_for(what: str, requests: list[Any], posted: float) -> None:
     """Wait for a posted ring transfer, noting how long the compute since ``posted`` hid it and what was left."""
     busy = time.perf_counter() - posted
     _wait(requests)
-    if _traffic is not None:
+    if _traffic is not None and requests:  # a shift that moved nothing is no transfer
         _traffic.ring_transfers.append((what, busy, time.perf_counter() - posted - busy))
 
 
@@ -275,6 +276,12 @@ class _Call:
 
     def k_spans(self, rank: int) -> tuple[range, ...]:
         return rank_spans(self.len_k, self.world, rank, self.sharding, "k")
+
+    @property
+    def hops(self) -> int:
+        """How far the ring carries K/V (``sharding.ring_hops``)."""
+        has_lengths = self.q_lengths is not None or self.kv_lengths is not None
+        return ring_hops(self.spec, self.len_q, self.len_k, self.world, self.sharding, has_lengths)
 
 
 def _validated(
@@ -581,14 +588,16 @@ def _ulysses(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Pa
     return out, lse
 
 
-def _shifted(call: _Call, tensors: Sequence[torch.Tensor], what: str) -> tuple[list[torch.Tensor], list[Any]]:
-    """Post sending ``tensors`` to the next rank of the ring and receiving the previous rank's: (buffers, requests).
-    A ring of one rank is its own neighbour: nothing moves."""
-    if call.world == 1:
+def _shifted(
+    call: _Call, tensors: Sequence[torch.Tensor], what: str, distance: int = 1
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """Post sending ``tensors`` to the rank ``distance`` ahead on the ring and receiving those of the rank as far
+    behind: (buffers, requests). A shift by a multiple of the ring (a ring of one rank) moves nothing."""
+    if distance % call.world == 0:
         return list(tensors), []
     _note_sent(what, sum(t.nbytes for t in tensors))
-    following = _global_rank(call.group, (call.rank + 1) % call.world)
-    preceding = _global_rank(call.group, (call.rank - 1) % call.world)
+    following = _global_rank(call.group, (call.rank + distance) % call.world)
+    preceding = _global_rank(call.group, (call.rank - distance) % call.world)
     buffers = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     operations = [dist.P2POp(dist.isend, t.contiguous(), following, call.group) for t in tensors]
     operations += [dist.P2POp(dist.irecv, buffer, preceding, call.group) for buffer in buffers]
@@ -603,12 +612,13 @@ def _wait(requests: list[Any]) -> None:
 def _ring_steps(
     call: _Call, k: torch.Tensor, v: torch.Tensor, kv_ids: Any, phase: str
 ) -> Iterator[tuple[_KeyShard, Callable]]:
-    """The ring: at step s this rank holds the keys of rank r − s; the next step's transfer is posted before the
-    caller computes on them (``finish()`` waits for it)."""
+    """The ring: at step s this rank holds the keys of rank r − s, for s up to ``call.hops`` (no rank needs keys from
+    further behind); the next step's transfer is posted before the caller computes on them (``finish()`` waits for
+    it)."""
     keys = [k, v] + ([kv_ids] if kv_ids is not None else [])
-    for step in range(call.world):
+    for step in range(call.hops + 1):
         source = (call.rank - step) % call.world
-        pending = _shifted(call, keys, f"ring k/v ({phase})") if step < call.world - 1 else None
+        pending = _shifted(call, keys, f"ring k/v ({phase})") if step < call.hops else None
         posted = time.perf_counter()
         held = _KeyShard(keys[0], keys[1], keys[2] if kv_ids is not None else None, call.k_spans(source))
 
@@ -679,7 +689,7 @@ class _Ring(torch.autograd.Function):
         dlse = torch.where(torch.isneginf(lse), torch.zeros_like(dlse), dlse)  # an empty row's lse takes none
         arriving: tuple[list[torch.Tensor], list[Any], float] | None = None  # the preceding rank's sum of dk/dv
         # for the keys held now, in flight
-        for keys, finish in _ring_steps(call, k, v, kv_ids, "backward"):
+        for step, (keys, finish) in enumerate(_ring_steps(call, k, v, kv_ids, "backward")):
             dkv = [torch.zeros_like(k, dtype=accumulate), torch.zeros_like(v, dtype=accumulate)]
             for query, key in _backward_pieces(call, q, q_ids, keys):
                 _block_backward(call, query, keys, key, (out, lse, dout, dlse), (dq, dkv, bias, dbias))
@@ -688,9 +698,10 @@ class _Ring(torch.autograd.Function):
                 _waited_for("dk/dv", arriving[1], arriving[2])
                 for mine, theirs in zip(dkv, arriving[0]):
                     mine.add_(theirs)
-            # The sum follows the keys to the next rank, which adds its share at its next step: after P steps the
-            # sums are home.
-            arriving = (*_shifted(call, dkv, "ring dk/dv"), time.perf_counter())
+            # The sum follows the keys to the next rank, which adds its share at its next step; after the last step
+            # it goes home to the keys' rank, ``hops`` behind (the next rank when the ring went all the way round).
+            distance = 1 if step < call.hops else -call.hops
+            arriving = (*_shifted(call, dkv, "ring dk/dv", distance), time.perf_counter())
         assert arriving is not None  # a ring has at least one step
         dkv, requests, posted = arriving
         _waited_for("dk/dv", requests, posted)
