@@ -45,6 +45,7 @@ import triton
 
 from attnkit.contract.kernel_checks import report_check, results_table, static_check_arguments
 from attnkit.contract.kernels import Kernel, KernelSwitches
+from attnkit.contract.sass import LoopMix, flops_per_score, loop_mix
 
 from . import launch
 
@@ -142,6 +143,7 @@ class Result:
     hmma: int
     hgmma: int
     compile_s: float
+    mix: LoopMix | None  # the main loop's instruction mix (attnkit.contract.sass); None without tensor cores
 
     @property
     def spill_bytes(self) -> int:
@@ -269,7 +271,7 @@ _OPCODE = re.compile(r"/\*[0-9a-f]+\*/\s+(?:@!?U?P[T0-9]\s+)?([A-Z][A-Z0-9_]*)((
 _WIDTH = {".64": 8, ".128": 16}
 
 
-def read_cubin(cubin: bytes) -> dict[str, int]:
+def read_cubin(cubin: bytes) -> dict[str, Any]:
     """Registers, stack, static shared and local memory, local store/load bytes and tensor-core counts of a cubin
     with one kernel, from the bundled cuobjdump."""
     cuobjdump = str(tool("cuobjdump"))
@@ -300,6 +302,7 @@ def read_cubin(cubin: bytes) -> dict[str, int]:
         spill_load_bytes=counts["LDL"],
         hmma=counts["HMMA"],
         hgmma=counts["HGMMA"],
+        sass=sass.stdout,
     )
 
 
@@ -339,6 +342,9 @@ def inspect_variant(variant: Variant, tile: launch.TileConfig | None = None) -> 
         hmma=read["hmma"],
         hgmma=read["hgmma"],
         compile_s=round(compile_s, 2),
+        mix=loop_mix(read["sass"], variant.arch, flops_per_score(variant.kernel, variant.head_dim, variant.head_dim))
+        if variant.has_dot
+        else None,
     )
 
 
@@ -391,6 +397,10 @@ _COLUMNS = (
     "STL/LDL B",
     "smem B",
     "tensor cores",
+    "instr/score",
+    "ex2/score",
+    "sel/score",
+    "TF/s pred (ceiling)",
 )
 
 
@@ -408,13 +418,31 @@ def _row(result: Result) -> tuple[str, ...]:
         f"{result.spill_store_bytes}/{result.spill_load_bytes}",
         str(result.shared_bytes),
         result.tensor_core,
+        *_mix_cells(result.mix),
     )
 
 
+def _mix_cells(mix: LoopMix | None) -> tuple[str, ...]:
+    if mix is None:
+        return ("-", "-", "-", "-")
+    return (f"{mix.instructions_per_score:.1f}", f"{mix.ex2_per_score:.2f}", f"{mix.selects_per_score:.2f}",
+            f"{mix.predicted_tflops:.0f} ({mix.ceiling_tflops:.0f})")  # fmt: skip
+
+
 def to_json(results: list[Result]) -> list[dict[str, Any]]:
-    return [
-        {**asdict(result), "spill_bytes": result.spill_bytes, "tensor_core": result.tensor_core} for result in results
-    ]
+    """One record per result: the variant's fields (flat, and as ``variant``), the cubin's, and the main loop's mix
+    (None where the kernel has no tensor-core loop)."""
+    records = []
+    for result in results:
+        record = {**asdict(result.variant), **asdict(result), "spill_bytes": result.spill_bytes}
+        del record["mix"]
+        mix = asdict(result.mix) if result.mix is not None else {}
+        for name in ("instructions_per_score", "ex2_per_score", "selects_per_score", "compares_per_score",
+                     "loads_per_iteration", "barriers_per_iteration", "tensor_shapes", "predicted_tflops",
+                     "ceiling_tflops", "bound"):  # fmt: skip
+            record[name] = mix.get(name)
+        records.append({**record, "tensor_core": result.tensor_core, "loops": mix.get("all_loops")})
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
