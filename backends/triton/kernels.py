@@ -30,17 +30,40 @@ import triton.language as tl
 
 
 @triton.jit
-def _dot(a, b, UPCAST_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _dot(a, b, INTERPRETER_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """a @ b with float32 accumulation.
 
-    UPCAST_DOT is set only by launch.py when the Triton *interpreter* runs bfloat16 operands: its CPU dot returns
+    INTERPRETER_BF16 is set only by launch.py when the Triton *interpreter* runs bfloat16 operands: its CPU dot returns
     garbage for them (Triton 3.9). The values are already bfloat16-rounded, so the float32 dot computes the same
     products; compiled GPU kernels never set it and keep bfloat16 tensor-core dots.
     """
-    if UPCAST_DOT:
+    if INTERPRETER_BF16:
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _rounded(x, DTYPE: tl.constexpr, INTERPRETER_BF16: tl.constexpr):
+    """A float32 tile in DTYPE, rounded to nearest even as the GPU's conversion does. Triton 3.9's interpreter
+    truncates to bfloat16 (whatever fp_downcast_rounding says): under it, round the bits (add half an ulp of the
+    16 bits dropped, ties to even; NaN keeps its truncation, which stays NaN)."""
+    if INTERPRETER_BF16 and DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = tl.where(x != x, bits, bits + 0x7FFF + ((bits >> 16) & 1))
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(DTYPE)
+
+
+@triton.jit
+def _epilogue_rows(row_start, BLOCK_M: tl.constexpr, COMPILED: tl.constexpr):
+    """row_start + 0..BLOCK_M for the stores after the key loop, computed there. Compiled, row_start passes through
+    an opaque move first: otherwise the rows are the q load's, held across the loop, and at 128 × 128 tiles on sm_90
+    ptxas spills them (48 B) rather than recompute them. The interpreter has no inline assembly and no registers."""
+    if COMPILED:
+        row_start = tl.inline_asm_elementwise("mov.u32 $0, $1;", "=r,r", [row_start], tl.int32, is_pure=False, pack=1)
+    return row_start + tl.arange(0, BLOCK_M)
 
 
 @triton.jit
@@ -221,39 +244,203 @@ def _score_tile(
     HAS_SOFTCAP: tl.constexpr,
     COSINE: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    EDGE: tl.constexpr = True,
+    FOLD_SCALE: tl.constexpr = False,
 ):
     """S for one (BLOCK_M, BLOCK_N) tile, −inf where hidden, and tanh(U / c) for the softcap derivative.
 
     U = scale · q̂ k̂ᵀ (q̂ = q, or q/‖q‖ for the cosine variant);  S = c · tanh(U / c) if softcapped, else U;
     S += bias.  ``qk_scale`` is scale / c when softcapped, so the product is already the tanh argument.
+    EDGE: the tile may hold hidden pairs (bounds, band, mask, ids); an interior tile (EDGE false) is all visible and
+    pays for no mask. FOLD_SCALE: without softcap and bias, leave U unscaled (q̂ k̂ᵀ) for the caller to fold the scale
+    into the exponent's FMA.
     """
-    scores = _dot(q, tl.trans(k), UPCAST_DOT, DOT_PRECISION)
+    scores = _dot(q, tl.trans(k), INTERPRETER_BF16, DOT_PRECISION)
     if COSINE:
         scores = scores * q_inv_norm[:, None] * k_inv_norm[None, :]
-    scores = scores * qk_scale
+    if not (FOLD_SCALE and not HAS_SOFTCAP and not HAS_BIAS):
+        scores = scores * qk_scale
     tanh_u = scores
     if HAS_SOFTCAP:
         tanh_u = _tanh(scores)
         scores = softcap * tanh_u
-    inside = (rows[:, None] < q_len) & (cols[None, :] < kv_len)
-    if HAS_BIAS:
-        bias = tl.load(BiasTile + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n, mask=inside, other=0.0)
-        scores += bias.to(tl.float32)
-    visible = inside
-    if HAS_LOWER:
-        visible = visible & (cols[None, :] - rows[:, None] - offset >= lower)
+    if EDGE:
+        inside = (rows[:, None] < q_len) & (cols[None, :] < kv_len)
+        if HAS_BIAS:
+            bias = tl.load(
+                BiasTile + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n, mask=inside, other=0.0
+            )
+            scores += bias.to(tl.float32)
+        visible = inside
+        if HAS_LOWER:
+            visible = visible & (cols[None, :] - rows[:, None] - offset >= lower)
+        if HAS_UPPER:
+            visible = visible & (cols[None, :] - rows[:, None] - offset <= upper)
+        if HAS_MASK:
+            allowed = tl.load(
+                MaskTile + rows[:, None] * stride_mask_m + cols[None, :] * stride_mask_n, mask=inside, other=0
+            )
+            visible = visible & (allowed != 0)
+        if HAS_SEGMENT_IDS:
+            visible = visible & (q_ids[:, None] == kv_ids[None, :]) & (q_ids[:, None] >= 0)
+        scores = tl.where(visible, scores, float("-inf"))
+    elif HAS_BIAS:
+        scores += tl.load(BiasTile + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n).to(tl.float32)
+    return scores, tanh_u
+
+
+@triton.jit
+def _interior_span(
+    first,
+    end,
+    row_start,
+    q_len,
+    kv_len,
+    offset,
+    lower,
+    upper,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+):
+    """[low, high) of the key tiles in [first, end) (first tile-aligned) whose every pair with rows row_start..
+    row_start+BLOCK_M is visible: whole rows and keys inside the lengths, and the whole tile inside the band
+    (rel = j − i − offset: its least is key_start − last row, its greatest last key − row_start). Empty (low = high)
+    when the query tile has padding rows."""
+    last_start = kv_len - BLOCK_N  # the greatest key_start whose tile lies inside kv_len
+    least_start = first
     if HAS_UPPER:
-        visible = visible & (cols[None, :] - rows[:, None] - offset <= upper)
-    if HAS_MASK:
-        allowed = tl.load(
-            MaskTile + rows[:, None] * stride_mask_m + cols[None, :] * stride_mask_n, mask=inside, other=0
-        )
-        visible = visible & (allowed != 0)
-    if HAS_SEGMENT_IDS:
-        visible = visible & (q_ids[:, None] == kv_ids[None, :]) & (q_ids[:, None] >= 0)
-    return tl.where(visible, scores, float("-inf")), tanh_u
+        last_start = tl.minimum(last_start, row_start + offset + upper - BLOCK_N + 1)
+    if HAS_LOWER:
+        least_start = tl.maximum(least_start, row_start + BLOCK_M - 1 + offset + lower)
+    low = tl.minimum(first + tl.cdiv(least_start - first, BLOCK_N) * BLOCK_N, end)
+    reach = last_start - first  # ≥ 0 before any division: // of a negative int truncates
+    high = tl.where(reach >= 0, first + (tl.maximum(reach, 0) // BLOCK_N + 1) * BLOCK_N, first)
+    high = tl.minimum(tl.maximum(high, low), end)
+    full_rows = row_start + BLOCK_M <= q_len
+    return tl.where(full_rows, low, end), tl.where(full_rows, high, end)
+
+
+@triton.jit
+def _fwd_tile(
+    acc,
+    row_max,
+    row_sum,
+    q,
+    q_inv_norm,
+    rows,
+    q_ids,
+    key_start,
+    KHead,
+    VHead,
+    KvSegmentIds,
+    BlockTable,
+    batch64,
+    stride_kb,
+    stride_kn,
+    stride_vb,
+    stride_vn,
+    len_k,
+    q_len,
+    kv_len,
+    offset,
+    lower,
+    upper,
+    block_size,
+    max_blocks,
+    BiasTile,
+    stride_bias_m,
+    stride_bias_n,
+    MaskTile,
+    stride_mask_m,
+    stride_mask_n,
+    qk_scale,
+    softcap,
+    fold,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COSINE: tl.constexpr,
+    HAS_SEGMENT_IDS: tl.constexpr,
+    PAGED: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EDGE: tl.constexpr,
+):
+    """One key tile of the online softmax, in base 2 (``fold`` turns the score tile into log₂-units, row_max is in
+    them):  m' = max(m, rowmax S₂);  α = 2^(m − m');  P = 2^(S₂ − m');  l' = α·l + rowsum P;  acc' = α·acc + P V.
+    An edge tile may leave a row with no visible key yet (m' = −inf): its shift is taken as 0 so that P and α are
+    2^−inf = 0, never NaN; an interior tile makes every m' finite and needs no such select."""
+    cols = key_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
+    outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
+    k_places = KHead + (outer * stride_kb + inner * stride_kn)[:, None] + dims[None, :]
+    v_places = VHead + (outer * stride_vb + inner * stride_vn)[:, None] + dims_v[None, :]
+    if EDGE:
+        k = tl.load(k_places, mask=live_cols[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+        v = tl.load(v_places, mask=live_cols[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
+    elif BLOCK_D == HEAD_DIM and BLOCK_DV == HEAD_DIM_V:
+        k = tl.load(k_places)
+        v = tl.load(v_places)
+    else:
+        k = tl.load(k_places, mask=dims[None, :] < HEAD_DIM, other=0.0)
+        v = tl.load(v_places, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
+    k_inv_norm = _inverse_norms(k, COSINE)
+    scores, _ = _score_tile(
+        q,
+        k,
+        q_inv_norm,
+        k_inv_norm,
+        rows,
+        cols,
+        q_ids,
+        kv_ids,
+        q_len,
+        kv_len,
+        offset,
+        lower,
+        upper,
+        BiasTile,
+        stride_bias_m,
+        stride_bias_n,
+        MaskTile,
+        stride_mask_m,
+        stride_mask_n,
+        qk_scale,
+        softcap,
+        HAS_LOWER,
+        HAS_UPPER,
+        HAS_MASK,
+        HAS_BIAS,
+        HAS_SOFTCAP,
+        COSINE,
+        HAS_SEGMENT_IDS,
+        INTERPRETER_BF16,
+        DOT_PRECISION,
+        EDGE,
+        True,
+    )
+    new_max = tl.maximum(row_max, tl.max(scores, 1) * fold)  # fold > 0: the max of the folded scores
+    shift = new_max
+    if EDGE:
+        shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+    p = tl.math.exp2(tl.fma(scores, fold, -shift[:, None]))
+    alpha = tl.math.exp2(row_max - shift)
+    row_sum = row_sum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(_rounded(p, v.dtype, INTERPRETER_BF16), v, INTERPRETER_BF16, DOT_PRECISION)
+    return acc, new_max, row_sum
 
 
 @triton.jit
@@ -324,8 +511,9 @@ def _fwd_kernel(
     PAGED: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SEGMENT_GRANULE: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
     """One query tile of one (batch, query head): out and lse, or with SPLIT_K one key range's partial out and lse
     (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major."""
@@ -366,81 +554,64 @@ def _fwd_kernel(
     row_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    # Online softmax over the key tiles (FlashAttention-2):
-    #   m' = max(m, rowmax S);  α = exp(m − m');  P = exp(S − m');  l' = α·l + rowsum P;  acc' = α·acc + P V
-    # and once at the end: out = acc / l, lse = m + log l. A row that has seen no visible key keeps m = −inf;
-    # its shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
-    for key_start in range(first, end, BLOCK_N):
+    # Online softmax over the key tiles (FlashAttention-2) in base 2, the scale folded into the exponent's FMA (S₂ =
+    # log₂e · S; _fwd_tile); once at the end: out = acc / l, lse = ln 2 · (m + log₂ l). The interior tiles, every
+    # pair visible, run first and without masks; then the edge tiles (bounds, the band's diagonal), masked. With a
+    # mask or segment ids any tile may hide pairs: all are edge tiles.
+    fold = 1.4426950408889634  # log₂e
+    if not HAS_SOFTCAP and not HAS_BIAS:
+        fold = qk_scale * 1.4426950408889634
+    interior_low = end
+    interior_high = end
+    if not HAS_MASK and not HAS_SEGMENT_IDS:
+        interior_low, interior_high = _interior_span(
+            first, end, row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
+        )
+        for key_start in range(interior_low, interior_high, BLOCK_N):
+            acc, row_max, row_sum = _fwd_tile(
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds, BlockTable,
+                batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower, upper,
+                block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n,
+                qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER,
+                HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16, DOT_PRECISION, False,
+            )  # fmt: skip
+    # The edge tiles: [first, interior_low), then [interior_high, end) where interior tiles split them: two affine
+    # loops (one loop over a remapped index left ptxas at 128 registers and spilling kilobytes with every feature on).
+    for key_start in range(first, interior_low, BLOCK_N):
         meets = True
         if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
             k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
             meets = (q_low <= k_high) & (k_low <= q_high)
         if meets:
-            cols = key_start + tl.arange(0, BLOCK_N)
-            live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
-            outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
-            k_rows = outer * stride_kb + inner * stride_kn
-            k = tl.load(
-                KHead + k_rows[:, None] + dims[None, :],
-                mask=live_cols[:, None] & (dims[None, :] < HEAD_DIM),
-                other=0.0,
-            )
-            k_inv_norm = _inverse_norms(k, COSINE)
-            scores, _ = _score_tile(
-                q,
-                k,
-                q_inv_norm,
-                k_inv_norm,
-                rows,
-                cols,
-                q_ids,
-                kv_ids,
-                q_len,
-                kv_len,
-                offset,
-                lower,
-                upper,
-                BiasTile,
-                stride_bias_m,
-                stride_bias_n,
-                MaskTile,
-                stride_mask_m,
-                stride_mask_n,
-                qk_scale,
-                softcap,
-                HAS_LOWER,
-                HAS_UPPER,
-                HAS_MASK,
-                HAS_BIAS,
-                HAS_SOFTCAP,
-                COSINE,
-                HAS_SEGMENT_IDS,
-                UPCAST_DOT,
-                DOT_PRECISION,
-            )
-            new_max = tl.maximum(row_max, tl.max(scores, 1))
-            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
-            p = tl.exp(scores - shift[:, None])
-            alpha = tl.exp(row_max - shift)
-            row_sum = row_sum * alpha + tl.sum(p, 1)
-            v_rows = outer * stride_vb + inner * stride_vn
-            v = tl.load(
-                VHead + v_rows[:, None] + dims_v[None, :],
-                mask=live_cols[:, None] & (dims_v[None, :] < HEAD_DIM_V),
-                other=0.0,
-            )
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, UPCAST_DOT, DOT_PRECISION)
-            row_max = new_max
+            acc, row_max, row_sum = _fwd_tile(
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds,
+                BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower,
+                upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
+                stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
+                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
+                DOT_PRECISION, True,
+            )  # fmt: skip
+    if not HAS_MASK and not HAS_SEGMENT_IDS:
+        for key_start in range(interior_high, end, BLOCK_N):
+            acc, row_max, row_sum = _fwd_tile(
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds,
+                BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower,
+                upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
+                stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
+                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
+                DOT_PRECISION, True,
+            )  # fmt: skip
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
     # give NaN out and lse, never the empty row's 0 and −inf.
     empty = row_sum == 0.0
     safe_sum = tl.where(empty, 1.0, row_sum)
     out = tl.where(empty[:, None], 0.0, acc / safe_sum[:, None])
-    lse = tl.where(empty, float("-inf"), row_max + tl.log(safe_sum))
+    lse = tl.where(empty, float("-inf"), (row_max + tl.math.log2(safe_sum)) * 0.6931471805599453)  # ln 2
+    rows = _epilogue_rows(row_start, BLOCK_M, COMPILED)
     tl.store(
         Out + split * stride_os + batch64 * stride_ob + head * stride_oh + rows[:, None] * stride_om + dims_v[None, :],
-        out.to(Out.dtype.element_ty),
+        _rounded(out, Out.dtype.element_ty, INTERPRETER_BF16),
         mask=(rows[:, None] < len_q) & (dims_v[None, :] < HEAD_DIM_V),
     )
     tl.store(Lse + split * stride_ls + (batch64 * heads_q + head) * len_q + rows, lse, mask=rows < len_q)
@@ -554,7 +725,7 @@ def _bwd_dq_kernel(
     HAS_KV_LENGTHS: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
     SEGMENT_GRANULE: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B)."""
@@ -644,21 +815,21 @@ def _bwd_dq_kernel(
                 HAS_SOFTCAP,
                 COSINE,
                 HAS_SEGMENT_IDS,
-                UPCAST_DOT,
+                INTERPRETER_BF16,
                 DOT_PRECISION,
             )
             p = tl.exp(scores - lse[:, None])
-            dp = _dot(dout, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
+            dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
             ds = p * (dp - delta[:, None])
             if HAS_SOFTCAP:
                 ds = ds * (1.0 - tanh_u * tanh_u)
             if COSINE:  # dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
                 ds = ds * k_inv_norm[None, :]
-            dq += _dot(ds.to(k.dtype), k, UPCAST_DOT, DOT_PRECISION)
+            dq += _dot(_rounded(ds, k.dtype, INTERPRETER_BF16), k, INTERPRETER_BF16, DOT_PRECISION)
     dq = dq * grad_scale
     tl.store(
         DQ + batch64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqm + dims[None, :],
-        dq.to(DQ.dtype.element_ty),
+        _rounded(dq, DQ.dtype.element_ty, INTERPRETER_BF16),
         mask=(rows[:, None] < len_q) & (dims[None, :] < HEAD_DIM),
     )
 
@@ -735,7 +906,7 @@ def _bwd_dkdv_kernel(
     HAS_KV_LENGTHS: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
     SEGMENT_GRANULE: tl.constexpr,
-    UPCAST_DOT: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """dk, dv (and dS into the full-shape dbias) for one key tile of one (batch, kv head).
@@ -830,12 +1001,12 @@ def _bwd_dkdv_kernel(
                     HAS_SOFTCAP,
                     COSINE,
                     HAS_SEGMENT_IDS,
-                    UPCAST_DOT,
+                    INTERPRETER_BF16,
                     DOT_PRECISION,
                 )
                 p = tl.exp(scores - lse[:, None])
-                dv += _dot(tl.trans(p.to(dout.dtype)), dout, UPCAST_DOT, DOT_PRECISION)
-                dp = _dot(dout, tl.trans(v), UPCAST_DOT, DOT_PRECISION)
+                dv += _dot(tl.trans(_rounded(p, dout.dtype, INTERPRETER_BF16)), dout, INTERPRETER_BF16, DOT_PRECISION)
+                dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
                 ds = p * (dp - delta[:, None])
                 if HAS_DBIAS:
                     tl.store(
@@ -847,16 +1018,16 @@ def _bwd_dkdv_kernel(
                     ds = ds * (1.0 - tanh_u * tanh_u)
                 if COSINE:  # dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
                     ds = ds * q_inv_norm[:, None]
-                dk += _dot(tl.trans(ds.to(q.dtype)), q, UPCAST_DOT, DOT_PRECISION)
+                dk += _dot(tl.trans(_rounded(ds, q.dtype, INTERPRETER_BF16)), q, INTERPRETER_BF16, DOT_PRECISION)
     dk = dk * grad_scale
     in_keys = cols[:, None] < len_k
     tl.store(
         DK + batch64 * stride_dkb + head_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],
-        dk.to(DK.dtype.element_ty),
+        _rounded(dk, DK.dtype.element_ty, INTERPRETER_BF16),
         mask=in_keys & (dims[None, :] < HEAD_DIM),
     )
     tl.store(
         DV + batch64 * stride_dvb + head_kv * stride_dvh + cols[:, None] * stride_dvn + dims_v[None, :],
-        dv.to(DV.dtype.element_ty),
+        _rounded(dv, DV.dtype.element_ty, INTERPRETER_BF16),
         mask=in_keys & (dims_v[None, :] < HEAD_DIM_V),
     )
