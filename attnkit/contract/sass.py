@@ -1,13 +1,15 @@
 """The static proxy of GPU speed shared by the kernel backends' checks: a kernel's SASS read for its innermost loops,
 their instruction mix per attention score, and an issue-rate model that turns the mix into a predicted throughput.
 
-A loop is a backward branch (``BRA`` to a label at or before it); an innermost loop contains no other. One
-iteration's scores are counted from its tensor-core work (each ``HMMA``/``HGMMA`` names its shape), so unrolling and
-tile shape need no bookkeeping: ``scores = Σ tensor flops per warp / flops per score``, and
+A loop is a backward branch (``BRA`` to a label at or before it); an innermost loop contains no other, and an
+attention kernel's runs one tile per iteration: BLOCK_M × BLOCK_N scores, a warp's share of them BLOCK_M × BLOCK_N /
+warps. Then
 
     instructions per score = warp instructions per iteration × 32 / scores per warp
 
-(threads' instructions: an SM issues 4 warp instructions, 128 threads' worth, per cycle). An attention loop shares
+(threads' instructions: an SM issues 4 warp instructions, 128 threads' worth, per cycle), and the tensor-core
+work per score is counted from the HMMA/HGMMA shapes; ``tensor_work`` is that over the products' own flops, 1.0
+unless a layout makes warpgroups repeat a product. An attention loop shares
 three resources of an SM, in cycles per score: the tensor cores (flops per score ÷ their flops per cycle), issue
 (instructions per score ÷ 128) and the MUFU unit (exp2 per score ÷ 16). Two models turn them into TFLOP/s (flops
 per score ÷ cycles × SMs × clock), both assuming memory keeps up:
@@ -147,6 +149,7 @@ class LoopMix:
     barriers_per_iteration: int
     tensor_shapes: tuple[str, ...]
     scores_per_warp: float  # scores one warp's share of an iteration covers
+    tensor_work: float  # tensor-core flops per score over the products' own: > 1 when a product is computed twice
     predicted_tflops: float  # products and softmax in series
     ceiling_tflops: float  # products and softmax overlapped
     bound: str  # what limits the ceiling: tensor, issue or mufu
@@ -160,18 +163,19 @@ def flops_per_score(kernel: str, head_dim: int, head_dim_v: int) -> int:
             "dkdv": 4 * (head_dim + head_dim_v)}[kernel]  # fmt: skip
 
 
-def loop_mix(sass: str, arch: str, flops_per_score: int) -> LoopMix | None:
-    """The mix of the kernel's main loop: among the innermost loops with tensor-core instructions, the one with the
-    fewest instructions per score (the interior loop, where a kernel spends its time on long sequences). None when
-    no loop uses the tensor cores (float32 kernels)."""
+def loop_mix(sass: str, arch: str, flops_per_score: int, tile_scores: int, warps: int) -> LoopMix | None:
+    """The mix of the kernel's main loop, whose iterations each cover ``tile_scores`` scores on ``warps`` warps:
+    among the innermost loops with tensor-core instructions, the one with the fewest instructions per score (the
+    interior loop, where a kernel spends its time on long sequences). None when no loop uses the tensor cores
+    (float32 kernels)."""
     machine = MACHINES[arch]
+    scores = tile_scores / warps
+    per_score = 32 / scores
     mixes = []
     for loop in innermost_loops(sass):
         flops = loop.tensor_flops_per_warp
         if not flops:
             continue
-        scores = sum(flops.values()) / flops_per_score
-        per_score = 32 / scores
         cycles = {
             "tensor": sum(f / machine.tensor_rate(name) for name, f in flops.items()) / scores,
             "issue": len(loop.instructions) * per_score / ISSUE_PER_CYCLE,
@@ -190,6 +194,7 @@ def loop_mix(sass: str, arch: str, flops_per_score: int) -> LoopMix | None:
                 barriers_per_iteration=loop.count(BARRIERS),
                 tensor_shapes=loop.tensor_shapes,
                 scores_per_warp=scores,
+                tensor_work=round(sum(flops.values()) / scores / flops_per_score, 3),
                 predicted_tflops=round(per_cycle / serial, 1),
                 ceiling_tflops=round(per_cycle / cycles[bound], 1),
                 bound=bound,
@@ -198,6 +203,6 @@ def loop_mix(sass: str, arch: str, flops_per_score: int) -> LoopMix | None:
     if not mixes:
         return None
     main = min(mixes, key=lambda mix: mix.instructions_per_score)
-    summary = tuple({"instructions_per_score": m.instructions_per_score, "scores_per_warp": m.scores_per_warp}
+    summary = tuple({"instructions_per_score": m.instructions_per_score, "tensor_work": m.tensor_work}
                     for m in mixes)  # fmt: skip
     return LoopMix(**{**main.__dict__, "all_loops": summary})

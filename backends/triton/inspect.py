@@ -59,9 +59,9 @@ DOT_KERNELS = ("fwd", "dq", "dkdv")
 NO_SPILL_HEAD_DIMS = (64, 128)
 #: Feature variants that must compile without spills there: no feature, and the paged split-K decode forward.
 NO_SPILL_FEATURES = ("plain", "paged-split")
-#: The most threads' instructions per attention score the forward's interior loop may take at D = 128 on sm_90
-#: (attnkit.contract.sass; the tensor cores leave room for about 16 there).
-FORWARD_INSTRUCTIONS_PER_SCORE = 9.0
+#: The most threads' instructions per attention score each kernel's interior loop may take at D = 128 on sm_90
+#: (attnkit.contract.sass): the tensor cores leave room for about 16 in the forward, 24 in dQ and 32 in dK/dV.
+INSTRUCTIONS_PER_SCORE = {"fwd": 9.0, "dq": 20.0, "dkdv": 20.0}
 #: The tensor-core instruction each arch must show in every float16 / bfloat16 dot-bearing kernel.
 REQUIRED_TENSOR_CORE = {"sm_80": "HMMA", "sm_90": "HGMMA"}
 
@@ -344,7 +344,13 @@ def inspect_variant(variant: Variant, tile: launch.TileConfig | None = None) -> 
         hmma=read["hmma"],
         hgmma=read["hgmma"],
         compile_s=round(compile_s, 2),
-        mix=loop_mix(read["sass"], variant.arch, flops_per_score(variant.kernel, variant.head_dim, variant.head_dim))
+        mix=loop_mix(
+            read["sass"],
+            variant.arch,
+            flops_per_score(variant.kernel, variant.head_dim, variant.head_dim),
+            tile.block_m * tile.block_n,
+            tile.num_warps,
+        )
         if variant.has_dot
         else None,
     )
@@ -369,8 +375,8 @@ def inspect_all(selected: list[Variant], jobs: int = 1) -> Iterator[Result]:
 def violations(results: list[Result]) -> list[str]:
     """The requirements of the static check, broken: no spills at the default tiles for D = 64 and 128 in the
     float16 / bfloat16 dot kernels (NO_SPILL_FEATURES), HMMA on sm_80 and HGMMA on sm_90 in every float16 /
-    bfloat16 dot kernel, and in the forward wgmma N ≥ 64 and a plain interior loop without selects and, at D = 128
-    on sm_90, within FORWARD_INSTRUCTIONS_PER_SCORE."""
+    bfloat16 dot kernel, and without features wgmma N ≥ 64, an interior loop without selects or repeated products
+    and, at D = 128 on sm_90, within INSTRUCTIONS_PER_SCORE."""
     broken = []
     for result in results:
         variant = result.variant
@@ -386,22 +392,18 @@ def violations(results: list[Result]) -> list[str]:
         if not getattr(result, instruction.lower()):
             broken.append(f"{name}: no {instruction} ({result.tensor_core})")
         mix = result.mix
-        if mix is None:
-            continue
-        if variant.kernel != "fwd":  # the backward kernels' requirements are not met yet (docs/performance.md)
+        if mix is None or variant.features != "plain":
             continue
         narrow = [shape for shape in mix.tensor_shapes if shape.startswith("HGMMA") and int(shape.split("x")[1]) < 64]
         if narrow:
             broken.append(f"{name}: wgmma narrower than N = 64 ({', '.join(narrow)})")
-        if variant.features == "plain":
-            if mix.selects_per_score:
-                broken.append(f"{name}: {mix.selects_per_score} selects per score in the interior loop")
-            at_target = variant.arch == "sm_90" and variant.head_dim == 128
-            if at_target and mix.instructions_per_score > FORWARD_INSTRUCTIONS_PER_SCORE:
-                broken.append(
-                    f"{name}: {mix.instructions_per_score} instructions per score "
-                    f"(at most {FORWARD_INSTRUCTIONS_PER_SCORE})"
-                )
+        if mix.selects_per_score:
+            broken.append(f"{name}: {mix.selects_per_score} selects per score in the interior loop")
+        if mix.tensor_work > 1.0:
+            broken.append(f"{name}: {mix.tensor_work}x the products' tensor-core work (a product computed twice)")
+        limit = INSTRUCTIONS_PER_SCORE[variant.kernel]
+        if variant.arch == "sm_90" and variant.head_dim == 128 and mix.instructions_per_score > limit:
+            broken.append(f"{name}: {mix.instructions_per_score} instructions per score (at most {limit})")
     return broken
 
 
@@ -420,6 +422,7 @@ _COLUMNS = (
     "instr/score",
     "ex2/score",
     "sel/score",
+    "tc work",
     "TF/s pred (ceiling)",
 )
 
@@ -444,9 +447,9 @@ def _row(result: Result) -> tuple[str, ...]:
 
 def _mix_cells(mix: LoopMix | None) -> tuple[str, ...]:
     if mix is None:
-        return ("-", "-", "-", "-")
+        return ("-", "-", "-", "-", "-")
     return (f"{mix.instructions_per_score:.1f}", f"{mix.ex2_per_score:.2f}", f"{mix.selects_per_score:.2f}",
-            f"{mix.predicted_tflops:.0f} ({mix.ceiling_tflops:.0f})")  # fmt: skip
+            f"{mix.tensor_work:.2f}", f"{mix.predicted_tflops:.0f} ({mix.ceiling_tflops:.0f})")  # fmt: skip
 
 
 def to_json(results: list[Result]) -> list[dict[str, Any]]:
@@ -458,8 +461,8 @@ def to_json(results: list[Result]) -> list[dict[str, Any]]:
         del record["mix"]
         mix = asdict(result.mix) if result.mix is not None else {}
         for name in ("instructions_per_score", "ex2_per_score", "selects_per_score", "compares_per_score",
-                     "loads_per_iteration", "barriers_per_iteration", "tensor_shapes", "predicted_tflops",
-                     "ceiling_tflops", "bound"):  # fmt: skip
+                     "loads_per_iteration", "barriers_per_iteration", "tensor_shapes", "tensor_work",
+                     "predicted_tflops", "ceiling_tflops", "bound"):  # fmt: skip
             record[name] = mix.get(name)
         records.append({**record, "tensor_core": result.tensor_core, "loops": mix.get("all_loops")})
     return records

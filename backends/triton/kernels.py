@@ -292,7 +292,16 @@ def _score_tile(
 
 
 @triton.jit
-def _interior_span(
+def _tile_run(first, end, least_start, last_start, BLOCK: tl.constexpr):
+    """[low, high) of the tiles first, first + BLOCK, … below end whose start lies in [least_start, last_start]."""
+    low = tl.minimum(first + tl.cdiv(tl.maximum(least_start - first, 0), BLOCK) * BLOCK, end)
+    reach = last_start - first  # ≥ 0 before any division: // of a negative int truncates
+    high = tl.where(reach >= 0, first + (tl.maximum(reach, 0) // BLOCK + 1) * BLOCK, first)
+    return low, tl.minimum(tl.maximum(high, low), end)
+
+
+@triton.jit
+def _interior_keys(
     first,
     end,
     row_start,
@@ -308,20 +317,67 @@ def _interior_span(
 ):
     """[low, high) of the key tiles in [first, end) (first tile-aligned) whose every pair with rows row_start..
     row_start+BLOCK_M is visible: whole rows and keys inside the lengths, and the whole tile inside the band
-    (rel = j − i − offset: its least is key_start − last row, its greatest last key − row_start). Empty (low = high)
-    when the query tile has padding rows."""
+    (rel = j − i − offset: its least is key_start − last row, its greatest last key − row_start). Empty (low = high
+    = end) when the query tile has padding rows."""
     last_start = kv_len - BLOCK_N  # the greatest key_start whose tile lies inside kv_len
     least_start = first
     if HAS_UPPER:
         last_start = tl.minimum(last_start, row_start + offset + upper - BLOCK_N + 1)
     if HAS_LOWER:
         least_start = tl.maximum(least_start, row_start + BLOCK_M - 1 + offset + lower)
-    low = tl.minimum(first + tl.cdiv(least_start - first, BLOCK_N) * BLOCK_N, end)
-    reach = last_start - first  # ≥ 0 before any division: // of a negative int truncates
-    high = tl.where(reach >= 0, first + (tl.maximum(reach, 0) // BLOCK_N + 1) * BLOCK_N, first)
-    high = tl.minimum(tl.maximum(high, low), end)
+    low, high = _tile_run(first, end, least_start, last_start, BLOCK_N)
     full_rows = row_start + BLOCK_M <= q_len
     return tl.where(full_rows, low, end), tl.where(full_rows, high, end)
+
+
+@triton.jit
+def _interior_queries(
+    first,
+    end,
+    key_start,
+    q_len,
+    kv_len,
+    offset,
+    lower,
+    upper,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+):
+    """_interior_keys seen from a key tile: [low, high) of the query tiles in [first, end) whose every pair with keys
+    key_start..key_start+BLOCK_N is visible. Empty (low = high = end) when the key tile has padding keys."""
+    last_start = q_len - BLOCK_M
+    least_start = first
+    if HAS_UPPER:
+        least_start = tl.maximum(least_start, key_start + BLOCK_N - 1 - offset - upper)
+    if HAS_LOWER:
+        last_start = tl.minimum(last_start, key_start - BLOCK_M + 1 - offset - lower)
+    low, high = _tile_run(first, end, least_start, last_start, BLOCK_M)
+    full_keys = key_start + BLOCK_N <= kv_len
+    return tl.where(full_keys, low, end), tl.where(full_keys, high, end)
+
+
+@triton.jit
+def _score_fold(qk_scale, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """What turns _score_tile(FOLD_SCALE=True)'s tile into log₂ units: the scale with log₂e, or log₂e alone when
+    softcap or bias made the tile natural units already (the scale is > 0, so max(S)·fold = max(S·fold))."""
+    fold = 1.4426950408889634  # log₂e
+    if not HAS_SOFTCAP and not HAS_BIAS:
+        fold = qk_scale * 1.4426950408889634
+    return fold
+
+
+@triton.jit
+def _load_tile(places, live, dims, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, EDGE: tl.constexpr):
+    """A (positions, BLOCK_D) tile of q, k, v or dO: masked to the live positions and the head dim on an edge tile;
+    on an interior one every position is live, and a head dim as wide as its padding needs no mask at all."""
+    if EDGE:
+        return tl.load(places, mask=live[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
+    elif BLOCK_D == HEAD_DIM:
+        return tl.load(places)
+    else:
+        return tl.load(places, mask=dims[None, :] < HEAD_DIM, other=0.0)
 
 
 @triton.jit
@@ -386,17 +442,10 @@ def _fwd_tile(
     dims_v = tl.arange(0, BLOCK_DV)
     live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
     outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
-    k_places = KHead + (outer * stride_kb + inner * stride_kn)[:, None] + dims[None, :]
-    v_places = VHead + (outer * stride_vb + inner * stride_vn)[:, None] + dims_v[None, :]
-    if EDGE:
-        k = tl.load(k_places, mask=live_cols[:, None] & (dims[None, :] < HEAD_DIM), other=0.0)
-        v = tl.load(v_places, mask=live_cols[:, None] & (dims_v[None, :] < HEAD_DIM_V), other=0.0)
-    elif BLOCK_D == HEAD_DIM and BLOCK_DV == HEAD_DIM_V:
-        k = tl.load(k_places)
-        v = tl.load(v_places)
-    else:
-        k = tl.load(k_places, mask=dims[None, :] < HEAD_DIM, other=0.0)
-        v = tl.load(v_places, mask=dims_v[None, :] < HEAD_DIM_V, other=0.0)
+    k = _load_tile(KHead + (outer * stride_kb + inner * stride_kn)[:, None] + dims[None, :], live_cols, dims,
+                   HEAD_DIM, BLOCK_D, EDGE)  # fmt: skip
+    v = _load_tile(VHead + (outer * stride_vb + inner * stride_vn)[:, None] + dims_v[None, :], live_cols, dims_v,
+                   HEAD_DIM_V, BLOCK_DV, EDGE)  # fmt: skip
     k_inv_norm = _inverse_norms(k, COSINE)
     scores, _ = _score_tile(
         q,
@@ -558,13 +607,11 @@ def _fwd_kernel(
     # log₂e · S; _fwd_tile); once at the end: out = acc / l, lse = ln 2 · (m + log₂ l). The interior tiles, every
     # pair visible, run first and without masks; then the edge tiles (bounds, the band's diagonal), masked. With a
     # mask or segment ids any tile may hide pairs: all are edge tiles.
-    fold = 1.4426950408889634  # log₂e
-    if not HAS_SOFTCAP and not HAS_BIAS:
-        fold = qk_scale * 1.4426950408889634
+    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
     interior_low = end
     interior_high = end
     if not HAS_MASK and not HAS_SEGMENT_IDS:
-        interior_low, interior_high = _interior_span(
+        interior_low, interior_high = _interior_keys(
             first, end, row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
         )
         for key_start in range(interior_low, interior_high, BLOCK_N):
@@ -657,6 +704,78 @@ def _bwd_delta_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLse + row_index, mask=rows < len_q, other=0.0)
     tl.store(Delta + row_index, delta, mask=rows < len_q)
+
+
+@triton.jit
+def _dq_tile(
+    dq,
+    q,
+    q_inv_norm,
+    dout,
+    lse2,
+    delta,
+    rows,
+    q_ids,
+    key_start,
+    KTile,
+    VTile,
+    KvSegmentIds,
+    batch64,
+    stride_kn,
+    stride_vn,
+    len_k,
+    q_len,
+    kv_len,
+    offset,
+    lower,
+    upper,
+    BiasTile,
+    stride_bias_m,
+    stride_bias_n,
+    MaskTile,
+    stride_mask_m,
+    stride_mask_n,
+    qk_scale,
+    softcap,
+    fold,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COSINE: tl.constexpr,
+    HAS_SEGMENT_IDS: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EDGE: tl.constexpr,
+):
+    """One key tile of dq, in base 2 (lse2 = log₂e · lse):
+    P = 2^(S₂ − lse2);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K."""
+    cols = key_start + tl.arange(0, BLOCK_N)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
+    k = _load_tile(KTile + cols[:, None] * stride_kn + dims[None, :], live_cols, dims, HEAD_DIM, BLOCK_D, EDGE)
+    v = _load_tile(VTile + cols[:, None] * stride_vn + dims_v[None, :], live_cols, dims_v, HEAD_DIM_V, BLOCK_DV, EDGE)
+    k_inv_norm = _inverse_norms(k, COSINE)
+    scores, tanh_u = _score_tile(
+        q, k, q_inv_norm, k_inv_norm, rows, cols, q_ids, kv_ids, q_len, kv_len, offset, lower, upper, BiasTile,
+        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, HAS_LOWER, HAS_UPPER,
+        HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, EDGE, True,
+    )  # fmt: skip
+    p = tl.math.exp2(tl.fma(scores, fold, -lse2[:, None]))
+    dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - tanh_u * tanh_u)
+    if COSINE:  # dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
+        ds = ds * k_inv_norm[None, :]
+    return dq + _dot(_rounded(ds, k.dtype, INTERPRETER_BF16), k, INTERPRETER_BF16, DOT_PRECISION)
 
 
 @triton.jit
@@ -755,7 +874,7 @@ def _bwd_dq_kernel(
     row_index = (batch64 * heads_q + head) * len_q + rows
     lse = tl.load(Lse + row_index, mask=live_rows, other=float("-inf"))
     # An empty row (lse = −inf) is shifted by +inf, so every P of it is exactly 0.
-    lse = tl.where(lse == float("-inf"), float("inf"), lse)
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
     delta = tl.load(Delta + row_index, mask=live_rows, other=0.0)
     KTile = K + batch64 * stride_kb + head_kv * stride_kh
     VTile = V + batch64 * stride_vb + head_kv * stride_vh
@@ -766,72 +885,144 @@ def _bwd_dq_kernel(
     if HAS_SEGMENT_IDS:
         q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # P = exp(S − lse);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K
-    for key_start in range(first, end, BLOCK_N):
+    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
+    # As the forward: the interior key tiles unmasked, then the edge tiles (_dq_tile).
+    interior_low = end
+    interior_high = end
+    if not HAS_MASK and not HAS_SEGMENT_IDS:
+        interior_low, interior_high = _interior_keys(
+            first, end, row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
+        )
+        for key_start in range(interior_low, interior_high, BLOCK_N):
+            dq = _dq_tile(
+                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KvSegmentIds, batch64,
+                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
+                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, False,
+            )  # fmt: skip
+    for key_start in range(first, interior_low, BLOCK_N):
         meets = True
         if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
             k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
             meets = (q_low <= k_high) & (k_low <= q_high)
         if meets:
-            cols = key_start + tl.arange(0, BLOCK_N)
-            live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
-            k = tl.load(
-                KTile + cols[:, None] * stride_kn + dims[None, :],
-                mask=live_cols[:, None] & (dims[None, :] < HEAD_DIM),
-                other=0.0,
-            )
-            k_inv_norm = _inverse_norms(k, COSINE)
-            v = tl.load(
-                VTile + cols[:, None] * stride_vn + dims_v[None, :],
-                mask=live_cols[:, None] & (dims_v[None, :] < HEAD_DIM_V),
-                other=0.0,
-            )
-            scores, tanh_u = _score_tile(
-                q,
-                k,
-                q_inv_norm,
-                k_inv_norm,
-                rows,
-                cols,
-                q_ids,
-                kv_ids,
-                q_len,
-                kv_len,
-                offset,
-                lower,
-                upper,
-                BiasTile,
-                stride_bias_m,
-                stride_bias_n,
-                MaskTile,
-                stride_mask_m,
-                stride_mask_n,
-                qk_scale,
-                softcap,
-                HAS_LOWER,
-                HAS_UPPER,
-                HAS_MASK,
-                HAS_BIAS,
-                HAS_SOFTCAP,
-                COSINE,
-                HAS_SEGMENT_IDS,
-                INTERPRETER_BF16,
-                DOT_PRECISION,
-            )
-            p = tl.exp(scores - lse[:, None])
-            dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
-            ds = p * (dp - delta[:, None])
-            if HAS_SOFTCAP:
-                ds = ds * (1.0 - tanh_u * tanh_u)
-            if COSINE:  # dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
-                ds = ds * k_inv_norm[None, :]
-            dq += _dot(_rounded(ds, k.dtype, INTERPRETER_BF16), k, INTERPRETER_BF16, DOT_PRECISION)
+            dq = _dq_tile(
+                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KvSegmentIds, batch64,
+                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
+                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True,
+            )  # fmt: skip
+    if not HAS_MASK and not HAS_SEGMENT_IDS:
+        for key_start in range(interior_high, end, BLOCK_N):
+            dq = _dq_tile(
+                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KvSegmentIds, batch64,
+                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
+                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True,
+            )  # fmt: skip
     dq = dq * grad_scale
     tl.store(
         DQ + batch64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqm + dims[None, :],
         _rounded(dq, DQ.dtype.element_ty, INTERPRETER_BF16),
         mask=(rows[:, None] < len_q) & (dims[None, :] < HEAD_DIM),
     )
+
+
+@triton.jit
+def _dkdv_tile(
+    dk,
+    dv,
+    k,
+    v,
+    k_inv_norm,
+    cols,
+    kv_ids,
+    row_start,
+    QHead,
+    DOutHead,
+    Lse,
+    Delta,
+    DBias,
+    row_base,
+    QSegmentIds,
+    batch64,
+    stride_qm,
+    stride_dom,
+    len_q,
+    len_k,
+    q_len,
+    kv_len,
+    offset,
+    lower,
+    upper,
+    BiasTile,
+    stride_bias_m,
+    stride_bias_n,
+    MaskTile,
+    stride_mask_m,
+    stride_mask_n,
+    qk_scale,
+    softcap,
+    fold,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
+    HAS_UPPER: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    COSINE: tl.constexpr,
+    HAS_DBIAS: tl.constexpr,
+    HAS_SEGMENT_IDS: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    EDGE: tl.constexpr,
+):
+    """One query tile of dk and dv, in base 2 (lse2 = log₂e · lse):
+    P = 2^(S₂ − lse2);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS;
+    dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q."""
+    rows = row_start + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    dims_v = tl.arange(0, BLOCK_DV)
+    live_rows, q_ids = _positions_in_use(QSegmentIds, batch64, rows, q_len, len_q, HAS_SEGMENT_IDS)
+    q = _load_tile(QHead + rows[:, None] * stride_qm + dims[None, :], live_rows, dims, HEAD_DIM, BLOCK_D, EDGE)
+    q_inv_norm = _inverse_norms(q, COSINE)
+    dout = _load_tile(DOutHead + rows[:, None] * stride_dom + dims_v[None, :], live_rows, dims_v, HEAD_DIM_V,
+                      BLOCK_DV, EDGE)  # fmt: skip
+    if EDGE:
+        lse = tl.load(Lse + row_base + rows, mask=live_rows, other=float("-inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # an empty row: P = 0
+        delta = tl.load(Delta + row_base + rows, mask=live_rows, other=0.0)
+    else:  # every row sees every key here: none is empty
+        lse2 = tl.load(Lse + row_base + rows) * 1.4426950408889634
+        delta = tl.load(Delta + row_base + rows)
+    scores, tanh_u = _score_tile(
+        q, k, q_inv_norm, k_inv_norm, rows, cols, q_ids, kv_ids, q_len, kv_len, offset, lower, upper, BiasTile,
+        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, HAS_LOWER, HAS_UPPER,
+        HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, EDGE, True,
+    )  # fmt: skip
+    p = tl.math.exp2(tl.fma(scores, fold, -lse2[:, None]))
+    dv += _dot(tl.trans(_rounded(p, dout.dtype, INTERPRETER_BF16)), dout, INTERPRETER_BF16, DOT_PRECISION)
+    dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    if HAS_DBIAS:
+        dbias_places = DBias + row_base * len_k + rows[:, None] * len_k + cols[None, :]
+        if EDGE:
+            tl.store(dbias_places, ds, mask=live_rows[:, None] & (cols[None, :] < kv_len))
+        else:
+            tl.store(dbias_places, ds)
+    if HAS_SOFTCAP:
+        ds = ds * (1.0 - tanh_u * tanh_u)
+    if COSINE:  # dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
+        ds = ds * q_inv_norm[:, None]
+    dk += _dot(tl.trans(_rounded(ds, q.dtype, INTERPRETER_BF16)), q, INTERPRETER_BF16, DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
@@ -941,84 +1132,52 @@ def _bwd_dkdv_kernel(
         k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    # Over the G query heads of this kv head and the query tiles that see this key tile:
-    #   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
-    #   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q
+    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
+    interior_low = end
+    interior_high = end
+    if not HAS_MASK and not HAS_SEGMENT_IDS:
+        interior_low, interior_high = _interior_queries(
+            first, end, key_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
+        )
+    # Over the G query heads of this kv head and the query tiles that see this key tile (_dkdv_tile): the edge
+    # tiles before the interior ones, the interior ones unmasked, the edge tiles after.
     for head in range(head_kv * group, head_kv * group + group):
         BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
         MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
         QHead = Q + batch64 * stride_qb + head * stride_qh
         DOutHead = DOut + batch64 * stride_dob + head * stride_doh
         row_base = (batch64 * heads_q + head) * len_q
-        for row_start in range(first, end, BLOCK_M):
+        for row_start in range(first, interior_low, BLOCK_M):
             meets = True
             if HAS_SEGMENT_IDS:  # a query tile sharing no segment id with the key tile is skipped
                 q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
                 meets = (q_low <= k_high) & (k_low <= q_high)
             if meets:
-                rows = row_start + tl.arange(0, BLOCK_M)
-                live_rows, q_ids = _positions_in_use(QSegmentIds, batch64, rows, q_len, len_q, HAS_SEGMENT_IDS)
-                q = tl.load(
-                    QHead + rows[:, None] * stride_qm + dims[None, :],
-                    mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
-                    other=0.0,
-                )
-                q_inv_norm = _inverse_norms(q, COSINE)
-                dout = tl.load(
-                    DOutHead + rows[:, None] * stride_dom + dims_v[None, :],
-                    mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
-                    other=0.0,
-                )
-                lse = tl.load(Lse + row_base + rows, mask=live_rows, other=float("-inf"))
-                lse = tl.where(lse == float("-inf"), float("inf"), lse)
-                delta = tl.load(Delta + row_base + rows, mask=live_rows, other=0.0)
-                scores, tanh_u = _score_tile(
-                    q,
-                    k,
-                    q_inv_norm,
-                    k_inv_norm,
-                    rows,
-                    cols,
-                    q_ids,
-                    kv_ids,
-                    q_len,
-                    kv_len,
-                    offset,
-                    lower,
-                    upper,
-                    BiasTile,
-                    stride_bias_m,
-                    stride_bias_n,
-                    MaskTile,
-                    stride_mask_m,
-                    stride_mask_n,
-                    qk_scale,
-                    softcap,
-                    HAS_LOWER,
-                    HAS_UPPER,
-                    HAS_MASK,
-                    HAS_BIAS,
-                    HAS_SOFTCAP,
-                    COSINE,
-                    HAS_SEGMENT_IDS,
-                    INTERPRETER_BF16,
-                    DOT_PRECISION,
-                )
-                p = tl.exp(scores - lse[:, None])
-                dv += _dot(tl.trans(_rounded(p, dout.dtype, INTERPRETER_BF16)), dout, INTERPRETER_BF16, DOT_PRECISION)
-                dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
-                ds = p * (dp - delta[:, None])
-                if HAS_DBIAS:
-                    tl.store(
-                        DBias + row_base * len_k + rows[:, None] * len_k + cols[None, :],
-                        ds,
-                        mask=live_rows[:, None] & (cols[None, :] < kv_len),
-                    )
-                if HAS_SOFTCAP:
-                    ds = ds * (1.0 - tanh_u * tanh_u)
-                if COSINE:  # dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
-                    ds = ds * q_inv_norm[:, None]
-                dk += _dot(tl.trans(_rounded(ds, q.dtype, INTERPRETER_BF16)), q, INTERPRETER_BF16, DOT_PRECISION)
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
+                    QSegmentIds, batch64, stride_qm, stride_dom, len_q, len_k, q_len, kv_len, offset, lower, upper,
+                    BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap,
+                    fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
+                    HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True,
+                )  # fmt: skip
+        if not HAS_MASK and not HAS_SEGMENT_IDS:
+            for row_start in range(interior_low, interior_high, BLOCK_M):
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
+                    QSegmentIds, batch64, stride_qm, stride_dom, len_q, len_k, q_len, kv_len, offset, lower, upper,
+                    BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap,
+                    fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
+                    HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, False,
+                )  # fmt: skip
+        if not HAS_MASK and not HAS_SEGMENT_IDS:
+            for row_start in range(interior_high, end, BLOCK_M):
+                dk, dv = _dkdv_tile(
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
+                    QSegmentIds, batch64, stride_qm, stride_dom, len_q, len_k, q_len, kv_len, offset, lower, upper,
+                    BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap,
+                    fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
+                    HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True,
+                )  # fmt: skip
     dk = dk * grad_scale
     in_keys = cols[:, None] < len_k
     tl.store(

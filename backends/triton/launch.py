@@ -61,7 +61,7 @@ GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
     "dkdv": {
         # One stage and 8 warps: (64, 64, 4, 2) and (64, 64, 8, 2) spill 24-52 B on sm_80 / sm_90; 64x64 keeps
         # every dot on HGMMA on sm_90 (a 32-row tile is below wgmma's M = 64 and falls back to HMMA).
-        64: (TileConfig(64, 64, 8, 1), TileConfig(32, 128, 8, 2), TileConfig(32, 64, 4, 2)),
+        64: (TileConfig(64, 64, 4, 1), TileConfig(64, 64, 8, 1), TileConfig(32, 64, 4, 2)),
         128: (TileConfig(64, 64, 8, 1), TileConfig(32, 128, 8, 2), TileConfig(32, 64, 4, 2)),
         # Spills on sm_90 at every tile tried; 64x64 moves least (STL+LDL 12 B sm_80, 0.9 KB sm_90; 32x32: 11 KB,
         # 1.1 KB) and keeps every dot on HGMMA; (64, 32, 8, 1) is spill-free on sm_80.
@@ -92,16 +92,25 @@ FLOAT32_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
 }
 
 
-#: Hopper's own half-precision tiles where they differ: the forward of calls that read nothing beyond q, k, v
-#: (no mask, bias, segment ids or block table, no split-K partials: those spill there, or need more than 227 KB
-#: of shared memory) on 128 × 128 tiles, 8 warps (two warpgroups of
-#: 64 rows each, wgmma N = 128) and 3 stages: 8.75 instructions per score at D = 128 and 7.3 at D = 64 against 11.5
-#: and 8.1 on 128 × 64, spill-free, 225 KB of shared memory at D = 128 (an H100 block has 227 KB). On an A100 the
-#: same tile spills at D = 128 and needs all of its 163 KB.
+#: Hopper's own half-precision tiles where they differ, for calls that read nothing beyond q, k, v (no mask, bias,
+#: segment ids or block table, no split-K partials: those spill there, or need more than 227 KB of shared memory).
+#: The forward on 128 × 128 tiles, 8 warps (two warpgroups of 64 rows each, wgmma N = 128) and 3 stages: 8.7
+#: instructions per score at D = 128 and 7.3 at D = 64 against 11.5 and 8.1 on 128 × 64, spill-free, 225 KB of
+#: shared memory at D = 128 (an H100 block has 227 KB); on an A100 the same tile spills at D = 128.
 SM90_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
     "fwd": {
         64: (TileConfig(128, 128, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 2)),
         128: (TileConfig(128, 128, 8, 3), TileConfig(128, 64, 8, 3), TileConfig(64, 64, 4, 3)),
+    },
+    # 128 rows on 8 warps: each warpgroup owns 64 rows of every product. 64 rows on 8 warps split N between the
+    # warpgroups and repeat part of the work (1.5-1.7x the products' flops, tensor_work in the static check).
+    "dq": {
+        64: (TileConfig(64, 64, 4, 2), TileConfig(128, 64, 8, 2), TileConfig(64, 32, 4, 2)),
+        128: (TileConfig(128, 64, 8, 2), TileConfig(64, 64, 4, 2), TileConfig(64, 64, 8, 2)),
+    },
+    "dkdv": {
+        64: (TileConfig(64, 64, 4, 1), TileConfig(128, 64, 8, 1), TileConfig(64, 64, 8, 1)),
+        128: (TileConfig(128, 64, 8, 1), TileConfig(64, 64, 8, 1), TileConfig(64, 64, 4, 1)),
     },
 }
 
