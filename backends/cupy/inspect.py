@@ -277,7 +277,7 @@ def inspect_variant(variant: Variant) -> Result:
         spill_store_bytes=entry["stores"],
         spill_load_bytes=entry["loads"],
         shared_bytes=launch.shared_memory_bytes(
-            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype
+            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype, _register_forward(variant)
         ),
         hmma=len(re.findall(r"\bHMMA\.", sass)),
         warnings=[line for line in report["ptxas"].splitlines() if "warning" in line.lower()],
@@ -286,10 +286,18 @@ def inspect_variant(variant: Variant) -> Result:
     )
 
 
+def _register_forward(variant: Variant) -> bool:
+    """Whether the variant compiles the register-resident forward (with aligned operands, as a GPU launch has)."""
+    switches = launch.canonical_switches(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
+    return launch.register_forward(variant.kernel, variant.dtype, variant.head_dim, variant.head_dim, switches)
+
+
 def variant_options(variant: Variant) -> tuple[str, ...]:
     tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
     switches = launch.canonical_switches(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
-    return launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, switches)
+    return launch.compile_options(
+        variant.dtype, variant.head_dim, variant.head_dim, tile, switches, _register_forward(variant)
+    )
 
 
 def inspect_all(selected: list[Variant], jobs: int = 2) -> list[Result]:
