@@ -77,12 +77,16 @@ def test_half_precision_products_run_on_tensor_cores(results: list[inspect.Resul
 @pytest.mark.parametrize("arch", inspect.ARCHS)
 @pytest.mark.parametrize("dtype", inspect.DTYPES)
 def test_nvrtc_compiles_the_source_as_cupy_does(arch: str, dtype: str) -> None:
-    """The CuPy path compiles with NVRTC, not nvcc: the same file and -D options, every feature switch on, must
-    compile without a log (no error, no warning) to a cubin."""
+    """The CuPy path compiles with NVRTC, not nvcc: the same file and -D options, every feature switch on, and (in
+    float16 / bfloat16) the register-resident forward with its inline PTX, must compile without a log (no error, no
+    warning) to a cubin."""
     tile = launch.gpu_tile("forward", 128, dtype)
-    options = launch.compile_options(dtype, 128, 128, tile, KernelSwitches.all())
-    status, log, cubin_bytes = inspect.nvrtc_compile(arch, options)
-    assert status == 0 and not log and cubin_bytes > 0, log
+    variants = [launch.compile_options(dtype, 128, 128, tile, KernelSwitches.all())]
+    if dtype != "float32":
+        variants.append(launch.compile_options(dtype, 128, 128, tile, KernelSwitches(), fa2_forward=True))
+    for options in variants:
+        status, log, cubin_bytes = inspect.nvrtc_compile(arch, options)
+        assert status == 0 and not log and cubin_bytes > 0, log
 
 
 def _register_forwards(results: list[inspect.Result]) -> list[inspect.Result]:

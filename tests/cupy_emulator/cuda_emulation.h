@@ -345,11 +345,13 @@ inline void mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], const unsigned
     __syncwarp();
 }
 
-// cp.async.cg.shared.global (16 bytes), cp.async.commit_group, cp.async.wait_group N.
-inline void cp_async_16(void* shared_destination, const void* global_source) {
-    if (reinterpret_cast<std::uintptr_t>(shared_destination) % 16 || reinterpret_cast<std::uintptr_t>(global_source) % 16)
+// cp.async.cg.shared.global (16 bytes, or with source size 0 16 zero bytes, the source unread), commit_group,
+// wait_group N.
+inline void cp_async_16(void* shared_destination, const void* global_source, bool copy) {
+    if (reinterpret_cast<std::uintptr_t>(shared_destination) % 16 ||
+        (copy && reinterpret_cast<std::uintptr_t>(global_source) % 16))
         emu::fail("cp.async: an address is not 16-byte aligned");
-    emu::async_groups[emu::current].open.push_back({shared_destination, global_source});
+    emu::async_groups[emu::current].open.push_back({shared_destination, copy ? global_source : nullptr});
 }
 inline void cp_async_commit() {
     auto& groups = emu::async_groups[emu::current];
@@ -360,7 +362,13 @@ template <int PENDING>
 inline void cp_async_wait() {
     auto& committed = emu::async_groups[emu::current].committed;
     while (committed.size() > PENDING) {
-        for (const emu::AsyncCopy& copy : committed.front()) std::memcpy(copy.destination, copy.source, 16);
+        for (const emu::AsyncCopy& copy : committed.front()) {
+            if (copy.source != nullptr) {
+                std::memcpy(copy.destination, copy.source, 16);
+            } else {
+                std::memset(copy.destination, 0, 16);
+            }
+        }
         committed.erase(committed.begin());
     }
 }

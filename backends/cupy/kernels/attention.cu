@@ -273,11 +273,11 @@ __device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&acc)[4], con
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// 16 bytes global → shared, asynchronously (L2 only); the copies of a thread form groups closed by commit, and
-// wait<N> returns once at most N of its groups are still in flight.
-__device__ __forceinline__ void cp_async_16(void* shared_destination, const void* global_source) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(shared_address(shared_destination)),
-                 "l"(global_source)
+// 16 bytes global → shared, asynchronously (L2 only), or 16 zero bytes without reading the source when !copy; the
+// copies of a thread form groups closed by commit, and wait<N> returns once at most N of its groups are in flight.
+__device__ __forceinline__ void cp_async_16(void* shared_destination, const void* global_source, bool copy) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(shared_destination)),
+                 "l"(global_source), "r"(copy ? 16 : 0)
                  : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
@@ -315,30 +315,31 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
     return row * COLS + (chunk ^ (row & mask)) * 8;
 }
 
-// The swizzled tile[r] = src row first + r for rows below the limit (and not segment padding), in 16-byte cp.async
-// copies; other rows, and chunks past the width, are stored as zeros. The caller commits the group.
+// The swizzled tile[r] = src row first + r for rows below the limit (and not segment padding), by 16-byte cp.async
+// copies; other rows, and chunks past the width, are filled with zeros by the same instruction (source size 0), so
+// the loop has no branch. The caller commits the group. Each thread copies one chunk column (of a power-of-two count
+// covering the row) of every ROW_STEP-th row: a strided operand's source advances by one 64-bit add per row, a
+// paged cache finds each row through its block table, read only for rows below the limit.
 template <int ROWS, int COLS, class Rows>
 __device__ __forceinline__ void load_tile_async(elem_t* tile, const elem_t* src, Rows rows, int first, int limit,
                                                 int width, const index_t* ids) {
-    constexpr int chunks = COLS / 8, copies = ROWS * chunks;
+    constexpr int chunks = COLS / 8, columns = chunks <= 2 ? 2 : chunks <= 4 ? 4 : chunks <= 8 ? 8 : 16;
+    constexpr int ROW_STEP = NUM_THREADS / columns;
+    static_assert(chunks <= 16 && NUM_THREADS % columns == 0, "rows of at most 16 chunks");
+    const int chunk = threadIdx.x % columns, r0 = threadIdx.x / columns;
+    if (chunk >= chunks) return;
+    const elem_t* source = PAGED ? src : src + row_offset(rows, first + r0) + chunk * 8;
 #pragma unroll
-    for (int i = 0; i < (copies + NUM_THREADS - 1) / NUM_THREADS; ++i) {
-        const int idx = i * NUM_THREADS + threadIdx.x, r = idx / chunks, chunk = idx % chunks;
-        if (copies % NUM_THREADS != 0 && idx >= copies) break;
-        elem_t* destination = tile + swizzled<COLS>(r, chunk);
-        if (first + r < limit && chunk * 8 < width && not_segment_padding(ids, first + r)) {
-            cp_async_16(destination, src + row_offset(rows, first + r) + chunk * 8);
-        } else {
-            unsigned* words = reinterpret_cast<unsigned*>(destination);
-            words[0] = words[1] = words[2] = words[3] = 0u;
-        }
+    for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i) {
+        const int r = r0 + i * ROW_STEP;
+        if (ROWS % ROW_STEP != 0 && r >= ROWS) break;
+        const bool copy = first + r < limit && chunk * 8 < width && not_segment_padding(ids, first + r);
+        const elem_t* row_source = PAGED ? (copy ? src + row_offset(rows, first + r) + chunk * 8 : src) : source;
+        cp_async_16(tile + swizzled<COLS>(r, chunk), row_source, copy);
+        if (!PAGED) source += ROW_STEP * row_offset(rows, 1);
     }
 }
 
-template <bool B>
-struct Flag {
-    static constexpr bool value = B;
-};
 #endif
 
 // ------------------------------------------------------------------------------------------------ geometry
@@ -572,8 +573,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     //   l' = α·l + rowsum P;  O' = α·O + P V  (P rounded to the input type, reused from registers as the A operand)
     // and at the end out = O / l, lse = ln 2 · m + ln l. A row with no visible key yet has m = −inf; its shift is
     // taken as 0 so that P and α are 2^(−inf) = 0, never NaN.
-    auto tile = [&](auto masked) {
-        constexpr bool MASKED = decltype(masked)::value;
+    // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
+    auto tile = [&](bool masked) {
         cp_async_wait<0>();
         __syncthreads();  // the tile has landed for every thread, and every warp is done with the other stage
         const int next = meeting_tile(key_start + BLOCK_N);
@@ -599,7 +600,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int row = row_start + 16 * warp + lane_row + 8 * (i / 2), col = key_start + 8 * j + pair + i % 2;
-                if (MASKED && !visible(row, col, g, lower, upper, planes)) {
+                if (masked && !visible(row, col, g, lower, upper, planes)) {
                     s[j][i] = negative_infinity();
                 } else if (HAS_SOFTCAP || HAS_BIAS) {
                     s[j][i] = score(s[j][i], 1.0f, 1.0f, qk_scale, softcap, row, col, planes).s * LOG2E;
@@ -644,9 +645,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         key_start = next;
         stage ^= 1;
     };
-    while (key_start < interior_first) tile(Flag<true>());
-    while (key_start < interior_end) tile(Flag<false>());
-    while (key_start < end) tile(Flag<true>());
+    while (key_start < interior_first) tile(true);
+    while (key_start < interior_end) tile(false);
+    while (key_start < end) tile(true);
 
     const int split = key_split(len_q);
 #pragma unroll
