@@ -177,7 +177,9 @@ def _register_forward_error(source: Path) -> float:
     q, k, v = (torch.randn(1, 2, 70, 32, generator=generator).half() for _ in range(3))
     spec = AttentionSpec(window=(20, 40))
     out, lse = attention_forward(launch.CudaKernels(EmulatorLauncher(source=source)), spec, AttentionInputs(q, k, v))
-    expected, expected_lse = attnkit.attend(spec, q.double(), k.double(), v.double(), return_lse=True, backend="torch-naive")
+    expected, expected_lse = attnkit.attend(
+        spec, q.double(), k.double(), v.double(), return_lse=True, backend="torch-naive"
+    )
     errors = [(out.double() - expected).abs(), (lse.double() - expected_lse).abs()]
     return max(error.nan_to_num(float("inf")).max().item() for error in errors)
 

@@ -107,9 +107,8 @@ def test_forward_loops_load_tiles_asynchronously_and_fragments_by_ldmatrix(resul
         for r in checked
         if r.loads.scalar_16bit_global or r.loads.generic or not r.loads.ldmatrix or not r.loads.cp_async
     ]
-    assert not wrong, "forward loops with scalar 2-byte or generic loads, or without ldmatrix / cp.async:\n" + "\n".join(
-        wrong
-    )
+    message = "forward loops with scalar 2-byte or generic loads, or without ldmatrix / cp.async:\n"
+    assert not wrong, message + "\n".join(wrong)
 
 
 def test_forward_main_loop_takes_one_exp2_per_score(results: list[inspect.Result]) -> None:

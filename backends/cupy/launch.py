@@ -91,8 +91,8 @@ def gpu_tile(kernel: str, head_dim: int, dtype: str) -> TileConfig:
 
 
 # Dynamic shared memory, region by region, in the order each kernel carves it (SharedCursor in attention.cu):
-# (rows, columns, element) with rows/columns "M", "N", "2N" (two stages of N), "D", "DV" or 1, and element "elem" (the input dtype) or
-# "float". Each region is rounded up to 128 bytes.
+# (rows, columns, element) with rows/columns "M", "N", "2N" (two stages of N), "D", "DV" or 1, and element "elem"
+# (the input dtype) or "float". Each region is rounded up to 128 bytes.
 SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
     "forward": (
         ("M", "D", "elem"),  # q tile
@@ -171,7 +171,13 @@ def aligned_for_async_copies(*tensors: torch.Tensor) -> bool:
 def shared_memory_bytes(
     kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, fa2_forward: bool = False
 ) -> int:
-    sizes = {"M": tile.block_m, "N": tile.block_n, "2N": 2 * tile.block_n, "D": padded_head_dim(head_dim), "DV": padded_head_dim(head_dim_v)}
+    sizes = {
+        "M": tile.block_m,
+        "N": tile.block_n,
+        "2N": 2 * tile.block_n,
+        "D": padded_head_dim(head_dim),
+        "DV": padded_head_dim(head_dim_v),
+    }
     element = {"elem": ELEMENT_BYTES[dtype], "float": 4}
     total = 0
     for rows, cols, kind in SHARED_REGIONS["register_forward" if fa2_forward else kernel]:
