@@ -48,7 +48,7 @@ def padded_head_dim(head_dim: int) -> int:
 # sized by shared memory: every default fits sm_80's 163 KiB per block (docs/performance.md has the table).
 GPU_TILES: dict[str, dict[tuple[int, int], TileConfig]] = {
     "forward": {
-        (2, 64): TileConfig(64, 64, 4),
+        (2, 64): TileConfig(64, 128, 4),
         (2, 128): TileConfig(64, 64, 4),
         (2, 256): TileConfig(64, 32, 4),
         (4, 64): TileConfig(64, 64, 4),
