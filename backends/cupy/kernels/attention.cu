@@ -5,9 +5,10 @@
 //
 // Compile-time constants (-D): ELEMENT_TYPE (0 float32, 1 float16, 2 bfloat16), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
-// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), and the feature switches HAS_LOWER, HAS_UPPER,
-// BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE,
-// HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K (0 or 1): a call without a feature compiles without its code.
+// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), FA2_FORWARD (which forward body), and the feature
+// switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS,
+// HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K (0 or 1): a call without a feature compiles
+// without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -25,9 +26,13 @@
 // Split-K (SPLIT_K, flash-decoding) runs one of `splits` ranges of a query tile's key tiles per block and writes that
 // range's out and lse to float32 partials, which attnkit.contract.kernels.merge_splits combines.
 //
-// Tiles live in dynamic shared memory. Matrix products go through tile_mma: tensor cores (nvcuda::wmma, 16x16x16,
-// float32 accumulation) for float16/bfloat16, IEEE float32 FMA loops for float32. Accumulators (O, dQ, dK, dV)
-// are float32 tiles in shared memory, so the kernels hold few registers and never spill.
+// The forward has two bodies, chosen by the launcher (-DFA2_FORWARD, launch.register_forward). The register-resident
+// one (float16/bfloat16, head dims in whole 16-byte chunks up to 128, no cosine, 16-byte aligned rows) keeps S, P and
+// O in mma.sync fragments, 16 query rows per warp, and streams K/V through two cp.async stages (see its loop). The
+// shared-memory one serves every other call, as the backward kernels do: tiles live in dynamic shared memory, matrix
+// products go through tile_mma (tensor cores by nvcuda::wmma, 16x16x16 with float32 accumulation, for float16/
+// bfloat16; IEEE float32 FMA loops for float32), and the accumulators (O, dQ, dK, dV) are float32 tiles in shared
+// memory, so those kernels hold few registers and never spill.
 
 #ifndef ATTNKIT_EMULATED
 #include <cuda_bf16.h>
@@ -532,9 +537,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     auto load_keys = [&](int key_start, int stage) {
         const KeyRows k_rows = key_rows(block_table, batch, max_blocks, block_size, k_b, k_n);
         const KeyRows v_rows = key_rows(block_table, batch, max_blocks, block_size, v_b, v_n);
-        load_tile_async<BLOCK_N, BLOCK_D>(k_stages + stage * BLOCK_N * BLOCK_D, k_head, k_rows, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
-        load_tile_async<BLOCK_N, BLOCK_DV>(v_stages + stage * BLOCK_N * BLOCK_DV, v_head, v_rows, key_start, g.kv_len, HEAD_DIM_V,
-                                           g.kv_ids);
+        load_tile_async<BLOCK_N, BLOCK_D>(k_stages + stage * BLOCK_N * BLOCK_D, k_head, k_rows, key_start, g.kv_len,
+                                          HEAD_DIM, g.kv_ids);
+        load_tile_async<BLOCK_N, BLOCK_DV>(v_stages + stage * BLOCK_N * BLOCK_DV, v_head, v_rows, key_start, g.kv_len,
+                                           HEAD_DIM_V, g.kv_ids);
     };
     load_tile_async<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM,
                                       g.q_ids);
@@ -632,7 +638,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                     p[half][i] = exp2_approx(fmaf(s[2 * kk + half][i], fold, -shift[i / 2]));
                     row_sum[i / 2] += p[half][i];
                 }
-            const unsigned a[4] = {pack_pair(p[0][0], p[0][1]), pack_pair(p[0][2], p[0][3]), pack_pair(p[1][0], p[1][1]),
+            const unsigned a[4] = {pack_pair(p[0][0], p[0][1]),  // rows g, g+8 × keys 2t.. | 2t+8..
+                                   pack_pair(p[0][2], p[0][3]), pack_pair(p[1][0], p[1][1]),
                                    pack_pair(p[1][2], p[1][3])};
 #pragma unroll
             for (int jv = 0; jv < OUT_BLOCKS; jv += 2) {  // B = V: key rows 16kk.., columns 8jv..8jv+15, transposed
