@@ -46,6 +46,18 @@ def _call() -> tuple[AttentionSpec, AttentionInputs]:
     )
 
 
+def _copy(tmp_path: Path, defect: tuple[str, str] | None = None) -> Path:
+    """attention.cu copied into tmp_path, with the defect's anchor (unique in the source) replaced."""
+    text = SOURCE
+    if defect is not None:
+        old, new = defect
+        assert SOURCE.count(old) == 1, f"the defect's anchor is not unique in attention.cu: {old!r}"
+        text = SOURCE.replace(old, new)
+    copy = tmp_path / "attention.cu"
+    copy.write_text(text)
+    return copy
+
+
 def _error(source: Path) -> float:
     spec, inputs = _call()
     out, _ = attention_forward(launch.CudaKernels(EmulatorLauncher(source=source)), spec, inputs)
@@ -54,18 +66,12 @@ def _error(source: Path) -> float:
 
 
 def test_the_unmodified_kernel_agrees(tmp_path: Path) -> None:
-    copy = tmp_path / "attention.cu"
-    copy.write_text(SOURCE)
-    assert _error(copy) < 1e-5
+    assert _error(_copy(tmp_path)) < 1e-5
 
 
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_a_defective_copy_of_the_kernel_fails(defect: str, tmp_path: Path) -> None:
-    old, new = DEFECTS[defect]
-    assert SOURCE.count(old) == 1, f"the defect's anchor is not unique in attention.cu: {old!r}"
-    copy = tmp_path / "attention.cu"
-    copy.write_text(SOURCE.replace(old, new))
-    assert _error(copy) > 1e-2, f"the emulator did not notice the {defect}"
+    assert _error(_copy(tmp_path, DEFECTS[defect])) > 1e-2, f"the emulator did not notice the {defect}"
 
 
 # Each in one backward kernel; the other kernels run from the unmodified source, so a defect costs one build.
@@ -142,10 +148,7 @@ def test_the_unmodified_backward_agrees() -> None:
 @pytest.mark.parametrize("defect", list(BACKWARD_DEFECTS))
 def test_a_defective_backward_kernel_fails(defect: str, tmp_path: Path) -> None:
     kernel, old, new = BACKWARD_DEFECTS[defect]
-    assert SOURCE.count(old) == 1, f"the defect's anchor is not unique in attention.cu: {old!r}"
-    copy = tmp_path / "attention.cu"
-    copy.write_text(SOURCE.replace(old, new))
-    errors = _gradient_errors(_OneKernelFrom(kernel, copy))
+    errors = _gradient_errors(_OneKernelFrom(kernel, _copy(tmp_path, (old, new))))
     assert max(errors.values()) > 1e-2, f"the emulator did not notice the {defect}: {errors}"
 
 
@@ -185,26 +188,18 @@ def _register_forward_error(source: Path) -> float:
 
 
 def test_the_unmodified_register_forward_agrees(tmp_path: Path) -> None:
-    copy = tmp_path / "attention.cu"
-    copy.write_text(SOURCE)
-    assert _register_forward_error(copy) < 5e-3
+    assert _register_forward_error(_copy(tmp_path)) < 5e-3
 
 
 @pytest.mark.parametrize("defect", list(REGISTER_FORWARD_DEFECTS))
 def test_a_defective_register_forward_fails(defect: str, tmp_path: Path) -> None:
-    old, new = REGISTER_FORWARD_DEFECTS[defect]
-    assert SOURCE.count(old) == 1, f"the defect's anchor is not unique in attention.cu: {old!r}"
-    copy = tmp_path / "attention.cu"
-    copy.write_text(SOURCE.replace(old, new))
-    assert _register_forward_error(copy) > 5e-2, f"the emulator did not notice the {defect}"
+    assert _register_forward_error(_copy(tmp_path, REGISTER_FORWARD_DEFECTS[defect])) > 5e-2, (
+        f"the emulator did not notice the {defect}"
+    )
 
 
 def test_a_barrier_in_divergent_code_is_reported(tmp_path: Path) -> None:
     anchor = "zero<BLOCK_M * BLOCK_DV>(o_acc);\n    __syncthreads();"
-    assert SOURCE.count(anchor) == 1
-    copy = tmp_path / "attention.cu"
-    copy.write_text(
-        SOURCE.replace(anchor, "zero<BLOCK_M * BLOCK_DV>(o_acc);\n    if (threadIdx.x < 32) __syncthreads();")
-    )
+    copy = _copy(tmp_path, (anchor, "zero<BLOCK_M * BLOCK_DV>(o_acc);\n    if (threadIdx.x < 32) __syncthreads();"))
     with pytest.raises(RuntimeError, match="barrier divergence"):
         _error(copy)

@@ -44,8 +44,10 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, -(-head_dim // 16) * 16)
 
 
-# GPU tiles per kernel, element size and padded-head-dim bucket. Accumulators live in shared memory, so tiles are
-# sized by shared memory: every default fits sm_80's 163 KiB per block (docs/performance.md has the table).
+# GPU tiles per kernel, element size and padded-head-dim bucket. Every default fits sm_80's 163 KiB of shared memory
+# per block (docs/performance.md has the table). The 2-byte forward tiles up to D = 128 are the register-resident
+# forward's (16 rows per warp; S, P and O in registers): 64x128 at D <= 64, 64x64 at D <= 128 keep ptxas from
+# spilling. The other kernels keep their accumulators in shared memory and are sized by it.
 GPU_TILES: dict[str, dict[tuple[int, int], TileConfig]] = {
     "forward": {
         (2, 64): TileConfig(64, 128, 4),
@@ -104,6 +106,12 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
         ("M", 1, "float"),  # inverse q norms
         ("N", 1, "float"),  # inverse k norms
     ),
+    # The register-resident forward (FA2_FORWARD): S, P and O live in registers.
+    "register_forward": (
+        ("M", "D", "elem"),  # q tile
+        ("2N", "D", "elem"),  # k tiles, two stages
+        ("2N", "DV", "elem"),  # v tiles, two stages
+    ),
     "backward_delta": (),
     "backward_dq": (
         ("M", "D", "elem"),
@@ -136,13 +144,6 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
         ("N", 1, "float"),
     ),
 }
-
-
-SHARED_REGIONS["register_forward"] = (
-    ("M", "D", "elem"),  # q tile
-    ("2N", "D", "elem"),  # k tiles, two stages
-    ("2N", "DV", "elem"),  # v tiles, two stages
-)
 
 
 def register_forward(kernel: str, dtype: str, head_dim: int, head_dim_v: int, switches: KernelSwitches) -> bool:
