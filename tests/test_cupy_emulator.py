@@ -1,8 +1,10 @@
 """The CPU emulation harness catches real kernel bugs: copies of attention.cu with one deliberate defect must disagree
 with the oracle, while the unmodified source agrees on the same call: in the forward (a missing barrier, an off-by-one
 tile bound) on out, and in each backward kernel (an off-by-one query span, a wrong sign or a missing factor in dS, a
-missing dlse term in Δ) on dq, dk and dv. Also the harness's own guard: a barrier in divergent code is reported, not
-a hang."""
+missing dlse term in Δ) on dq, dk and dv; in the register-resident float16 forward (a missing cp.async wait, P's
+fragment registers out of the mma layout's order, V read without the swizzle, a tile the band cuts run unmasked),
+which also shows that the emulated mma.sync, ldmatrix and cp.async keep the PTX layouts and timing the kernel relies
+on. Also the harness's own guard: a barrier in divergent code is reported, not a hang."""
 
 from __future__ import annotations
 
@@ -44,6 +46,18 @@ def _call() -> tuple[AttentionSpec, AttentionInputs]:
     )
 
 
+def _copy(tmp_path: Path, defect: tuple[str, str] | None = None) -> Path:
+    """attention.cu copied into tmp_path, with the defect's anchor (unique in the source) replaced."""
+    text = SOURCE
+    if defect is not None:
+        old, new = defect
+        assert SOURCE.count(old) == 1, f"the defect's anchor is not unique in attention.cu: {old!r}"
+        text = SOURCE.replace(old, new)
+    copy = tmp_path / "attention.cu"
+    copy.write_text(text)
+    return copy
+
+
 def _error(source: Path) -> float:
     spec, inputs = _call()
     out, _ = attention_forward(launch.CudaKernels(EmulatorLauncher(source=source)), spec, inputs)
@@ -52,18 +66,12 @@ def _error(source: Path) -> float:
 
 
 def test_the_unmodified_kernel_agrees(tmp_path: Path) -> None:
-    copy = tmp_path / "attention.cu"
-    copy.write_text(SOURCE)
-    assert _error(copy) < 1e-5
+    assert _error(_copy(tmp_path)) < 1e-5
 
 
 @pytest.mark.parametrize("defect", list(DEFECTS))
 def test_a_defective_copy_of_the_kernel_fails(defect: str, tmp_path: Path) -> None:
-    old, new = DEFECTS[defect]
-    assert SOURCE.count(old) == 1, f"the defect's anchor is not unique in attention.cu: {old!r}"
-    copy = tmp_path / "attention.cu"
-    copy.write_text(SOURCE.replace(old, new))
-    assert _error(copy) > 1e-2, f"the emulator did not notice the {defect}"
+    assert _error(_copy(tmp_path, DEFECTS[defect])) > 1e-2, f"the emulator did not notice the {defect}"
 
 
 # Each in one backward kernel; the other kernels run from the unmodified source, so a defect costs one build.
@@ -140,19 +148,58 @@ def test_the_unmodified_backward_agrees() -> None:
 @pytest.mark.parametrize("defect", list(BACKWARD_DEFECTS))
 def test_a_defective_backward_kernel_fails(defect: str, tmp_path: Path) -> None:
     kernel, old, new = BACKWARD_DEFECTS[defect]
-    assert SOURCE.count(old) == 1, f"the defect's anchor is not unique in attention.cu: {old!r}"
-    copy = tmp_path / "attention.cu"
-    copy.write_text(SOURCE.replace(old, new))
-    errors = _gradient_errors(_OneKernelFrom(kernel, copy))
+    errors = _gradient_errors(_OneKernelFrom(kernel, _copy(tmp_path, (old, new))))
     assert max(errors.values()) > 1e-2, f"the emulator did not notice the {defect}: {errors}"
+
+
+# The register-resident forward (float16 / bfloat16): each defect must show on a float16 window (20, 40) over five key
+# tiles, whose cut tiles are masked and whose inner tiles are not.
+REGISTER_FORWARD_DEFECTS = {
+    # The key loop reads a stage before its cp.async copies have landed (the emulator lands them at the wait).
+    "missing cp.async wait": (
+        "cp_async_wait<0>();\n        __syncthreads();  // the tile has landed",
+        "__syncthreads();  // the tile has landed",
+    ),
+    # P's A fragment with registers 1 and 2 swapped: rows g+8 and keys 8..15 trade places.
+    "P fragment out of layout": (
+        "pack_pair(p[0][2], p[0][3]), pack_pair(p[1][0], p[1][1])",
+        "pack_pair(p[1][0], p[1][1]), pack_pair(p[0][2], p[0][3])",
+    ),
+    # V's rows read at their unswizzled chunks.
+    "V read without the swizzle": (
+        "v_tile + swizzled<BLOCK_DV>(16 * kk + lane % 16, jv + lane / 16)",
+        "v_tile + (16 * kk + lane % 16) * BLOCK_DV + (jv + lane / 16) * 8",
+    ),
+    # The first unmasked tile rounded down instead of up: a tile the window's left side cuts runs unmasked.
+    "a cut tile run unmasked": ("lower, 0) + BLOCK_N - 1) / BLOCK_N *", "lower, 0)) / BLOCK_N *"),
+}
+
+
+def _register_forward_error(source: Path) -> float:
+    generator = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 70, 32, generator=generator).half() for _ in range(3))
+    spec = AttentionSpec(window=(20, 40))
+    out, lse = attention_forward(launch.CudaKernels(EmulatorLauncher(source=source)), spec, AttentionInputs(q, k, v))
+    expected, expected_lse = attnkit.attend(
+        spec, q.double(), k.double(), v.double(), return_lse=True, backend="torch-naive"
+    )
+    errors = [(out.double() - expected).abs(), (lse.double() - expected_lse).abs()]
+    return max(error.nan_to_num(float("inf")).max().item() for error in errors)
+
+
+def test_the_unmodified_register_forward_agrees(tmp_path: Path) -> None:
+    assert _register_forward_error(_copy(tmp_path)) < 5e-3
+
+
+@pytest.mark.parametrize("defect", list(REGISTER_FORWARD_DEFECTS))
+def test_a_defective_register_forward_fails(defect: str, tmp_path: Path) -> None:
+    assert _register_forward_error(_copy(tmp_path, REGISTER_FORWARD_DEFECTS[defect])) > 5e-2, (
+        f"the emulator did not notice the {defect}"
+    )
 
 
 def test_a_barrier_in_divergent_code_is_reported(tmp_path: Path) -> None:
     anchor = "zero<BLOCK_M * BLOCK_DV>(o_acc);\n    __syncthreads();"
-    assert SOURCE.count(anchor) == 1
-    copy = tmp_path / "attention.cu"
-    copy.write_text(
-        SOURCE.replace(anchor, "zero<BLOCK_M * BLOCK_DV>(o_acc);\n    if (threadIdx.x < 32) __syncthreads();")
-    )
+    copy = _copy(tmp_path, (anchor, "zero<BLOCK_M * BLOCK_DV>(o_acc);\n    if (threadIdx.x < 32) __syncthreads();"))
     with pytest.raises(RuntimeError, match="barrier divergence"):
         _error(copy)

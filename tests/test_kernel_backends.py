@@ -77,6 +77,26 @@ def test_strided_inputs_give_the_contiguous_result(backend: str) -> None:
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
 
 
+def test_cupy_half_views_off_16_byte_rows_take_the_shared_memory_forward() -> None:
+    """cp.async copies 16-byte chunks: a float16 view whose rows start 8 bytes into the allocation (or whose row
+    stride is no multiple of 16 bytes) compiles the shared-memory forward instead, and agrees with the oracle as the
+    aligned call does."""
+    if "cupy-emulated" not in available_backends():
+        pytest.skip("cupy-emulated not available here")
+    import torch
+    from attnkit.backends.cupy import launch
+
+    torch.manual_seed(0)
+    base = torch.randn(2, 21, 4, 44).half()
+    shifted = base[..., 4:36]  # head dim 32 at an 8-byte offset, rows 88 bytes apart
+    assert not launch.aligned_for_async_copies(shifted) and launch.aligned_for_async_copies(shifted.contiguous())
+    spec = AttentionSpec(causal=True, layout="bshd")
+    for q in (shifted, shifted.contiguous()):
+        out = attnkit.attend(spec, q, q, q, backend="cupy-emulated")
+        expected = attnkit.attend(spec, q.double(), q.double(), q.double(), backend="torch-naive")
+        assert (out.double() - expected).abs().max().item() < 5e-3
+
+
 def test_triton_pads_both_head_dims_to_one_width() -> None:
     """On an H100 with Triton 3.6, a half-precision forward whose BLOCK_D and BLOCK_DV differed (head dims 40 and
     24: 64 and 32) made an out-of-range shared-memory access inside tl.dot with every tile config; one width for

@@ -6,8 +6,11 @@ No GPU is needed. Each variant is compiled to a cubin with exactly the -D option
 * compiler warnings: any ``warning`` line from nvcc or ptxas fails the check;
 * registers, stack frame, spill stores and loads per kernel, from ptxas's report;
 * dynamic shared memory (``launch.shared_memory_bytes``) against the arch's per-block limit;
-* tensor-core instructions in ``cuobjdump -sass``: ``HMMA`` (what ``nvcuda::wmma`` compiles to on sm_80 and
-  sm_90). float32 multiplies in IEEE float32 on the FMA units.
+* tensor-core instructions in ``cuobjdump -sass``: ``HMMA`` (what ``mma.sync`` and ``nvcuda::wmma`` compile to on
+  sm_80 and sm_90). float32 multiplies in IEEE float32 on the FMA units;
+* the main loop's instruction mix per attention score and the issue-rate model's predicted TFLOP/s
+  (:mod:`attnkit.contract.sass`), and the loads of the kernel's innermost loops by kind: scalar 2-byte global loads
+  (``LDG.E.U16``), generic loads (``LD``), ``ldmatrix`` (``LDSM``), ``cp.async`` (``LDGSTS``) and barriers.
 
     python -m attnkit.backends.cupy.inspect                      # every variant, a text table
     python -m attnkit.backends.cupy.inspect --markdown           # the table of docs/performance.md
@@ -36,6 +39,7 @@ from typing import Any
 
 from attnkit.contract.kernel_checks import report_check, results_table, static_check_arguments
 from attnkit.contract.kernels import KernelSwitches
+from attnkit.contract.sass import LoopMix, flops_per_score, innermost_loops, loop_mix
 
 from . import launch
 
@@ -49,6 +53,30 @@ MMA_KERNELS = ("forward", "backward_dq", "backward_dkdv")
 NO_SPILL_HEAD_DIMS = (64, 128)
 FEATURE_SETS = {"plain": KernelSwitches(), "all": KernelSwitches.all()}
 NVCC_FLAGS = ("-std=c++17", "-O3", "-fatbin", "-Xptxas", "-v", "-x", "cu")
+#: The kernels' names in the JSON records and the loop mix (attnkit.contract.sass.flops_per_score).
+SHORT_NAMES = {"forward": "fwd", "backward_dq": "dq", "backward_dkdv": "dkdv", "backward_delta": "delta"}
+
+
+@dataclass(frozen=True)
+class LoopLoads:
+    """Instructions of a kernel's innermost loops, summed over the loops (one iteration each), by kind."""
+
+    scalar_16bit_global: int  # LDG of one 2-byte element: a tile loaded element by element
+    generic: int  # LD: a load through a generic pointer (wmma fragments from shared memory)
+    ldmatrix: int  # LDSM
+    cp_async: int  # LDGSTS
+    barriers: int  # BAR
+
+
+def loop_loads(sass: str) -> LoopLoads:
+    found = [i for loop in innermost_loops(sass) for i in loop.instructions]
+    return LoopLoads(
+        scalar_16bit_global=sum(1 for i in found if i.opcode == "LDG" and re.search(r"\.[US]16\b", i.suffixes)),
+        generic=sum(1 for i in found if i.opcode == "LD"),
+        ldmatrix=sum(1 for i in found if i.opcode == "LDSM"),
+        cp_async=sum(1 for i in found if i.opcode == "LDGSTS"),
+        barriers=sum(1 for i in found if i.opcode == "BAR"),
+    )
 
 
 @dataclass(frozen=True)
@@ -71,6 +99,8 @@ class Result:
     shared_bytes: int
     hmma: int
     warnings: list[str]
+    mix: LoopMix | None  # the main loop's instruction mix; None without tensor cores (float32, Δ)
+    loads: LoopLoads
 
     @property
     def spill_bytes(self) -> int:
@@ -223,10 +253,10 @@ def _ptxas_entry(report: str, name: str, arch: str) -> dict[str, int]:
     }
 
 
-def _hmma_count(sass: str, name: str) -> int:
+def _function_sass(sass: str, name: str) -> str:
+    """One kernel's part of a module's ``cuobjdump -sass`` listing."""
     functions = re.split(r"\n\s*Function : ", sass)
-    body = next((part for part in functions if part.split("\n", 1)[0].strip() == name), "")
-    return len(re.findall(r"\bHMMA\.", body))
+    return next((part for part in functions if part.split("\n", 1)[0].strip() == name), "")
 
 
 def inspect_variant(variant: Variant) -> Result:
@@ -234,6 +264,11 @@ def inspect_variant(variant: Variant) -> Result:
     report = compile_module(variant_options(variant))
     name = f"attention_{variant.kernel}"
     entry = _ptxas_entry(report["ptxas"], name, variant.arch)
+    sass = _function_sass(report["sass"][variant.arch], name)
+    short = SHORT_NAMES[variant.kernel]
+    mix = None
+    if variant.kernel in MMA_KERNELS:
+        mix = loop_mix(sass, variant.arch, flops_per_score(short, variant.head_dim, variant.head_dim))
     return Result(
         variant=variant,
         tile=f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w",
@@ -242,17 +277,27 @@ def inspect_variant(variant: Variant) -> Result:
         spill_store_bytes=entry["stores"],
         spill_load_bytes=entry["loads"],
         shared_bytes=launch.shared_memory_bytes(
-            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype
+            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype, _register_forward(variant)
         ),
-        hmma=_hmma_count(report["sass"][variant.arch], name),
+        hmma=len(re.findall(r"\bHMMA\.", sass)),
         warnings=[line for line in report["ptxas"].splitlines() if "warning" in line.lower()],
+        mix=mix,
+        loads=loop_loads(sass),
     )
+
+
+def _register_forward(variant: Variant) -> bool:
+    """Whether the variant compiles the register-resident forward (with aligned operands, as a GPU launch has)."""
+    switches = launch.canonical_switches(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
+    return launch.register_forward(variant.kernel, variant.dtype, variant.head_dim, variant.head_dim, switches)
 
 
 def variant_options(variant: Variant) -> tuple[str, ...]:
     tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
     switches = launch.canonical_switches(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
-    return launch.compile_options(variant.dtype, variant.head_dim, variant.head_dim, tile, switches)
+    return launch.compile_options(
+        variant.dtype, variant.head_dim, variant.head_dim, tile, switches, _register_forward(variant)
+    )
 
 
 def inspect_all(selected: list[Variant], jobs: int = 2) -> list[Result]:
@@ -279,15 +324,47 @@ def violations(results: list[Result]) -> list[str]:
     return found
 
 
-HEADER = ("kernel", "arch", "dtype", "D", "features", "tile", "regs", "spill B", "smem B", "tensor cores")
+HEADER = ("kernel", "arch", "dtype", "D", "features", "tile", "regs", "spill B", "smem B", "tensor cores",
+          "instr/score", "ex2/score", "sel/score", "TF/s pred (ceiling)", "loop loads LDG16/LD/LDSM/LDGSTS",
+          "loop BAR")  # fmt: skip
 
 
 def _row(r: Result) -> tuple[str, ...]:
     v = r.variant
     cores = f"HMMA {r.hmma}" if r.hmma else ("none" if v.kernel in MMA_KERNELS else "no mma")
     spill = f"{r.stack_bytes}/{r.spill_store_bytes}/{r.spill_load_bytes}"
-    return (v.kernel, v.arch, v.dtype, str(v.head_dim), v.features, r.tile, str(r.registers), spill,
-            str(r.shared_bytes), cores)  # fmt: skip
+    mix = r.mix
+    mix_cells = ("-", "-", "-", "-") if mix is None else (
+        f"{mix.instructions_per_score:.1f}", f"{mix.ex2_per_score:.2f}", f"{mix.selects_per_score:.2f}",
+        f"{mix.predicted_tflops:.0f} ({mix.ceiling_tflops:.0f})")  # fmt: skip
+    loads = r.loads
+    return (SHORT_NAMES[v.kernel], v.arch, v.dtype, str(v.head_dim), v.features, r.tile, str(r.registers), spill,
+            str(r.shared_bytes), cores, *mix_cells,
+            f"{loads.scalar_16bit_global}/{loads.generic}/{loads.ldmatrix}/{loads.cp_async}",
+            str(loads.barriers))  # fmt: skip
+
+
+#: The loop mix's fields copied flat into each JSON record (None where the kernel has no tensor-core loop).
+MIX_FIELDS = ("instructions_per_score", "ex2_per_score", "selects_per_score", "compares_per_score",
+              "loads_per_iteration", "barriers_per_iteration", "tensor_shapes", "predicted_tflops", "ceiling_tflops",
+              "bound")  # fmt: skip
+
+
+def to_json(results: list[Result]) -> list[dict[str, Any]]:
+    """One flat record per result: the variant (``kernel`` as fwd, dq, dkdv, delta; the CUDA function as
+    ``function``), the cubin's figures, the main loop's mix and the innermost loops' loads."""
+    records = []
+    for r in results:
+        mix = asdict(r.mix) if r.mix is not None else {}
+        records.append({
+            **asdict(r.variant), "kernel": SHORT_NAMES[r.variant.kernel], "function": f"attention_{r.variant.kernel}",
+            "tile": r.tile, "registers": r.registers, "stack_bytes": r.stack_bytes,
+            "spill_store_bytes": r.spill_store_bytes, "spill_load_bytes": r.spill_load_bytes,
+            "spill_bytes": r.spill_bytes, "shared_bytes": r.shared_bytes, "hmma": r.hmma, "warnings": r.warnings,
+            **{name: mix.get(name) for name in MIX_FIELDS}, "loops": mix.get("all_loops"),
+            **{f"loop_{name}": count for name, count in asdict(r.loads).items()},
+        })  # fmt: skip
+    return records
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -298,8 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     results = inspect_all(variants(args.scope), args.jobs)
     table = results_table(HEADER, [_row(r) for r in results], args.markdown)
-    records = [{**asdict(r), "spill_bytes": r.spill_bytes} for r in results]
-    return report_check(args, table, records, violations(results))
+    return report_check(args, table, to_json(results), violations(results))
 
 
 if __name__ == "__main__":

@@ -44,11 +44,13 @@ def padded_head_dim(head_dim: int) -> int:
     return max(16, -(-head_dim // 16) * 16)
 
 
-# GPU tiles per kernel, element size and padded-head-dim bucket. Accumulators live in shared memory, so tiles are
-# sized by shared memory: every default fits sm_80's 163 KiB per block (docs/performance.md has the table).
+# GPU tiles per kernel, element size and padded-head-dim bucket. Every default fits sm_80's 163 KiB of shared memory
+# per block (docs/performance.md has the table). The 2-byte forward tiles up to D = 128 are the register-resident
+# forward's (16 rows per warp; S, P and O in registers): 64x128 at D <= 64, 64x64 at D <= 128 keep ptxas from
+# spilling. The other kernels keep their accumulators in shared memory and are sized by it.
 GPU_TILES: dict[str, dict[tuple[int, int], TileConfig]] = {
     "forward": {
-        (2, 64): TileConfig(64, 64, 4),
+        (2, 64): TileConfig(64, 128, 4),
         (2, 128): TileConfig(64, 64, 4),
         (2, 256): TileConfig(64, 32, 4),
         (4, 64): TileConfig(64, 64, 4),
@@ -77,6 +79,10 @@ GPU_TILES["backward_delta"] = {key: TileConfig(64, 64, 4) for key in GPU_TILES["
 #: 32 keys, so the tile is not square (as GPU tiles often are not) and a bound that takes BLOCK_M for BLOCK_N is
 #: wrong here too; two warps, so the tensor-core work is split between warps and every barrier matters.
 EMULATOR_TILE = TileConfig(16, 32, 2)
+#: The float16 / bfloat16 forward's: two warps of 16 rows (the register-resident forward's geometry), keys in tiles
+#: of 16, so the conformance shapes run two key tiles through the cp.async pipeline, and the tile is not square the
+#: other way. (float32 keeps EMULATOR_TILE: tests/test_tile_edges.py runs float32 on one tile for forward and dQ.)
+EMULATOR_FORWARD_TILE = TileConfig(32, 16, 2)
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -87,8 +93,8 @@ def gpu_tile(kernel: str, head_dim: int, dtype: str) -> TileConfig:
 
 
 # Dynamic shared memory, region by region, in the order each kernel carves it (SharedCursor in attention.cu):
-# (rows, columns, element) with rows/columns "M", "N", "D", "DV" or 1, and element "elem" (the input dtype) or
-# "float". Each region is rounded up to 128 bytes.
+# (rows, columns, element) with rows/columns "M", "N", "2N" (two stages of N), "D", "DV" or 1, and element "elem"
+# (the input dtype) or "float". Each region is rounded up to 128 bytes.
 SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
     "forward": (
         ("M", "D", "elem"),  # q tile
@@ -99,6 +105,12 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
         ("M", "DV", "float"),  # output accumulator
         ("M", 1, "float"),  # inverse q norms
         ("N", 1, "float"),  # inverse k norms
+    ),
+    # The register-resident forward (FA2_FORWARD): S, P and O live in registers.
+    "register_forward": (
+        ("M", "D", "elem"),  # q tile
+        ("2N", "D", "elem"),  # k tiles, two stages
+        ("2N", "DV", "elem"),  # v tiles, two stages
     ),
     "backward_delta": (),
     "backward_dq": (
@@ -134,11 +146,42 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 }
 
 
-def shared_memory_bytes(kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str) -> int:
-    sizes = {"M": tile.block_m, "N": tile.block_n, "D": padded_head_dim(head_dim), "DV": padded_head_dim(head_dim_v)}
+def register_forward(kernel: str, dtype: str, head_dim: int, head_dim_v: int, switches: KernelSwitches) -> bool:
+    """Whether a kernel compiles as the register-resident forward (FA2_FORWARD: mma.sync, ldmatrix, cp.async):
+    float16 / bfloat16, head dims in whole 16-byte chunks up to 128, no cosine variant. Other forwards compile
+    the shared-memory kernel. The launch also needs 16-byte aligned operands (:func:`aligned_for_async_copies`)."""
+    return (
+        kernel == Kernel.FORWARD
+        and dtype != "float32"
+        and head_dim % 8 == 0
+        and head_dim_v % 8 == 0
+        and max(padded_head_dim(head_dim), padded_head_dim(head_dim_v)) <= 128
+        and not switches.cosine
+    )
+
+
+def aligned_for_async_copies(*tensors: torch.Tensor) -> bool:
+    """Whether every row of the tensors starts on 16 bytes (cp.async copies 16-byte chunks): the data pointer and
+    every stride but the last (1)."""
+    return all(
+        t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
+        for t in tensors
+    )
+
+
+def shared_memory_bytes(
+    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, fa2_forward: bool = False
+) -> int:
+    sizes = {
+        "M": tile.block_m,
+        "N": tile.block_n,
+        "2N": 2 * tile.block_n,
+        "D": padded_head_dim(head_dim),
+        "DV": padded_head_dim(head_dim_v),
+    }
     element = {"elem": ELEMENT_BYTES[dtype], "float": 4}
     total = 0
-    for rows, cols, kind in SHARED_REGIONS[kernel]:
+    for rows, cols, kind in SHARED_REGIONS["register_forward" if fa2_forward else kernel]:
         count = sizes.get(rows, 1) * sizes.get(cols, 1)
         total += -(-count * element[kind] // 128) * 128
     return total
@@ -166,7 +209,7 @@ def canonical_switches(kernel: str, dtype: str, switches: KernelSwitches) -> Ker
 
 
 def compile_options(
-    dtype: str, head_dim: int, head_dim_v: int, tile: TileConfig, switches: KernelSwitches
+    dtype: str, head_dim: int, head_dim_v: int, tile: TileConfig, switches: KernelSwitches, fa2_forward: bool = False
 ) -> tuple[str, ...]:
     """The -D options of one compiled variant: the same for NVRTC (CuPy), nvcc (the static check) and the
     emulator's host compiler."""
@@ -180,6 +223,7 @@ def compile_options(
         "BLOCK_N": tile.block_n,
         "NUM_WARPS": tile.num_warps,
         "SEGMENT_GRANULE": SEGMENT_GRANULE,  # every tile above is a multiple of it
+        "FA2_FORWARD": int(fa2_forward),  # the register-resident forward (register_forward)
         # The feature switches: each a -D option, so a call without a feature compiles without its code.
         **{field.name.upper(): int(getattr(switches, field.name)) for field in fields(KernelSwitches)},
     }
@@ -325,7 +369,11 @@ class CudaKernels:
         head_dim, head_dim_v = call.head_dims
         dtype = str(call.q.dtype).removeprefix("torch.")
         tile = self.launcher.tile(kernel, max(head_dim, head_dim_v), dtype)
-        options = compile_options(dtype, head_dim, head_dim_v, tile, canonical_switches(kernel, dtype, switches))
-        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype)
+        switches = canonical_switches(kernel, dtype, switches)
+        fa2 = register_forward(kernel, dtype, head_dim, head_dim_v, switches) and aligned_for_async_copies(
+            call.q, call.k, call.v
+        )
+        options = compile_options(dtype, head_dim, head_dim_v, tile, switches, fa2)
+        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, fa2)
         blocks = grid.blocks(tile.block_m, tile.block_n)
         self.launcher.launch(kernel, options, blocks, (tile.num_warps * 32, 1, 1), shared, args)

@@ -3,7 +3,8 @@ a machine without a GPU. It is not a CUDA implementation and not a way to run at
 
 ``cuda_emulation.h`` provides the CUDA built-ins the kernels use (thread and block indices, dynamic shared memory,
 ``__syncthreads`` as a real barrier over one OS thread per CUDA thread, warp shuffles, atomics, the half types,
-the math intrinsics and ``nvcuda::wmma``). :class:`EmulatorLauncher` implements the backend's
+the math intrinsics, ``nvcuda::wmma``, and twins of the kernels' PTX-level functions: ``mma.sync``, ``ldmatrix``,
+``cp.async`` with the PTX ISA's per-lane layouts). :class:`EmulatorLauncher` implements the backend's
 ``launch.Launcher``: it compiles the *same* ``attention.cu`` with the host C++ compiler and the same -D options the
 CuPy launcher gives NVRTC, builds a trampoline per kernel that unpacks a ``cuLaunchKernel``-style argument array,
 and launches with the grid, block, shared-memory size and arguments that ``launch.py`` and
@@ -127,9 +128,8 @@ class EmulatorLauncher:
     name = "cupy-emulator"
     device = "cpu"
 
-    def __init__(self, source: Path = launch.SOURCE, tile: launch.TileConfig = launch.EMULATOR_TILE) -> None:
+    def __init__(self, source: Path = launch.SOURCE) -> None:
         self.source = source
-        self._tile = tile
         self._libraries: dict[tuple[str, ...], ctypes.CDLL] = {}
         self._lock = threading.Lock()  # the emulator runs one launch at a time (shared state in the library)
 
@@ -139,7 +139,7 @@ class EmulatorLauncher:
         return []
 
     def tile(self, kernel: str, head_dim: int, dtype: str) -> launch.TileConfig:
-        return self._tile
+        return launch.EMULATOR_FORWARD_TILE if kernel == "forward" and dtype != "float32" else launch.EMULATOR_TILE
 
     def library(self, options: tuple[str, ...]) -> ctypes.CDLL:
         if options not in self._libraries:

@@ -12,6 +12,14 @@
 // 16x16 tile, so other warps see the data only after a barrier, as on the GPU; the other lanes' fragments are
 // unspecified (kernels must not read fragment elements, whose lane mapping the emulator does not model). Blocks run one after another; dynamic shared memory is
 // filled with NaN bytes before each block and guarded by a canary.
+//
+// The PTX-level device functions of attention.cu (compiled there as inline PTX unless ATTNKIT_EMULATED) have twins
+// here that reproduce the PTX ISA's per-lane fragment layouts exactly, so a kernel that reads a fragment element
+// from the wrong lane computes a wrong result here too: mma_m16n8k16 (each lane publishes its A, B registers, then
+// computes its own four C elements from the lanes that hold each operand element), ldmatrix_x4(_trans) (each lane
+// publishes its row address, then reads its two elements of each 8x8 matrix from the lane that addressed that row),
+// and cp.async (cp_async_16 queues the copy in the thread's open group, cp_async_commit closes the group, and the
+// copies land only at a cp_async_wait that waits for their group: a read before the wait sees the old contents).
 
 #pragma once
 
@@ -65,6 +73,18 @@ constexpr std::size_t STACK_BYTES = 256 * 1024;
 inline std::vector<Fiber> fibers;
 inline std::vector<std::vector<char>> stacks;
 inline std::vector<std::array<std::uint64_t, 32>> warp_slots;
+inline std::vector<std::array<std::array<std::uint32_t, 6>, 32>> mma_slots;  // per warp and lane: A[4], B[2]
+
+// cp.async copies of one thread not yet landed: the open group, then the committed groups, oldest first.
+struct AsyncCopy {
+    void* destination;
+    const void* source;
+};
+struct AsyncGroups {
+    std::vector<AsyncCopy> open;
+    std::vector<std::vector<AsyncCopy>> committed;
+};
+inline std::vector<AsyncGroups> async_groups;
 inline ucontext_t scheduler;
 inline unsigned current = 0;
 inline const std::function<void()>* kernel_body = nullptr;
@@ -167,6 +187,17 @@ inline float __bfloat162float(__nv_bfloat16 value) {
     return out;
 }
 
+struct __half2 {
+    __half x, y;
+};
+struct __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+};
+inline __half2 __floats2half2_rn(float low, float high) { return {__float2half(low), __float2half(high)}; }
+inline __nv_bfloat162 __floats2bfloat162_rn(float low, float high) {
+    return {__float2bfloat16(low), __float2bfloat16(high)};
+}
+
 namespace emu {
 inline float widen(float x) { return x; }
 inline float widen(__half x) { return __half2float(x); }
@@ -249,6 +280,101 @@ inline void mma_sync(fragment<accumulator, M, N, K, float>& d, const fragment<ma
 
 }  // namespace wmma
 }  // namespace nvcuda
+
+// ------------------------------------------------------------------------------------------ PTX twins
+
+namespace emu {
+
+inline std::uint16_t half_bits(std::uint32_t pair, int which) { return static_cast<std::uint16_t>(pair >> (16 * which)); }
+inline float half_value(std::uint16_t bits, __half) { return __half2float(__half{bits}); }
+inline float half_value(std::uint16_t bits, __nv_bfloat16) { return __bfloat162float(__nv_bfloat16{bits}); }
+
+// ldmatrix.sync.aligned.m8n8.x4[.trans].shared.b16: lanes 8i..8i+7 address the rows of matrix i; lane l receives
+// in d[i] the elements (l/4, 2(l%4)) and (l/4, 2(l%4)+1) of matrix i, or with .trans (2(l%4), l/4) and
+// (2(l%4)+1, l/4), the first in the low half.
+inline void ldmatrix(std::uint32_t (&d)[4], const void* row, bool transposed) {
+    if (reinterpret_cast<std::uintptr_t>(row) % 16 != 0) fail("ldmatrix: a row address is not 16-byte aligned");
+    auto& slots = warp_slots[current / 32];
+    std::memcpy(&slots[lane()], &row, sizeof row);
+    __syncwarp();
+    const unsigned group = lane() / 4, pair = 2 * (lane() % 4);
+    for (int i = 0; i < 4; ++i) {
+        auto element = [&](unsigned r, unsigned c) {
+            const void* address;
+            std::memcpy(&address, &slots[8 * i + r], sizeof address);
+            return static_cast<const std::uint16_t*>(address)[c];
+        };
+        const std::uint16_t low = transposed ? element(pair, group) : element(group, pair);
+        const std::uint16_t high = transposed ? element(pair + 1, group) : element(group, pair + 1);
+        d[i] = static_cast<std::uint32_t>(low) | static_cast<std::uint32_t>(high) << 16;
+    }
+    __syncwarp();
+}
+
+}  // namespace emu
+
+inline void ldmatrix_x4(unsigned (&d)[4], const void* row) { emu::ldmatrix(d, row, false); }
+inline void ldmatrix_x4_trans(unsigned (&d)[4], const void* row) { emu::ldmatrix(d, row, true); }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.T.T.f32, acc = A·B + acc, with groupID g = lane/4 and t = lane%4:
+// A (16x16) a[0]: (g, 2t..2t+1), a[1]: (g+8, 2t..), a[2]: (g, 2t+8..), a[3]: (g+8, 2t+8..);
+// B (16x8)  b[0]: (k 2t..2t+1, n g), b[1]: (k 2t+8.., n g);  C (16x8) c0,c1: (g, 2t..2t+1), c2,c3: (g+8, 2t..).
+// Products of the exactly widened inputs, accumulated in float32 in k order.
+template <class T>
+inline void mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    auto& slots = emu::mma_slots[emu::current / 32];
+    auto& mine = slots[emu::lane()];
+    std::copy(a, a + 4, mine.begin());
+    std::copy(b, b + 2, mine.begin() + 4);
+    __syncwarp();
+    auto a_at = [&](int r, int k) {  // the lane and register that hold A[r][k]
+        const auto& owner = slots[(r % 8) * 4 + (k % 8) / 2];
+        return emu::half_value(emu::half_bits(owner[r / 8 + 2 * (k / 8)], k % 2), T{});
+    };
+    auto b_at = [&](int k, int n) {
+        const auto& owner = slots[n * 4 + (k % 8) / 2];
+        return emu::half_value(emu::half_bits(owner[4 + k / 8], k % 2), T{});
+    };
+    const int g = emu::lane() / 4, t = emu::lane() % 4;
+    for (int i = 0; i < 4; ++i) {
+        const int r = g + 8 * (i / 2), n = 2 * t + i % 2;
+        float sum = acc[i];
+        for (int k = 0; k < 16; ++k) sum = fmaf(a_at(r, k), b_at(k, n), sum);
+        acc[i] = sum;
+    }
+    __syncwarp();
+}
+
+// cp.async.cg.shared.global (16 bytes, or with source size 0 16 zero bytes, the source unread), commit_group,
+// wait_group N.
+inline void cp_async_16(void* shared_destination, const void* global_source, bool copy) {
+    if (reinterpret_cast<std::uintptr_t>(shared_destination) % 16 ||
+        (copy && reinterpret_cast<std::uintptr_t>(global_source) % 16))
+        emu::fail("cp.async: an address is not 16-byte aligned");
+    emu::async_groups[emu::current].open.push_back({shared_destination, copy ? global_source : nullptr});
+}
+inline void cp_async_commit() {
+    auto& groups = emu::async_groups[emu::current];
+    groups.committed.push_back(std::move(groups.open));
+    groups.open.clear();
+}
+template <int PENDING>
+inline void cp_async_wait() {
+    auto& committed = emu::async_groups[emu::current].committed;
+    while (committed.size() > PENDING) {
+        for (const emu::AsyncCopy& copy : committed.front()) {
+            if (copy.source != nullptr) {
+                std::memcpy(copy.destination, copy.source, 16);
+            } else {
+                std::memset(copy.destination, 0, 16);
+            }
+        }
+        committed.erase(committed.begin());
+    }
+}
+
+// ex2.approx.ftz.f32 (relative error 2^-22 on the GPU), here the host's exp2f.
+inline float exp2_approx(float x) { return exp2f(x); }
 
 // ------------------------------------------------------------------------------------------ launching
 
@@ -336,6 +462,7 @@ inline int launch(const unsigned* grid, const unsigned* block, std::size_t share
     fibers.assign(threads, Fiber{});
     while (stacks.size() < threads) stacks.emplace_back(STACK_BYTES);
     warp_slots.assign(threads / 32, {});
+    mma_slots.assign(threads / 32, {});
     kernel_body = &body;
     for (unsigned z = 0; z < grid[2]; ++z)
         for (unsigned y = 0; y < grid[1]; ++y)
@@ -343,6 +470,7 @@ inline int launch(const unsigned* grid, const unsigned* block, std::size_t share
                 std::memset(shared, 0xff, shared_bytes);  // garbage (NaN bytes), and a canary past the end
                 std::memset(shared + shared_bytes, 0xa5, CANARY_BYTES);
                 blockIdx = {x, y, z};
+                async_groups.assign(threads, {});
                 if (!run_block(threads, blockDim)) {
                     fail("barrier divergence: the threads of a block do not pass the same barriers (a barrier in divergent code)");
                     return 1;

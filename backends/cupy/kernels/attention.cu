@@ -5,9 +5,10 @@
 //
 // Compile-time constants (-D): ELEMENT_TYPE (0 float32, 1 float16, 2 bfloat16), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
-// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), and the feature switches HAS_LOWER, HAS_UPPER,
-// BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE,
-// HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K (0 or 1): a call without a feature compiles without its code.
+// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), FA2_FORWARD (which forward body), and the feature
+// switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS,
+// HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K (0 or 1): a call without a feature compiles
+// without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -25,9 +26,13 @@
 // Split-K (SPLIT_K, flash-decoding) runs one of `splits` ranges of a query tile's key tiles per block and writes that
 // range's out and lse to float32 partials, which attnkit.contract.kernels.merge_splits combines.
 //
-// Tiles live in dynamic shared memory. Matrix products go through tile_mma: tensor cores (nvcuda::wmma, 16x16x16,
-// float32 accumulation) for float16/bfloat16, IEEE float32 FMA loops for float32. Accumulators (O, dQ, dK, dV)
-// are float32 tiles in shared memory, so the kernels hold few registers and never spill.
+// The forward has two bodies, chosen by the launcher (-DFA2_FORWARD, launch.register_forward). The register-resident
+// one (float16/bfloat16, head dims in whole 16-byte chunks up to 128, no cosine, 16-byte aligned rows) keeps S, P and
+// O in mma.sync fragments, 16 query rows per warp, and streams K/V through two cp.async stages (see its loop). The
+// shared-memory one serves every other call, as the backward kernels do: tiles live in dynamic shared memory, matrix
+// products go through tile_mma (tensor cores by nvcuda::wmma, 16x16x16 with float32 accumulation, for float16/
+// bfloat16; IEEE float32 FMA loops for float32), and the accumulators (O, dQ, dK, dV) are float32 tiles in shared
+// memory, so those kernels hold few registers and never spill.
 
 #ifndef ATTNKIT_EMULATED
 #include <cuda_bf16.h>
@@ -232,6 +237,116 @@ __device__ __forceinline__ float row_sum_reduce(float x) {
     return x;
 }
 
+// ------------------------------------------------------------------------------------------------ PTX level
+
+// The register-resident forward (FA2_FORWARD) works on mma.sync fragments. Each PTX-level operation is one small
+// device function here; tests/cupy_emulator/cuda_emulation.h (ATTNKIT_EMULATED) has a twin of each that reproduces
+// the PTX ISA's per-lane layouts, so the emulator runs this same source.
+#ifndef ATTNKIT_EMULATED
+__device__ __forceinline__ unsigned shared_address(const void* pointer) {
+    return static_cast<unsigned>(__cvta_generic_to_shared(pointer));
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory; lanes 8i..8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&d)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(shared_address(row)));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&d)[4], const void* row) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+                 : "r"(shared_address(row)));
+}
+
+// acc (16x8 float32) += A (16x16, row) · B (16x8, col) for one warp, T = __half or __nv_bfloat16.
+template <class T>
+__device__ __forceinline__ void mma_m16n8k16(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]);
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__half>(float (&acc)[4], const unsigned (&a)[4], const unsigned (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+template <>
+__device__ __forceinline__ void mma_m16n8k16<__nv_bfloat16>(float (&acc)[4], const unsigned (&a)[4],
+                                                            const unsigned (&b)[2]) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+                 "{%0, %1, %2, %3};"
+                 : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// 16 bytes global → shared, asynchronously (L2 only), or 16 zero bytes without reading the source when !copy; the
+// copies of a thread form groups closed by commit, and wait<N> returns once at most N of its groups are in flight.
+__device__ __forceinline__ void cp_async_16(void* shared_destination, const void* global_source, bool copy) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(shared_destination)),
+                 "l"(global_source), "r"(copy ? 16 : 0)
+                 : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int PENDING>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
+}
+
+// 2^x on the MUFU unit (relative error about 2^-22; −inf gives +0).
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+#endif
+
+#if FA2_FORWARD
+// Two floats rounded to the element type, packed as one 32-bit fragment register (the first in the low half).
+__device__ __forceinline__ unsigned pack_pair(float low, float high) {
+#if ELEMENT_TYPE == 1
+    const __half2 pair = __floats2half2_rn(low, high);
+#else
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(low, high);
+#endif
+    unsigned bits;
+    memcpy(&bits, &pair, sizeof bits);
+    return bits;
+}
+
+// A tile of rows of COLS elements in shared memory, in 16-byte chunks whose column index is XORed with the low bits
+// of the row: the 8 row addresses of one ldmatrix matrix then fall in 8 different bank groups (no conflicts).
+template <int COLS>
+__device__ __forceinline__ int swizzled(int row, int chunk) {
+    constexpr int chunks = COLS / 8, mask = chunks % 8 == 0 ? 7 : chunks % 4 == 0 ? 3 : 1;
+    return row * COLS + (chunk ^ (row & mask)) * 8;
+}
+
+// The swizzled tile[r] = src row first + r for rows below the limit (and not segment padding), by 16-byte cp.async
+// copies; other rows, and chunks past the width, are filled with zeros by the same instruction (source size 0), so
+// the loop has no branch. The caller commits the group. Each thread copies one chunk column (of a power-of-two count
+// covering the row) of every ROW_STEP-th row: a strided operand's source advances by one 64-bit add per row, a
+// paged cache finds each row through its block table, read only for rows below the limit.
+template <int ROWS, int COLS, class Rows>
+__device__ __forceinline__ void load_tile_async(elem_t* tile, const elem_t* src, Rows rows, int first, int limit,
+                                                int width, const index_t* ids) {
+    constexpr int chunks = COLS / 8, columns = chunks <= 2 ? 2 : chunks <= 4 ? 4 : chunks <= 8 ? 8 : 16;
+    constexpr int ROW_STEP = NUM_THREADS / columns;
+    static_assert(chunks <= 16 && NUM_THREADS % columns == 0, "rows of at most 16 chunks");
+    const int chunk = threadIdx.x % columns, r0 = threadIdx.x / columns;
+    if (chunk >= chunks) return;
+    const elem_t* source = PAGED ? src : src + row_offset(rows, first + r0) + chunk * 8;
+#pragma unroll
+    for (int i = 0; i < (ROWS + ROW_STEP - 1) / ROW_STEP; ++i) {
+        const int r = r0 + i * ROW_STEP;
+        if (ROWS % ROW_STEP != 0 && r >= ROWS) break;
+        const bool copy = first + r < limit && chunk * 8 < width && not_segment_padding(ids, first + r);
+        const elem_t* row_source = PAGED ? (copy ? src + row_offset(rows, first + r) + chunk * 8 : src) : source;
+        cp_async_16(tile + swizzled<COLS>(r, chunk), row_source, copy);
+        if (!PAGED) source += ROW_STEP * row_offset(rows, 1);
+    }
+}
+
+#endif
+
 // ------------------------------------------------------------------------------------------------ geometry
 
 struct Geometry {
@@ -373,7 +488,8 @@ __device__ __forceinline__ Planes planes_of(const unsigned char* mask, const flo
 
 // One query tile of one (batch, query head): out and lse, or under SPLIT_K one key range's partial out and lse
 // (offset by split · o_s, lse_s). Grid (query tiles × splits, Hq, B), split-major.
-extern "C" __global__ void __launch_bounds__(NUM_THREADS)
+// One block per SM is enough to fix ptxas's register budget (without it, 168 registers and a spill at D = 64).
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     attention_forward(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
                       out_t* __restrict__ out, float* __restrict__ lse, const float* __restrict__ bias,
                       const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
@@ -393,6 +509,175 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     const elem_t* k_head = k + (PAGED ? 0 : batch * k_b) + (head / group) * k_h;
     const elem_t* v_head = v + (PAGED ? 0 : batch * v_b) + (head / group) * v_h;
 
+#if FA2_FORWARD
+    // Register-resident FlashAttention-2: warp w owns query rows 16w..16w+15 of the tile; its scores S, probabilities
+    // P and output accumulator O live in mma.sync fragments (lane l: group row g = l/4, column pair 2·(l%4)), so each
+    // lane holds rows g and g+8 of its warp's strip. K and V tiles stream through two shared-memory stages by cp.async.
+    static_assert(BLOCK_M == 16 * NUM_WARPS && BLOCK_N % 16 == 0, "16 query rows per warp, key tiles of 16");
+    static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM_V % 8 == 0 && !COSINE, "whole 16-byte chunks, no cosine");
+    constexpr int K_STEPS = BLOCK_D / 16, KEY_BLOCKS = BLOCK_N / 8, OUT_BLOCKS = BLOCK_DV / 8;
+    constexpr float LOG2E = 1.4426950408889634f;
+    SharedCursor cursor = {shared_memory};
+    elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
+    elem_t* k_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_D);  // stage s at k_stages + s · BLOCK_N · BLOCK_D
+    elem_t* v_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_DV);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
+
+    int first, end;
+    key_span(row_start, g, lower, upper, first, end);
+    if (SPLIT_K) split_range(key_split(len_q), splits, first, end);
+    const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
+    // The key tile at or after key_start that shares a segment id with the query tile (every tile without ids).
+    auto meeting_tile = [&](int key_start) {
+        while (key_start < end && !ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start,
+                                                                                 len_k)))
+            key_start += BLOCK_N;
+        return key_start;
+    };
+    auto load_keys = [&](int key_start, int stage) {
+        const KeyRows k_rows = key_rows(block_table, batch, max_blocks, block_size, k_b, k_n);
+        const KeyRows v_rows = key_rows(block_table, batch, max_blocks, block_size, v_b, v_n);
+        load_tile_async<BLOCK_N, BLOCK_D>(k_stages + stage * BLOCK_N * BLOCK_D, k_head, k_rows, key_start, g.kv_len,
+                                          HEAD_DIM, g.kv_ids);
+        load_tile_async<BLOCK_N, BLOCK_DV>(v_stages + stage * BLOCK_N * BLOCK_DV, v_head, v_rows, key_start, g.kv_len,
+                                           HEAD_DIM_V, g.kv_ids);
+    };
+    load_tile_async<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM,
+                                      g.q_ids);
+    int key_start = meeting_tile(first), stage = 0;
+    if (key_start < end) load_keys(key_start, stage);
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+    // Q's A fragments, one per 16 columns: matrices (rows 0-7 | 8-15) × (columns 0-7 | 8-15) of the warp's strip.
+    unsigned q_fragments[K_STEPS][4];
+#pragma unroll
+    for (int kk = 0; kk < K_STEPS; ++kk)
+        ldmatrix_x4(q_fragments[kk], q_tile + swizzled<BLOCK_D>(16 * warp + lane % 16, 2 * kk + lane / 16));
+
+    // Tiles the mask must be applied to: those the band cuts, the last partial one, every tile of a query tile that
+    // runs past q_len, every tile with a mask or segment ids. The interior tiles [interior_first, interior_end)
+    // between them run unmasked.
+    int interior_first = end, interior_end = end;
+    if (!HAS_MASK && !HAS_SEGMENT_IDS && row_start + BLOCK_M <= g.q_len) {
+        interior_first = first;
+        if (HAS_LOWER)
+            interior_first = max(first, (max(row_start + BLOCK_M - 1 + g.offset + lower, 0) + BLOCK_N - 1) / BLOCK_N *
+                                            BLOCK_N);
+        int limit = g.kv_len;
+        if (HAS_UPPER) limit = min(limit, max(row_start + g.offset + upper + 1, 0));
+        interior_first = min(interior_first, end);
+        interior_end = max(interior_first, min(limit / BLOCK_N * BLOCK_N, end));
+    }
+
+    // Scores in base 2: logit t = q·k (the scale folded into the exponent's FMA), or with a softcap or bias
+    // t = log2(e) · S with fold 1.
+    const float fold = HAS_SOFTCAP || HAS_BIAS ? 1.0f : qk_scale * LOG2E;
+    float o[OUT_BLOCKS][4] = {}, row_max[2] = {negative_infinity(), negative_infinity()}, row_sum[2] = {0.0f, 0.0f};
+    // Online softmax over the key tiles, in base 2 (m, l per row; each lane sums its own columns, the quad at the end):
+    //   S = Q Kᵀ (t per score);  m' = max(m, fold · rowmax t);  P = 2^(fold · t − m');  α = 2^(m − m')
+    //   l' = α·l + rowsum P;  O' = α·O + P V  (P rounded to the input type, reused from registers as the A operand)
+    // and at the end out = O / l, lse = ln 2 · m + ln l. A row with no visible key yet has m = −inf; its shift is
+    // taken as 0 so that P and α are 2^(−inf) = 0, never NaN.
+    // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
+    auto tile = [&](bool masked) {
+        cp_async_wait<0>();
+        __syncthreads();  // the tile has landed for every thread, and every warp is done with the other stage
+        const int next = meeting_tile(key_start + BLOCK_N);
+        if (next < end) load_keys(next, stage ^ 1);
+        cp_async_commit();
+        const elem_t* k_tile = k_stages + stage * BLOCK_N * BLOCK_D;
+        const elem_t* v_tile = v_stages + stage * BLOCK_N * BLOCK_DV;
+
+        float s[KEY_BLOCKS][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk) {
+#pragma unroll
+            for (int j = 0; j < KEY_BLOCKS; j += 2) {  // B = Kᵀ: key rows 8j..8j+15, columns 16kk..16kk+15
+                unsigned b[4];
+                ldmatrix_x4(b, k_tile + swizzled<BLOCK_D>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                mma_m16n8k16<elem_t>(s[j], q_fragments[kk], {b[0], b[1]});
+                mma_m16n8k16<elem_t>(s[j + 1], q_fragments[kk], {b[2], b[3]});
+            }
+        }
+        float tile_max[2] = {negative_infinity(), negative_infinity()};
+#pragma unroll
+        for (int j = 0; j < KEY_BLOCKS; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int row = row_start + 16 * warp + lane_row + 8 * (i / 2), col = key_start + 8 * j + pair + i % 2;
+                if (masked && !visible(row, col, g, lower, upper, planes)) {
+                    s[j][i] = negative_infinity();
+                } else if (HAS_SOFTCAP || HAS_BIAS) {
+                    s[j][i] = score(s[j][i], 1.0f, 1.0f, qk_scale, softcap, row, col, planes).s * LOG2E;
+                }
+                tile_max[i / 2] = fmaxf(tile_max[i / 2], s[j][i]);
+            }
+        float shift[2], alpha[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {  // the quad of lanes sharing a row
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 1));
+            tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xffffffffu, tile_max[h], 2));
+            const float new_max = fmaxf(row_max[h], fold * tile_max[h]);
+            shift[h] = new_max == negative_infinity() ? 0.0f : new_max;
+            alpha[h] = exp2_approx(row_max[h] - shift[h]);
+            row_max[h] = new_max;
+            row_sum[h] *= alpha[h];
+        }
+#pragma unroll
+        for (int jv = 0; jv < OUT_BLOCKS; ++jv)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) o[jv][i] *= alpha[i / 2];
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {  // keys 16kk..16kk+15: P's A fragment is S's C fragments 2kk, 2kk+1
+            float p[2][4];
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    p[half][i] = exp2_approx(fmaf(s[2 * kk + half][i], fold, -shift[i / 2]));
+                    row_sum[i / 2] += p[half][i];
+                }
+            const unsigned a[4] = {pack_pair(p[0][0], p[0][1]),  // rows g, g+8 × keys 2t.. | 2t+8..
+                                   pack_pair(p[0][2], p[0][3]), pack_pair(p[1][0], p[1][1]),
+                                   pack_pair(p[1][2], p[1][3])};
+#pragma unroll
+            for (int jv = 0; jv < OUT_BLOCKS; jv += 2) {  // B = V: key rows 16kk.., columns 8jv..8jv+15, transposed
+                unsigned b[4];
+                ldmatrix_x4_trans(b, v_tile + swizzled<BLOCK_DV>(16 * kk + lane % 16, jv + lane / 16));
+                mma_m16n8k16<elem_t>(o[jv], a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(o[jv + 1], a, {b[2], b[3]});
+            }
+        }
+        key_start = next;
+        stage ^= 1;
+    };
+    while (key_start < interior_first) tile(true);
+    while (key_start < interior_end) tile(false);
+    while (key_start < end) tile(true);
+
+    const int split = key_split(len_q);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 1);
+        row_sum[h] += __shfl_xor_sync(0xffffffffu, row_sum[h], 2);
+        // Empty means no weight at all: a NaN score is skipped by the max yet makes the sum NaN (NaN out and lse).
+        const bool empty = row_sum[h] == 0.0f;
+        const int row = row_start + 16 * warp + lane_row + 8 * h;
+        if (row >= len_q) continue;
+        out_t* out_row = out + split * o_s + batch * o_b + head * o_h + row * o_m;
+#pragma unroll
+        for (int jv = 0; jv < OUT_BLOCKS; ++jv)
+#pragma unroll
+            for (int i = 2 * h; i < 2 * h + 2; ++i) {
+                const int c = 8 * jv + pair + i % 2;
+                if (c < HEAD_DIM_V) assign(out_row[c], empty ? 0.0f : o[jv][i] / row_sum[h]);
+            }
+        if (lane % 4 == 0)
+            lse[split * lse_s + ((index_t)batch * heads_q + head) * len_q + row] =
+                empty ? negative_infinity() : row_max[h] * 0.6931471805599453f + logf(row_sum[h]);
+    }
+#else
     SharedCursor cursor = {shared_memory};
     elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
     elem_t* k_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_D);
@@ -468,6 +753,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
             lse[split * lse_s + ((index_t)batch * heads_q + head) * len_q + row] =
                 empty ? negative_infinity() : row_max + logf(row_sum);
     }
+#endif
 }
 
 // Δ = rowsum(dO ⊙ O) − dlse for one row tile of one (batch, query head). Grid (row tiles, Hq, B).
