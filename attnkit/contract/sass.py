@@ -163,19 +163,22 @@ def flops_per_score(kernel: str, head_dim: int, head_dim_v: int) -> int:
             "dkdv": 4 * (head_dim + head_dim_v)}[kernel]  # fmt: skip
 
 
-def loop_mix(sass: str, arch: str, flops_per_score: int, tile_scores: int, warps: int) -> LoopMix | None:
-    """The mix of the kernel's main loop, whose iterations each cover ``tile_scores`` scores on ``warps`` warps:
-    among the innermost loops with tensor-core instructions, the one with the fewest instructions per score (the
-    interior loop, where a kernel spends its time on long sequences). None when no loop uses the tensor cores
-    (float32 kernels)."""
+def loop_mix(
+    sass: str, arch: str, flops_per_score: int, tile_scores: int | None = None, warps: int | None = None
+) -> LoopMix | None:
+    """The mix of the kernel's main loop: among the innermost loops with tensor-core instructions, the one with the
+    fewest instructions per score (the interior loop, where a kernel spends its time on long sequences). None when
+    no loop uses the tensor cores (float32 kernels). With ``tile_scores`` and ``warps``, each iteration covers one
+    tile of that many scores on that many warps; without, a loop's scores are counted from its tensor-core work
+    (for loops that run part of a tile: ``tensor_work`` is then 1 by construction)."""
     machine = MACHINES[arch]
-    scores = tile_scores / warps
-    per_score = 32 / scores
     mixes = []
     for loop in innermost_loops(sass):
         flops = loop.tensor_flops_per_warp
         if not flops:
             continue
+        scores = tile_scores / warps if tile_scores and warps else sum(flops.values()) / flops_per_score
+        per_score = 32 / scores
         cycles = {
             "tensor": sum(f / machine.tensor_rate(name) for name, f in flops.items()) / scores,
             "issue": len(loop.instructions) * per_score / ISSUE_PER_CYCLE,

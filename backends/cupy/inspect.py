@@ -268,7 +268,10 @@ def inspect_variant(variant: Variant) -> Result:
     short = SHORT_NAMES[variant.kernel]
     mix = None
     if variant.kernel in MMA_KERNELS:
-        mix = loop_mix(sass, variant.arch, flops_per_score(short, variant.head_dim, variant.head_dim))
+        # The register forward runs one key tile per iteration; the wmma kernels' innermost loops run fragments of
+        # one, so their scores are counted from the tensor-core work (attnkit.contract.sass.loop_mix).
+        per_tile = (tile.block_m * tile.block_n, tile.num_warps) if _register_forward(variant) else (None, None)
+        mix = loop_mix(sass, variant.arch, flops_per_score(short, variant.head_dim, variant.head_dim), *per_tile)
     return Result(
         variant=variant,
         tile=f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w",
