@@ -137,6 +137,7 @@ class KernelSwitches:
     grad_float32: bool = False  # dq, dk, dv are float32 buffers (the cosine variant's chain rule follows)
     paged: bool = False  # forward: keys through a block table (attend_paged)
     split_k: bool = False  # forward: one of several key ranges per program, float32 partials for merge_splits
+    atomic_dq: bool = False  # dK/dV kernel: also add each tile's dS K into a float32 dq sum (one-pass backward)
 
     @classmethod
     def all(cls) -> KernelSwitches:
@@ -218,6 +219,15 @@ class KernelLauncher(Protocol):
     def run(self, kernel: Kernel, call: KernelCall, grid: Grid, args: list[Any], switches: KernelSwitches) -> None:
         """Launch ``kernel`` over ``grid`` with ``args``, compiled for ``switches``."""
         ...
+
+
+def one_pass_backward(launcher: KernelLauncher, call: KernelCall) -> bool:
+    """Whether the backward runs as one pass: the dK/dV kernel adds dq into a float32 sum with atomics
+    (``atomic_dq``) and no dQ kernel recomputes S and dP. A launcher offers it with a method of that name; without
+    one, and when it declines (deterministic results asked for), the two-kernel scheme, each gradient element
+    written by one program."""
+    offers = getattr(launcher, "one_pass_backward", None)
+    return bool(offers(call)) if offers is not None else False
 
 
 #: Positions per granule of the segment ranges: every tile's rows and keys are a multiple of it.
@@ -455,7 +465,9 @@ def attention_backward(
         *call.feature_strides,
         *scalars,
     ]
-    launcher.run(Kernel.DQ, call, by_queries, dq_args, gradient_switches)
+    one_pass = one_pass_backward(launcher, call)
+    if not one_pass:
+        launcher.run(Kernel.DQ, call, by_queries, dq_args, gradient_switches)
     dkdv_args = [
         call.q,
         call.k,
@@ -474,7 +486,13 @@ def attention_backward(
         *scalars,
     ]
     by_keys = Grid(len_k, heads_kv, batch, along_keys=True)
-    launcher.run(Kernel.DKDV, call, by_keys, dkdv_args, gradient_switches.with_(has_dbias=need_dbias))
+    dkdv_switches = gradient_switches.with_(has_dbias=need_dbias, atomic_dq=one_pass)
+    if one_pass:
+        dq_sum = torch.zeros(dq.shape, dtype=torch.float32, device=dq.device)
+        dkdv_args += [dq_sum, *call.strides(dq_sum)]
+    launcher.run(Kernel.DKDV, call, by_keys, dkdv_args, dkdv_switches)
+    if one_pass:
+        dq.copy_(dq_sum.mul_(call.scale))  # the dQ kernel's grad_scale, then its rounding to dq's dtype
     return dq, dk, dv, dbias
 
 
