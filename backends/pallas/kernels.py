@@ -47,6 +47,8 @@ from attnkit.contract.jax import length_visibility, merge_partials, normalize, s
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
 NO_ID = (1 << 31) - 1  # the smallest id of a tile of padding only: above every largest id, so it meets nothing
+LOG2E = 1.4426950408889634  # scores go to exp2 in log₂ units: exp(x) = 2^(x·log₂e)
+LN2 = 0.6931471805599453
 
 
 @dataclass(frozen=True)
@@ -127,12 +129,58 @@ def _q_range(geom: tuple[Any, ...], j0: Any, block_q: int, block_k: int) -> tupl
     return first, jnp.where(empty, first, lax.div(jnp.maximum(i_last, 0), jnp.int32(block_q)) + 1)
 
 
-def _visible(geom: tuple[Any, ...], i0: Any, j0: Any, block_q: int, block_k: int) -> Any:
-    """The tile's visible pairs: the contract's band and lengths, with this element's offset already in lo, hi."""
+def _visible(geom: tuple[Any, ...], i0: Any, j0: Any, block_q: int, block_k: int, keys_first: bool = False) -> Any:
+    """The tile's visible pairs: the contract's band and lengths, with this element's offset already in lo, hi;
+    (block_q, block_k), or (block_k, block_q) with ``keys_first`` (the dK/dV kernel's transposed tiles)."""
     q_len, kv_len, lo, hi = geom
-    i = i0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-    j = j0 + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+    shape, q_axis = ((block_k, block_q), 1) if keys_first else ((block_q, block_k), 0)
+    i = i0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
+    j = j0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
     return conjoin(length_visibility(i, j, q_len, kv_len), within_band(j - i, lo, hi))
+
+
+def _tile_run(first: Any, end: Any, least: Any, last: Any, block: int, whole: Any) -> tuple[Any, Any]:
+    """[low, high) of the tiles t in [first, end) whose start t·block lies in [least, last] (least >= 0), always
+    with first <= low <= high <= end; empty (low = high = end) unless ``whole``."""
+    low = jnp.clip(lax.div(least + (block - 1), jnp.int32(block)), first, end)
+    high = jnp.where(last >= 0, lax.div(jnp.maximum(last, 0), jnp.int32(block)) + 1, 0)
+    high = jnp.clip(high, low, end)
+    return jnp.where(whole, low, end), jnp.where(whole, high, end)
+
+
+def _interior_keys(geom: tuple[Any, ...], i0: Any, first: Any, end: Any, block_q: int, block_k: int) -> Any:
+    """[low, high) of the key tiles in [first, end) whose every pair with rows [i0, i0 + block_q) is visible: keys
+    inside kv_len and the whole tile inside the band (its least j − i is j0 − (i0 + block_q − 1), its greatest
+    j0 + block_k − 1 − i0). Empty when the query tile holds rows at or past q_len."""
+    q_len, kv_len, lo, hi = geom
+    least = jnp.maximum(i0 + block_q - 1 + lo, 0)
+    last = jnp.minimum(i0 + hi - block_k + 1, kv_len - block_k)
+    return _tile_run(first, end, least, last, block_k, i0 + block_q <= q_len)
+
+
+def _interior_queries(geom: tuple[Any, ...], j0: Any, first: Any, end: Any, block_q: int, block_k: int) -> Any:
+    """_interior_keys seen from the key tile [j0, j0 + block_k): the query tiles in [first, end) it shares only
+    visible pairs with. Empty when the key tile holds keys at or past kv_len."""
+    q_len, kv_len, lo, hi = geom
+    least = jnp.maximum(j0 + block_k - 1 - hi, 0)
+    last = jnp.minimum(j0 - block_q + 1 - lo, q_len - block_q)
+    return _tile_run(first, end, least, last, block_q, j0 + block_k <= kv_len)
+
+
+def _edge_interior_edge(first: Any, end: Any, interior: Any, edge: Any, inside: Any, carry: Any) -> Any:
+    """fori_loop over [first, end) with ``inside`` on the interior run [low, high) and ``edge`` around it; with
+    ``interior`` None (masks, segment ids, paged) every tile is an edge tile."""
+    if interior is None:
+        return lax.fori_loop(first, end, edge, carry)
+    low, high = interior
+    carry = lax.fori_loop(first, low, edge, carry)
+    carry = lax.fori_loop(low, high, inside, carry)
+    return lax.fori_loop(high, end, edge, carry)
+
+
+def _all_edge(mask_ref: Any, segments: Segments | None) -> bool:
+    """A mask or segment ids may hide any pair: no tile is known visible without reading them."""
+    return mask_ref is not None or segments is not None
 
 
 def _valid_rows(x: Any, start: Any, length: Any) -> Any:
@@ -146,29 +194,54 @@ def _valid_vector(x: Any, start: Any, length: Any, fill: float) -> Any:
     return jnp.where(rows < length, x, jnp.full_like(x, fill))
 
 
-def _scores(q: Any, k: Any, params_ref: Any, static: Static, bias: Any, visible: Any) -> tuple[Any, Any]:
-    """S = softcap(scale·q·kᵀ) + bias, −inf where hidden; also tanh(raw/c) for the softcap derivative."""
-    s = _dot(q, k, trans_b=True) * params_ref[0]
+def _score_fold(params_ref: Any, static: Static, has_bias: bool) -> Any:
+    """What turns _scores' tile into log₂ units: scale·log₂e when the scale is left to it (no softcap, no bias:
+    the tile is q·kᵀ), else log₂e. The scale is > 0, so max(S)·fold = max(S·fold)."""
+    if static.softcap or has_bias:
+        return jnp.float32(LOG2E)
+    return params_ref[0] * LOG2E
+
+
+def _scores(a: Any, b: Any, params_ref: Any, static: Static, bias: Any, visible: Any) -> tuple[Any, Any]:
+    """S = softcap(scale·a·bᵀ) + bias, −inf where hidden (``visible`` None: an interior tile, nothing hidden); also
+    tanh(raw/c) for the softcap derivative. Without softcap and bias S is left unscaled (a·bᵀ): _score_fold
+    carries the scale into exp2's argument."""
+    s = _dot(a, b, trans_b=True)
     tanh = None
     if static.softcap:
         cap = params_ref[1]
-        tanh = jnp.tanh(s / cap)
+        tanh = jnp.tanh(s * params_ref[0] / cap)
         s = tanh * cap
+    elif bias is not None:
+        s = s * params_ref[0]
     if bias is not None:
         s = s + bias
+    if visible is None:
+        return s, tanh
     return jnp.where(visible, s, -jnp.inf), tanh
 
 
 def _tile_visibility(
-    geom: Any, mask_ref: Any, segments: Segments | None, i0: Any, j0: Any, static: Static, rows: Any = None
+    geom: Any,
+    mask_ref: Any,
+    segments: Segments | None,
+    i0: Any,
+    j0: Any,
+    static: Static,
+    rows: Any = None,
+    keys_first: bool = False,
 ) -> Any:
-    visible = _visible(geom, i0, j0, static.block_q, static.block_k)
+    visible = _visible(geom, i0, j0, static.block_q, static.block_k, keys_first)
     if mask_ref is not None:
-        visible = visible & (_read(mask_ref, rows, i0, j0, static) != 0)
+        allowed = _read(mask_ref, rows, i0, j0, static) != 0
+        visible = visible & (allowed.T if keys_first else allowed)
     if segments is not None:
         q_ids = segments.q_ids[pl.ds(i0, static.block_q)]
         kv_ids = segments.kv_ids[pl.ds(j0, static.block_k)]
-        visible = visible & segment_visibility(q_ids[:, None], kv_ids[None, :])
+        if keys_first:
+            visible = visible & segment_visibility(q_ids[None, :], kv_ids[:, None])
+        else:
+            visible = visible & segment_visibility(q_ids[:, None], kv_ids[None, :])
     return visible
 
 
@@ -240,55 +313,77 @@ def _fwd_tile(
     i0 = q_tile * block_q
     q = _valid_rows(q_ref[...], i0, q_len)
 
-    def scores(tile: Any) -> tuple[Any, Any]:
+    def scores(tile: Any, edge: bool) -> tuple[Any, Any]:
         j0 = tile * block_k
         keys = pl.ds(j0, block_k)
-        k = _valid_rows(k_ref[keys, :], j0, kv_len)
-        v = _valid_rows(v_ref[keys, :], j0, kv_len)
+        k, v = k_ref[keys, :], v_ref[keys, :]
         bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
+        if not edge:  # every key inside kv_len, every pair visible
+            return _scores(q, k, params_ref, static, bias, None)[0], v
+        k, v = _valid_rows(k, j0, kv_len), _valid_rows(v, j0, kv_len)
         s, _ = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, segments, i0, j0, static))
         return s, v
 
     first, end = _split_range(static, k_ref.shape[0], *_kv_range(geom, i0, block_q, block_k))
+    interior = None if _all_edge(mask_ref, segments) else _interior_keys(geom, i0, first, end, block_q, block_k)
     guard = functools.partial(_where_ids_meet, segments, lambda tile: (q_tile, tile))
-    _store_rows(o_ref, lse_ref, *_softmax_over_tiles(first, end, scores, block_q, v_ref.shape[-1], guard))
+    fold = _score_fold(params_ref, static, bias_ref is not None)
+    state = _softmax_over_tiles(
+        first, end, interior, scores, fold, block_q, v_ref.shape[-1], guard, bias_ref is not None
+    )
+    _store_rows(o_ref, lse_ref, *state)
 
 
 def _softmax_over_tiles(
-    first: Any, end: Any, scores: Any, rows: int, dim_v: int, guard: Any = None
+    first: Any,
+    end: Any,
+    interior: Any,
+    scores: Any,
+    fold: Any,
+    rows: int,
+    dim_v: int,
+    guard: Any = None,
+    may_be_empty: bool = False,
 ) -> tuple[Any, Any, Any]:
-    """(row max, row sum, accumulator) over key tiles [first, end); ``scores(tile)`` gives S (−inf where hidden) and
-    the tile's V, and ``guard(visit)`` may wrap the loop body (segment ids skip tiles)."""
+    """(row max in log₂ units, row sum, accumulator) over key tiles [first, end), the ``interior`` run (or None)
+    without masks; ``scores(tile, edge)`` gives S (−inf where hidden on an edge tile) and the tile's V, ``fold``
+    turns S into log₂ units, and ``guard(visit)`` may wrap the edge tiles' body (segment ids skip tiles).
+    ``may_be_empty``: a bias may hide a whole row of an interior tile (−inf), so its shift keeps the select."""
 
-    # Online softmax (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'), P = exp(S − m'),
-    # l' = α·l + rowsum P, acc' = α·acc + P·V; at the end O = acc / l, lse = m + log l.
-    # A row with nothing visible yet keeps m = −inf and is shifted by 0, so exp() stays 0 instead of NaN.
-    def visit(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-        row_max, row_sum, acc = carry
-        s, v = scores(tile)
-        new_max = jnp.maximum(row_max, jnp.max(s, axis=1))
-        shift = jnp.where(new_max == -jnp.inf, 0.0, new_max)
-        p = jnp.exp(s - shift[:, None])
-        alpha = jnp.exp(row_max - shift)
-        row_sum = alpha * row_sum + jnp.sum(p, axis=1)
-        acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
-        return new_max, row_sum, acc
+    # Online softmax (FlashAttention-2) in base 2, S₂ = S·fold: m' = max(m, rowmax S₂), α = 2^(m − m'),
+    # P = 2^(S₂ − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; at the end O = acc / l, lse = (m + log₂ l)·ln 2.
+    # On an edge tile a row with nothing visible yet keeps m = −inf and is shifted by 0, so P stays 0, not NaN;
+    # on an interior tile every m' is finite and needs no such select.
+    def visit(edge: bool) -> Any:
+        def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+            row_max, row_sum, acc = carry
+            s, v = scores(tile, edge)
+            new_max = jnp.maximum(row_max, jnp.max(s, axis=1) * fold)
+            shift = jnp.where(new_max == -jnp.inf, 0.0, new_max) if edge or may_be_empty else new_max
+            p = jnp.exp2(s * fold - shift[:, None])
+            alpha = jnp.exp2(row_max - shift)
+            row_sum = alpha * row_sum + jnp.sum(p, axis=1)
+            acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
+            return new_max, row_sum, acc
+
+        return body
 
     init = (
         jnp.full((rows,), -jnp.inf, jnp.float32),
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, dim_v), jnp.float32),
     )
-    return lax.fori_loop(first, end, visit if guard is None else guard(visit), init)
+    edge = visit(True) if guard is None else guard(visit(True))
+    return _edge_interior_edge(first, end, interior, edge, visit(False), init)
 
 
 def _store_rows(o_ref: Any, lse_ref: Any, row_max: Any, row_sum: Any, acc: Any) -> None:
-    """O = acc / l and lse = m + log l; l = 0 only where no key is visible: out 0, lse −inf. A NaN l propagates
-    to both."""
+    """O = acc / l and lse = (m + log₂ l)·ln 2 (natural log at the API); l = 0 only where no key is visible: out
+    0, lse −inf. A NaN l propagates to both."""
     empty = row_sum == 0
     safe = jnp.where(empty, 1.0, row_sum)
     o_ref[...] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, row_max + jnp.log(safe))
+    lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe)) * LN2)
 
 
 def _split_range(static: Static, len_k: int, first: Any, end: Any) -> tuple[Any, Any]:
@@ -405,7 +500,7 @@ def _paged_tile(
     i0 = pl.program_id(2) * block_q
     q = _valid_rows(q_ref[...], i0, q_len)
 
-    def scores(tile: Any) -> tuple[Any, Any]:
+    def scores(tile: Any, edge: bool) -> tuple[Any, Any]:
         j0 = tile * block_k
         block = jnp.clip(table_ref[lax.div(j0, jnp.int32(page))], 0, k_ref.shape[0] - 1)  # a traced table: in range
         slots = pl.ds(lax.rem(j0, jnp.int32(page)), block_k)
@@ -418,7 +513,8 @@ def _paged_tile(
 
     capacity = table_ref.shape[0] * page
     first, end = _split_range(static, capacity, *_kv_range(geom, i0, block_q, block_k))
-    _store_rows(o_ref, lse_ref, *_softmax_over_tiles(first, end, scores, block_q, v_ref.shape[-1]))
+    fold = _score_fold(params_ref, static, False)
+    _store_rows(o_ref, lse_ref, *_softmax_over_tiles(first, end, None, scores, fold, block_q, v_ref.shape[-1]))
 
 
 def paged_forward_call(
@@ -475,33 +571,43 @@ def _bwd_dkdv(
             return q_ref[rows, g, :], do_ref[rows, g, :]
         return q_ref[g, rows, :], do_ref[g, rows, :]
 
-    # Per query tile of each of the G query heads reading this kv head, P recomputed from lse:
-    # P = exp(S − lse), dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse,
-    # dS' = dS ⊙ (1 − tanh²) through the softcap, dK += scale · dS'ᵀ·Q. Empty rows carry lse = +inf: P = 0.
-    def visit(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
-        g, dk, dv = carry
-        i0 = tile * block_q
-        rows = pl.ds(i0, block_q)
-        q, do = q_tile(g, rows)
-        q, do = _valid_rows(q, i0, q_len), _valid_rows(do, i0, q_len)
-        lse = _valid_vector(lse_ref[g, rows], i0, q_len, jnp.inf)
-        delta = _valid_vector(delta_ref[g, rows], i0, q_len, 0.0)
-        bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static)
-        visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g)
-        s, tanh = _scores(q, k, params_ref, static, bias, visible)
-        p = jnp.exp(s - lse[:, None])
-        dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        if tanh is not None:
-            ds = ds * (1.0 - tanh * tanh)
-        dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
-        return g, dk, dv
+    fold = _score_fold(params_ref, static, bias_ref is not None)
 
-    body = _where_ids_meet(segments, lambda tile: (tile, kv_tile), visit)
+    # Transposed tiles (keys on rows), so that every product has block_k rows (M): per query tile of each of the
+    # G query heads reading this kv head, Pᵀ recomputed from lse (log₂ units): Pᵀ = 2^(Sᵀ·fold − lse·log₂e),
+    # dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) with Δ = rowsum(dO ⊙ O) − dlse, dSᵀ ⊙= 1 − tanh² through the
+    # softcap, dK += scale · dSᵀ·Q. Empty rows carry lse = +inf: P = 0.
+    def visit(edge: bool) -> Any:
+        def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
+            g, dk, dv = carry
+            i0 = tile * block_q
+            rows = pl.ds(i0, block_q)
+            q, do = q_tile(g, rows)
+            lse, delta = lse_ref[g, rows] * LOG2E, delta_ref[g, rows]
+            visible = None
+            if edge:  # an interior tile has every row inside q_len
+                q, do = _valid_rows(q, i0, q_len), _valid_rows(do, i0, q_len)
+                lse = _valid_vector(lse, i0, q_len, jnp.inf)
+                delta = _valid_vector(delta, i0, q_len, 0.0)
+                visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g, keys_first=True)
+            bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static).T
+            s, tanh = _scores(k, q, params_ref, static, bias, visible)
+            p = jnp.exp2(s * fold - lse[None, :])
+            dv = dv + _dot(p.astype(do.dtype), do)
+            ds = p * (_dot(v, do, trans_b=True) - delta[None, :])
+            if tanh is not None:
+                ds = ds * (1.0 - tanh * tanh)
+            dk = dk + _dot(ds.astype(q.dtype), q)
+            return g, dk, dv
+
+        return body
+
+    edge = _where_ids_meet(segments, lambda tile: (tile, kv_tile), visit(True))
 
     def head(g: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
         first, end = _q_range(geom, j0, block_q, block_k)
-        _, dk, dv = lax.fori_loop(first, end, body, (g, *carry))
+        interior = None if _all_edge(mask_ref, segments) else _interior_queries(geom, j0, first, end, block_q, block_k)
+        _, dk, dv = _edge_interior_edge(first, end, interior, edge, visit(False), (g, *carry))
         return dk, dv
 
     init = (jnp.zeros((block_k, k.shape[-1]), jnp.float32), jnp.zeros((block_k, v.shape[-1]), jnp.float32))
@@ -535,23 +641,31 @@ def _bwd_dq(
     lse = _valid_vector(lse_ref[...], i0, q_len, jnp.inf)
     delta = _valid_vector(delta_ref[...], i0, q_len, 0.0)
 
-    # Per visible key tile: P = exp(S − lse), dS = P ⊙ (dO·Vᵀ − Δ) (this is dbias), dS' = dS ⊙ (1 − tanh²),
-    # dQ += scale · dS'·K.
-    def visit(tile: Any, dq: Any) -> Any:
-        j0 = tile * block_k
-        keys = pl.ds(j0, block_k)
-        k = _valid_rows(k_ref[keys, :], j0, kv_len)
-        v = _valid_rows(v_ref[keys, :], j0, kv_len)
-        bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
-        visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static)
-        s, tanh = _scores(q, k, params_ref, static, bias, visible)
-        p = jnp.exp(s - lse[:, None])
-        ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
-        if dbias_ref is not None:
-            dbias_ref[:, keys] = ds
-        if tanh is not None:
-            ds = ds * (1.0 - tanh * tanh)
-        return dq + _dot(ds.astype(k.dtype), k)
+    lse = lse * LOG2E
+    fold = _score_fold(params_ref, static, bias_ref is not None)
+
+    # Per visible key tile: P = 2^(S·fold − lse·log₂e), dS = P ⊙ (dO·Vᵀ − Δ) (this is dbias),
+    # dS' = dS ⊙ (1 − tanh²), dQ += scale · dS'·K.
+    def visit(edge: bool) -> Any:
+        def body(tile: Any, dq: Any) -> Any:
+            j0 = tile * block_k
+            keys = pl.ds(j0, block_k)
+            k, v = k_ref[keys, :], v_ref[keys, :]
+            visible = None
+            if edge:  # an interior tile has every key inside kv_len
+                k, v = _valid_rows(k, j0, kv_len), _valid_rows(v, j0, kv_len)
+                visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static)
+            bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
+            s, tanh = _scores(q, k, params_ref, static, bias, visible)
+            p = jnp.exp2(s * fold - lse[:, None])
+            ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+            if dbias_ref is not None:
+                dbias_ref[:, keys] = ds
+            if tanh is not None:
+                ds = ds * (1.0 - tanh * tanh)
+            return dq + _dot(ds.astype(k.dtype), k)
+
+        return body
 
     first, end = _kv_range(geom, i0, block_q, block_k)
     skip = _keep
@@ -564,8 +678,9 @@ def _bwd_dq(
 
         lax.fori_loop(0, first, skip, 0)
         lax.fori_loop(end, dbias_ref.shape[-1] // block_k, skip, 0)
-    body = _where_ids_meet(segments, lambda tile: (q_tile, tile), visit, skip)
-    dq = lax.fori_loop(first, end, body, jnp.zeros((block_q, q.shape[-1]), jnp.float32))
+    edge = _where_ids_meet(segments, lambda tile: (q_tile, tile), visit(True), skip)
+    interior = None if _all_edge(mask_ref, segments) else _interior_keys(geom, i0, first, end, block_q, block_k)
+    dq = _edge_interior_edge(first, end, interior, edge, visit(False), jnp.zeros((block_q, q.shape[-1]), jnp.float32))
     dq_ref[...] = (dq * params_ref[0]).astype(dq_ref.dtype)
 
 
