@@ -80,10 +80,10 @@ def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[in
     """((block_q, block_k) forward/dQ, (block_q, block_k) dK/dV, num_warps): never wider than the padded length."""
     if interpret:
         (fwd, bwd), warps = INTERPRET_BLOCKS, 4
-    elif dim <= 64:
-        fwd, bwd, warps = (128, 64), (32, 64), 4
-    elif dim <= 128:
-        fwd, bwd, warps = (64, 64), (32, 32), 8
+    elif dim <= 64:  # Triton keeps wgmma when every product has M % 64 = 0 on num_warps % 4 = 0 (dK/dV: M = block_k)
+        fwd, bwd, warps = (128, 64), (64, 64), 4
+    elif dim <= 128:  # 8 warps: two warpgroups of 64 rows; 4 spill at D = 128 (docs/pallas.md, static view)
+        fwd, bwd, warps = (128, 64), (32, 64), 8
     else:
         fwd, bwd, warps = (32, 32), (16, 32), 8
 
