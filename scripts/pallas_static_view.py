@@ -79,6 +79,7 @@ def main() -> None:
                 mix = loop_mix(read["sass"], "sm_90", flops_per_score(kernel, dim, dim), tile_scores, static.num_warps)
                 row = {"D": dim, "kernel": kernel, "tile": [static.block_q, static.block_k, static.num_warps]}
                 row |= {"hgmma": read["hgmma"], "hmma": read["hmma"], "spill_bytes": read["spill_store_bytes"]}
+                row |= {"shared_bytes": compiled.metadata.shared + read["static_shared"]}
                 if mix is not None:
                     row |= {"instructions_per_score": round(mix.instructions_per_score, 2)}
                     row |= {"selects_per_score": round(mix.selects_per_score, 3), "shapes": list(mix.tensor_shapes)}

@@ -84,8 +84,8 @@ def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[in
         fwd, bwd, warps = (128, 64), (64, 64), 4
     elif dim <= 128:  # 8 warps: two warpgroups of 64 rows; 4 spill at D = 128 (docs/pallas.md, static view)
         fwd, bwd, warps = (128, 64), (32, 64), 8
-    else:
-        fwd, bwd, warps = (32, 32), (16, 32), 8
+    else:  # forward/dQ on wgmma within an A100's shared memory; dK/dV stays on mma.sync (64-key tiles spill)
+        fwd, bwd, warps = (64, 32), (16, 32), 8
 
     def clip(pair: tuple[int, int]) -> tuple[int, int]:
         return min(pair[0], _pow2(len_q)), min(pair[1], _pow2(len_k))
