@@ -82,7 +82,7 @@ def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[in
         (fwd, bwd), warps = INTERPRET_BLOCKS, 4
     elif dim <= 64:  # Triton keeps wgmma when every product has M % 64 = 0 on num_warps % 4 = 0 (dK/dV: M = block_k)
         fwd, bwd, warps = (128, 64), (64, 64), 4
-    elif dim <= 128:  # 8 warps: two warpgroups of 64 rows; 4 spill at D = 128 (docs/pallas.md, static view)
+    elif dim <= 128:  # 8 warps: two warpgroups of 64 rows; 4 spill at D = 128 (performance.md, Pallas static view)
         fwd, bwd, warps = (128, 64), (32, 64), 8
     else:  # forward/dQ on wgmma within an A100's shared memory; dK/dV stays on mma.sync (64-key tiles spill)
         fwd, bwd, warps = (64, 32), (16, 32), 8

@@ -25,9 +25,13 @@ a packed row of documents costs Σ Lᵢ², not (Σ Lᵢ)², when each document's
 GQA/MQA: query head ``h`` reads kv head ``h // G`` through the K/V index maps; the dK/dV kernel runs per kv head
 and loops over its G query heads, so nothing is repeated and nothing is written twice (no atomics).
 
-Loops run over the tiles the band and lengths leave visible and no others: hidden tiles are never loaded.
-Inside a tile, rows at or beyond ``q_len`` and keys at or beyond ``kv_len`` are zeroed after loading, so padding
-(NaN included) never reaches a product (§5).
+Loops run over the tiles the band and lengths leave visible and no others: hidden tiles are never loaded. Among
+them, the run of *interior* tiles (every pair visible: ``_interior_keys``, ``_interior_queries``) runs without any
+mask or select; the *edge* tiles around it zero rows at or beyond ``q_len`` and keys at or beyond ``kv_len`` after
+loading, so padding (NaN included) never reaches a product (§5), and mask their hidden scores. A mask or segment ids
+make every tile an edge tile. The softmax is base 2 with the scale folded into exp2's argument (``_score_fold``);
+lse is natural-log at the API. The dK/dV kernel works on transposed tiles (keys on rows), so that every product has
+block_k rows: Triton keeps wgmma when that is a multiple of 64.
 """
 
 from __future__ import annotations
