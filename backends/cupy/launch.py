@@ -106,11 +106,25 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
         ("M", 1, "float"),  # inverse q norms
         ("N", 1, "float"),  # inverse k norms
     ),
-    # The register-resident forward (FA2_FORWARD): S, P and O live in registers.
+    # The register-resident kernels (REGISTER_RESIDENT): scores, probabilities and accumulators live in registers.
     "register_forward": (
         ("M", "D", "elem"),  # q tile
         ("2N", "D", "elem"),  # k tiles, two stages
         ("2N", "DV", "elem"),  # v tiles, two stages
+    ),
+    "register_backward_dq": (
+        ("M", "D", "elem"),  # q tile
+        ("M", "DV", "elem"),  # dO tile
+        ("2N", "D", "elem"),  # k tiles, two stages
+        ("2N", "DV", "elem"),  # v tiles, two stages
+    ),
+    "register_backward_dkdv": (
+        ("N", "D", "elem"),  # k tile
+        ("N", "DV", "elem"),  # v tile
+        ("2M", "D", "elem"),  # q tiles, two stages
+        ("2M", "DV", "elem"),  # dO tiles, two stages
+        ("2M", 1, "float"),  # base-2 lse, two stages
+        ("2M", 1, "float"),  # delta, two stages
     ),
     "backward_delta": (),
     "backward_dq": (
@@ -146,12 +160,17 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 }
 
 
-def register_forward(kernel: str, dtype: str, head_dim: int, head_dim_v: int, switches: KernelSwitches) -> bool:
-    """Whether a kernel compiles as the register-resident forward (FA2_FORWARD: mma.sync, ldmatrix, cp.async):
-    float16 / bfloat16, head dims in whole 16-byte chunks up to 128, no cosine variant. Other forwards compile
-    the shared-memory kernel. The launch also needs 16-byte aligned operands (:func:`aligned_for_async_copies`)."""
+#: The kernels with a register-resident body (REGISTER_RESIDENT); the others always compile the shared-memory one.
+REGISTER_KERNELS = (Kernel.FORWARD, Kernel.DQ, Kernel.DKDV)
+
+
+def register_resident(kernel: str, dtype: str, head_dim: int, head_dim_v: int, switches: KernelSwitches) -> bool:
+    """Whether a kernel compiles its register-resident body (REGISTER_RESIDENT: mma.sync, ldmatrix, cp.async): a
+    kernel of REGISTER_KERNELS in float16 / bfloat16, head dims in whole 16-byte chunks up to 128, no cosine variant.
+    Other calls compile the shared-memory kernels. The launch also needs 16-byte aligned operands
+    (:func:`aligned_for_async_copies`)."""
     return (
-        kernel == Kernel.FORWARD
+        kernel in REGISTER_KERNELS
         and dtype != "float32"
         and head_dim % 8 == 0
         and head_dim_v % 8 == 0
@@ -170,18 +189,19 @@ def aligned_for_async_copies(*tensors: torch.Tensor) -> bool:
 
 
 def shared_memory_bytes(
-    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, fa2_forward: bool = False
+    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, register_resident: bool = False
 ) -> int:
     sizes = {
         "M": tile.block_m,
         "N": tile.block_n,
         "2N": 2 * tile.block_n,
+        "2M": 2 * tile.block_m,
         "D": padded_head_dim(head_dim),
         "DV": padded_head_dim(head_dim_v),
     }
     element = {"elem": ELEMENT_BYTES[dtype], "float": 4}
     total = 0
-    for rows, cols, kind in SHARED_REGIONS["register_forward" if fa2_forward else kernel]:
+    for rows, cols, kind in SHARED_REGIONS[f"register_{kernel}" if register_resident else kernel]:
         count = sizes.get(rows, 1) * sizes.get(cols, 1)
         total += -(-count * element[kind] // 128) * 128
     return total
@@ -209,10 +229,15 @@ def canonical_switches(kernel: str, dtype: str, switches: KernelSwitches) -> Ker
 
 
 def compile_options(
-    dtype: str, head_dim: int, head_dim_v: int, tile: TileConfig, switches: KernelSwitches, fa2_forward: bool = False
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int,
+    tile: TileConfig,
+    switches: KernelSwitches,
+    register_kernel: str | None = None,
 ) -> tuple[str, ...]:
     """The -D options of one compiled variant: the same for NVRTC (CuPy), nvcc (the static check) and the
-    emulator's host compiler."""
+    emulator's host compiler. register_kernel: the kernel compiled with its register-resident body, if any."""
     values = {
         "ELEMENT_TYPE": ELEMENT_TYPES[dtype],
         "HEAD_DIM": head_dim,
@@ -223,7 +248,10 @@ def compile_options(
         "BLOCK_N": tile.block_n,
         "NUM_WARPS": tile.num_warps,
         "SEGMENT_GRANULE": SEGMENT_GRANULE,  # every tile above is a multiple of it
-        "FA2_FORWARD": int(fa2_forward),  # the register-resident forward (register_forward)
+        # The register-resident body of one kernel (register_resident); the others keep theirs.
+        "REGISTER_FORWARD": int(register_kernel == Kernel.FORWARD),
+        "REGISTER_DQ": int(register_kernel == Kernel.DQ),
+        "REGISTER_DKDV": int(register_kernel == Kernel.DKDV),
         # The feature switches: each a -D option, so a call without a feature compiles without its code.
         **{field.name.upper(): int(getattr(switches, field.name)) for field in fields(KernelSwitches)},
     }
@@ -370,10 +398,12 @@ class CudaKernels:
         dtype = str(call.q.dtype).removeprefix("torch.")
         tile = self.launcher.tile(kernel, max(head_dim, head_dim_v), dtype)
         switches = canonical_switches(kernel, dtype, switches)
-        fa2 = register_forward(kernel, dtype, head_dim, head_dim_v, switches) and aligned_for_async_copies(
-            call.q, call.k, call.v
+        # The operands cp.async copies (q, k, v and, in the backward, dout) are among the input-dtype tensors.
+        operands = [arg for arg in args if isinstance(arg, torch.Tensor) and arg.dtype == call.q.dtype]
+        registers = register_resident(kernel, dtype, head_dim, head_dim_v, switches) and aligned_for_async_copies(
+            *operands
         )
-        options = compile_options(dtype, head_dim, head_dim_v, tile, switches, fa2)
-        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, fa2)
+        options = compile_options(dtype, head_dim, head_dim_v, tile, switches, kernel if registers else None)
+        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, registers)
         blocks = grid.blocks(tile.block_m, tile.block_n)
         self.launcher.launch(kernel, options, blocks, (tile.num_warps * 32, 1, 1), shared, args)
