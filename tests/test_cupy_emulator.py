@@ -266,6 +266,41 @@ def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> Non
     assert max(errors.values()) > 5e-2, f"the emulator did not notice the {defect}: {errors}"
 
 
+class _Recording(EmulatorLauncher):
+    """Records each launched kernel's -D options."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.options: dict[str, tuple[str, ...]] = {}
+
+    def launch(self, kernel: str, options: tuple[str, ...], *arguments: Any) -> None:
+        self.options[kernel] = options
+        super().launch(kernel, options, *arguments)
+
+
+def test_half_views_off_16_byte_rows_take_the_shared_memory_backward() -> None:
+    """cp.async copies 16-byte chunks: float16 operands whose rows start 8 bytes into their allocation compile the
+    shared-memory dQ and dK/dV, aligned ones the register-resident bodies, and both agree with the oracle."""
+    generator = torch.Generator().manual_seed(4)
+    base = torch.randn(4, 1, 2, 21, 44, generator=generator).half()
+    spec = AttentionSpec(causal=True)
+    for operands in (base[..., 4:36], base[..., :32].contiguous()):  # head dim 32 at an 8-byte offset, or aligned
+        q, k, v, dout = operands
+        launcher = _Recording()
+        kernels = launch.CudaKernels(launcher)
+        inputs = AttentionInputs(q, k, v)
+        out, lse = attention_forward(kernels, spec, inputs)
+        grads = attention_backward(kernels, spec, inputs, out, lse, dout, None, need_dbias=False)[:3]
+        aligned = launch.aligned_for_async_copies(q, k, v, dout)
+        for kernel in ("backward_dq", "backward_dkdv"):
+            switch = f"-DREGISTER_{kernel.removeprefix('backward_').upper()}=1"
+            assert (switch in launcher.options[kernel]) == aligned, (kernel, aligned)
+        leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+        expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
+        for got, want in zip(grads, expected):
+            assert (got.double() - want).abs().max().item() < 5e-3
+
+
 def test_a_barrier_in_divergent_code_is_reported(tmp_path: Path) -> None:
     anchor = "zero<BLOCK_M * BLOCK_DV>(o_acc);\n    __syncthreads();"
     copy = _copy(tmp_path, (anchor, "zero<BLOCK_M * BLOCK_DV>(o_acc);\n    if (threadIdx.x < 32) __syncthreads();"))

@@ -47,7 +47,9 @@ def padded_head_dim(head_dim: int) -> int:
 # GPU tiles per kernel, element size and padded-head-dim bucket. Every default fits sm_80's 163 KiB of shared memory
 # per block (docs/performance.md has the table). The 2-byte forward tiles up to D = 128 are the register-resident
 # forward's (16 rows per warp; S, P and O in registers): 64x128 at D <= 64, 64x64 at D <= 128 keep ptxas from
-# spilling. The other kernels keep their accumulators in shared memory and are sized by it.
+# spilling. The 2-byte backward tiles up to D = 128 serve the register-resident dQ (16 query rows per warp) and dK/dV
+# (16 keys per warp; query tiles of 64 rows at D <= 64, 32 at D <= 128, where 64 spills); the other tiles (float32,
+# D > 128) are the shared-memory kernels', sized by their shared-memory accumulators.
 GPU_TILES: dict[str, dict[tuple[int, int], TileConfig]] = {
     "forward": {
         (2, 64): TileConfig(64, 128, 4),
@@ -79,9 +81,10 @@ GPU_TILES["backward_delta"] = {key: TileConfig(64, 64, 4) for key in GPU_TILES["
 #: 32 keys, so the tile is not square (as GPU tiles often are not) and a bound that takes BLOCK_M for BLOCK_N is
 #: wrong here too; two warps, so the tensor-core work is split between warps and every barrier matters.
 EMULATOR_TILE = TileConfig(16, 32, 2)
-#: The float16 / bfloat16 forward's: two warps of 16 rows (the register-resident forward's geometry), keys in tiles
+#: The float16 / bfloat16 forward's and dQ's: two warps of 16 rows (their register-resident geometry), keys in tiles
 #: of 16, so the conformance shapes run two key tiles through the cp.async pipeline, and the tile is not square the
-#: other way. (float32 keeps EMULATOR_TILE: tests/test_tile_edges.py runs float32 on one tile for forward and dQ.)
+#: other way. (float32 keeps EMULATOR_TILE: tests/test_tile_edges.py runs float32 on one tile for forward and dQ.
+#: dK/dV keeps it in every dtype: two warps of 16 keys is its register-resident geometry.)
 EMULATOR_FORWARD_TILE = TileConfig(32, 16, 2)
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -106,7 +109,8 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
         ("M", 1, "float"),  # inverse q norms
         ("N", 1, "float"),  # inverse k norms
     ),
-    # The register-resident kernels (REGISTER_RESIDENT): scores, probabilities and accumulators live in registers.
+    # The register-resident bodies (-DREGISTER_FORWARD, _DQ, _DKDV): scores, probabilities and accumulators live in
+    # registers; the streamed operand's tiles in two stages.
     "register_forward": (
         ("M", "D", "elem"),  # q tile
         ("2N", "D", "elem"),  # k tiles, two stages
@@ -160,12 +164,12 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 }
 
 
-#: The kernels with a register-resident body (REGISTER_RESIDENT); the others always compile the shared-memory one.
+#: The kernels with a register-resident body (-DREGISTER_<KERNEL>); Δ has only its one-row-per-thread body.
 REGISTER_KERNELS = (Kernel.FORWARD, Kernel.DQ, Kernel.DKDV)
 
 
 def register_resident(kernel: str, dtype: str, head_dim: int, head_dim_v: int, switches: KernelSwitches) -> bool:
-    """Whether a kernel compiles its register-resident body (REGISTER_RESIDENT: mma.sync, ldmatrix, cp.async): a
+    """Whether a kernel compiles its register-resident body (-DREGISTER_<KERNEL>: mma.sync, ldmatrix, cp.async): a
     kernel of REGISTER_KERNELS in float16 / bfloat16, head dims in whole 16-byte chunks up to 128, no cosine variant.
     Other calls compile the shared-memory kernels. The launch also needs 16-byte aligned operands
     (:func:`aligned_for_async_copies`)."""
@@ -189,8 +193,9 @@ def aligned_for_async_copies(*tensors: torch.Tensor) -> bool:
 
 
 def shared_memory_bytes(
-    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, register_resident: bool = False
+    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, registers: bool = False
 ) -> int:
+    """Bytes of dynamic shared memory a kernel's launch asks for: of its register-resident body when registers."""
     sizes = {
         "M": tile.block_m,
         "N": tile.block_n,
@@ -201,7 +206,7 @@ def shared_memory_bytes(
     }
     element = {"elem": ELEMENT_BYTES[dtype], "float": 4}
     total = 0
-    for rows, cols, kind in SHARED_REGIONS[f"register_{kernel}" if register_resident else kernel]:
+    for rows, cols, kind in SHARED_REGIONS[f"register_{kernel}" if registers else kernel]:
         count = sizes.get(rows, 1) * sizes.get(cols, 1)
         total += -(-count * element[kind] // 128) * 128
     return total

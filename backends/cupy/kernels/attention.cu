@@ -5,8 +5,8 @@
 //
 // Compile-time constants (-D): ELEMENT_TYPE (0 float32, 1 float16, 2 bfloat16), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
-// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_RESIDENT (which forward body), and the feature
-// switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS,
+// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_FORWARD / REGISTER_DQ / REGISTER_DKDV (which
+// body that kernel compiles), and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS,
 // HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K (0 or 1): a call without a feature compiles
 // without its code.
 //
@@ -26,10 +26,11 @@
 // Split-K (SPLIT_K, flash-decoding) runs one of `splits` ranges of a query tile's key tiles per block and writes that
 // range's out and lse to float32 partials, which attnkit.contract.kernels.merge_splits combines.
 //
-// The forward has two bodies, chosen by the launcher (-DREGISTER_RESIDENT, launch.register_forward). The register-resident
-// one (float16/bfloat16, head dims in whole 16-byte chunks up to 128, no cosine, 16-byte aligned rows) keeps S, P and
-// O in mma.sync fragments, 16 query rows per warp, and streams K/V through two cp.async stages (see its loop). The
-// shared-memory one serves every other call, as the backward kernels do: tiles live in dynamic shared memory, matrix
+// The forward, dQ and dK/dV kernels have two bodies each, chosen by the launcher (-DREGISTER_FORWARD, -DREGISTER_DQ,
+// -DREGISTER_DKDV; launch.register_resident). The register-resident ones (float16/bfloat16, head dims in whole 16-byte
+// chunks up to 128, no cosine, 16-byte aligned rows) keep scores, probabilities and accumulators in mma.sync
+// fragments, 16 rows (dK/dV: 16 keys) per warp, and stream the other operand's tiles through two cp.async stages (see
+// their loops). The shared-memory ones serve every other call: tiles live in dynamic shared memory, matrix
 // products go through tile_mma (tensor cores by nvcuda::wmma, 16x16x16 with float32 accumulation, for float16/
 // bfloat16; IEEE float32 FMA loops for float32), and the accumulators (O, dQ, dK, dV) are float32 tiles in shared
 // memory, so those kernels hold few registers and never spill.
@@ -243,7 +244,7 @@ __device__ __forceinline__ float row_sum_reduce(float x) {
 
 // ------------------------------------------------------------------------------------------------ PTX level
 
-// The register-resident forward (REGISTER_RESIDENT) works on mma.sync fragments. Each PTX-level operation is one small
+// The register-resident kernels (REGISTER_RESIDENT) work on mma.sync fragments. Each PTX-level operation is one small
 // device function here; tests/cupy_emulator/cuda_emulation.h (ATTNKIT_EMULATED) has a twin of each that reproduces
 // the PTX ISA's per-lane layouts, so the emulator runs this same source.
 #ifndef ATTNKIT_EMULATED
