@@ -255,7 +255,7 @@ def format_backend(result: dict[str, Any]) -> str:
             f"NOT A PERFORMANCE FIGURE: on CPU, {result['backend']} runs as {result['backend_description']!r}; "
             "this run only shows the benchmark works. Run it on a CUDA machine with --device cuda."
         )
-    flushed = ", the L2 cache flushed before each sample" if result["l2_flush"] else ""
+    flushed = ", the L2 cache flushed between samples" if result["l2_flush"] else ""
     lines += [
         f"{result['backend']} against {', '.join(result['peers'])}, {result['dtype']}, TFLOP/s (median ms) of "
         f"{result['repeats']} repeats after {result['warmup']} warm-up{flushed}; FLOPs as in the FlashAttention-2 "
