@@ -188,3 +188,40 @@ def test_split_k_merges_to_the_oracle(backend: str, monkeypatch: pytest.MonkeyPa
     case = Case(spec=spec, batch=3, len_q=2, len_k=5 * key_tile, heads_q=4, heads_kv=2, kv_lengths=kv_lengths)
     assert_backends_agree(case, backends=[backend])
     assert merges and set(merges) == {3}, merges
+
+
+@pytest.mark.parametrize("asked", ["nothing", "torch", "config"])
+def test_triton_backward_scheme_follows_deterministic_settings(asked: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At head dims up to 64 the triton backward runs in one pass (the dK/dV kernel adds dq atomically, no dQ kernel)
+    unless deterministic results are asked for, by torch.use_deterministic_algorithms(True) or the backend's
+    ``deterministic`` option in the config: then as dQ and dK/dV kernels, each gradient element written by one
+    program. Both agree with the oracle where dq sums several key tiles and, under GQA, several query heads."""
+    import contextlib
+
+    import torch
+
+    if "triton" not in available_backends():
+        pytest.skip("triton not available here")
+    from attnkit.backends.triton import launch
+
+    from attnkit.contract.kernels import Kernel
+
+    launched = []
+    run = launch.TritonLauncher.run
+
+    def recording(self, kernel, call, grid, args, switches):  # type: ignore[no-untyped-def]
+        launched.append((kernel, switches.atomic_dq))
+        return run(self, kernel, call, grid, args, switches)
+
+    monkeypatch.setattr(launch.TritonLauncher, "run", recording)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(asked == "torch")
+    config = {"backend_options": {"triton": {"deterministic": True}}}
+    try:
+        with attnkit.use_config(config) if asked == "config" else contextlib.nullcontext():
+            assert_backends_agree(MULTI_TILE_CASES[0], backends=["triton"])
+    finally:
+        torch.use_deterministic_algorithms(before)
+    backward = [(kernel, atomic) for kernel, atomic in launched if kernel in (Kernel.DQ, Kernel.DKDV)]
+    expected = [(Kernel.DKDV, True)] if asked == "nothing" else [(Kernel.DQ, False), (Kernel.DKDV, False)]
+    assert backward == expected

@@ -122,8 +122,8 @@ def instructions(sass: str) -> tuple[list[Instruction], dict[str, int]]:
     return found, labels
 
 
-def innermost_loops(sass: str) -> list[Loop]:
-    listing, labels = instructions(sass)
+def _loop_spans(listing: list[Instruction], labels: dict[str, int]) -> list[tuple[int, int]]:
+    """(first, last) instruction index of every loop: a branch back to an earlier instruction."""
     index_at = {instruction.address: index for index, instruction in enumerate(listing)}
     spans = []
     for index, instruction in enumerate(listing):
@@ -133,8 +133,25 @@ def innermost_loops(sass: str) -> list[Loop]:
         address = labels.get(target.group(1), -1) if target.group(1) else int(target.group(2), 16)
         if address in index_at and index_at[address] < index:  # backward: a loop (a branch to itself is a trap)
             spans.append((index_at[address], index))
-    innermost = [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
-    return [Loop(tuple(listing[a : b + 1])) for a, b in innermost]
+    return spans
+
+
+def _innermost(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [(a, b) for a, b in spans if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in spans)]
+
+
+def innermost_loops(sass: str) -> list[Loop]:
+    listing, labels = instructions(sass)
+    return [Loop(tuple(listing[a : b + 1])) for a, b in _innermost(_loop_spans(listing, labels))]
+
+
+def tensor_loops(sass: str) -> list[Loop]:
+    """The innermost loops among those with tensor-core instructions: a tile loop may hold loops of its own without
+    them (an atomic's retry loop), which it counts as its instructions."""
+    listing, labels = instructions(sass)
+    spans = [(a, b) for a, b in _loop_spans(listing, labels)
+             if any(i.opcode in ("HMMA", "HGMMA") for i in listing[a : b + 1])]  # fmt: skip
+    return [Loop(tuple(listing[a : b + 1])) for a, b in _innermost(spans)]
 
 
 @dataclass(frozen=True)
@@ -156,11 +173,11 @@ class LoopMix:
     all_loops: tuple[dict[str, float], ...] = field(default=())  # instructions and ips of every tensor-core loop
 
 
-def flops_per_score(kernel: str, head_dim: int, head_dim_v: int) -> int:
+def flops_per_score(kernel: str, head_dim: int, head_dim_v: int, atomic_dq: bool = False) -> int:
     """Tensor-core flops per attention score of each kernel: fwd S = QKᵀ and PV; dq S, dP = dO Vᵀ and dS K; dkdv S,
-    dP, Pᵀ dO and dSᵀ Q."""
+    dP, Pᵀ dO and dSᵀ Q, and with ``atomic_dq`` (the one-pass backward) dS K too."""
     return {"fwd": 2 * (head_dim + head_dim_v), "dq": 4 * head_dim + 2 * head_dim_v,
-            "dkdv": 4 * (head_dim + head_dim_v)}[kernel]  # fmt: skip
+            "dkdv": 4 * (head_dim + head_dim_v) + 2 * head_dim * atomic_dq}[kernel]  # fmt: skip
 
 
 def loop_mix(
@@ -173,7 +190,7 @@ def loop_mix(
     (for loops that run part of a tile: ``tensor_work`` is then 1 by construction)."""
     machine = MACHINES[arch]
     mixes = []
-    for loop in innermost_loops(sass):
+    for loop in tensor_loops(sass):
         flops = loop.tensor_flops_per_warp
         if not flops:
             continue

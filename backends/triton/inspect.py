@@ -79,6 +79,7 @@ FEATURES: dict[str, dict[str, bool]] = {
     "segments": {"has_segment_ids": True},
     "cosine": {"cosine": True},
     "dbias": {"has_dbias": True},  # dkdv only
+    "one-pass": {"atomic_dq": True},  # dkdv only: dq added atomically (the GPU default unless deterministic)
     "dlse": {"has_dlse": True},  # delta only
     # attend_paged's decode: keys through the block table, bottom-right causal over kv_lengths (fwd only)
     "paged": {"paged": True, "has_upper": True, "bottom_right": True, "has_kv_lengths": True},
@@ -107,7 +108,7 @@ _SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segm
 _FEATURES_OF = {
     "fwd": (*_SWITCHES_ALONE, "paged", "split", "paged-split", "all"),
     "dq": (*_SWITCHES_ALONE, "all"),
-    "dkdv": (*_SWITCHES_ALONE, "dbias", "all"),
+    "dkdv": (*_SWITCHES_ALONE, "dbias", "one-pass", "all"),
     "delta": ("dlse",),
 }
 
@@ -347,7 +348,7 @@ def inspect_variant(variant: Variant, tile: launch.TileConfig | None = None) -> 
         mix=loop_mix(
             read["sass"],
             variant.arch,
-            flops_per_score(variant.kernel, variant.head_dim, variant.head_dim),
+            flops_per_score(variant.kernel, variant.head_dim, variant.head_dim, constants.get("ATOMIC_DQ", False)),
             tile.block_m * tile.block_n,
             tile.num_warps,
         )

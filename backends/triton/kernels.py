@@ -947,10 +947,12 @@ def _dkdv_tile(
     Delta,
     DBias,
     row_base,
+    DQHead,
     QSegmentIds,
     batch64,
     stride_qm,
     stride_dom,
+    stride_dqm,
     len_q,
     len_k,
     q_len,
@@ -982,11 +984,12 @@ def _dkdv_tile(
     HAS_SEGMENT_IDS: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
     EDGE: tl.constexpr,
 ):
     """One query tile of dk and dv, in base 2 (lse2 = log₂e · lse):
     P = 2^(S₂ − lse2);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS;
-    dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q."""
+    dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q;  with ATOMIC_DQ, dq_sum += dU K (atomically)."""
     rows = row_start + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
@@ -1019,6 +1022,18 @@ def _dkdv_tile(
             tl.store(dbias_places, ds)
     if HAS_SOFTCAP:
         ds = ds * (1.0 - tanh_u * tanh_u)
+    if ATOMIC_DQ:
+        ds_q = ds
+        if COSINE:  # dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
+            ds_q = ds * k_inv_norm[None, :]
+        dq = _dot(_rounded(ds_q, k.dtype, INTERPRETER_BF16), k, INTERPRETER_BF16, DOT_PRECISION)
+        dq_places = DQHead + rows[:, None] * stride_dqm + dims[None, :]
+        if EDGE:
+            tl.atomic_add(dq_places, dq, mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM), sem="relaxed")
+        elif BLOCK_D == HEAD_DIM:
+            tl.atomic_add(dq_places, dq, sem="relaxed")
+        else:
+            tl.atomic_add(dq_places, dq, mask=dims[None, :] < HEAD_DIM, sem="relaxed")
     if COSINE:  # dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
         ds = ds * q_inv_norm[:, None]
     dk += _dot(tl.trans(_rounded(ds, q.dtype, INTERPRETER_BF16)), q, INTERPRETER_BF16, DOT_PRECISION)
@@ -1079,6 +1094,10 @@ def _bwd_dkdv_kernel(
     grad_scale,
     lower,
     upper,
+    DQSum,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -1099,10 +1118,13 @@ def _bwd_dkdv_kernel(
     SEGMENT_GRANULE: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr,
 ):
-    """dk, dv (and dS into the full-shape dbias) for one key tile of one (batch, kv head).
+    """dk, dv (and dS into the full-shape dbias) for one key tile of one (batch, kv head); with ATOMIC_DQ also each
+    tile's dS K, added into the float32 dq sum DQSum (the one-pass backward: no dQ kernel recomputing S and dP).
 
-    Grid (key tiles, Hkv, B). The G query heads sharing the kv head are summed here, so no atomics are needed.
+    Grid (key tiles, Hkv, B). The G query heads sharing the kv head are summed here, so dk and dv need no atomics;
+    the dq sum's order of additions varies between runs (launch.one_pass_backward says when it is used).
     """
     key_start = tl.program_id(0) * BLOCK_N
     head_kv = tl.program_id(1)
@@ -1146,6 +1168,7 @@ def _bwd_dkdv_kernel(
         MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
         QHead = Q + batch64 * stride_qb + head * stride_qh
         DOutHead = DOut + batch64 * stride_dob + head * stride_doh
+        DQHead = DQSum + batch64 * stride_dqb + head * stride_dqh
         row_base = (batch64 * heads_q + head) * len_q
         for row_start in range(first, interior_low, BLOCK_M):
             meets = True
@@ -1155,28 +1178,31 @@ def _bwd_dkdv_kernel(
             if meets:
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
-                    QSegmentIds, batch64, stride_qm, stride_dom, len_q, len_k, q_len, kv_len, offset, lower, upper,
-                    BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap,
-                    fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
-                    HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True,
+                    DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
+                    offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
+                    stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
+                    HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
+                    DOT_PRECISION, ATOMIC_DQ, True,
                 )  # fmt: skip
         if not HAS_MASK and not HAS_SEGMENT_IDS:
             for row_start in range(interior_low, interior_high, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
-                    QSegmentIds, batch64, stride_qm, stride_dom, len_q, len_k, q_len, kv_len, offset, lower, upper,
-                    BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap,
-                    fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
-                    HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, False,
+                    DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
+                    offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
+                    stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
+                    HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
+                    DOT_PRECISION, ATOMIC_DQ, False,
                 )  # fmt: skip
         if not HAS_MASK and not HAS_SEGMENT_IDS:
             for row_start in range(interior_high, end, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
-                    QSegmentIds, batch64, stride_qm, stride_dom, len_q, len_k, q_len, kv_len, offset, lower, upper,
-                    BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap,
-                    fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
-                    HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True,
+                    DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
+                    offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
+                    stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
+                    HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
+                    DOT_PRECISION, ATOMIC_DQ, True,
                 )  # fmt: skip
     dk = dk * grad_scale
     in_keys = cols[:, None] < len_k

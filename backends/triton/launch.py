@@ -200,7 +200,7 @@ def kernel_constants(
     if kernel is Kernel.FORWARD:
         constants.update(PAGED=switches.paged, SPLIT_K=switches.split_k, COMPILED=not INTERPRETED)
     if kernel is Kernel.DKDV:
-        constants["HAS_DBIAS"] = switches.has_dbias
+        constants.update(HAS_DBIAS=switches.has_dbias, ATOMIC_DQ=switches.atomic_dq)
     return constants
 
 
@@ -238,8 +238,19 @@ class TritonLauncher:
     types = ArgumentTypes(int32=int, int64=int, float32=float)
     bias_dtype: torch.dtype | None = None  # the kernels read the bias in its own dtype
 
+    def one_pass_backward(self, call: KernelCall) -> bool:
+        """The one-pass backward (dq added atomically by the dK/dV kernel) where it compiles lean: head dims up to 64
+        on Hopper, and under the interpreter alike (unless deterministic results are asked for: KernelBackend.
+        deterministic). On sm_80 Triton's float atomics cost a loop (75 instructions per score), and at D = 128 on
+        sm_90 the kernel spills (docs/performance.md)."""
+        if padded_head_dim(*call.head_dims) > 64:
+            return False
+        return INTERPRETED or arch_of(call.q.device) == "sm_90"
+
     def run(self, kernel: Kernel, call: KernelCall, grid: Grid, args: list[Any], switches: KernelSwitches) -> None:
         function = FUNCTIONS[kernel]
+        if kernel is Kernel.DKDV and not switches.atomic_dq:  # no dq sum: any pointer and strides stand for it
+            args = [*args, args[4], 0, 0, 0]
         constants = kernel_constants(kernel, *call.head_dims, call.q.dtype, switches)
         if kernel is Kernel.DELTA:
             rows = INTERPRETER_CONFIG.block_m if INTERPRETED else DELTA_BLOCK_M
