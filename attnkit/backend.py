@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass, field
@@ -230,6 +230,9 @@ class Capabilities:
     delegations: tuple[Delegation, ...] = ()
     #: Narrower dtypes or head dims on some of its devices (device name -> limits): :meth:`on` applies them.
     per_device: tuple[tuple[str, DeviceLimits], ...] = ()
+    #: Settings a user may give it under ``[backend_options.<name>]`` in a config, as (name, default) pairs: the
+    #: config accepts these names with values of the defaults' types, and :func:`backend_option` reads them.
+    options: tuple[tuple[str, bool | int | float | str], ...] = ()
 
     def on(self, device: str) -> Capabilities:
         """These capabilities as they stand on ``device``: its :class:`DeviceLimits` applied, none left."""
@@ -441,6 +444,26 @@ def peer_backend(name: str) -> Backend:
     if _lookup is None:
         raise BackendUnavailableError(f"backend={name!r}: the registry is not loaded")
     return _lookup(name)
+
+
+# The config binds its lookup of a backend's options here when it loads (it imports this module, never the other way
+# round): ``[backend_options.<name>]`` of the configuration in effect, the innermost scope's.
+_options_lookup: Callable[[str], Mapping[str, Any]] | None = None
+
+
+def bind_options(lookup: Callable[[str], Mapping[str, Any]]) -> None:
+    global _options_lookup
+    _options_lookup = lookup
+
+
+def backend_option(backend: Backend, key: str) -> Any:
+    """The value of one of ``backend``'s declared :attr:`Capabilities.options` in the configuration in effect, else
+    its default. Read it per call: a config scope (``attnkit.use_config``) may change it."""
+    declared = dict(backend.capabilities.options)
+    if key not in declared:
+        raise KeyError(f"backend={backend.name!r} declares no option {key!r} (declared: {sorted(declared)})")
+    given = _options_lookup(backend.name) if _options_lookup is not None else {}
+    return given.get(key, declared[key])
 
 
 # Which code ran: a backend that hands part of a call to another backend's code says so with delegated(); the

@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from attnkit import backend as door
 from attnkit import registry
 from attnkit.call_cache import CACHE
 from attnkit.cost import CostTable, load_table
@@ -49,6 +50,7 @@ LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.W
 # so a TOML array or a Python list serves where a tuple or frozenset is kept.
 Names = tuple[StrictStr, ...]
 StrictNumber = Annotated[float, Strict()]
+OptionValue = StrictBool | Annotated[int, Strict()] | StrictNumber | StrictStr
 
 
 class Refinement(BaseModel):
@@ -98,6 +100,9 @@ class Config(BaseModel):
     costs: StrictStr | None = None
     #: Another backend replaces the first in priority only when predicted faster by more than this fraction.
     cost_margin: StrictNumber = 0.5
+    #: Settings of single backends, ``[backend_options.<name>]``: each name one the backend declares
+    #: (``Capabilities.options``; docs/dispatch.md lists them), its value of the declared default's type.
+    backend_options: dict[StrictStr, dict[StrictStr, OptionValue]] = {}
 
     @field_validator("backend")
     @classmethod
@@ -152,6 +157,24 @@ def _check_names(layer: Config, source: str) -> None:
             raise ConfigError(f"{source}: key costs: {error}") from None
     if layer.backend is not None:
         _check_backend_name(f"{source}: key backend", layer.backend)
+    for name, options in layer.backend_options.items():
+        if name not in known:
+            raise ConfigError(f"{source}: key backend_options.{name}: unknown backend {name!r} (allowed: {allowed})")
+        backend = registry.get_backend(name)
+        if isinstance(backend, door.MissingPackageBackend):
+            continue  # not installed here: what it declares is unknown, and it runs nothing
+        declared = dict(backend.capabilities.options)
+        for key, value in options.items():
+            if key not in declared:
+                raise ConfigError(
+                    f"{source}: key backend_options.{name}.{key}: backend {name!r} has no option {key!r} "
+                    f"(its options: {', '.join(f'{k} = {v!r}' for k, v in declared.items()) or 'none'})"
+                )
+            if type(value) is not type(declared[key]):
+                raise ConfigError(
+                    f"{source}: key backend_options.{name}.{key}: expected a {type(declared[key]).__name__} "
+                    f"(default {declared[key]!r}), got {value!r}"
+                )
 
 
 # What a top-level key holds, where pydantic's message says only "a valid dictionary" or "tuple".
@@ -188,6 +211,11 @@ def _merged(base: Config, layer: Config) -> Config:
     obeyed, not overridden by the shipped refinements for windows or offsets."""
     given = layer.model_fields_set
     update: dict[str, Any] = {key: getattr(layer, key) for key in given}
+    if "backend_options" in given:  # per backend and option: a layer's setting replaces that one setting below
+        merged = {name: dict(options) for name, options in base.backend_options.items()}
+        for name, options in layer.backend_options.items():
+            merged[name] = {**merged.get(name, {}), **options}
+        update["backend_options"] = merged
     if "priority" in given:
         update["priority"] = {**base.priority, **layer.priority}
         if "refine" not in given:
@@ -304,6 +332,9 @@ def current_config() -> Config:
             if _base is None:
                 _base = _build_base()  # nothing was dispatched without a config: nothing to clear
     return _base
+
+
+door.bind_options(lambda name: current_config().backend_options.get(name, {}))
 
 
 def forced_backend() -> str | None:

@@ -21,6 +21,7 @@ BACKEND_MAY_IMPORT = frozenset(
         "attnkit.contract.jax",
         "attnkit.contract.kernels",
         "attnkit.contract.kernel_checks",
+        "attnkit.contract.sass",
     }
 )
 #: The core modules the door and the contract helpers stand on (none of them imports api, config, dispatch, registry).

@@ -138,6 +138,22 @@ def test_use_backend_is_async_task_local() -> None:
         ({"cost_margin": True}, r"key cost_margin: Input should be a valid number \(got True\)"),
         ({"backend": 3}, r"key backend: Input should be a valid string \(got 3\)"),
         ({"refine": [{"when": [1], "priority": {}}]}, r"key refine\[0\].when\[0\]: Input should be a valid string"),
+        # a backend's options: only those it declares, of its defaults' types
+        ({"backend_options": {"nope": {}}}, r"key backend_options.nope: unknown backend 'nope' \(allowed: "),
+        (
+            {"backend_options": {"torch-naive": {"deterministic": True}}},
+            r"key backend_options.torch-naive.deterministic: backend 'torch-naive' has no option 'deterministic' "
+            r"\(its options: none\)",
+        ),
+        (
+            {"backend_options": {"triton": {"determinstic": True}}},
+            r"backend 'triton' has no option 'determinstic' \(its options: deterministic = False\)",
+        ),
+        (
+            {"backend_options": {"triton": {"deterministic": "yes"}}},
+            r"key backend_options.triton.deterministic: expected a bool \(default False\), got 'yes'",
+        ),
+        ({"backend_options": {"triton": ["deterministic"]}}, r"key backend_options.triton: Input should be a valid"),
     ],
 )
 def test_invalid_config_names_the_key_and_allowed_values(source: dict, message: str) -> None:

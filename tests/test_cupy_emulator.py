@@ -4,7 +4,9 @@ tile bound) on out, and in each backward kernel (an off-by-one query span, a wro
 missing dlse term in Δ) on dq, dk and dv; in the register-resident float16 forward (a missing cp.async wait, P's
 fragment registers out of the mma layout's order, V read without the swizzle, a tile the band cuts run unmasked),
 which also shows that the emulated mma.sync, ldmatrix and cp.async keep the PTX layouts and timing the kernel relies
-on. Also the harness's own guard: a barrier in divergent code is reported, not a hang."""
+on; and in each register-resident float16 backward kernel (a missing cp.async wait, dS's fragment out of order, a tile
+the band cuts run unmasked) on dq, dk and dv. Also the harness's own guard: a barrier in divergent code is reported,
+not a hang."""
 
 from __future__ import annotations
 
@@ -196,6 +198,107 @@ def test_a_defective_register_forward_fails(defect: str, tmp_path: Path) -> None
     assert _register_forward_error(_copy(tmp_path, REGISTER_FORWARD_DEFECTS[defect])) > 5e-2, (
         f"the emulator did not notice the {defect}"
     )
+
+
+# The register-resident backward kernels (float16 / bfloat16), each defect in one kernel, on a float16 window (20, 40)
+# with two query heads per kv head (dK/dV's query loop runs on from one head to the next through the cp.async stages).
+REGISTER_BACKWARD_DEFECTS = {
+    "missing cp.async wait in dQ": (
+        "backward_dq",
+        "cp_async_wait<0>();\n        __syncthreads();  // the key tile has landed",
+        "__syncthreads();  // the key tile has landed",
+    ),
+    # dS's A fragment with registers 1 and 2 swapped: rows g+8 and keys 8..15 trade places.
+    "dS fragment out of layout in dQ": (
+        "backward_dq",
+        "a[4] = {pack_pair(dp[2 * kk][0], dp[2 * kk][1]), pack_pair(dp[2 * kk][2], dp[2 * kk][3]),\n"
+        "                                   pack_pair(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),",
+        "a[4] = {pack_pair(dp[2 * kk][0], dp[2 * kk][1]), pack_pair(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),\n"
+        "                                   pack_pair(dp[2 * kk][2], dp[2 * kk][3]),",
+    ),
+    # The first unmasked key tile rounded down instead of up: a tile the window's left side cuts runs unmasked.
+    "a cut tile run unmasked in dQ": ("backward_dq", "lower, 0) + BLOCK_N - 1) / BLOCK_N *", "lower, 0)) / BLOCK_N *"),
+    "missing cp.async wait in dK/dV": (
+        "backward_dkdv",
+        "cp_async_wait<0>();\n        __syncthreads();  // the query tile has landed",
+        "__syncthreads();  // the query tile has landed",
+    ),
+    # dSᵀ's A fragment with registers 0 and 1 swapped: keys g and g+8 trade places.
+    "dS fragment out of layout in dK/dV": (
+        "backward_dkdv",
+        "ds_a[4] = {pack_pair(dp[2 * kk][0], dp[2 * kk][1]), pack_pair(dp[2 * kk][2], dp[2 * kk][3]),",
+        "ds_a[4] = {pack_pair(dp[2 * kk][2], dp[2 * kk][3]), pack_pair(dp[2 * kk][0], dp[2 * kk][1]),",
+    ),
+    # The first unmasked query tile rounded down instead of up: a tile the window's right side cuts runs unmasked.
+    "a cut tile run unmasked in dK/dV": (
+        "backward_dkdv",
+        "upper, 0) + BLOCK_M - 1) / BLOCK_M *",
+        "upper, 0)) / BLOCK_M *",
+    ),
+}
+
+
+def _register_backward_errors(launcher: EmulatorLauncher) -> dict[str, float]:
+    generator = torch.Generator().manual_seed(2)
+    q, dout = (torch.randn(1, 4, 70, 32, generator=generator).half() for _ in range(2))
+    k, v = (torch.randn(1, 2, 70, 32, generator=generator).half() for _ in range(2))
+    spec, inputs = AttentionSpec(window=(20, 40)), AttentionInputs(q, k, v)
+    kernels = launch.CudaKernels(launcher)
+    out, lse = attention_forward(kernels, spec, inputs)
+    grads = attention_backward(kernels, spec, inputs, out, lse, dout, None, need_dbias=False)[:3]
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
+    return {
+        name: (got.double() - want).abs().nan_to_num(float("inf")).max().item()
+        for name, got, want in zip(("dq", "dk", "dv"), grads, expected)
+    }
+
+
+def test_the_unmodified_register_backward_agrees() -> None:
+    errors = _register_backward_errors(EmulatorLauncher())
+    assert max(errors.values()) < 5e-3, errors
+
+
+@pytest.mark.parametrize("defect", list(REGISTER_BACKWARD_DEFECTS))
+def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> None:
+    kernel, old, new = REGISTER_BACKWARD_DEFECTS[defect]
+    errors = _register_backward_errors(_OneKernelFrom(kernel, _copy(tmp_path, (old, new))))
+    assert max(errors.values()) > 5e-2, f"the emulator did not notice the {defect}: {errors}"
+
+
+class _Recording(EmulatorLauncher):
+    """Records each launched kernel's -D options."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.options: dict[str, tuple[str, ...]] = {}
+
+    def launch(self, kernel: str, options: tuple[str, ...], *arguments: Any) -> None:
+        self.options[kernel] = options
+        super().launch(kernel, options, *arguments)
+
+
+def test_half_views_off_16_byte_rows_take_the_shared_memory_backward() -> None:
+    """cp.async copies 16-byte chunks: float16 operands whose rows start 8 bytes into their allocation compile the
+    shared-memory dQ and dK/dV, aligned ones the register-resident bodies, and both agree with the oracle."""
+    generator = torch.Generator().manual_seed(4)
+    base = torch.randn(4, 1, 2, 21, 44, generator=generator).half()
+    spec = AttentionSpec(causal=True)
+    for operands in (base[..., 4:36], base[..., :32].contiguous()):  # head dim 32 at an 8-byte offset, or aligned
+        q, k, v, dout = operands
+        launcher = _Recording()
+        kernels = launch.CudaKernels(launcher)
+        inputs = AttentionInputs(q, k, v)
+        out, lse = attention_forward(kernels, spec, inputs)
+        grads = attention_backward(kernels, spec, inputs, out, lse, dout, None, need_dbias=False)[:3]
+        aligned = launch.aligned_for_async_copies(q, k, v, dout)
+        for kernel in ("backward_dq", "backward_dkdv"):
+            switch = f"-DREGISTER_{kernel.removeprefix('backward_').upper()}=1"
+            assert (switch in launcher.options[kernel]) == aligned, (kernel, aligned)
+        leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+        expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
+        for got, want in zip(grads, expected):
+            assert (got.double() - want).abs().max().item() < 5e-3
 
 
 def test_a_barrier_in_divergent_code_is_reported(tmp_path: Path) -> None:

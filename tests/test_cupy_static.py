@@ -2,9 +2,9 @@
 kernels/attention.cu for sm_80 and sm_90 with ``-Xptxas -v`` and the launcher's own -D options, no GPU needed. No
 compiler warning, no register spill at the default tiles for D = 64 and 128, every default tile within the arch's
 shared memory, and HMMA (tensor cores) in the SASS of every float16 / bfloat16 kernel with a matrix product. The
-register-resident forward (float16 / bfloat16, D = 64 and 128) loads its tiles by cp.async and its fragments by
-ldmatrix: no 2-byte scalar global load and no generic load in its loops, one exp2 per score, and its instruction mix
-per score is reported in the JSON records.
+register-resident kernels (the forward and dK/dV, float16 / bfloat16, D = 64 and 128) load their tiles by cp.async
+and their fragments by ldmatrix: no 2-byte scalar global load and no generic load in their loops, one exp2 per score,
+and their instruction mix per score is reported in the JSON records.
 
 Compiles in two nvcc processes and caches the reports by content (``inspect.compile_variant``).
 """
@@ -78,27 +78,34 @@ def test_half_precision_products_run_on_tensor_cores(results: list[inspect.Resul
 @pytest.mark.parametrize("dtype", inspect.DTYPES)
 def test_nvrtc_compiles_the_source_as_cupy_does(arch: str, dtype: str) -> None:
     """The CuPy path compiles with NVRTC, not nvcc: the same file and -D options, every feature switch on, and (in
-    float16 / bfloat16) the register-resident forward with its inline PTX, must compile without a log (no error, no
+    float16 / bfloat16) each register-resident kernel with its inline PTX, must compile without a log (no error, no
     warning) to a cubin."""
     tile = launch.gpu_tile("forward", 128, dtype)
     variants = [launch.compile_options(dtype, 128, 128, tile, KernelSwitches.all())]
     if dtype != "float32":
-        variants.append(launch.compile_options(dtype, 128, 128, tile, KernelSwitches(), fa2_forward=True))
+        for kernel in launch.REGISTER_KERNELS:
+            switches = launch.canonical_switches(kernel, dtype, KernelSwitches.all().with_(cosine=False))
+            variants.append(
+                launch.compile_options(dtype, 128, 128, launch.gpu_tile(kernel, 128, dtype), switches, kernel)
+            )
     for options in variants:
         status, log, cubin_bytes = inspect.nvrtc_compile(arch, options)
         assert status == 0 and not log and cubin_bytes > 0, log
 
 
-def _register_forwards(results: list[inspect.Result]) -> list[inspect.Result]:
+def _register_kernels(results: list[inspect.Result], kernel: str) -> list[inspect.Result]:
     return [
         r
         for r in results
-        if r.variant.kernel == "forward" and r.variant.features == "plain" and r.variant.dtype != "float32"
+        if r.variant.kernel == kernel and r.variant.features == "plain" and r.variant.dtype != "float32"
     ]
 
 
-def test_forward_loops_load_tiles_asynchronously_and_fragments_by_ldmatrix(results: list[inspect.Result]) -> None:
-    checked = _register_forwards(results)
+@pytest.mark.parametrize("kernel", launch.REGISTER_KERNELS)
+def test_register_loops_load_tiles_asynchronously_and_fragments_by_ldmatrix(
+    results: list[inspect.Result], kernel: str
+) -> None:
+    checked = _register_kernels(results, kernel)
     assert {(r.variant.arch, r.variant.head_dim) for r in checked} == {
         (arch, head_dim) for arch in inspect.ARCHS for head_dim in inspect.NO_SPILL_HEAD_DIMS
     }
@@ -107,14 +114,15 @@ def test_forward_loops_load_tiles_asynchronously_and_fragments_by_ldmatrix(resul
         for r in checked
         if r.loads.scalar_16bit_global or r.loads.generic or not r.loads.ldmatrix or not r.loads.cp_async
     ]
-    message = "forward loops with scalar 2-byte or generic loads, or without ldmatrix / cp.async:\n"
+    message = f"{kernel} loops with scalar 2-byte or generic loads, or without ldmatrix / cp.async:\n"
     assert not wrong, message + "\n".join(wrong)
 
 
-def test_forward_main_loop_takes_one_exp2_per_score(results: list[inspect.Result]) -> None:
-    """The scale folded into the exponent's FMA: one MUFU.EX2 per score (plus the rows' rescaling factors), and the
-    mix and its prediction reported for every register-resident forward."""
-    for r in _register_forwards(results):
+@pytest.mark.parametrize("kernel", launch.REGISTER_KERNELS)
+def test_register_main_loop_takes_one_exp2_per_score(results: list[inspect.Result], kernel: str) -> None:
+    """The scale folded into the exponent's FMA: one MUFU.EX2 per score (plus, in the forward, the rows' rescaling
+    factors), and the mix and its prediction reported for every register-resident kernel."""
+    for r in _register_kernels(results, kernel):
         assert r.mix is not None, _name(r)
         assert 1.0 <= r.mix.ex2_per_score <= 1.1, f"{_name(r)}: {r.mix.ex2_per_score} exp2 per score"
         assert r.mix.instructions_per_score > 0 and r.mix.predicted_tflops > 0

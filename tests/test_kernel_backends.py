@@ -190,14 +190,14 @@ def test_split_k_merges_to_the_oracle(backend: str, monkeypatch: pytest.MonkeyPa
     assert merges and set(merges) == {3}, merges
 
 
-@pytest.mark.parametrize("deterministic", [False, True], ids=["one pass", "deterministic"])
-def test_triton_backward_scheme_follows_deterministic_algorithms(
-    deterministic: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.parametrize("asked", ["nothing", "torch", "config"])
+def test_triton_backward_scheme_follows_deterministic_settings(asked: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """At head dims up to 64 the triton backward runs in one pass (the dK/dV kernel adds dq atomically, no dQ kernel)
-    unless deterministic algorithms are asked for (torch.use_deterministic_algorithms), then as dQ and dK/dV
-    kernels, each gradient element written by one program. Both agree with the oracle where dq sums several key
-    tiles and, under GQA, several query heads per kv head."""
+    unless deterministic results are asked for, by torch.use_deterministic_algorithms(True) or the backend's
+    ``deterministic`` option in the config: then as dQ and dK/dV kernels, each gradient element written by one
+    program. Both agree with the oracle where dq sums several key tiles and, under GQA, several query heads."""
+    import contextlib
+
     import torch
 
     if "triton" not in available_backends():
@@ -215,11 +215,13 @@ def test_triton_backward_scheme_follows_deterministic_algorithms(
 
     monkeypatch.setattr(launch.TritonLauncher, "run", recording)
     before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(deterministic)
+    torch.use_deterministic_algorithms(asked == "torch")
+    config = {"backend_options": {"triton": {"deterministic": True}}}
     try:
-        assert_backends_agree(MULTI_TILE_CASES[0], backends=["triton"])
+        with attnkit.use_config(config) if asked == "config" else contextlib.nullcontext():
+            assert_backends_agree(MULTI_TILE_CASES[0], backends=["triton"])
     finally:
         torch.use_deterministic_algorithms(before)
     backward = [(kernel, atomic) for kernel, atomic in launched if kernel in (Kernel.DQ, Kernel.DKDV)]
-    expected = [(Kernel.DQ, False), (Kernel.DKDV, False)] if deterministic else [(Kernel.DKDV, True)]
+    expected = [(Kernel.DKDV, True)] if asked == "nothing" else [(Kernel.DQ, False), (Kernel.DKDV, False)]
     assert backward == expected

@@ -1,12 +1,13 @@
 """``attnkit bench --backend NAME``: one backend's forward, backward and forward+backward in TFLOP/s at the
-FlashAttention-2 paper's shapes, against its framework's own attention (torch SDPA, jax.nn.dot_product_attention)
-in the same run."""
+FlashAttention-2 paper's shapes, against its framework's own attention in the same run: on a GPU each of its
+kernels pinned (torch SDPA's cuDNN and FlashAttention-2 backends, flash-attn when installed;
+jax.nn.dot_product_attention's cuDNN and XLA implementations), the L2 cache flushed between samples."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 from attnkit.bench.calls import attention_flops, random_inputs
 from attnkit.bench.timing import (
@@ -28,6 +29,8 @@ CPU_SEQ_LENS = (128,)
 CPU_TOKENS = 256
 CPU_HIDDEN = 128
 _PEERS = {"torch": "torch sdpa", "jax": "jax.nn.dot_product_attention"}
+#: More than an H100's 50 MB of L2: writing it between samples leaves no operand of the last call cached.
+L2_FLUSH_BYTES = 256 << 20
 
 
 def _torch_passes(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> dict[str, Callable[[], Any]]:
@@ -53,19 +56,69 @@ def _torch_passes(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: A
     return {"fwd": forward, "build": build, "bwd": backward, "fwd+bwd": forward_backward}
 
 
-def _peer(framework: Any, causal: bool) -> Callable[..., Any]:
-    """The framework's own attention on bhsd inputs: torch SDPA, or jax.nn.dot_product_attention (bshd)."""
-    if framework == "torch":
-        import torch.nn.functional as F
+def _torch_peers(causal: bool, on_gpu: bool) -> dict[str, Callable[..., Any]]:
+    """torch SDPA on bhsd inputs: as it picks on a CPU; on a GPU each kernel pinned, and flash-attn (bshd) if
+    installed."""
+    import torch.nn.functional as F
 
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    if not on_gpu:
+        return {_PEERS["torch"]: lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def pinned(kernel: Any) -> Callable[..., Any]:
+        def attention(q: Any, k: Any, v: Any) -> Any:
+            with sdpa_kernel(kernel):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return attention
+
+    peers = {"sdpa cudnn": pinned(SDPBackend.CUDNN_ATTENTION), "sdpa flash": pinned(SDPBackend.FLASH_ATTENTION)}
+    try:
+        from flash_attn import flash_attn_func
+    except ImportError:
+        return peers
+
+    def flash_attn(q: Any, k: Any, v: Any) -> Any:
+        return flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal).transpose(1, 2)
+
+    return {**peers, "flash-attn": flash_attn}
+
+
+def _jax_peers(causal: bool, on_gpu: bool) -> dict[str, Callable[..., Any]]:
+    """jax.nn.dot_product_attention on bhsd inputs (it takes bshd): as it picks on a CPU, pinned to cuDNN and to
+    XLA on a GPU."""
     import jax
 
-    def jax_peer(q: Any, k: Any, v: Any) -> Any:
-        bshd = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
-        return jax.nn.dot_product_attention(*bshd, is_causal=causal).transpose(0, 2, 1, 3)
+    def peer(implementation: Literal["xla", "cudnn"] | None) -> Callable[..., Any]:
+        def attention(q: Any, k: Any, v: Any) -> Any:
+            bshd = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
+            out = jax.nn.dot_product_attention(*bshd, is_causal=causal, implementation=implementation)
+            return out.transpose(0, 2, 1, 3)
 
-    return jax_peer
+        return attention
+
+    if not on_gpu:
+        return {_PEERS["jax"]: peer(None)}
+    return {"jax cudnn": peer("cudnn"), "jax xla": peer("xla")}
+
+
+def _runs(attention: Callable[..., Any], q: Any, k: Any, v: Any) -> str | None:
+    """None if ``attention`` runs on these inputs, else why not (a pinned kernel the GPU or the shape lacks)."""
+    try:
+        attention(q, k, v)
+    except Exception as error:  # each library raises its own: RuntimeError, ValueError, NotImplementedError
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return None
+
+
+def _l2_flush(device: str) -> Callable[[], Any] | None:
+    """Overwrites a buffer larger than the GPU's L2 cache; None off a GPU."""
+    if device != "cuda":
+        return None
+    import torch
+
+    scratch = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    return lambda: scratch.fill_(1)
 
 
 def _jax_passes(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> dict[str, Callable[[], Any]]:
@@ -104,11 +157,15 @@ def bench_backend(
     tokens, hidden = (PAPER_TOKENS, PAPER_HIDDEN) if on_gpu else (CPU_TOKENS, CPU_HIDDEN)
     # CUDA events time torch's queued GPU work; JAX calls block on their results, so the wall clock serves them.
     clock = cuda_event_clock() if on_gpu and framework is Framework.TORCH else wall_clock()
+    flush = _l2_flush(device)
 
     def milliseconds(function: Callable[[], Any]) -> float:
-        return statistics.median(interleaved({name: function}, repeats, warmup, calls=1, clock=clock)[name]) / 1e6
+        samples = interleaved({name: function}, repeats, warmup, calls=1, clock=clock, after_sample=flush)
+        return statistics.median(samples[name]) / 1e6
 
-    rows = []
+    rows: list[dict[str, Any]] = []
+    skipped: dict[str, str] = {}  # a peer that cannot run here, and why
+    peers_of = _torch_peers if framework is Framework.TORCH else _jax_peers
     for head_dim in head_dims:
         for seq_len in seq_lens:
             batch, heads = max(1, tokens // seq_len), max(1, hidden // head_dim)
@@ -118,9 +175,15 @@ def bench_backend(
                 spec = attnkit.AttentionSpec(causal=causal)  # Lq == Lk: bottom-right equals the peers' top-left
                 implementations = {
                     name: lambda q, k, v, spec=spec: attnkit.attend(spec, q, k, v, backend=name),
-                    _PEERS[framework]: _peer(framework, causal),
+                    **peers_of(causal, on_gpu),
                 }
                 for implementation, attention in implementations.items():
+                    if implementation != name and implementation not in skipped:
+                        reason = _runs(attention, q, k, v)
+                        if reason is not None:
+                            skipped[implementation] = reason
+                    if implementation in skipped:
+                        continue
                     if framework is Framework.TORCH:
                         passes = _torch_passes(attention, q, k, v, dout)
                         passes["build"]()
@@ -148,7 +211,9 @@ def bench_backend(
         "what": "backend",
         "backend": name,
         "framework": framework.value,
-        "peer": _PEERS[framework],
+        "peers": list(dict.fromkeys(row["implementation"] for row in rows if row["implementation"] != name)),
+        "skipped_peers": skipped,
+        "l2_flush": flush is not None,
         "backend_description": backend.capabilities.description,
         "environment": environment(device),
         "dtype": dtype,
@@ -159,11 +224,16 @@ def bench_backend(
 
 
 def format_backend(result: dict[str, Any]) -> str:
-    peer = {
-        (row["head_dim"], row["seq_len"], row["causal"]): row
-        for row in result["results"]
-        if row["implementation"] == result["peer"]
-    }
+    by_shape: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in result["results"]:
+        by_shape.setdefault((row["head_dim"], row["seq_len"], row["causal"]), {})[row["implementation"]] = row
+
+    def ratio(row: dict[str, Any], peer: str) -> str:
+        other = by_shape[row["head_dim"], row["seq_len"], row["causal"]].get(peer)
+        if other is None or not other["fwd+bwd_tflops"] or not row["fwd+bwd_tflops"]:
+            return "n/a"
+        return f"{row['fwd+bwd_tflops'] / other['fwd+bwd_tflops']:.2f}x"
+
     rows = [
         [
             row["implementation"],
@@ -175,7 +245,7 @@ def format_backend(result: dict[str, Any]) -> str:
                 f"{row[f'{name}_tflops']:.3g} ({row[f'{name}_ms']:.3g} ms)" if row[f"{name}_ms"] else "n/a"
                 for name in ("fwd", "bwd", "fwd+bwd")
             ),
-            f"{row['fwd+bwd_tflops'] / peer[row['head_dim'], row['seq_len'], row['causal']]['fwd+bwd_tflops']:.2f}x",
+            *(ratio(row, peer) for peer in result["peers"]),
         ]
         for row in result["results"]
     ]
@@ -185,9 +255,16 @@ def format_backend(result: dict[str, Any]) -> str:
             f"NOT A PERFORMANCE FIGURE: on CPU, {result['backend']} runs as {result['backend_description']!r}; "
             "this run only shows the benchmark works. Run it on a CUDA machine with --device cuda."
         )
+    flushed = ", the L2 cache flushed between samples" if result["l2_flush"] else ""
     lines += [
-        f"{result['backend']} against {result['peer']}, {result['dtype']}, TFLOP/s (median ms) of "
-        f"{result['repeats']} repeats after {result['warmup']} warm-up; FLOPs as in the FlashAttention-2 paper",
-        format_table(["implementation", "causal", "D", "L", "BxH", "fwd", "bwd", "fwd+bwd", "fwd+bwd vs peer"], rows),
+        f"{result['backend']} against {', '.join(result['peers'])}, {result['dtype']}, TFLOP/s (median ms) of "
+        f"{result['repeats']} repeats after {result['warmup']} warm-up{flushed}; FLOPs as in the FlashAttention-2 "
+        "paper",
+        format_table(
+            ["implementation", "causal", "D", "L", "BxH", "fwd", "bwd", "fwd+bwd"]
+            + [f"fwd+bwd vs {peer}" for peer in result["peers"]],
+            rows,
+        ),
     ]
+    lines += [f"not run: {peer} ({reason})" for peer, reason in result["skipped_peers"].items()]
     return "\n".join(lines)

@@ -53,6 +53,7 @@ from attnkit.backend import (
     Layout,
     PagedInputs,
     Variant,
+    backend_option,
 )
 from attnkit.contract import COSINE_EPS, diagonal_band
 from attnkit.contract.torch import SegmentTiles, zero_padding
@@ -221,11 +222,14 @@ class KernelLauncher(Protocol):
         ...
 
 
+#: The option a kernel backend declares when it has a one-pass backward (``[backend_options.<name>]``).
+DETERMINISTIC_OPTION = ("deterministic", False)
+
+
 def one_pass_backward(launcher: KernelLauncher, call: KernelCall) -> bool:
-    """Whether the backward runs as one pass: the dK/dV kernel adds dq into a float32 sum with atomics
-    (``atomic_dq``) and no dQ kernel recomputes S and dP. A launcher offers it with a method of that name; without
-    one, and when it declines (deterministic results asked for), the two-kernel scheme, each gradient element
-    written by one program."""
+    """Whether the backward may run as one pass: the dK/dV kernel adds dq into a float32 sum with atomics
+    (``atomic_dq``) and no dQ kernel recomputes S and dP. A launcher offers it with a method of that name, for the
+    calls it compiles lean; without one, the two-kernel scheme, each gradient element written by one program."""
     offers = getattr(launcher, "one_pass_backward", None)
     return bool(offers(call)) if offers is not None else False
 
@@ -417,9 +421,11 @@ def attention_backward(
     dout: torch.Tensor,
     dlse: torch.Tensor | None,
     need_dbias: bool,
+    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """dq, dk, dv as bhsd tensors (float32 for the cosine variant, else the inputs' dtype) and dS at full
-    (B, Hq, Lq, Lk) float32 for dbias. For the cosine variant, dq and dk are the gradients wrt q̂ = q/‖q‖ and k̂."""
+    (B, Hq, Lq, Lk) float32 for dbias. For the cosine variant, dq and dk are the gradients wrt q̂ = q/‖q‖ and k̂.
+    Not ``deterministic``, the launcher may run it in one pass (:func:`one_pass_backward`)."""
     call = prepare(launcher, spec, inputs)
     batch, heads_q, len_q, heads_kv, len_k = call.shape
     # The cosine chain rule (kernel_gradients) runs in float32: the kernels hand it unrounded gradients.
@@ -465,7 +471,7 @@ def attention_backward(
         *call.feature_strides,
         *scalars,
     ]
-    one_pass = one_pass_backward(launcher, call)
+    one_pass = not deterministic and one_pass_backward(launcher, call)
     if not one_pass:
         launcher.run(Kernel.DQ, call, by_queries, dq_args, gradient_switches)
     dkdv_args = [
@@ -515,6 +521,7 @@ def kernel_capabilities(
     description: str,
     notes: tuple[str, ...] = (),
     how_to_run: tuple[str, ...] = (),
+    options: tuple[tuple[str, bool | int | float | str], ...] = (),
 ) -> Capabilities:
     """A kernel backend's declaration: the whole contract on torch tensors of one device, in the three float dtypes
     the kernels are written for. Its own ``notes`` come before the shared ones, ``how_to_run`` after."""
@@ -526,6 +533,7 @@ def kernel_capabilities(
         head_dims=(1, max_head_dim),
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),
+        options=options,
     )
 
 
@@ -561,6 +569,13 @@ class KernelBackend(BaseBackend):
     ) -> Gradients:
         with torch.no_grad():
             dq, dk, dv, dscores = attention_backward(
-                self.kernel_launcher(), spec, inputs, out, lse, dout, dlse, need_dbias
+                self.kernel_launcher(), spec, inputs, out, lse, dout, dlse, need_dbias, self.deterministic()
             )
         return kernel_gradients(spec, inputs, dq, dk, dv, dscores)
+
+    def deterministic(self) -> bool:
+        """Whether gradients must come out the same bits every run: torch.use_deterministic_algorithms(True), or the
+        backend's ``deterministic`` option where it declares one (a backend without it is deterministic)."""
+        if DETERMINISTIC_OPTION[0] not in dict(self.capabilities.options):
+            return True
+        return torch.are_deterministic_algorithms_enabled() or bool(backend_option(self, DETERMINISTIC_OPTION[0]))

@@ -268,9 +268,9 @@ def inspect_variant(variant: Variant) -> Result:
     short = SHORT_NAMES[variant.kernel]
     mix = None
     if variant.kernel in MMA_KERNELS:
-        # The register forward runs one key tile per iteration; the wmma kernels' innermost loops run fragments of
+        # The register-resident kernels run one tile per iteration; the wmma kernels' innermost loops run fragments of
         # one, so their scores are counted from the tensor-core work (attnkit.contract.sass.loop_mix).
-        per_tile = (tile.block_m * tile.block_n, tile.num_warps) if _register_forward(variant) else (None, None)
+        per_tile = (tile.block_m * tile.block_n, tile.num_warps) if _register_resident(variant) else (None, None)
         mix = loop_mix(sass, variant.arch, flops_per_score(short, variant.head_dim, variant.head_dim), *per_tile)
     return Result(
         variant=variant,
@@ -280,7 +280,7 @@ def inspect_variant(variant: Variant) -> Result:
         spill_store_bytes=entry["stores"],
         spill_load_bytes=entry["loads"],
         shared_bytes=launch.shared_memory_bytes(
-            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype, _register_forward(variant)
+            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype, _register_resident(variant)
         ),
         hmma=len(re.findall(r"\bHMMA\.", sass)),
         warnings=[line for line in report["ptxas"].splitlines() if "warning" in line.lower()],
@@ -289,17 +289,22 @@ def inspect_variant(variant: Variant) -> Result:
     )
 
 
-def _register_forward(variant: Variant) -> bool:
-    """Whether the variant compiles the register-resident forward (with aligned operands, as a GPU launch has)."""
+def _register_resident(variant: Variant) -> bool:
+    """Whether the variant compiles a register-resident kernel (with aligned operands, as a GPU launch has)."""
     switches = launch.canonical_switches(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
-    return launch.register_forward(variant.kernel, variant.dtype, variant.head_dim, variant.head_dim, switches)
+    return launch.register_resident(variant.kernel, variant.dtype, variant.head_dim, variant.head_dim, switches)
 
 
 def variant_options(variant: Variant) -> tuple[str, ...]:
     tile = launch.gpu_tile(variant.kernel, variant.head_dim, variant.dtype)
     switches = launch.canonical_switches(variant.kernel, variant.dtype, FEATURE_SETS[variant.features])
     return launch.compile_options(
-        variant.dtype, variant.head_dim, variant.head_dim, tile, switches, _register_forward(variant)
+        variant.dtype,
+        variant.head_dim,
+        variant.head_dim,
+        tile,
+        switches,
+        variant.kernel if _register_resident(variant) else None,
     )
 
 

@@ -47,7 +47,9 @@ def padded_head_dim(head_dim: int) -> int:
 # GPU tiles per kernel, element size and padded-head-dim bucket. Every default fits sm_80's 163 KiB of shared memory
 # per block (docs/performance.md has the table). The 2-byte forward tiles up to D = 128 are the register-resident
 # forward's (16 rows per warp; S, P and O in registers): 64x128 at D <= 64, 64x64 at D <= 128 keep ptxas from
-# spilling. The other kernels keep their accumulators in shared memory and are sized by it.
+# spilling. The 2-byte backward tiles up to D = 128 serve the register-resident dQ (16 query rows per warp) and dK/dV
+# (16 keys per warp; query tiles of 64 rows at D <= 64, 32 at D <= 128, where 64 spills); the other tiles (float32,
+# D > 128) are the shared-memory kernels', sized by their shared-memory accumulators.
 GPU_TILES: dict[str, dict[tuple[int, int], TileConfig]] = {
     "forward": {
         (2, 64): TileConfig(64, 128, 4),
@@ -79,9 +81,10 @@ GPU_TILES["backward_delta"] = {key: TileConfig(64, 64, 4) for key in GPU_TILES["
 #: 32 keys, so the tile is not square (as GPU tiles often are not) and a bound that takes BLOCK_M for BLOCK_N is
 #: wrong here too; two warps, so the tensor-core work is split between warps and every barrier matters.
 EMULATOR_TILE = TileConfig(16, 32, 2)
-#: The float16 / bfloat16 forward's: two warps of 16 rows (the register-resident forward's geometry), keys in tiles
+#: The float16 / bfloat16 forward's and dQ's: two warps of 16 rows (their register-resident geometry), keys in tiles
 #: of 16, so the conformance shapes run two key tiles through the cp.async pipeline, and the tile is not square the
-#: other way. (float32 keeps EMULATOR_TILE: tests/test_tile_edges.py runs float32 on one tile for forward and dQ.)
+#: other way. (float32 keeps EMULATOR_TILE: tests/test_tile_edges.py runs float32 on one tile for forward and dQ.
+#: dK/dV keeps it in every dtype: two warps of 16 keys is its register-resident geometry.)
 EMULATOR_FORWARD_TILE = TileConfig(32, 16, 2)
 
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -106,11 +109,26 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
         ("M", 1, "float"),  # inverse q norms
         ("N", 1, "float"),  # inverse k norms
     ),
-    # The register-resident forward (FA2_FORWARD): S, P and O live in registers.
+    # The register-resident bodies (-DREGISTER_FORWARD, _DQ, _DKDV): scores, probabilities and accumulators live in
+    # registers; the streamed operand's tiles in two stages.
     "register_forward": (
         ("M", "D", "elem"),  # q tile
         ("2N", "D", "elem"),  # k tiles, two stages
         ("2N", "DV", "elem"),  # v tiles, two stages
+    ),
+    "register_backward_dq": (
+        ("M", "D", "elem"),  # q tile
+        ("M", "DV", "elem"),  # dO tile
+        ("2N", "D", "elem"),  # k tiles, two stages
+        ("2N", "DV", "elem"),  # v tiles, two stages
+    ),
+    "register_backward_dkdv": (
+        ("N", "D", "elem"),  # k tile
+        ("N", "DV", "elem"),  # v tile
+        ("2M", "D", "elem"),  # q tiles, two stages
+        ("2M", "DV", "elem"),  # dO tiles, two stages
+        ("2M", 1, "float"),  # base-2 lse, two stages
+        ("2M", 1, "float"),  # delta, two stages
     ),
     "backward_delta": (),
     "backward_dq": (
@@ -146,12 +164,17 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 }
 
 
-def register_forward(kernel: str, dtype: str, head_dim: int, head_dim_v: int, switches: KernelSwitches) -> bool:
-    """Whether a kernel compiles as the register-resident forward (FA2_FORWARD: mma.sync, ldmatrix, cp.async):
-    float16 / bfloat16, head dims in whole 16-byte chunks up to 128, no cosine variant. Other forwards compile
-    the shared-memory kernel. The launch also needs 16-byte aligned operands (:func:`aligned_for_async_copies`)."""
+#: The kernels with a register-resident body (-DREGISTER_<KERNEL>); Δ has only its one-row-per-thread body.
+REGISTER_KERNELS = (Kernel.FORWARD, Kernel.DQ, Kernel.DKDV)
+
+
+def register_resident(kernel: str, dtype: str, head_dim: int, head_dim_v: int, switches: KernelSwitches) -> bool:
+    """Whether a kernel compiles its register-resident body (-DREGISTER_<KERNEL>: mma.sync, ldmatrix, cp.async): a
+    kernel of REGISTER_KERNELS in float16 / bfloat16, head dims in whole 16-byte chunks up to 128, no cosine variant.
+    Other calls compile the shared-memory kernels. The launch also needs 16-byte aligned operands
+    (:func:`aligned_for_async_copies`)."""
     return (
-        kernel == Kernel.FORWARD
+        kernel in REGISTER_KERNELS
         and dtype != "float32"
         and head_dim % 8 == 0
         and head_dim_v % 8 == 0
@@ -170,18 +193,20 @@ def aligned_for_async_copies(*tensors: torch.Tensor) -> bool:
 
 
 def shared_memory_bytes(
-    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, fa2_forward: bool = False
+    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, registers: bool = False
 ) -> int:
+    """Bytes of dynamic shared memory a kernel's launch asks for: of its register-resident body when registers."""
     sizes = {
         "M": tile.block_m,
         "N": tile.block_n,
         "2N": 2 * tile.block_n,
+        "2M": 2 * tile.block_m,
         "D": padded_head_dim(head_dim),
         "DV": padded_head_dim(head_dim_v),
     }
     element = {"elem": ELEMENT_BYTES[dtype], "float": 4}
     total = 0
-    for rows, cols, kind in SHARED_REGIONS["register_forward" if fa2_forward else kernel]:
+    for rows, cols, kind in SHARED_REGIONS[f"register_{kernel}" if registers else kernel]:
         count = sizes.get(rows, 1) * sizes.get(cols, 1)
         total += -(-count * element[kind] // 128) * 128
     return total
@@ -209,10 +234,15 @@ def canonical_switches(kernel: str, dtype: str, switches: KernelSwitches) -> Ker
 
 
 def compile_options(
-    dtype: str, head_dim: int, head_dim_v: int, tile: TileConfig, switches: KernelSwitches, fa2_forward: bool = False
+    dtype: str,
+    head_dim: int,
+    head_dim_v: int,
+    tile: TileConfig,
+    switches: KernelSwitches,
+    register_kernel: str | None = None,
 ) -> tuple[str, ...]:
     """The -D options of one compiled variant: the same for NVRTC (CuPy), nvcc (the static check) and the
-    emulator's host compiler."""
+    emulator's host compiler. register_kernel: the kernel compiled with its register-resident body, if any."""
     values = {
         "ELEMENT_TYPE": ELEMENT_TYPES[dtype],
         "HEAD_DIM": head_dim,
@@ -223,7 +253,10 @@ def compile_options(
         "BLOCK_N": tile.block_n,
         "NUM_WARPS": tile.num_warps,
         "SEGMENT_GRANULE": SEGMENT_GRANULE,  # every tile above is a multiple of it
-        "FA2_FORWARD": int(fa2_forward),  # the register-resident forward (register_forward)
+        # The register-resident body of one kernel (register_resident); the others keep theirs.
+        "REGISTER_FORWARD": int(register_kernel == Kernel.FORWARD),
+        "REGISTER_DQ": int(register_kernel == Kernel.DQ),
+        "REGISTER_DKDV": int(register_kernel == Kernel.DKDV),
         # The feature switches: each a -D option, so a call without a feature compiles without its code.
         **{field.name.upper(): int(getattr(switches, field.name)) for field in fields(KernelSwitches)},
     }
@@ -370,10 +403,12 @@ class CudaKernels:
         dtype = str(call.q.dtype).removeprefix("torch.")
         tile = self.launcher.tile(kernel, max(head_dim, head_dim_v), dtype)
         switches = canonical_switches(kernel, dtype, switches)
-        fa2 = register_forward(kernel, dtype, head_dim, head_dim_v, switches) and aligned_for_async_copies(
-            call.q, call.k, call.v
+        # The operands cp.async copies (q, k, v and, in the backward, dout) are among the input-dtype tensors.
+        operands = [arg for arg in args if isinstance(arg, torch.Tensor) and arg.dtype == call.q.dtype]
+        registers = register_resident(kernel, dtype, head_dim, head_dim_v, switches) and aligned_for_async_copies(
+            *operands
         )
-        options = compile_options(dtype, head_dim, head_dim_v, tile, switches, fa2)
-        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, fa2)
+        options = compile_options(dtype, head_dim, head_dim_v, tile, switches, kernel if registers else None)
+        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, registers)
         blocks = grid.blocks(tile.block_m, tile.block_n)
         self.launcher.launch(kernel, options, blocks, (tile.num_warps * 32, 1, 1), shared, args)

@@ -240,10 +240,10 @@ class TritonLauncher:
 
     def one_pass_backward(self, call: KernelCall) -> bool:
         """The one-pass backward (dq added atomically by the dK/dV kernel) where it compiles lean: head dims up to 64
-        on Hopper, and under the interpreter alike, unless deterministic results are asked for
-        (``torch.use_deterministic_algorithms(True)``). On sm_80 Triton's float atomics cost a loop (75 instructions
-        per score), and at D = 128 on sm_90 the kernel spills (docs/performance.md)."""
-        if torch.are_deterministic_algorithms_enabled() or padded_head_dim(*call.head_dims) > 64:
+        on Hopper, and under the interpreter alike (unless deterministic results are asked for: KernelBackend.
+        deterministic). On sm_80 Triton's float atomics cost a loop (75 instructions per score), and at D = 128 on
+        sm_90 the kernel spills (docs/performance.md)."""
+        if padded_head_dim(*call.head_dims) > 64:
             return False
         return INTERPRETED or arch_of(call.q.device) == "sm_90"
 

@@ -139,7 +139,8 @@ class EmulatorLauncher:
         return []
 
     def tile(self, kernel: str, head_dim: int, dtype: str) -> launch.TileConfig:
-        return launch.EMULATOR_FORWARD_TILE if kernel == "forward" and dtype != "float32" else launch.EMULATOR_TILE
+        register_shaped = kernel in ("forward", "backward_dq") and dtype != "float32"  # 16 query rows per warp
+        return launch.EMULATOR_FORWARD_TILE if register_shaped else launch.EMULATOR_TILE
 
     def library(self, options: tuple[str, ...]) -> ctypes.CDLL:
         if options not in self._libraries:

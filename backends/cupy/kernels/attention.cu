@@ -5,10 +5,10 @@
 //
 // Compile-time constants (-D): ELEMENT_TYPE (0 float32, 1 float16, 2 bfloat16), HEAD_DIM, HEAD_DIM_V, BLOCK_D,
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
-// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), FA2_FORWARD (which forward body), and the feature
-// switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS,
-// HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K (0 or 1): a call without a feature compiles
-// without its code.
+// NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_FORWARD / REGISTER_DQ / REGISTER_DKDV (which
+// body that kernel compiles), and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS,
+// HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K
+// (0 or 1): a call without a feature compiles without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -26,10 +26,11 @@
 // Split-K (SPLIT_K, flash-decoding) runs one of `splits` ranges of a query tile's key tiles per block and writes that
 // range's out and lse to float32 partials, which attnkit.contract.kernels.merge_splits combines.
 //
-// The forward has two bodies, chosen by the launcher (-DFA2_FORWARD, launch.register_forward). The register-resident
-// one (float16/bfloat16, head dims in whole 16-byte chunks up to 128, no cosine, 16-byte aligned rows) keeps S, P and
-// O in mma.sync fragments, 16 query rows per warp, and streams K/V through two cp.async stages (see its loop). The
-// shared-memory one serves every other call, as the backward kernels do: tiles live in dynamic shared memory, matrix
+// The forward, dQ and dK/dV kernels have two bodies each, chosen by the launcher (-DREGISTER_FORWARD, -DREGISTER_DQ,
+// -DREGISTER_DKDV; launch.register_resident). The register-resident ones (float16/bfloat16, head dims in whole 16-byte
+// chunks up to 128, no cosine, 16-byte aligned rows) keep scores, probabilities and accumulators in mma.sync
+// fragments, 16 rows (dK/dV: 16 keys) per warp, and stream the other operand's tiles through two cp.async stages (see
+// their loops). The shared-memory ones serve every other call: tiles live in dynamic shared memory, matrix
 // products go through tile_mma (tensor cores by nvcuda::wmma, 16x16x16 with float32 accumulation, for float16/
 // bfloat16; IEEE float32 FMA loops for float32), and the accumulators (O, dQ, dK, dV) are float32 tiles in shared
 // memory, so those kernels hold few registers and never spill.
@@ -69,6 +70,10 @@ typedef float out_t;
 #else
 typedef elem_t out_t;
 #endif
+
+// The kernel compiled with its register-resident body (REGISTER_FORWARD, REGISTER_DQ, REGISTER_DKDV: at most one per
+// compiled variant, as each kernel's tile has the shape its own body needs); their PTX-level helpers compile with any.
+#define REGISTER_RESIDENT (REGISTER_FORWARD || REGISTER_DQ || REGISTER_DKDV)
 
 #define NUM_THREADS (NUM_WARPS * 32)
 // Threads sharing one row in the forward's softmax: a power of two within a warp.
@@ -239,7 +244,7 @@ __device__ __forceinline__ float row_sum_reduce(float x) {
 
 // ------------------------------------------------------------------------------------------------ PTX level
 
-// The register-resident forward (FA2_FORWARD) works on mma.sync fragments. Each PTX-level operation is one small
+// The register-resident kernels (REGISTER_RESIDENT) work on mma.sync fragments. Each PTX-level operation is one small
 // device function here; tests/cupy_emulator/cuda_emulation.h (ATTNKIT_EMULATED) has a twin of each that reproduces
 // the PTX ISA's per-lane layouts, so the emulator runs this same source.
 #ifndef ATTNKIT_EMULATED
@@ -299,7 +304,7 @@ __device__ __forceinline__ float exp2_approx(float x) {
 }
 #endif
 
-#if FA2_FORWARD
+#if REGISTER_RESIDENT
 // Two floats rounded to the element type, packed as one 32-bit fragment register (the first in the low half).
 __device__ __forceinline__ unsigned pack_pair(float low, float high) {
 #if ELEMENT_TYPE == 1
@@ -392,6 +397,15 @@ __device__ __forceinline__ bool ranges_meet(SegmentRange a, SegmentRange b) {
     return a.low <= b.high && b.low <= a.high;
 }
 
+// The first tile of BLOCK positions at or after start (before end) whose segment range meets the other operand's tile
+// range; start itself without segment ids.
+template <int BLOCK>
+__device__ __forceinline__ int meeting_tile_from(int start, int end, SegmentRange other, const index_t* ranges,
+                                                 int batch, int length) {
+    while (start < end && !ranges_meet(other, segment_range<BLOCK>(ranges, batch, start, length))) start += BLOCK;
+    return start;
+}
+
 // [first, end) of the keys rows row_start..row_start+BLOCK_M may see; first is tile-aligned.
 __device__ __forceinline__ void key_span(int row_start, Geometry g, int lower, int upper, int& first, int& end) {
     const int last_row = min(row_start + BLOCK_M, g.q_len) - 1;
@@ -427,6 +441,40 @@ __device__ __forceinline__ void query_span(int key_start, Geometry g, int lower,
     if (HAS_UPPER) first = max(key_start - g.offset - upper, 0);
     if (HAS_LOWER) end = min(end, last_key - g.offset - lower + 1);
     first = first / BLOCK_M * BLOCK_M;
+}
+
+// The register-resident kernels apply the mask only to the tiles that need it: the tiles the band cuts, the last
+// partial one, every tile of a row (column) tile that runs past its length, every tile with a mask or segment ids.
+// The interior tiles [interior_first, interior_end) of the span [first, end) between them run unmasked.
+// Key tiles of the query tile at row_start (the forward, dQ):
+__device__ __forceinline__ void interior_key_tiles(int row_start, Geometry g, int lower, int upper, int first, int end,
+                                                   int& interior_first, int& interior_end) {
+    interior_first = interior_end = end;
+    if (HAS_MASK || HAS_SEGMENT_IDS || row_start + BLOCK_M > g.q_len) return;
+    interior_first = first;
+    if (HAS_LOWER)
+        interior_first =
+            max(first, (max(row_start + BLOCK_M - 1 + g.offset + lower, 0) + BLOCK_N - 1) / BLOCK_N * BLOCK_N);
+    int limit = g.kv_len;
+    if (HAS_UPPER) limit = min(limit, max(row_start + g.offset + upper + 1, 0));
+    interior_first = min(interior_first, end);
+    interior_end = max(interior_first, min(limit / BLOCK_N * BLOCK_N, end));
+}
+
+// Query tiles of the key tile at key_start (dK/dV): rows i ≥ key_start + BLOCK_N − 1 − off − upper see its last key
+// within the band's upper side, rows i ≤ key_start − off − lower its first key within the lower side.
+__device__ __forceinline__ void interior_query_tiles(int key_start, Geometry g, int lower, int upper, int first,
+                                                     int end, int& interior_first, int& interior_end) {
+    interior_first = interior_end = end;
+    if (HAS_MASK || HAS_SEGMENT_IDS || key_start + BLOCK_N > g.kv_len) return;
+    interior_first = first;
+    if (HAS_UPPER)
+        interior_first =
+            max(first, (max(key_start + BLOCK_N - 1 - g.offset - upper, 0) + BLOCK_M - 1) / BLOCK_M * BLOCK_M);
+    int limit = g.q_len;
+    if (HAS_LOWER) limit = min(limit, max(key_start - g.offset - lower + 1, 0));
+    interior_first = min(interior_first, end);
+    interior_end = max(interior_first, min(limit / BLOCK_M * BLOCK_M, end));
 }
 
 // The optional per-(batch, query head) mask and bias planes, broadcast by stride 0.
@@ -509,7 +557,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     const elem_t* k_head = k + (PAGED ? 0 : batch * k_b) + (head / group) * k_h;
     const elem_t* v_head = v + (PAGED ? 0 : batch * v_b) + (head / group) * v_h;
 
-#if FA2_FORWARD
+#if REGISTER_FORWARD
     // Register-resident FlashAttention-2: warp w owns query rows 16w..16w+15 of the tile; its scores S, probabilities
     // P and output accumulator O live in mma.sync fragments (lane l: group row g = l/4, column pair 2·(l%4)), so each
     // lane holds rows g and g+8 of its warp's strip. K and V tiles stream through two shared-memory stages by cp.async.
@@ -529,10 +577,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     // The key tile at or after key_start that shares a segment id with the query tile (every tile without ids).
     auto meeting_tile = [&](int key_start) {
-        while (key_start < end && !ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start,
-                                                                                 len_k)))
-            key_start += BLOCK_N;
-        return key_start;
+        return meeting_tile_from<BLOCK_N>(key_start, end, q_range, kv_segment_ranges, batch, len_k);
     };
     auto load_keys = [&](int key_start, int stage) {
         const KeyRows k_rows = key_rows(block_table, batch, max_blocks, block_size, k_b, k_n);
@@ -555,20 +600,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     for (int kk = 0; kk < K_STEPS; ++kk)
         ldmatrix_x4(q_fragments[kk], q_tile + swizzled<BLOCK_D>(16 * warp + lane % 16, 2 * kk + lane / 16));
 
-    // Tiles the mask must be applied to: those the band cuts, the last partial one, every tile of a query tile that
-    // runs past q_len, every tile with a mask or segment ids. The interior tiles [interior_first, interior_end)
-    // between them run unmasked.
-    int interior_first = end, interior_end = end;
-    if (!HAS_MASK && !HAS_SEGMENT_IDS && row_start + BLOCK_M <= g.q_len) {
-        interior_first = first;
-        if (HAS_LOWER)
-            interior_first = max(first, (max(row_start + BLOCK_M - 1 + g.offset + lower, 0) + BLOCK_N - 1) / BLOCK_N *
-                                            BLOCK_N);
-        int limit = g.kv_len;
-        if (HAS_UPPER) limit = min(limit, max(row_start + g.offset + upper + 1, 0));
-        interior_first = min(interior_first, end);
-        interior_end = max(interior_first, min(limit / BLOCK_N * BLOCK_N, end));
-    }
+    int interior_first, interior_end;
+    interior_key_tiles(row_start, g, lower, upper, first, end, interior_first, interior_end);
 
     // Scores in base 2: logit t = q·k (the scale folded into the exponent's FMA), or with a softcap or bias
     // t = log2(e) · S with fold 1.
@@ -774,16 +807,25 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     }
 }
 
-// Per-row lse and Δ of a query tile; an empty row's lse (−inf) is stored as +inf so every P of it is exactly 0.
-// Padding rows (past the length, or of a negative segment id) are empty, with Δ = 0.
+// One row's lse (times lse_factor: log2(e) for base 2) and Δ; an empty row's lse (−inf) is taken as +inf so every P
+// of it is exactly 0. Padding rows (past the length, or of a negative segment id) are empty, Δ = 0.
+__device__ __forceinline__ void row_statistics(float& row_lse, float& row_delta, const float* lse, const float* delta,
+                                               index_t row_base, int row, Geometry g, float lse_factor) {
+    const bool real = row < g.q_len && not_segment_padding(g.q_ids, row);
+    const float value = real ? lse[row_base + row] : negative_infinity();
+    row_lse = value == negative_infinity() ? -negative_infinity() : value * lse_factor;
+    row_delta = real ? delta[row_base + row] : 0.0f;
+}
+
+// row_statistics of the rows of a query tile.
 __device__ __forceinline__ void load_row_statistics(float* lse_tile, float* delta_tile, const float* lse,
-                                                    const float* delta, index_t row_base, int row_start, Geometry g) {
-    for (int r = threadIdx.x; r < BLOCK_M; r += NUM_THREADS) {
-        const int row = row_start + r;
-        const bool real = row < g.q_len && not_segment_padding(g.q_ids, row);
-        float value = real ? lse[row_base + row] : negative_infinity();
-        lse_tile[r] = value == negative_infinity() ? -negative_infinity() : value;
-        delta_tile[r] = real ? delta[row_base + row] : 0.0f;
+                                                    const float* delta, index_t row_base, int row_start, Geometry g,
+                                                    float lse_factor = 1.0f) {
+#pragma unroll  // a fixed count: no loop left inside the register dK/dV kernel's tile loop
+    for (int i = 0; i < (BLOCK_M + NUM_THREADS - 1) / NUM_THREADS; ++i) {
+        const int r = threadIdx.x + i * NUM_THREADS;
+        if (r >= BLOCK_M) break;
+        row_statistics(lse_tile[r], delta_tile[r], lse, delta, row_base, row_start + r, g, lse_factor);
     }
 }
 
@@ -809,6 +851,146 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
     const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
 
+#if REGISTER_DQ
+    // Register-resident dQ, in the forward's layout: warp w owns query rows 16w..16w+15 of the tile; Q and dO are A
+    // fragments held for the whole loop, S, P, dP, dS and the dQ accumulator live in mma.sync fragments (lane l: rows
+    // g, g+8 with g = l/4, key column pair 2·(l%4) of each 8-key block), so dS is the A operand of dQ from registers.
+    // K and V stream through two shared-memory stages by cp.async.
+    static_assert(BLOCK_M == 16 * NUM_WARPS && BLOCK_N % 16 == 0, "16 query rows per warp, key tiles of 16");
+    static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM_V % 8 == 0 && !COSINE, "whole 16-byte chunks, no cosine");
+    constexpr int KEY_BLOCKS = BLOCK_N / 8, D_BLOCKS = BLOCK_D / 8;
+    constexpr float LOG2E = 1.4426950408889634f;
+    SharedCursor cursor = {shared_memory};
+    elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
+    elem_t* do_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_DV);
+    elem_t* k_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_D);  // stage s at k_stages + s · BLOCK_N · BLOCK_D
+    elem_t* v_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_DV);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
+
+    int first, end;
+    key_span(row_start, g, lower, upper, first, end);
+    const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
+    auto meeting_tile = [&](int key_start) {
+        return meeting_tile_from<BLOCK_N>(key_start, end, q_range, kv_segment_ranges, batch, len_k);
+    };
+    auto load_keys = [&](int key_start, int stage) {
+        load_tile_async<BLOCK_N, BLOCK_D>(k_stages + stage * BLOCK_N * BLOCK_D, k_head, k_n, key_start, g.kv_len,
+                                          HEAD_DIM, g.kv_ids);
+        load_tile_async<BLOCK_N, BLOCK_DV>(v_stages + stage * BLOCK_N * BLOCK_DV, v_head, v_n, key_start, g.kv_len,
+                                           HEAD_DIM_V, g.kv_ids);
+    };
+    load_tile_async<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM,
+                                      g.q_ids);
+    load_tile_async<BLOCK_M, BLOCK_DV>(do_tile, dout + batch * do_b + head * do_h, do_m, row_start, g.q_len,
+                                       HEAD_DIM_V, g.q_ids);
+    int key_start = meeting_tile(first), stage = 0;
+    if (key_start < end) load_keys(key_start, stage);
+    cp_async_commit();
+    float row_lse[2], row_delta[2];  // base 2, for the lane's rows g and g+8
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+        row_statistics(row_lse[h], row_delta[h], lse, delta, row_base, row_start + 16 * warp + lane_row + 8 * h, g,
+                       LOG2E);
+    cp_async_wait<0>();
+    __syncthreads();
+    unsigned q_fragments[BLOCK_D / 16][4], do_fragments[BLOCK_DV / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_D / 16; ++kk)
+        ldmatrix_x4(q_fragments[kk], q_tile + swizzled<BLOCK_D>(16 * warp + lane % 16, 2 * kk + lane / 16));
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_DV / 16; ++kk)
+        ldmatrix_x4(do_fragments[kk], do_tile + swizzled<BLOCK_DV>(16 * warp + lane % 16, 2 * kk + lane / 16));
+    int interior_first, interior_end;
+    interior_key_tiles(row_start, g, lower, upper, first, end, interior_first, interior_end);
+
+    // Scores in base 2, as in the forward (fold, t); lse₂ = log2(e) · lse.
+    const float fold = HAS_SOFTCAP || HAS_BIAS ? 1.0f : qk_scale * LOG2E;
+    float dq_acc[D_BLOCKS][4] = {};
+    // Over the key tiles the query tile sees (dS rounded to the input type, reused from registers as the A operand):
+    //   S = Q Kᵀ;  P = 2^(fold · S − lse₂);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped
+    //   dQ += dU K
+    // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
+    auto tile = [&](bool masked) {
+        cp_async_wait<0>();
+        __syncthreads();  // the key tile has landed for every thread; every warp is done with the other stage
+        const int next = meeting_tile(key_start + BLOCK_N);
+        if (next < end) load_keys(next, stage ^ 1);
+        cp_async_commit();
+        const elem_t* k_tile = k_stages + stage * BLOCK_N * BLOCK_D;
+        const elem_t* v_tile = v_stages + stage * BLOCK_N * BLOCK_DV;
+
+        float s[KEY_BLOCKS][4] = {}, dp[KEY_BLOCKS][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_D / 16; ++kk) {
+#pragma unroll
+            for (int j = 0; j < KEY_BLOCKS; j += 2) {  // B = Kᵀ: key rows 8j..8j+15, columns 16kk..16kk+15
+                unsigned b[4];
+                ldmatrix_x4(b, k_tile + swizzled<BLOCK_D>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                mma_m16n8k16<elem_t>(s[j], q_fragments[kk], {b[0], b[1]});
+                mma_m16n8k16<elem_t>(s[j + 1], q_fragments[kk], {b[2], b[3]});
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_DV / 16; ++kk) {
+#pragma unroll
+            for (int j = 0; j < KEY_BLOCKS; j += 2) {  // B = Vᵀ, in the same way
+                unsigned b[4];
+                ldmatrix_x4(b,
+                            v_tile + swizzled<BLOCK_DV>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                mma_m16n8k16<elem_t>(dp[j], do_fragments[kk], {b[0], b[1]});
+                mma_m16n8k16<elem_t>(dp[j + 1], do_fragments[kk], {b[2], b[3]});
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < KEY_BLOCKS; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // dp becomes dU
+                const int row = row_start + 16 * warp + lane_row + 8 * (i / 2), col = key_start + 8 * j + pair + i % 2;
+                float ds = 0.0f;
+                if (!masked || visible(row, col, g, lower, upper, planes)) {
+                    float t = s[j][i], tanh_u = 0.0f;
+                    if (HAS_SOFTCAP || HAS_BIAS) {
+                        const Score sc = score(t, 1.0f, 1.0f, qk_scale, softcap, row, col, planes);
+                        t = sc.s * LOG2E;
+                        tanh_u = sc.tanh_u;
+                    }
+                    ds = exp2_approx(fmaf(t, fold, -row_lse[i / 2])) * (dp[j][i] - row_delta[i / 2]);
+                    if (HAS_SOFTCAP) ds *= 1.0f - tanh_u * tanh_u;
+                }
+                dp[j][i] = ds;
+            }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {  // keys 16kk..16kk+15: dS's A fragment is C fragments 2kk, 2kk+1
+            const unsigned a[4] = {pack_pair(dp[2 * kk][0], dp[2 * kk][1]), pack_pair(dp[2 * kk][2], dp[2 * kk][3]),
+                                   pack_pair(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                                   pack_pair(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+            for (int jd = 0; jd < D_BLOCKS; jd += 2) {  // B = K: key rows 16kk.., columns 8jd..8jd+15, transposed
+                unsigned b[4];
+                ldmatrix_x4_trans(b, k_tile + swizzled<BLOCK_D>(16 * kk + lane % 16, jd + lane / 16));
+                mma_m16n8k16<elem_t>(dq_acc[jd], a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(dq_acc[jd + 1], a, {b[2], b[3]});
+            }
+        }
+        key_start = next;
+        stage ^= 1;
+    };
+    while (key_start < interior_first) tile(true);
+    while (key_start < interior_end) tile(false);
+    while (key_start < end) tile(true);
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int row = row_start + 16 * warp + lane_row + 8 * h;
+        if (row >= len_q) continue;
+        grad_t* dq_row = dq + batch * dq_b + head * dq_h + row * dq_m;
+#pragma unroll
+        for (int jd = 0; jd < D_BLOCKS; ++jd)
+#pragma unroll
+            for (int i = 2 * h; i < 2 * h + 2; ++i)
+                if (8 * jd + pair + i % 2 < HEAD_DIM) assign(dq_row[8 * jd + pair + i % 2], dq_acc[jd][i] * grad_scale);
+    }
+#else
     SharedCursor cursor = {shared_memory};
     elem_t* q_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_D);
     elem_t* do_tile = cursor.take<elem_t>(BLOCK_M * BLOCK_DV);
@@ -865,6 +1047,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         const int r = idx / HEAD_DIM, c = idx % HEAD_DIM, row = row_start + r;
         if (row < len_q) assign(dq[batch * dq_b + head * dq_h + row * dq_m + c], dq_acc[r * BLOCK_D + c] * grad_scale);
     }
+#endif
 }
 
 // dk, dv (and dS into the full-shape float32 dbias) for one key tile of one (batch, kv head). Grid (key tiles,
@@ -888,6 +1071,174 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
 
+#if REGISTER_DKDV
+    // Register-resident dK/dV in the transposed formulation: warp w owns keys 16w..16w+15 of the key tile; Sᵀ, Pᵀ,
+    // dPᵀ, dSᵀ and the dK, dV accumulators live in mma.sync fragments (lane l: key rows g, g+8 with g = l/4, query
+    // column pair 2·(l%4) of each 8-query block), so Pᵀ and dSᵀ are the A operands of dV and dK straight from
+    // registers. Q and dO (with their rows' lse and Δ) stream through two shared-memory stages by cp.async.
+    static_assert(BLOCK_N == 16 * NUM_WARPS && BLOCK_M % 16 == 0, "16 keys per warp, query tiles of 16");
+    static_assert(HEAD_DIM % 8 == 0 && HEAD_DIM_V % 8 == 0 && !COSINE, "whole 16-byte chunks, no cosine");
+    constexpr int QUERY_BLOCKS = BLOCK_M / 8, D_BLOCKS = BLOCK_D / 8, DV_BLOCKS = BLOCK_DV / 8;
+    constexpr float LOG2E = 1.4426950408889634f;
+    SharedCursor cursor = {shared_memory};
+    elem_t* k_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_D);
+    elem_t* v_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_DV);
+    elem_t* q_stages = cursor.take<elem_t>(2 * BLOCK_M * BLOCK_D);  // stage s at q_stages + s · BLOCK_M · BLOCK_D
+    elem_t* do_stages = cursor.take<elem_t>(2 * BLOCK_M * BLOCK_DV);
+    float* lse_stages = cursor.take<float>(2 * BLOCK_M);  // base 2
+    float* delta_stages = cursor.take<float>(2 * BLOCK_M);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
+
+    int first, end;
+    query_span(key_start, g, lower, upper, first, end);
+    const SegmentRange k_range = segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k);
+    // The query tile at or after row_start that shares a segment id with the key tile (every tile without ids).
+    auto meeting_tile = [&](int row_start) {
+        return meeting_tile_from<BLOCK_M>(row_start, end, k_range, q_segment_ranges, batch, len_q);
+    };
+    auto load_queries = [&](int head, int row_start, int stage) {
+        load_tile_async<BLOCK_M, BLOCK_D>(q_stages + stage * BLOCK_M * BLOCK_D, q + batch * q_b + head * q_h, q_m,
+                                          row_start, g.q_len, HEAD_DIM, g.q_ids);
+        load_tile_async<BLOCK_M, BLOCK_DV>(do_stages + stage * BLOCK_M * BLOCK_DV, dout + batch * do_b + head * do_h,
+                                           do_m, row_start, g.q_len, HEAD_DIM_V, g.q_ids);
+        load_row_statistics(lse_stages + stage * BLOCK_M, delta_stages + stage * BLOCK_M, lse, delta,
+                            ((index_t)batch * heads_q + head) * len_q, row_start, g, LOG2E);
+    };
+    const int row_first = meeting_tile(first), head_end = head_kv * group + group;
+    int head = head_kv * group, row_start = row_first, stage = 0;
+    load_tile_async<BLOCK_N, BLOCK_D>(k_tile, k + batch * k_b + head_kv * k_h, k_n, key_start, g.kv_len, HEAD_DIM,
+                                      g.kv_ids);
+    load_tile_async<BLOCK_N, BLOCK_DV>(v_tile, v + batch * v_b + head_kv * v_h, v_n, key_start, g.kv_len,
+                                       HEAD_DIM_V, g.kv_ids);
+    if (row_start < end) load_queries(head, row_start, stage);
+    cp_async_commit();
+    if (row_start >= end) head = head_end;  // no query tile sees this key tile: dK = dV = 0
+
+    int interior_first, interior_end;
+    interior_query_tiles(key_start, g, lower, upper, first, end, interior_first, interior_end);
+
+    // Scores in base 2, as in the forward: t = q·k with the scale folded into the exponent's FMA, or with a softcap
+    // or bias t = log2(e) · S with fold 1; lse₂ = log2(e) · lse.
+    const float fold = HAS_SOFTCAP || HAS_BIAS ? 1.0f : qk_scale * LOG2E;
+    float dk_acc[D_BLOCKS][4] = {}, dv_acc[DV_BLOCKS][4] = {};
+    // Over the G query heads of this kv head and the query tiles that see this key tile (Sᵀ and dPᵀ 16 keys × BLOCK_M
+    // queries per warp; Pᵀ and dSᵀ rounded to the input type, reused from registers as A operands):
+    //   Sᵀ = K Qᵀ;  Pᵀ = 2^(fold · Sᵀ − lse₂);  dV += Pᵀ dO;  dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ⊙ (dPᵀ − Δ);  dbias = dS
+    //   dUᵀ = dSᵀ ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ Q
+    // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
+    auto tile = [&](bool masked) {
+        cp_async_wait<0>();
+        __syncthreads();  // the query tile has landed for every thread; every warp is done with the other stage
+        int next_head = head, next_row = meeting_tile(row_start + BLOCK_M);
+        if (next_row >= end) next_head += 1, next_row = row_first;
+        if (next_head < head_end) load_queries(next_head, next_row, stage ^ 1);
+        cp_async_commit();
+        const elem_t* q_tile = q_stages + stage * BLOCK_M * BLOCK_D;
+        const elem_t* do_tile = do_stages + stage * BLOCK_M * BLOCK_DV;
+        const float* lse_tile = lse_stages + stage * BLOCK_M;
+        const float* delta_tile = delta_stages + stage * BLOCK_M;
+
+        float s[QUERY_BLOCKS][4] = {}, dp[QUERY_BLOCKS][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_D / 16; ++kk) {  // A = K: the warp's 16 key rows, columns 16kk..16kk+15
+            unsigned a[4];
+            ldmatrix_x4(a, k_tile + swizzled<BLOCK_D>(16 * warp + lane % 16, 2 * kk + lane / 16));
+#pragma unroll
+            for (int j = 0; j < QUERY_BLOCKS; j += 2) {  // B = Qᵀ: query rows 8j..8j+15, columns 16kk..16kk+15
+                unsigned b[4];
+                ldmatrix_x4(b, q_tile + swizzled<BLOCK_D>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                mma_m16n8k16<elem_t>(s[j], a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(s[j + 1], a, {b[2], b[3]});
+            }
+        }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_DV / 16; ++kk) {  // A = V, B = dOᵀ, in the same way
+            unsigned a[4];
+            ldmatrix_x4(a, v_tile + swizzled<BLOCK_DV>(16 * warp + lane % 16, 2 * kk + lane / 16));
+#pragma unroll
+            for (int j = 0; j < QUERY_BLOCKS; j += 2) {
+                unsigned b[4];
+                ldmatrix_x4(b,
+                            do_tile + swizzled<BLOCK_DV>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                mma_m16n8k16<elem_t>(dp[j], a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(dp[j + 1], a, {b[2], b[3]});
+            }
+        }
+        const Planes planes = planes_of(mask, bias, strides, batch, head);
+        const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
+#pragma unroll
+        for (int j = 0; j < QUERY_BLOCKS; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {  // s becomes Pᵀ, dp becomes dUᵀ
+                const int r = 8 * j + pair + i % 2, row = row_start + r;
+                const int col = key_start + 16 * warp + lane_row + 8 * (i / 2);
+                float p = 0.0f, ds = 0.0f;
+                if (!masked || visible(row, col, g, lower, upper, planes)) {
+                    float t = s[j][i], tanh_u = 0.0f;
+                    if (HAS_SOFTCAP || HAS_BIAS) {
+                        const Score sc = score(t, 1.0f, 1.0f, qk_scale, softcap, row, col, planes);
+                        t = sc.s * LOG2E;
+                        tanh_u = sc.tanh_u;
+                    }
+                    p = exp2_approx(fmaf(t, fold, -lse_tile[r]));
+                    ds = p * (dp[j][i] - delta_tile[r]);
+                    if (HAS_DBIAS) dbias[(row_base + row) * len_k + col] = ds;
+                    if (HAS_SOFTCAP) ds *= 1.0f - tanh_u * tanh_u;
+                }
+                s[j][i] = p;
+                dp[j][i] = ds;
+            }
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_M / 16; ++kk) {  // queries 16kk..16kk+15: the A fragments are C fragments 2kk, 2kk+1
+            const unsigned p_a[4] = {pack_pair(s[2 * kk][0], s[2 * kk][1]), pack_pair(s[2 * kk][2], s[2 * kk][3]),
+                                     pack_pair(s[2 * kk + 1][0], s[2 * kk + 1][1]),
+                                     pack_pair(s[2 * kk + 1][2], s[2 * kk + 1][3])};
+            const unsigned ds_a[4] = {pack_pair(dp[2 * kk][0], dp[2 * kk][1]), pack_pair(dp[2 * kk][2], dp[2 * kk][3]),
+                                      pack_pair(dp[2 * kk + 1][0], dp[2 * kk + 1][1]),
+                                      pack_pair(dp[2 * kk + 1][2], dp[2 * kk + 1][3])};
+#pragma unroll
+            for (int jv = 0; jv < DV_BLOCKS; jv += 2) {  // B = dO: query rows 16kk.., columns 8jv..8jv+15, transposed
+                unsigned b[4];
+                ldmatrix_x4_trans(b, do_tile + swizzled<BLOCK_DV>(16 * kk + lane % 16, jv + lane / 16));
+                mma_m16n8k16<elem_t>(dv_acc[jv], p_a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(dv_acc[jv + 1], p_a, {b[2], b[3]});
+            }
+#pragma unroll
+            for (int jd = 0; jd < D_BLOCKS; jd += 2) {  // B = Q, in the same way
+                unsigned b[4];
+                ldmatrix_x4_trans(b, q_tile + swizzled<BLOCK_D>(16 * kk + lane % 16, jd + lane / 16));
+                mma_m16n8k16<elem_t>(dk_acc[jd], ds_a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(dk_acc[jd + 1], ds_a, {b[2], b[3]});
+            }
+        }
+        head = next_head;
+        row_start = next_row;
+        stage ^= 1;
+    };
+    while (head < head_end) {
+        const int current = head;
+        while (head == current && row_start < interior_first) tile(true);
+        while (head == current && row_start < interior_end) tile(false);
+        while (head == current) tile(true);
+    }
+
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int key = key_start + 16 * warp + lane_row + 8 * h;
+        if (key >= len_k) continue;
+        grad_t* dk_row = dk + batch * dk_b + head_kv * dk_h + key * dk_n;
+        grad_t* dv_row = dv + batch * dv_b + head_kv * dv_h + key * dv_n;
+#pragma unroll
+        for (int i = 2 * h; i < 2 * h + 2; ++i) {
+#pragma unroll
+            for (int jd = 0; jd < D_BLOCKS; ++jd)
+                if (8 * jd + pair + i % 2 < HEAD_DIM) assign(dk_row[8 * jd + pair + i % 2], dk_acc[jd][i] * grad_scale);
+#pragma unroll
+            for (int jv = 0; jv < DV_BLOCKS; ++jv)
+                if (8 * jv + pair + i % 2 < HEAD_DIM_V) assign(dv_row[8 * jv + pair + i % 2], dv_acc[jv][i]);
+        }
+    }
+#else
     SharedCursor cursor = {shared_memory};
     elem_t* k_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_D);
     elem_t* v_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_DV);
@@ -965,4 +1316,5 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         const int c = idx / HEAD_DIM_V, d = idx % HEAD_DIM_V, key = key_start + c;
         if (key < len_k) assign(dv[batch * dv_b + head_kv * dv_h + key * dv_n + d], dv_acc[c * BLOCK_DV + d]);
     }
+#endif
 }
