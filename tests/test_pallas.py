@@ -295,3 +295,20 @@ def test_bias_that_hides_a_whole_row_of_interior_tiles() -> None:
     assert np.all(np.asarray(out)[0, 0, 5] == 0) and np.asarray(lse)[0, 0, 5] == -np.inf
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(np.asarray(expected_lse)))
+
+
+def test_split_k_ranges_cut_the_interior_run() -> None:
+    """Split-K over a query tile with interior key tiles: each key range runs its share of the run unmasked and its
+    edge tiles masked; merged by lse they must give the unsplit answer (causal, Lq = one query tile, 6 key tiles)."""
+    import jax.numpy as jnp
+    from attnkit.backends.pallas.backend import PallasBackend
+
+    from attnkit.backend import AttentionInputs
+
+    spec = AttentionSpec(causal=True)
+    rng = np.random.default_rng(4)
+    q, k, v = (jnp.asarray(rng.standard_normal((1, 2, length, 16)), jnp.float32) for length in (32, 96, 96))
+    out, lse = PallasBackend(interpret=True, decode_splits=3).forward(spec, AttentionInputs(q, k, v), need_lse=True)
+    expected, expected_lse = attnkit.attend(spec, q, k, v, return_lse=True, backend="jax-reference")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(expected_lse), rtol=1e-5, atol=1e-6)
