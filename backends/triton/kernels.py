@@ -206,6 +206,17 @@ def _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PA
 
 
 @triton.jit
+def _longest_first(program, tiles, REVERSED: tl.constexpr):
+    """The tile a program takes: GPUs start programs in launch order, so the tiles with the most work go first and
+    the last wave holds the shortest ones. Under a causal upper bound the last query tiles see the most keys (the
+    forward and dQ reverse), under a lower bound alone the last key tiles are seen by the most queries (dK/dV)."""
+    if REVERSED:
+        return tiles - 1 - program
+    else:
+        return program
+
+
+@triton.jit
 def _split_range(first, end, split, splits, BLOCK_N: tl.constexpr):
     """Split-K: the ``split``-th of ``splits`` runs of whole key tiles covering [first, end), first tile-aligned;
     empty (first ≥ end) for the ranges past a short span."""
@@ -568,11 +579,11 @@ def _fwd_kernel(
     (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major."""
     tile = tl.program_id(0)
     split = 0
+    query_tiles = tl.cdiv(len_q, BLOCK_M)
     if SPLIT_K:
-        query_tiles = tl.cdiv(len_q, BLOCK_M)
         split = tile // query_tiles
         tile = tile % query_tiles
-    row_start = tile * BLOCK_M
+    row_start = _longest_first(tile, query_tiles, HAS_UPPER) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_kv = head // group
@@ -848,7 +859,7 @@ def _bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B)."""
-    row_start = tl.program_id(0) * BLOCK_M
+    row_start = _longest_first(tl.program_id(0), tl.cdiv(len_q, BLOCK_M), HAS_UPPER) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_kv = head // group
@@ -1126,7 +1137,7 @@ def _bwd_dkdv_kernel(
     Grid (key tiles, Hkv, B). The G query heads sharing the kv head are summed here, so dk and dv need no atomics;
     the dq sum's order of additions varies between runs (launch.one_pass_backward says when it is used).
     """
-    key_start = tl.program_id(0) * BLOCK_N
+    key_start = _longest_first(tl.program_id(0), tl.cdiv(len_k, BLOCK_N), HAS_LOWER and not HAS_UPPER) * BLOCK_N
     head_kv = tl.program_id(1)
     batch = tl.program_id(2)
     q_len, kv_len, offset = _batch_geometry(
