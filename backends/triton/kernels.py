@@ -403,6 +403,9 @@ def _fwd_tile(
     key_start,
     KHead,
     VHead,
+    KTiles,
+    VTiles,
+    head_kv,
     KvSegmentIds,
     BlockTable,
     batch64,
@@ -443,20 +446,26 @@ def _fwd_tile(
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One key tile of the online softmax, in base 2 (``fold`` turns the score tile into log₂-units, row_max is in
     them):  m' = max(m, rowmax S₂);  α = 2^(m − m');  P = 2^(S₂ − m');  l' = α·l + rowsum P;  acc' = α·acc + P V.
     An edge tile may leave a row with no visible key yet (m' = −inf): its shift is taken as 0 so that P and α are
-    2^−inf = 0, never NaN; an interior tile makes every m' finite and needs no such select."""
+    2^−inf = 0, never NaN; an interior tile makes every m' finite and needs no such select. TMA: K and V come
+    through the descriptors KTiles, VTiles (kv head ``head_kv``), not the pointers."""
     cols = key_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
-    outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
-    k = _load_tile(KHead + (outer * stride_kb + inner * stride_kn)[:, None] + dims[None, :], live_cols, dims,
-                   HEAD_DIM, BLOCK_D, EDGE)  # fmt: skip
-    v = _load_tile(VHead + (outer * stride_vb + inner * stride_vn)[:, None] + dims_v[None, :], live_cols, dims_v,
-                   HEAD_DIM_V, BLOCK_DV, EDGE)  # fmt: skip
+    if TMA:  # tensor descriptors (TMA on Hopper): keys past Lk and the head dim's tail come in as zeros
+        k = tl.reshape(KTiles.load([batch64.to(tl.int32), head_kv, key_start, 0]), [BLOCK_N, BLOCK_D])
+        v = tl.reshape(VTiles.load([batch64.to(tl.int32), head_kv, key_start, 0]), [BLOCK_N, BLOCK_DV])
+    else:
+        outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
+        k = _load_tile(KHead + (outer * stride_kb + inner * stride_kn)[:, None] + dims[None, :], live_cols, dims,
+                       HEAD_DIM, BLOCK_D, EDGE)  # fmt: skip
+        v = _load_tile(VHead + (outer * stride_vb + inner * stride_vn)[:, None] + dims_v[None, :], live_cols,
+                       dims_v, HEAD_DIM_V, BLOCK_DV, EDGE)  # fmt: skip
     k_inv_norm = _inverse_norms(k, COSINE)
     scores, _ = _score_tile(
         q,
@@ -552,6 +561,8 @@ def _fwd_kernel(
     block_size,
     max_blocks,
     splits,
+    KTiles,
+    VTiles,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -574,9 +585,13 @@ def _fwd_kernel(
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     COMPILED: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One query tile of one (batch, query head): out and lse, or with SPLIT_K one key range's partial out and lse
-    (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major."""
+    (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major. With TMA
+    the key tiles come through the descriptors KTiles, VTiles (B, Hkv, Lk, D), whose zero fill past Lk stands for
+    the load masks; K, V and their strides are used otherwise."""
+    tl.static_assert(not (TMA and (PAGED or HAS_KV_LENGTHS or HAS_SEGMENT_IDS)), "descriptors mask only past Lk")
     tile = tl.program_id(0)
     split = 0
     query_tiles = tl.cdiv(len_q, BLOCK_M)
@@ -627,11 +642,12 @@ def _fwd_kernel(
         )
         for key_start in range(interior_low, interior_high, BLOCK_N):
             acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds, BlockTable,
-                batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower, upper,
-                block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n,
-                qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER,
-                HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16, DOT_PRECISION, False,
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
+                KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
+                offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
+                DOT_PRECISION, False, TMA,
             )  # fmt: skip
     # The edge tiles: [first, interior_low), then [interior_high, end) where interior tiles split them: two affine
     # loops (one loop over a remapped index left ptxas at 128 registers and spilling kilobytes with every feature on).
@@ -642,22 +658,22 @@ def _fwd_kernel(
             meets = (q_low <= k_high) & (k_low <= q_high)
         if meets:
             acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds,
-                BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower,
-                upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
-                stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
-                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
-                DOT_PRECISION, True,
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
+                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
+                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     if not HAS_MASK and not HAS_SEGMENT_IDS:
         for key_start in range(interior_high, end, BLOCK_N):
             acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds,
-                BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower,
-                upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
-                stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
-                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
-                DOT_PRECISION, True,
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
+                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
+                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
