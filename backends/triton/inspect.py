@@ -116,7 +116,7 @@ KERNEL_OF = {name: kernel for kernel, name in launch.NAMES.items()}
 _FLOAT_ARGS = ("qk_scale", "softcap", "grad_scale")
 _FLOAT32_POINTERS = ("Lse", "Delta", "DLse", "DBias")
 _SEGMENT_POINTERS = ("QSegmentIds", "KvSegmentIds", "QSegmentRanges", "KvSegmentRanges")
-_DESCRIPTORS = ("KTiles", "VTiles")
+_DESCRIPTORS = ("KTiles", "VTiles", "QTiles", "DOutTiles")
 _DENSE_STRIDE = re.compile(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]$")
 _FEATURE_STRIDE = re.compile(r"stride_(bias|mask)_([bhmn])$")
 _TRITON_TYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
@@ -195,13 +195,9 @@ def _constants(variant: Variant, tile: launch.TileConfig | None = None) -> tuple
     kernel = KERNEL_OF[variant.kernel]
     dtype = DTYPES[variant.dtype]
     switches = KernelSwitches(**FEATURES[variant.features])
-    # As launch.uses_descriptors decides for aligned half-precision tensors on Hopper.
-    descriptors = (
-        kernel is Kernel.FORWARD
-        and variant.arch == "sm_90"
-        and dtype != torch.float32
-        and launch.descriptors_serve(switches)
-    )
+    # As launch.uses_descriptors decides for aligned tensors.
+    block_d = launch.padded_head_dim(variant.head_dim, variant.head_dim)
+    descriptors = kernel is not Kernel.DELTA and launch.descriptors_pay(kernel, switches, dtype, variant.arch, block_d)
     constants = launch.kernel_constants(kernel, variant.head_dim, variant.head_dim, dtype, switches, descriptors)
     if kernel is Kernel.DELTA:
         tile = launch.TileConfig(launch.DELTA_BLOCK_M, 0, 4, 3)  # Triton's launch defaults: 4 warps, 3 stages
@@ -242,9 +238,11 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         feature = _FEATURE_STRIDE.match(name)
         if param.is_constexpr:
             signature[name] = "constexpr"
-        elif name in _DESCRIPTORS:  # K and V as TMA descriptors of one tile, or None (constexpr) without them
+        elif name in _DESCRIPTORS:  # TMA descriptors of one tile (launch.descriptors), or None (constexpr) without
             if constants.get("TMA", False):
-                signature[name] = f"tensordesc<{element}[1,1,{constants['BLOCK_N']},{constants['BLOCK_D']}]>"
+                along_keys = launch.DESCRIBED[KERNEL_OF[variant.kernel]].along_keys
+                rows = constants["BLOCK_N"] if along_keys else constants["BLOCK_M"]
+                signature[name] = f"tensordesc<{element}[1,1,{rows},{constants['BLOCK_D']}]>"
             else:
                 signature[name] = "constexpr"
                 constexprs[name] = None
@@ -391,7 +389,8 @@ def violations(results: list[Result]) -> list[str]:
     """The requirements of the static check, broken: no spills at the default tiles for D = 64 and 128 in the
     float16 / bfloat16 dot kernels (NO_SPILL_FEATURES), HMMA on sm_80 and HGMMA on sm_90 in every float16 /
     bfloat16 dot kernel, and without features wgmma N ≥ 64, an interior loop without selects or repeated products,
-    the sm_90 forward's loop on TMA copies and, at D = 128 on sm_90, within INSTRUCTIONS_PER_SCORE."""
+    TMA copies in the loops where descriptors pay (launch.descriptors_pay) and, at D = 128 on sm_90, within
+    INSTRUCTIONS_PER_SCORE."""
     broken = []
     for result in results:
         variant = result.variant
@@ -416,8 +415,11 @@ def violations(results: list[Result]) -> list[str]:
             broken.append(f"{name}: {mix.selects_per_score} selects per score in the interior loop")
         if mix.tensor_work > 1.0:
             broken.append(f"{name}: {mix.tensor_work}x the products' tensor-core work (a product computed twice)")
-        if variant.kernel == "fwd" and variant.arch == "sm_90" and not mix.tma_loads_per_iteration:
-            broken.append(f"{name}: the interior loop loads K/V without tensor descriptors (no UTMALDG)")
+        kernel, switches = KERNEL_OF[variant.kernel], KernelSwitches(**FEATURES[variant.features])
+        block_d = launch.padded_head_dim(variant.head_dim, variant.head_dim)
+        dtype = DTYPES[variant.dtype]
+        if launch.descriptors_pay(kernel, switches, dtype, variant.arch, block_d) and not mix.tma_loads_per_iteration:
+            broken.append(f"{name}: the interior loop loads its tiles without tensor descriptors (no UTMALDG)")
         limit = INSTRUCTIONS_PER_SCORE[variant.kernel]
         if variant.arch == "sm_90" and variant.head_dim == 128 and mix.instructions_per_score > limit:
             broken.append(f"{name}: {mix.instructions_per_score} instructions per score (at most {limit})")

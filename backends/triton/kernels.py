@@ -206,6 +206,13 @@ def _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PA
 
 
 @triton.jit
+def _descriptor_tile(Tiles, batch64, head, start, ROWS: tl.constexpr, COLUMNS: tl.constexpr):
+    """The (ROWS, COLUMNS) tile at sequence position ``start`` of one (batch, head) of a (B, H, L, D) tensor
+    descriptor (TMA on Hopper): zeros past L and past D, never the next head's rows."""
+    return tl.reshape(Tiles.load([batch64.to(tl.int32), head, start, 0]), [ROWS, COLUMNS])
+
+
+@triton.jit
 def _longest_first(program, tiles, REVERSED: tl.constexpr):
     """The tile a program takes: GPUs start programs in launch order, so the tiles with the most work go first and
     the last wave holds the shortest ones. Under a causal upper bound the last query tiles see the most keys (the
@@ -458,8 +465,8 @@ def _fwd_tile(
     dims_v = tl.arange(0, BLOCK_DV)
     live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
     if TMA:  # tensor descriptors (TMA on Hopper): keys past Lk and the head dim's tail come in as zeros
-        k = tl.reshape(KTiles.load([batch64.to(tl.int32), head_kv, key_start, 0]), [BLOCK_N, BLOCK_D])
-        v = tl.reshape(VTiles.load([batch64.to(tl.int32), head_kv, key_start, 0]), [BLOCK_N, BLOCK_DV])
+        k = _descriptor_tile(KTiles, batch64, head_kv, key_start, BLOCK_N, BLOCK_D)
+        v = _descriptor_tile(VTiles, batch64, head_kv, key_start, BLOCK_N, BLOCK_DV)
     else:
         outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
         k = _load_tile(KHead + (outer * stride_kb + inner * stride_kn)[:, None] + dims[None, :], live_cols, dims,
@@ -746,6 +753,9 @@ def _dq_tile(
     key_start,
     KTile,
     VTile,
+    KTiles,
+    VTiles,
+    head_kv,
     KvSegmentIds,
     batch64,
     stride_kn,
@@ -780,6 +790,7 @@ def _dq_tile(
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One key tile of dq, in base 2 (lse2 = log₂e · lse):
     P = 2^(S₂ − lse2);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K."""
@@ -787,8 +798,13 @@ def _dq_tile(
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
-    k = _load_tile(KTile + cols[:, None] * stride_kn + dims[None, :], live_cols, dims, HEAD_DIM, BLOCK_D, EDGE)
-    v = _load_tile(VTile + cols[:, None] * stride_vn + dims_v[None, :], live_cols, dims_v, HEAD_DIM_V, BLOCK_DV, EDGE)
+    if TMA:  # as the forward's
+        k = _descriptor_tile(KTiles, batch64, head_kv, key_start, BLOCK_N, BLOCK_D)
+        v = _descriptor_tile(VTiles, batch64, head_kv, key_start, BLOCK_N, BLOCK_DV)
+    else:
+        k = _load_tile(KTile + cols[:, None] * stride_kn + dims[None, :], live_cols, dims, HEAD_DIM, BLOCK_D, EDGE)
+        v = _load_tile(VTile + cols[:, None] * stride_vn + dims_v[None, :], live_cols, dims_v, HEAD_DIM_V, BLOCK_DV,
+                       EDGE)  # fmt: skip
     k_inv_norm = _inverse_norms(k, COSINE)
     scores, tanh_u = _score_tile(
         q, k, q_inv_norm, k_inv_norm, rows, cols, q_ids, kv_ids, q_len, kv_len, offset, lower, upper, BiasTile,
@@ -854,6 +870,8 @@ def _bwd_dq_kernel(
     grad_scale,
     lower,
     upper,
+    KTiles,
+    VTiles,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -873,8 +891,11 @@ def _bwd_dq_kernel(
     SEGMENT_GRANULE: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    TMA: tl.constexpr,
 ):
-    """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B)."""
+    """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B).
+    With TMA the key tiles come through the descriptors KTiles, VTiles, as in the forward."""
+    tl.static_assert(not (TMA and (HAS_KV_LENGTHS or HAS_SEGMENT_IDS)), "descriptors mask only past Lk")
     row_start = _longest_first(tl.program_id(0), tl.cdiv(len_q, BLOCK_M), HAS_UPPER) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -922,11 +943,12 @@ def _bwd_dq_kernel(
         )
         for key_start in range(interior_low, interior_high, BLOCK_N):
             dq = _dq_tile(
-                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KvSegmentIds, batch64,
+                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
+                KvSegmentIds, batch64,
                 stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
                 stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, False,
+                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
             )  # fmt: skip
     for key_start in range(first, interior_low, BLOCK_N):
         meets = True
@@ -935,20 +957,22 @@ def _bwd_dq_kernel(
             meets = (q_low <= k_high) & (k_low <= q_high)
         if meets:
             dq = _dq_tile(
-                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KvSegmentIds, batch64,
+                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
+                KvSegmentIds, batch64,
                 stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
                 stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True,
+                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     if not HAS_MASK and not HAS_SEGMENT_IDS:
         for key_start in range(interior_high, end, BLOCK_N):
             dq = _dq_tile(
-                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KvSegmentIds, batch64,
+                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
+                KvSegmentIds, batch64,
                 stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
                 stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True,
+                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     dq = dq * grad_scale
     tl.store(
@@ -970,6 +994,9 @@ def _dkdv_tile(
     row_start,
     QHead,
     DOutHead,
+    QTiles,
+    DOutTiles,
+    head,
     Lse,
     Delta,
     DBias,
@@ -1013,6 +1040,7 @@ def _dkdv_tile(
     DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
     EDGE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One query tile of dk and dv, in base 2 (lse2 = log₂e · lse):
     P = 2^(S₂ − lse2);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS;
@@ -1021,10 +1049,14 @@ def _dkdv_tile(
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     live_rows, q_ids = _positions_in_use(QSegmentIds, batch64, rows, q_len, len_q, HAS_SEGMENT_IDS)
-    q = _load_tile(QHead + rows[:, None] * stride_qm + dims[None, :], live_rows, dims, HEAD_DIM, BLOCK_D, EDGE)
+    if TMA:  # rows past Lq and the head dim's tail come in as zeros
+        q = _descriptor_tile(QTiles, batch64, head, row_start, BLOCK_M, BLOCK_D)
+        dout = _descriptor_tile(DOutTiles, batch64, head, row_start, BLOCK_M, BLOCK_DV)
+    else:
+        q = _load_tile(QHead + rows[:, None] * stride_qm + dims[None, :], live_rows, dims, HEAD_DIM, BLOCK_D, EDGE)
+        dout = _load_tile(DOutHead + rows[:, None] * stride_dom + dims_v[None, :], live_rows, dims_v, HEAD_DIM_V,
+                          BLOCK_DV, EDGE)  # fmt: skip
     q_inv_norm = _inverse_norms(q, COSINE)
-    dout = _load_tile(DOutHead + rows[:, None] * stride_dom + dims_v[None, :], live_rows, dims_v, HEAD_DIM_V,
-                      BLOCK_DV, EDGE)  # fmt: skip
     if EDGE:
         lse = tl.load(Lse + row_base + rows, mask=live_rows, other=float("-inf"))
         lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # an empty row: P = 0
@@ -1125,6 +1157,8 @@ def _bwd_dkdv_kernel(
     stride_dqb,
     stride_dqh,
     stride_dqm,
+    QTiles,
+    DOutTiles,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -1146,13 +1180,16 @@ def _bwd_dkdv_kernel(
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """dk, dv (and dS into the full-shape dbias) for one key tile of one (batch, kv head); with ATOMIC_DQ also each
     tile's dS K, added into the float32 dq sum DQSum (the one-pass backward: no dQ kernel recomputing S and dP).
 
     Grid (key tiles, Hkv, B). The G query heads sharing the kv head are summed here, so dk and dv need no atomics;
-    the dq sum's order of additions varies between runs (launch.one_pass_backward says when it is used).
+    the dq sum's order of additions varies between runs (launch.one_pass_backward says when it is used). With TMA
+    the query tiles of q and dO come through the descriptors QTiles, DOutTiles (B, Hq, Lq, D).
     """
+    tl.static_assert(not (TMA and (HAS_Q_LENGTHS or HAS_SEGMENT_IDS)), "descriptors mask only past Lq")
     key_start = _longest_first(tl.program_id(0), tl.cdiv(len_k, BLOCK_N), HAS_LOWER and not HAS_UPPER) * BLOCK_N
     head_kv = tl.program_id(1)
     batch = tl.program_id(2)
@@ -1204,32 +1241,35 @@ def _bwd_dkdv_kernel(
                 meets = (q_low <= k_high) & (k_low <= q_high)
             if meets:
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head,
+                    Lse, Delta, DBias, row_base,
                     DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
                     offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
                     stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
                     HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
-                    DOT_PRECISION, ATOMIC_DQ, True,
+                    DOT_PRECISION, ATOMIC_DQ, True, TMA,
                 )  # fmt: skip
         if not HAS_MASK and not HAS_SEGMENT_IDS:
             for row_start in range(interior_low, interior_high, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head,
+                    Lse, Delta, DBias, row_base,
                     DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
                     offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
                     stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
                     HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
-                    DOT_PRECISION, ATOMIC_DQ, False,
+                    DOT_PRECISION, ATOMIC_DQ, False, TMA,
                 )  # fmt: skip
         if not HAS_MASK and not HAS_SEGMENT_IDS:
             for row_start in range(interior_high, end, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, Lse, Delta, DBias, row_base,
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head,
+                    Lse, Delta, DBias, row_base,
                     DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
                     offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
                     stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
                     HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
-                    DOT_PRECISION, ATOMIC_DQ, True,
+                    DOT_PRECISION, ATOMIC_DQ, True, TMA,
                 )  # fmt: skip
     dk = dk * grad_scale
     in_keys = cols[:, None] < len_k

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -177,8 +177,8 @@ def kernel_constants(
     tensor_descriptors: bool = False,
 ) -> dict[str, Any]:
     """The constexprs of one kernel, tiles aside. ``grad_float32`` has none: the kernels store through pointers
-    typed by the gradient buffers. ``tensor_descriptors``: the forward reads its interior K/V tiles through the
-    descriptors passed after its other arguments (:func:`kv_descriptors`)."""
+    typed by the gradient buffers. ``tensor_descriptors``: the kernel reads its DESCRIBED operands through the
+    descriptors passed after its other arguments (:func:`descriptors`)."""
     switches = switches or KernelSwitches()
     block = padded_head_dim(head_dim, head_dim_v)
     if kernel is Kernel.DELTA:
@@ -205,43 +205,78 @@ def kernel_constants(
         # rule for float32 (docs/testing.md) by three orders of magnitude.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )
+    constants.update(TMA=tensor_descriptors)
     if kernel is Kernel.FORWARD:
-        constants.update(
-            PAGED=switches.paged, SPLIT_K=switches.split_k, COMPILED=not INTERPRETED, TMA=tensor_descriptors
-        )
+        constants.update(PAGED=switches.paged, SPLIT_K=switches.split_k, COMPILED=not INTERPRETED)
     if kernel is Kernel.DKDV:
         constants.update(HAS_DBIAS=switches.has_dbias, ATOMIC_DQ=switches.atomic_dq)
     return constants
 
 
-def descriptors_serve(switches: KernelSwitches) -> bool:
-    """Whether tensor descriptors can serve a forward's K/V tiles: their zero fill past Lk must be exactly the keys
-    out of play (no per-batch kv lengths, segment ids or block table), and the kernel must stay lean (the cosine
-    variant spills with them on sm_90)."""
-    return not (switches.paged or switches.has_kv_lengths or switches.has_segment_ids or switches.cosine)
+class Described(NamedTuple):
+    """The two operands a kernel may read through tensor descriptors, by their places in its arguments; whether
+    its tiles of them run along the keys (BLOCK_N rows) or the queries (BLOCK_M); and the least padded head dim
+    at which they pay (the static check: dK/dV at D = 64 read 8.8 -> 9.5 instructions per score with them)."""
+
+    places: tuple[int, int]
+    along_keys: bool
+    least_block_d: int
 
 
-def uses_descriptors(call: KernelCall, switches: KernelSwitches) -> bool:
-    """Whether the forward reads K and V through tensor descriptors: on Hopper in half precision (TMA copies, no
-    address arithmetic in the loop) and under the interpreter (the same kernel code, tested on CPU), where they
-    serve (:func:`descriptors_serve`) and the rows and strides are 16-byte aligned, as a descriptor requires."""
-    if not descriptors_serve(switches):
+#: K and V in the forward and dQ, q and dO in dK/dV.
+DESCRIBED = {
+    Kernel.FORWARD: Described((1, 2), True, 16),
+    Kernel.DQ: Described((1, 2), True, 16),
+    Kernel.DKDV: Described((0, 3), False, 128),
+}
+
+
+def descriptors_serve(kernel: Kernel, switches: KernelSwitches) -> bool:
+    """Whether tensor descriptors can serve a kernel's tiles: their zero fill past the sequence must be exactly the
+    positions out of play (no per-batch lengths or segment ids on that side, no block table)."""
+    if kernel not in DESCRIBED or switches.paged or switches.has_segment_ids:
         return False
-    if not (INTERPRETED or (call.k.dtype != torch.float32 and arch_of(call.k.device) == "sm_90")):
-        return False
-    return all(
-        x.stride(-1) == 1
-        and x.data_ptr() % 16 == 0
-        and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
-        for x in (call.k, call.v)
+    return not (switches.has_q_lengths if kernel is Kernel.DKDV else switches.has_kv_lengths)
+
+
+def descriptors_pay(kernel: Kernel, switches: KernelSwitches, dtype: torch.dtype, arch: str, block_d: int) -> bool:
+    """Whether a compiled kernel takes them: on Hopper (TMA copies, no address arithmetic in the loop), in half
+    precision, where they serve and the kernel stays lean by the static check (the cosine variant spills with
+    them; DESCRIBED's least head dim)."""
+    return (
+        arch == "sm_90"
+        and dtype != torch.float32
+        and not switches.cosine
+        and block_d >= DESCRIBED[kernel].least_block_d
+        and descriptors_serve(kernel, switches)
     )
 
 
-def kv_descriptors(call: KernelCall, block_n: int, block_d: int) -> tuple[TensorDescriptor, TensorDescriptor]:
-    """K and V (B, Hkv, Lk, D) as descriptors of (1, 1, block_n, block_d) tiles: a tile reaching past Lk or D
-    reads zeros there, and never the next head's rows."""
-    return tuple(  # type: ignore[return-value]
-        TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_n, block_d]) for x in (call.k, call.v)
+def uses_descriptors(kernel: Kernel, call: KernelCall, args: list[Any], switches: KernelSwitches) -> bool:
+    """Whether a kernel reads its DESCRIBED operands through tensor descriptors: where they pay when compiled,
+    wherever they serve under the interpreter (the same kernel code, tested on CPU), and only for operands whose
+    rows and strides are 16-byte aligned, as a descriptor requires."""
+    if INTERPRETED:
+        wanted = descriptors_serve(kernel, switches)
+    else:
+        block_d = padded_head_dim(*call.head_dims)
+        wanted = descriptors_pay(kernel, switches, call.q.dtype, arch_of(call.q.device), block_d)
+    return wanted and all(
+        x.stride(-1) == 1
+        and x.data_ptr() % 16 == 0
+        and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
+        for x in (args[place] for place in DESCRIBED[kernel].places)
+    )
+
+
+def descriptors(kernel: Kernel, args: list[Any], config: TileConfig, block_d: int) -> tuple[TensorDescriptor, ...]:
+    """A kernel's DESCRIBED (B, H, L, D) operands as descriptors of (1, 1, rows, block_d) tiles: a tile reaching
+    past L or D reads zeros there, and never the next head's rows."""
+    described = DESCRIBED[kernel]
+    rows = config.block_n if described.along_keys else config.block_m
+    return tuple(
+        TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, rows, block_d])
+        for x in (args[place] for place in described.places)
     )
 
 
@@ -292,17 +327,15 @@ class TritonLauncher:
         function = FUNCTIONS[kernel]
         if kernel is Kernel.DKDV and not switches.atomic_dq:  # no dq sum: any pointer and strides stand for it
             args = [*args, args[4], 0, 0, 0]
-        descriptors = kernel is Kernel.FORWARD and uses_descriptors(call, switches)
-        constants = kernel_constants(kernel, *call.head_dims, call.q.dtype, switches, descriptors)
+        described = uses_descriptors(kernel, call, args, switches)
+        constants = kernel_constants(kernel, *call.head_dims, call.q.dtype, switches, described)
         if kernel is Kernel.DELTA:
             rows = INTERPRETER_CONFIG.block_m if INTERPRETED else DELTA_BLOCK_M
             function[grid.blocks(rows, rows)](*args, **constants, BLOCK_M=rows)
             return
 
         def launch(config: TileConfig) -> None:
-            tiles: tuple[Any, ...] = ()
-            if kernel is Kernel.FORWARD:
-                tiles = kv_descriptors(call, config.block_n, constants["BLOCK_D"]) if descriptors else (None, None)
+            tiles = descriptors(kernel, args, config, constants["BLOCK_D"]) if described else (None, None)
             function[grid.blocks(config.block_m, config.block_n)](
                 *args,
                 *tiles,
