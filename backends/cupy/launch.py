@@ -164,6 +164,12 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 }
 
 
+#: Where the one-pass backward runs (CudaKernels.one_pass_backward): the register-resident dK/dV with atomic dq keeps
+#: every value in registers up to this padded head dim and without these switches; at D = 128 (causal on sm_80, a
+#: window on sm_90) and with a bias and dbias (sm_80) ptxas spills (docs/cupy.md, "The one-pass backward").
+ONE_PASS_MAX_HEAD_DIM = 64
+ONE_PASS_EXCLUDED = ("cosine", "has_bias")
+
 #: The kernels with a register-resident body (-DREGISTER_<KERNEL>); Δ has only its one-row-per-thread body.
 REGISTER_KERNELS = (Kernel.FORWARD, Kernel.DQ, Kernel.DKDV)
 
@@ -215,9 +221,9 @@ def shared_memory_bytes(
 #: The switches each kernel reads; the others are compiled as 0, so kernels of one call share compiled modules.
 _SWITCHES = frozenset(field.name for field in fields(KernelSwitches))
 KERNEL_SWITCHES: dict[str, frozenset[str]] = {
-    Kernel.FORWARD: _SWITCHES - {"has_dlse", "has_dbias", "grad_float32"},
+    Kernel.FORWARD: _SWITCHES - {"has_dlse", "has_dbias", "grad_float32", "atomic_dq"},
     Kernel.DELTA: frozenset({"has_dlse"}),
-    Kernel.DQ: _SWITCHES - {"has_dlse", "has_dbias", "paged", "split_k"},
+    Kernel.DQ: _SWITCHES - {"has_dlse", "has_dbias", "paged", "split_k", "atomic_dq"},
     Kernel.DKDV: _SWITCHES - {"has_dlse", "paged", "split_k"},
 }
 
@@ -397,6 +403,21 @@ class CudaKernels:
 
     def __init__(self, launcher: Launcher) -> None:
         self.launcher = launcher
+
+    def one_pass_backward(self, call: KernelCall) -> bool:
+        """The one-pass backward (the dK/dV kernel adds dU K into a float32 dq sum atomically, no dQ kernel) where
+        dK/dV runs its register-resident body and compiles lean with the atomics: head dims up to
+        ONE_PASS_MAX_HEAD_DIM, none of ONE_PASS_EXCLUDED, q, k and v on 16-byte rows; on every arch and in the
+        emulator alike. Asked only when deterministic results are not (KernelBackend.deterministic). Should dout's
+        rows be off 16 bytes, the shared-memory dK/dV body adds the same sum."""
+        head_dim, head_dim_v = call.head_dims
+        dtype = str(call.q.dtype).removeprefix("torch.")
+        return (
+            register_resident(Kernel.DKDV, dtype, head_dim, head_dim_v, call.switches)
+            and max(padded_head_dim(head_dim), padded_head_dim(head_dim_v)) <= ONE_PASS_MAX_HEAD_DIM
+            and not any(getattr(call.switches, name) for name in ONE_PASS_EXCLUDED)
+            and aligned_for_async_copies(call.q, call.k, call.v)
+        )
 
     def run(self, kernel: Kernel, call: KernelCall, grid: Grid, args: list[Any], switches: KernelSwitches) -> None:
         head_dim, head_dim_v = call.head_dims

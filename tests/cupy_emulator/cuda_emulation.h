@@ -18,8 +18,9 @@
 // from the wrong lane computes a wrong result here too: mma_m16n8k16 (each lane publishes its A, B registers, then
 // computes its own four C elements from the lanes that hold each operand element), ldmatrix_x4(_trans) (each lane
 // publishes its row address, then reads its two elements of each 8x8 matrix from the lane that addressed that row),
-// and cp.async (cp_async_16 queues the copy in the thread's open group, cp_async_commit closes the group, and the
-// copies land only at a cp_async_wait that waits for their group: a read before the wait sees the old contents).
+// cp.async (cp_async_16 queues the copy in the thread's open group, cp_async_commit closes the group, and the
+// copies land only at a cp_async_wait that waits for their group: a read before the wait sees the old contents), and
+// movmatrix_trans (each lane publishes its register, then reads its two elements of the transpose from their owners).
 
 #pragma once
 
@@ -131,6 +132,8 @@ inline T __shfl_sync(unsigned, T value, int source, int = 32) {
     return result;
 }
 
+// Read-modify-write in one step. A block's fibers switch only at barriers and blocks run one after another, so no other
+// thread can come between the read and the write; the atomic_ref keeps it so for any scheduler.
 template <class T>
 inline T atomicAdd(T* address, T value) {
     return std::atomic_ref<T>(*address).fetch_add(value);
@@ -371,6 +374,22 @@ inline void cp_async_wait() {
         }
         committed.erase(committed.begin());
     }
+}
+
+// movmatrix.sync.aligned.m8n8.trans.b16: lane l holds elements (l/4, 2(l%4)) and (l/4, 2(l%4)+1) of an 8x8 matrix
+// (the low half first) and receives the same two elements of its transpose, i.e. (2(l%4), l/4) and (2(l%4)+1, l/4)
+// of the original, which lanes 4·2(l%4) + (l/4)/2 and the next row's hold in their half (l/4)%2.
+inline unsigned movmatrix_trans(unsigned x) {
+    auto& slots = emu::warp_slots[emu::current / 32];
+    slots[emu::lane()] = x;
+    __syncwarp();
+    const unsigned group = emu::lane() / 4, pair = 2 * (emu::lane() % 4);
+    auto element = [&](unsigned row, unsigned col) {  // of the original matrix
+        return emu::half_bits(static_cast<std::uint32_t>(slots[4 * row + col / 2]), col % 2);
+    };
+    const unsigned result = element(pair, group) | static_cast<unsigned>(element(pair + 1, group)) << 16;
+    __syncwarp();
+    return result;
 }
 
 // ex2.approx.ftz.f32 (relative error 2^-22 on the GPU), here the host's exp2f.

@@ -7,8 +7,8 @@
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
 // NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_FORWARD / REGISTER_DQ / REGISTER_DKDV (which
 // body that kernel compiles), and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS,
-// HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K
-// (0 or 1): a call without a feature compiles without its code.
+// HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K,
+// ATOMIC_DQ (0 or 1): a call without a feature compiles without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -96,6 +96,12 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 __device__ __forceinline__ void assign(float& dst, float x) { dst = x; }
 __device__ __forceinline__ void assign(__half& dst, float x) { dst = __float2half(x); }
 __device__ __forceinline__ void assign(__nv_bfloat16& dst, float x) { dst = __float2bfloat16(x); }
+// x rounded to the element type (as an operand of a tensor-core product would be), in float32.
+__device__ __forceinline__ float rounded(float x) {
+    elem_t y;
+    assign(y, x);
+    return to_float(y);
+}
 
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 
@@ -300,6 +306,14 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// The transpose of an 8x8 matrix of 16-bit elements held as one register per lane in the mma fragment layout (lane
+// l: row l/4, columns 2·(l%4) and +1): a C fragment's pair becomes the same pair of the transposed matrix.
+__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
+    unsigned y;
+    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
     return y;
 }
 #endif
@@ -1051,7 +1065,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 }
 
 // dk, dv (and dS into the full-shape float32 dbias) for one key tile of one (batch, kv head). Grid (key tiles,
-// Hkv, B). The G query heads sharing the kv head are summed here, so no atomics are needed.
+// Hkv, B). The G query heads sharing the kv head are summed here, so dk and dv need no atomics. With ATOMIC_DQ (the
+// one-pass backward: no dQ kernel recomputes S and dP) each tile's dU K is also added into the float32 sum dq_sum
+// (B, Hq, Lq, D) by atomicAdd, in an order that varies between runs; the caller scales and rounds it once.
+#if ATOMIC_DQ
+#define DQ_SUM_PARAMETERS , float *__restrict__ dq_sum, index_t dq_b, index_t dq_h, index_t dq_m
+#else
+#define DQ_SUM_PARAMETERS
+#endif
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     attention_backward_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                             const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
@@ -1066,7 +1087,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                             index_t dv_h, index_t dv_n, index_t bias_b, index_t bias_h, index_t bias_m,
                             index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n,
                             int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
-                            float grad_scale, int lower, int upper) {
+                            float grad_scale, int lower, int upper DQ_SUM_PARAMETERS) {
     const int key_start = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
@@ -1125,6 +1146,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     // queries per warp; Pᵀ and dSᵀ rounded to the input type, reused from registers as A operands):
     //   Sᵀ = K Qᵀ;  Pᵀ = 2^(fold · Sᵀ − lse₂);  dV += Pᵀ dO;  dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ⊙ (dPᵀ − Δ);  dbias = dS
     //   dUᵀ = dSᵀ ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ Q
+    //   ATOMIC_DQ: dq_sum += dU K, atomically (dU, the A operand, is dUᵀ's fragment transposed by movmatrix)
     // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
     auto tile = [&](bool masked) {
         cp_async_wait<0>();
@@ -1210,6 +1232,28 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                 mma_m16n8k16<elem_t>(dk_acc[jd], ds_a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dk_acc[jd + 1], ds_a, {b[2], b[3]});
             }
+#if ATOMIC_DQ
+            // dU (queries 16kk.. × the warp's 16 keys) as an A fragment: each 8x8 block of dUᵀ transposed in place.
+            const unsigned du_a[4] = {movmatrix_trans(ds_a[0]), movmatrix_trans(ds_a[2]), movmatrix_trans(ds_a[1]),
+                                      movmatrix_trans(ds_a[3])};
+            float* dq_rows = dq_sum + batch * dq_b + head * dq_h + (row_start + 16 * kk + lane_row) * dq_m + pair;
+            const bool row_live[2] = {!masked || row_start + 16 * kk + lane_row < g.q_len,
+                                      !masked || row_start + 16 * kk + lane_row + 8 < g.q_len};
+#pragma unroll
+            for (int jd = 0; jd < D_BLOCKS; jd += 2) {  // B = K: the warp's keys, columns 8jd..8jd+15, transposed
+                unsigned b[4];
+                ldmatrix_x4_trans(b, k_tile + swizzled<BLOCK_D>(16 * warp + lane % 16, jd + lane / 16));
+                float dq[2][4] = {};
+                mma_m16n8k16<elem_t>(dq[0], du_a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(dq[1], du_a, {b[2], b[3]});
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int i = 0; i < 4; ++i)  // rows g (i < 2) and g + 8, columns pair, pair + 1
+                        if (8 * (jd + half) < HEAD_DIM && row_live[i / 2])
+                            atomicAdd(dq_rows + 8 * (i / 2) * dq_m + 8 * (jd + half) + i % 2, dq[half][i]);
+            }
+#endif
         }
         head = next_head;
         row_start = next_row;
@@ -1268,7 +1312,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     const SegmentRange k_range = segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k);
     // Over the G query heads of this kv head and the query tiles that see this key tile:
     //   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
-    //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q
+    //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q;  ATOMIC_DQ: dq_sum += dU K, atomically
     for (int head = head_kv * group; head < head_kv * group + group; ++head) {
         const Planes planes = planes_of(mask, bias, strides, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
@@ -1288,7 +1332,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
             __syncthreads();
             for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += NUM_THREADS) {
                 const int r = idx / BLOCK_N, c = idx % BLOCK_N, row = row_start + r, col = key_start + c;
-                float p = 0.0f, ds = 0.0f;
+                float p = 0.0f, ds = 0.0f, ds_q = 0.0f;
                 if (visible(row, col, g, lower, upper, planes)) {
                     const Score sc =
                         score(s_tile[idx], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes);
@@ -1296,15 +1340,28 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                     ds = p * (dp_tile[idx] - delta_tile[r]);
                     if (HAS_DBIAS) dbias[(row_base + row) * len_k + col] = ds;
                     if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;
+                    ds_q = COSINE ? ds * k_inverse[c] : ds;  // dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
                     if (COSINE) ds *= q_inverse[r];  // dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
                 }
                 assign(p_tile[idx], p);
                 assign(ds_tile[idx], ds);
+                if (ATOMIC_DQ) dp_tile[idx] = rounded(ds_q);  // dP is spent: it holds dU for dq_sum
             }
             __syncthreads();
             tile_mma<BLOCK_N, BLOCK_DV, BLOCK_M, true, false, true>(dv_acc, BLOCK_DV, p_tile, BLOCK_N, do_tile,
                                                                     BLOCK_DV);
             tile_mma<BLOCK_N, BLOCK_D, BLOCK_M, true, false, true>(dk_acc, BLOCK_D, ds_tile, BLOCK_N, q_tile, BLOCK_D);
+#if ATOMIC_DQ
+            // dq_sum += dU K, element by element (the one-pass backward where the register body does not run).
+            for (int idx = threadIdx.x; idx < BLOCK_M * HEAD_DIM; idx += NUM_THREADS) {
+                const int r = idx / HEAD_DIM, d = idx % HEAD_DIM, row = row_start + r;
+                if (row >= g.q_len) continue;
+                float sum = 0.0f;
+                for (int c = 0; c < BLOCK_N; ++c)
+                    sum = fmaf(dp_tile[r * BLOCK_N + c], to_float(k_tile[c * BLOCK_D + d]), sum);
+                atomicAdd(dq_sum + batch * dq_b + head * dq_h + row * dq_m + d, sum);
+            }
+#endif
             __syncthreads();
         }
     }
