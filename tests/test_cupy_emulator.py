@@ -238,19 +238,19 @@ REGISTER_BACKWARD_DEFECTS = {
 }
 
 
-def _register_backward_errors(launcher: EmulatorLauncher) -> dict[str, float]:
+def _register_backward_errors(launcher: EmulatorLauncher, deterministic: bool = True) -> dict[str, float]:
     generator = torch.Generator().manual_seed(2)
     q, dout = (torch.randn(1, 4, 70, 32, generator=generator).half() for _ in range(2))
     k, v = (torch.randn(1, 2, 70, 32, generator=generator).half() for _ in range(2))
     spec, inputs = AttentionSpec(window=(20, 40)), AttentionInputs(q, k, v)
     kernels = launch.CudaKernels(launcher)
     out, lse = attention_forward(kernels, spec, inputs)
-    grads = attention_backward(kernels, spec, inputs, out, lse, dout, None, need_dbias=False)[:3]
+    grads = attention_backward(kernels, spec, inputs, out, lse, dout, None, need_dbias=False, deterministic=deterministic)
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
     expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
     return {
         name: (got.double() - want).abs().nan_to_num(float("inf")).max().item()
-        for name, got, want in zip(("dq", "dk", "dv"), grads, expected)
+        for name, got, want in zip(("dq", "dk", "dv"), grads[:3], expected)
     }
 
 
@@ -264,6 +264,40 @@ def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> Non
     kernel, old, new = REGISTER_BACKWARD_DEFECTS[defect]
     errors = _register_backward_errors(_OneKernelFrom(kernel, _copy(tmp_path, (old, new))))
     assert max(errors.values()) > 5e-2, f"the emulator did not notice the {defect}: {errors}"
+
+
+# The one-pass backward (not deterministic): the register dK/dV adds dU K into the float32 dq sum, over three key tiles
+# of two warps each and two query heads per kv head. (A plain `+=` in place of atomicAdd is not among them: the
+# emulator's threads switch only at barriers, so a read-modify-write is never interrupted there.)
+ONE_PASS_DEFECTS = {
+    # Each warp's partial stored over the sum instead of added to it: the other warps' and key tiles' parts are lost.
+    "dq stored, not added": (
+        "atomicAdd(dq_rows + 8 * (i / 2) * dq_m + 8 * (jd + half) + i % 2, dq[half][i]);",
+        "dq_rows[8 * (i / 2) * dq_m + 8 * (jd + half) + i % 2] = dq[half][i];",
+    ),
+    # dU's A fragment from the four transposed blocks in dUᵀ's order: query rows g+8 and keys 8..15 trade places.
+    "dU fragment out of layout": (
+        "{movmatrix_trans(ds_a[0]), movmatrix_trans(ds_a[2]), movmatrix_trans(ds_a[1]),",
+        "{movmatrix_trans(ds_a[0]), movmatrix_trans(ds_a[1]), movmatrix_trans(ds_a[2]),",
+    ),
+    # The second 8-column block of each ldmatrix pair never added: a dropped atomic contribution.
+    "a dropped dq contribution": (
+        "for (int half = 0; half < 2; ++half)\n#pragma unroll\n                    for (int i = 0; i < 4; ++i)  // rows g",
+        "for (int half = 0; half < 1; ++half)\n#pragma unroll\n                    for (int i = 0; i < 4; ++i)  // rows g",
+    ),
+}
+
+
+def test_the_unmodified_one_pass_backward_agrees() -> None:
+    errors = _register_backward_errors(EmulatorLauncher(), deterministic=False)
+    assert max(errors.values()) < 5e-3, errors
+
+
+@pytest.mark.parametrize("defect", list(ONE_PASS_DEFECTS))
+def test_a_defective_one_pass_backward_fails(defect: str, tmp_path: Path) -> None:
+    copy = _copy(tmp_path, ONE_PASS_DEFECTS[defect])
+    errors = _register_backward_errors(_OneKernelFrom("backward_dkdv", copy), deterministic=False)
+    assert errors["dq"] > 5e-2, f"the emulator did not notice the {defect}: {errors}"
 
 
 class _Recording(EmulatorLauncher):
@@ -299,6 +333,60 @@ def test_half_views_off_16_byte_rows_take_the_shared_memory_backward() -> None:
         expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
         for got, want in zip(grads, expected):
             assert (got.double() - want).abs().max().item() < 5e-3
+
+
+def test_dout_off_16_byte_rows_takes_the_shared_memory_one_pass_backward() -> None:
+    """With q, k and v on 16-byte rows the backward runs in one pass; a dout whose rows start 8 bytes in compiles
+    the shared-memory dK/dV, which adds dU K into the float32 dq sum element by element, and agrees with the
+    oracle."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 37, 32, generator=generator).half() for _ in range(3))
+    dout = torch.randn(1, 2, 37, 36, generator=generator).half()[..., 4:]
+    spec, inputs = AttentionSpec(window=(5, 20)), AttentionInputs(q, k, v)
+    launcher = _Recording()
+    kernels = launch.CudaKernels(launcher)
+    out, lse = attention_forward(kernels, spec, inputs)
+    grads = attention_backward(kernels, spec, inputs, out, lse, dout, None, need_dbias=False, deterministic=False)
+    assert "backward_dq" not in launcher.options
+    assert "-DATOMIC_DQ=1" in launcher.options["backward_dkdv"]
+    assert "-DREGISTER_DKDV=0" in launcher.options["backward_dkdv"]
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
+    for got, want in zip(grads[:3], expected):
+        assert (got.double() - want).abs().max().item() < 5e-3
+
+
+@pytest.mark.parametrize("asked", ["nothing", "torch", "config"])
+def test_backward_scheme_follows_deterministic_settings(asked: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At head dims up to 64 in float16 / bfloat16 the cupy backward runs in one pass (dK/dV adds dq atomically, no
+    dQ kernel) unless deterministic results are asked for, by torch.use_deterministic_algorithms(True) or the
+    backend's ``deterministic`` option in the config: then as dQ and dK/dV kernels, each gradient element written
+    by one block. Both agree with the oracle where dq sums three key tiles of two warps each, under GQA."""
+    import contextlib
+
+    from attnkit.contract.kernels import Kernel
+    from attnkit.testing import Case, assert_backends_agree
+
+    launched = []
+    run = launch.CudaKernels.run
+
+    def recording(self, kernel, call, grid, args, switches):  # type: ignore[no-untyped-def]
+        launched.append((kernel, switches.atomic_dq))
+        return run(self, kernel, call, grid, args, switches)
+
+    monkeypatch.setattr(launch.CudaKernels, "run", recording)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(asked == "torch")
+    config = {"backend_options": {"cupy-emulated": {"deterministic": True}}}
+    case = Case(spec=AttentionSpec(causal=True), len_q=50, len_k=70, heads_q=4, heads_kv=2, dtype="float16")
+    try:
+        with attnkit.use_config(config) if asked == "config" else contextlib.nullcontext():
+            assert_backends_agree(case, backends=["cupy-emulated"])
+    finally:
+        torch.use_deterministic_algorithms(before)
+    backward = [(kernel, atomic) for kernel, atomic in launched if kernel in (Kernel.DQ, Kernel.DKDV)]
+    expected = [(Kernel.DKDV, True)] if asked == "nothing" else [(Kernel.DQ, False), (Kernel.DKDV, False)]
+    assert backward == expected
 
 
 def test_a_barrier_in_divergent_code_is_reported(tmp_path: Path) -> None:

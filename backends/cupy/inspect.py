@@ -54,9 +54,12 @@ NO_SPILL_HEAD_DIMS = (64, 128)
 FEATURE_SETS = {
     "plain": KernelSwitches(),
     "all": KernelSwitches.all(),
-    # The one-pass backward's dK/dV (atomic dq): alone, and with every switch it runs with (launch.ONE_PASS_EXCLUDED).
+    # The one-pass backward's dK/dV (atomic dq): alone, and with every switch it runs with: not those of
+    # launch.ONE_PASS_EXCLUDED, nor dbias (which needs a bias) and float32 gradients (the cosine variant's).
     "one-pass": KernelSwitches(atomic_dq=True),
-    "one-pass-all": KernelSwitches.all().with_(**dict.fromkeys(launch.ONE_PASS_EXCLUDED, False)),
+    "one-pass-all": KernelSwitches.all().with_(
+        **dict.fromkeys((*launch.ONE_PASS_EXCLUDED, "has_dbias", "grad_float32"), False)
+    ),
 }
 ONE_PASS_FEATURES, ONE_PASS_KERNELS, ONE_PASS_DTYPES = ("one-pass", "one-pass-all"), ("backward_dkdv",), DTYPES[:2]
 NVCC_FLAGS = ("-std=c++17", "-O3", "-fatbin", "-Xptxas", "-v", "-x", "cu")
