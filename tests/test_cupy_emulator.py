@@ -272,8 +272,9 @@ def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> Non
 ONE_PASS_DEFECTS = {
     # Each warp's partial stored over the sum instead of added to it: the other warps' and key tiles' parts are lost.
     "dq stored, not added": (
-        "atomicAdd(dq_rows + 8 * (i / 2) * dq_m + 8 * (jd + half) + i % 2, dq[half][i]);",
-        "dq_rows[8 * (i / 2) * dq_m + 8 * (jd + half) + i % 2] = dq[half][i];",
+        "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h],",
+        "[](float* to, float low, float high) { to[0] = low, to[1] = high; }(dq_rows + 8 * h * dq_m + 8 * (jd + half), "
+        "dq[half][2 * h],",
     ),
     # dU's A fragment from the four transposed blocks in dUᵀ's order: query rows g+8 and keys 8..15 trade places.
     "dU fragment out of layout": (
@@ -282,8 +283,8 @@ ONE_PASS_DEFECTS = {
     ),
     # The second 8-column block of each ldmatrix pair never added: a dropped atomic contribution.
     "a dropped dq contribution": (
-        "for (int half = 0; half < 2; ++half)\n#pragma unroll\n                    for (int i = 0; i < 4; ++i)  // rows g",
-        "for (int half = 0; half < 1; ++half)\n#pragma unroll\n                    for (int i = 0; i < 4; ++i)  // rows g",
+        "for (int half = 0; half < 2; ++half)\n#pragma unroll\n                    for (int h = 0; h < 2; ++h)  // rows g",
+        "for (int half = 0; half < 1; ++half)\n#pragma unroll\n                    for (int h = 0; h < 2; ++h)  // rows g",
     ),
 }
 

@@ -392,6 +392,13 @@ inline unsigned movmatrix_trans(unsigned x) {
     return result;
 }
 
+// atomic_add_pair: on sm_90 one 8-byte vector atomic (float2 atomicAdd), whose address must be 8-byte aligned.
+inline void atomic_add_pair(float* address, float low, float high) {
+    if (reinterpret_cast<std::uintptr_t>(address) % 8 != 0) emu::fail("atomic_add_pair: address not 8-byte aligned");
+    atomicAdd(address, low);
+    atomicAdd(address + 1, high);
+}
+
 // ex2.approx.ftz.f32 (relative error 2^-22 on the GPU), here the host's exp2f.
 inline float exp2_approx(float x) { return exp2f(x); }
 
