@@ -95,8 +95,8 @@ BACKWARD_DEFECTS = {
     # dK without the softcap's derivative 1 − tanh²(U/c).
     "missing softcap factor in dK/dV": (
         "backward_dkdv",
-        "if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;\n                    if (COSINE) ds *= q_inverse[r];",
-        "if (COSINE) ds *= q_inverse[r];",
+        "if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;\n                    ds_q = COSINE",
+        "ds_q = COSINE",
     ),
     # Δ = rowsum(dO ⊙ O) without − dlse: lse's cotangent is lost.
     "missing dlse term in Δ": (
