@@ -5,9 +5,9 @@ missing dlse term in Δ) on dq, dk and dv; in the register-resident float16 forw
 fragment registers out of the mma layout's order, V read without the swizzle, a tile the band cuts run unmasked),
 which also shows that the emulated mma.sync, ldmatrix and cp.async keep the PTX layouts and timing the kernel relies
 on; and in each register-resident float16 backward kernel (a missing cp.async wait, dS's fragment out of order, a tile
-the band cuts run unmasked) on dq, dk and dv; and in the one-pass backward's dK/dV (dq stored instead of added, dU's
-fragment out of order, a dropped contribution) on dq, where the shared-memory dK/dV adds the same sum when dout's rows
-are off 16 bytes. Also the harness's own guard: a barrier in divergent code is reported, not a hang."""
+the band cuts run unmasked) on dq, dk and dv; and in the one-pass backward's dK/dV (dq stored instead of added, a
+missing barrier before dU K, a dropped contribution) on dq, where the shared-memory dK/dV adds the same sum when
+dout's rows are off 16 bytes. Also the harness's own guard: a barrier in divergent code is reported, not a hang."""
 
 from __future__ import annotations
 
@@ -269,25 +269,23 @@ def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> Non
     assert max(errors.values()) > 5e-2, f"the emulator did not notice the {defect}: {errors}"
 
 
-# The one-pass backward (not deterministic): the register dK/dV adds dU K into the float32 dq sum, over three key tiles
-# of two warps each and two query heads per kv head. (A plain `+=` in place of atomicAdd is not among them: the
-# emulator's threads switch only at barriers, so a read-modify-write is never interrupted there.)
+# The one-pass backward (not deterministic): the register dK/dV gathers its warps' dUᵀ in shared memory and adds dU K
+# into the float32 dq sum, over three key tiles of two warps each and two query heads per kv head. (A plain `+=` in
+# place of the atomic is not among them: the emulator's threads switch only at barriers, so a read-modify-write is
+# never interrupted there.)
 ONE_PASS_DEFECTS = {
-    # Each warp's partial stored over the sum instead of added to it: the other warps' and key tiles' parts are lost.
+    # Each block's part stored over the sum instead of added to it: the other key tiles' parts are lost.
     "dq stored, not added": (
-        "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h],",
-        "[](float* to, float low, float high) { to[0] = low, to[1] = high; }(dq_rows + 8 * h * dq_m + 8 * (jd + half), "
-        "dq[half][2 * h],",
+        "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h], dq[half][2 * h + 1]);",
+        "dq_rows[8 * h * dq_m + 8 * (jd + half)] = dq[half][2 * h], dq_rows[8 * h * dq_m + 8 * (jd + half) + 1] = "
+        "dq[half][2 * h + 1];",
     ),
-    # dU's A fragment from the four transposed blocks in dUᵀ's order: query rows g+8 and keys 8..15 trade places.
-    "dU fragment out of layout": (
-        "{movmatrix_trans(ds_a[0]), movmatrix_trans(ds_a[2]), movmatrix_trans(ds_a[1]),",
-        "{movmatrix_trans(ds_a[0]), movmatrix_trans(ds_a[1]), movmatrix_trans(ds_a[2]),",
-    ),
+    # dU K read before every warp has stored its rows of dUᵀ.
+    "missing barrier before dU K": ("__syncthreads();  // the whole dUᵀ tile is stored", ""),
     # The second 8-column block of each ldmatrix pair never added: a dropped atomic contribution.
     "a dropped dq contribution": (
-        "if (8 * (jd + half) < HEAD_DIM && row_live[h])",
-        "if (8 * (jd + half) < HEAD_DIM && row_live[h] && half == 0)",
+        "if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len))",
+        "if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len) && half == 0)",
     ),
 }
 

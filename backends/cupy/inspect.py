@@ -300,7 +300,13 @@ def inspect_variant(variant: Variant) -> Result:
         spill_store_bytes=entry["stores"],
         spill_load_bytes=entry["loads"],
         shared_bytes=launch.shared_memory_bytes(
-            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype, _register_resident(variant)
+            variant.kernel,
+            tile,
+            variant.head_dim,
+            variant.head_dim,
+            variant.dtype,
+            _register_resident(variant),
+            variant.features in ONE_PASS_FEATURES,
         ),
         hmma=len(re.findall(r"\bHMMA\.", sass)),
         warnings=[line for line in report["ptxas"].splitlines() if "warning" in line.lower()],

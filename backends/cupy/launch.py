@@ -130,6 +130,8 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
         ("2M", 1, "float"),  # base-2 lse, two stages
         ("2M", 1, "float"),  # delta, two stages
     ),
+    # With ATOMIC_DQ (the one-pass backward), after the register dK/dV's regions: the dUᵀ tile.
+    "register_backward_dkdv_atomic_dq": (("N", "M", "elem"),),
     "backward_delta": (),
     "backward_dq": (
         ("M", "D", "elem"),
@@ -199,9 +201,16 @@ def aligned_for_async_copies(*tensors: torch.Tensor) -> bool:
 
 
 def shared_memory_bytes(
-    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, registers: bool = False
+    kernel: str,
+    tile: TileConfig,
+    head_dim: int,
+    head_dim_v: int,
+    dtype: str,
+    registers: bool = False,
+    atomic_dq: bool = False,
 ) -> int:
-    """Bytes of dynamic shared memory a kernel's launch asks for: of its register-resident body when registers."""
+    """Bytes of dynamic shared memory a kernel's launch asks for: of its register-resident body when registers, with
+    the one-pass backward's dUᵀ tile when atomic_dq too."""
     sizes = {
         "M": tile.block_m,
         "N": tile.block_n,
@@ -212,7 +221,10 @@ def shared_memory_bytes(
     }
     element = {"elem": ELEMENT_BYTES[dtype], "float": 4}
     total = 0
-    for rows, cols, kind in SHARED_REGIONS[f"register_{kernel}" if registers else kernel]:
+    regions = SHARED_REGIONS[f"register_{kernel}" if registers else kernel]
+    if registers and atomic_dq:
+        regions += SHARED_REGIONS[f"register_{kernel}_atomic_dq"]
+    for rows, cols, kind in regions:
         count = sizes.get(rows, 1) * sizes.get(cols, 1)
         total += -(-count * element[kind] // 128) * 128
     return total
@@ -430,6 +442,6 @@ class CudaKernels:
             *operands
         )
         options = compile_options(dtype, head_dim, head_dim_v, tile, switches, kernel if registers else None)
-        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, registers)
+        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, registers, switches.atomic_dq)
         blocks = grid.blocks(tile.block_m, tile.block_n)
         self.launcher.launch(kernel, options, blocks, (tile.num_warps * 32, 1, 1), shared, args)

@@ -309,14 +309,6 @@ __device__ __forceinline__ float exp2_approx(float x) {
     return y;
 }
 
-// The transpose of an 8x8 matrix of 16-bit elements held as one register per lane in the mma fragment layout (lane
-// l: row l/4, columns 2·(l%4) and +1): a C fragment's pair becomes the same pair of the transposed matrix.
-__device__ __forceinline__ unsigned movmatrix_trans(unsigned x) {
-    unsigned y;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(y) : "r"(x));
-    return y;
-}
-
 // address[0] += low, address[1] += high, each atomically: one 8-byte vector reduction on sm_90 (address 8-byte
 // aligned), two scalar ones before.
 __device__ __forceinline__ void atomic_add_pair(float* address, float low, float high) {
@@ -1119,6 +1111,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     elem_t* do_stages = cursor.take<elem_t>(2 * BLOCK_M * BLOCK_DV);
     float* lse_stages = cursor.take<float>(2 * BLOCK_M);  // base 2
     float* delta_stages = cursor.take<float>(2 * BLOCK_M);
+#if ATOMIC_DQ
+    elem_t* du_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_M);  // dUᵀ of the current query tile, swizzled
+#endif
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
 
     int first, end;
@@ -1157,7 +1152,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     // queries per warp; Pᵀ and dSᵀ rounded to the input type, reused from registers as A operands):
     //   Sᵀ = K Qᵀ;  Pᵀ = 2^(fold · Sᵀ − lse₂);  dV += Pᵀ dO;  dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ⊙ (dPᵀ − Δ);  dbias = dS
     //   dUᵀ = dSᵀ ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ Q
-    //   ATOMIC_DQ: dq_sum += dU K, atomically (dU, the A operand, is dUᵀ's fragment transposed by movmatrix)
+    //   ATOMIC_DQ: dq_sum += dU K, atomically, once per block (the warps' dUᵀ gathered in shared memory)
     // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
     auto tile = [&](bool masked) {
         cp_async_wait<0>();
@@ -1244,29 +1239,44 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                 mma_m16n8k16<elem_t>(dk_acc[jd + 1], ds_a, {b[2], b[3]});
             }
 #if ATOMIC_DQ
-            // dU (queries 16kk.. × the warp's 16 keys) as an A fragment: each 8x8 block of dUᵀ transposed in place.
-            const unsigned du_a[4] = {movmatrix_trans(ds_a[0]), movmatrix_trans(ds_a[2]), movmatrix_trans(ds_a[1]),
-                                      movmatrix_trans(ds_a[3])};
-            float* dq_rows = dq_sum + batch * dq_b + head * dq_h + (row_start + 16 * kk + lane_row) * dq_m + pair;
-            const bool row_live[2] = {!masked || row_start + 16 * kk + lane_row < g.q_len,
-                                      !masked || row_start + 16 * kk + lane_row + 8 < g.q_len};
+            // The block's dUᵀ tile (keys × queries) gathers every warp's rows: ds_a[i] holds key g + 8(i%2), queries
+            // 16kk + 8(i/2) + pair, pair + 1.
 #pragma unroll
-            for (int jd = 0; jd < D_BLOCKS; jd += 2) {  // B = K: the warp's keys, columns 8jd..8jd+15, transposed
-                unsigned b[4];
-                ldmatrix_x4_trans(b, k_tile + swizzled<BLOCK_D>(16 * warp + lane % 16, jd + lane / 16));
-                float dq[2][4] = {};
-                mma_m16n8k16<elem_t>(dq[0], du_a, {b[0], b[1]});
-                mma_m16n8k16<elem_t>(dq[1], du_a, {b[2], b[3]});
-#pragma unroll
-                for (int half = 0; half < 2; ++half)
-#pragma unroll
-                    for (int h = 0; h < 2; ++h)  // rows g and g + 8, columns pair and pair + 1
-                        if (8 * (jd + half) < HEAD_DIM && row_live[h])
-                            atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h],
-                                            dq[half][2 * h + 1]);
-            }
+            for (int i = 0; i < 4; ++i)
+                *reinterpret_cast<unsigned*>(
+                    du_tile + swizzled<BLOCK_M>(16 * warp + lane_row + 8 * (i % 2), 2 * kk + i / 2) + pair) = ds_a[i];
 #endif
         }
+#if ATOMIC_DQ
+        __syncthreads();  // the whole dUᵀ tile is stored
+        // dq_sum += dU K over the block's BLOCK_N keys, split between the warps in units of 16 queries × 16 columns;
+        // A = dU by ldmatrix .trans from dUᵀ (as Qᵀ's fragments are read for Sᵀ), B = K transposed.
+        constexpr int UNITS = BLOCK_M / 16 * (D_BLOCKS / 2);
+#pragma unroll
+        for (int step = 0; step < (UNITS + NUM_WARPS - 1) / NUM_WARPS; ++step) {  // unrolled: the tile loop stays innermost
+            const int unit = warp + step * NUM_WARPS;
+            if (UNITS % NUM_WARPS != 0 && unit >= UNITS) break;
+            const int strip = unit / (D_BLOCKS / 2), jd = 2 * (unit % (D_BLOCKS / 2));
+            float dq[2][4] = {};
+#pragma unroll
+            for (int kn = 0; kn < BLOCK_N / 16; ++kn) {
+                unsigned a[4], b[4];
+                ldmatrix_x4_trans(a, du_tile + swizzled<BLOCK_M>(16 * kn + lane % 8 + 8 * (lane / 16),
+                                                                 2 * strip + lane / 8 % 2));
+                ldmatrix_x4_trans(b, k_tile + swizzled<BLOCK_D>(16 * kn + lane % 16, jd + lane / 16));
+                mma_m16n8k16<elem_t>(dq[0], a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(dq[1], a, {b[2], b[3]});
+            }
+            const int row = row_start + 16 * strip + lane_row;
+            float* dq_rows = dq_sum + batch * dq_b + head * dq_h + row * dq_m + pair;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)  // rows g and g + 8, columns pair and pair + 1
+                    if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len))
+                        atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h], dq[half][2 * h + 1]);
+        }
+#endif
         head = next_head;
         row_start = next_row;
         stage ^= 1;
