@@ -114,3 +114,12 @@ def test_wgmma_tiles_are_wide(results: list[dict]) -> None:
     narrow = [f"{_name(r)}: {shape}" for r in plain for shape in r["tensor_shapes"]
               if shape.startswith("HGMMA") and int(shape.split("x")[1]) < 64]  # fmt: skip
     assert not narrow, "wgmma narrower than N = 64:\n" + "\n".join(narrow)
+
+
+def test_hopper_forward_copies_tiles_by_tma(results: list[dict]) -> None:
+    """On sm_90 the forward's interior loop takes its K/V tiles by tensor-descriptor copies (UTMALDG), without
+    features: the copy engine computes the addresses that cp.async made every thread compute."""
+    forward = [r for r in results if r["arch"] == "sm_90" and r["kernel"] == "fwd" and r["features"] == "plain"]
+    assert forward
+    pointer_loads = [_name(r) for r in forward if not r["tma_loads_per_iteration"]]
+    assert not pointer_loads, "sm_90 forward loops without TMA copies:\n" + "\n".join(pointer_loads)

@@ -163,6 +163,7 @@ class LoopMix:
     selects_per_score: float  # SEL/FSEL
     compares_per_score: float  # FSETP/ISETP/...
     loads_per_iteration: int
+    tma_loads_per_iteration: int  # UTMALDG: tensor-descriptor copies (no per-thread addresses)
     barriers_per_iteration: int
     tensor_shapes: tuple[str, ...]
     scores_per_warp: float  # scores one warp's share of an iteration covers
@@ -211,6 +212,7 @@ def loop_mix(
                 selects_per_score=round(loop.count(SELECTS) * per_score, 3),
                 compares_per_score=round(loop.count(COMPARES) * per_score, 3),
                 loads_per_iteration=loop.count(LOADS),
+                tma_loads_per_iteration=loop.count(("UTMALDG",)),
                 barriers_per_iteration=loop.count(BARRIERS),
                 tensor_shapes=loop.tensor_shapes,
                 scores_per_warp=scores,

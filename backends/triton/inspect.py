@@ -116,6 +116,7 @@ KERNEL_OF = {name: kernel for kernel, name in launch.NAMES.items()}
 _FLOAT_ARGS = ("qk_scale", "softcap", "grad_scale")
 _FLOAT32_POINTERS = ("Lse", "Delta", "DLse", "DBias")
 _SEGMENT_POINTERS = ("QSegmentIds", "KvSegmentIds", "QSegmentRanges", "KvSegmentRanges")
+_DESCRIPTORS = ("KTiles", "VTiles")
 _DENSE_STRIDE = re.compile(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]$")
 _FEATURE_STRIDE = re.compile(r"stride_(bias|mask)_([bhmn])$")
 _TRITON_TYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
@@ -194,7 +195,14 @@ def _constants(variant: Variant, tile: launch.TileConfig | None = None) -> tuple
     kernel = KERNEL_OF[variant.kernel]
     dtype = DTYPES[variant.dtype]
     switches = KernelSwitches(**FEATURES[variant.features])
-    constants = launch.kernel_constants(kernel, variant.head_dim, variant.head_dim, dtype, switches)
+    # As launch.uses_descriptors decides for aligned half-precision tensors on Hopper.
+    descriptors = (
+        kernel is Kernel.FORWARD
+        and variant.arch == "sm_90"
+        and dtype != torch.float32
+        and launch.descriptors_serve(switches)
+    )
+    constants = launch.kernel_constants(kernel, variant.head_dim, variant.head_dim, dtype, switches, descriptors)
     if kernel is Kernel.DELTA:
         tile = launch.TileConfig(launch.DELTA_BLOCK_M, 0, 4, 3)  # Triton's launch defaults: 4 warps, 3 stages
         return {**constants, "BLOCK_M": tile.block_m}, tile
@@ -234,6 +242,12 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         feature = _FEATURE_STRIDE.match(name)
         if param.is_constexpr:
             signature[name] = "constexpr"
+        elif name in _DESCRIPTORS:  # K and V as TMA descriptors of one tile, or None (constexpr) without them
+            if constants.get("TMA", False):
+                signature[name] = f"tensordesc<{element}[1,1,{constants['BLOCK_N']},{constants['BLOCK_D']}]>"
+            else:
+                signature[name] = "constexpr"
+                constexprs[name] = None
         elif name[0].isupper():  # a tensor
             if name in float32_pointers:
                 signature[name] = "*fp32"
@@ -376,8 +390,8 @@ def inspect_all(selected: list[Variant], jobs: int = 1) -> Iterator[Result]:
 def violations(results: list[Result]) -> list[str]:
     """The requirements of the static check, broken: no spills at the default tiles for D = 64 and 128 in the
     float16 / bfloat16 dot kernels (NO_SPILL_FEATURES), HMMA on sm_80 and HGMMA on sm_90 in every float16 /
-    bfloat16 dot kernel, and without features wgmma N ≥ 64, an interior loop without selects or repeated products
-    and, at D = 128 on sm_90, within INSTRUCTIONS_PER_SCORE."""
+    bfloat16 dot kernel, and without features wgmma N ≥ 64, an interior loop without selects or repeated products,
+    the sm_90 forward's loop on TMA copies and, at D = 128 on sm_90, within INSTRUCTIONS_PER_SCORE."""
     broken = []
     for result in results:
         variant = result.variant
@@ -402,6 +416,8 @@ def violations(results: list[Result]) -> list[str]:
             broken.append(f"{name}: {mix.selects_per_score} selects per score in the interior loop")
         if mix.tensor_work > 1.0:
             broken.append(f"{name}: {mix.tensor_work}x the products' tensor-core work (a product computed twice)")
+        if variant.kernel == "fwd" and variant.arch == "sm_90" and not mix.tma_loads_per_iteration:
+            broken.append(f"{name}: the interior loop loads K/V without tensor descriptors (no UTMALDG)")
         limit = INSTRUCTIONS_PER_SCORE[variant.kernel]
         if variant.arch == "sm_90" and variant.head_dim == 128 and mix.instructions_per_score > limit:
             broken.append(f"{name}: {mix.instructions_per_score} instructions per score (at most {limit})")
@@ -462,7 +478,8 @@ def to_json(results: list[Result]) -> list[dict[str, Any]]:
         del record["mix"]
         mix = asdict(result.mix) if result.mix is not None else {}
         for name in ("instructions_per_score", "ex2_per_score", "selects_per_score", "compares_per_score",
-                     "loads_per_iteration", "barriers_per_iteration", "tensor_shapes", "tensor_work",
+                     "loads_per_iteration", "tma_loads_per_iteration", "barriers_per_iteration", "tensor_shapes",
+                     "tensor_work",
                      "predicted_tflops", "ceiling_tflops", "bound"):  # fmt: skip
             record[name] = mix.get(name)
         records.append({**record, "tensor_core": result.tensor_core, "loops": mix.get("all_loops")})

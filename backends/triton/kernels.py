@@ -206,6 +206,17 @@ def _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PA
 
 
 @triton.jit
+def _longest_first(program, tiles, REVERSED: tl.constexpr):
+    """The tile a program takes: GPUs start programs in launch order, so the tiles with the most work go first and
+    the last wave holds the shortest ones. Under a causal upper bound the last query tiles see the most keys (the
+    forward and dQ reverse), under a lower bound alone the last key tiles are seen by the most queries (dK/dV)."""
+    if REVERSED:
+        return tiles - 1 - program
+    else:
+        return program
+
+
+@triton.jit
 def _split_range(first, end, split, splits, BLOCK_N: tl.constexpr):
     """Split-K: the ``split``-th of ``splits`` runs of whole key tiles covering [first, end), first tile-aligned;
     empty (first ≥ end) for the ranges past a short span."""
@@ -392,6 +403,9 @@ def _fwd_tile(
     key_start,
     KHead,
     VHead,
+    KTiles,
+    VTiles,
+    head_kv,
     KvSegmentIds,
     BlockTable,
     batch64,
@@ -432,20 +446,26 @@ def _fwd_tile(
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One key tile of the online softmax, in base 2 (``fold`` turns the score tile into log₂-units, row_max is in
     them):  m' = max(m, rowmax S₂);  α = 2^(m − m');  P = 2^(S₂ − m');  l' = α·l + rowsum P;  acc' = α·acc + P V.
     An edge tile may leave a row with no visible key yet (m' = −inf): its shift is taken as 0 so that P and α are
-    2^−inf = 0, never NaN; an interior tile makes every m' finite and needs no such select."""
+    2^−inf = 0, never NaN; an interior tile makes every m' finite and needs no such select. TMA: K and V come
+    through the descriptors KTiles, VTiles (kv head ``head_kv``), not the pointers."""
     cols = key_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
     live_cols, kv_ids = _positions_in_use(KvSegmentIds, batch64, cols, kv_len, len_k, HAS_SEGMENT_IDS)
-    outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
-    k = _load_tile(KHead + (outer * stride_kb + inner * stride_kn)[:, None] + dims[None, :], live_cols, dims,
-                   HEAD_DIM, BLOCK_D, EDGE)  # fmt: skip
-    v = _load_tile(VHead + (outer * stride_vb + inner * stride_vn)[:, None] + dims_v[None, :], live_cols, dims_v,
-                   HEAD_DIM_V, BLOCK_DV, EDGE)  # fmt: skip
+    if TMA:  # tensor descriptors (TMA on Hopper): keys past Lk and the head dim's tail come in as zeros
+        k = tl.reshape(KTiles.load([batch64.to(tl.int32), head_kv, key_start, 0]), [BLOCK_N, BLOCK_D])
+        v = tl.reshape(VTiles.load([batch64.to(tl.int32), head_kv, key_start, 0]), [BLOCK_N, BLOCK_DV])
+    else:
+        outer, inner = _key_places(BlockTable, batch64, cols, live_cols, block_size, max_blocks, PAGED)
+        k = _load_tile(KHead + (outer * stride_kb + inner * stride_kn)[:, None] + dims[None, :], live_cols, dims,
+                       HEAD_DIM, BLOCK_D, EDGE)  # fmt: skip
+        v = _load_tile(VHead + (outer * stride_vb + inner * stride_vn)[:, None] + dims_v[None, :], live_cols,
+                       dims_v, HEAD_DIM_V, BLOCK_DV, EDGE)  # fmt: skip
     k_inv_norm = _inverse_norms(k, COSINE)
     scores, _ = _score_tile(
         q,
@@ -541,6 +561,8 @@ def _fwd_kernel(
     block_size,
     max_blocks,
     splits,
+    KTiles,
+    VTiles,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -563,16 +585,20 @@ def _fwd_kernel(
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     COMPILED: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One query tile of one (batch, query head): out and lse, or with SPLIT_K one key range's partial out and lse
-    (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major."""
+    (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major. With TMA
+    the key tiles come through the descriptors KTiles, VTiles (B, Hkv, Lk, D), whose zero fill past Lk stands for
+    the load masks; K, V and their strides are used otherwise."""
+    tl.static_assert(not (TMA and (PAGED or HAS_KV_LENGTHS or HAS_SEGMENT_IDS)), "descriptors mask only past Lk")
     tile = tl.program_id(0)
     split = 0
+    query_tiles = tl.cdiv(len_q, BLOCK_M)
     if SPLIT_K:
-        query_tiles = tl.cdiv(len_q, BLOCK_M)
         split = tile // query_tiles
         tile = tile % query_tiles
-    row_start = tile * BLOCK_M
+    row_start = _longest_first(tile, query_tiles, HAS_UPPER) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_kv = head // group
@@ -616,11 +642,12 @@ def _fwd_kernel(
         )
         for key_start in range(interior_low, interior_high, BLOCK_N):
             acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds, BlockTable,
-                batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower, upper,
-                block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n,
-                qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER,
-                HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16, DOT_PRECISION, False,
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
+                KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
+                offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
+                HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
+                DOT_PRECISION, False, TMA,
             )  # fmt: skip
     # The edge tiles: [first, interior_low), then [interior_high, end) where interior tiles split them: two affine
     # loops (one loop over a remapped index left ptxas at 128 registers and spilling kilobytes with every feature on).
@@ -631,22 +658,22 @@ def _fwd_kernel(
             meets = (q_low <= k_high) & (k_low <= q_high)
         if meets:
             acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds,
-                BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower,
-                upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
-                stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
-                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
-                DOT_PRECISION, True,
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
+                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
+                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     if not HAS_MASK and not HAS_SEGMENT_IDS:
         for key_start in range(interior_high, end, BLOCK_N):
             acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KvSegmentIds,
-                BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len, offset, lower,
-                upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
-                stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
-                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
-                DOT_PRECISION, True,
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
+                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
+                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
@@ -848,7 +875,7 @@ def _bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
 ):
     """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B)."""
-    row_start = tl.program_id(0) * BLOCK_M
+    row_start = _longest_first(tl.program_id(0), tl.cdiv(len_q, BLOCK_M), HAS_UPPER) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
     head_kv = head // group
@@ -1126,7 +1153,7 @@ def _bwd_dkdv_kernel(
     Grid (key tiles, Hkv, B). The G query heads sharing the kv head are summed here, so dk and dv need no atomics;
     the dq sum's order of additions varies between runs (launch.one_pass_backward says when it is used).
     """
-    key_start = tl.program_id(0) * BLOCK_N
+    key_start = _longest_first(tl.program_id(0), tl.cdiv(len_k, BLOCK_N), HAS_LOWER and not HAS_UPPER) * BLOCK_N
     head_kv = tl.program_id(1)
     batch = tl.program_id(2)
     q_len, kv_len, offset = _batch_geometry(

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from attnkit.contract.kernels import SEGMENT_GRANULE, ArgumentTypes, Grid, Kernel, KernelCall, KernelSwitches
 
@@ -95,8 +96,9 @@ FLOAT32_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
 #: Hopper's own half-precision tiles where they differ, for calls that read nothing beyond q, k, v (no mask, bias,
 #: segment ids or block table, no split-K partials: those spill there, or need more than 227 KB of shared memory).
 #: The forward on 128 × 128 tiles, 8 warps (two warpgroups of 64 rows each, wgmma N = 128) and 3 stages: 8.7
-#: instructions per score at D = 128 and 7.3 at D = 64 against 11.5 and 8.1 on 128 × 64, spill-free, 225 KB of
-#: shared memory at D = 128 (an H100 block has 227 KB); on an A100 the same tile spills at D = 128.
+#: instructions per score at D = 128 (8.0 with tensor descriptors) and 7.3 at D = 64 against 11.5 and 8.1 on
+#: 128 × 64, spill-free, 226 KB of shared memory at D = 128 (an H100 block has 227 KB); on an A100 the same tile
+#: spills at D = 128.
 SM90_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
     "fwd": {
         64: (TileConfig(128, 128, 8, 3), TileConfig(128, 64, 4, 3), TileConfig(128, 128, 8, 2)),
@@ -167,10 +169,16 @@ def padded_head_dim(head_dim: int, head_dim_v: int) -> int:
 
 
 def kernel_constants(
-    kernel: Kernel, head_dim: int, head_dim_v: int, dtype: torch.dtype, switches: KernelSwitches | None = None
+    kernel: Kernel,
+    head_dim: int,
+    head_dim_v: int,
+    dtype: torch.dtype,
+    switches: KernelSwitches | None = None,
+    tensor_descriptors: bool = False,
 ) -> dict[str, Any]:
     """The constexprs of one kernel, tiles aside. ``grad_float32`` has none: the kernels store through pointers
-    typed by the gradient buffers."""
+    typed by the gradient buffers. ``tensor_descriptors``: the forward reads its interior K/V tiles through the
+    descriptors passed after its other arguments (:func:`kv_descriptors`)."""
     switches = switches or KernelSwitches()
     block = padded_head_dim(head_dim, head_dim_v)
     if kernel is Kernel.DELTA:
@@ -198,10 +206,43 @@ def kernel_constants(
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )
     if kernel is Kernel.FORWARD:
-        constants.update(PAGED=switches.paged, SPLIT_K=switches.split_k, COMPILED=not INTERPRETED)
+        constants.update(
+            PAGED=switches.paged, SPLIT_K=switches.split_k, COMPILED=not INTERPRETED, TMA=tensor_descriptors
+        )
     if kernel is Kernel.DKDV:
         constants.update(HAS_DBIAS=switches.has_dbias, ATOMIC_DQ=switches.atomic_dq)
     return constants
+
+
+def descriptors_serve(switches: KernelSwitches) -> bool:
+    """Whether tensor descriptors can serve a forward's K/V tiles: their zero fill past Lk must be exactly the keys
+    out of play (no per-batch kv lengths, segment ids or block table), and the kernel must stay lean (the cosine
+    variant spills with them on sm_90)."""
+    return not (switches.paged or switches.has_kv_lengths or switches.has_segment_ids or switches.cosine)
+
+
+def uses_descriptors(call: KernelCall, switches: KernelSwitches) -> bool:
+    """Whether the forward reads K and V through tensor descriptors: on Hopper in half precision (TMA copies, no
+    address arithmetic in the loop) and under the interpreter (the same kernel code, tested on CPU), where they
+    serve (:func:`descriptors_serve`) and the rows and strides are 16-byte aligned, as a descriptor requires."""
+    if not descriptors_serve(switches):
+        return False
+    if not (INTERPRETED or (call.k.dtype != torch.float32 and arch_of(call.k.device) == "sm_90")):
+        return False
+    return all(
+        x.stride(-1) == 1
+        and x.data_ptr() % 16 == 0
+        and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
+        for x in (call.k, call.v)
+    )
+
+
+def kv_descriptors(call: KernelCall, block_n: int, block_d: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """K and V (B, Hkv, Lk, D) as descriptors of (1, 1, block_n, block_d) tiles: a tile reaching past Lk or D
+    reads zeros there, and never the next head's rows."""
+    return tuple(  # type: ignore[return-value]
+        TensorDescriptor(x, list(x.shape), list(x.stride()), [1, 1, block_n, block_d]) for x in (call.k, call.v)
+    )
 
 
 class _Autotuner:
@@ -251,15 +292,20 @@ class TritonLauncher:
         function = FUNCTIONS[kernel]
         if kernel is Kernel.DKDV and not switches.atomic_dq:  # no dq sum: any pointer and strides stand for it
             args = [*args, args[4], 0, 0, 0]
-        constants = kernel_constants(kernel, *call.head_dims, call.q.dtype, switches)
+        descriptors = kernel is Kernel.FORWARD and uses_descriptors(call, switches)
+        constants = kernel_constants(kernel, *call.head_dims, call.q.dtype, switches, descriptors)
         if kernel is Kernel.DELTA:
             rows = INTERPRETER_CONFIG.block_m if INTERPRETED else DELTA_BLOCK_M
             function[grid.blocks(rows, rows)](*args, **constants, BLOCK_M=rows)
             return
 
         def launch(config: TileConfig) -> None:
+            tiles: tuple[Any, ...] = ()
+            if kernel is Kernel.FORWARD:
+                tiles = kv_descriptors(call, config.block_n, constants["BLOCK_D"]) if descriptors else (None, None)
             function[grid.blocks(config.block_m, config.block_n)](
                 *args,
+                *tiles,
                 **constants,
                 BLOCK_M=config.block_m,
                 BLOCK_N=config.block_n,
