@@ -5,8 +5,9 @@ missing dlse term in Δ) on dq, dk and dv; in the register-resident float16 forw
 fragment registers out of the mma layout's order, V read without the swizzle, a tile the band cuts run unmasked),
 which also shows that the emulated mma.sync, ldmatrix and cp.async keep the PTX layouts and timing the kernel relies
 on; and in each register-resident float16 backward kernel (a missing cp.async wait, dS's fragment out of order, a tile
-the band cuts run unmasked) on dq, dk and dv. Also the harness's own guard: a barrier in divergent code is reported,
-not a hang."""
+the band cuts run unmasked) on dq, dk and dv; and in the one-pass backward's dK/dV (dq stored instead of added, a
+missing barrier before dU K, a dropped contribution) on dq, where the shared-memory dK/dV adds the same sum when
+dout's rows are off 16 bytes. Also the harness's own guard: a barrier in divergent code is reported, not a hang."""
 
 from __future__ import annotations
 
@@ -94,8 +95,8 @@ BACKWARD_DEFECTS = {
     # dK without the softcap's derivative 1 − tanh²(U/c).
     "missing softcap factor in dK/dV": (
         "backward_dkdv",
-        "if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;\n                    if (COSINE) ds *= q_inverse[r];",
-        "if (COSINE) ds *= q_inverse[r];",
+        "if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;\n                    ds_q = COSINE",
+        "ds_q = COSINE",
     ),
     # Δ = rowsum(dO ⊙ O) without − dlse: lse's cotangent is lost.
     "missing dlse term in Δ": (
@@ -238,19 +239,21 @@ REGISTER_BACKWARD_DEFECTS = {
 }
 
 
-def _register_backward_errors(launcher: EmulatorLauncher) -> dict[str, float]:
+def _register_backward_errors(launcher: EmulatorLauncher, deterministic: bool = True) -> dict[str, float]:
     generator = torch.Generator().manual_seed(2)
     q, dout = (torch.randn(1, 4, 70, 32, generator=generator).half() for _ in range(2))
     k, v = (torch.randn(1, 2, 70, 32, generator=generator).half() for _ in range(2))
     spec, inputs = AttentionSpec(window=(20, 40)), AttentionInputs(q, k, v)
     kernels = launch.CudaKernels(launcher)
     out, lse = attention_forward(kernels, spec, inputs)
-    grads = attention_backward(kernels, spec, inputs, out, lse, dout, None, need_dbias=False)[:3]
+    grads = attention_backward(
+        kernels, spec, inputs, out, lse, dout, None, need_dbias=False, deterministic=deterministic
+    )
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
     expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
     return {
         name: (got.double() - want).abs().nan_to_num(float("inf")).max().item()
-        for name, got, want in zip(("dq", "dk", "dv"), grads, expected)
+        for name, got, want in zip(("dq", "dk", "dv"), grads[:3], expected)
     }
 
 
@@ -264,6 +267,39 @@ def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> Non
     kernel, old, new = REGISTER_BACKWARD_DEFECTS[defect]
     errors = _register_backward_errors(_OneKernelFrom(kernel, _copy(tmp_path, (old, new))))
     assert max(errors.values()) > 5e-2, f"the emulator did not notice the {defect}: {errors}"
+
+
+# The one-pass backward (not deterministic): the register dK/dV gathers its warps' dUᵀ in shared memory and adds dU K
+# into the float32 dq sum, over three key tiles of two warps each and two query heads per kv head. (A plain `+=` in
+# place of the atomic is not among them: the emulator's threads switch only at barriers, so a read-modify-write is
+# never interrupted there.)
+ONE_PASS_DEFECTS = {
+    # Each block's part stored over the sum instead of added to it: the other key tiles' parts are lost.
+    "dq stored, not added": (
+        "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h], dq[half][2 * h + 1]);",
+        "dq_rows[8 * h * dq_m + 8 * (jd + half)] = dq[half][2 * h], dq_rows[8 * h * dq_m + 8 * (jd + half) + 1] = "
+        "dq[half][2 * h + 1];",
+    ),
+    # dU K read before every warp has stored its rows of dUᵀ.
+    "missing barrier before dU K": ("__syncthreads();  // the whole dUᵀ tile is stored", ""),
+    # The second 8-column block of each ldmatrix pair never added: a dropped atomic contribution.
+    "a dropped dq contribution": (
+        "if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len))",
+        "if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len) && half == 0)",
+    ),
+}
+
+
+def test_the_unmodified_one_pass_backward_agrees() -> None:
+    errors = _register_backward_errors(EmulatorLauncher(), deterministic=False)
+    assert max(errors.values()) < 5e-3, errors
+
+
+@pytest.mark.parametrize("defect", list(ONE_PASS_DEFECTS))
+def test_a_defective_one_pass_backward_fails(defect: str, tmp_path: Path) -> None:
+    copy = _copy(tmp_path, ONE_PASS_DEFECTS[defect])
+    errors = _register_backward_errors(_OneKernelFrom("backward_dkdv", copy), deterministic=False)
+    assert errors["dq"] > 5e-2, f"the emulator did not notice the {defect}: {errors}"
 
 
 class _Recording(EmulatorLauncher):
@@ -299,6 +335,27 @@ def test_half_views_off_16_byte_rows_take_the_shared_memory_backward() -> None:
         expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
         for got, want in zip(grads, expected):
             assert (got.double() - want).abs().max().item() < 5e-3
+
+
+def test_dout_off_16_byte_rows_takes_the_shared_memory_one_pass_backward() -> None:
+    """With q, k and v on 16-byte rows the backward runs in one pass; a dout whose rows start 8 bytes in compiles
+    the shared-memory dK/dV, which adds dU K into the float32 dq sum element by element, and agrees with the
+    oracle."""
+    generator = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 37, 32, generator=generator).half() for _ in range(3))
+    dout = torch.randn(1, 2, 37, 36, generator=generator).half()[..., 4:]
+    spec, inputs = AttentionSpec(window=(5, 20)), AttentionInputs(q, k, v)
+    launcher = _Recording()
+    kernels = launch.CudaKernels(launcher)
+    out, lse = attention_forward(kernels, spec, inputs)
+    grads = attention_backward(kernels, spec, inputs, out, lse, dout, None, need_dbias=False, deterministic=False)
+    assert "backward_dq" not in launcher.options
+    assert "-DATOMIC_DQ=1" in launcher.options["backward_dkdv"]
+    assert "-DREGISTER_DKDV=0" in launcher.options["backward_dkdv"]
+    leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
+    expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
+    for got, want in zip(grads[:3], expected):
+        assert (got.double() - want).abs().max().item() < 5e-3
 
 
 def test_a_barrier_in_divergent_code_is_reported(tmp_path: Path) -> None:

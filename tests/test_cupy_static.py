@@ -4,7 +4,8 @@ compiler warning, no register spill at the default tiles for D = 64 and 128, eve
 shared memory, and HMMA (tensor cores) in the SASS of every float16 / bfloat16 kernel with a matrix product. The
 register-resident kernels (the forward and dK/dV, float16 / bfloat16, D = 64 and 128) load their tiles by cp.async
 and their fragments by ldmatrix: no 2-byte scalar global load and no generic load in their loops, one exp2 per score,
-and their instruction mix per score is reported in the JSON records.
+and their instruction mix per score is reported in the JSON records; so does the one-pass backward's dK/dV (atomic
+dq) where it runs, without spills.
 
 Compiles in two nvcc processes and caches the reports by content (``inspect.compile_variant``).
 """
@@ -126,6 +127,39 @@ def test_register_main_loop_takes_one_exp2_per_score(results: list[inspect.Resul
         assert r.mix is not None, _name(r)
         assert 1.0 <= r.mix.ex2_per_score <= 1.1, f"{_name(r)}: {r.mix.ex2_per_score} exp2 per score"
         assert r.mix.instructions_per_score > 0 and r.mix.predicted_tflops > 0
+
+
+def test_one_pass_dkdv_stays_lean_where_it_runs(results: list[inspect.Result]) -> None:
+    """The one-pass backward's dK/dV (atomic dq) where launch.CudaKernels.one_pass_backward runs it (D <= 64, float16
+    / bfloat16) keeps the register body's loops: no 2-byte scalar or generic loads, ldmatrix and cp.async present,
+    one exp2 per score; and no spill on either arch, alone or with every switch it runs with. (With every switch
+    the innermost loops are segment-id searches and the softcap's tanh takes a second exp2: the plain variant's loop
+    is the one read.)"""
+    checked = [
+        r
+        for r in results
+        if r.variant.features in inspect.ONE_PASS_FEATURES and r.variant.head_dim <= launch.ONE_PASS_MAX_HEAD_DIM
+    ]
+    assert {(r.variant.arch, r.variant.dtype, r.variant.features) for r in checked} == {
+        (arch, dtype, features)
+        for arch in inspect.ARCHS
+        for dtype in inspect.ONE_PASS_DTYPES
+        for features in inspect.ONE_PASS_FEATURES
+    }
+    wrong = [f"{_name(r)}: spills {r.spill_bytes} B" for r in checked if r.spill_bytes] + [
+        f"{_name(r)}: {r.loads}, {r.mix and r.mix.ex2_per_score} exp2 per score"
+        for r in checked
+        if r.variant.features == "one-pass"
+        and (
+            r.loads.scalar_16bit_global
+            or r.loads.generic
+            or not r.loads.ldmatrix
+            or not r.loads.cp_async
+            or r.mix is None
+            or not 1.0 <= r.mix.ex2_per_score <= 1.1
+        )
+    ]
+    assert not wrong, "one-pass dK/dV off the register body's design:\n" + "\n".join(wrong)
 
 
 def test_json_records_are_flat(results: list[inspect.Result]) -> None:

@@ -1,6 +1,7 @@
 """Extras of the tiled kernel backends (triton, interpreted; cupy, through the emulation harness): several tiles per
 sequence agree with the oracle, strided inputs are read in place, paged caches with block sizes that cut across the
-key tile are read where they lie, and split-K's partials merge to the oracle's result. Agreement on everything else
+key tile are read where they lie, split-K's partials merge to the oracle's result, and the backward runs in one pass
+(atomic dq) unless deterministic results are asked for. Agreement on everything else
 comes from the conformance suite (paged caches: tests/test_paged.py); band edges on tile boundaries, and tiles
 outside the band never loaded, from tests/test_tile_edges.py."""
 
@@ -190,36 +191,46 @@ def test_split_k_merges_to_the_oracle(backend: str, monkeypatch: pytest.MonkeyPa
     assert merges and set(merges) == {3}, merges
 
 
+#: Per backend, a call its one-pass backward serves (triton: head dims up to 64 interpreted; cupy: float16 / bfloat16
+#: at head dims up to 64), where dq sums several key tiles and, under GQA, several query heads per kv head.
+ONE_PASS_CASES = {
+    "triton": MULTI_TILE_CASES[0],
+    "cupy-emulated": Case(spec=AttentionSpec(causal=True), len_q=50, len_k=70, heads_q=4, heads_kv=2, dtype="float16"),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("asked", ["nothing", "torch", "config"])
-def test_triton_backward_scheme_follows_deterministic_settings(asked: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """At head dims up to 64 the triton backward runs in one pass (the dK/dV kernel adds dq atomically, no dQ kernel)
-    unless deterministic results are asked for, by torch.use_deterministic_algorithms(True) or the backend's
+def test_backward_scheme_follows_deterministic_settings(
+    backend: str, asked: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The kernel backends' backward runs in one pass (the dK/dV kernel adds dq atomically, no dQ kernel) unless
+    deterministic results are asked for, by torch.use_deterministic_algorithms(True) or the backend's
     ``deterministic`` option in the config: then as dQ and dK/dV kernels, each gradient element written by one
-    program. Both agree with the oracle where dq sums several key tiles and, under GQA, several query heads."""
+    program. Both agree with the oracle."""
     import contextlib
 
     import torch
 
-    if "triton" not in available_backends():
-        pytest.skip("triton not available here")
-    from attnkit.backends.triton import launch
+    from attnkit.contract.kernels import Kernel, KernelBackend
 
-    from attnkit.contract.kernels import Kernel
-
+    kernel_backend = attnkit.get_backend(backend)
+    assert isinstance(kernel_backend, KernelBackend)
     launched = []
-    run = launch.TritonLauncher.run
+    launcher = type(kernel_backend.kernel_launcher())
+    run = launcher.run
 
     def recording(self, kernel, call, grid, args, switches):  # type: ignore[no-untyped-def]
         launched.append((kernel, switches.atomic_dq))
         return run(self, kernel, call, grid, args, switches)
 
-    monkeypatch.setattr(launch.TritonLauncher, "run", recording)
+    monkeypatch.setattr(launcher, "run", recording)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(asked == "torch")
-    config = {"backend_options": {"triton": {"deterministic": True}}}
+    config = {"backend_options": {backend: {"deterministic": True}}}
     try:
         with attnkit.use_config(config) if asked == "config" else contextlib.nullcontext():
-            assert_backends_agree(MULTI_TILE_CASES[0], backends=["triton"])
+            assert_backends_agree(ONE_PASS_CASES[backend], backends=[backend])
     finally:
         torch.use_deterministic_algorithms(before)
     backward = [(kernel, atomic) for kernel, atomic in launched if kernel in (Kernel.DQ, Kernel.DKDV)]

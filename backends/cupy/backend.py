@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from attnkit.backend import Capabilities
-from attnkit.contract.kernels import KernelBackend, KernelLauncher, kernel_capabilities
+from attnkit.contract.kernels import DETERMINISTIC_OPTION, KernelBackend, KernelLauncher, kernel_capabilities
 
 from . import launch
 
@@ -27,6 +27,8 @@ def capabilities(device: str, description: str) -> Capabilities:
             "compile-time -D options (head dim, tiles, feature switches) from launch.compile_options, shared by "
             "NVRTC, nvcc and the emulator",
         ),
+        # Off: the backward adds dq atomically in one pass where dK/dV runs its register body, last bits varying by run.
+        options=(DETERMINISTIC_OPTION,),
     )
 
 

@@ -51,7 +51,17 @@ HEAD_DIMS = (64, 128, 256)
 #: Kernels with matrix products: the ones that must use tensor cores for float16 / bfloat16.
 MMA_KERNELS = ("forward", "backward_dq", "backward_dkdv")
 NO_SPILL_HEAD_DIMS = (64, 128)
-FEATURE_SETS = {"plain": KernelSwitches(), "all": KernelSwitches.all()}
+FEATURE_SETS = {
+    "plain": KernelSwitches(),
+    "all": KernelSwitches.all(),
+    # The one-pass backward's dK/dV (atomic dq): alone, and with every switch it runs with: not those of
+    # launch.ONE_PASS_EXCLUDED, nor dbias (which needs a bias) and float32 gradients (the cosine variant's).
+    "one-pass": KernelSwitches(atomic_dq=True),
+    "one-pass-all": KernelSwitches.all().with_(
+        **dict.fromkeys((*launch.ONE_PASS_EXCLUDED, "has_dbias", "grad_float32"), False)
+    ),
+}
+ONE_PASS_FEATURES, ONE_PASS_KERNELS, ONE_PASS_DTYPES = ("one-pass", "one-pass-all"), ("backward_dkdv",), DTYPES[:2]
 NVCC_FLAGS = ("-std=c++17", "-O3", "-fatbin", "-Xptxas", "-v", "-x", "cu")
 #: The kernels' names in the JSON records and the loop mix (attnkit.contract.sass.flops_per_score).
 SHORT_NAMES = {"forward": "fwd", "backward_dq": "dq", "backward_dkdv": "dkdv", "backward_delta": "delta"}
@@ -108,16 +118,24 @@ class Result:
 
 
 def variants(scope: str = "full") -> list[Variant]:
-    """``full``: every kernel, arch, dtype, head dim, with no feature and with every feature. ``required``: what
-    tests/test_cupy_static.py asserts: the plain variants at D = 64 and 128 and every feature at D = 128, in every
-    dtype, on both archs."""
+    """``full``: every kernel, arch, dtype, head dim, with no feature and with every feature, and the one-pass dK/dV
+    (float16 / bfloat16, D = 64 and 128, alone and with every switch it runs with). ``required``: what
+    tests/test_cupy_static.py asserts, on both archs: the plain variants at D = 64 and 128 and every feature at
+    D = 128 in every dtype; the one-pass dK/dV at D = 64 and 128, and with its switches where it runs (D = 64)."""
     selected = []
     for kernel in launch.KERNELS:
         for arch in ARCHS:
             for dtype in DTYPES:
                 for head_dim in HEAD_DIMS:
                     for features in FEATURE_SETS:
-                        required = head_dim in NO_SPILL_HEAD_DIMS and (features == "plain" or head_dim == 128)
+                        if features in ONE_PASS_FEATURES and (
+                            kernel not in ONE_PASS_KERNELS or dtype not in ONE_PASS_DTYPES or head_dim > 128
+                        ):
+                            continue
+                        required = head_dim in NO_SPILL_HEAD_DIMS and {
+                            "all": head_dim == 128,
+                            "one-pass-all": head_dim <= launch.ONE_PASS_MAX_HEAD_DIM,
+                        }.get(features, True)
                         if scope == "full" or required:
                             selected.append(Variant(kernel, arch, dtype, head_dim, features))
     return selected
@@ -271,7 +289,9 @@ def inspect_variant(variant: Variant) -> Result:
         # The register-resident kernels run one tile per iteration; the wmma kernels' innermost loops run fragments of
         # one, so their scores are counted from the tensor-core work (attnkit.contract.sass.loop_mix).
         per_tile = (tile.block_m * tile.block_n, tile.num_warps) if _register_resident(variant) else (None, None)
-        mix = loop_mix(sass, variant.arch, flops_per_score(short, variant.head_dim, variant.head_dim), *per_tile)
+        atomic_dq = variant.features in ONE_PASS_FEATURES
+        flops = flops_per_score(short, variant.head_dim, variant.head_dim, atomic_dq)
+        mix = loop_mix(sass, variant.arch, flops, *per_tile)
     return Result(
         variant=variant,
         tile=f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w",
@@ -280,13 +300,26 @@ def inspect_variant(variant: Variant) -> Result:
         spill_store_bytes=entry["stores"],
         spill_load_bytes=entry["loads"],
         shared_bytes=launch.shared_memory_bytes(
-            variant.kernel, tile, variant.head_dim, variant.head_dim, variant.dtype, _register_resident(variant)
+            variant.kernel,
+            tile,
+            variant.head_dim,
+            variant.head_dim,
+            variant.dtype,
+            _register_resident(variant),
+            variant.features in ONE_PASS_FEATURES,
         ),
         hmma=len(re.findall(r"\bHMMA\.", sass)),
         warnings=[line for line in report["ptxas"].splitlines() if "warning" in line.lower()],
         mix=mix,
         loads=loop_loads(sass),
     )
+
+
+def _lean(variant: Variant) -> bool:
+    """Whether the variant must not spill: plain at D = 64 and 128, and the one-pass dK/dV where it runs."""
+    if variant.features in ONE_PASS_FEATURES:
+        return variant.head_dim <= launch.ONE_PASS_MAX_HEAD_DIM
+    return variant.features == "plain" and variant.head_dim in NO_SPILL_HEAD_DIMS
 
 
 def _register_resident(variant: Variant) -> bool:
@@ -323,7 +356,7 @@ def violations(results: list[Result]) -> list[str]:
         name = f"{v.kernel} {v.arch} {v.dtype} D={v.head_dim} {v.features} ({r.tile})"
         if r.warnings:
             found.append(f"{name}: compiler warnings: {r.warnings}")
-        if v.features == "plain" and v.head_dim in NO_SPILL_HEAD_DIMS and r.spill_bytes:
+        if _lean(v) and r.spill_bytes:
             found.append(f"{name}: spills (stack {r.stack_bytes} B, stores {r.spill_store_bytes} B)")
         if r.shared_bytes > SHARED_LIMIT[v.arch]:
             found.append(f"{name}: {r.shared_bytes} B of shared memory, over {v.arch}'s {SHARED_LIMIT[v.arch]} B")

@@ -130,6 +130,8 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
         ("2M", 1, "float"),  # base-2 lse, two stages
         ("2M", 1, "float"),  # delta, two stages
     ),
+    # With ATOMIC_DQ (the one-pass backward), after the register dK/dV's regions: the dUᵀ tile.
+    "register_backward_dkdv_atomic_dq": (("N", "M", "elem"),),
     "backward_delta": (),
     "backward_dq": (
         ("M", "D", "elem"),
@@ -164,6 +166,12 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 }
 
 
+#: Where the one-pass backward runs (CudaKernels.one_pass_backward): the register-resident dK/dV with atomic dq keeps
+#: every value in registers up to this padded head dim and without these switches; at D = 128 (causal on sm_80, a
+#: window on sm_90) and with a bias and dbias (sm_80) ptxas spills (docs/cupy.md, "The one-pass backward").
+ONE_PASS_MAX_HEAD_DIM = 64
+ONE_PASS_EXCLUDED = ("cosine", "has_bias")
+
 #: The kernels with a register-resident body (-DREGISTER_<KERNEL>); Δ has only its one-row-per-thread body.
 REGISTER_KERNELS = (Kernel.FORWARD, Kernel.DQ, Kernel.DKDV)
 
@@ -193,9 +201,16 @@ def aligned_for_async_copies(*tensors: torch.Tensor) -> bool:
 
 
 def shared_memory_bytes(
-    kernel: str, tile: TileConfig, head_dim: int, head_dim_v: int, dtype: str, registers: bool = False
+    kernel: str,
+    tile: TileConfig,
+    head_dim: int,
+    head_dim_v: int,
+    dtype: str,
+    registers: bool = False,
+    atomic_dq: bool = False,
 ) -> int:
-    """Bytes of dynamic shared memory a kernel's launch asks for: of its register-resident body when registers."""
+    """Bytes of dynamic shared memory a kernel's launch asks for: of its register-resident body when registers, with
+    the one-pass backward's dUᵀ tile when atomic_dq too."""
     sizes = {
         "M": tile.block_m,
         "N": tile.block_n,
@@ -206,7 +221,10 @@ def shared_memory_bytes(
     }
     element = {"elem": ELEMENT_BYTES[dtype], "float": 4}
     total = 0
-    for rows, cols, kind in SHARED_REGIONS[f"register_{kernel}" if registers else kernel]:
+    regions = SHARED_REGIONS[f"register_{kernel}" if registers else kernel]
+    if registers and atomic_dq:
+        regions += SHARED_REGIONS[f"register_{kernel}_atomic_dq"]
+    for rows, cols, kind in regions:
         count = sizes.get(rows, 1) * sizes.get(cols, 1)
         total += -(-count * element[kind] // 128) * 128
     return total
@@ -215,9 +233,9 @@ def shared_memory_bytes(
 #: The switches each kernel reads; the others are compiled as 0, so kernels of one call share compiled modules.
 _SWITCHES = frozenset(field.name for field in fields(KernelSwitches))
 KERNEL_SWITCHES: dict[str, frozenset[str]] = {
-    Kernel.FORWARD: _SWITCHES - {"has_dlse", "has_dbias", "grad_float32"},
+    Kernel.FORWARD: _SWITCHES - {"has_dlse", "has_dbias", "grad_float32", "atomic_dq"},
     Kernel.DELTA: frozenset({"has_dlse"}),
-    Kernel.DQ: _SWITCHES - {"has_dlse", "has_dbias", "paged", "split_k"},
+    Kernel.DQ: _SWITCHES - {"has_dlse", "has_dbias", "paged", "split_k", "atomic_dq"},
     Kernel.DKDV: _SWITCHES - {"has_dlse", "paged", "split_k"},
 }
 
@@ -398,6 +416,21 @@ class CudaKernels:
     def __init__(self, launcher: Launcher) -> None:
         self.launcher = launcher
 
+    def one_pass_backward(self, call: KernelCall) -> bool:
+        """The one-pass backward (the dK/dV kernel adds dU K into a float32 dq sum atomically, no dQ kernel) where
+        dK/dV runs its register-resident body and compiles lean with the atomics: head dims up to
+        ONE_PASS_MAX_HEAD_DIM, none of ONE_PASS_EXCLUDED, q, k and v on 16-byte rows; on every arch and in the
+        emulator alike. Asked only when deterministic results are not (KernelBackend.deterministic). Should dout's
+        rows be off 16 bytes, the shared-memory dK/dV body adds the same sum."""
+        head_dim, head_dim_v = call.head_dims
+        dtype = str(call.q.dtype).removeprefix("torch.")
+        return (
+            register_resident(Kernel.DKDV, dtype, head_dim, head_dim_v, call.switches)
+            and max(padded_head_dim(head_dim), padded_head_dim(head_dim_v)) <= ONE_PASS_MAX_HEAD_DIM
+            and not any(getattr(call.switches, name) for name in ONE_PASS_EXCLUDED)
+            and aligned_for_async_copies(call.q, call.k, call.v)
+        )
+
     def run(self, kernel: Kernel, call: KernelCall, grid: Grid, args: list[Any], switches: KernelSwitches) -> None:
         head_dim, head_dim_v = call.head_dims
         dtype = str(call.q.dtype).removeprefix("torch.")
@@ -409,6 +442,6 @@ class CudaKernels:
             *operands
         )
         options = compile_options(dtype, head_dim, head_dim_v, tile, switches, kernel if registers else None)
-        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, registers)
+        shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, registers, switches.atomic_dq)
         blocks = grid.blocks(tile.block_m, tile.block_n)
         self.launcher.launch(kernel, options, blocks, (tile.num_warps * 32, 1, 1), shared, args)

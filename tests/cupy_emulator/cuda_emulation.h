@@ -4,8 +4,9 @@
 // Every CUDA thread of a block is a fiber (ucontext) with its own stack; the block's fibers run on one OS thread,
 // round-robin in thread order, each until it reaches a barrier. __syncthreads parks the fiber until every live
 // thread of the block has arrived, so barriers really synchronise the threads and a missing one is a real race
-// (deterministically exposed: the order alternates between ascending and descending thread index from one barrier
-// to the next, so each thread runs ahead of the others up to its next barrier in turn). Threads that do not pass
+// (deterministically exposed: warp after warp, each runs ahead of the others up to its next barrier, its warp-level
+// exchanges released as all its lanes reach them, in an order that alternates between ascending and descending
+// warp and lane index from one barrier to the next). Threads that do not pass
 // the same number of barriers (a barrier in divergent code) are reported, never left hanging. Warp shuffles exchange through a
 // per-warp slot array between two warp barriers. wmma operations are warp-collective: lane 0 of the warp loads,
 // multiplies (float32 products of the exactly converted half values, float32 accumulation) and stores the whole
@@ -18,8 +19,9 @@
 // from the wrong lane computes a wrong result here too: mma_m16n8k16 (each lane publishes its A, B registers, then
 // computes its own four C elements from the lanes that hold each operand element), ldmatrix_x4(_trans) (each lane
 // publishes its row address, then reads its two elements of each 8x8 matrix from the lane that addressed that row),
-// and cp.async (cp_async_16 queues the copy in the thread's open group, cp_async_commit closes the group, and the
-// copies land only at a cp_async_wait that waits for their group: a read before the wait sees the old contents).
+// cp.async (cp_async_16 queues the copy in the thread's open group, cp_async_commit closes the group, and the
+// copies land only at a cp_async_wait that waits for their group: a read before the wait sees the old contents), and
+// atomic_add_pair (sm_90's 8-byte vector atomic, as two atomicAdds, its alignment checked).
 
 #pragma once
 
@@ -131,6 +133,8 @@ inline T __shfl_sync(unsigned, T value, int source, int = 32) {
     return result;
 }
 
+// Read-modify-write in one step. A block's fibers switch only at barriers and blocks run one after another, so no other
+// thread can come between the read and the write; the atomic_ref keeps it so for any scheduler.
 template <class T>
 inline T atomicAdd(T* address, T value) {
     return std::atomic_ref<T>(*address).fetch_add(value);
@@ -373,6 +377,13 @@ inline void cp_async_wait() {
     }
 }
 
+// atomic_add_pair: on sm_90 one 8-byte vector atomic (float2 atomicAdd), whose address must be 8-byte aligned.
+inline void atomic_add_pair(float* address, float low, float high) {
+    if (reinterpret_cast<std::uintptr_t>(address) % 8 != 0) emu::fail("atomic_add_pair: address not 8-byte aligned");
+    atomicAdd(address, low);
+    atomicAdd(address + 1, high);
+}
+
 // ex2.approx.ftz.f32 (relative error 2^-22 on the GPU), here the host's exp2f.
 inline float exp2_approx(float x) { return exp2f(x); }
 
@@ -411,24 +422,28 @@ inline bool run_block(unsigned threads, const dim3& block) {
         fiber.state = State::runnable;
     }
     bool reverse = false;
+    const unsigned warps = threads / 32;
     for (;;) {
-        for (unsigned i = 0; i < threads; ++i) {  // round-robin, each until it parks or ends
-            const unsigned t = reverse ? threads - 1 - i : i;
-            if (fibers[t].state != State::runnable) continue;
-            current = t;
-            threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
-            swapcontext(&scheduler, &fibers[t].context);
-        }
-        bool released = false, live = false, exited = false, all_at_block_barrier = true;
-        for (unsigned w = 0; w < threads / 32; ++w) {
-            bool whole_warp = true;
-            for (unsigned t = 32 * w; t < 32 * w + 32; ++t) whole_warp = whole_warp && fibers[t].state == State::warp_barrier;
-            if (whole_warp) {
+        // Warp by warp, each up to its next block barrier (its warp barriers released as it reaches them), so one
+        // warp's shared-memory writes and reads all happen before the next warp runs: a missing __syncthreads
+        // between warps that exchange data through shared memory is a real race here.
+        for (unsigned i = 0; i < warps; ++i) {
+            const unsigned w = reverse ? warps - 1 - i : i;
+            for (;;) {
+                for (unsigned j = 0; j < 32; ++j) {  // round-robin, each until it parks or ends
+                    const unsigned t = 32 * w + (reverse ? 31 - j : j);
+                    if (fibers[t].state != State::runnable) continue;
+                    current = t;
+                    threadIdx = {t % block.x, t / block.x % block.y, t / (block.x * block.y)};
+                    swapcontext(&scheduler, &fibers[t].context);
+                }
+                bool whole_warp = true;
+                for (unsigned t = 32 * w; t < 32 * w + 32; ++t) whole_warp = whole_warp && fibers[t].state == State::warp_barrier;
+                if (!whole_warp) break;
                 for (unsigned t = 32 * w; t < 32 * w + 32; ++t) fibers[t].state = State::runnable;
-                released = true;
             }
         }
-        if (released) continue;
+        bool live = false, exited = false, all_at_block_barrier = true;
         for (unsigned t = 0; t < threads; ++t) {
             live = live || fibers[t].state != State::done;
             exited = exited || fibers[t].state == State::done;

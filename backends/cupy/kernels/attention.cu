@@ -7,8 +7,8 @@
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
 // NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_FORWARD / REGISTER_DQ / REGISTER_DKDV (which
 // body that kernel compiles), and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS,
-// HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K
-// (0 or 1): a call without a feature compiles without its code.
+// HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K,
+// ATOMIC_DQ (0 or 1): a call without a feature compiles without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -96,6 +96,12 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 __device__ __forceinline__ void assign(float& dst, float x) { dst = x; }
 __device__ __forceinline__ void assign(__half& dst, float x) { dst = __float2half(x); }
 __device__ __forceinline__ void assign(__nv_bfloat16& dst, float x) { dst = __float2bfloat16(x); }
+// x rounded to the element type (as an operand of a tensor-core product would be), in float32.
+__device__ __forceinline__ float rounded(float x) {
+    elem_t y;
+    assign(y, x);
+    return to_float(y);
+}
 
 __device__ __forceinline__ float negative_infinity() { return __int_as_float(0xff800000); }
 
@@ -301,6 +307,17 @@ __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
+}
+
+// address[0] += low, address[1] += high, each atomically: one 8-byte vector reduction on sm_90 (address 8-byte
+// aligned), two scalar ones before.
+__device__ __forceinline__ void atomic_add_pair(float* address, float low, float high) {
+#if __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2*>(address), make_float2(low, high));
+#else
+    atomicAdd(address, low);
+    atomicAdd(address + 1, high);
+#endif
 }
 #endif
 
@@ -1051,7 +1068,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 }
 
 // dk, dv (and dS into the full-shape float32 dbias) for one key tile of one (batch, kv head). Grid (key tiles,
-// Hkv, B). The G query heads sharing the kv head are summed here, so no atomics are needed.
+// Hkv, B). The G query heads sharing the kv head are summed here, so dk and dv need no atomics. With ATOMIC_DQ (the
+// one-pass backward: no dQ kernel recomputes S and dP) each tile's dU K is also added into the float32 sum dq_sum
+// (B, Hq, Lq, D) by atomicAdd, in an order that varies between runs; the caller scales and rounds it once.
+#if ATOMIC_DQ
+#define DQ_SUM_PARAMETERS , float *__restrict__ dq_sum, index_t dq_b, index_t dq_h, index_t dq_m
+#else
+#define DQ_SUM_PARAMETERS
+#endif
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     attention_backward_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
                             const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
@@ -1066,7 +1090,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                             index_t dv_h, index_t dv_n, index_t bias_b, index_t bias_h, index_t bias_m,
                             index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n,
                             int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
-                            float grad_scale, int lower, int upper) {
+                            float grad_scale, int lower, int upper DQ_SUM_PARAMETERS) {
     const int key_start = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
@@ -1087,6 +1111,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     elem_t* do_stages = cursor.take<elem_t>(2 * BLOCK_M * BLOCK_DV);
     float* lse_stages = cursor.take<float>(2 * BLOCK_M);  // base 2
     float* delta_stages = cursor.take<float>(2 * BLOCK_M);
+#if ATOMIC_DQ
+    elem_t* du_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_M);  // dUᵀ of the current query tile, swizzled
+#endif
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
 
     int first, end;
@@ -1125,6 +1152,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     // queries per warp; Pᵀ and dSᵀ rounded to the input type, reused from registers as A operands):
     //   Sᵀ = K Qᵀ;  Pᵀ = 2^(fold · Sᵀ − lse₂);  dV += Pᵀ dO;  dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ⊙ (dPᵀ − Δ);  dbias = dS
     //   dUᵀ = dSᵀ ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ Q
+    //   ATOMIC_DQ: dq_sum += dU K, atomically, once per block (the warps' dUᵀ gathered in shared memory)
     // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
     auto tile = [&](bool masked) {
         cp_async_wait<0>();
@@ -1210,7 +1238,45 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                 mma_m16n8k16<elem_t>(dk_acc[jd], ds_a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dk_acc[jd + 1], ds_a, {b[2], b[3]});
             }
+#if ATOMIC_DQ
+            // The block's dUᵀ tile (keys × queries) gathers every warp's rows: ds_a[i] holds key g + 8(i%2), queries
+            // 16kk + 8(i/2) + pair, pair + 1.
+#pragma unroll
+            for (int i = 0; i < 4; ++i)
+                *reinterpret_cast<unsigned*>(
+                    du_tile + swizzled<BLOCK_M>(16 * warp + lane_row + 8 * (i % 2), 2 * kk + i / 2) + pair) = ds_a[i];
+#endif
         }
+#if ATOMIC_DQ
+        __syncthreads();  // the whole dUᵀ tile is stored
+        // dq_sum += dU K over the block's BLOCK_N keys, split between the warps in units of 16 queries × 16 columns;
+        // A = dU by ldmatrix .trans from dUᵀ (as Qᵀ's fragments are read for Sᵀ), B = K transposed.
+        constexpr int UNITS = BLOCK_M / 16 * (D_BLOCKS / 2);
+#pragma unroll
+        for (int step = 0; step < (UNITS + NUM_WARPS - 1) / NUM_WARPS; ++step) {  // unrolled: the tile loop stays innermost
+            const int unit = warp + step * NUM_WARPS;
+            if (UNITS % NUM_WARPS != 0 && unit >= UNITS) break;
+            const int strip = unit / (D_BLOCKS / 2), jd = 2 * (unit % (D_BLOCKS / 2));
+            float dq[2][4] = {};
+#pragma unroll
+            for (int kn = 0; kn < BLOCK_N / 16; ++kn) {
+                unsigned a[4], b[4];
+                ldmatrix_x4_trans(a, du_tile + swizzled<BLOCK_M>(16 * kn + lane % 8 + 8 * (lane / 16),
+                                                                 2 * strip + lane / 8 % 2));
+                ldmatrix_x4_trans(b, k_tile + swizzled<BLOCK_D>(16 * kn + lane % 16, jd + lane / 16));
+                mma_m16n8k16<elem_t>(dq[0], a, {b[0], b[1]});
+                mma_m16n8k16<elem_t>(dq[1], a, {b[2], b[3]});
+            }
+            const int row = row_start + 16 * strip + lane_row;
+            float* dq_rows = dq_sum + batch * dq_b + head * dq_h + row * dq_m + pair;
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+#pragma unroll
+                for (int h = 0; h < 2; ++h)  // rows g and g + 8, columns pair and pair + 1
+                    if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len))
+                        atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h], dq[half][2 * h + 1]);
+        }
+#endif
         head = next_head;
         row_start = next_row;
         stage ^= 1;
@@ -1268,7 +1334,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     const SegmentRange k_range = segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k);
     // Over the G query heads of this kv head and the query tiles that see this key tile:
     //   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
-    //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q
+    //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q;  ATOMIC_DQ: dq_sum += dU K, atomically
     for (int head = head_kv * group; head < head_kv * group + group; ++head) {
         const Planes planes = planes_of(mask, bias, strides, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
@@ -1288,7 +1354,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
             __syncthreads();
             for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += NUM_THREADS) {
                 const int r = idx / BLOCK_N, c = idx % BLOCK_N, row = row_start + r, col = key_start + c;
-                float p = 0.0f, ds = 0.0f;
+                float p = 0.0f, ds = 0.0f, ds_q = 0.0f;
                 if (visible(row, col, g, lower, upper, planes)) {
                     const Score sc =
                         score(s_tile[idx], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes);
@@ -1296,15 +1362,28 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                     ds = p * (dp_tile[idx] - delta_tile[r]);
                     if (HAS_DBIAS) dbias[(row_base + row) * len_k + col] = ds;
                     if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;
+                    ds_q = COSINE ? ds * k_inverse[c] : ds;  // dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
                     if (COSINE) ds *= q_inverse[r];  // dk̂ = scale · dUᵀ q̂ = scale · (dU / ‖q‖)ᵀ q
                 }
                 assign(p_tile[idx], p);
                 assign(ds_tile[idx], ds);
+                if (ATOMIC_DQ) dp_tile[idx] = rounded(ds_q);  // dP is spent: it holds dU for dq_sum
             }
             __syncthreads();
             tile_mma<BLOCK_N, BLOCK_DV, BLOCK_M, true, false, true>(dv_acc, BLOCK_DV, p_tile, BLOCK_N, do_tile,
                                                                     BLOCK_DV);
             tile_mma<BLOCK_N, BLOCK_D, BLOCK_M, true, false, true>(dk_acc, BLOCK_D, ds_tile, BLOCK_N, q_tile, BLOCK_D);
+#if ATOMIC_DQ
+            // dq_sum += dU K, element by element (the one-pass backward where the register body does not run).
+            for (int idx = threadIdx.x; idx < BLOCK_M * HEAD_DIM; idx += NUM_THREADS) {
+                const int r = idx / HEAD_DIM, d = idx % HEAD_DIM, row = row_start + r;
+                if (row >= g.q_len) continue;
+                float sum = 0.0f;
+                for (int c = 0; c < BLOCK_N; ++c)
+                    sum = fmaf(dp_tile[r * BLOCK_N + c], to_float(k_tile[c * BLOCK_D + d]), sum);
+                atomicAdd(dq_sum + batch * dq_b + head * dq_h + row * dq_m + d, sum);
+            }
+#endif
             __syncthreads();
         }
     }
