@@ -191,7 +191,7 @@ def test_split_k_merges_to_the_oracle(backend: str, monkeypatch: pytest.MonkeyPa
     assert merges and set(merges) == {3}, merges
 
 
-#: Per backend, a call its one-pass backward serves (triton: head dims up to 64 interpreted; cupy: float16 / bfloat16
+#: Per backend, a call its one-pass backward serves (triton: head dims up to 128 interpreted; cupy: float16 / bfloat16
 #: at head dims up to 64), where dq sums several key tiles and, under GQA, several query heads per kv head.
 ONE_PASS_CASES = {
     "triton": MULTI_TILE_CASES[0],

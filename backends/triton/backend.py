@@ -33,7 +33,7 @@ class TritonBackend(KernelBackend):
             how_to_run=(
                 "without a CUDA device, start the process with TRITON_INTERPRET=1 to run the kernels interpreted",
             ),
-            # Off: at head dims up to 64 on Hopper the backward adds dq atomically, its last bits varying by run.
+            # Off: at head dims up to 128 on Hopper the backward adds dq atomically, its last bits varying by run.
             options=(DETERMINISTIC_OPTION,),
         )
 
