@@ -1,9 +1,10 @@
 """pallas: attention in ``jax.experimental.pallas`` kernels (kernels.py), for JAX arrays and, bridged
 through DLPack, for torch tensors.
 
-This module is the plumbing around the kernels: layouts, padding to the block sizes, cosine normalisation and
-its backward, per-batch geometry, dbias reduced to the bias's shape, empty extents, the torch bridge, the paged
-forward's configuration (a key tile inside one cache block) and the split-K rule (``decode_splits``).
+This module is the plumbing around the kernels: layouts, padding to the block sizes, the cosine normalisation's
+backward (the kernels scale raw scores by float32 inverse norms), per-batch geometry, dbias reduced to the bias's
+shape, empty extents, the torch bridge, the paged forward's configuration (a key tile inside one cache block) and
+the split-K rule (``decode_splits``).
 Forward and backward are plain functions of arrays; the frontends' custom_vjp (JAX) and autograd.Function
 (torch) tie them together, so jit, grad and vmap work as for any backend.
 
@@ -59,7 +60,6 @@ class _Config(NamedTuple):
 
     kernel: Any  # kernels.Static for the forward/dQ kernels
     kernel_dkdv: Any  # kernels.Static for the dK/dV kernel
-    cosine: bool
 
 
 class _Sizes(NamedTuple):
@@ -113,13 +113,17 @@ def _config(
     spec: AttentionSpec, len_q: int, len_k: int, dim: int, interpret: bool, cells: int = 1, forced: int | None = None
 ) -> _Config:
     fwd, bwd, warps = _blocks(interpret, len_q, len_k, dim)
-    common = {"bshd": spec.layout is Layout.BSHD, "softcap": spec.softcap is not None, "interpret": interpret}
+    common = {
+        "bshd": spec.layout is Layout.BSHD,
+        "softcap": spec.softcap is not None,
+        "cosine": spec.variant is Variant.COSINE,
+        "interpret": interpret,
+    }
     padded_k = -(-len_k // max(fwd[1], bwd[1])) * max(fwd[1], bwd[1])
     splits = _splits(forced, interpret, cells, len_q, padded_k, fwd)
     return _Config(
         kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=warps, splits=splits, **common),
         kernel_dkdv=kernels.Static(block_q=bwd[0], block_k=bwd[1], num_warps=warps, **common),
-        cosine=spec.variant is Variant.COSINE,
     )
 
 
@@ -168,8 +172,8 @@ def _pad_axis(x: Any, axis: int, size: int, value: float = 0) -> Any:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> tuple[Any, Any, Any]:
-    """(B, 4) int32 [q_len, kv_len, lo, hi] (kernels.py), and q_len, kv_len; lengths may be tracers: clamped.
+def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> Any:
+    """(B, 4) int32 [q_len, kv_len, lo, hi] (kernels.py); lengths may be tracers: clamped.
 
     ``lo, hi`` is the band (lower, upper) of ``band`` shifted by each element's alignment offset, so the kernels
     test ``lo ≤ j − i ≤ hi``; an open side stays ∓FAR."""
@@ -181,7 +185,7 @@ def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> tupl
     offset = (kv_len - q_len) * alignment
     lo = jnp.where(lower <= -kernels.FAR, -kernels.FAR, offset + lower)
     hi = jnp.where(upper >= kernels.FAR, kernels.FAR, offset + upper)
-    return jnp.stack([q_len, kv_len, lo, hi], axis=1), q_len, kv_len
+    return jnp.stack([q_len, kv_len, lo, hi], axis=1)
 
 
 def _pairwise(x: Any, sizes: _Sizes, dtype: Any) -> Any:
@@ -201,19 +205,15 @@ def _segments(config: _Config, sizes: _Sizes, inputs: AttentionInputs) -> tuple[
 
 
 def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, Any]:
-    """Kernel operands: padded q, k, v (unit rows for cosine; zero at negative segment ids), int8 mask, float32
+    """Kernel operands: padded q, k, v (raw for cosine too; zero at negative segment ids), int8 mask, float32
     bias, geometry, segment ids."""
     sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     seq_axis, _ = _axes(config)
     q = zero_padding(inputs.q, None, seq_axis, inputs.q_segment_ids)
     k, v = (zero_padding(x, None, seq_axis, inputs.kv_segment_ids) for x in (inputs.k, inputs.v))
-    geom, q_len, kv_len = _geometry(band, sizes, inputs.q_lengths, inputs.kv_lengths)
-    prepared: dict[str, Any] = {"geom": geom, "q_norm": None, "k_norm": None}
+    geom = _geometry(band, sizes, inputs.q_lengths, inputs.kv_lengths)
+    prepared: dict[str, Any] = {"geom": geom}
     prepared["segments"], prepared["segments_dkdv"] = _segments(config, sizes, inputs)
-    if config.cosine:  # padding zeroed first, so its NaN cannot reach the normalisation's backward
-        prepared["q_norm"] = normalize(zero_padding(q, q_len, seq_axis).astype(jnp.float32))
-        prepared["k_norm"] = normalize(zero_padding(k, kv_len, seq_axis).astype(jnp.float32))
-        q, k = prepared["q_norm"].unit.astype(inputs.q.dtype), prepared["k_norm"].unit.astype(inputs.k.dtype)
     dim_p, dim_vp = _pow2(sizes.dim), _pow2(sizes.dim_v)
     prepared["q"] = _pad_axis(_pad_axis(q, seq_axis, sizes.pad_q), -1, dim_p)
     prepared["k"] = _pad_axis(_pad_axis(k, seq_axis, sizes.pad_k), -1, dim_p)
@@ -283,16 +283,23 @@ def _backward_rows(config: _Config, sizes: _Sizes, out: Any, lse: Any, dout: Any
     return do, lse, delta
 
 
+def _unit_backward(config: _Config, x: Any, lengths: Any, segment_ids: Any, d_unit: Any) -> Any:
+    """The cosine chain rule from dx̂ (float32, from the kernels) to dx, through x̂ = x/‖x‖ in float32; padding
+    (past lengths, negative ids) zeroed first, so its NaN cannot reach it."""
+    seq_axis, _ = _axes(config)
+    return normalize_backward(normalize(zero_padding(x, lengths, seq_axis, segment_ids).astype(jnp.float32)), d_unit)
+
+
 def _finish_backward(
-    config: _Config, sizes: _Sizes, inputs: AttentionInputs, prepared: dict[str, Any], grads: tuple[Any, ...]
+    config: _Config, sizes: _Sizes, inputs: AttentionInputs, grads: tuple[Any, ...]
 ) -> tuple[Any, Any, Any, Any]:
     dq, dk, dv, dbias = grads
     q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
     dq, dk = _unpad(config, dq, sizes.len_q, sizes.dim), _unpad(config, dk, sizes.len_k, sizes.dim)
     dv = _unpad(config, dv, sizes.len_k, sizes.dim_v)
-    if config.cosine:
-        dq = normalize_backward(prepared["q_norm"], dq)
-        dk = normalize_backward(prepared["k_norm"], dk)
+    if config.kernel.cosine:
+        dq = _unit_backward(config, q, inputs.q_lengths, inputs.q_segment_ids, dq)
+        dk = _unit_backward(config, k, inputs.kv_lengths, inputs.kv_segment_ids, dk)
     if dbias is not None:
         dbias = dbias[:, :, : sizes.len_q, : sizes.len_k]
         axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1 and dbias.shape[axis] != 1)
@@ -321,7 +328,7 @@ def _backward(
     operands = (p["geom"], params, p["q"], p["k"], p["v"], do, lse, delta, p["mask"], p["bias"])
     dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands, p["segments_dkdv"])
     dq, dbias = stages.dq_kernel(config.kernel, *operands, p["segments"], need_dbias)
-    return stages.finish_backward(config, sizes, inputs, p, (dq, dk, dv, dbias))
+    return stages.finish_backward(config, sizes, inputs, (dq, dk, dv, dbias))
 
 
 _PLAIN = _Stages(
@@ -391,12 +398,12 @@ def _paged_config(
         interpret=interpret,
         num_warps=warps,
         splits=_splits(forced, interpret, cells, len_q, capacity, (block_q, block_k)),
-        normalize_keys=spec.variant is Variant.COSINE,
+        cosine=spec.variant is Variant.COSINE,
     )
 
 
 def _paged_forward(static: Any, params: Any, band: Any, inputs: PagedInputs) -> tuple[Any, Any]:
-    """(out, lse) of attend_paged (§13): q padded to the query tile (unit rows for cosine), the cache as it lies."""
+    """(out, lse) of attend_paged (§13): q padded to the query tile, the cache as it lies."""
     q, k_cache, v_cache, block_table, kv_lengths = inputs
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
     batch, len_q, heads_q = q.shape[0], q.shape[seq_axis], q.shape[head_axis]
@@ -406,9 +413,7 @@ def _paged_forward(static: Any, params: Any, band: Any, inputs: PagedInputs) -> 
         return out, jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
     pad_q = -(-len_q // static.block_q) * static.block_q
     sizes = _Sizes(batch, len_q, capacity, q.shape[-1], v_cache.shape[-1], pad_q, capacity)
-    geom, _, _ = _geometry(band, sizes, None, kv_lengths)
-    if static.normalize_keys:
-        q = normalize(q.astype(jnp.float32)).unit.astype(q.dtype)
+    geom = _geometry(band, sizes, None, kv_lengths)
     table = block_table.astype(jnp.int32)
     out, lse = kernels.paged_forward_call(static, geom, params, table, _pad_axis(q, seq_axis, pad_q), k_cache, v_cache)
     return jax.lax.slice_in_dim(out, 0, len_q, axis=seq_axis), lse[:, :, :len_q]

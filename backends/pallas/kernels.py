@@ -8,7 +8,7 @@ the launch (``_launch_forward``). With ``Static.splits`` > 1 a forward is split-
 whose partial (out, lse) are merged by lse (§6).
 
 Operands arrive prepared by ``backend.py``: sequences padded to a multiple of the block sizes and head dims to a
-power of two (zeros), q/k already unit vectors for the cosine variant, mask as int8 and bias as float32 in
+power of two (zeros), q/k raw for the cosine variant too (below), mask as int8 and bias as float32 in
 (B|1, Hq|1, Lq_pad, Lk_pad). Two small operands carry everything that may change without recompiling:
 
 * ``geom`` (B, 4) int32, per batch element ``[q_len, kv_len, lo, hi]``: query ``i`` sees key ``j`` when
@@ -32,6 +32,12 @@ loading, so padding (NaN included) never reaches a product (§5), and mask their
 make every tile an edge tile. The softmax is base 2 with the scale folded into exp2's argument (``_score_fold``);
 lse is natural-log at the API. The dK/dV kernel works on transposed tiles (keys on rows), so that every product has
 block_k rows: Triton keeps wgmma when that is a multiple of 64.
+
+Cosine (``Static.cosine``, docs/semantics.md §10): q̂ = q/‖q‖ is never rounded to the input dtype. The products take
+the raw q and k (half types on tensor cores, exact products, float32 sums) and the score tile is scaled by both
+float32 inverse norms, computed per tile from the rows as loaded (``_inverse_norms``): U = scale·(q·kᵀ)/(‖q‖‖k‖).
+The backward kernels return the gradients with respect to q̂ and k̂, dq̂ = scale·Σ (dU/‖k‖)·k and dk̂ = scale·Σ
+(dU/‖q‖)ᵀ·q; backend.py chains them through the normalisation in float32.
 """
 
 from __future__ import annotations
@@ -46,8 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from attnkit.contract import conjoin, within_band
-from attnkit.contract.jax import length_visibility, merge_partials, normalize, segment_visibility
+from attnkit.contract import COSINE_EPS, conjoin, within_band
+from attnkit.contract.jax import length_visibility, merge_partials, segment_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
 NO_ID = (1 << 31) - 1  # the smallest id of a tile of padding only: above every largest id, so it meets nothing
@@ -67,7 +73,7 @@ class Static:
     num_warps: int = 4
     num_stages: int = 2
     splits: int = 1  # forward only: key ranges on a fourth grid axis, merged by lse (split-K decode)
-    normalize_keys: bool = False  # paged cosine: k̂ = k / max(‖k‖, eps) as each tile is read (the cache stays put)
+    cosine: bool = False  # scores scaled by the rows' float32 inverse norms (the raw q, k are multiplied)
 
     def compiler_params(self) -> Any:
         # Triton, not Mosaic GPU: the Mosaic GPU path does not take these dot_general shapes.
@@ -105,6 +111,15 @@ def _dot(a: Any, b: Any, *, trans_a: bool = False, trans_b: bool = False) -> Any
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _inverse_norms(x: Any, static: Static) -> Any:
+    """1 / max(‖x‖, eps) per row of a (n, d) tile in float32 for the cosine variant (as
+    torch.nn.functional.normalize; a zero row of padding gets 1/eps, times its zero products); None otherwise."""
+    if not static.cosine:
+        return None
+    x = x.astype(jnp.float32)
+    return 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=1)), COSINE_EPS)
 
 
 def _geometry(geom_ref: Any) -> tuple[Any, Any, Any, Any]:
@@ -206,11 +221,17 @@ def _score_fold(params_ref: Any, static: Static, has_bias: bool) -> Any:
     return params_ref[0] * LOG2E
 
 
-def _scores(a: Any, b: Any, params_ref: Any, static: Static, bias: Any, visible: Any) -> tuple[Any, Any]:
-    """S = softcap(scale·a·bᵀ) + bias, −inf where hidden (``visible`` None: an interior tile, nothing hidden); also
-    tanh(raw/c) for the softcap derivative. Without softcap and bias S is left unscaled (a·bᵀ): _score_fold
-    carries the scale into exp2's argument."""
+def _scores(
+    a: Any, b: Any, params_ref: Any, static: Static, bias: Any, visible: Any, norms: tuple[Any, Any] = (None, None)
+) -> tuple[Any, Any]:
+    """S = softcap(scale·â·b̂ᵀ) + bias, −inf where hidden (``visible`` None: an interior tile, nothing hidden); also
+    tanh(raw/c) for the softcap derivative. Without softcap and bias S is left unscaled (â·b̂ᵀ): _score_fold
+    carries the scale into exp2's argument. â = a unless ``norms`` holds a's and b's inverse norms (cosine):
+    â·b̂ᵀ = (a·bᵀ)·(1/‖a‖)·(1/‖b‖) in float32."""
     s = _dot(a, b, trans_b=True)
+    a_inverse, b_inverse = norms
+    if a_inverse is not None:
+        s = s * a_inverse[:, None] * b_inverse[None, :]
     tanh = None
     if static.softcap:
         cap = params_ref[1]
@@ -316,17 +337,19 @@ def _fwd_tile(
     q_tile = pl.program_id(2)
     i0 = q_tile * block_q
     q = _valid_rows(q_ref[...], i0, q_len)
+    q_inverse = _inverse_norms(q, static)
 
     def scores(tile: Any, edge: bool) -> tuple[Any, Any]:
         j0 = tile * block_k
         keys = pl.ds(j0, block_k)
         k, v = k_ref[keys, :], v_ref[keys, :]
         bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
-        if not edge:  # every key inside kv_len, every pair visible
-            return _scores(q, k, params_ref, static, bias, None)[0], v
-        k, v = _valid_rows(k, j0, kv_len), _valid_rows(v, j0, kv_len)
-        s, _ = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, segments, i0, j0, static))
-        return s, v
+        visible = None  # an interior tile: every key inside kv_len, every pair visible
+        if edge:
+            k, v = _valid_rows(k, j0, kv_len), _valid_rows(v, j0, kv_len)
+            visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static)
+        norms = (q_inverse, _inverse_norms(k, static))
+        return _scores(q, k, params_ref, static, bias, visible, norms)[0], v
 
     first, end = _split_range(static, k_ref.shape[0], *_kv_range(geom, i0, block_q, block_k))
     interior = None if _all_edge(mask_ref, segments) else _interior_keys(geom, i0, first, end, block_q, block_k)
@@ -503,6 +526,7 @@ def _paged_tile(
     q_len, kv_len = geom[0], geom[1]
     i0 = pl.program_id(2) * block_q
     q = _valid_rows(q_ref[...], i0, q_len)
+    q_inverse = _inverse_norms(q, static)
 
     def scores(tile: Any, edge: bool) -> tuple[Any, Any]:
         j0 = tile * block_k
@@ -510,9 +534,8 @@ def _paged_tile(
         slots = pl.ds(lax.rem(j0, jnp.int32(page)), block_k)
         k = _valid_rows(k_ref[block, slots, :], j0, kv_len)
         v = _valid_rows(v_ref[block, slots, :], j0, kv_len)
-        if static.normalize_keys:
-            k = normalize(k.astype(jnp.float32)).unit.astype(k.dtype)
-        s, _ = _scores(q, k, params_ref, static, None, _visible(geom, i0, j0, block_q, block_k))
+        norms = (q_inverse, _inverse_norms(k, static))
+        s, _ = _scores(q, k, params_ref, static, None, _visible(geom, i0, j0, block_q, block_k), norms)
         return s, v
 
     capacity = table_ref.shape[0] * page
@@ -569,6 +592,7 @@ def _bwd_dkdv(
     j0 = kv_tile * block_k
     k = _valid_rows(k_ref[...], j0, kv_len)
     v = _valid_rows(v_ref[...], j0, kv_len)
+    k_inverse = _inverse_norms(k, static)
 
     def q_tile(g: Any, rows: Any) -> tuple[Any, Any]:
         if static.bshd:
@@ -580,7 +604,7 @@ def _bwd_dkdv(
     # Transposed tiles (keys on rows), so that every product has block_k rows (M): per query tile of each of the
     # G query heads reading this kv head, Pᵀ recomputed from lse (log₂ units): Pᵀ = 2^(Sᵀ·fold − lse·log₂e),
     # dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) with Δ = rowsum(dO ⊙ O) − dlse, dSᵀ ⊙= 1 − tanh² through the
-    # softcap, dK += scale · dSᵀ·Q. Empty rows carry lse = +inf: P = 0.
+    # softcap, dK += scale · dSᵀ·Q (cosine: dK̂ += scale · (dSᵀ/‖q‖)·Q). Empty rows carry lse = +inf: P = 0.
     def visit(edge: bool) -> Any:
         def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
             g, dk, dv = carry
@@ -595,12 +619,15 @@ def _bwd_dkdv(
                 delta = _valid_vector(delta, i0, q_len, 0.0)
                 visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g, keys_first=True)
             bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static).T
-            s, tanh = _scores(k, q, params_ref, static, bias, visible)
+            q_inverse = _inverse_norms(q, static)
+            s, tanh = _scores(k, q, params_ref, static, bias, visible, (k_inverse, q_inverse))
             p = jnp.exp2(s * fold - lse[None, :])
             dv = dv + _dot(p.astype(do.dtype), do)
             ds = p * (_dot(v, do, trans_b=True) - delta[None, :])
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
+            if q_inverse is not None:
+                ds = ds * q_inverse[None, :]
             dk = dk + _dot(ds.astype(q.dtype), q)
             return g, dk, dv
 
@@ -641,6 +668,7 @@ def _bwd_dq(
     q_tile = pl.program_id(2)
     i0 = q_tile * block_q
     q = _valid_rows(q_ref[...], i0, q_len)
+    q_inverse = _inverse_norms(q, static)
     do = _valid_rows(do_ref[...], i0, q_len)
     lse = _valid_vector(lse_ref[...], i0, q_len, jnp.inf)
     delta = _valid_vector(delta_ref[...], i0, q_len, 0.0)
@@ -649,7 +677,7 @@ def _bwd_dq(
     fold = _score_fold(params_ref, static, bias_ref is not None)
 
     # Per visible key tile: P = 2^(S·fold − lse·log₂e), dS = P ⊙ (dO·Vᵀ − Δ) (this is dbias),
-    # dS' = dS ⊙ (1 − tanh²), dQ += scale · dS'·K.
+    # dS' = dS ⊙ (1 − tanh²), dQ += scale · dS'·K (cosine: dQ̂ += scale · (dS'/‖k‖)·K).
     def visit(edge: bool) -> Any:
         def body(tile: Any, dq: Any) -> Any:
             j0 = tile * block_k
@@ -660,13 +688,16 @@ def _bwd_dq(
                 k, v = _valid_rows(k, j0, kv_len), _valid_rows(v, j0, kv_len)
                 visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static)
             bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
-            s, tanh = _scores(q, k, params_ref, static, bias, visible)
+            k_inverse = _inverse_norms(k, static)
+            s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse))
             p = jnp.exp2(s * fold - lse[:, None])
             ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
             if dbias_ref is not None:
                 dbias_ref[:, keys] = ds
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
+            if k_inverse is not None:
+                ds = ds * k_inverse[None, :]
             return dq + _dot(ds.astype(k.dtype), k)
 
         return body
