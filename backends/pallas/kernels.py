@@ -254,8 +254,12 @@ def _load(ref: Any, at: tuple, limits: tuple = (), other: float = 0.0, overrun: 
     load."""
     axes = _tile_axes(ref, at)
     shape = tuple(index.size for _, index in axes)
-    if overrun is None:
-        overrun = any(extent % index.size for extent, index in axes)
+    if overrun is None and any(extent % index.size for extent, index in axes):  # only the last tile overruns
+        inside = functools.reduce(
+            jnp.logical_and, [index.start + index.size <= extent for extent, index in axes if extent % index.size]
+        )
+        fits = functools.partial(_load, ref, at, limits, other, False)
+        return lax.cond(inside, fits, functools.partial(_load, ref, at, limits, other, True))
     mask = None
     for axis, ((extent, index), limit) in enumerate(itertools.zip_longest(axes, limits[: len(axes)])):
         if index.size > extent:  # a head dim's columns past it, or a tile longer than the sequence
