@@ -284,8 +284,15 @@ def _store(ref: Any, at: tuple, value: Any, overrun: bool = True) -> None:
             mask = conjoin(mask, index.start + _iota(value.shape, axis) < extent)
     if mask is None:
         ref[at] = value
-    else:
-        plgpu.store(ref.at[at], value, mask=jnp.broadcast_to(mask, value.shape))
+        return
+    # The interpreter's masked store takes the starts as they are: give a traced one the default integer type of
+    # the Python ints beside it (int64 under jax_enable_x64; a no-op otherwise).
+    at = tuple(pl.ds(jnp.asarray(i.start, int), i.size) if _traced_slice(i) else i for i in at)
+    plgpu.store(ref.at[at], value, mask=jnp.broadcast_to(mask, value.shape))
+
+
+def _traced_slice(index: Any) -> bool:
+    return isinstance(index, pl.Slice) and not isinstance(index.start, int)
 
 
 def _score_fold(params_ref: Any, static: Static, has_bias: bool) -> Any:
