@@ -407,6 +407,27 @@ def _optional_operands(
     return mask is not None, bias is not None, segments is not None
 
 
+def _key_tile(
+    k_ref: Any, v_ref: Any, bias_ref: Any, mask_ref: Any, segments: Segments | None, geom: Any, i0: Any, tile: Any,
+    static: Static, kind: tuple[bool, bool],
+) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+    """K, V, bias and visible pairs of key tile ``tile`` for the query tile at row i0 (forward and dQ kernels).
+    ``kind`` = (edge, ragged): an interior tile lies inside kv_len (so inside the array) with every pair visible,
+    loaded whole, nothing masked (visible None); an edge tile reads 0 for keys at or past kv_len; a ragged one is
+    the keys' last, partial tile (masked loads)."""
+    edge, ragged = kind
+    j0 = tile * static.block_k
+    keys = pl.ds(j0, static.block_k)
+    limits: tuple = ()
+    visible = None
+    if edge:
+        limits, visible = (geom[1],), _tile_visibility(geom, mask_ref, segments, i0, j0, static)
+    k = _load(k_ref, (keys, _columns(k_ref)), limits, overrun=ragged)
+    v = _load(v_ref, (keys, _columns(v_ref)), limits, overrun=ragged)
+    bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static, geom if edge else None)
+    return k, v, bias, visible
+
+
 # ------------------------------------------------------------------------------------------------- forward
 
 
@@ -416,7 +437,7 @@ def _fwd_tile(
     mask_ref, bias_ref, segments, o_ref, lse_ref = _split(refs, has)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
-    q_len, kv_len = geom[0], geom[1]
+    q_len = geom[0]
     q_tile = pl.program_id(2)
     i0 = q_tile * block_q
     rows = pl.ds(i0, block_q)
@@ -424,16 +445,8 @@ def _fwd_tile(
     q_inverse = _inverse_norms(q, static)
 
     def scores(tile: Any, edge: bool, ragged: bool) -> tuple[Any, Any]:
-        j0 = tile * block_k
-        keys = pl.ds(j0, block_k)
-        # An interior tile: every key inside kv_len (so inside the array), every pair visible, nothing masked.
-        limits: tuple = ()
-        visible = None
-        if edge:
-            limits, visible = (kv_len,), _tile_visibility(geom, mask_ref, segments, i0, j0, static)
-        k = _load(k_ref, (keys, _columns(k_ref)), limits, overrun=ragged)
-        v = _load(v_ref, (keys, _columns(v_ref)), limits, overrun=ragged)
-        bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static, geom if edge else None)
+        kind = (edge, ragged)
+        k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, mask_ref, segments, geom, i0, tile, static, kind)
         norms = (q_inverse, _inverse_norms(k, static))
         return _scores(q, k, params_ref, static, bias, visible, norms)[0], v
 
@@ -756,7 +769,7 @@ def _bwd_dq(
     dbias_ref = dbias[0] if dbias else None
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
-    q_len, kv_len = geom[0], geom[1]
+    q_len = geom[0]
     q_tile = pl.program_id(2)
     i0 = q_tile * block_q
     rows = pl.ds(i0, block_q)
@@ -772,15 +785,9 @@ def _bwd_dq(
     # dS' = dS ⊙ (1 − tanh²), dQ += scale · dS'·K (cosine: dQ̂ += scale · (dS'/‖k‖)·K).
     def visit(edge: bool, ragged: bool = False) -> Any:
         def body(tile: Any, dq: Any) -> Any:
-            j0 = tile * block_k
-            keys = pl.ds(j0, block_k)
-            limits: tuple = ()  # an interior tile has every key inside kv_len
-            visible = None
-            if edge:
-                limits, visible = (kv_len,), _tile_visibility(geom, mask_ref, segments, i0, j0, static)
-            k = _load(k_ref, (keys, _columns(k_ref)), limits, overrun=ragged)
-            v = _load(v_ref, (keys, _columns(v_ref)), limits, overrun=ragged)
-            bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static, geom if edge else None)
+            kind = (edge, ragged)
+            k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, mask_ref, segments, geom, i0, tile, static, kind)
+            keys = pl.ds(tile * block_k, block_k)
             k_inverse = _inverse_norms(k, static)
             s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse))
             p = jnp.exp2(s * fold - lse[:, None])
