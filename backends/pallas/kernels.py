@@ -254,7 +254,8 @@ def _load(ref: Any, at: tuple, limits: tuple = (), other: float = 0.0, overrun: 
     load."""
     axes = _tile_axes(ref, at)
     shape = tuple(index.size for _, index in axes)
-    if overrun is None and any(extent % index.size for extent, index in axes):  # only the last tile overruns
+    wide = any(index.size > extent for extent, index in axes)  # always a masked load: no branch to choose
+    if overrun is None and not wide and any(extent % index.size for extent, index in axes):  # the last tile overruns
         inside = functools.reduce(
             jnp.logical_and, [index.start + index.size <= extent for extent, index in axes if extent % index.size]
         )
