@@ -18,7 +18,7 @@ import attnkit
 from attnkit import AttentionSpec
 from attnkit.testing import Case
 from attnkit.testing.agreement import compare, oracle_results, rounded
-from attnkit.testing.cases import make_arrays
+from attnkit.testing.cases import make_arrays, paged_case
 from attnkit.testing.runners import run_jax, run_torch
 
 pytestmark = pytest.mark.skipif(
@@ -312,3 +312,57 @@ def test_split_k_ranges_cut_the_interior_run() -> None:
     expected, expected_lse = attnkit.attend(spec, q, k, v, return_lse=True, backend="jax-reference")
     np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(expected_lse), rtol=1e-5, atol=1e-6)
+
+
+COSINE_HALF_CASES = [
+    # Drawn by hypothesis: q̂·k̂ of unit vectors rounded to float16 missed the single visible key's lse by 2.3 allowed.
+    Case(spec=AttentionSpec(variant="cosine"), dtype="float16", heads_q=1, heads_kv=1, len_q=1, len_k=22,
+         kv_lengths=(0, 1), seed=1),
+    Case(spec=AttentionSpec(variant="cosine"), dtype="bfloat16", head_dim=32, head_dim_v=32, len_q=1, len_k=22,
+         kv_lengths=(0, 1), seed=9),
+    paged_case(AttentionSpec(variant="cosine"), 16, ((1,), (0,)), (0, 1), 2, heads_q=1, heads_kv=1, len_q=1,
+               dtype="bfloat16", seed=10),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", COSINE_HALF_CASES, ids=["float16", "bfloat16 GQA", "paged bfloat16"])
+def test_cosine_in_half_precision_never_rounds_the_unit_vectors(case: Case) -> None:
+    """§10: rounding q̂ and k̂ back to half before q̂·k̂ costs up to scale (16) x a half ulp in every score, past
+    the tolerance; the kernels take the raw q, k and scale q·kᵀ by float32 inverse norms (gradients chained through
+    them exactly). One visible key makes lse = U, the score itself."""
+    _assert_agrees_with_oracle(case)
+
+
+def test_operands_reach_the_kernels_unpadded() -> None:
+    """No copy pads q, k, v, dO, bias or the outputs to the tiles or to a power-of-two head dim, and none slices
+    results back: every kernel takes and returns arrays at their own shapes (ragged last tiles and head dims of 40
+    and 24 are bounded inside the kernels). The traced forward and backward, outside the kernels, hold no pad."""
+    import jax
+    import jax.extend
+    import jax.numpy as jnp
+
+    spec = AttentionSpec(causal=True, softcap=20.0)
+    q, k, v = (jnp.zeros(shape, jnp.bfloat16) for shape in ((2, 4, 37, 40), (2, 2, 29, 40), (2, 2, 29, 24)))
+    bias = jnp.zeros((1, 4, 37, 29), jnp.float32)
+
+    def loss(q, k, v, bias):
+        out, lse = attnkit.attend(spec, q, k, v, bias=bias, return_lse=True, backend="pallas")
+        return out.astype(jnp.float32).sum() + lse.sum()
+
+    primitives, kernel_shapes = set(), set()
+
+    def walk(jaxpr: jax.extend.core.Jaxpr) -> None:
+        for equation in jaxpr.eqns:
+            if equation.primitive.name == "pallas_call":
+                kernel_shapes.update(tuple(x.aval.shape) for x in (*equation.invars, *equation.outvars))
+                continue
+            primitives.add(equation.primitive.name)
+            for param in equation.params.values():
+                for sub in param if isinstance(param, (tuple, list)) else (param,):
+                    if isinstance(sub, (jax.extend.core.Jaxpr, jax.extend.core.ClosedJaxpr)):
+                        walk(getattr(sub, "jaxpr", sub))
+
+    walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias).jaxpr)
+    assert "pad" not in primitives
+    own_shapes = {q.shape, k.shape, v.shape, bias.shape, (2, 4, 37, 24), (2, 4, 37), (2, 4, 37, 29), (2, 4), (4,)}
+    assert kernel_shapes <= own_shapes, kernel_shapes - own_shapes

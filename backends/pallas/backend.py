@@ -1,9 +1,11 @@
 """pallas: attention in ``jax.experimental.pallas`` kernels (kernels.py), for JAX arrays and, bridged
 through DLPack, for torch tensors.
 
-This module is the plumbing around the kernels: layouts, padding to the block sizes, cosine normalisation and
-its backward, per-batch geometry, dbias reduced to the bias's shape, empty extents, the torch bridge, the paged
-forward's configuration (a key tile inside one cache block) and the split-K rule (``decode_splits``).
+This module is the plumbing around the kernels: layouts, segment ids padded to the block sizes (q, k, v and the
+outputs never are: the kernels bound their edge tiles' loads and stores), the cosine normalisation's
+backward (the kernels scale raw scores by float32 inverse norms), per-batch geometry, dbias reduced to the bias's
+shape, empty extents, the torch bridge, the paged forward's configuration (a key tile inside one cache block) and
+the split-K rule (``decode_splits``).
 Forward and backward are plain functions of arrays; the frontends' custom_vjp (JAX) and autograd.Function
 (torch) tie them together, so jit, grad and vmap work as for any backend.
 
@@ -59,25 +61,19 @@ class _Config(NamedTuple):
 
     kernel: Any  # kernels.Static for the forward/dQ kernels
     kernel_dkdv: Any  # kernels.Static for the dK/dV kernel
-    cosine: bool
 
 
 class _Sizes(NamedTuple):
     batch: int
     len_q: int
     len_k: int
-    dim: int
-    dim_v: int
-    pad_q: int
+    pad_q: int  # the segment ids' padded lengths: a multiple of every kernel's tiles
     pad_k: int
 
 
-def _pow2(n: int, low: int = 16) -> int:
-    return max(low, 1 << max(0, n - 1).bit_length())
-
-
 def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[int, int], tuple[int, int], int]:
-    """((block_q, block_k) forward/dQ, (block_q, block_k) dK/dV, num_warps): never wider than the padded length."""
+    """((block_q, block_k) forward/dQ, (block_q, block_k) dK/dV, num_warps): never wider than the length's power of
+    two (>= 16)."""
     if interpret:
         (fwd, bwd), warps = INTERPRET_BLOCKS, 4
     elif dim <= 64:  # Triton keeps wgmma when every product has M % 64 = 0 on num_warps % 4 = 0 (dK/dV: M = block_k)
@@ -88,7 +84,7 @@ def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[in
         fwd, bwd, warps = (64, 32), (16, 32), 8
 
     def clip(pair: tuple[int, int]) -> tuple[int, int]:
-        return min(pair[0], _pow2(len_q)), min(pair[1], _pow2(len_k))
+        return min(pair[0], kernels.width(len_q)), min(pair[1], kernels.width(len_k))
 
     return clip(fwd), clip(bwd), warps
 
@@ -113,13 +109,17 @@ def _config(
     spec: AttentionSpec, len_q: int, len_k: int, dim: int, interpret: bool, cells: int = 1, forced: int | None = None
 ) -> _Config:
     fwd, bwd, warps = _blocks(interpret, len_q, len_k, dim)
-    common = {"bshd": spec.layout is Layout.BSHD, "softcap": spec.softcap is not None, "interpret": interpret}
+    common = {
+        "bshd": spec.layout is Layout.BSHD,
+        "softcap": spec.softcap is not None,
+        "cosine": spec.variant is Variant.COSINE,
+        "interpret": interpret,
+    }
     padded_k = -(-len_k // max(fwd[1], bwd[1])) * max(fwd[1], bwd[1])
     splits = _splits(forced, interpret, cells, len_q, padded_k, fwd)
     return _Config(
         kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=warps, splits=splits, **common),
         kernel_dkdv=kernels.Static(block_q=bwd[0], block_k=bwd[1], num_warps=warps, **common),
-        cosine=spec.variant is Variant.COSINE,
     )
 
 
@@ -156,7 +156,7 @@ def _sizes(config: _Config, q: Any, k: Any, v: Any) -> _Sizes:
     step_q = max(config.kernel.block_q, config.kernel_dkdv.block_q)
     step_k = max(config.kernel.block_k, config.kernel_dkdv.block_k)
     pad_q, pad_k = -(-len_q // step_q) * step_q, -(-len_k // step_k) * step_k
-    return _Sizes(q.shape[0], len_q, len_k, q.shape[-1], v.shape[-1], pad_q, pad_k)
+    return _Sizes(q.shape[0], len_q, len_k, pad_q, pad_k)
 
 
 def _pad_axis(x: Any, axis: int, size: int, value: float = 0) -> Any:
@@ -168,8 +168,8 @@ def _pad_axis(x: Any, axis: int, size: int, value: float = 0) -> Any:
     return jnp.pad(x, pad, constant_values=value)
 
 
-def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> tuple[Any, Any, Any]:
-    """(B, 4) int32 [q_len, kv_len, lo, hi] (kernels.py), and q_len, kv_len; lengths may be tracers: clamped.
+def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> Any:
+    """(B, 4) int32 [q_len, kv_len, lo, hi] (kernels.py); lengths may be tracers: clamped.
 
     ``lo, hi`` is the band (lower, upper) of ``band`` shifted by each element's alignment offset, so the kernels
     test ``lo ≤ j − i ≤ hi``; an open side stays ∓FAR."""
@@ -181,13 +181,12 @@ def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> tupl
     offset = (kv_len - q_len) * alignment
     lo = jnp.where(lower <= -kernels.FAR, -kernels.FAR, offset + lower)
     hi = jnp.where(upper >= kernels.FAR, kernels.FAR, offset + upper)
-    return jnp.stack([q_len, kv_len, lo, hi], axis=1), q_len, kv_len
+    return jnp.stack([q_len, kv_len, lo, hi], axis=1)
 
 
 def _pairwise(x: Any, sizes: _Sizes, dtype: Any) -> Any:
-    """A 4-D mask/bias broadcastable to (B, Hq, Lq, Lk): sequence axes broadcast and padded, batch/head kept."""
-    x = jnp.broadcast_to(x, (*x.shape[:2], sizes.len_q, sizes.len_k)).astype(dtype)
-    return _pad_axis(_pad_axis(x, 2, sizes.pad_q), 3, sizes.pad_k)
+    """A 4-D mask/bias broadcastable to (B, Hq, Lq, Lk): sequence axes broadcast, batch/head kept."""
+    return jnp.broadcast_to(x, (*x.shape[:2], sizes.len_q, sizes.len_k)).astype(dtype)
 
 
 def _segments(config: _Config, sizes: _Sizes, inputs: AttentionInputs) -> tuple[Any, Any]:
@@ -201,31 +200,19 @@ def _segments(config: _Config, sizes: _Sizes, inputs: AttentionInputs) -> tuple[
 
 
 def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, Any]:
-    """Kernel operands: padded q, k, v (unit rows for cosine; zero at negative segment ids), int8 mask, float32
+    """Kernel operands: q, k, v as given (raw for cosine too; zero at negative segment ids), int8 mask, float32
     bias, geometry, segment ids."""
     sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     seq_axis, _ = _axes(config)
     q = zero_padding(inputs.q, None, seq_axis, inputs.q_segment_ids)
     k, v = (zero_padding(x, None, seq_axis, inputs.kv_segment_ids) for x in (inputs.k, inputs.v))
-    geom, q_len, kv_len = _geometry(band, sizes, inputs.q_lengths, inputs.kv_lengths)
-    prepared: dict[str, Any] = {"geom": geom, "q_norm": None, "k_norm": None}
+    geom = _geometry(band, sizes, inputs.q_lengths, inputs.kv_lengths)
+    prepared: dict[str, Any] = {"geom": geom}
     prepared["segments"], prepared["segments_dkdv"] = _segments(config, sizes, inputs)
-    if config.cosine:  # padding zeroed first, so its NaN cannot reach the normalisation's backward
-        prepared["q_norm"] = normalize(zero_padding(q, q_len, seq_axis).astype(jnp.float32))
-        prepared["k_norm"] = normalize(zero_padding(k, kv_len, seq_axis).astype(jnp.float32))
-        q, k = prepared["q_norm"].unit.astype(inputs.q.dtype), prepared["k_norm"].unit.astype(inputs.k.dtype)
-    dim_p, dim_vp = _pow2(sizes.dim), _pow2(sizes.dim_v)
-    prepared["q"] = _pad_axis(_pad_axis(q, seq_axis, sizes.pad_q), -1, dim_p)
-    prepared["k"] = _pad_axis(_pad_axis(k, seq_axis, sizes.pad_k), -1, dim_p)
-    prepared["v"] = _pad_axis(_pad_axis(v, seq_axis, sizes.pad_k), -1, dim_vp)
+    prepared["q"], prepared["k"], prepared["v"] = q, k, v
     prepared["mask"] = None if inputs.mask is None else _pairwise(inputs.mask, sizes, jnp.int8)
     prepared["bias"] = None if inputs.bias is None else _pairwise(inputs.bias, sizes, jnp.float32)
     return prepared
-
-
-def _unpad(config: _Config, x: Any, length: int, dim: int) -> Any:
-    seq_axis, _ = _axes(config)
-    return jax.lax.slice_in_dim(x, 0, length, axis=seq_axis)[..., :dim]
 
 
 def _empty(inputs: AttentionInputs, config: _Config) -> bool:
@@ -244,57 +231,48 @@ def _empty_forward(inputs: AttentionInputs, config: _Config) -> tuple[Any, Any]:
 class _Stages(NamedTuple):
     """The pieces of a call. Jitted as one program (GPU, or under the caller's jit), or one jit each (the
     interpreter on CPU: there compiling the interpreted kernels dominates, and a kernel jitted alone is shared
-    by every call that pads to the same tile grid)."""
+    by every call of the same shapes, whatever its lengths, scale, window or values)."""
 
     prepare: Any
     forward_kernel: Any
-    finish_forward: Any
     backward_rows: Any
     dkdv_kernel: Any
     dq_kernel: Any
     finish_backward: Any
 
 
-def _finish_forward(config: _Config, sizes: _Sizes, out: Any, lse: Any) -> tuple[Any, Any]:
-    return _unpad(config, out, sizes.len_q, sizes.dim_v), lse[:, :, : sizes.len_q]
-
-
 def _forward(stages: _Stages, config: _Config, params: Any, band: Any, inputs: AttentionInputs) -> tuple[Any, Any]:
     if _empty(inputs, config):
         return _empty_forward(inputs, config)
-    sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     p = stages.prepare(config, band, inputs)
     operands = (p["geom"], params, p["q"], p["k"], p["v"], p["mask"], p["bias"], p["segments"])
-    out, lse = stages.forward_kernel(config.kernel, *operands)
-    return stages.finish_forward(config, sizes, out, lse)
+    return stages.forward_kernel(config.kernel, *operands)
 
 
-def _backward_rows(config: _Config, sizes: _Sizes, out: Any, lse: Any, dout: Any, dlse: Any) -> tuple[Any, ...]:
-    """Padded dO, lse and Δ = rowsum(dO ⊙ O) − dlse; an empty row (lse −inf) gets lse +inf (so P = 0) and Δ 0."""
-    seq_axis, _ = _axes(config)
+def _backward_rows(config: _Config, out: Any, lse: Any, dout: Any, dlse: Any) -> tuple[Any, Any]:
+    """lse and Δ = rowsum(dO ⊙ O) − dlse; an empty row (lse −inf) gets lse +inf (so P = 0) and Δ 0."""
     delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)
     delta = jnp.swapaxes(delta, 1, 2) if config.kernel.bshd else delta
     if dlse is not None:
         delta = delta - dlse.astype(jnp.float32)
     empty = lse == -jnp.inf
-    delta = _pad_axis(jnp.where(empty, 0.0, delta), 2, sizes.pad_q)
-    lse = _pad_axis(jnp.where(empty, jnp.inf, lse), 2, sizes.pad_q, jnp.inf)
-    do = _pad_axis(_pad_axis(dout, seq_axis, sizes.pad_q), -1, _pow2(sizes.dim_v))
-    return do, lse, delta
+    return jnp.where(empty, jnp.inf, lse), jnp.where(empty, 0.0, delta)
 
 
-def _finish_backward(
-    config: _Config, sizes: _Sizes, inputs: AttentionInputs, prepared: dict[str, Any], grads: tuple[Any, ...]
-) -> tuple[Any, Any, Any, Any]:
+def _unit_backward(config: _Config, x: Any, lengths: Any, segment_ids: Any, d_unit: Any) -> Any:
+    """The cosine chain rule from dx̂ (float32, from the kernels) to dx, through x̂ = x/‖x‖ in float32; padding
+    (past lengths, negative ids) zeroed first, so its NaN cannot reach it."""
+    seq_axis, _ = _axes(config)
+    return normalize_backward(normalize(zero_padding(x, lengths, seq_axis, segment_ids).astype(jnp.float32)), d_unit)
+
+
+def _finish_backward(config: _Config, inputs: AttentionInputs, grads: tuple[Any, ...]) -> tuple[Any, Any, Any, Any]:
     dq, dk, dv, dbias = grads
     q, k, v, bias = inputs.q, inputs.k, inputs.v, inputs.bias
-    dq, dk = _unpad(config, dq, sizes.len_q, sizes.dim), _unpad(config, dk, sizes.len_k, sizes.dim)
-    dv = _unpad(config, dv, sizes.len_k, sizes.dim_v)
-    if config.cosine:
-        dq = normalize_backward(prepared["q_norm"], dq)
-        dk = normalize_backward(prepared["k_norm"], dk)
+    if config.kernel.cosine:
+        dq = _unit_backward(config, q, inputs.q_lengths, inputs.q_segment_ids, dq)
+        dk = _unit_backward(config, k, inputs.kv_lengths, inputs.kv_segment_ids, dk)
     if dbias is not None:
-        dbias = dbias[:, :, : sizes.len_q, : sizes.len_k]
         axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1 and dbias.shape[axis] != 1)
         dbias = (dbias.sum(axis=axes, keepdims=True) if axes else dbias).astype(bias.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias
@@ -315,19 +293,17 @@ def _backward(
     if _empty(inputs, config):
         dbias = None if not need_dbias else jnp.zeros(inputs.bias.shape, inputs.bias.dtype)
         return jnp.zeros_like(inputs.q), jnp.zeros_like(inputs.k), jnp.zeros_like(inputs.v), dbias
-    sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     p = stages.prepare(config, band, inputs)
-    do, lse, delta = stages.backward_rows(config, sizes, out, lse, dout, dlse)
-    operands = (p["geom"], params, p["q"], p["k"], p["v"], do, lse, delta, p["mask"], p["bias"])
+    lse, delta = stages.backward_rows(config, out, lse, dout, dlse)
+    operands = (p["geom"], params, p["q"], p["k"], p["v"], dout, lse, delta, p["mask"], p["bias"])
     dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands, p["segments_dkdv"])
     dq, dbias = stages.dq_kernel(config.kernel, *operands, p["segments"], need_dbias)
-    return stages.finish_backward(config, sizes, inputs, p, (dq, dk, dv, dbias))
+    return stages.finish_backward(config, inputs, (dq, dk, dv, dbias))
 
 
 _PLAIN = _Stages(
     _prepare,
     kernels.forward_call,
-    _finish_forward,
     _backward_rows,
     kernels.dkdv_call,
     kernels.dq_call,
@@ -347,11 +323,10 @@ def _compiled() -> tuple[Any, Any, Any, Any]:
     staged = _Stages(
         jax.jit(_prepare, static_argnums=(0,)),
         jax.jit(kernels.forward_call, static_argnums=(0,), compiler_options=fast),
-        jax.jit(_finish_forward, static_argnums=(0, 1)),
-        jax.jit(_backward_rows, static_argnums=(0, 1)),
+        jax.jit(_backward_rows, static_argnums=(0,)),
         jax.jit(kernels.dkdv_call, static_argnums=(0,), compiler_options=fast),
         jax.jit(kernels.dq_call, static_argnums=(0, 12), compiler_options=fast),
-        jax.jit(_finish_backward, static_argnums=(0, 1)),
+        jax.jit(_finish_backward, static_argnums=(0,)),
     )
     whole_forward = jax.jit(functools.partial(_forward, _PLAIN), static_argnums=(0,))
     whole_backward = jax.jit(functools.partial(_backward, _PLAIN), static_argnums=(0, 1))
@@ -391,12 +366,12 @@ def _paged_config(
         interpret=interpret,
         num_warps=warps,
         splits=_splits(forced, interpret, cells, len_q, capacity, (block_q, block_k)),
-        normalize_keys=spec.variant is Variant.COSINE,
+        cosine=spec.variant is Variant.COSINE,
     )
 
 
 def _paged_forward(static: Any, params: Any, band: Any, inputs: PagedInputs) -> tuple[Any, Any]:
-    """(out, lse) of attend_paged (§13): q padded to the query tile (unit rows for cosine), the cache as it lies."""
+    """(out, lse) of attend_paged (§13): q and the cache as they lie."""
     q, k_cache, v_cache, block_table, kv_lengths = inputs
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
     batch, len_q, heads_q = q.shape[0], q.shape[seq_axis], q.shape[head_axis]
@@ -404,14 +379,8 @@ def _paged_forward(static: Any, params: Any, band: Any, inputs: PagedInputs) -> 
     if 0 in (batch, len_q, capacity, k_cache.shape[0]):  # nothing to compute, or no key to see
         out = jnp.zeros((*q.shape[:-1], v_cache.shape[-1]), q.dtype)
         return out, jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
-    pad_q = -(-len_q // static.block_q) * static.block_q
-    sizes = _Sizes(batch, len_q, capacity, q.shape[-1], v_cache.shape[-1], pad_q, capacity)
-    geom, _, _ = _geometry(band, sizes, None, kv_lengths)
-    if static.normalize_keys:
-        q = normalize(q.astype(jnp.float32)).unit.astype(q.dtype)
-    table = block_table.astype(jnp.int32)
-    out, lse = kernels.paged_forward_call(static, geom, params, table, _pad_axis(q, seq_axis, pad_q), k_cache, v_cache)
-    return jax.lax.slice_in_dim(out, 0, len_q, axis=seq_axis), lse[:, :, :len_q]
+    geom = _geometry(band, _Sizes(batch, len_q, capacity, len_q, capacity), None, kv_lengths)
+    return kernels.paged_forward_call(static, geom, params, block_table.astype(jnp.int32), q, k_cache, v_cache)
 
 
 @functools.cache
@@ -420,8 +389,9 @@ def _compiled_paged() -> Any:
 
 
 def _paged_reasons(problem: Problem) -> list[str]:
-    """What the paged kernel cannot take on a GPU: Triton tiles are powers of two (a dot at least 16 wide), and the
-    cache is read in place, so neither its block size nor its head dims can be padded."""
+    """What the paged kernel cannot take on a GPU: Triton tiles are powers of two (a dot at least 16 wide) and a key
+    tile lies inside one block, so the block size must be one; the head dims are kept to powers of two too (the
+    kernel would read them wider, masked, as the other kernels do, but that path has not run on a GPU)."""
     reasons = []
     block_size = problem.paged_block_size or 0
     if block_size < 16 or block_size & (block_size - 1):
@@ -480,7 +450,8 @@ class PallasBackend(BaseBackend):
             "on CPU the kernels run with interpret=True (a jit of a loop over the grid): exact but slow, "
             "for testing; on a GPU they lower through Pallas' Triton path",
             "float64: not declared (Triton's GPU dot has no float64 path)",
-            "head dims up to 256, padded to a power of two >= 16; sequences padded to the block size",
+            "head dims up to 256 (read in tiles a power of two >= 16 wide, masked), any sequence length: nothing is "
+            "padded or copied (the last, partial tile's loads are masked)",
             "dense mask/bias: their sequence axes are materialised (batch/head broadcast is kept)",
             "segment ids: narrowed to int32; tile pairs whose id ranges cannot meet are skipped, so a packed row "
             "of contiguous documents costs Σ Lᵢ²",

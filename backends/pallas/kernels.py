@@ -7,9 +7,11 @@ on one grid cell and holds the tiled loop; the two forwards share the online sof
 the launch (``_launch_forward``). With ``Static.splits`` > 1 a forward is split-K: a fourth grid axis of key ranges
 whose partial (out, lse) are merged by lse (§6).
 
-Operands arrive prepared by ``backend.py``: sequences padded to a multiple of the block sizes and head dims to a
-power of two (zeros), q/k already unit vectors for the cosine variant, mask as int8 and bias as float32 in
-(B|1, Hq|1, Lq_pad, Lk_pad). Two small operands carry everything that may change without recompiling:
+Operands arrive at their own shapes, never padded: each kernel takes a head's whole sequence (BlockSpec) and cuts
+its tiles with pl.ds (``_load``, ``_store``), so blocks need not divide the sequence and a head dim is read to the
+next power of two >= 16 (``width``) with its extra columns masked to 0. q/k are raw for the cosine variant too
+(below); mask comes as int8 and bias as float32 in (B|1, Hq|1, Lq, Lk). Two small operands carry everything that
+may change without recompiling:
 
 * ``geom`` (B, 4) int32, per batch element ``[q_len, kv_len, lo, hi]``: query ``i`` sees key ``j`` when
   ``i < q_len``, ``j < kv_len`` and ``lo <= j - i <= hi``. That band is causal and window together
@@ -29,14 +31,24 @@ Loops run over the tiles the band and lengths leave visible and no others: hidde
 them, the run of *interior* tiles (every pair visible: ``_interior_keys``, ``_interior_queries``) runs without any
 mask or select; the *edge* tiles around it zero rows at or beyond ``q_len`` and keys at or beyond ``kv_len`` after
 loading, so padding (NaN included) never reaches a product (§5), and mask their hidden scores. A mask or segment ids
-make every tile an edge tile. The softmax is base 2 with the scale folded into exp2's argument (``_score_fold``);
+make every tile an edge tile. An edge tile inside the array is loaded whole and selected; only the array's last,
+partial tile (when the block does not divide the sequence) is a masked load, run once after the loops
+(``_edge_interior_edge``'s ``ragged``): a masked load in a loop costs the interior loop registers (spills, in the
+sm_90 SASS). The softmax is base 2 with the scale folded into exp2's argument (``_score_fold``);
 lse is natural-log at the API. The dK/dV kernel works on transposed tiles (keys on rows), so that every product has
 block_k rows: Triton keeps wgmma when that is a multiple of 64.
+
+Cosine (``Static.cosine``, docs/semantics.md §10): q̂ = q/‖q‖ is never rounded to the input dtype. The products take
+the raw q and k (half types on tensor cores, exact products, float32 sums) and the score tile is scaled by both
+float32 inverse norms, computed per tile from the rows as loaded (``_inverse_norms``): U = scale·(q·kᵀ)/(‖q‖‖k‖).
+The backward kernels return the gradients with respect to q̂ and k̂, dq̂ = scale·Σ (dU/‖k‖)·k and dk̂ = scale·Σ
+(dU/‖q‖)ᵀ·q; backend.py chains them through the normalisation in float32.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -46,8 +58,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from attnkit.contract import conjoin, within_band
-from attnkit.contract.jax import length_visibility, merge_partials, normalize, segment_visibility
+from attnkit.contract import COSINE_EPS, conjoin, within_band
+from attnkit.contract.jax import length_visibility, merge_partials, segment_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
 NO_ID = (1 << 31) - 1  # the smallest id of a tile of padding only: above every largest id, so it meets nothing
@@ -67,7 +79,7 @@ class Static:
     num_warps: int = 4
     num_stages: int = 2
     splits: int = 1  # forward only: key ranges on a fourth grid axis, merged by lse (split-K decode)
-    normalize_keys: bool = False  # paged cosine: k̂ = k / max(‖k‖, eps) as each tile is read (the cache stays put)
+    cosine: bool = False  # scores scaled by the rows' float32 inverse norms (the raw q, k are multiplied)
 
     def compiler_params(self) -> Any:
         # Triton, not Mosaic GPU: the Mosaic GPU path does not take these dot_general shapes.
@@ -105,6 +117,15 @@ def _dot(a: Any, b: Any, *, trans_a: bool = False, trans_b: bool = False) -> Any
     precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
     dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _inverse_norms(x: Any, static: Static) -> Any:
+    """1 / max(‖x‖, eps) per row of a (n, d) tile in float32 for the cosine variant (as
+    torch.nn.functional.normalize; a zero row of padding gets 1/eps, times its zero products); None otherwise."""
+    if not static.cosine:
+        return None
+    x = x.astype(jnp.float32)
+    return 1.0 / jnp.maximum(jnp.sqrt(jnp.sum(x * x, axis=1)), COSINE_EPS)
 
 
 def _geometry(geom_ref: Any) -> tuple[Any, Any, Any, Any]:
@@ -171,15 +192,30 @@ def _interior_queries(geom: tuple[Any, ...], j0: Any, first: Any, end: Any, bloc
     return _tile_run(first, end, least, last, block_q, j0 + block_k <= kv_len)
 
 
-def _edge_interior_edge(first: Any, end: Any, interior: Any, edge: Any, inside: Any, carry: Any) -> Any:
+def _edge_interior_edge(
+    first: Any, end: Any, interior: Any, edge: Any, inside: Any, carry: Any, ragged: tuple[int, Any] | None = None
+) -> Any:
     """fori_loop over [first, end) with ``inside`` on the interior run [low, high) and ``edge`` around it; with
-    ``interior`` None (masks, segment ids, paged) every tile is an edge tile."""
+    ``interior`` None (masks, segment ids, paged) every tile is an edge tile. ``ragged`` = (last, body): the
+    array's last tile, ``last``, is partial: it runs ``body`` (an edge tile whose loads stop at the array's end),
+    once, after the loops, when in [first, end). An interior tile lies inside the lengths, so never past it."""
+    stop = end if ragged is None else jnp.minimum(end, ragged[0])
     if interior is None:
-        return lax.fori_loop(first, end, edge, carry)
-    low, high = interior
-    carry = lax.fori_loop(first, low, edge, carry)
-    carry = lax.fori_loop(low, high, inside, carry)
-    return lax.fori_loop(high, end, edge, carry)
+        carry = lax.fori_loop(first, stop, edge, carry)
+    else:
+        low, high = interior
+        carry = lax.fori_loop(first, jnp.minimum(low, stop), edge, carry)
+        carry = lax.fori_loop(low, high, inside, carry)
+        carry = lax.fori_loop(high, stop, edge, carry)
+    if ragged is None:
+        return carry
+    last, body = ragged
+    return lax.cond(end > last, lambda c: body(jnp.int32(last), c), lambda c: c, carry)
+
+
+def _ragged(length: int, block: int, body: Any) -> tuple[int, Any] | None:
+    """_edge_interior_edge's ``ragged`` for a sequence of ``length`` in tiles of ``block``: None when they divide it."""
+    return (length // block, body) if length % block else None
 
 
 def _all_edge(mask_ref: Any, segments: Segments | None) -> bool:
@@ -187,15 +223,77 @@ def _all_edge(mask_ref: Any, segments: Segments | None) -> bool:
     return mask_ref is not None or segments is not None
 
 
-def _valid_rows(x: Any, start: Any, length: Any) -> Any:
-    """x (n, d) with rows at or beyond ``length`` (padding: maybe NaN) set to 0."""
-    rows = start + lax.broadcasted_iota(jnp.int32, (x.shape[0], 1), 0)
-    return jnp.where(rows < length, x, jnp.zeros_like(x))
+def width(dim: int) -> int:
+    """A tile's extent along a head dim: the power of two >= 16 (and >= dim) that Triton's tiles and dots need.
+    The operands keep their own dim; the columns past it are read as 0 and never written."""
+    return max(16, 1 << max(0, dim - 1).bit_length())
 
 
-def _valid_vector(x: Any, start: Any, length: Any, fill: float) -> Any:
-    rows = start + lax.broadcasted_iota(jnp.int32, x.shape, 0)
-    return jnp.where(rows < length, x, jnp.full_like(x, fill))
+def _columns(ref: Any) -> Any:
+    return pl.ds(0, width(ref.shape[-1]))
+
+
+def _tile_axes(ref: Any, at: tuple) -> list[tuple[int, Any]]:
+    """(extent, slice) of each axis a tile ``ref[at]`` keeps: those indexed by a pl.ds slice, in order."""
+    return [(extent, index) for extent, index in zip(ref.shape, at) if isinstance(index, pl.Slice)]
+
+
+def _iota(shape: tuple[int, ...], axis: int) -> Any:
+    """Positions along ``axis`` of a tile of ``shape``, 1 along the other axes: a mask built from these stays a
+    row and a column until it meets the tile (a full-tile index tensor would be held in registers)."""
+    return lax.broadcasted_iota(jnp.int32, tuple(n if a == axis else 1 for a, n in enumerate(shape)), axis)
+
+
+def _load(ref: Any, at: tuple, limits: tuple = (), other: float = 0.0, overrun: bool | None = None) -> Any:
+    """ref[at], with no operand padded: ``limits`` gives, per tile axis, the position (absolute: a length) from
+    which the tile reads ``other``, or None where the tile lies inside (an interior tile). ``overrun``: the tile may
+    reach past the array (the last, partial tile; None: wherever the array's extent is not a multiple of the
+    tile's), so the load itself is masked; a tile inside the array is loaded whole and ``other`` selected past the
+    limits (Triton pipelines plain loads in a loop without the registers its masked loads cost). A tile wider than
+    the array (a head dim read to a power of two by ``_columns``, a tile longer than the sequence) is always a masked
+    load."""
+    axes = _tile_axes(ref, at)
+    shape = tuple(index.size for _, index in axes)
+    wide = any(index.size > extent for extent, index in axes)  # always a masked load: no branch to choose
+    if overrun is None and not wide and any(extent % index.size for extent, index in axes):  # the last tile overruns
+        inside = functools.reduce(
+            jnp.logical_and, [index.start + index.size <= extent for extent, index in axes if extent % index.size]
+        )
+        fits = functools.partial(_load, ref, at, limits, other, False)
+        return lax.cond(inside, fits, functools.partial(_load, ref, at, limits, other, True))
+    mask = None
+    for axis, ((extent, index), limit) in enumerate(itertools.zip_longest(axes, limits[: len(axes)])):
+        if index.size > extent:  # a head dim's columns past it, or a tile longer than the sequence
+            limit, overrun = extent if limit is None else limit, True
+        if limit is not None:
+            mask = conjoin(mask, index.start + _iota(shape, axis) < limit)
+    if mask is None:
+        return ref[at]
+    fill = jnp.asarray(other, ref.dtype)
+    if overrun:
+        return plgpu.load(ref.at[at], mask=jnp.broadcast_to(mask, shape), other=fill)
+    return jnp.where(mask, ref[at], fill)
+
+
+def _store(ref: Any, at: tuple, value: Any, overrun: bool = True) -> None:
+    """ref[at] = value, masked along each tile axis the tile may overrun (the array's last, partial tile; a head
+    dim held wider than it is); unmasked where every tile fits, or where the caller knows this one does
+    (``overrun`` False)."""
+    mask = None
+    for axis, (extent, index) in enumerate(_tile_axes(ref, at)):
+        if (overrun and extent % index.size) or index.size > extent:
+            mask = conjoin(mask, index.start + _iota(value.shape, axis) < extent)
+    if mask is None:
+        ref[at] = value
+        return
+    # The interpreter's masked store takes the starts as they are: give a traced one the default integer type of
+    # the Python ints beside it (int64 under jax_enable_x64; a no-op otherwise).
+    at = tuple(pl.ds(jnp.asarray(i.start, int), i.size) if _traced_slice(i) else i for i in at)
+    plgpu.store(ref.at[at], value, mask=jnp.broadcast_to(mask, value.shape))
+
+
+def _traced_slice(index: Any) -> bool:
+    return isinstance(index, pl.Slice) and not isinstance(index.start, int)
 
 
 def _score_fold(params_ref: Any, static: Static, has_bias: bool) -> Any:
@@ -206,11 +304,17 @@ def _score_fold(params_ref: Any, static: Static, has_bias: bool) -> Any:
     return params_ref[0] * LOG2E
 
 
-def _scores(a: Any, b: Any, params_ref: Any, static: Static, bias: Any, visible: Any) -> tuple[Any, Any]:
-    """S = softcap(scale·a·bᵀ) + bias, −inf where hidden (``visible`` None: an interior tile, nothing hidden); also
-    tanh(raw/c) for the softcap derivative. Without softcap and bias S is left unscaled (a·bᵀ): _score_fold
-    carries the scale into exp2's argument."""
+def _scores(
+    a: Any, b: Any, params_ref: Any, static: Static, bias: Any, visible: Any, norms: tuple[Any, Any] = (None, None)
+) -> tuple[Any, Any]:
+    """S = softcap(scale·â·b̂ᵀ) + bias, −inf where hidden (``visible`` None: an interior tile, nothing hidden); also
+    tanh(raw/c) for the softcap derivative. Without softcap and bias S is left unscaled (â·b̂ᵀ): _score_fold
+    carries the scale into exp2's argument. â = a unless ``norms`` holds a's and b's inverse norms (cosine):
+    â·b̂ᵀ = (a·bᵀ)·(1/‖a‖)·(1/‖b‖) in float32."""
     s = _dot(a, b, trans_b=True)
+    a_inverse, b_inverse = norms
+    if a_inverse is not None:
+        s = s * a_inverse[:, None] * b_inverse[None, :]
     tanh = None
     if static.softcap:
         cap = params_ref[1]
@@ -237,7 +341,7 @@ def _tile_visibility(
 ) -> Any:
     visible = _visible(geom, i0, j0, static.block_q, static.block_k, keys_first)
     if mask_ref is not None:
-        allowed = _read(mask_ref, rows, i0, j0, static) != 0
+        allowed = _read(mask_ref, rows, i0, j0, static, geom) != 0
         visible = visible & (allowed.T if keys_first else allowed)
     if segments is not None:
         q_ids = segments.q_ids[pl.ds(i0, static.block_q)]
@@ -268,12 +372,13 @@ def _where_ids_meet(segments: Segments | None, pair: Any, visit: Any, skip: Any 
     return body
 
 
-def _read(ref: Any, head: Any, i0: Any, j0: Any, static: Static) -> Any:
-    """The (block_q, block_k) tile of a mask/bias ref that is (Lq, Lk), or (G, Lq, Lk) indexed by ``head``."""
-    rows, cols = pl.ds(i0, static.block_q), pl.ds(j0, static.block_k)
-    if head is None or len(ref.shape) == 2:
-        return ref[rows, cols]
-    return ref[head, rows, cols]
+def _read(ref: Any, head: Any, i0: Any, j0: Any, static: Static, geom: Any = None) -> Any:
+    """The (block_q, block_k) tile of a mask/bias ref that is (Lq, Lk), or (G, Lq, Lk) indexed by ``head``; on an
+    edge tile (``geom`` given) pairs past q_len or kv_len read 0, so the tile may overrun the array."""
+    at: tuple = (pl.ds(i0, static.block_q), pl.ds(j0, static.block_k))
+    if head is not None and len(ref.shape) == 3:
+        at = (head, *at)
+    return _load(ref, at, () if geom is None else (geom[0], geom[1]))
 
 
 def _split(refs: tuple[Any, ...], present: tuple[bool, ...]) -> list[Any]:
@@ -303,6 +408,27 @@ def _optional_operands(
     return mask is not None, bias is not None, segments is not None
 
 
+def _key_tile(
+    k_ref: Any, v_ref: Any, bias_ref: Any, mask_ref: Any, segments: Segments | None, geom: Any, i0: Any, tile: Any,
+    static: Static, kind: tuple[bool, bool],
+) -> tuple[Any, Any, Any, Any]:  # fmt: skip
+    """K, V, bias and visible pairs of key tile ``tile`` for the query tile at row i0 (forward and dQ kernels).
+    ``kind`` = (edge, ragged): an interior tile lies inside kv_len (so inside the array) with every pair visible,
+    loaded whole, nothing masked (visible None); an edge tile reads 0 for keys at or past kv_len; a ragged one is
+    the keys' last, partial tile (masked loads)."""
+    edge, ragged = kind
+    j0 = tile * static.block_k
+    keys = pl.ds(j0, static.block_k)
+    limits: tuple = ()
+    visible = None
+    if edge:
+        limits, visible = (geom[1],), _tile_visibility(geom, mask_ref, segments, i0, j0, static)
+    k = _load(k_ref, (keys, _columns(k_ref)), limits, overrun=ragged)
+    v = _load(v_ref, (keys, _columns(v_ref)), limits, overrun=ragged)
+    bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static, geom if edge else None)
+    return k, v, bias, visible
+
+
 # ------------------------------------------------------------------------------------------------- forward
 
 
@@ -312,30 +438,28 @@ def _fwd_tile(
     mask_ref, bias_ref, segments, o_ref, lse_ref = _split(refs, has)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
-    q_len, kv_len = geom[0], geom[1]
+    q_len = geom[0]
     q_tile = pl.program_id(2)
     i0 = q_tile * block_q
-    q = _valid_rows(q_ref[...], i0, q_len)
+    rows = pl.ds(i0, block_q)
+    q = _load(q_ref, (rows, _columns(q_ref)), (q_len,))
+    q_inverse = _inverse_norms(q, static)
 
-    def scores(tile: Any, edge: bool) -> tuple[Any, Any]:
-        j0 = tile * block_k
-        keys = pl.ds(j0, block_k)
-        k, v = k_ref[keys, :], v_ref[keys, :]
-        bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
-        if not edge:  # every key inside kv_len, every pair visible
-            return _scores(q, k, params_ref, static, bias, None)[0], v
-        k, v = _valid_rows(k, j0, kv_len), _valid_rows(v, j0, kv_len)
-        s, _ = _scores(q, k, params_ref, static, bias, _tile_visibility(geom, mask_ref, segments, i0, j0, static))
-        return s, v
+    def scores(tile: Any, edge: bool, ragged: bool) -> tuple[Any, Any]:
+        kind = (edge, ragged)
+        k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, mask_ref, segments, geom, i0, tile, static, kind)
+        norms = (q_inverse, _inverse_norms(k, static))
+        return _scores(q, k, params_ref, static, bias, visible, norms)[0], v
 
     first, end = _split_range(static, k_ref.shape[0], *_kv_range(geom, i0, block_q, block_k))
     interior = None if _all_edge(mask_ref, segments) else _interior_keys(geom, i0, first, end, block_q, block_k)
     guard = functools.partial(_where_ids_meet, segments, lambda tile: (q_tile, tile))
     fold = _score_fold(params_ref, static, bias_ref is not None)
+    tiles = (k_ref.shape[0], block_k)
     state = _softmax_over_tiles(
-        first, end, interior, scores, fold, block_q, v_ref.shape[-1], guard, bias_ref is not None
+        first, end, interior, scores, fold, block_q, width(v_ref.shape[-1]), tiles, guard, bias_ref is not None
     )
-    _store_rows(o_ref, lse_ref, *state)
+    _store_rows(o_ref, lse_ref, rows, *state)
 
 
 def _softmax_over_tiles(
@@ -346,22 +470,24 @@ def _softmax_over_tiles(
     fold: Any,
     rows: int,
     dim_v: int,
+    tiles: tuple[int, int],
     guard: Any = None,
     may_be_empty: bool = False,
 ) -> tuple[Any, Any, Any]:
-    """(row max in log₂ units, row sum, accumulator) over key tiles [first, end), the ``interior`` run (or None)
-    without masks; ``scores(tile, edge)`` gives S (−inf where hidden on an edge tile) and the tile's V, ``fold``
-    turns S into log₂ units, and ``guard(visit)`` may wrap the edge tiles' body (segment ids skip tiles).
+    """(row max in log₂ units, row sum, accumulator) over key tiles [first, end) of ``tiles`` = (keys, block_k),
+    the ``interior`` run (or None) without masks; ``scores(tile, edge, ragged)`` gives S (−inf where hidden on an
+    edge tile) and the tile's V (``ragged``: the keys' last, partial tile), ``fold`` turns S into log₂ units, and
+    ``guard(visit)`` may wrap the edge tiles' bodies (segment ids skip tiles).
     ``may_be_empty``: a bias may hide a whole row of an interior tile (−inf), so its shift keeps the select."""
 
     # Online softmax (FlashAttention-2) in base 2, S₂ = S·fold: m' = max(m, rowmax S₂), α = 2^(m − m'),
     # P = 2^(S₂ − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; at the end O = acc / l, lse = (m + log₂ l)·ln 2.
     # On an edge tile a row with nothing visible yet keeps m = −inf and is shifted by 0, so P stays 0, not NaN;
     # on an interior tile every m' is finite and needs no such select.
-    def visit(edge: bool) -> Any:
+    def visit(edge: bool, ragged: bool = False) -> Any:
         def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
             row_max, row_sum, acc = carry
-            s, v = scores(tile, edge)
+            s, v = scores(tile, edge, ragged)
             new_max = jnp.maximum(row_max, jnp.max(s, axis=1) * fold)
             shift = jnp.where(new_max == -jnp.inf, 0.0, new_max) if edge or may_be_empty else new_max
             p = jnp.exp2(s * fold - shift[:, None])
@@ -377,17 +503,19 @@ def _softmax_over_tiles(
         jnp.zeros((rows,), jnp.float32),
         jnp.zeros((rows, dim_v), jnp.float32),
     )
-    edge = visit(True) if guard is None else guard(visit(True))
-    return _edge_interior_edge(first, end, interior, edge, visit(False), init)
+    guard = guard or (lambda body: body)
+    ragged = _ragged(*tiles, guard(visit(True, ragged=True)))
+    return _edge_interior_edge(first, end, interior, guard(visit(True)), visit(False), init, ragged)
 
 
-def _store_rows(o_ref: Any, lse_ref: Any, row_max: Any, row_sum: Any, acc: Any) -> None:
-    """O = acc / l and lse = (m + log₂ l)·ln 2 (natural log at the API); l = 0 only where no key is visible: out
-    0, lse −inf. A NaN l propagates to both."""
+def _store_rows(o_ref: Any, lse_ref: Any, rows: Any, row_max: Any, row_sum: Any, acc: Any) -> None:
+    """O = acc / l and lse = (m + log₂ l)·ln 2 (natural log at the API) into ``rows``; l = 0 only where no key is
+    visible: out 0, lse −inf. A NaN l propagates to both."""
     empty = row_sum == 0
     safe = jnp.where(empty, 1.0, row_sum)
-    o_ref[...] = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(o_ref.dtype)
-    lse_ref[...] = jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe)) * LN2)
+    out = jnp.where(empty[:, None], 0.0, acc / safe[:, None]).astype(o_ref.dtype)
+    _store(o_ref, (rows, _columns(o_ref)), out)
+    _store(lse_ref, (rows,), jnp.where(empty, -jnp.inf, (row_max + jnp.log2(safe)) * LN2))
 
 
 def _split_range(static: Static, len_k: int, first: Any, end: Any) -> tuple[Any, Any]:
@@ -395,34 +523,38 @@ def _split_range(static: Static, len_k: int, first: Any, end: Any) -> tuple[Any,
     n = ⌈tiles / splits⌉; a range the row cannot see comes out empty (its cell writes out 0, lse −inf)."""
     if static.splits == 1:
         return first, end
-    per_split = -(-(len_k // static.block_k) // static.splits)
+    per_split = -(-pl.cdiv(len_k, static.block_k) // static.splits)
     start = pl.program_id(3) * per_split
     first = jnp.maximum(first, start)
     return first, jnp.maximum(first, jnp.minimum(end, start + per_split))
 
 
-def _seq_spec(static: Static, block: int, dim: int, head: Any, index: Any) -> pl.BlockSpec:
-    """BlockSpec of a (block, dim) tile of a q/k/v-like operand in either layout.
-
-    ``head(b, h)`` and ``index(x)`` map the grid's head coordinate and tile coordinate.
-    """
+def _seq_spec(static: Static, length: int, dim: int, head: Any = None) -> pl.BlockSpec:
+    """BlockSpec of one head's whole sequence (length, dim) of a q/k/v-like operand in either layout, head ``h``
+    of the grid or ``head(h)``. Kernels take their tiles from it with pl.ds (``_load``, ``_store``): blocks never
+    have to divide the sequence, so nothing is padded."""
+    head = head or (lambda h: h)
     if static.bshd:
-        return pl.BlockSpec((None, block, None, dim), lambda b, h, x, *_: (b, index(x), head(h), 0))
-    return pl.BlockSpec((None, None, block, dim), lambda b, h, x, *_: (b, head(h), index(x), 0))
+        return pl.BlockSpec((None, length, None, dim), lambda b, h, *_: (b, 0, head(h), 0))
+    return pl.BlockSpec((None, None, length, dim), lambda b, h, *_: (b, head(h), 0, 0))
 
 
-def _pair_spec(shape: tuple[int, ...], rows: int, cols: int, head: Any, row: Any, col: Any, group: int = 1) -> Any:
-    """BlockSpec of a mask/bias operand (B|1, Hq|1, Lq, Lk) whose batch/head axes may be broadcast (size 1).
+def _rows_spec(length: int, group: int | None = None) -> pl.BlockSpec:
+    """BlockSpec of a per-row float32 operand (B, Hq, Lq) (lse, Δ): one head's row, or ``group`` heads' from h·G."""
+    return pl.BlockSpec((None, group, length), lambda b, h, *_: (b, h, 0))
 
-    ``group`` > 1 gives a (group, rows, cols) block of consecutive heads (the dK/dV kernel's G query heads).
-    """
+
+def _pair_spec(shape: tuple[int, ...], group: int = 1) -> Any:
+    """BlockSpec of a mask/bias operand (B|1, Hq|1, Lq, Lk) whose batch/head axes may be broadcast (size 1): one
+    head's whole (Lq, Lk), or with ``group`` > 1 the (group, Lq, Lk) block of consecutive heads (the dK/dV
+    kernel's G query heads)."""
     batch_broadcast, head_broadcast = shape[0] == 1, shape[1] == 1
     heads = None if head_broadcast else (group if group > 1 else None)
 
-    def index(b: Any, h: Any, x: Any, *_: Any) -> tuple[Any, ...]:
-        return (0 if batch_broadcast else b, 0 if head_broadcast else head(h), row(x), col(x))
+    def index(b: Any, h: Any, *_: Any) -> tuple[Any, ...]:
+        return (0 if batch_broadcast else b, 0 if head_broadcast else h, 0, 0)
 
-    return pl.BlockSpec((None, heads, rows, cols), index)
+    return pl.BlockSpec((None, heads, *shape[2:]), index)
 
 
 def _geom_specs() -> list[pl.BlockSpec]:
@@ -432,21 +564,18 @@ def _geom_specs() -> list[pl.BlockSpec]:
 def forward_call(
     static: Static, geom: Any, params: Any, q: Any, k: Any, v: Any, mask: Any, bias: Any, segments: Segments | None
 ) -> tuple[Any, Any]:
-    """out (q's layout, Dv padded) and lse (B, Hq, Lq_pad) float32; grid (B, Hq, query tiles[, key ranges])."""
+    """out (q's layout) and lse (B, Hq, Lq) float32; grid (B, Hq, query tiles[, key ranges])."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
     len_k, heads_kv, dim_v = k.shape[seq_axis], k.shape[head_axis], v.shape[-1]
     group = q.shape[head_axis] // heads_kv
-    same = lambda x: x  # noqa: E731
-    first = lambda x: 0  # noqa: E731
     in_specs = [
         *_geom_specs(),
-        _seq_spec(static, static.block_q, q.shape[-1], same, same),
-        _seq_spec(static, len_k, k.shape[-1], lambda h: h // group, first),
-        _seq_spec(static, len_k, dim_v, lambda h: h // group, first),
+        _seq_spec(static, q.shape[seq_axis], q.shape[-1]),
+        _seq_spec(static, len_k, k.shape[-1], lambda h: h // group),
+        _seq_spec(static, len_k, dim_v, lambda h: h // group),
     ]
     operands = [geom, params, q, k, v]
-    pair_spec = lambda shape: _pair_spec(shape, static.block_q, len_k, same, same, first)  # noqa: E731
-    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, segments)
+    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, segments)
     kernel = functools.partial(_fwd_tile, static=static, has=has)
     return _launch_forward(static, kernel, in_specs, operands, q, dim_v, "attnkit_pallas_fwd")
 
@@ -460,15 +589,14 @@ def _launch_forward(
     batch, len_q, heads_q = q.shape[0], q.shape[seq_axis], q.shape[head_axis]
     block_q, splits = static.block_q, static.splits
     out_shape = (*q.shape[:-1], dim_v)
-    out_spec = _seq_spec(static, block_q, dim_v, lambda h: h, lambda x: x)
-    lse_spec = pl.BlockSpec((None, None, block_q), lambda b, h, x, *_: (b, h, x))
-    out_dtype, grid = q.dtype, (batch, heads_q, len_q // block_q)
+    out_spec, lse_spec = _seq_spec(static, len_q, dim_v), _rows_spec(len_q)
+    out_dtype, grid = q.dtype, (batch, heads_q, pl.cdiv(len_q, block_q))
     if splits > 1:  # each key range's partial results, float32, on a leading axis
         if static.bshd:
-            out_spec = pl.BlockSpec((None, None, block_q, None, dim_v), lambda b, h, x, s: (s, b, x, h, 0))
+            out_spec = pl.BlockSpec((None, None, len_q, None, dim_v), lambda b, h, x, s: (s, b, 0, h, 0))
         else:
-            out_spec = pl.BlockSpec((None, None, None, block_q, dim_v), lambda b, h, x, s: (s, b, h, x, 0))
-        lse_spec = pl.BlockSpec((None, None, None, block_q), lambda b, h, x, s: (s, b, h, x))
+            out_spec = pl.BlockSpec((None, None, None, len_q, dim_v), lambda b, h, x, s: (s, b, h, 0, 0))
+        lse_spec = pl.BlockSpec((None, None, None, len_q), lambda b, h, x, s: (s, b, h, 0))
         out_dtype = jnp.float32
     lead = (splits,) if splits > 1 else ()
     out, lse = pl.pallas_call(
@@ -502,23 +630,26 @@ def _paged_tile(
     geom = _geometry(geom_ref)
     q_len, kv_len = geom[0], geom[1]
     i0 = pl.program_id(2) * block_q
-    q = _valid_rows(q_ref[...], i0, q_len)
+    rows = pl.ds(i0, block_q)
+    q = _load(q_ref, (rows, _columns(q_ref)), (q_len,))
+    q_inverse = _inverse_norms(q, static)
 
-    def scores(tile: Any, edge: bool) -> tuple[Any, Any]:
+    def scores(tile: Any, edge: bool, ragged: bool) -> tuple[Any, Any]:
         j0 = tile * block_k
         block = jnp.clip(table_ref[lax.div(j0, jnp.int32(page))], 0, k_ref.shape[0] - 1)  # a traced table: in range
-        slots = pl.ds(lax.rem(j0, jnp.int32(page)), block_k)
-        k = _valid_rows(k_ref[block, slots, :], j0, kv_len)
-        v = _valid_rows(v_ref[block, slots, :], j0, kv_len)
-        if static.normalize_keys:
-            k = normalize(k.astype(jnp.float32)).unit.astype(k.dtype)
-        s, _ = _scores(q, k, params_ref, static, None, _visible(geom, i0, j0, block_q, block_k))
+        slot = lax.rem(j0, jnp.int32(page))
+        limits = (kv_len - j0 + slot,)  # kv_len in this block's slots
+        k = _load(k_ref, (block, pl.ds(slot, block_k), _columns(k_ref)), limits)
+        v = _load(v_ref, (block, pl.ds(slot, block_k), _columns(v_ref)), limits)
+        norms = (q_inverse, _inverse_norms(k, static))
+        s, _ = _scores(q, k, params_ref, static, None, _visible(geom, i0, j0, block_q, block_k), norms)
         return s, v
 
     capacity = table_ref.shape[0] * page
     first, end = _split_range(static, capacity, *_kv_range(geom, i0, block_q, block_k))
     fold = _score_fold(params_ref, static, False)
-    _store_rows(o_ref, lse_ref, *_softmax_over_tiles(first, end, None, scores, fold, block_q, v_ref.shape[-1]))
+    state = _softmax_over_tiles(first, end, None, scores, fold, block_q, width(v_ref.shape[-1]), (capacity, block_k))
+    _store_rows(o_ref, lse_ref, rows, *state)
 
 
 def paged_forward_call(
@@ -531,11 +662,10 @@ def paged_forward_call(
     head_axis = 2 if static.bshd else 1
     group = q.shape[head_axis] // heads_kv
     dim_v = v_cache.shape[-1]
-    same = lambda x: x  # noqa: E731
     in_specs = [
         *_geom_specs(),
         pl.BlockSpec((None, block_table.shape[1]), lambda b, *_: (b, 0)),
-        _seq_spec(static, static.block_q, dim, same, same),
+        _seq_spec(static, q.shape[1 if static.bshd else 2], dim),
         pl.BlockSpec((num_blocks, page, None, dim), lambda b, h, *_: (0, 0, h // group, 0)),
         pl.BlockSpec((num_blocks, page, None, dim_v), lambda b, h, *_: (0, 0, h // group, 0)),
     ]
@@ -567,57 +697,60 @@ def _bwd_dkdv(
     q_len, kv_len = geom[0], geom[1]
     kv_tile = pl.program_id(2)
     j0 = kv_tile * block_k
-    k = _valid_rows(k_ref[...], j0, kv_len)
-    v = _valid_rows(v_ref[...], j0, kv_len)
+    keys = pl.ds(j0, block_k)
+    k = _load(k_ref, (keys, _columns(k_ref)), (kv_len,))
+    v = _load(v_ref, (keys, _columns(v_ref)), (kv_len,))
+    k_inverse = _inverse_norms(k, static)
 
-    def q_tile(g: Any, rows: Any) -> tuple[Any, Any]:
-        if static.bshd:
-            return q_ref[rows, g, :], do_ref[rows, g, :]
-        return q_ref[g, rows, :], do_ref[g, rows, :]
+    def q_tile(g: Any, rows: Any, limits: tuple, overrun: bool) -> tuple[Any, ...]:
+        """q, dO, lse (log₂ units) and Δ of query head g's rows; past ``limits`` 0 (lse +inf: P = 0)."""
+        at = (lambda ref: (rows, g, _columns(ref))) if static.bshd else (lambda ref: (g, rows, _columns(ref)))
+        q, do = (_load(ref, at(ref), limits, overrun=overrun) for ref in (q_ref, do_ref))
+        lse = _load(lse_ref, (g, rows), limits, jnp.inf, overrun) * LOG2E
+        return q, do, lse, _load(delta_ref, (g, rows), limits, overrun=overrun)
 
     fold = _score_fold(params_ref, static, bias_ref is not None)
 
     # Transposed tiles (keys on rows), so that every product has block_k rows (M): per query tile of each of the
     # G query heads reading this kv head, Pᵀ recomputed from lse (log₂ units): Pᵀ = 2^(Sᵀ·fold − lse·log₂e),
     # dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) with Δ = rowsum(dO ⊙ O) − dlse, dSᵀ ⊙= 1 − tanh² through the
-    # softcap, dK += scale · dSᵀ·Q. Empty rows carry lse = +inf: P = 0.
-    def visit(edge: bool) -> Any:
+    # softcap, dK += scale · dSᵀ·Q (cosine: dK̂ += scale · (dSᵀ/‖q‖)·Q). Empty rows carry lse = +inf: P = 0.
+    def visit(edge: bool, ragged: bool = False) -> Any:
         def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
             g, dk, dv = carry
             i0 = tile * block_q
-            rows = pl.ds(i0, block_q)
-            q, do = q_tile(g, rows)
-            lse, delta = lse_ref[g, rows] * LOG2E, delta_ref[g, rows]
-            visible = None
-            if edge:  # an interior tile has every row inside q_len
-                q, do = _valid_rows(q, i0, q_len), _valid_rows(do, i0, q_len)
-                lse = _valid_vector(lse, i0, q_len, jnp.inf)
-                delta = _valid_vector(delta, i0, q_len, 0.0)
+            q, do, lse, delta = q_tile(g, pl.ds(i0, block_q), (q_len,) if edge else (), ragged)
+            visible = None  # an interior tile has every row inside q_len
+            if edge:
                 visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g, keys_first=True)
-            bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static).T
-            s, tanh = _scores(k, q, params_ref, static, bias, visible)
+            bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static, geom if edge else None).T
+            q_inverse = _inverse_norms(q, static)
+            s, tanh = _scores(k, q, params_ref, static, bias, visible, (k_inverse, q_inverse))
             p = jnp.exp2(s * fold - lse[None, :])
             dv = dv + _dot(p.astype(do.dtype), do)
             ds = p * (_dot(v, do, trans_b=True) - delta[None, :])
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
+            if q_inverse is not None:
+                ds = ds * q_inverse[None, :]
             dk = dk + _dot(ds.astype(q.dtype), q)
             return g, dk, dv
 
         return body
 
-    edge = _where_ids_meet(segments, lambda tile: (tile, kv_tile), visit(True))
+    guard = functools.partial(_where_ids_meet, segments, lambda tile: (tile, kv_tile))
+    ragged = _ragged(q_ref.shape[0 if static.bshd else 1], block_q, guard(visit(True, ragged=True)))
 
     def head(g: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
         first, end = _q_range(geom, j0, block_q, block_k)
         interior = None if _all_edge(mask_ref, segments) else _interior_queries(geom, j0, first, end, block_q, block_k)
-        _, dk, dv = _edge_interior_edge(first, end, interior, edge, visit(False), (g, *carry))
+        _, dk, dv = _edge_interior_edge(first, end, interior, guard(visit(True)), visit(False), (g, *carry), ragged)
         return dk, dv
 
     init = (jnp.zeros((block_k, k.shape[-1]), jnp.float32), jnp.zeros((block_k, v.shape[-1]), jnp.float32))
     dk, dv = lax.fori_loop(0, group, head, init)
-    dk_ref[...] = (dk * params_ref[0]).astype(dk_ref.dtype)
-    dv_ref[...] = dv.astype(dv_ref.dtype)
+    _store(dk_ref, (keys, _columns(dk_ref)), (dk * params_ref[0]).astype(dk_ref.dtype))
+    _store(dv_ref, (keys, _columns(dv_ref)), dv.astype(dv_ref.dtype))
 
 
 def _bwd_dq(
@@ -637,36 +770,35 @@ def _bwd_dq(
     dbias_ref = dbias[0] if dbias else None
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
-    q_len, kv_len = geom[0], geom[1]
+    q_len = geom[0]
     q_tile = pl.program_id(2)
     i0 = q_tile * block_q
-    q = _valid_rows(q_ref[...], i0, q_len)
-    do = _valid_rows(do_ref[...], i0, q_len)
-    lse = _valid_vector(lse_ref[...], i0, q_len, jnp.inf)
-    delta = _valid_vector(delta_ref[...], i0, q_len, 0.0)
+    rows = pl.ds(i0, block_q)
+    q = _load(q_ref, (rows, _columns(q_ref)), (q_len,))
+    q_inverse = _inverse_norms(q, static)
+    do = _load(do_ref, (rows, _columns(do_ref)), (q_len,))
+    lse = _load(lse_ref, (rows,), (q_len,), other=jnp.inf) * LOG2E
+    delta = _load(delta_ref, (rows,), (q_len,))
 
-    lse = lse * LOG2E
     fold = _score_fold(params_ref, static, bias_ref is not None)
 
     # Per visible key tile: P = 2^(S·fold − lse·log₂e), dS = P ⊙ (dO·Vᵀ − Δ) (this is dbias),
-    # dS' = dS ⊙ (1 − tanh²), dQ += scale · dS'·K.
-    def visit(edge: bool) -> Any:
+    # dS' = dS ⊙ (1 − tanh²), dQ += scale · dS'·K (cosine: dQ̂ += scale · (dS'/‖k‖)·K).
+    def visit(edge: bool, ragged: bool = False) -> Any:
         def body(tile: Any, dq: Any) -> Any:
-            j0 = tile * block_k
-            keys = pl.ds(j0, block_k)
-            k, v = k_ref[keys, :], v_ref[keys, :]
-            visible = None
-            if edge:  # an interior tile has every key inside kv_len
-                k, v = _valid_rows(k, j0, kv_len), _valid_rows(v, j0, kv_len)
-                visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static)
-            bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static)
-            s, tanh = _scores(q, k, params_ref, static, bias, visible)
+            kind = (edge, ragged)
+            k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, mask_ref, segments, geom, i0, tile, static, kind)
+            keys = pl.ds(tile * block_k, block_k)
+            k_inverse = _inverse_norms(k, static)
+            s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse))
             p = jnp.exp2(s * fold - lse[:, None])
             ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
             if dbias_ref is not None:
-                dbias_ref[:, keys] = ds
+                _store(dbias_ref, (rows, keys), ds, overrun=edge)
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
+            if k_inverse is not None:
+                ds = ds * k_inverse[None, :]
             return dq + _dot(ds.astype(k.dtype), k)
 
         return body
@@ -677,15 +809,17 @@ def _bwd_dq(
         zeros = jnp.zeros((block_q, block_k), dbias_ref.dtype)
 
         def skip(tile: Any, carry: Any) -> Any:
-            dbias_ref[:, pl.ds(tile * block_k, block_k)] = zeros
+            _store(dbias_ref, (rows, pl.ds(tile * block_k, block_k)), zeros)
             return carry
 
         lax.fori_loop(0, first, skip, 0)
-        lax.fori_loop(end, dbias_ref.shape[-1] // block_k, skip, 0)
-    edge = _where_ids_meet(segments, lambda tile: (q_tile, tile), visit(True), skip)
+        lax.fori_loop(end, pl.cdiv(dbias_ref.shape[-1], block_k), skip, 0)
+    guard = functools.partial(_where_ids_meet, segments, lambda tile: (q_tile, tile), skip=skip)
+    ragged = _ragged(k_ref.shape[0], block_k, guard(visit(True, ragged=True)))
     interior = None if _all_edge(mask_ref, segments) else _interior_keys(geom, i0, first, end, block_q, block_k)
-    dq = _edge_interior_edge(first, end, interior, edge, visit(False), jnp.zeros((block_q, q.shape[-1]), jnp.float32))
-    dq_ref[...] = (dq * params_ref[0]).astype(dq_ref.dtype)
+    init = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
+    dq = _edge_interior_edge(first, end, interior, guard(visit(True)), visit(False), init, ragged)
+    _store(dq_ref, (rows, _columns(dq_ref)), (dq * params_ref[0]).astype(dq_ref.dtype))
 
 
 def dkdv_call(
@@ -707,32 +841,22 @@ def dkdv_call(
     batch, len_q, heads_q, dim = q.shape[0], q.shape[seq_axis], q.shape[head_axis], q.shape[-1]
     len_k, heads_kv, dim_v = k.shape[seq_axis], k.shape[head_axis], v.shape[-1]
     group = heads_q // heads_kv
-    block_k = static.block_k
-    same = lambda x: x  # noqa: E731
-    first = lambda x: 0  # noqa: E731
     if static.bshd:
         grouped = [pl.BlockSpec((None, len_q, group, d), lambda b, h, x: (b, 0, h, 0)) for d in (dim, dim_v)]
     else:
         grouped = [pl.BlockSpec((None, group, len_q, d), lambda b, h, x: (b, h, 0, 0)) for d in (dim, dim_v)]
-    rows = pl.BlockSpec((None, group, len_q), lambda b, h, x: (b, h, 0))
-    in_specs = [
-        *_geom_specs(),
-        grouped[0],
-        _seq_spec(static, block_k, dim, same, same),
-        _seq_spec(static, block_k, dim_v, same, same),
-        grouped[1],
-        rows,
-        rows,
-    ]
+    rows = _rows_spec(len_q, group)
+    keys, keys_v = _seq_spec(static, len_k, dim), _seq_spec(static, len_k, dim_v)
+    in_specs = [*_geom_specs(), grouped[0], keys, keys_v, grouped[1], rows, rows]
     operands = [geom, params, q, k, v, do, lse, delta]
-    pair_spec = lambda shape: _pair_spec(shape, len_q, block_k, same, first, same, group=group)  # noqa: E731
+    pair_spec = lambda shape: _pair_spec(shape, group)  # noqa: E731
     has = _optional_operands(in_specs, operands, pair_spec, mask, bias, segments)
     kernel = functools.partial(_bwd_dkdv, static=static, has=has, group=group)
     return pl.pallas_call(
         kernel,
-        grid=(batch, heads_kv, len_k // block_k),
+        grid=(batch, heads_kv, pl.cdiv(len_k, static.block_k)),
         in_specs=in_specs,
-        out_specs=[_seq_spec(static, block_k, dim, same, same), _seq_spec(static, block_k, dim_v, same, same)],
+        out_specs=[keys, keys_v],
         out_shape=[
             jax.ShapeDtypeStruct(k.shape, jnp.float32),
             jax.ShapeDtypeStruct(v.shape, jnp.float32),
@@ -758,36 +882,32 @@ def dq_call(
     segments: Segments | None,
     need_dbias: bool,
 ) -> tuple[Any, Any]:
-    """dq float32 in q's layout and, when asked, dS as dbias (B, Hq, Lq_pad, Lk_pad); grid (B, Hq, query tiles)."""
+    """dq float32 in q's layout and, when asked, dS as dbias (B, Hq, Lq, Lk); grid (B, Hq, query tiles)."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
     batch, len_q, heads_q, dim = q.shape[0], q.shape[seq_axis], q.shape[head_axis], q.shape[-1]
     len_k, heads_kv, dim_v = k.shape[seq_axis], k.shape[head_axis], v.shape[-1]
     group = heads_q // heads_kv
-    block_q = static.block_q
-    same = lambda x: x  # noqa: E731
-    first = lambda x: 0  # noqa: E731
-    rows = pl.BlockSpec((None, None, block_q), lambda b, h, x: (b, h, x))
+    rows = _rows_spec(len_q)
     in_specs = [
         *_geom_specs(),
-        _seq_spec(static, block_q, dim, same, same),
-        _seq_spec(static, len_k, dim, lambda h: h // group, first),
-        _seq_spec(static, len_k, dim_v, lambda h: h // group, first),
-        _seq_spec(static, block_q, dim_v, same, same),
+        _seq_spec(static, len_q, dim),
+        _seq_spec(static, len_k, dim, lambda h: h // group),
+        _seq_spec(static, len_k, dim_v, lambda h: h // group),
+        _seq_spec(static, len_q, dim_v),
         rows,
         rows,
     ]
     operands = [geom, params, q, k, v, do, lse, delta]
-    pair_spec = lambda shape: _pair_spec(shape, block_q, len_k, same, same, first)  # noqa: E731
-    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, segments)
-    out_specs = [_seq_spec(static, block_q, dim, same, same)]
+    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, segments)
+    out_specs = [_seq_spec(static, len_q, dim)]
     out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
     if need_dbias:
-        out_specs.append(pl.BlockSpec((None, None, block_q, len_k), lambda b, h, x: (b, h, x, 0)))
+        out_specs.append(pl.BlockSpec((None, None, len_q, len_k), lambda b, h, *_: (b, h, 0, 0)))
         out_shape.append(jax.ShapeDtypeStruct((batch, heads_q, len_q, len_k), jnp.float32))
     kernel = functools.partial(_bwd_dq, static=static, has=has)
     results = pl.pallas_call(
         kernel,
-        grid=(batch, heads_q, len_q // block_q),
+        grid=(batch, heads_q, pl.cdiv(len_q, static.block_q)),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,

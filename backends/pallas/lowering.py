@@ -56,6 +56,7 @@ def variants() -> dict[str, dict[str, Any]]:
         "head dim 40": {"spec": causal, "dim": 40, "dim_v": 40},
         "head dim 128, Dv 64": {"spec": causal, "dim": 128, "dim_v": 64},
         "head dim 256": {"spec": causal, "dim": 256, "dim_v": 256},
+        "head dim 96, lengths on the tiles": {"spec": causal, "dim": 96, "dim_v": 96, "len_q": 256, "len_k": 256},
         "decode split-K": {"spec": causal, "len_q": 1, "len_k": 2048},
         "paged decode split-K, block 16": {"spec": AttentionSpec(causal=True, layout="bshd"), "len_q": 1, "paged": 16},
         "paged block 256, window softcap": {
