@@ -58,7 +58,7 @@ DOT_KERNELS = ("fwd", "dq", "dkdv")
 #: Head dims whose default configurations must compile without spills (256 is reported, spills allowed).
 NO_SPILL_HEAD_DIMS = (64, 128)
 #: Feature variants that must compile without spills there: no feature, and the paged split-K decode forward.
-NO_SPILL_FEATURES = ("plain", "paged-split")
+NO_SPILL_FEATURES = ("plain", "paged-split", "warp-specialized")
 #: The most threads' instructions per attention score each kernel's interior loop may take at D = 128 on sm_90
 #: (attnkit.contract.sass): the tensor cores leave room for about 16 in the forward, 24 in dQ and 32 in dK/dV.
 INSTRUCTIONS_PER_SCORE = {"fwd": 9.0, "dq": 20.0, "dkdv": 20.0}
@@ -86,6 +86,8 @@ FEATURES: dict[str, dict[str, bool]] = {
     "split": {"split_k": True},  # fwd only: one key range per program, float32 partials
     # paged decode on a GPU: both
     "paged-split": {"paged": True, "split_k": True, "has_upper": True, "bottom_right": True, "has_kv_lengths": True},
+    # no feature, every tile interior: the forward's warp-specialised candidate (launch.WARP_SPECIALIZED_FORWARD)
+    "warp-specialized": {},
     "all": {
         "has_lower": True,
         "has_upper": True,
@@ -102,11 +104,14 @@ FEATURES: dict[str, dict[str, bool]] = {
     },
 }
 FEATURE_HEAD_DIM, FEATURE_DTYPE = 128, "bf16"
-#: The feature variants of ``--scope required``: attend's switches all at once, and the paged decode.
-REQUIRED_FEATURES = ("all", "paged-split")
+#: Feature variants with a tile of their own, on the archs that have it.
+FEATURE_TILES = {"warp-specialized": (launch.WARP_SPECIALIZED_FORWARD, ("sm_90",))}
+#: The feature variants of ``--scope required``: attend's switches all at once, the paged decode and the
+#: warp-specialised forward.
+REQUIRED_FEATURES = ("all", "paged-split", "warp-specialized")
 _SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine")
 _FEATURES_OF = {
-    "fwd": (*_SWITCHES_ALONE, "paged", "split", "paged-split", "all"),
+    "fwd": (*_SWITCHES_ALONE, "paged", "split", "paged-split", "warp-specialized", "all"),
     "dq": (*_SWITCHES_ALONE, "all"),
     "dkdv": (*_SWITCHES_ALONE, "dbias", "one-pass", "all"),
     "delta": ("dlse",),
@@ -147,6 +152,8 @@ class Result:
     shared_bytes: int  # dynamic (Triton) + static
     hmma: int
     hgmma: int
+    warps: int  # the program's, all warpgroups of a warp-specialised kernel included
+    setmaxnreg: int  # USETMAXREG in the SASS: a warp-specialised kernel's register hand-over between warpgroups
     compile_s: float
     mix: LoopMix | None  # the main loop's instruction mix (attnkit.contract.sass); None without tensor cores
 
@@ -184,7 +191,7 @@ def variants(scope: str = "full") -> list[Variant]:
         for kernel in kernels_
         for arch in ARCHS
         for features in _FEATURES_OF[kernel]
-        if not required or features in REQUIRED_FEATURES
+        if (not required or features in REQUIRED_FEATURES) and arch in FEATURE_TILES.get(features, (None, ARCHS))[1]
     ]
     return plain + featured
 
@@ -202,8 +209,10 @@ def _constants(variant: Variant, tile: launch.TileConfig | None = None) -> tuple
     if kernel is Kernel.DELTA:
         tile = launch.TileConfig(launch.DELTA_BLOCK_M, 0, 4, 3)  # Triton's launch defaults: 4 warps, 3 stages
         return {**constants, "BLOCK_M": tile.block_m}, tile
+    if tile is None and variant.features in FEATURE_TILES:
+        tile = FEATURE_TILES[variant.features][0]
     tile = tile or launch.gpu_configs(variant.kernel, constants["BLOCK_D"], dtype, variant.arch, switches)[0]
-    return {**constants, "BLOCK_M": tile.block_m, "BLOCK_N": tile.block_n}, tile
+    return {**constants, **launch.tile_constants(kernel, tile)}, tile
 
 
 def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[dict[str, str], dict, dict[str, Any]]:
@@ -302,9 +311,9 @@ def read_cubin(cubin: bytes) -> dict[str, Any]:
     if match is None:
         raise RuntimeError(f"no resource usage in cuobjdump's output:\n{usage.stdout}")
     registers, stack, shared, local = map(int, match.groups())
-    counts = {"HMMA": 0, "HGMMA": 0, "STL": 0, "LDL": 0}
+    counts = {"HMMA": 0, "HGMMA": 0, "STL": 0, "LDL": 0, "USETMAXREG": 0}
     for opcode, suffixes in _OPCODE.findall(sass.stdout):
-        if opcode in ("HMMA", "HGMMA"):
+        if opcode in ("HMMA", "HGMMA", "USETMAXREG"):
             counts[opcode] += 1
         elif opcode in ("STL", "LDL"):  # .64 and .128 move 8 and 16 bytes, the others at most 4
             counts[opcode] += max([_WIDTH.get(suffix, 4) for suffix in re.findall(r"\.\w+", suffixes)] + [4])
@@ -317,6 +326,7 @@ def read_cubin(cubin: bytes) -> dict[str, Any]:
         spill_load_bytes=counts["LDL"],
         hmma=counts["HMMA"],
         hgmma=counts["HGMMA"],
+        setmaxnreg=counts["USETMAXREG"],
         sass=sass.stdout,
     )
 
@@ -341,10 +351,12 @@ def inspect_variant(variant: Variant, tile: launch.TileConfig | None = None) -> 
     compile_s = time.perf_counter() - started
     read = read_cubin(compiled.asm["cubin"])
     config = (
-        f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w/{tile.num_stages}s"
+        f"{tile.block_m}x{tile.block_n}/{tile.num_warps}w/{tile.num_stages}s{'/ws' if tile.warp_specialize else ''}"
         if tile.block_n
         else f"{tile.block_m}/{tile.num_warps}w"
     )
+    # A warp-specialised program's loop runs on its consumer warpgroups: every warp but the producer's num_warps.
+    loop_warps = compiled.metadata.num_warps - tile.num_warps if tile.warp_specialize else tile.num_warps
     return Result(
         variant=variant,
         config=config,
@@ -356,13 +368,15 @@ def inspect_variant(variant: Variant, tile: launch.TileConfig | None = None) -> 
         shared_bytes=compiled.metadata.shared + read["static_shared"],
         hmma=read["hmma"],
         hgmma=read["hgmma"],
+        warps=compiled.metadata.num_warps,
+        setmaxnreg=read["setmaxnreg"],
         compile_s=round(compile_s, 2),
         mix=loop_mix(
             read["sass"],
             variant.arch,
             flops_per_score(variant.kernel, variant.head_dim, variant.head_dim, constants.get("ATOMIC_DQ", False)),
             tile.block_m * tile.block_n,
-            tile.num_warps,
+            loop_warps,
         )
         if variant.has_dot
         else None,
@@ -406,7 +420,7 @@ def violations(results: list[Result]) -> list[str]:
         if not getattr(result, instruction.lower()):
             broken.append(f"{name}: no {instruction} ({result.tensor_core})")
         mix = result.mix
-        if mix is None or variant.features != "plain":
+        if mix is None or variant.features not in ("plain", "warp-specialized"):
             continue
         narrow = [shape for shape in mix.tensor_shapes if shape.startswith("HGMMA") and int(shape.split("x")[1]) < 64]
         if narrow:
@@ -418,7 +432,15 @@ def violations(results: list[Result]) -> list[str]:
         kernel, switches = KERNEL_OF[variant.kernel], KernelSwitches(**FEATURES[variant.features])
         block_d = launch.padded_head_dim(variant.head_dim, variant.head_dim)
         dtype = DTYPES[variant.dtype]
-        if launch.descriptors_pay(kernel, switches, dtype, variant.arch, block_d) and not mix.tma_loads_per_iteration:
+        if variant.features == "warp-specialized":
+            tile = FEATURE_TILES[variant.features][0]
+            if result.warps != 3 * tile.num_warps or not result.setmaxnreg or mix.tma_loads_per_iteration:
+                broken.append(
+                    f"{name}: not warp-specialised ({result.warps} warps, {result.setmaxnreg} USETMAXREG, "
+                    f"{mix.tma_loads_per_iteration} UTMALDG in the consumers' loop; expected {3 * tile.num_warps} "
+                    "warps: a producer and two consumer warpgroups, setmaxnreg, the copies in the producer)"
+                )
+        elif launch.descriptors_pay(kernel, switches, dtype, variant.arch, block_d) and not mix.tma_loads_per_iteration:
             broken.append(f"{name}: the interior loop loads its tiles without tensor descriptors (no UTMALDG)")
         limit = INSTRUCTIONS_PER_SCORE[variant.kernel]
         if variant.arch == "sm_90" and variant.head_dim == 128 and mix.instructions_per_score > limit:

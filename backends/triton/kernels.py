@@ -593,12 +593,23 @@ def _fwd_kernel(
     DOT_PRECISION: tl.constexpr,
     COMPILED: tl.constexpr,
     TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """One query tile of one (batch, query head): out and lse, or with SPLIT_K one key range's partial out and lse
     (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major. With TMA
     the key tiles come through the descriptors KTiles, VTiles (B, Hkv, Lk, D), whose zero fill past Lk stands for
-    the load masks; K, V and their strides are used otherwise."""
+    the load masks; K, V and their strides are used otherwise.
+
+    WARP_SPECIALIZE (``launch.warp_specialization_serves``: every tile interior) hands the key loop to Triton's
+    Hopper warp specialisation: a producer warpgroup issues the K/V copies, two consumer warpgroups of BLOCK_M / 2
+    rows each run the products and the softmax. Its pass splits every tile the loop's state depends on between the
+    consumers, which it can do for q only when q comes through a descriptor made here (not a pointer load, not a
+    host descriptor of BLOCK_M rows), and it handles one loop only: the edge loops are compiled out."""
     tl.static_assert(not (TMA and (PAGED or HAS_KV_LENGTHS or HAS_SEGMENT_IDS)), "descriptors mask only past Lk")
+    tl.static_assert(
+        not WARP_SPECIALIZE or (TMA and not (HAS_LOWER or HAS_UPPER or HAS_MASK or HAS_Q_LENGTHS or SPLIT_K)),
+        "warp specialisation runs only where every tile is interior",
+    )
     tile = tl.program_id(0)
     split = 0
     query_tiles = tl.cdiv(len_q, BLOCK_M)
@@ -617,11 +628,17 @@ def _fwd_kernel(
     dims_v = tl.arange(0, BLOCK_DV)
     batch64 = batch.to(tl.int64)
     live_rows, q_ids = _positions_in_use(QSegmentIds, batch64, rows, q_len, len_q, HAS_SEGMENT_IDS)
-    q = tl.load(
-        Q + batch64 * stride_qb + head * stride_qh + rows[:, None] * stride_qm + dims[None, :],
-        mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
-        other=0.0,
-    )
+    if WARP_SPECIALIZE:  # rows past Lq and the head dim's tail come in as zeros, as the mask's
+        QTiles = tl.make_tensor_descriptor(
+            Q + batch64 * stride_qb + head * stride_qh, [len_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D]
+        )
+        q = QTiles.load([row_start, 0])
+    else:
+        q = tl.load(
+            Q + batch64 * stride_qb + head * stride_qh + rows[:, None] * stride_qm + dims[None, :],
+            mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
+            other=0.0,
+        )
     q_inv_norm = _inverse_norms(q, COSINE)
     KHead = K + head_kv * stride_kh
     VHead = V + head_kv * stride_vh
@@ -647,7 +664,7 @@ def _fwd_kernel(
         interior_low, interior_high = _interior_keys(
             first, end, row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
         )
-        for key_start in range(interior_low, interior_high, BLOCK_N):
+        for key_start in tl.range(interior_low, interior_high, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             acc, row_max, row_sum = _fwd_tile(
                 acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
                 KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
@@ -658,30 +675,31 @@ def _fwd_kernel(
             )  # fmt: skip
     # The edge tiles: [first, interior_low), then [interior_high, end) where interior tiles split them: two affine
     # loops (one loop over a remapped index left ptxas at 128 registers and spilling kilobytes with every feature on).
-    for key_start in range(first, interior_low, BLOCK_N):
-        meets = True
-        if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
-            k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
-            meets = (q_low <= k_high) & (k_low <= q_high)
-        if meets:
-            acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
-                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
-                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
-                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
-            )  # fmt: skip
-    if not HAS_MASK and not HAS_SEGMENT_IDS:
-        for key_start in range(interior_high, end, BLOCK_N):
-            acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
-                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
-                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
-                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
-            )  # fmt: skip
+    if not WARP_SPECIALIZE:  # no edge tile there, and its pass takes one loop only
+        for key_start in range(first, interior_low, BLOCK_N):
+            meets = True
+            if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
+                k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
+                meets = (q_low <= k_high) & (k_low <= q_high)
+            if meets:
+                acc, row_max, row_sum = _fwd_tile(
+                    acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
+                    head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k,
+                    q_len, kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m,
+                    stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                    COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                )  # fmt: skip
+        if not HAS_MASK and not HAS_SEGMENT_IDS:
+            for key_start in range(interior_high, end, BLOCK_N):
+                acc, row_max, row_sum = _fwd_tile(
+                    acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
+                    head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k,
+                    q_len, kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m,
+                    stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                    COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                )  # fmt: skip
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
     # give NaN out and lse, never the empty row's 0 and −inf.

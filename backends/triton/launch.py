@@ -12,7 +12,7 @@ conformance path, never a performance one.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -36,6 +36,7 @@ class TileConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
+    warp_specialize: bool = False  # the forward's key loop warp-specialised (WARP_SPECIALIZED_FORWARD)
 
 
 # The interpreter runs one program at a time in NumPy: small tiles keep the conformance shapes (L <= 24) on two key
@@ -115,6 +116,19 @@ SM90_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
         128: (TileConfig(128, 64, 8, 1), TileConfig(64, 64, 8, 1), TileConfig(64, 64, 4, 1)),
     },
 }
+
+
+#: The forward's warp-specialised candidate on Hopper, tried by the autotuner beside SM90_GPU_CONFIGS where every
+#: tile is interior (warp_specialization_serves). Triton 3.9's Hopper pass (nvgpu-warp-specialization) takes a loop
+#: marked warp_specialize only in a kernel of num_warps = 4 and num_stages > 1, and makes it 3 warpgroups: a producer
+#: issuing the K/V copies and two consumers of 64 rows each (12 warps, setmaxnreg). At D = 128 the consumers'
+#: loop reads 7.3 instructions per score against the 8-warp tile's 8.0, with no copy in it (docs/triton.md).
+WARP_SPECIALIZED_FORWARD = TileConfig(128, 128, 4, 2, warp_specialize=True)
+
+#: The forward switches under which some tile is not interior: a band, a mask or bias, softcap and cosine (kept off
+#: the warp-specialised loop: the static check has not found them lean there), lengths, segment ids, paging, split-K.
+_EDGE_SWITCHES = ("has_lower", "has_upper", "has_mask", "has_bias", "has_softcap", "cosine", "has_q_lengths",
+                  "has_kv_lengths", "has_segment_ids", "paged", "split_k")  # fmt: skip
 
 
 def gpu_configs(
@@ -252,6 +266,15 @@ def descriptors_pay(kernel: Kernel, switches: KernelSwitches, dtype: torch.dtype
     )
 
 
+def describable(x: torch.Tensor) -> bool:
+    """Whether a tensor can back a tensor descriptor: a unit last stride, 16-byte aligned rows and strides."""
+    return (
+        x.stride(-1) == 1
+        and x.data_ptr() % 16 == 0
+        and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
+    )
+
+
 def uses_descriptors(kernel: Kernel, call: KernelCall, args: list[Any], switches: KernelSwitches) -> bool:
     """Whether a kernel reads its DESCRIBED operands through tensor descriptors: where they pay when compiled,
     wherever they serve under the interpreter (the same kernel code, tested on CPU), and only for operands whose
@@ -261,12 +284,39 @@ def uses_descriptors(kernel: Kernel, call: KernelCall, args: list[Any], switches
     else:
         block_d = padded_head_dim(*call.head_dims)
         wanted = descriptors_pay(kernel, switches, call.q.dtype, arch_of(call.q.device), block_d)
-    return wanted and all(
-        x.stride(-1) == 1
-        and x.data_ptr() % 16 == 0
-        and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
-        for x in (args[place] for place in DESCRIBED[kernel].places)
-    )
+    return wanted and all(describable(args[place]) for place in DESCRIBED[kernel].places)
+
+
+def warp_specialization_serves(
+    kernel: Kernel, call: KernelCall, args: list[Any], switches: KernelSwitches, described: bool, config: TileConfig
+) -> bool:
+    """Whether the forward can run its key loop warp-specialised at ``config``'s tile (kernels._fwd_kernel's
+    WARP_SPECIALIZE): every tile interior (none of _EDGE_SWITCHES, both lengths whole tiles), since Triton's pass
+    takes one loop and the edge loops are compiled out; K and V through descriptors, and q fit for the descriptor the
+    kernel makes of it. Compiled, only at the padded head dims the static check covers (64 and 128)."""
+    if kernel is not Kernel.FORWARD or not described or any(getattr(switches, name) for name in _EDGE_SWITCHES):
+        return False
+    _, _, len_q, len_k = call.geometry
+    head_dims_checked = INTERPRETED or padded_head_dim(*call.head_dims) in (64, 128)
+    whole_tiles = len_q % config.block_m == 0 and len_k % config.block_n == 0
+    return head_dims_checked and whole_tiles and describable(args[0])
+
+
+def tile_constants(kernel: Kernel, config: TileConfig) -> dict[str, Any]:
+    """The constexprs a tile sets: its sizes and, in the forward, whether its key loop is warp-specialised."""
+    constants: dict[str, Any] = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
+    if kernel is Kernel.FORWARD:
+        constants.update(WARP_SPECIALIZE=config.warp_specialize)
+    return constants
+
+
+def _ensure_allocator() -> None:
+    """A descriptor made inside a kernel (the warp-specialised forward's q) needs global scratch memory, which
+    Triton asks of the allocator set by ``triton.set_allocator``: set one from torch where the program set none."""
+    from triton.runtime import _allocation
+
+    if isinstance(_allocation._allocator.get(), _allocation.NullAllocator):
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def descriptors(kernel: Kernel, args: list[Any], config: TileConfig, block_d: int) -> tuple[TensorDescriptor, ...]:
@@ -337,22 +387,27 @@ class TritonLauncher:
 
         def launch(config: TileConfig) -> None:
             tiles = descriptors(kernel, args, config, constants["BLOCK_D"]) if described else (None, None)
+            if config.warp_specialize and not INTERPRETED:
+                _ensure_allocator()
             function[grid.blocks(config.block_m, config.block_n)](
                 *args,
                 *tiles,
                 **constants,
-                BLOCK_M=config.block_m,
-                BLOCK_N=config.block_n,
+                **tile_constants(kernel, config),
                 num_warps=config.num_warps,
                 num_stages=config.num_stages,
             )
 
-        if INTERPRETED:
-            launch(INTERPRETER_CONFIG)
+        if INTERPRETED:  # the warp-specialised forward's code wherever it serves, as descriptors (the same tiles)
+            specialized = replace(INTERPRETER_CONFIG, warp_specialize=True)
+            serves = warp_specialization_serves(kernel, call, args, switches, described, specialized)
+            launch(specialized if serves else INTERPRETER_CONFIG)
             return
         block_d, spec = constants["BLOCK_D"], call.spec
         arch = arch_of(call.q.device)
         configs = gpu_configs(NAMES[kernel], block_d, call.q.dtype, arch, switches)
+        if warp_specialization_serves(kernel, call, args, switches, described, WARP_SPECIALIZED_FORWARD):
+            configs = (*configs, WARP_SPECIALIZED_FORWARD)
         _, _, len_q, len_k = call.geometry
         key = (NAMES[kernel], configs, call.q.dtype, arch, spec.causal, spec.window is not None, switches.paged,
                switches.split_k, length_bucket(max(len_q, len_k)))  # fmt: skip
