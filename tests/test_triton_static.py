@@ -3,7 +3,7 @@ ahead of time for sm_80 and sm_90, no GPU needed, the default tiles at D = 64 an
 every float16 / bfloat16 dot-bearing kernel runs its dots on tensor cores (HMMA on sm_80, HGMMA on sm_90).
 
 The compilation runs in a subprocess: conftest sets TRITON_INTERPRET=1, under which the kernels are interpreted
-and cannot be compiled. ``--scope required`` compiles only what is asserted here (33 variants, about a minute on
+and cannot be compiled. ``--scope required`` compiles only what is asserted here (34 variants, about a minute on
 two cores); ``python -m attnkit.backends.triton.inspect`` compiles the full matrix.
 """
 
@@ -127,16 +127,18 @@ def test_hopper_loops_copy_tiles_by_tma(results: list[dict]) -> None:
     assert copying >= expected, f"sm_90 loops without TMA copies: {sorted(expected - copying)}"
 
 
-def test_forward_loop_is_warp_specialized(results: list[dict]) -> None:
-    """The forward's warp-specialised candidate (launch.WARP_SPECIALIZED_FORWARD, every tile interior) compiles on
+@pytest.mark.parametrize("kernel", ["fwd", "dq"])
+def test_key_loop_is_warp_specialized(results: list[dict], kernel: str) -> None:
+    """The forward's and dQ's warp-specialised candidate (launch.WARP_SPECIALIZED, every tile interior) compiles on
     sm_90 to what Triton's Hopper pass makes of a loop it takes: a producer warpgroup and two consumer warpgroups
     (3 × 4 warps) trading registers by setmaxnreg, the K/V copies in the producer (no UTMALDG in the consumers'
-    loop), spill-free, and a consumer loop leaner than the 8-warp tile's. (With 8 warps, an edge loop beside the
-    marked one, or q by a pointer load or a host descriptor, the pass leaves the loop or fails: docs/triton.md.)"""
-    [specialized] = [r for r in results if r["features"] == "warp-specialized"]
+    loop), spill-free, and a consumer loop leaner than the default tile's. (With 8 warps, an edge loop beside the
+    marked one, or the query side by pointer loads or host descriptors, the pass leaves the loop or fails:
+    docs/triton.md.)"""
+    [specialized] = [r for r in results if (r["kernel"], r["features"]) == (kernel, "warp-specialized")]
     [plain] = [r for r in results if (r["kernel"], r["arch"], r["dtype"], r["head_dim"], r["features"])
-               == ("fwd", "sm_90", "bf16", 128, "plain")]  # fmt: skip
-    assert (specialized["kernel"], specialized["arch"]) == ("fwd", "sm_90")
+               == (kernel, "sm_90", "bf16", 128, "plain")]  # fmt: skip
+    assert (specialized["arch"], specialized["head_dim"]) == ("sm_90", 128)
     assert specialized["warps"] == 12 and specialized["setmaxnreg"] > 0 and plain["setmaxnreg"] == 0
     assert specialized["tma_loads_per_iteration"] == 0 and plain["tma_loads_per_iteration"] > 0
     assert specialized["spill_bytes"] == 0 and specialized["selects_per_score"] == 0

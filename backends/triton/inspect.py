@@ -86,7 +86,7 @@ FEATURES: dict[str, dict[str, bool]] = {
     "split": {"split_k": True},  # fwd only: one key range per program, float32 partials
     # paged decode on a GPU: both
     "paged-split": {"paged": True, "split_k": True, "has_upper": True, "bottom_right": True, "has_kv_lengths": True},
-    # no feature, every tile interior: the forward's warp-specialised candidate (launch.WARP_SPECIALIZED_FORWARD)
+    # no feature, every tile interior: the forward's and dQ's warp-specialised candidate (launch.WARP_SPECIALIZED)
     "warp-specialized": {},
     "all": {
         "has_lower": True,
@@ -105,14 +105,14 @@ FEATURES: dict[str, dict[str, bool]] = {
 }
 FEATURE_HEAD_DIM, FEATURE_DTYPE = 128, "bf16"
 #: Feature variants with a tile of their own, on the archs that have it.
-FEATURE_TILES = {"warp-specialized": (launch.WARP_SPECIALIZED_FORWARD, ("sm_90",))}
+FEATURE_TILES = {"warp-specialized": (launch.WARP_SPECIALIZED, ("sm_90",))}
 #: The feature variants of ``--scope required``: attend's switches all at once, the paged decode and the
-#: warp-specialised forward.
+#: warp-specialised forward and dQ.
 REQUIRED_FEATURES = ("all", "paged-split", "warp-specialized")
 _SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine")
 _FEATURES_OF = {
     "fwd": (*_SWITCHES_ALONE, "paged", "split", "paged-split", "warp-specialized", "all"),
-    "dq": (*_SWITCHES_ALONE, "all"),
+    "dq": (*_SWITCHES_ALONE, "warp-specialized", "all"),
     "dkdv": (*_SWITCHES_ALONE, "dbias", "one-pass", "all"),
     "delta": ("dlse",),
 }

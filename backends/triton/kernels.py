@@ -910,10 +910,16 @@ def _bwd_dq_kernel(
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):
     """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B).
-    With TMA the key tiles come through the descriptors KTiles, VTiles, as in the forward."""
+    With TMA the key tiles come through the descriptors KTiles, VTiles, as in the forward. WARP_SPECIALIZE as the
+    forward's: q, dO, lse and Δ, which the pass splits between the consumers, through descriptors made here."""
     tl.static_assert(not (TMA and (HAS_KV_LENGTHS or HAS_SEGMENT_IDS)), "descriptors mask only past Lk")
+    tl.static_assert(
+        not WARP_SPECIALIZE or (TMA and not (HAS_LOWER or HAS_UPPER or HAS_MASK or HAS_Q_LENGTHS)),
+        "warp specialisation runs only where every tile is interior",
+    )
     row_start = _longest_first(tl.program_id(0), tl.cdiv(len_q, BLOCK_M), HAS_UPPER) * BLOCK_M
     head = tl.program_id(1)
     batch = tl.program_id(2)
@@ -926,22 +932,32 @@ def _bwd_dq_kernel(
     dims_v = tl.arange(0, BLOCK_DV)
     batch64 = batch.to(tl.int64)
     live_rows, q_ids = _positions_in_use(QSegmentIds, batch64, rows, q_len, len_q, HAS_SEGMENT_IDS)
-    q = tl.load(
-        Q + batch64 * stride_qb + head * stride_qh + rows[:, None] * stride_qm + dims[None, :],
-        mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
-        other=0.0,
-    )
+    row_base = (batch64 * heads_q + head) * len_q
+    if WARP_SPECIALIZE:  # every row and key in play: the descriptors' zero fill past D is the masks' only work
+        q = tl.make_tensor_descriptor(
+            Q + batch64 * stride_qb + head * stride_qh, [len_q, HEAD_DIM], [stride_qm, 1], [BLOCK_M, BLOCK_D]
+        ).load([row_start, 0])
+        dout = tl.make_tensor_descriptor(
+            DOut + batch64 * stride_dob + head * stride_doh, [len_q, HEAD_DIM_V], [stride_dom, 1], [BLOCK_M, BLOCK_DV]
+        ).load([row_start, 0])
+        lse = tl.make_tensor_descriptor(Lse + row_base, [len_q], [1], [BLOCK_M]).load([row_start])
+        delta = tl.make_tensor_descriptor(Delta + row_base, [len_q], [1], [BLOCK_M]).load([row_start])
+    else:
+        q = tl.load(
+            Q + batch64 * stride_qb + head * stride_qh + rows[:, None] * stride_qm + dims[None, :],
+            mask=live_rows[:, None] & (dims[None, :] < HEAD_DIM),
+            other=0.0,
+        )
+        dout = tl.load(
+            DOut + batch64 * stride_dob + head * stride_doh + rows[:, None] * stride_dom + dims_v[None, :],
+            mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
+            other=0.0,
+        )
+        lse = tl.load(Lse + row_base + rows, mask=live_rows, other=float("-inf"))
+        delta = tl.load(Delta + row_base + rows, mask=live_rows, other=0.0)
     q_inv_norm = _inverse_norms(q, COSINE)
-    dout = tl.load(
-        DOut + batch64 * stride_dob + head * stride_doh + rows[:, None] * stride_dom + dims_v[None, :],
-        mask=live_rows[:, None] & (dims_v[None, :] < HEAD_DIM_V),
-        other=0.0,
-    )
-    row_index = (batch64 * heads_q + head) * len_q + rows
-    lse = tl.load(Lse + row_index, mask=live_rows, other=float("-inf"))
     # An empty row (lse = −inf) is shifted by +inf, so every P of it is exactly 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(Delta + row_index, mask=live_rows, other=0.0)
     KTile = K + batch64 * stride_kb + head_kv * stride_kh
     VTile = V + batch64 * stride_vb + head_kv * stride_vh
     BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
@@ -959,7 +975,7 @@ def _bwd_dq_kernel(
         interior_low, interior_high = _interior_keys(
             first, end, row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
         )
-        for key_start in range(interior_low, interior_high, BLOCK_N):
+        for key_start in tl.range(interior_low, interior_high, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             dq = _dq_tile(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
                 KvSegmentIds, batch64,
@@ -968,30 +984,31 @@ def _bwd_dq_kernel(
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
                 HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
             )  # fmt: skip
-    for key_start in range(first, interior_low, BLOCK_N):
-        meets = True
-        if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
-            k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
-            meets = (q_low <= k_high) & (k_low <= q_high)
-        if meets:
-            dq = _dq_tile(
-                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
-                KvSegmentIds, batch64,
-                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
-                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
-            )  # fmt: skip
-    if not HAS_MASK and not HAS_SEGMENT_IDS:
-        for key_start in range(interior_high, end, BLOCK_N):
-            dq = _dq_tile(
-                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
-                KvSegmentIds, batch64,
-                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
-                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
-            )  # fmt: skip
+    if not WARP_SPECIALIZE:  # as the forward's
+        for key_start in range(first, interior_low, BLOCK_N):
+            meets = True
+            if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
+                k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
+                meets = (q_low <= k_high) & (k_low <= q_high)
+            if meets:
+                dq = _dq_tile(
+                    dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
+                    KvSegmentIds, batch64,
+                    stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
+                    stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                    COSINE, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                )  # fmt: skip
+        if not HAS_MASK and not HAS_SEGMENT_IDS:
+            for key_start in range(interior_high, end, BLOCK_N):
+                dq = _dq_tile(
+                    dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
+                    KvSegmentIds, batch64,
+                    stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
+                    stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM,
+                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
+                    COSINE, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                )  # fmt: skip
     dq = dq * grad_scale
     tl.store(
         DQ + batch64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqm + dims[None, :],

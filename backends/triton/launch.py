@@ -36,7 +36,7 @@ class TileConfig:
     block_n: int  # keys per tile
     num_warps: int
     num_stages: int
-    warp_specialize: bool = False  # the forward's key loop warp-specialised (WARP_SPECIALIZED_FORWARD)
+    warp_specialize: bool = False  # the key loop warp-specialised (WARP_SPECIALIZED)
 
 
 # The interpreter runs one program at a time in NumPy: small tiles keep the conformance shapes (L <= 24) on two key
@@ -118,15 +118,17 @@ SM90_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
 }
 
 
-#: The forward's warp-specialised candidate on Hopper, tried by the autotuner beside SM90_GPU_CONFIGS where every
-#: tile is interior (warp_specialization_serves). Triton 3.9's Hopper pass (nvgpu-warp-specialization) takes a loop
-#: marked warp_specialize only in a kernel of num_warps = 4 and num_stages > 1, and makes it 3 warpgroups: a producer
-#: issuing the K/V copies and two consumers of 64 rows each (12 warps, setmaxnreg). At D = 128 the consumers'
-#: loop reads 7.3 instructions per score against the 8-warp tile's 8.0, with no copy in it (docs/triton.md).
-WARP_SPECIALIZED_FORWARD = TileConfig(128, 128, 4, 2, warp_specialize=True)
+#: The forward's and dQ's warp-specialised candidate on Hopper, tried by the autotuner beside SM90_GPU_CONFIGS where
+#: every tile is interior (warp_specialization_serves). Triton 3.9's Hopper pass (nvgpu-warp-specialization) takes a
+#: loop marked warp_specialize only in a kernel of num_warps = 4 and num_stages > 1, and makes it 3 warpgroups: a
+#: producer issuing the copies and two consumers of 64 rows each (12 warps, setmaxnreg). At D = 128 the consumers'
+#: loop reads 7.3 instructions per score in the forward (8.0 on the 8-warp tile) and 6.8 in dQ (9.6), with no copy in
+#: it (docs/triton.md).
+WARP_SPECIALIZED = TileConfig(128, 128, 4, 2, warp_specialize=True)
+WARP_SPECIALIZED_KERNELS = (Kernel.FORWARD, Kernel.DQ)
 
-#: The forward switches under which some tile is not interior: a band, a mask or bias, softcap and cosine (kept off
-#: the warp-specialised loop: the static check has not found them lean there), lengths, segment ids, paging, split-K.
+#: The switches under which some tile is not interior: a band, a mask or bias, softcap and cosine (kept off the
+#: warp-specialised loop: the static check has not found them lean there), lengths, segment ids, paging, split-K.
 _EDGE_SWITCHES = ("has_lower", "has_upper", "has_mask", "has_bias", "has_softcap", "cosine", "has_q_lengths",
                   "has_kv_lengths", "has_segment_ids", "paged", "split_k")  # fmt: skip
 
@@ -290,28 +292,38 @@ def uses_descriptors(kernel: Kernel, call: KernelCall, args: list[Any], switches
 def warp_specialization_serves(
     kernel: Kernel, call: KernelCall, args: list[Any], switches: KernelSwitches, described: bool, config: TileConfig
 ) -> bool:
-    """Whether the forward can run its key loop warp-specialised at ``config``'s tile (kernels._fwd_kernel's
+    """Whether the forward or dQ can run its key loop warp-specialised at ``config``'s tile (the kernels'
     WARP_SPECIALIZE): every tile interior (none of _EDGE_SWITCHES, both lengths whole tiles), since Triton's pass
-    takes one loop and the edge loops are compiled out; K and V through descriptors, and q fit for the descriptor the
-    kernel makes of it. Compiled, only at the padded head dims the static check covers (64 and 128)."""
-    if kernel is not Kernel.FORWARD or not described or any(getattr(switches, name) for name in _EDGE_SWITCHES):
+    takes one loop and the edge loops are compiled out; K and V through descriptors, and the query side fit for the
+    descriptors the kernel makes (q; in dQ dO too, and the lse and Δ rows, contiguous float32 whose rows start on 16
+    bytes when Lq is whole tiles). Compiled, only at the padded head dims the static check covers (64 and 128)."""
+    if kernel not in WARP_SPECIALIZED_KERNELS or not described:
+        return False
+    if any(getattr(switches, name) for name in _EDGE_SWITCHES):
         return False
     _, _, len_q, len_k = call.geometry
     head_dims_checked = INTERPRETED or padded_head_dim(*call.head_dims) in (64, 128)
     whole_tiles = len_q % config.block_m == 0 and len_k % config.block_n == 0
-    return head_dims_checked and whole_tiles and describable(args[0])
+    rows = [args[0]] if kernel is Kernel.FORWARD else [args[0], args[3]]  # q; q and dO
+    rows_statistics = [] if kernel is Kernel.FORWARD else [args[4], args[5]]  # lse and Δ
+    return (
+        head_dims_checked
+        and whole_tiles
+        and all(describable(x) for x in rows)
+        and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in rows_statistics)
+    )
 
 
 def tile_constants(kernel: Kernel, config: TileConfig) -> dict[str, Any]:
-    """The constexprs a tile sets: its sizes and, in the forward, whether its key loop is warp-specialised."""
+    """The constexprs a tile sets: its sizes and, in the forward and dQ, whether the key loop is warp-specialised."""
     constants: dict[str, Any] = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n)
-    if kernel is Kernel.FORWARD:
+    if kernel in WARP_SPECIALIZED_KERNELS:
         constants.update(WARP_SPECIALIZE=config.warp_specialize)
     return constants
 
 
 def _ensure_allocator() -> None:
-    """A descriptor made inside a kernel (the warp-specialised forward's q) needs global scratch memory, which
+    """A descriptor made inside a kernel (the warp-specialised kernels' query side) needs global scratch memory, which
     Triton asks of the allocator set by ``triton.set_allocator``: set one from torch where the program set none."""
     from triton.runtime import _allocation
 
@@ -398,7 +410,7 @@ class TritonLauncher:
                 num_stages=config.num_stages,
             )
 
-        if INTERPRETED:  # the warp-specialised forward's code wherever it serves, as descriptors (the same tiles)
+        if INTERPRETED:  # the warp-specialised kernels' code wherever it serves, as descriptors (the same tiles)
             specialized = replace(INTERPRETER_CONFIG, warp_specialize=True)
             serves = warp_specialization_serves(kernel, call, args, switches, described, specialized)
             launch(specialized if serves else INTERPRETER_CONFIG)
@@ -406,8 +418,8 @@ class TritonLauncher:
         block_d, spec = constants["BLOCK_D"], call.spec
         arch = arch_of(call.q.device)
         configs = gpu_configs(NAMES[kernel], block_d, call.q.dtype, arch, switches)
-        if warp_specialization_serves(kernel, call, args, switches, described, WARP_SPECIALIZED_FORWARD):
-            configs = (*configs, WARP_SPECIALIZED_FORWARD)
+        if warp_specialization_serves(kernel, call, args, switches, described, WARP_SPECIALIZED):
+            configs = (*configs, WARP_SPECIALIZED)
         _, _, len_q, len_k = call.geometry
         key = (NAMES[kernel], configs, call.q.dtype, arch, spec.causal, spec.window is not None, switches.paged,
                switches.split_k, length_bucket(max(len_q, len_k)))  # fmt: skip
