@@ -675,31 +675,31 @@ def _fwd_kernel(
             )  # fmt: skip
     # The edge tiles: [first, interior_low), then [interior_high, end) where interior tiles split them: two affine
     # loops (one loop over a remapped index left ptxas at 128 registers and spilling kilobytes with every feature on).
-    if not WARP_SPECIALIZE:  # no edge tile there, and its pass takes one loop only
-        for key_start in range(first, interior_low, BLOCK_N):
-            meets = True
-            if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
-                k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
-                meets = (q_low <= k_high) & (k_low <= q_high)
-            if meets:
-                acc, row_max, row_sum = _fwd_tile(
-                    acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
-                    head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k,
-                    q_len, kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m,
-                    stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                    COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
-                )  # fmt: skip
-        if not HAS_MASK and not HAS_SEGMENT_IDS:
-            for key_start in range(interior_high, end, BLOCK_N):
-                acc, row_max, row_sum = _fwd_tile(
-                    acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
-                    head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k,
-                    q_len, kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m,
-                    stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                    COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
-                )  # fmt: skip
+    # WARP_SPECIALIZE: no edge tile, and Triton's pass takes one loop only: these ranges are empty and fold away.
+    for key_start in range(first, first if WARP_SPECIALIZE else interior_low, BLOCK_N):
+        meets = True
+        if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
+            k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
+            meets = (q_low <= k_high) & (k_low <= q_high)
+        if meets:
+            acc, row_max, row_sum = _fwd_tile(
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
+                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
+                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+            )  # fmt: skip
+    if not HAS_MASK and not HAS_SEGMENT_IDS and not WARP_SPECIALIZE:
+        for key_start in range(interior_high, end, BLOCK_N):
+            acc, row_max, row_sum = _fwd_tile(
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
+                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
+                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+            )  # fmt: skip
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
     # give NaN out and lse, never the empty row's 0 and −inf.
@@ -984,31 +984,30 @@ def _bwd_dq_kernel(
                 BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
                 HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
             )  # fmt: skip
-    if not WARP_SPECIALIZE:  # as the forward's
-        for key_start in range(first, interior_low, BLOCK_N):
-            meets = True
-            if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
-                k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
-                meets = (q_low <= k_high) & (k_low <= q_high)
-            if meets:
-                dq = _dq_tile(
-                    dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
-                    KvSegmentIds, batch64,
-                    stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
-                    stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                    COSINE, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
-                )  # fmt: skip
-        if not HAS_MASK and not HAS_SEGMENT_IDS:
-            for key_start in range(interior_high, end, BLOCK_N):
-                dq = _dq_tile(
-                    dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
-                    KvSegmentIds, batch64,
-                    stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
-                    stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM,
-                    HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP,
-                    COSINE, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
-                )  # fmt: skip
+    for key_start in range(first, first if WARP_SPECIALIZE else interior_low, BLOCK_N):  # as the forward's
+        meets = True
+        if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
+            k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
+            meets = (q_low <= k_high) & (k_low <= q_high)
+        if meets:
+            dq = _dq_tile(
+                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
+                KvSegmentIds, batch64,
+                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
+                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+            )  # fmt: skip
+    if not HAS_MASK and not HAS_SEGMENT_IDS and not WARP_SPECIALIZE:
+        for key_start in range(interior_high, end, BLOCK_N):
+            dq = _dq_tile(
+                dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
+                KvSegmentIds, batch64,
+                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
+                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+            )  # fmt: skip
     dq = dq * grad_scale
     tl.store(
         DQ + batch64 * stride_dqb + head * stride_dqh + rows[:, None] * stride_dqm + dims[None, :],
