@@ -191,14 +191,19 @@ def variants(scope: str = "full") -> list[Variant]:
         for kernel in kernels_
         for arch in ARCHS
         for features in _FEATURES_OF[kernel]
-        if (not required or features in REQUIRED_FEATURES) and arch in FEATURE_TILES.get(features, (None, ARCHS))[1]
+        if (not required or features in REQUIRED_FEATURES) and arch in _archs_of(features)
     ]
     return plain + featured
 
 
+def _archs_of(features: str) -> tuple[str, ...]:
+    """The archs a feature variant is inspected on: those of its own tile (FEATURE_TILES), else all."""
+    return FEATURE_TILES[features][1] if features in FEATURE_TILES else tuple(ARCHS)
+
+
 def _constants(variant: Variant, tile: launch.TileConfig | None = None) -> tuple[dict[str, Any], launch.TileConfig]:
-    """The constexprs of one variant, as the launcher passes them, and the tile: ``tile``, else the default of
-    gpu_configs."""
+    """The constexprs of one variant, as the launcher passes them, and the tile: ``tile``, else the variant's own
+    (FEATURE_TILES), else the default of gpu_configs."""
     kernel = KERNEL_OF[variant.kernel]
     dtype = DTYPES[variant.dtype]
     switches = KernelSwitches(**FEATURES[variant.features])
@@ -404,7 +409,8 @@ def violations(results: list[Result]) -> list[str]:
     float16 / bfloat16 dot kernels (NO_SPILL_FEATURES), HMMA on sm_80 and HGMMA on sm_90 in every float16 /
     bfloat16 dot kernel, and without features wgmma N ≥ 64, an interior loop without selects or repeated products,
     TMA copies in the loops where descriptors pay (launch.descriptors_pay) and, at D = 128 on sm_90, within
-    INSTRUCTIONS_PER_SCORE."""
+    INSTRUCTIONS_PER_SCORE; the warp-specialised candidate (no feature either) in three warpgroups with setmaxnreg
+    and its copies out of the consumers' loop."""
     broken = []
     for result in results:
         variant = result.variant
