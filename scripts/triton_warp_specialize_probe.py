@@ -36,6 +36,20 @@ PROBES = {
 
 
 @triton.jit
+def _tile(acc, row_max, row_sum, q, KTiles, VTiles, key_row, start, positions, scale,
+          BLOCK_N: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """One key tile of the online softmax; MASKED: causal on the diagonal, as the kernels' edge tiles."""
+    scores = tl.dot(q, KTiles.load([key_row, 0]).T) * scale
+    if MASKED:
+        scores = tl.where(start + tl.arange(0, BLOCK_N)[None, :] <= positions[:, None], scores, float("-inf"))
+    new_max = tl.maximum(row_max, tl.max(scores, 1))
+    p = tl.math.exp2(scores - new_max[:, None])
+    alpha = tl.math.exp2(row_max - new_max)
+    acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), VTiles.load([key_row, 0]))
+    return acc, new_max, row_sum * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _forward(Q, QTiles, KTiles, VTiles, Out, scale, length, heads, interior_end,
              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
              Q_FROM: tl.constexpr, EDGE_LOOP: tl.constexpr):  # fmt: skip
@@ -54,27 +68,12 @@ def _forward(Q, QTiles, KTiles, VTiles, Out, scale, length, heads, interior_end,
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start in tl.range(0, interior_end, BLOCK_N, warp_specialize=True):
-        k = KTiles.load([head_start + start, 0])
-        scores = tl.dot(q, k.T) * scale
-        new_max = tl.maximum(row_max, tl.max(scores, 1))
-        p = tl.math.exp2(scores - new_max[:, None])
-        alpha = tl.math.exp2(row_max - new_max)
-        row_sum = row_sum * alpha + tl.sum(p, 1)
-        v = VTiles.load([head_start + start, 0])
-        acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
-        row_max = new_max
-    if EDGE_LOOP:  # the diagonal tiles, masked, as the kernels' edge loops
+        acc, row_max, row_sum = _tile(acc, row_max, row_sum, q, KTiles, VTiles, head_start + start, start, positions,
+                                      scale, BLOCK_N, False)  # fmt: skip
+    if EDGE_LOOP:  # the diagonal tiles, masked, in a loop of their own as the kernels' edge loops
         for start in range(interior_end, length, BLOCK_N):
-            k = KTiles.load([head_start + start, 0])
-            keys = start + tl.arange(0, BLOCK_N)
-            scores = tl.where(keys[None, :] <= positions[:, None], tl.dot(q, k.T) * scale, float("-inf"))
-            new_max = tl.maximum(row_max, tl.max(scores, 1))
-            p = tl.math.exp2(scores - new_max[:, None])
-            alpha = tl.math.exp2(row_max - new_max)
-            row_sum = row_sum * alpha + tl.sum(p, 1)
-            v = VTiles.load([head_start + start, 0])
-            acc = acc * alpha[:, None] + tl.dot(p.to(tl.bfloat16), v)
-            row_max = new_max
+            acc, row_max, row_sum = _tile(acc, row_max, row_sum, q, KTiles, VTiles, head_start + start, start,
+                                          positions, scale, BLOCK_N, True)  # fmt: skip
     out = acc / row_sum[:, None]
     tl.store(Out + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :], out.to(tl.bfloat16))
 
