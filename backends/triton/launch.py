@@ -296,7 +296,8 @@ def warp_specialization_serves(
     WARP_SPECIALIZE): every tile interior (none of _EDGE_SWITCHES, both lengths whole tiles), since Triton's pass
     takes one loop and the edge loops are compiled out; K and V through descriptors, and the query side fit for the
     descriptors the kernel makes (q; in dQ dO too, and the lse and Δ rows, contiguous float32 whose rows start on 16
-    bytes when Lq is whole tiles). Compiled, only at the padded head dims the static check covers (64 and 128)."""
+    bytes when Lq is whole tiles). Compiled, only at the padded head dims found lean (64 and 128: docs/performance.md;
+    the static test compiles 128)."""
     if kernel not in WARP_SPECIALIZED_KERNELS or not described:
         return False
     if any(getattr(switches, name) for name in _EDGE_SWITCHES):
