@@ -147,7 +147,8 @@ def test_use_backend_is_async_task_local() -> None:
         ),
         (
             {"backend_options": {"triton": {"determinstic": True}}},
-            r"backend 'triton' has no option 'determinstic' \(its options: deterministic = False\)",
+            r"backend 'triton' has no option 'determinstic' "
+            r"\(its options: deterministic = False, warp_specialize = False\)",
         ),
         (
             {"backend_options": {"triton": {"deterministic": "yes"}}},

@@ -1,9 +1,10 @@
 """The warp-specialised key loop of the forward and dQ (the kernels' WARP_SPECIALIZE, launch.WARP_SPECIALIZED): taken
 exactly where every tile is interior, and there the results agree with the oracle. Interpreted, the same kernel code
 runs (the query side through the descriptors the kernel makes, no edge loop; the interpreter ignores the loop's
-warp_specialize); compiled on Hopper the autotuner times it beside the 8-warp tiles, and the GPU test below forces
-it. That Triton's pass fires (3 warpgroups, setmaxnreg, no copy in the consumers' loop) is
-tests/test_triton_static.py's. dQ runs as a kernel of its own in the two-kernel backward: deterministic here."""
+warp_specialize); compiled on Hopper the autotuner times it beside the 8-warp tiles when the backend's
+warp_specialize option is on, and the GPU test below turns it on and forces it. That Triton's pass fires (3
+warpgroups, setmaxnreg, no copy in the consumers' loop) is tests/test_triton_static.py's. dQ runs as a kernel of its
+own in the two-kernel backward: deterministic here."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any
 
 import pytest
 
+import attnkit
 from attnkit import AttentionSpec
 from attnkit.testing import Case, assert_backends_agree
 from tests.conftest import available_backends
@@ -86,6 +88,7 @@ def test_compiled_warp_specialized_kernels_agree_with_the_oracle(
     monkeypatch.setattr(launch._autotuner, "choose", lambda key, configs, run: configs[-1])
     case = Case(spec=AttentionSpec(), len_q=256, len_k=384, heads_q=4, heads_kv=2, head_dim=128, head_dim_v=128,
                 dtype="bfloat16")  # fmt: skip
-    assert "triton" in assert_backends_agree(case, backends=["triton"])
+    with attnkit.use_config({"backend_options": {"triton": {"warp_specialize": True}}}):
+        assert "triton" in assert_backends_agree(case, backends=["triton"])
     for kernel, tiles in launched_tiles.items():
         assert tiles and all(tile.warp_specialize for tile in tiles), kernel

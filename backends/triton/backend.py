@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from attnkit.backend import backend_option
 from attnkit.contract.kernels import DETERMINISTIC_OPTION, KernelBackend, KernelLauncher, kernel_capabilities
 
 from . import launch
 
 MAX_HEAD_DIM = 256
+#: Off until a GPU has run it: on Hopper the autotuner then also times the warp-specialised forward and dQ tile
+#: (launch.WARP_SPECIALIZED) on calls where every tile is interior.
+WARP_SPECIALIZE_OPTION = ("warp_specialize", False)
 
 
 class TritonBackend(KernelBackend):
@@ -34,7 +38,7 @@ class TritonBackend(KernelBackend):
                 "without a CUDA device, start the process with TRITON_INTERPRET=1 to run the kernels interpreted",
             ),
             # Off: at head dims up to 128 on Hopper the backward adds dq atomically, its last bits varying by run.
-            options=(DETERMINISTIC_OPTION,),
+            options=(DETERMINISTIC_OPTION, WARP_SPECIALIZE_OPTION),
         )
 
     def available(self) -> list[str]:
@@ -49,4 +53,6 @@ class TritonBackend(KernelBackend):
         return launch.INTERPRETED
 
     def kernel_launcher(self) -> KernelLauncher:
+        if backend_option(self, WARP_SPECIALIZE_OPTION[0]):
+            return launch.WARP_SPECIALIZING_LAUNCHER
         return launch.LAUNCHER

@@ -119,7 +119,8 @@ SM90_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
 
 
 #: The forward's and dQ's warp-specialised candidate on Hopper, tried by the autotuner beside SM90_GPU_CONFIGS where
-#: every tile is interior (warp_specialization_serves). Triton 3.9's Hopper pass (nvgpu-warp-specialization) takes a
+#: every tile is interior (warp_specialization_serves) and the triton backend's warp_specialize option is on (off
+#: until a GPU has run it). Triton 3.9's Hopper pass (nvgpu-warp-specialization) takes a
 #: loop marked warp_specialize only in a kernel of num_warps = 4 and num_stages > 1, and makes it 3 warpgroups: a
 #: producer issuing the copies and two consumers of 64 rows each (12 warps, setmaxnreg). At D = 128 the consumers'
 #: loop reads 7.3 instructions per score in the forward (8.0 on the 8-warp tile) and 6.8 in dQ (9.6), with no copy in
@@ -377,6 +378,11 @@ class TritonLauncher:
     types = ArgumentTypes(int32=int, int64=int, float32=float)
     bias_dtype: torch.dtype | None = None  # the kernels read the bias in its own dtype
 
+    def __init__(self, offers_warp_specialized: bool = False) -> None:
+        # Compiled, whether the autotuner also times WARP_SPECIALIZED where it serves (the triton backend's
+        # warp_specialize option). The interpreter runs that code wherever it serves, so the CPU tests cover it.
+        self.offers_warp_specialized = offers_warp_specialized
+
     def one_pass_backward(self, call: KernelCall) -> bool:
         """The one-pass backward (dq added atomically by the dK/dV kernel) where it compiles lean: head dims up to 128
         on Hopper, and under the interpreter alike (unless deterministic results are asked for: KernelBackend.
@@ -419,7 +425,9 @@ class TritonLauncher:
         block_d, spec = constants["BLOCK_D"], call.spec
         arch = arch_of(call.q.device)
         configs = gpu_configs(NAMES[kernel], block_d, call.q.dtype, arch, switches)
-        if warp_specialization_serves(kernel, call, args, switches, described, WARP_SPECIALIZED):
+        if self.offers_warp_specialized and warp_specialization_serves(
+            kernel, call, args, switches, described, WARP_SPECIALIZED
+        ):
             configs = (*configs, WARP_SPECIALIZED)
         _, _, len_q, len_k = call.geometry
         key = (NAMES[kernel], configs, call.q.dtype, arch, spec.causal, spec.window is not None, switches.paged,
@@ -428,3 +436,4 @@ class TritonLauncher:
 
 
 LAUNCHER = TritonLauncher()
+WARP_SPECIALIZING_LAUNCHER = TritonLauncher(offers_warp_specialized=True)
