@@ -12,8 +12,8 @@ The band is a run-time operand (geom), so causal and full attention lower to the
     JAX_PLATFORMS=cpu python scripts/pallas_static_view.py                 # D = 64 and 128, the backend's GPU tiles
     JAX_PLATFORMS=cpu python scripts/pallas_static_view.py --dims 256
     JAX_PLATFORMS=cpu python scripts/pallas_static_view.py --arch 80                        # A100 (sm_80) instead
-    JAX_PLATFORMS=cpu python scripts/pallas_static_view.py --tiles 128,64,128,64,8,8   # fwd/dQ, dK/dV tiles, warps
-                                                                    # (then the dK/dV kernel's, else the same)
+    JAX_PLATFORMS=cpu python scripts/pallas_static_view.py --tiles 128,64,128,64,8,8,2   # fwd/dQ, dK/dV tiles,
+                                                        # warps, then the dK/dV kernel's warps and stages (else 1)
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", default="64,128", help="head dims, comma-separated")
     parser.add_argument(
-        "--tiles", help="fwd_q,fwd_k,dkdv_q,dkdv_k,warps[,dkdv_warps] instead of the backend's GPU choice"
+        "--tiles", help="fwd_q,fwd_k,dkdv_q,dkdv_k,warps[,dkdv_warps[,dkdv_stages]] instead of the backend's GPU choice"
     )
     parser.add_argument("--length", type=int, default=4096)
     parser.add_argument("--arch", type=int, default=90, choices=(80, 90), help="compile for sm_80 or sm_90")
@@ -64,8 +64,8 @@ def main() -> None:
     from attnkit.contract.sass import flops_per_score, loop_mix, tensor_loops
 
     if args.tiles:
-        fwd_q, fwd_k, bwd_q, bwd_k, warps, *bwd_warps = (int(x) for x in args.tiles.split(","))
-        tiles = backend._Tiles((fwd_q, fwd_k), (bwd_q, bwd_k), warps, bwd_warps[0] if bwd_warps else warps)
+        fwd_q, fwd_k, bwd_q, bwd_k, warps, *dkdv = (int(x) for x in args.tiles.split(","))
+        tiles = backend._Tiles((fwd_q, fwd_k), (bwd_q, bwd_k), warps, *(dkdv or [warps]))
         backend._blocks = lambda *_: tiles  # type: ignore[assignment]
     spec, length = AttentionSpec(causal=True), args.length
     with tempfile.TemporaryDirectory() as folder:
@@ -82,9 +82,16 @@ def main() -> None:
                 compiled = triton.compile(str(path), target=GPUTarget("cuda", args.arch, 32), options=options)
                 read = read_cubin(compiled.asm["cubin"])
                 tile_scores = static.block_q * static.block_k
-                mix = loop_mix(read["sass"], f"sm_{args.arch}", flops_per_score(kernel, dim, dim), tile_scores, static.num_warps)
+                mix = loop_mix(
+                    read["sass"], f"sm_{args.arch}", flops_per_score(kernel, dim, dim), tile_scores, static.num_warps
+                )
                 row = {"D": dim, "kernel": kernel, "tile": [static.block_q, static.block_k, static.num_warps]}
-                row |= {"registers": read["registers"], "hgmma": read["hgmma"], "hmma": read["hmma"], "spill_bytes": read["spill_store_bytes"]}
+                row |= {
+                    "registers": read["registers"],
+                    "hgmma": read["hgmma"],
+                    "hmma": read["hmma"],
+                    "spill_bytes": read["spill_store_bytes"],
+                }
                 row |= {"shared_bytes": compiled.metadata.shared + read["static_shared"]}
                 if mix is not None:
                     row |= {"instructions_per_score": round(mix.instructions_per_score, 2)}

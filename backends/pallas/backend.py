@@ -49,10 +49,6 @@ MAX_HEAD_DIM = 256
 # Interpreted on CPU: small tiles keep the padded work small, and still several per row; not square, and the forward's
 # and the dK/dV kernel's transposed, as on a GPU, so a bound that takes block_q for block_k is wrong here too.
 INTERPRET_BLOCKS = ((32, 16), (16, 32))  # (block_q, block_k) of the forward/dQ kernels, then of the dK/dV kernel
-# The dK/dV kernel's loop loads q and dO once per step and keeps dK, dV in registers: without a second stage of
-# buffered loads it takes 1.1–1.5 fewer instructions per score on sm_90 and a third less shared memory (as
-# Triton's own dK/dV kernel, one stage).
-DKDV_STAGES = 1
 # Split-K decode (kernels._split_range): a forward with one query tile per (batch, head) leaves a GPU mostly idle
 # when B·Hq is small, so its keys are cut into ranges on a fourth grid axis, until about SPLIT_CELLS cells (an H100
 # has 132 SMs), each range at least SPLIT_MIN_TILES key tiles, at most SPLIT_MAX ranges. Interpreted (CPU), cells run
@@ -76,12 +72,16 @@ class _Sizes(NamedTuple):
 
 
 class _Tiles(NamedTuple):
-    """The tiles of a call: (block_q, block_k) and num_warps of the forward/dQ kernels, then of the dK/dV kernel."""
+    """The tiles of a call: (block_q, block_k) and num_warps of the forward/dQ kernels, then of the dK/dV kernel,
+    and the dK/dV kernel's stages of buffered loads (the forward/dQ kernels keep Static's default). One stage, as
+    Triton's own dK/dV kernel: two read 1.2 more instructions per score at D = 64 and spill kilobytes at D = 256 on
+    sm_90, and at D = 128 on sm_80 (performance.md, Pallas dK/dV follow-up)."""
 
     forward: tuple[int, int]
     dkdv: tuple[int, int]
     warps: int
     dkdv_warps: int
+    dkdv_stages: int = 1
 
 
 def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> _Tiles:
@@ -94,7 +94,7 @@ def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> _Tiles:
         fwd, bwd, warps, bwd_warps = (128, 64), (64, 64), 4, 4
     elif dim <= 128:  # 8 warps: each warpgroup takes 64 query rows; on 4 warps the float32 tiles spill
         fwd, bwd, warps, bwd_warps = (128, 64), (128, 64), 8, 8
-    else:  # forward/dQ on wgmma within an A100's shared memory; dK/dV on mma.sync (64-key tiles spill)
+    else:  # forward/dQ on wgmma within an A100's shared memory; dK/dV on mma.sync (its wgmma tiles spill)
         fwd, bwd, warps, bwd_warps = (64, 32), (32, 32), 8, 8
 
     def clip(pair: tuple[int, int]) -> tuple[int, int]:
@@ -122,7 +122,8 @@ def _splits(forced: int | None, interpret: bool, cells: int, len_q: int, len_k: 
 def _config(
     spec: AttentionSpec, len_q: int, len_k: int, dim: int, interpret: bool, cells: int = 1, forced: int | None = None
 ) -> _Config:
-    fwd, bwd, warps, bwd_warps = _blocks(interpret, len_q, len_k, dim)
+    tiles = _blocks(interpret, len_q, len_k, dim)
+    fwd, bwd = tiles.forward, tiles.dkdv
     common = {
         "bshd": spec.layout is Layout.BSHD,
         "softcap": spec.softcap is not None,
@@ -132,9 +133,9 @@ def _config(
     padded_k = -(-len_k // max(fwd[1], bwd[1])) * max(fwd[1], bwd[1])
     splits = _splits(forced, interpret, cells, len_q, padded_k, fwd)
     return _Config(
-        kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=warps, splits=splits, **common),
+        kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=tiles.warps, splits=splits, **common),
         kernel_dkdv=kernels.Static(
-            block_q=bwd[0], block_k=bwd[1], num_warps=bwd_warps, num_stages=DKDV_STAGES, **common
+            block_q=bwd[0], block_k=bwd[1], num_warps=tiles.dkdv_warps, num_stages=tiles.dkdv_stages, **common
         ),
     )
 

@@ -31,12 +31,14 @@ Loops run over the tiles the band and lengths leave visible and no others: hidde
 them, the run of *interior* tiles (every pair visible: ``_interior_keys``, ``_interior_queries``) runs without any
 mask or select; the *edge* tiles around it zero rows at or beyond ``q_len`` and keys at or beyond ``kv_len`` after
 loading, so padding (NaN included) never reaches a product (§5), and mask their hidden scores. A mask or segment ids
-make every tile an edge tile. An edge tile inside the array is loaded whole and selected; only the array's last,
-partial tile (when the block does not divide the sequence) is a masked load, run once after the loops
-(``_edge_interior_edge``'s ``ragged``): a masked load in a loop costs the interior loop registers (spills, in the
-sm_90 SASS). The softmax is base 2 with the scale folded into exp2's argument (``_score_fold``);
-lse is natural-log at the API. The dK/dV kernel works on transposed tiles (keys on rows), so that every product has
-block_k rows: Triton keeps wgmma when that is a multiple of 64.
+make every tile an edge tile. In the forward and dQ kernels an edge tile inside the array is loaded whole and
+selected; only the array's last, partial tile (when the block does not divide the sequence) is a masked load, run
+once after the loops (``_edge_interior_edge``'s ``ragged``): a masked load in a loop costs their interior loop
+registers (spills, in the sm_90 SASS). The dK/dV kernel is the other way round: its edge query tiles are masked
+loads (the selects after a whole load spill in its edge loops), so its last, partial tile is one of them. The
+softmax is base 2 with the scale folded into exp2's argument (``_score_fold``); lse is natural-log at the API. The
+dK/dV kernel keeps queries on rows as Triton's own does (S = Q·Kᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q): on 128-row query tiles
+and 8 warps every product has a multiple of 64 rows per warpgroup, which Triton needs for wgmma.
 
 Cosine (``Static.cosine``, docs/semantics.md §10): q̂ = q/‖q‖ is never rounded to the input dtype. The products take
 the raw q and k (half types on tensor cores, exact products, float32 sums) and the score tile is scaled by both
