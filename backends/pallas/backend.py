@@ -46,8 +46,10 @@ else:
     _JAX_ERROR = None
 
 MAX_HEAD_DIM = 256
-# Interpreted on CPU: small tiles keep the padded work small, and still several per row; not square, and the forward's
-# and the dK/dV kernel's transposed, as on a GPU, so a bound that takes block_q for block_k is wrong here too.
+# Interpreted on CPU: small tiles keep the padded work small, and still several per row; not square, as on a GPU, and
+# the dK/dV kernel's the other way round from the forward's, so a bound that takes block_q for block_k, or one
+# kernel's tile for the other's, is wrong here. The kernels branch on a tile only by how it meets the lengths
+# (a ragged last tile, a tile wider than the array), which the tests vary: the GPU tiles run the same code.
 INTERPRET_BLOCKS = ((32, 16), (16, 32))  # (block_q, block_k) of the forward/dQ kernels, then of the dK/dV kernel
 # Split-K decode (kernels._split_range): a forward with one query tile per (batch, head) leaves a GPU mostly idle
 # when B·Hq is small, so its keys are cut into ranges on a fourth grid axis, until about SPLIT_CELLS cells (an H100

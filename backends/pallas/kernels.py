@@ -731,7 +731,7 @@ def _bwd_dkdv(
 
         return body
 
-    edge = functools.partial(_where_ids_meet, segments, lambda tile: (tile, kv_tile))(visit(True))
+    edge = _where_ids_meet(segments, lambda tile: (tile, kv_tile), visit(True))
 
     def head(g: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
         first, end = _q_range(geom, j0, block_q, block_k)
