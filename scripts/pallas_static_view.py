@@ -11,7 +11,9 @@ The band is a run-time operand (geom), so causal and full attention lower to the
 
     JAX_PLATFORMS=cpu python scripts/pallas_static_view.py                 # D = 64 and 128, the backend's GPU tiles
     JAX_PLATFORMS=cpu python scripts/pallas_static_view.py --dims 256
-    JAX_PLATFORMS=cpu python scripts/pallas_static_view.py --tiles 128,64,32,64,8   # fwd/dQ tile, dK/dV tile, warps
+    JAX_PLATFORMS=cpu python scripts/pallas_static_view.py --arch 80                        # A100 (sm_80) instead
+    JAX_PLATFORMS=cpu python scripts/pallas_static_view.py --tiles 128,64,128,64,8,8,2   # fwd/dQ, dK/dV tiles,
+                                                        # warps, then the dK/dV kernel's warps and stages (else 1)
 """
 
 from __future__ import annotations
@@ -45,8 +47,11 @@ def _capture() -> list[tuple[str, str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dims", default="64,128", help="head dims, comma-separated")
-    parser.add_argument("--tiles", help="fwd_q,fwd_k,dkdv_q,dkdv_k,warps instead of the backend's GPU choice")
+    parser.add_argument(
+        "--tiles", help="fwd_q,fwd_k,dkdv_q,dkdv_k,warps[,dkdv_warps[,dkdv_stages]] instead of the backend's GPU choice"
+    )
     parser.add_argument("--length", type=int, default=4096)
+    parser.add_argument("--arch", type=int, default=90, choices=(80, 90), help="compile for sm_80 or sm_90")
     args = parser.parse_args()
 
     captured = _capture()
@@ -56,11 +61,12 @@ def main() -> None:
     from triton.backends.compiler import GPUTarget
 
     from attnkit.backend import AttentionSpec
-    from attnkit.contract.sass import flops_per_score, loop_mix
+    from attnkit.contract.sass import flops_per_score, loop_mix, tensor_loops
 
     if args.tiles:
-        fwd_q, fwd_k, bwd_q, bwd_k, warps = (int(x) for x in args.tiles.split(","))
-        backend._blocks = lambda *_: ((fwd_q, fwd_k), (bwd_q, bwd_k), warps)  # type: ignore[assignment]
+        fwd_q, fwd_k, bwd_q, bwd_k, warps, *dkdv = (int(x) for x in args.tiles.split(","))
+        tiles = backend._Tiles((fwd_q, fwd_k), (bwd_q, bwd_k), warps, *(dkdv or [warps]))
+        backend._blocks = lambda *_: tiles  # type: ignore[assignment]
     spec, length = AttentionSpec(causal=True), args.length
     with tempfile.TemporaryDirectory() as folder:
         for dim in (int(d) for d in args.dims.split(",")):
@@ -73,16 +79,26 @@ def main() -> None:
                 path = Path(folder) / f"{name}_{dim}.ttir"
                 path.write_text(ttir)
                 options = {"num_warps": static.num_warps, "num_stages": static.num_stages}
-                compiled = triton.compile(str(path), target=GPUTarget("cuda", 90, 32), options=options)
+                compiled = triton.compile(str(path), target=GPUTarget("cuda", args.arch, 32), options=options)
                 read = read_cubin(compiled.asm["cubin"])
                 tile_scores = static.block_q * static.block_k
-                mix = loop_mix(read["sass"], "sm_90", flops_per_score(kernel, dim, dim), tile_scores, static.num_warps)
+                mix = loop_mix(
+                    read["sass"], f"sm_{args.arch}", flops_per_score(kernel, dim, dim), tile_scores, static.num_warps
+                )
                 row = {"D": dim, "kernel": kernel, "tile": [static.block_q, static.block_k, static.num_warps]}
-                row |= {"hgmma": read["hgmma"], "hmma": read["hmma"], "spill_bytes": read["spill_store_bytes"]}
+                row |= {
+                    "registers": read["registers"],
+                    "hgmma": read["hgmma"],
+                    "hmma": read["hmma"],
+                    "spill_bytes": read["spill_store_bytes"],
+                }
                 row |= {"shared_bytes": compiled.metadata.shared + read["static_shared"]}
                 if mix is not None:
                     row |= {"instructions_per_score": round(mix.instructions_per_score, 2)}
                     row |= {"selects_per_score": round(mix.selects_per_score, 3), "shapes": list(mix.tensor_shapes)}
+                    row |= {"tensor_work": mix.tensor_work}
+                    spilling = sum(loop.count(("STL", "LDL")) > 0 for loop in tensor_loops(read["sass"]))
+                    row |= {"loops_spilling": spilling}
                 print(json.dumps(row), flush=True)
 
 

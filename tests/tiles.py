@@ -74,7 +74,8 @@ def _pallas(spec: AttentionSpec) -> tuple[KernelTile, ...] | None:
     from attnkit.backends.pallas import backend
 
     long = 1 << 16  # tiles are clipped to short sequences only
-    forward, dkdv, _ = backend._blocks(attnkit.get_backend("pallas").interpret(), long, long, 16)  # type: ignore[attr-defined]
+    tiles = backend._blocks(attnkit.get_backend("pallas").interpret(), long, long, 16)  # type: ignore[attr-defined]
+    forward, dkdv = tiles.forward, tiles.dkdv
     return (
         KernelTile("forward", *forward),
         KernelTile("dQ", *forward),

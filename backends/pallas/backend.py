@@ -46,8 +46,10 @@ else:
     _JAX_ERROR = None
 
 MAX_HEAD_DIM = 256
-# Interpreted on CPU: small tiles keep the padded work small, and still several per row; not square, and the forward's
-# and the dK/dV kernel's transposed, as on a GPU, so a bound that takes block_q for block_k is wrong here too.
+# Interpreted on CPU: small tiles keep the padded work small, and still several per row; not square, as on a GPU, and
+# the dK/dV kernel's the other way round from the forward's, so a bound that takes block_q for block_k, or one
+# kernel's tile for the other's, is wrong here. The kernels branch on a tile only by how it meets the lengths
+# (a ragged last tile, a tile wider than the array), which the tests vary: the GPU tiles run the same code.
 INTERPRET_BLOCKS = ((32, 16), (16, 32))  # (block_q, block_k) of the forward/dQ kernels, then of the dK/dV kernel
 # Split-K decode (kernels._split_range): a forward with one query tile per (batch, head) leaves a GPU mostly idle
 # when B·Hq is small, so its keys are cut into ranges on a fourth grid axis, until about SPLIT_CELLS cells (an H100
@@ -71,22 +73,36 @@ class _Sizes(NamedTuple):
     pad_k: int
 
 
-def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> tuple[tuple[int, int], tuple[int, int], int]:
-    """((block_q, block_k) forward/dQ, (block_q, block_k) dK/dV, num_warps): never wider than the length's power of
-    two (>= 16)."""
+class _Tiles(NamedTuple):
+    """The tiles of a call: (block_q, block_k) and num_warps of the forward/dQ kernels, then of the dK/dV kernel,
+    and the dK/dV kernel's stages of buffered loads (the forward/dQ kernels keep Static's default). One stage, as
+    Triton's own dK/dV kernel: two read 1.2 more instructions per score at D = 64 and spill kilobytes at D = 256 on
+    sm_90, and at D = 128 on sm_80 (performance.md, Pallas dK/dV follow-up)."""
+
+    forward: tuple[int, int]
+    dkdv: tuple[int, int]
+    warps: int
+    dkdv_warps: int
+    dkdv_stages: int = 1
+
+
+def _blocks(interpret: bool, len_q: int, len_k: int, dim: int) -> _Tiles:
+    """The tiles for these lengths and head dim, never wider than the length's power of two (>= 16). Triton keeps
+    wgmma on sm_90 when a product's M is a multiple of 64 per warpgroup (4 warps): M is block_q for S and dP, block_k
+    for dV and dK in the dK/dV kernel. Chosen from the static view (performance.md, Pallas kernels on sm_90)."""
     if interpret:
-        (fwd, bwd), warps = INTERPRET_BLOCKS, 4
-    elif dim <= 64:  # Triton keeps wgmma when every product has M % 64 = 0 on num_warps % 4 = 0 (dK/dV: M = block_k)
-        fwd, bwd, warps = (128, 64), (64, 64), 4
-    elif dim <= 128:  # 8 warps: two warpgroups of 64 rows; 4 spill at D = 128 (performance.md, Pallas static view)
-        fwd, bwd, warps = (128, 64), (32, 64), 8
-    else:  # forward/dQ on wgmma within an A100's shared memory; dK/dV stays on mma.sync (64-key tiles spill)
-        fwd, bwd, warps = (64, 32), (16, 32), 8
+        (fwd, bwd), warps, bwd_warps = INTERPRET_BLOCKS, 4, 4
+    elif dim <= 64:
+        fwd, bwd, warps, bwd_warps = (128, 64), (64, 64), 4, 4
+    elif dim <= 128:  # 8 warps: each warpgroup takes 64 query rows; on 4 warps the float32 tiles spill
+        fwd, bwd, warps, bwd_warps = (128, 64), (128, 64), 8, 8
+    else:  # forward/dQ on wgmma within an A100's shared memory; dK/dV on mma.sync (its wgmma tiles spill)
+        fwd, bwd, warps, bwd_warps = (64, 32), (32, 32), 8, 8
 
     def clip(pair: tuple[int, int]) -> tuple[int, int]:
         return min(pair[0], kernels.width(len_q)), min(pair[1], kernels.width(len_k))
 
-    return clip(fwd), clip(bwd), warps
+    return _Tiles(clip(fwd), clip(bwd), warps, bwd_warps)
 
 
 def decode_splits(cells: int, query_tiles: int, key_tiles: int) -> int:
@@ -108,7 +124,8 @@ def _splits(forced: int | None, interpret: bool, cells: int, len_q: int, len_k: 
 def _config(
     spec: AttentionSpec, len_q: int, len_k: int, dim: int, interpret: bool, cells: int = 1, forced: int | None = None
 ) -> _Config:
-    fwd, bwd, warps = _blocks(interpret, len_q, len_k, dim)
+    tiles = _blocks(interpret, len_q, len_k, dim)
+    fwd, bwd = tiles.forward, tiles.dkdv
     common = {
         "bshd": spec.layout is Layout.BSHD,
         "softcap": spec.softcap is not None,
@@ -118,8 +135,10 @@ def _config(
     padded_k = -(-len_k // max(fwd[1], bwd[1])) * max(fwd[1], bwd[1])
     splits = _splits(forced, interpret, cells, len_q, padded_k, fwd)
     return _Config(
-        kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=warps, splits=splits, **common),
-        kernel_dkdv=kernels.Static(block_q=bwd[0], block_k=bwd[1], num_warps=warps, **common),
+        kernel=kernels.Static(block_q=fwd[0], block_k=fwd[1], num_warps=tiles.warps, splits=splits, **common),
+        kernel_dkdv=kernels.Static(
+            block_q=bwd[0], block_k=bwd[1], num_warps=tiles.dkdv_warps, num_stages=tiles.dkdv_stages, **common
+        ),
     )
 
 
@@ -356,7 +375,8 @@ def _paged_config(
 ) -> Any:  # fmt: skip
     """The paged forward's kernels.Static: the forward's query tile, a key tile inside one block."""
     capacity = page * max_blocks
-    (block_q, block_k), _, warps = _blocks(interpret, len_q, capacity, dim)
+    tiles = _blocks(interpret, len_q, capacity, dim)
+    (block_q, block_k), warps = tiles.forward, tiles.warps
     block_k = _page_tile(page, block_k)
     return kernels.Static(
         bshd=spec.layout is Layout.BSHD,

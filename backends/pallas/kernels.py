@@ -31,12 +31,14 @@ Loops run over the tiles the band and lengths leave visible and no others: hidde
 them, the run of *interior* tiles (every pair visible: ``_interior_keys``, ``_interior_queries``) runs without any
 mask or select; the *edge* tiles around it zero rows at or beyond ``q_len`` and keys at or beyond ``kv_len`` after
 loading, so padding (NaN included) never reaches a product (§5), and mask their hidden scores. A mask or segment ids
-make every tile an edge tile. An edge tile inside the array is loaded whole and selected; only the array's last,
-partial tile (when the block does not divide the sequence) is a masked load, run once after the loops
-(``_edge_interior_edge``'s ``ragged``): a masked load in a loop costs the interior loop registers (spills, in the
-sm_90 SASS). The softmax is base 2 with the scale folded into exp2's argument (``_score_fold``);
-lse is natural-log at the API. The dK/dV kernel works on transposed tiles (keys on rows), so that every product has
-block_k rows: Triton keeps wgmma when that is a multiple of 64.
+make every tile an edge tile. In the forward and dQ kernels an edge tile inside the array is loaded whole and
+selected; only the array's last, partial tile (when the block does not divide the sequence) is a masked load, run
+once after the loops (``_edge_interior_edge``'s ``ragged``): a masked load in a loop costs their interior loop
+registers (spills, in the sm_90 SASS). The dK/dV kernel is the other way round: its edge query tiles are masked
+loads (the selects after a whole load spill in its edge loops), so its last, partial tile is one of them. The
+softmax is base 2 with the scale folded into exp2's argument (``_score_fold``); lse is natural-log at the API. The
+dK/dV kernel keeps queries on rows as Triton's own does (S = Q·Kᵀ, dV += Pᵀ·dO, dK += dSᵀ·Q): on 128-row query tiles
+and 8 warps every product has a multiple of 64 rows per warpgroup, which Triton needs for wgmma.
 
 Cosine (``Static.cosine``, docs/semantics.md §10): q̂ = q/‖q‖ is never rounded to the input dtype. The products take
 the raw q and k (half types on tensor cores, exact products, float32 sums) and the score tile is scaled by both
@@ -154,13 +156,12 @@ def _q_range(geom: tuple[Any, ...], j0: Any, block_q: int, block_k: int) -> tupl
     return first, jnp.where(empty, first, lax.div(jnp.maximum(i_last, 0), jnp.int32(block_q)) + 1)
 
 
-def _visible(geom: tuple[Any, ...], i0: Any, j0: Any, block_q: int, block_k: int, keys_first: bool = False) -> Any:
-    """The tile's visible pairs: the contract's band and lengths, with this element's offset already in lo, hi;
-    (block_q, block_k), or (block_k, block_q) with ``keys_first`` (the dK/dV kernel's transposed tiles)."""
+def _visible(geom: tuple[Any, ...], i0: Any, j0: Any, block_q: int, block_k: int) -> Any:
+    """The tile's visible pairs (block_q, block_k): the contract's band and lengths, with this element's offset
+    already in lo, hi."""
     q_len, kv_len, lo, hi = geom
-    shape, q_axis = ((block_k, block_q), 1) if keys_first else ((block_q, block_k), 0)
-    i = i0 + lax.broadcasted_iota(jnp.int32, shape, q_axis)
-    j = j0 + lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+    shape = (block_q, block_k)
+    i, j = i0 + _iota(shape, 0), j0 + _iota(shape, 1)
     return conjoin(length_visibility(i, j, q_len, kv_len), within_band(j - i, lo, hi))
 
 
@@ -330,26 +331,15 @@ def _scores(
 
 
 def _tile_visibility(
-    geom: Any,
-    mask_ref: Any,
-    segments: Segments | None,
-    i0: Any,
-    j0: Any,
-    static: Static,
-    rows: Any = None,
-    keys_first: bool = False,
+    geom: Any, mask_ref: Any, segments: Segments | None, i0: Any, j0: Any, static: Static, rows: Any = None
 ) -> Any:
-    visible = _visible(geom, i0, j0, static.block_q, static.block_k, keys_first)
+    visible = _visible(geom, i0, j0, static.block_q, static.block_k)
     if mask_ref is not None:
-        allowed = _read(mask_ref, rows, i0, j0, static, geom) != 0
-        visible = visible & (allowed.T if keys_first else allowed)
+        visible = visible & (_read(mask_ref, rows, i0, j0, static, geom) != 0)
     if segments is not None:
         q_ids = segments.q_ids[pl.ds(i0, static.block_q)]
         kv_ids = segments.kv_ids[pl.ds(j0, static.block_k)]
-        if keys_first:
-            visible = visible & segment_visibility(q_ids[None, :], kv_ids[:, None])
-        else:
-            visible = visible & segment_visibility(q_ids[:, None], kv_ids[None, :])
+        visible = visible & segment_visibility(q_ids[:, None], kv_ids[None, :])
     return visible
 
 
@@ -711,40 +701,43 @@ def _bwd_dkdv(
 
     fold = _score_fold(params_ref, static, bias_ref is not None)
 
-    # Transposed tiles (keys on rows), so that every product has block_k rows (M): per query tile of each of the
-    # G query heads reading this kv head, Pᵀ recomputed from lse (log₂ units): Pᵀ = 2^(Sᵀ·fold − lse·log₂e),
-    # dV += Pᵀ·dO, dPᵀ = V·dOᵀ, dSᵀ = Pᵀ ⊙ (dPᵀ − Δ) with Δ = rowsum(dO ⊙ O) − dlse, dSᵀ ⊙= 1 − tanh² through the
-    # softcap, dK += scale · dSᵀ·Q (cosine: dK̂ += scale · (dSᵀ/‖q‖)·Q). Empty rows carry lse = +inf: P = 0.
-    def visit(edge: bool, ragged: bool = False) -> Any:
+    # Per query tile of each of the G query heads reading this kv head, P recomputed from lse (log₂ units):
+    # P = 2^(S·fold − lse·log₂e), dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse,
+    # dS ⊙= 1 − tanh² through the softcap, dK += scale · dSᵀ·Q (cosine: dK̂ += scale · (dS/‖q‖)ᵀ·Q). Empty rows
+    # carry lse = +inf: P = 0. Queries on rows, as Triton's dK/dV kernel: with block_q = 128 on 8 warps each
+    # warpgroup takes 64 rows of S and dP, and dV, dK (block_k rows) are split between them.
+    def visit(edge: bool) -> Any:
         def body(tile: Any, carry: tuple[Any, Any, Any]) -> tuple[Any, Any, Any]:
             g, dk, dv = carry
             i0 = tile * block_q
-            q, do, lse, delta = q_tile(g, pl.ds(i0, block_q), (q_len,) if edge else (), ragged)
+            # An edge tile's rows past q_len come in as zeros from a masked load: a select after a whole load
+            # costs the edge loops registers they spill at D = 128 (performance.md, Pallas on sm_90).
+            q, do, lse, delta = q_tile(g, pl.ds(i0, block_q), (q_len,) if edge else (), edge)
             visible = None  # an interior tile has every row inside q_len
             if edge:
-                visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g, keys_first=True)
-            bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static, geom if edge else None).T
+                visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g)
+            bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static, geom if edge else None)
             q_inverse = _inverse_norms(q, static)
-            s, tanh = _scores(k, q, params_ref, static, bias, visible, (k_inverse, q_inverse))
-            p = jnp.exp2(s * fold - lse[None, :])
-            dv = dv + _dot(p.astype(do.dtype), do)
-            ds = p * (_dot(v, do, trans_b=True) - delta[None, :])
+            s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse))
+            p = jnp.exp2(s * fold - lse[:, None])
+            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
+            ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
             if q_inverse is not None:
-                ds = ds * q_inverse[None, :]
-            dk = dk + _dot(ds.astype(q.dtype), q)
+                ds = ds * q_inverse[:, None]
+            dk = dk + _dot(ds.astype(q.dtype), q, trans_a=True)
             return g, dk, dv
 
         return body
 
-    guard = functools.partial(_where_ids_meet, segments, lambda tile: (tile, kv_tile))
-    ragged = _ragged(q_ref.shape[0 if static.bshd else 1], block_q, guard(visit(True, ragged=True)))
+    edge = _where_ids_meet(segments, lambda tile: (tile, kv_tile), visit(True))
 
     def head(g: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
         first, end = _q_range(geom, j0, block_q, block_k)
         interior = None if _all_edge(mask_ref, segments) else _interior_queries(geom, j0, first, end, block_q, block_k)
-        _, dk, dv = _edge_interior_edge(first, end, interior, guard(visit(True)), visit(False), (g, *carry), ragged)
+        # The array's last, partial query tile is an edge tile like any other: its loads are masked already.
+        _, dk, dv = _edge_interior_edge(first, end, interior, edge, visit(False), (g, *carry))
         return dk, dv
 
     init = (jnp.zeros((block_k, k.shape[-1]), jnp.float32), jnp.zeros((block_k, v.shape[-1]), jnp.float32))
