@@ -342,6 +342,26 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
     return row * COLS + (chunk ^ (row & mask)) * 8;
 }
 
+// One lane's ldmatrix row addresses in a swizzled<COLS> tile, computed once outside the tile loops: the lane reads
+// row `row` + 8i (i compile-time) at chunk 2c + b (c compile-time, b = chunk_bit its lane's), whose offset is
+//     swizzled(row + 8i, 2c + b) = row·COLS + ((2c mod 2P) ^ b ^ (row & mask))·8 + 8i·COLS + (2c − (2c mod 2P))·8
+// with 2P = mask + 1 chunks per swizzle period: only P offsets depend on the lane (offset[c mod P]); the rest is a
+// constant the ldmatrix instruction takes as its immediate, so the loops do no swizzle arithmetic.
+template <int COLS>
+struct SwizzledRows {
+    static constexpr int CHUNKS = COLS / 8, MASK = CHUNKS % 8 == 0 ? 7 : CHUNKS % 4 == 0 ? 3 : 1, PAIRS = (MASK + 1) / 2;
+    static_assert(CHUNKS % 2 == 0, "whole chunk pairs");
+    int offset[PAIRS];
+    __device__ __forceinline__ SwizzledRows(int row, int chunk_bit) {
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p) offset[p] = swizzled<COLS>(row, 2 * p + chunk_bit);
+    }
+    // swizzled(row + 8 · row_blocks, 2 · chunk_pair + chunk_bit)
+    __device__ __forceinline__ int at(int row_blocks, int chunk_pair) const {
+        return offset[chunk_pair % PAIRS] + 8 * row_blocks * COLS + 16 * (chunk_pair - chunk_pair % PAIRS);
+    }
+};
+
 // The swizzled tile[r] = src row first + r for rows below the limit (and not segment padding), by 16-byte cp.async
 // copies; other rows, and chunks past the width, are filled with zeros by the same instruction (source size 0), so
 // the loop has no branch. The caller commits the group. Each thread copies one chunk column (of a power-of-two count
@@ -1115,6 +1135,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     elem_t* du_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_M);  // dUᵀ of the current query tile, swizzled
 #endif
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
+    // The lane's ldmatrix rows: K and V as A operands (the warp's 16 keys), Q and dO as B operands of Sᵀ and dPᵀ
+    // (8 query rows per matrix) and, transposed, of dK and dV (16 query rows); with ATOMIC_DQ, dUᵀ like Qᵀ and K
+    // like Q transposed.
+    const SwizzledRows<BLOCK_D> k_rows(16 * warp + lane % 16, lane / 16), q_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2),
+        q_columns(lane % 16, lane / 16);
+    const SwizzledRows<BLOCK_DV> v_rows(16 * warp + lane % 16, lane / 16),
+        do_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2), do_columns(lane % 16, lane / 16);
 
     int first, end;
     query_span(key_start, g, lower, upper, first, end);
@@ -1170,11 +1197,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
         for (int kk = 0; kk < BLOCK_D / 16; ++kk) {  // A = K: the warp's 16 key rows, columns 16kk..16kk+15
             unsigned a[4];
-            ldmatrix_x4(a, k_tile + swizzled<BLOCK_D>(16 * warp + lane % 16, 2 * kk + lane / 16));
+            ldmatrix_x4(a, k_tile + k_rows.at(0, kk));
 #pragma unroll
             for (int j = 0; j < QUERY_BLOCKS; j += 2) {  // B = Qᵀ: query rows 8j..8j+15, columns 16kk..16kk+15
                 unsigned b[4];
-                ldmatrix_x4(b, q_tile + swizzled<BLOCK_D>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                ldmatrix_x4(b, q_tile + q_rows.at(j, kk));
                 mma_m16n8k16<elem_t>(s[j], a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(s[j + 1], a, {b[2], b[3]});
             }
@@ -1182,12 +1209,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
         for (int kk = 0; kk < BLOCK_DV / 16; ++kk) {  // A = V, B = dOᵀ, in the same way
             unsigned a[4];
-            ldmatrix_x4(a, v_tile + swizzled<BLOCK_DV>(16 * warp + lane % 16, 2 * kk + lane / 16));
+            ldmatrix_x4(a, v_tile + v_rows.at(0, kk));
 #pragma unroll
             for (int j = 0; j < QUERY_BLOCKS; j += 2) {
                 unsigned b[4];
-                ldmatrix_x4(b,
-                            do_tile + swizzled<BLOCK_DV>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                ldmatrix_x4(b, do_tile + do_rows.at(j, kk));
                 mma_m16n8k16<elem_t>(dp[j], a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dp[j + 1], a, {b[2], b[3]});
             }
@@ -1227,14 +1253,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
             for (int jv = 0; jv < DV_BLOCKS; jv += 2) {  // B = dO: query rows 16kk.., columns 8jv..8jv+15, transposed
                 unsigned b[4];
-                ldmatrix_x4_trans(b, do_tile + swizzled<BLOCK_DV>(16 * kk + lane % 16, jv + lane / 16));
+                ldmatrix_x4_trans(b, do_tile + do_columns.at(2 * kk, jv / 2));
                 mma_m16n8k16<elem_t>(dv_acc[jv], p_a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dv_acc[jv + 1], p_a, {b[2], b[3]});
             }
 #pragma unroll
             for (int jd = 0; jd < D_BLOCKS; jd += 2) {  // B = Q, in the same way
                 unsigned b[4];
-                ldmatrix_x4_trans(b, q_tile + swizzled<BLOCK_D>(16 * kk + lane % 16, jd + lane / 16));
+                ldmatrix_x4_trans(b, q_tile + q_columns.at(2 * kk, jd / 2));
                 mma_m16n8k16<elem_t>(dk_acc[jd], ds_a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dk_acc[jd + 1], ds_a, {b[2], b[3]});
             }
