@@ -276,16 +276,15 @@ def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> Non
 ONE_PASS_DEFECTS = {
     # Each block's part stored over the sum instead of added to it: the other key tiles' parts are lost.
     "dq stored, not added": (
-        "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h], dq[half][2 * h + 1]);",
-        "dq_rows[8 * h * dq_m + 8 * (jd + half)] = dq[half][2 * h], dq_rows[8 * h * dq_m + 8 * (jd + half) + 1] = "
-        "dq[half][2 * h + 1];",
+        "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * half, dq[half][2 * h], dq[half][2 * h + 1]);",
+        "dq_rows[8 * h * dq_m + 8 * half] = dq[half][2 * h], dq_rows[8 * h * dq_m + 8 * half + 1] = dq[half][2 * h + 1];",
     ),
     # dU K read before every warp has stored its rows of dUᵀ.
     "missing barrier before dU K": ("__syncthreads();  // the whole dUᵀ tile is stored", ""),
     # The second 8-column block of each ldmatrix pair never added: a dropped atomic contribution.
     "a dropped dq contribution": (
-        "if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len))",
-        "if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len) && half == 0)",
+        "if ((HEAD_DIM % 16 == 0 || 8 * (jd + half) < HEAD_DIM) && (!masked || row + 8 * h < g.q_len))",
+        "if ((HEAD_DIM % 16 == 0 || 8 * (jd + half) < HEAD_DIM) && (!masked || row + 8 * h < g.q_len) && half == 0)",
     ),
 }
 
