@@ -609,6 +609,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     elem_t* k_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_D);  // stage s at k_stages + s · BLOCK_N · BLOCK_D
     elem_t* v_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_DV);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
+    // The lane's ldmatrix rows (SwizzledRows; the layouts as in the dK/dV kernel): K as the B operand of S (`rows`),
+    // V transposed as the B operand of P V (`columns`).
+    const SwizzledRows<BLOCK_D> k_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2);
+    const SwizzledRows<BLOCK_DV> v_columns(lane % 16, lane / 16);
 
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
@@ -667,7 +671,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 #pragma unroll
             for (int j = 0; j < KEY_BLOCKS; j += 2) {  // B = Kᵀ: key rows 8j..8j+15, columns 16kk..16kk+15
                 unsigned b[4];
-                ldmatrix_x4(b, k_tile + swizzled<BLOCK_D>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                ldmatrix_x4(b, k_tile + k_rows.at(j, kk));
                 mma_m16n8k16<elem_t>(s[j], q_fragments[kk], {b[0], b[1]});
                 mma_m16n8k16<elem_t>(s[j + 1], q_fragments[kk], {b[2], b[3]});
             }
@@ -716,7 +720,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 #pragma unroll
             for (int jv = 0; jv < OUT_BLOCKS; jv += 2) {  // B = V: key rows 16kk.., columns 8jv..8jv+15, transposed
                 unsigned b[4];
-                ldmatrix_x4_trans(b, v_tile + swizzled<BLOCK_DV>(16 * kk + lane % 16, jv + lane / 16));
+                ldmatrix_x4_trans(b, v_tile + v_columns.at(2 * kk, jv / 2));
                 mma_m16n8k16<elem_t>(o[jv], a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(o[jv + 1], a, {b[2], b[3]});
             }
