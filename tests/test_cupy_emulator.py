@@ -7,7 +7,9 @@ which also shows that the emulated mma.sync, ldmatrix and cp.async keep the PTX 
 on; and in each register-resident float16 backward kernel (a missing cp.async wait, dS's fragment out of order, a tile
 the band cuts run unmasked) on dq, dk and dv; and in the one-pass backward's dK/dV (dq stored instead of added, a
 missing barrier before dU K, a dropped contribution) on dq, where the shared-memory dK/dV adds the same sum when
-dout's rows are off 16 bytes. Also the harness's own guard: a barrier in divergent code is reported, not a hang."""
+dout's rows are off 16 bytes; and at D = 128, where the register kernels' hoisted ldmatrix offsets step whole swizzle
+periods, a copy without that step on out, dq, dk and dv. Also the harness's own guard: a barrier in divergent code is
+reported, not a hang."""
 
 from __future__ import annotations
 
@@ -298,7 +300,8 @@ ONE_PASS_DEFECTS = {
     # Each block's part stored over the sum instead of added to it: the other key tiles' parts are lost.
     "dq stored, not added": (
         "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * half, dq[half][2 * h], dq[half][2 * h + 1]);",
-        "dq_rows[8 * h * dq_m + 8 * half] = dq[half][2 * h], dq_rows[8 * h * dq_m + 8 * half + 1] = dq[half][2 * h + 1];",
+        "dq_rows[8 * h * dq_m + 8 * half] = dq[half][2 * h], "
+        "dq_rows[8 * h * dq_m + 8 * half + 1] = dq[half][2 * h + 1];",
     ),
     # dU K read before every warp has stored its rows of dUᵀ.
     "missing barrier before dU K": ("__syncthreads();  // the whole dUᵀ tile is stored", ""),

@@ -4,8 +4,8 @@ compiler warning, no register spill at the default tiles for D = 64 and 128, eve
 shared memory, and HMMA (tensor cores) in the SASS of every float16 / bfloat16 kernel with a matrix product. The
 register-resident kernels (the forward and dK/dV, float16 / bfloat16, D = 64 and 128) load their tiles by cp.async
 and their fragments by ldmatrix: no 2-byte scalar global load and no generic load in their loops, one exp2 per score,
-and their instruction mix per score is reported in the JSON records; so does the one-pass backward's dK/dV (atomic
-dq) where it runs, without spills.
+and their instruction mix per score is reported in the JSON records and held to a budget; so does the one-pass
+backward's dK/dV (atomic dq) where it runs, without spills.
 
 Compiles in two nvcc processes and caches the reports by content (``inspect.compile_variant``).
 """

@@ -351,7 +351,8 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
 // immediate: the loops do no swizzle arithmetic.
 template <int COLS>
 struct SwizzledRows {
-    static constexpr int CHUNKS = COLS / 8, MASK = CHUNKS % 8 == 0 ? 7 : CHUNKS % 4 == 0 ? 3 : 1, PAIRS = (MASK + 1) / 2;
+    static constexpr int CHUNKS = COLS / 8, MASK = CHUNKS % 8 == 0 ? 7 : CHUNKS % 4 == 0 ? 3 : 1;
+    static constexpr int PAIRS = (MASK + 1) / 2;
     static_assert(CHUNKS % 2 == 0, "whole chunk pairs");
     int offset[PAIRS];
     __device__ __forceinline__ SwizzledRows(int row, int chunk_bit, int first_pair = 0) {
