@@ -1166,7 +1166,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     const int first_strip = warp / COLUMN_WARPS * STRIPS_PER_WARP, first_pair = warp % COLUMN_WARPS * PAIRS_PER_WARP;
     const SwizzledRows<BLOCK_M> du_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2, first_strip);
     const SwizzledRows<BLOCK_D> k_columns(lane % 16, lane / 16, first_pair);  // K transposed, the B operand
-    // The lane's place in dq_sum from its query tile's first row: its first strip's row g, its first pair's column 2t.
+    // The lane's place in dq_sum from its query tile's first row: its first strip's row g, its first pair's column 2t
+    // (an int: BLOCK_M rows of the float32 sum, whose rows are D floats).
     const int dq_lane = (16 * first_strip + lane_row) * static_cast<int>(dq_m) + 16 * first_pair + pair;
 #endif
 
