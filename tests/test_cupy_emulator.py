@@ -7,7 +7,9 @@ which also shows that the emulated mma.sync, ldmatrix and cp.async keep the PTX 
 on; and in each register-resident float16 backward kernel (a missing cp.async wait, dS's fragment out of order, a tile
 the band cuts run unmasked) on dq, dk and dv; and in the one-pass backward's dK/dV (dq stored instead of added, a
 missing barrier before dU K, a dropped contribution) on dq, where the shared-memory dK/dV adds the same sum when
-dout's rows are off 16 bytes. Also the harness's own guard: a barrier in divergent code is reported, not a hang."""
+dout's rows are off 16 bytes; and at D = 128, where the register kernels' hoisted ldmatrix offsets step whole swizzle
+periods, a copy without that step on out, dq, dk and dv. Also the harness's own guard: a barrier in divergent code is
+reported, not a hang."""
 
 from __future__ import annotations
 
@@ -170,7 +172,7 @@ REGISTER_FORWARD_DEFECTS = {
     ),
     # V's rows read at their unswizzled chunks.
     "V read without the swizzle": (
-        "v_tile + swizzled<BLOCK_DV>(16 * kk + lane % 16, jv + lane / 16)",
+        "v_tile + v_columns.at(2 * kk, jv / 2)",
         "v_tile + (16 * kk + lane % 16) * BLOCK_DV + (jv + lane / 16) * 8",
     ),
     # The first unmasked tile rounded down instead of up: a tile the window's left side cuts runs unmasked.
@@ -239,10 +241,14 @@ REGISTER_BACKWARD_DEFECTS = {
 }
 
 
-def _register_backward_errors(launcher: EmulatorLauncher, deterministic: bool = True) -> dict[str, float]:
+def _register_backward_errors(
+    launcher: EmulatorLauncher, deterministic: bool = True, head_dim: int = 32, length: int = 70
+) -> dict[str, float]:
+    """Max |error| of out, dq, dk, dv against the float64 oracle (float16, window (20, 40), two query heads per kv
+    head)."""
     generator = torch.Generator().manual_seed(2)
-    q, dout = (torch.randn(1, 4, 70, 32, generator=generator).half() for _ in range(2))
-    k, v = (torch.randn(1, 2, 70, 32, generator=generator).half() for _ in range(2))
+    q, dout = (torch.randn(1, 4, length, head_dim, generator=generator).half() for _ in range(2))
+    k, v = (torch.randn(1, 2, length, head_dim, generator=generator).half() for _ in range(2))
     spec, inputs = AttentionSpec(window=(20, 40)), AttentionInputs(q, k, v)
     kernels = launch.CudaKernels(launcher)
     out, lse = attention_forward(kernels, spec, inputs)
@@ -250,10 +256,11 @@ def _register_backward_errors(launcher: EmulatorLauncher, deterministic: bool = 
         kernels, spec, inputs, out, lse, dout, None, need_dbias=False, deterministic=deterministic
     )
     leaves = [x.double().requires_grad_(True) for x in (q, k, v)]
-    expected = torch.autograd.grad(attnkit.attend(spec, *leaves, backend="torch-naive"), leaves, dout.double())
+    out64 = attnkit.attend(spec, *leaves, backend="torch-naive")
+    expected = (out64, *torch.autograd.grad(out64, leaves, dout.double()))
     return {
         name: (got.double() - want).abs().nan_to_num(float("inf")).max().item()
-        for name, got, want in zip(("dq", "dk", "dv"), grads[:3], expected)
+        for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads[:3]), expected)
     }
 
 
@@ -269,6 +276,22 @@ def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> Non
     assert max(errors.values()) > 5e-2, f"the emulator did not notice the {defect}: {errors}"
 
 
+# At D = 128 the register kernels' hoisted ldmatrix addresses (SwizzledRows) reach chunk pairs a whole swizzle period
+# (4 pairs) past the lane's own offsets, which no shape at D <= 64 does: the unmodified source agrees there, and a copy
+# whose period step is dropped (SwizzledRows::at reading chunk pair c mod 4 for c) fails.
+PERIOD_DEFECT = ("+ 16 * (chunk_pair - chunk_pair % PAIRS)", "")
+
+
+@pytest.mark.parametrize("defective", [False, True], ids=["unmodified", "period step dropped"])
+def test_the_register_kernels_at_head_dim_128(defective: bool, tmp_path: Path) -> None:
+    source = _copy(tmp_path, PERIOD_DEFECT if defective else None)
+    errors = _register_backward_errors(EmulatorLauncher(source=source), head_dim=128, length=40)
+    if defective:
+        assert min(errors.values()) > 5e-2, f"the emulator did not notice the dropped period step: {errors}"
+    else:
+        assert max(errors.values()) < 5e-3, errors
+
+
 # The one-pass backward (not deterministic): the register dK/dV gathers its warps' dUᵀ in shared memory and adds dU K
 # into the float32 dq sum, over three key tiles of two warps each and two query heads per kv head. (A plain `+=` in
 # place of the atomic is not among them: the emulator's threads switch only at barriers, so a read-modify-write is
@@ -276,16 +299,16 @@ def test_a_defective_register_backward_fails(defect: str, tmp_path: Path) -> Non
 ONE_PASS_DEFECTS = {
     # Each block's part stored over the sum instead of added to it: the other key tiles' parts are lost.
     "dq stored, not added": (
-        "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h], dq[half][2 * h + 1]);",
-        "dq_rows[8 * h * dq_m + 8 * (jd + half)] = dq[half][2 * h], dq_rows[8 * h * dq_m + 8 * (jd + half) + 1] = "
-        "dq[half][2 * h + 1];",
+        "atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * half, dq[half][2 * h], dq[half][2 * h + 1]);",
+        "dq_rows[8 * h * dq_m + 8 * half] = dq[half][2 * h], "
+        "dq_rows[8 * h * dq_m + 8 * half + 1] = dq[half][2 * h + 1];",
     ),
     # dU K read before every warp has stored its rows of dUᵀ.
     "missing barrier before dU K": ("__syncthreads();  // the whole dUᵀ tile is stored", ""),
     # The second 8-column block of each ldmatrix pair never added: a dropped atomic contribution.
     "a dropped dq contribution": (
-        "if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len))",
-        "if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len) && half == 0)",
+        "if ((HEAD_DIM % 16 == 0 || 8 * (jd + half) < HEAD_DIM) && (!masked || row + 8 * h < g.q_len))",
+        "if ((HEAD_DIM % 16 == 0 || 8 * (jd + half) < HEAD_DIM) && (!masked || row + 8 * h < g.q_len) && half == 0)",
     ),
 }
 

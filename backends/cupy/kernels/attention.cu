@@ -342,6 +342,29 @@ __device__ __forceinline__ int swizzled(int row, int chunk) {
     return row * COLS + (chunk ^ (row & mask)) * 8;
 }
 
+// One lane's ldmatrix row addresses in a swizzled<COLS> tile, computed once outside the tile loops. The lane reads
+// row `row` + 8i at chunk 2(f + c) + b (i and c compile-time, f = first_pair and b = chunk_bit fixed per lane or
+// warp); with 2P = mask + 1 chunks per swizzle period, c = (c mod P) + (c − c mod P) and the second part only moves
+// whole periods, which the XOR with row & mask leaves alone:
+//     swizzled(row + 8i, 2(f + c) + b) = swizzled(row, 2(f + c mod P) + b) + 8i·COLS + 16(c − c mod P)
+// so P offsets depend on the lane (offset[c mod P]) and the rest is a constant the instruction takes as its
+// immediate: the loops do no swizzle arithmetic.
+template <int COLS>
+struct SwizzledRows {
+    static constexpr int CHUNKS = COLS / 8, MASK = CHUNKS % 8 == 0 ? 7 : CHUNKS % 4 == 0 ? 3 : 1;
+    static constexpr int PAIRS = (MASK + 1) / 2;
+    static_assert(CHUNKS % 2 == 0, "whole chunk pairs");
+    int offset[PAIRS];
+    __device__ __forceinline__ SwizzledRows(int row, int chunk_bit, int first_pair = 0) {
+#pragma unroll
+        for (int p = 0; p < PAIRS; ++p) offset[p] = swizzled<COLS>(row, 2 * (first_pair + p) + chunk_bit);
+    }
+    // swizzled(row + 8 · row_blocks, 2 · (first_pair + chunk_pair) + chunk_bit)
+    __device__ __forceinline__ int at(int row_blocks, int chunk_pair) const {
+        return offset[chunk_pair % PAIRS] + 8 * row_blocks * COLS + 16 * (chunk_pair - chunk_pair % PAIRS);
+    }
+};
+
 // The swizzled tile[r] = src row first + r for rows below the limit (and not segment padding), by 16-byte cp.async
 // copies; other rows, and chunks past the width, are filled with zeros by the same instruction (source size 0), so
 // the loop has no branch. The caller commits the group. Each thread copies one chunk column (of a power-of-two count
@@ -587,6 +610,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     elem_t* k_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_D);  // stage s at k_stages + s · BLOCK_N · BLOCK_D
     elem_t* v_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_DV);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
+    // The lane's ldmatrix rows (SwizzledRows; the layouts as in the dK/dV kernel): K as the B operand of S (`rows`),
+    // V transposed as the B operand of P V (`columns`).
+    const SwizzledRows<BLOCK_D> k_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2);
+    const SwizzledRows<BLOCK_DV> v_columns(lane % 16, lane / 16);
 
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
@@ -645,7 +672,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 #pragma unroll
             for (int j = 0; j < KEY_BLOCKS; j += 2) {  // B = Kᵀ: key rows 8j..8j+15, columns 16kk..16kk+15
                 unsigned b[4];
-                ldmatrix_x4(b, k_tile + swizzled<BLOCK_D>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                ldmatrix_x4(b, k_tile + k_rows.at(j, kk));
                 mma_m16n8k16<elem_t>(s[j], q_fragments[kk], {b[0], b[1]});
                 mma_m16n8k16<elem_t>(s[j + 1], q_fragments[kk], {b[2], b[3]});
             }
@@ -694,7 +721,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 #pragma unroll
             for (int jv = 0; jv < OUT_BLOCKS; jv += 2) {  // B = V: key rows 16kk.., columns 8jv..8jv+15, transposed
                 unsigned b[4];
-                ldmatrix_x4_trans(b, v_tile + swizzled<BLOCK_DV>(16 * kk + lane % 16, jv + lane / 16));
+                ldmatrix_x4_trans(b, v_tile + v_columns.at(2 * kk, jv / 2));
                 mma_m16n8k16<elem_t>(o[jv], a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(o[jv + 1], a, {b[2], b[3]});
             }
@@ -883,6 +910,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     elem_t* k_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_D);  // stage s at k_stages + s · BLOCK_N · BLOCK_D
     elem_t* v_stages = cursor.take<elem_t>(2 * BLOCK_N * BLOCK_DV);
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
+    // The lane's ldmatrix rows (SwizzledRows; the layouts as in the dK/dV kernel): K and V as B operands of S and dP
+    // (`rows`), K transposed as the B operand of dQ (`columns`).
+    const SwizzledRows<BLOCK_D> k_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2), k_columns(lane % 16, lane / 16);
+    const SwizzledRows<BLOCK_DV> v_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2);
 
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
@@ -942,7 +973,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
             for (int j = 0; j < KEY_BLOCKS; j += 2) {  // B = Kᵀ: key rows 8j..8j+15, columns 16kk..16kk+15
                 unsigned b[4];
-                ldmatrix_x4(b, k_tile + swizzled<BLOCK_D>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                ldmatrix_x4(b, k_tile + k_rows.at(j, kk));
                 mma_m16n8k16<elem_t>(s[j], q_fragments[kk], {b[0], b[1]});
                 mma_m16n8k16<elem_t>(s[j + 1], q_fragments[kk], {b[2], b[3]});
             }
@@ -952,8 +983,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
             for (int j = 0; j < KEY_BLOCKS; j += 2) {  // B = Vᵀ, in the same way
                 unsigned b[4];
-                ldmatrix_x4(b,
-                            v_tile + swizzled<BLOCK_DV>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                ldmatrix_x4(b, v_tile + v_rows.at(j, kk));
                 mma_m16n8k16<elem_t>(dp[j], do_fragments[kk], {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dp[j + 1], do_fragments[kk], {b[2], b[3]});
             }
@@ -984,7 +1014,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
             for (int jd = 0; jd < D_BLOCKS; jd += 2) {  // B = K: key rows 16kk.., columns 8jd..8jd+15, transposed
                 unsigned b[4];
-                ldmatrix_x4_trans(b, k_tile + swizzled<BLOCK_D>(16 * kk + lane % 16, jd + lane / 16));
+                ldmatrix_x4_trans(b, k_tile + k_columns.at(2 * kk, jd / 2));
                 mma_m16n8k16<elem_t>(dq_acc[jd], a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dq_acc[jd + 1], a, {b[2], b[3]});
             }
@@ -1115,6 +1145,31 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     elem_t* du_tile = cursor.take<elem_t>(BLOCK_N * BLOCK_M);  // dUᵀ of the current query tile, swizzled
 #endif
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, lane_row = lane / 4, pair = 2 * (lane % 4);
+    // The lane's ldmatrix rows. `columns`: lane l addresses row l % 16 of a 16-row block at chunk 2c + l / 16, so
+    // the four matrices are (rows 0–7, chunk 2c), (8–15, 2c), (0–7, 2c + 1), (8–15, 2c + 1): the A fragment of K and V
+    // (the warp's 16 keys, from k_warp and v_warp) and, transposed, the B fragments of Q and dO for two column blocks
+    // (with ATOMIC_DQ, of K too). `rows`: lane l addresses row l % 8 + 8 · (l / 16) at chunk 2c + l / 8 % 2, so the
+    // matrices are (0–7, 2c), (0–7, 2c + 1), (8–15, 2c), (8–15, 2c + 1): the B fragments of Qᵀ and dOᵀ for two query
+    // blocks (a B fragment's two registers must be adjacent).
+    const SwizzledRows<BLOCK_D> q_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2), d_columns(lane % 16, lane / 16);
+    const SwizzledRows<BLOCK_DV> do_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2), dv_columns(lane % 16, lane / 16);
+    const elem_t *k_warp = k_tile + 16 * warp * BLOCK_D, *v_warp = v_tile + 16 * warp * BLOCK_DV;
+#if ATOMIC_DQ
+    // dU K's split between the warps: STRIP_WARPS along the strips of 16 queries, COLUMN_WARPS along the column pairs
+    // (16 columns), each warp a contiguous block of STRIPS_PER_WARP × PAIRS_PER_WARP units (the last block short of
+    // pairs where COLUMN_WARPS does not divide their count).
+    constexpr int DQ_STRIPS = BLOCK_M / 16, COLUMN_PAIRS = D_BLOCKS / 2;
+    constexpr int STRIP_WARPS = DQ_STRIPS < NUM_WARPS ? DQ_STRIPS : NUM_WARPS, COLUMN_WARPS = NUM_WARPS / STRIP_WARPS;
+    constexpr int STRIPS_PER_WARP = DQ_STRIPS / STRIP_WARPS;
+    constexpr int PAIRS_PER_WARP = (COLUMN_PAIRS + COLUMN_WARPS - 1) / COLUMN_WARPS;
+    static_assert(NUM_WARPS % STRIP_WARPS == 0 && DQ_STRIPS % STRIP_WARPS == 0, "whole strips per warp");
+    const int first_strip = warp / COLUMN_WARPS * STRIPS_PER_WARP, first_pair = warp % COLUMN_WARPS * PAIRS_PER_WARP;
+    const SwizzledRows<BLOCK_M> du_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2, first_strip);
+    const SwizzledRows<BLOCK_D> k_columns(lane % 16, lane / 16, first_pair);  // K transposed, the B operand
+    // The lane's place in dq_sum from its query tile's first row: its first strip's row g, its first pair's column 2t
+    // (an int: BLOCK_M rows of the float32 sum, whose rows are D floats).
+    const int dq_lane = (16 * first_strip + lane_row) * static_cast<int>(dq_m) + 16 * first_pair + pair;
+#endif
 
     int first, end;
     query_span(key_start, g, lower, upper, first, end);
@@ -1170,11 +1225,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
         for (int kk = 0; kk < BLOCK_D / 16; ++kk) {  // A = K: the warp's 16 key rows, columns 16kk..16kk+15
             unsigned a[4];
-            ldmatrix_x4(a, k_tile + swizzled<BLOCK_D>(16 * warp + lane % 16, 2 * kk + lane / 16));
+            ldmatrix_x4(a, k_warp + d_columns.at(0, kk));
 #pragma unroll
             for (int j = 0; j < QUERY_BLOCKS; j += 2) {  // B = Qᵀ: query rows 8j..8j+15, columns 16kk..16kk+15
                 unsigned b[4];
-                ldmatrix_x4(b, q_tile + swizzled<BLOCK_D>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                ldmatrix_x4(b, q_tile + q_rows.at(j, kk));
                 mma_m16n8k16<elem_t>(s[j], a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(s[j + 1], a, {b[2], b[3]});
             }
@@ -1182,12 +1237,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
         for (int kk = 0; kk < BLOCK_DV / 16; ++kk) {  // A = V, B = dOᵀ, in the same way
             unsigned a[4];
-            ldmatrix_x4(a, v_tile + swizzled<BLOCK_DV>(16 * warp + lane % 16, 2 * kk + lane / 16));
+            ldmatrix_x4(a, v_warp + dv_columns.at(0, kk));
 #pragma unroll
             for (int j = 0; j < QUERY_BLOCKS; j += 2) {
                 unsigned b[4];
-                ldmatrix_x4(b,
-                            do_tile + swizzled<BLOCK_DV>(8 * j + lane % 8 + 8 * (lane / 16), 2 * kk + lane / 8 % 2));
+                ldmatrix_x4(b, do_tile + do_rows.at(j, kk));
                 mma_m16n8k16<elem_t>(dp[j], a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dp[j + 1], a, {b[2], b[3]});
             }
@@ -1227,14 +1281,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #pragma unroll
             for (int jv = 0; jv < DV_BLOCKS; jv += 2) {  // B = dO: query rows 16kk.., columns 8jv..8jv+15, transposed
                 unsigned b[4];
-                ldmatrix_x4_trans(b, do_tile + swizzled<BLOCK_DV>(16 * kk + lane % 16, jv + lane / 16));
+                ldmatrix_x4_trans(b, do_tile + dv_columns.at(2 * kk, jv / 2));
                 mma_m16n8k16<elem_t>(dv_acc[jv], p_a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dv_acc[jv + 1], p_a, {b[2], b[3]});
             }
 #pragma unroll
             for (int jd = 0; jd < D_BLOCKS; jd += 2) {  // B = Q, in the same way
                 unsigned b[4];
-                ldmatrix_x4_trans(b, q_tile + swizzled<BLOCK_D>(16 * kk + lane % 16, jd + lane / 16));
+                ldmatrix_x4_trans(b, q_tile + d_columns.at(2 * kk, jd / 2));
                 mma_m16n8k16<elem_t>(dk_acc[jd], ds_a, {b[0], b[1]});
                 mma_m16n8k16<elem_t>(dk_acc[jd + 1], ds_a, {b[2], b[3]});
             }
@@ -1249,32 +1303,35 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         }
 #if ATOMIC_DQ
         __syncthreads();  // the whole dUᵀ tile is stored
-        // dq_sum += dU K over the block's BLOCK_N keys, split between the warps in units of 16 queries × 16 columns;
-        // A = dU by ldmatrix .trans from dUᵀ (as Qᵀ's fragments are read for Sᵀ), B = K transposed.
-        constexpr int UNITS = BLOCK_M / 16 * (D_BLOCKS / 2);
+        // dq_sum += dU K over the block's BLOCK_N keys, in units of 16 queries (a strip) × 16 columns (a column pair),
+        // each warp its block of units, each unit a compile-time step from the warp's addresses, computed once
+        // (du_rows, k_columns, dq_lane). A = dU by ldmatrix .trans from dUᵀ (as Qᵀ's fragments are read for Sᵀ),
+        // B = K transposed.
+        float* dq_tile = dq_sum + batch * dq_b + head * dq_h + row_start * dq_m + dq_lane;
 #pragma unroll
-        for (int step = 0; step < (UNITS + NUM_WARPS - 1) / NUM_WARPS; ++step) {  // unrolled: the tile loop stays innermost
-            const int unit = warp + step * NUM_WARPS;
-            if (UNITS % NUM_WARPS != 0 && unit >= UNITS) break;
-            const int strip = unit / (D_BLOCKS / 2), jd = 2 * (unit % (D_BLOCKS / 2));
-            float dq[2][4] = {};
+        for (int i = 0; i < STRIPS_PER_WARP; ++i) {  // unrolled: the tile loop stays innermost
 #pragma unroll
-            for (int kn = 0; kn < BLOCK_N / 16; ++kn) {
-                unsigned a[4], b[4];
-                ldmatrix_x4_trans(a, du_tile + swizzled<BLOCK_M>(16 * kn + lane % 8 + 8 * (lane / 16),
-                                                                 2 * strip + lane / 8 % 2));
-                ldmatrix_x4_trans(b, k_tile + swizzled<BLOCK_D>(16 * kn + lane % 16, jd + lane / 16));
-                mma_m16n8k16<elem_t>(dq[0], a, {b[0], b[1]});
-                mma_m16n8k16<elem_t>(dq[1], a, {b[2], b[3]});
+            for (int c = 0; c < PAIRS_PER_WARP; ++c) {
+                const int strip = first_strip + i, jd = 2 * (first_pair + c);
+                if (COLUMN_PAIRS % COLUMN_WARPS != 0 && jd >= D_BLOCKS) break;
+                float dq[2][4] = {};
+#pragma unroll
+                for (int kn = 0; kn < BLOCK_N / 16; ++kn) {
+                    unsigned a[4], b[4];
+                    ldmatrix_x4_trans(a, du_tile + du_rows.at(2 * kn, i));
+                    ldmatrix_x4_trans(b, k_tile + k_columns.at(2 * kn, c));
+                    mma_m16n8k16<elem_t>(dq[0], a, {b[0], b[1]});
+                    mma_m16n8k16<elem_t>(dq[1], a, {b[2], b[3]});
+                }
+                const int row = row_start + 16 * strip + lane_row;
+                float* dq_rows = dq_tile + 16 * i * dq_m + 16 * c;
+#pragma unroll
+                for (int half = 0; half < 2; ++half)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h)  // rows g and g + 8, columns pair and pair + 1
+                        if ((HEAD_DIM % 16 == 0 || 8 * (jd + half) < HEAD_DIM) && (!masked || row + 8 * h < g.q_len))
+                            atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * half, dq[half][2 * h], dq[half][2 * h + 1]);
             }
-            const int row = row_start + 16 * strip + lane_row;
-            float* dq_rows = dq_sum + batch * dq_b + head * dq_h + row * dq_m + pair;
-#pragma unroll
-            for (int half = 0; half < 2; ++half)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)  // rows g and g + 8, columns pair and pair + 1
-                    if (8 * (jd + half) < HEAD_DIM && (!masked || row + 8 * h < g.q_len))
-                        atomic_add_pair(dq_rows + 8 * h * dq_m + 8 * (jd + half), dq[half][2 * h], dq[half][2 * h + 1]);
         }
 #endif
         head = next_head;
