@@ -96,7 +96,7 @@ def main() -> None:
                 if mix is not None:
                     row |= {"instructions_per_score": round(mix.instructions_per_score, 2)}
                     row |= {"selects_per_score": round(mix.selects_per_score, 3), "shapes": list(mix.tensor_shapes)}
-                    row |= {"tensor_work": mix.tensor_work}
+                    row |= {"tensor_work": mix.tensor_work, "predicted_tflops": mix.predicted_tflops}
                     spilling = sum(loop.count(("STL", "LDL")) > 0 for loop in tensor_loops(read["sass"]))
                     row |= {"loops_spilling": spilling}
                 print(json.dumps(row), flush=True)
