@@ -8,8 +8,10 @@ on; and in each register-resident float16 backward kernel (a missing cp.async wa
 the band cuts run unmasked) on dq, dk and dv; and in the one-pass backward's dK/dV (dq stored instead of added, a
 missing barrier before dU K, a dropped contribution) on dq, where the shared-memory dK/dV adds the same sum when
 dout's rows are off 16 bytes; and at D = 128, where the register kernels' hoisted ldmatrix offsets step whole swizzle
-periods, a copy without that step on out, dq, dk and dv. Also the harness's own guard: a barrier in divergent code is
-reported, not a hang."""
+periods, a copy without that step on out, dq, dk and dv; and at the GPU's tiles (four warps, 64- and 128-row tiles),
+copies with a row offset that the emulator's own tiles never reach (a third warp's rows, a second 16-row block) in the
+forward, dQ, dK/dV and the one-pass backward. Also the harness's own guard: a barrier in divergent code is reported,
+not a hang."""
 
 from __future__ import annotations
 
