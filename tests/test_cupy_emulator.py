@@ -8,8 +8,10 @@ on; and in each register-resident float16 backward kernel (a missing cp.async wa
 the band cuts run unmasked) on dq, dk and dv; and in the one-pass backward's dK/dV (dq stored instead of added, a
 missing barrier before dU K, a dropped contribution) on dq, where the shared-memory dK/dV adds the same sum when
 dout's rows are off 16 bytes; and at D = 128, where the register kernels' hoisted ldmatrix offsets step whole swizzle
-periods, a copy without that step on out, dq, dk and dv. Also the harness's own guard: a barrier in divergent code is
-reported, not a hang."""
+periods, a copy without that step on out, dq, dk and dv; and at the GPU's tiles (four warps, 64- and 128-row tiles),
+copies with a row offset that the emulator's own tiles never reach (a third warp's rows, a second 16-row block) in the
+forward, dQ, dK/dV and the one-pass backward. Also the harness's own guard: a barrier in divergent code is reported,
+not a hang."""
 
 from __future__ import annotations
 
@@ -242,14 +244,19 @@ REGISTER_BACKWARD_DEFECTS = {
 
 
 def _register_backward_errors(
-    launcher: EmulatorLauncher, deterministic: bool = True, head_dim: int = 32, length: int = 70
+    launcher: EmulatorLauncher,
+    deterministic: bool = True,
+    head_dim: int = 32,
+    length: int = 70,
+    spec: AttentionSpec | None = None,
+    kv_heads: int = 2,
 ) -> dict[str, float]:
-    """Max |error| of out, dq, dk, dv against the float64 oracle (float16, window (20, 40), two query heads per kv
-    head)."""
+    """Max |error| of out, dq, dk, dv against the float64 oracle (float16, by default window (20, 40), two query heads
+    per kv head)."""
     generator = torch.Generator().manual_seed(2)
-    q, dout = (torch.randn(1, 4, length, head_dim, generator=generator).half() for _ in range(2))
-    k, v = (torch.randn(1, 2, length, head_dim, generator=generator).half() for _ in range(2))
-    spec, inputs = AttentionSpec(window=(20, 40)), AttentionInputs(q, k, v)
+    q, dout = (torch.randn(1, 2 * kv_heads, length, head_dim, generator=generator).half() for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, length, head_dim, generator=generator).half() for _ in range(2))
+    spec, inputs = spec or AttentionSpec(window=(20, 40)), AttentionInputs(q, k, v)
     kernels = launch.CudaKernels(launcher)
     out, lse = attention_forward(kernels, spec, inputs)
     grads = attention_backward(
@@ -323,6 +330,79 @@ def test_a_defective_one_pass_backward_fails(defect: str, tmp_path: Path) -> Non
     copy = _copy(tmp_path, ONE_PASS_DEFECTS[defect])
     errors = _register_backward_errors(_OneKernelFrom("backward_dkdv", copy), deterministic=False)
     assert errors["dq"] > 5e-2, f"the emulator did not notice the {defect}: {errors}"
+
+
+# The emulator's own tiles give the register kernels two warps and one 16-row block of the streamed operand per tile
+# (launch.EMULATOR_TILE); the GPU's (launch.gpu_tile) give four warps and 64 or 128 rows of it. Run at those, on a
+# causal band of 200 rows (full, ragged, interior and cut tiles in every kernel) with two query heads per kv head, the
+# unmodified source agrees, and a copy with a row offset that only a third warp or a second 16-row block reaches fails.
+GPU_TILE_DEFECTS = {
+    # (kernel, defect, deterministic) each: the one-pass defect runs in the one-pass backward, the others in the
+    # three-kernel one (one_pass_backward).
+    # The forward's warps 2 and 3 store their rows over those of warps 0 and 1.
+    "forward rows stored at warp mod 2": (
+        "forward",
+        (
+            "row_start + 16 * warp + lane_row + 8 * h;\n        if (row >= len_q) continue;\n        out_t*",
+            "row_start + 16 * (warp % 2) + lane_row + 8 * h;\n        if (row >= len_q) continue;\n        out_t*",
+        ),
+        True,
+    ),
+    # dQ's warps 2 and 3 read dO's fragments from the rows of warps 0 and 1.
+    "dQ's dO rows at warp mod 2": (
+        "backward_dq",
+        (
+            "do_tile + swizzled<BLOCK_DV>(16 * warp + lane % 16",
+            "do_tile + swizzled<BLOCK_DV>(16 * (warp % 2) + lane % 16",
+        ),
+        True,
+    ),
+    # dK += dUᵀ Q with Q's transposed fragments of every 16-query block read from the first.
+    "dK's Q rows from the first 16": (
+        "backward_dkdv",
+        ("q_tile + d_columns.at(2 * kk, jd / 2)", "q_tile + d_columns.at(0, jd / 2)"),
+        True,
+    ),
+    # Every warp reads dU for dU K from the first strip of 16 queries instead of its own.
+    "one-pass dU rows from the first strip": (
+        "backward_dkdv",
+        (
+            "du_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2, first_strip)",
+            "du_rows(lane % 8 + 8 * (lane / 16), lane / 8 % 2, 0)",
+        ),
+        False,
+    ),
+}
+
+
+class _AtGpuTiles(_OneKernelFrom):
+    """_OneKernelFrom at the GPU's tiles (launch.gpu_tile); no kernel from ``source`` by default."""
+
+    def __init__(self, kernel: str = "", source: Path = launch.SOURCE) -> None:
+        super().__init__(kernel, source)
+
+    def tile(self, kernel: str, head_dim: int, dtype: str) -> launch.TileConfig:
+        return launch.gpu_tile(kernel, head_dim, dtype)
+
+
+def _gpu_tile_errors(launcher: EmulatorLauncher, deterministic: bool, head_dim: int = 64) -> dict[str, float]:
+    spec = AttentionSpec(causal=True)
+    return _register_backward_errors(launcher, deterministic, head_dim, length=200, spec=spec, kv_heads=1)
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "deterministic"), [(64, True), (64, False), (128, True)], ids=["64", "64 one pass", "128"]
+)
+def test_the_register_kernels_agree_at_the_gpu_tiles(head_dim: int, deterministic: bool) -> None:
+    errors = _gpu_tile_errors(_AtGpuTiles(), deterministic, head_dim)
+    assert max(errors.values()) < 5e-3, errors
+
+
+@pytest.mark.parametrize("defect", list(GPU_TILE_DEFECTS))
+def test_a_defect_past_the_emulator_tiles_fails_at_the_gpu_tiles(defect: str, tmp_path: Path) -> None:
+    kernel, (old, new), deterministic = GPU_TILE_DEFECTS[defect]
+    errors = _gpu_tile_errors(_AtGpuTiles(kernel, _copy(tmp_path, (old, new))), deterministic)
+    assert max(errors.values()) > 5e-2, f"the emulator did not notice the {defect}: {errors}"
 
 
 class _Recording(EmulatorLauncher):
