@@ -238,6 +238,12 @@ def one_pass_backward(launcher: KernelLauncher, call: KernelCall) -> bool:
 SEGMENT_GRANULE = 16
 
 
+def rows_on_16_bytes(x: torch.Tensor) -> bool:
+    """Whether every row of ``x`` starts on 16 bytes: its data pointer and every stride but the last, in bytes (what
+    16-byte copies need: cp.async chunks, tensor descriptors)."""
+    return x.data_ptr() % 16 == 0 and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
+
+
 def segment_ranges(segment_ids: torch.Tensor) -> torch.Tensor:
     """(B, ⌈L / SEGMENT_GRANULE⌉, 2) int64: per batch element and granule of positions, the least and the greatest
     non-negative id (:class:`attnkit.contract.torch.SegmentTiles`, as the CPU backends plan by; padding, a negative

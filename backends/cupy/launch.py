@@ -23,7 +23,15 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from attnkit.contract.kernels import SEGMENT_GRANULE, ArgumentTypes, Grid, Kernel, KernelCall, KernelSwitches
+from attnkit.contract.kernels import (
+    SEGMENT_GRANULE,
+    ArgumentTypes,
+    Grid,
+    Kernel,
+    KernelCall,
+    KernelSwitches,
+    rows_on_16_bytes,
+)
 
 #: The kernel source: one file, compiled by NVRTC, nvcc and the emulator's host compiler alike.
 SOURCE = Path(__file__).parent / "kernels" / "attention.cu"
@@ -194,10 +202,7 @@ def register_resident(kernel: str, dtype: str, head_dim: int, head_dim_v: int, s
 def aligned_for_async_copies(*tensors: torch.Tensor) -> bool:
     """Whether every row of the tensors starts on 16 bytes (cp.async copies 16-byte chunks): the data pointer and
     every stride but the last (1)."""
-    return all(
-        t.data_ptr() % 16 == 0 and all(stride * t.element_size() % 16 == 0 for stride in t.stride()[:-1])
-        for t in tensors
-    )
+    return all(rows_on_16_bytes(t) for t in tensors)
 
 
 def shared_memory_bytes(

@@ -20,7 +20,15 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from attnkit.contract.kernels import SEGMENT_GRANULE, ArgumentTypes, Grid, Kernel, KernelCall, KernelSwitches
+from attnkit.contract.kernels import (
+    SEGMENT_GRANULE,
+    ArgumentTypes,
+    Grid,
+    Kernel,
+    KernelCall,
+    KernelSwitches,
+    rows_on_16_bytes,
+)
 
 from . import kernels
 
@@ -271,11 +279,7 @@ def descriptors_pay(kernel: Kernel, switches: KernelSwitches, dtype: torch.dtype
 
 def describable(x: torch.Tensor) -> bool:
     """Whether a tensor can back a tensor descriptor: a unit last stride, 16-byte aligned rows and strides."""
-    return (
-        x.stride(-1) == 1
-        and x.data_ptr() % 16 == 0
-        and all(stride * x.element_size() % 16 == 0 for stride in x.stride()[:-1])
-    )
+    return x.stride(-1) == 1 and rows_on_16_bytes(x)
 
 
 def uses_descriptors(kernel: Kernel, call: KernelCall, args: list[Any], switches: KernelSwitches) -> bool:
