@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -76,18 +77,23 @@ __all__ = [
     "Framework",
     "Gradients",
     "Layout",
+    "ALLOW_UNVERIFIED_ENV",
     "MissingPackageBackend",
     "PagedInputs",
+    "PendingHardware",
     "PlainCall",
     "Problem",
     "Runner",
+    "Sizes",
     "TorchExtension",
+    "Unverified",
     "Variant",
     "capability_reasons",
     "delegated",
     "own_forward",
     "own_plain_call",
     "peer_backend",
+    "pending_hardware",
     "recording_delegations",
     "routing_features",
     "runs_interpreted",
@@ -204,12 +210,72 @@ class Delegation:
 
 
 @dataclass(frozen=True)
+class Sizes:
+    """The sizes a kernel takes: from ``least`` to ``greatest`` (None: no bound), only powers of two where
+    ``power_of_two``."""
+
+    least: int
+    greatest: int | None = None
+    power_of_two: bool = False
+
+    def __contains__(self, size: object) -> bool:
+        if not isinstance(size, int) or size < self.least or (self.greatest is not None and size > self.greatest):
+            return False
+        return not self.power_of_two or size & (size - 1) == 0
+
+    def __str__(self) -> str:
+        kind = "a power of two" if self.power_of_two else "a size"
+        if self.greatest is None:
+            return f"{kind} >= {self.least}"
+        return f"{kind} in {self.least}..{self.greatest}"
+
+
+@dataclass(frozen=True)
 class DeviceLimits:
     """What a backend serves on one device where it is narrower than its :class:`Capabilities` say (its kernels
-    there take fewer dtypes or head dims); None keeps the backend-wide value."""
+    there take fewer dtypes or head dims, or a paged cache of fewer block sizes); None keeps the backend-wide value."""
 
     dtypes: frozenset[str] | None = None
     head_dims: tuple[int, int] | None = None
+    paged_block_sizes: Sizes | None = None
+    paged_head_dims: Sizes | None = None
+
+
+@dataclass(frozen=True)
+class Unverified:
+    """A path a backend has code for on ``device`` that has not yet passed there on real hardware (its last run there
+    failed, and the cause was fixed without a device to prove the fix): refused on that device, with :class:`
+    PendingHardware` reasons, until a hardware run (scripts/gpu_check.sh) has passed it and the entry is removed.
+    ``ATTNKIT_ALLOW_UNVERIFIED=1`` runs it anyway, which is how that run reaches it (docs/gpu.md)."""
+
+    device: str
+    path: str  # what is refused, e.g. "the compiled backward"
+    history: str  # what the last hardware run showed and what changed since
+
+
+#: The environment variable that lets :class:`Unverified` paths run (scripts/gpu_check.sh sets it to "1").
+ALLOW_UNVERIFIED_ENV = "ATTNKIT_ALLOW_UNVERIFIED"
+
+
+class PendingHardware(str):
+    """A refusal reason that says a path is unverified on this device's hardware (:class:`Unverified`), not that the
+    backend cannot serve the call: the conformance harness reports such cases as pending, not as failures."""
+
+
+def pending_hardware(backend: Backend, device: str, path: str) -> list[str]:
+    """The refusal of ``backend``'s declared :class:`Unverified` ``path`` on ``device``: one :class:`PendingHardware`
+    reason, or none where ``ATTNKIT_ALLOW_UNVERIFIED=1`` (or the path is not declared unverified there)."""
+    if os.environ.get(ALLOW_UNVERIFIED_ENV) == "1":
+        return []
+    for entry in backend.capabilities.unverified:
+        if entry.device == device and entry.path == path:
+            return [
+                PendingHardware(
+                    f"{path} on {device} is unverified on hardware ({entry.history}); "
+                    f"{ALLOW_UNVERIFIED_ENV}=1 runs it (docs/gpu.md)"
+                )
+            ]
+    return []
 
 
 @dataclass(frozen=True)
@@ -233,6 +299,11 @@ class Capabilities:
     #: Settings a user may give it under ``[backend_options.<name>]`` in a config, as (name, default) pairs: the
     #: config accepts these names with values of the defaults' types, and :func:`backend_option` reads them.
     options: tuple[tuple[str, bool | int | float | str], ...] = ()
+    #: The block sizes and head dims of an attend_paged call it serves (Feature.PAGED); None: any.
+    paged_block_sizes: Sizes | None = None
+    paged_head_dims: Sizes | None = None
+    #: Paths refused on a device until they have passed there on hardware (:func:`pending_hardware`).
+    unverified: tuple[Unverified, ...] = ()
 
     def on(self, device: str) -> Capabilities:
         """These capabilities as they stand on ``device``: its :class:`DeviceLimits` applied, none left."""
@@ -243,6 +314,8 @@ class Capabilities:
             self,
             dtypes=self.dtypes if limits.dtypes is None else limits.dtypes,
             head_dims=self.head_dims if limits.head_dims is None else limits.head_dims,
+            paged_block_sizes=limits.paged_block_sizes or self.paged_block_sizes,
+            paged_head_dims=limits.paged_head_dims or self.paged_head_dims,
             per_device=(),
         )
 
@@ -279,6 +352,12 @@ def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem
             reasons.append(f"{name}={value} (supported{where}: {low}..{high})")
     for feature in sorted((spec.features() | problem.features()) - caps.features):
         reasons.append(f"{feature} is not supported")
+    if problem.paged_block_size is not None:
+        if caps.paged_block_sizes is not None and problem.paged_block_size not in caps.paged_block_sizes:
+            reasons.append(f"paged block_size={problem.paged_block_size} (supported{where}: {caps.paged_block_sizes})")
+        for name, value in (("head_dim", problem.head_dim), ("head_dim_v", problem.head_dim_v)):
+            if caps.paged_head_dims is not None and value not in caps.paged_head_dims:
+                reasons.append(f"{name}={value} with a paged cache (supported{where}: {caps.paged_head_dims})")
     return reasons
 
 

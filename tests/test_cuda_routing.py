@@ -18,7 +18,7 @@ from attnkit.backends.native import torch_sdpa
 
 import attnkit
 from attnkit import cost, dispatch, environment
-from attnkit.backend import Framework, Problem
+from attnkit.backend import ALLOW_UNVERIFIED_ENV, Framework, PendingHardware, Problem
 from attnkit.spec import AttentionSpec
 from tests.conftest import installed_plugin
 
@@ -54,6 +54,9 @@ triton = Triton()
 
 
 def on_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, names: tuple[str, ...]) -> Iterator[None]:
+    """The stand-ins installed, with the paths pending hardware verification let run: these tests are about the
+    order among backends that can serve (test_paths_pending_hardware_are_passed_over_on_cuda is about those)."""
+    monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
     (tmp_path / "attnkit_gpu_stand_ins.py").write_text(GPU_STAND_INS)
     entry_points = {name: f"attnkit_gpu_stand_ins:{name.replace('-', '_')}" for name in names}
     with installed_plugin(tmp_path, monkeypatch, "attnkit-gpu-stand-ins 0.1", entry_points):
@@ -114,6 +117,21 @@ def test_flash_attn_comes_first_where_it_serves(both_on_gpu: None, call: str) ->
     assert name == expected
     if expected != "flash-attn":
         assert rows["flash-attn"], "flash-attn was passed over, so it must have said why"
+
+
+def test_paths_pending_hardware_are_passed_over_on_cuda(triton_on_gpu: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Until a GPU run has passed them (docs/gpu.md), triton's compiled backward and torch-sdpa's half-precision op
+    backward are refused on CUDA with a PendingHardware reason, so auto trains on a path that has passed there; the
+    forward and SDPA's own plain training call are not held back."""
+    monkeypatch.delenv(ALLOW_UNVERIFIED_ENV)
+    dispatch.clear_cache()
+    spec, problem = CALLS["lse with grad"][:2]
+    name, rows = chosen(spec, problem)
+    for held_back in ("triton", "torch-sdpa"):
+        assert len(rows[held_back]) == 1 and isinstance(rows[held_back][0], PendingHardware), rows[held_back]
+    assert name not in ("triton", "torch-sdpa")
+    assert chosen(*CALLS["plain float16 with grad"][:2])[0] == "torch-sdpa"
+    assert chosen(CAUSAL, cuda_problem(has_kv_lengths=True))[0] == "triton"  # no gradient: the verified forward
 
 
 def test_what_sdpa_cannot_take_on_cuda_goes_on_with_its_reason(triton_on_gpu: None) -> None:
@@ -193,3 +211,23 @@ def test_the_cuda_op_is_called_by_its_schema_and_its_lse_trimmed_to_the_queries(
     out, lse = torch_sdpa._cuda_forward(q, k, v, 0.0, False, attn_mask=mask, scale=0.5)
     assert (out.shape, out.dtype) == ((2, 3, 37, 20), dtype)
     assert (lse.shape, lse.dtype) == ((2, 3, 37), torch.float32)
+
+
+def test_the_cuda_backward_op_gets_out_and_grad_out_as_contiguous_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In half precision aten::_efficient_attention_backward computes Δ = rowsum(dO ⊙ O) itself, stepping through out
+    by the row stride of a contiguous (B, L, H, Dv) tensor whatever its strides say (an H200 gave dq and dk of inf
+    when out came as a transposed view): both reach the op contiguous in that layout."""
+    seen = {}
+
+    def backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: object,
+                    out: torch.Tensor, *rest: object, **options: object) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        seen.update(grad_out=grad_out, out=out)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.empty(0)
+
+    monkeypatch.setattr(torch.ops.aten, "_efficient_attention_backward", backward_op)
+    q, k, v = (torch.randn(2, 3, length, 40, dtype=torch.float16) for length in (37, 45, 45))
+    out, dout = torch.randn(2, 3, 37, 40, dtype=torch.float16), torch.randn(2, 3, 37, 40, dtype=torch.float16)
+    lse = torch.randn(2, 3, 37)
+    torch_sdpa._cuda_backward(dout, q, k, v, out, lse, 0.0, False, attn_mask=None, scale=0.5)
+    for name in ("grad_out", "out"):
+        assert seen[name].shape == (2, 37, 3, 40) and seen[name].is_contiguous(), name

@@ -52,6 +52,7 @@ from attnkit.backend import (
     Gradients,
     Layout,
     PagedInputs,
+    Unverified,
     Variant,
     backend_option,
 )
@@ -528,6 +529,7 @@ def kernel_capabilities(
     notes: tuple[str, ...] = (),
     how_to_run: tuple[str, ...] = (),
     options: tuple[tuple[str, bool | int | float | str], ...] = (),
+    unverified: tuple[Unverified, ...] = (),
 ) -> Capabilities:
     """A kernel backend's declaration: the whole contract on torch tensors of one device, in the three float dtypes
     the kernels are written for. Its own ``notes`` come before the shared ones, ``how_to_run`` after."""
@@ -540,6 +542,7 @@ def kernel_capabilities(
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),
         options=options,
+        unverified=unverified,
     )
 
 

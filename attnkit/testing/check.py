@@ -10,6 +10,7 @@ with what ran and how often.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import time
@@ -23,7 +24,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import InvalidArgument
 
 from attnkit import registry
-from attnkit.backend import SPEC_FEATURES, Backend, Delegation, Feature, recording_delegations
+from attnkit.backend import SPEC_FEATURES, Backend, Delegation, Feature, PendingHardware, recording_delegations
 from attnkit.capability_matrix import FEATURE_MEANINGS, FEATURE_ORDER
 from attnkit.environment import torch_threads
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
@@ -59,6 +60,9 @@ class Outcome:
     comparisons: list[Comparison] = field(default_factory=list)
     error: str | None = None
     delegations: frozenset[Delegation] = frozenset()  # another backend's code that ran for this case
+    #: Refused only because the path it takes is unverified on this device's hardware (PendingHardware): not run,
+    #: not a failure, listed under the table.
+    pending: tuple[str, ...] = ()
 
     @property
     def worst_ratio(self) -> float:
@@ -86,6 +90,7 @@ class BackendReport:
     name: str
     outcomes: list[Outcome] = field(default_factory=list)
     skipped: list[tuple[str, list[str]]] = field(default_factory=list)
+    pending: list[Outcome] = field(default_factory=list)
     unavailable: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
@@ -224,6 +229,8 @@ def _run_case(backend: str, label: str, case: Case, expect_support: bool) -> Out
         return Outcome(label, case, error=f"the harness cannot build this case (not the backend's fault): {error!r}")
     if expect_support:
         reasons = backends_for(case, [backend])[backend]
+        if reasons and all(isinstance(reason, PendingHardware) for reason in reasons):
+            return Outcome(label, case, pending=tuple(reasons))
         if reasons:
             message = "refused a case within its declared capabilities: " + "; ".join(reasons)
             return Outcome(label, case, error=message)
@@ -318,7 +325,8 @@ class Progress:
             self._write(self._line() + "\n")
 
     def finish(self, report: BackendReport) -> None:
-        summary = f"{len(report.failures)} failed, {len(report.skipped)} skipped, {report.seconds:.1f}s"
+        pending = f", {len(report.pending)} pending hardware" if report.pending else ""
+        summary = f"{len(report.failures)} failed, {len(report.skipped)} skipped{pending}, {report.seconds:.1f}s"
         self._write(("\r" if self.interactive else "") + f"{self._line()}  {summary}\n")
 
     def _write(self, text: str) -> None:
@@ -343,7 +351,7 @@ def check_one_backend(
     progress = Progress(out, backend.name, examples + len(edges), width)
 
     def record(outcome: Outcome) -> None:
-        report.outcomes.append(outcome)
+        (report.pending if outcome.pending else report.outcomes).append(outcome)
         progress.step(outcome)
 
     for label, case in edges:
@@ -438,6 +446,8 @@ def print_summary(reports: Sequence[BackendReport], out: TextIO) -> int:
     for report in reports:
         for label, reasons in report.skipped:
             print(f"skipped {report.name} {label}: {'; '.join(reasons)}", file=out)
+        for reason, count in collections.Counter(r for outcome in report.pending for r in outcome.pending).items():
+            print(f"pending {report.name}: {count} drawn case(s) not run: {reason}", file=out)
     details = failure_details(reports)
     if details:
         print("\n" + "\n".join(details), file=out)

@@ -7,7 +7,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from attnkit.backend import ALL_FEATURES, Capabilities, Feature
+from attnkit.backend import ALL_FEATURES, Capabilities, Feature, Sizes
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 from attnkit.testing.cases import VARLEN, Case, blocks_needed, paged_case, varlen_case
 
@@ -225,6 +225,20 @@ def varlen_cases(
     return varlen_case(spec, q_lengths, kv_lengths, grad=Feature.GRAD in features, **geometry)
 
 
+def _paged_sizes(capabilities: Capabilities | None, head_dims: list[int]) -> tuple[list[int], list[int]]:
+    """The block sizes and head dims to draw paged calls from: PAGED_BLOCK_SIZES and ``head_dims`` within what the
+    backend declares for paged caches (the least size a rule allows where it allows none of those)."""
+
+    def allowed(sizes: Iterable[int], rule: Sizes | None) -> list[int]:
+        if rule is None:
+            return list(sizes)
+        return [size for size in sizes if size in rule] or [rule.least]
+
+    if capabilities is None:
+        return list(PAGED_BLOCK_SIZES), head_dims
+    return allowed(PAGED_BLOCK_SIZES, capabilities.paged_block_sizes), allowed(head_dims, capabilities.paged_head_dims)
+
+
 @st.composite
 def paged_cases(
     draw: st.DrawFn,
@@ -238,8 +252,9 @@ def paged_cases(
     shared, within a sequence too) in any order; entries past a sequence's blocks −1, out of range, or any block.
     make_arrays puts NaN in every slot no sequence reads. Needs :func:`serves_paged`."""
     features, allowed_dtypes, allowed_dims = _declared(capabilities, dtypes, head_dims)
+    block_sizes, allowed_dims = _paged_sizes(capabilities, allowed_dims)
     batch = draw(st.integers(1, 3))
-    block_size = draw(st.sampled_from(PAGED_BLOCK_SIZES))
+    block_size = draw(st.sampled_from(block_sizes))
     lengths = st.lists(st.one_of(st.just(0), st.integers(0, max_len)), min_size=batch, max_size=batch)
     kv_lengths = tuple(draw(lengths))
     needed = [blocks_needed(n, block_size) for n in kv_lengths]

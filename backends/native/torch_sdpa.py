@@ -54,7 +54,9 @@ from attnkit.backend import (
     PlainCall,
     Problem,
     Runner,
+    Unverified,
     Variant,
+    pending_hardware,
 )
 from attnkit.contract import alignment_offset
 from attnkit.contract.torch import (
@@ -160,13 +162,19 @@ def _cuda_backward(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CPU backward op's (dq, dk, dv) from the CUDA kernel. It recomputes P = exp(S − lse): a row no key is
-    visible to has lse −inf, and +inf there makes P 0 instead of NaN."""
+    visible to has lse −inf, and +inf there makes P 0 instead of NaN.
+
+    In float16 and bfloat16 the kernel computes Δ = rowsum(dO ⊙ O) itself, reading ``out`` with the row stride of a
+    contiguous (B, L, H, Dv) tensor (its ``o_strideM`` is Dv · H, not ``out.stride(1)``); float32 computes Δ with
+    torch ops that honour strides. So ``out`` is passed contiguous in that layout: the transposed (B, H, L, Dv) view
+    gave every half-precision row a wrong Δ, and dq, dk of inf or ~1e37 on an H200 (docs/gpu.md)."""
     unused = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed and offset: no dropout
     # Padded again to the forward's multiple of 32 queries: the kernel reads lse by whole query tiles.
     padding = _round_up(q.shape[2], 32) - q.shape[2]
     lse = F.pad(lse.masked_fill(lse == float("-inf"), float("inf")), (0, padding), value=float("inf"))
     dq, dk, dv, _ = torch.ops.aten._efficient_attention_backward(
-        _bmhk(grad_out).contiguous(), _bmhk(q), _bmhk(k), _bmhk(v), _cuda_mask(attn_mask, q, k.shape[2]), _bmhk(out),
+        _bmhk(grad_out).contiguous(), _bmhk(q), _bmhk(k), _bmhk(v), _cuda_mask(attn_mask, q, k.shape[2]),
+        _bmhk(out).contiguous(),
         None, None, q.shape[2], k.shape[2], lse, dropout_p, unused, unused,
         _CAUSAL_FROM_TOP_LEFT if is_causal else _NO_MASK, False, scale=scale,
     )  # fmt: skip
@@ -579,6 +587,25 @@ def _flash_attention(
     return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
 
 
+def _problem_native_path(spec: AttentionSpec, problem: Problem) -> Runner | None:
+    """:func:`_native_path` for a call's signature; segment ids run as a mask (:func:`_segments_as_mask`)."""
+    masked = problem.has_mask or problem.has_segment_ids
+    others_plain = replace(problem, has_mask=False, has_segment_ids=False).is_plain()
+    return _native_path(
+        spec, problem.heads_q, problem.heads_kv, problem.len_q, problem.len_k, problem.head_dim, problem.head_dim_v,
+        problem.device, masked, others_plain,
+    )  # fmt: skip
+
+
+def _takes_op_path(spec: AttentionSpec, problem: Problem) -> bool:
+    """Whether a call runs the flash op (on CUDA, aten::_efficient_attention_forward/_backward) rather than SDPA."""
+    return _problem_native_path(spec, problem) is None
+
+
+#: The path refused on CUDA until a GPU run has passed it (Capabilities.unverified).
+CUDA_HALF_OP_BACKWARD = "the float16/bfloat16 backward through aten::_efficient_attention_backward"
+
+
 class TorchSdpaBackend(RecomputingBackend):
     """torch's scaled-dot-product attention: the CPU flash kernel, with lse, through the public call or its op."""
 
@@ -589,6 +616,14 @@ class TorchSdpaBackend(RecomputingBackend):
         devices=frozenset({"cpu", "cuda"}),
         features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS, Feature.PAGED},
         per_device=(("cuda", DeviceLimits(dtypes=CUDA_DTYPES, head_dims=(1, MAX_CUDA_HEAD_DIM))),),
+        unverified=(
+            Unverified(
+                "cuda",
+                CUDA_HALF_OP_BACKWARD,
+                "2026-11-27, H200: dq and dk inf or ~1e37 in every half-precision case with gradients on this path; "
+                "cause: the kernel reads out by contiguous rows and was given a transposed view; now passed contiguous",
+            ),
+        ),
         description="torch scaled_dot_product_attention (CPU flash kernel, CUDA's own; lse, windows and lengths "
         "through the kernel's op)",
         notes=(
@@ -609,6 +644,13 @@ class TorchSdpaBackend(RecomputingBackend):
         ),
     )
 
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        reasons = super().supports(spec, problem)
+        half = problem.dtype in ("float16", "bfloat16")
+        if problem.device == "cuda" and half and problem.needs_grad and _takes_op_path(spec, problem):
+            reasons += pending_hardware(self, "cuda", CUDA_HALF_OP_BACKWARD)
+        return reasons
+
     def available(self) -> list[str]:
         if _OPS is None:
             return [
@@ -621,13 +663,7 @@ class TorchSdpaBackend(RecomputingBackend):
         return sdpa_attention(spec, inputs, need_lse)
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
-        # Segment ids run as a mask (:func:`_segments_as_mask`).
-        masked = problem.has_mask or problem.has_segment_ids
-        others_plain = replace(problem, has_mask=False, has_segment_ids=False).is_plain()
-        runner = _native_path(
-            spec, problem.heads_q, problem.heads_kv, problem.len_q, problem.len_k, problem.head_dim,
-            problem.head_dim_v, problem.device, masked, others_plain,
-        )  # fmt: skip
+        runner = _problem_native_path(spec, problem)
         if runner is not None and problem.has_segment_ids:
             return lambda *tensors: runner(*_segments_as_mask(spec, AttentionInputs(*tensors))[:7])
         if runner is not None:

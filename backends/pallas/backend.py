@@ -24,11 +24,13 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
+    DeviceLimits,
     Framework,
     Gradients,
     Layout,
     PagedInputs,
     Problem,
+    Sizes,
     Variant,
 )
 from attnkit.contract import alignment_offset, diagonal_band
@@ -408,18 +410,12 @@ def _compiled_paged() -> Any:
     return jax.jit(_paged_forward, static_argnums=(0,))
 
 
-def _paged_reasons(problem: Problem) -> list[str]:
-    """What the paged kernel cannot take on a GPU: Triton tiles are powers of two (a dot at least 16 wide) and a key
-    tile lies inside one block, so the block size must be one; the head dims are kept to powers of two too (the
-    kernel would read them wider, masked, as the other kernels do, but that path has not run on a GPU)."""
-    reasons = []
-    block_size = problem.paged_block_size or 0
-    if block_size < 16 or block_size & (block_size - 1):
-        reasons.append(f"paged block_size={block_size} on a GPU (supported: a power of two >= 16)")
-    for name, dim in (("head_dim", problem.head_dim), ("head_dim_v", problem.head_dim_v)):
-        if dim < 16 or dim & (dim - 1):
-            reasons.append(f"{name}={dim} with a paged cache on a GPU (supported: a power of two in 16..256)")
-    return reasons
+#: What the paged kernel takes on a GPU: Triton tiles are powers of two (a dot at least 16 wide) and a key tile lies
+#: inside one block, so the block size must be one; the head dims are kept to powers of two too (the kernel would read
+#: them wider, masked, as the other kernels do, but that path has not run on a GPU). The interpreter takes any.
+GPU_PAGED_LIMITS = DeviceLimits(
+    paged_block_sizes=Sizes(16, power_of_two=True), paged_head_dims=Sizes(16, MAX_HEAD_DIM, power_of_two=True)
+)
 
 
 # ----------------------------------------------------------------------------------------------- torch bridge
@@ -462,6 +458,7 @@ class PallasBackend(BaseBackend):
         features=ALL_FEATURES,
         native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
+        per_device=(("cuda", GPU_PAGED_LIMITS),),
         description=(
             "FlashAttention-2 in jax.experimental.pallas kernels (Triton path on GPU); "
             "torch tensors bridged through DLPack"
@@ -506,8 +503,6 @@ class PallasBackend(BaseBackend):
         if problem.device == "cuda" and problem.framework is Framework.TORCH and _JAX_ERROR is None:
             if jax.default_backend() not in ("gpu", "cuda"):
                 reasons.append("device=cuda torch tensors need JAX with CUDA (pip install 'jax[cuda13]')")
-        if problem.paged_block_size is not None and not self.interpreted(problem.device):
-            reasons.extend(_paged_reasons(problem))
         return reasons
 
     def _call(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, Any, _Config, Any, Any]:

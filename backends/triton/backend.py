@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from attnkit.backend import backend_option
+from attnkit.backend import AttentionSpec, Problem, Unverified, backend_option, pending_hardware
 from attnkit.contract.kernels import DETERMINISTIC_OPTION, KernelBackend, KernelLauncher, kernel_capabilities
 
 from . import launch
@@ -13,6 +13,8 @@ MAX_HEAD_DIM = 256
 #: Off until a GPU has run it: on Hopper the autotuner then also times the warp-specialised forward and dQ tile
 #: (launch.WARP_SPECIALIZED) on calls where every tile is interior.
 WARP_SPECIALIZE_OPTION = ("warp_specialize", False)
+#: The path refused on CUDA until a GPU run has passed it (Capabilities.unverified).
+COMPILED_BACKWARD = "the compiled backward"
 
 
 class TritonBackend(KernelBackend):
@@ -39,7 +41,22 @@ class TritonBackend(KernelBackend):
             ),
             # Off: at head dims up to 128 on Hopper the backward adds dq atomically, its last bits varying by run.
             options=(DETERMINISTIC_OPTION, WARP_SPECIALIZE_OPTION),
+            unverified=(
+                Unverified(
+                    "cuda",
+                    COMPILED_BACKWARD,
+                    "2026-11-27, H200, Triton 3.6: every half-precision backward on sm_90 raised KeyError "
+                    "Kernel.DELTA in launch.descriptors_pay, and dq was wrong on the first call of each autotune key "
+                    "(the autotuner's timing runs of the one-pass dK/dV kernel added into the dq sum); both fixed",
+                ),
+            ),
         )
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        reasons = super().supports(spec, problem)
+        if problem.device == "cuda" and problem.needs_grad:
+            reasons += pending_hardware(self, "cuda", COMPILED_BACKWARD)
+        return reasons
 
     def available(self) -> list[str]:
         if not launch.INTERPRETED and not torch.cuda.is_available():
