@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from attnkit import registry
-from attnkit.backend import ALL_FEATURES, CALL_FEATURES, SPEC_FEATURES, Backend, Capabilities
+from attnkit.backend import ALL_FEATURES, CALL_FEATURES, SPEC_FEATURES, Backend, Capabilities, Unverified
 from attnkit.tables import format_table, markdown_table
 
 DEFAULT_MARKDOWN_PATH = Path("docs") / "backends.md"
@@ -109,9 +109,17 @@ def capability_markdown(registered: Mapping[str, Backend] | None = None) -> str:
     for name in sorted(registered):
         capabilities = registered[name].capabilities
         parts += [f"### {name}", "", capabilities.description or "(no description)", ""]
-        if capabilities.notes:
-            parts += [*(f"- {note}" for note in capabilities.notes), ""]
+        if capabilities.notes or capabilities.unverified:
+            parts += [
+                *(f"- {note}" for note in capabilities.notes),
+                *map(_unverified_text, capabilities.unverified),
+                "",
+            ]
     return "\n".join(parts)
+
+
+def _unverified_text(entry: Unverified) -> str:
+    return f"refused on {entry.device} until a GPU run passes it: {entry.path} ({entry.history}; docs/gpu.md)"
 
 
 def availability_lines(registered: Mapping[str, Backend]) -> list[str]:
@@ -143,4 +151,5 @@ def info_report(version: str) -> str:
         lines.append(f"  {name}: {capabilities.description or '(no description)'}")
         lines.append(f"    from: {origins.get(name, 'unknown')}")
         lines += [f"    note: {note}" for note in capabilities.notes]
+        lines += [f"    pending hardware: {_unverified_text(entry)}" for entry in capabilities.unverified]
     return "\n".join(lines)
