@@ -142,7 +142,7 @@ def test_summary_verdicts_ratios_and_problems(gpu_check: Any) -> None:
     assert not summary["ok"]
     assert "check torch-sdpa: FAIL, 15 of 44 cases failed" in problems
     assert any(p.startswith("check jax-xla: TIMEOUT") for p in problems)
-    # pallas, torch-flex and triton are expected on a GPU machine of the image: not checked is a failure
+    # pallas and triton are expected on a GPU machine of the image (EXPECTED_CUDA): not checked is a failure
     assert {"check pallas: not run (not selected)", "check triton: not run (not selected)"} <= set(problems)
     assert "bench triton: B=2 H=16 Lq=8192 Lk=8192 D=128 causal=False: KeyError: Kernel.DELTA" in problems
     assert "bench pallas: not run (unavailable)" in problems
