@@ -184,6 +184,21 @@ def _add_bench(commands: Any) -> None:
         metavar="A,B",
         help="--calibrate, paged, packed: only these backends; context-parallel: the local blocks' backend",
     )
+    bench.add_argument(
+        "--peer",
+        metavar="A,B",
+        help="--backend: the peers to time it against, of either framework (sdpa, sdpa-cudnn, sdpa-flash, "
+        "sdpa-efficient, sdpa-math, flash-attn, jax, jax-cudnn, jax-xla; default: its framework's own attention, "
+        "each kernel pinned on a GPU)",
+    )
+    bench.add_argument(
+        "--shape",
+        action="append",
+        metavar="BxHxLQxLKxD",
+        help="--backend: time this shape instead of the FlashAttention-2 paper's grid (repeatable; BxHxLxD for "
+        "Lq == Lk; causal rows only where Lq == Lk, no backward where Lq == 1)",
+    )
+    bench.add_argument("--passes", metavar="A,B", help="--backend: which of fwd,bwd,fwd+bwd to time (default: all)")
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

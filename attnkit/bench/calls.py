@@ -30,10 +30,13 @@ def random_inputs(
     return tuple(jax.random.normal(key, shape, jnp.dtype(dtype)) for key, shape in zip(keys, shapes))  # type: ignore
 
 
-def attention_flops(batch: int, heads: int, seq_len: int, head_dim: int, causal: bool, pass_name: str) -> float:
-    """The FlashAttention-2 paper's count: 4·B·H·L²·D for the forward, 2.5x that for the backward, halved when
-    causal."""
-    forward = 4.0 * batch * heads * seq_len * seq_len * head_dim / (2 if causal else 1)
+def attention_flops(
+    batch: int, heads: int, seq_len: int, head_dim: int, causal: bool, pass_name: str, len_k: int | None = None
+) -> float:
+    """The FlashAttention-2 paper's count: 4·B·H·L²·D for the forward (4·B·H·Lq·Lk·D where ``len_k`` differs), 2.5x
+    that for the backward, halved when causal."""
+    keys = seq_len if len_k is None else len_k
+    forward = 4.0 * batch * heads * seq_len * keys * head_dim / (2 if causal else 1)
     return forward * PASS_WORK[pass_name]
 
 

@@ -59,6 +59,17 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
     repeats = args.repeats if args.repeats is not None else 3
     with torch_threads(args.threads):
         if args.backend is not None:
+            try:
+                shapes = [tflops.parse_shape(text) for text in args.shape] if args.shape else None
+            except ValueError as error:
+                print(f"attnkit bench: --shape: {error}", file=sys.stderr)
+                return 2
+            peers, passes = _csv(args.peer), _csv(args.passes) or tflops.PASSES
+            wrong = [p for p in peers or () if p not in tflops.PEERS] + [p for p in passes if p not in tflops.PASSES]
+            if wrong:
+                known = f"peers {', '.join(tflops.PEER_NAMES)}; passes {', '.join(tflops.PASSES)}"
+                print(f"attnkit bench: unknown {', '.join(wrong)} ({known})", file=sys.stderr)
+                return 2
             result = tflops.bench_backend(
                 args.backend,
                 device=args.device,
@@ -66,6 +77,10 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
                 dtype=args.dtype,
                 repeats=repeats,
                 warmup=args.warmup,
+                peers=peers,
+                shapes=shapes,
+                passes=passes,
+                progress=_progress,
             )
             text = tflops.format_backend(result)
         elif args.what == "dispatch":

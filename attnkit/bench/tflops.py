@@ -1,12 +1,18 @@
 """``attnkit bench --backend NAME``: one backend's forward, backward and forward+backward in TFLOP/s at the
 FlashAttention-2 paper's shapes, against its framework's own attention in the same run: on a GPU each of its
 kernels pinned (torch SDPA's cuDNN and FlashAttention-2 backends, flash-attn when installed;
-jax.nn.dot_product_attention's cuDNN and XLA implementations), the L2 cache flushed between samples."""
+jax.nn.dot_product_attention's cuDNN and XLA implementations), the L2 cache flushed between samples.
+
+``peers`` picks the peers by name (:data:`PEER_NAMES`), from either framework: ``pallas`` (a JAX backend) against
+``sdpa-cudnn,sdpa-flash`` times each implementation on inputs of its own framework, torch work with CUDA events and
+JAX work with the wall clock around a blocked call. ``shapes`` replaces the paper's grid with explicit
+(B, H, Lq, Lk, D) shapes, decode (Lq = 1) included."""
 
 from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from attnkit.bench.calls import attention_flops, random_inputs
@@ -56,50 +62,96 @@ def _torch_passes(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: A
     return {"fwd": forward, "build": build, "bwd": backward, "fwd+bwd": forward_backward}
 
 
-def _torch_peers(causal: bool, on_gpu: bool) -> dict[str, Callable[..., Any]]:
-    """torch SDPA on bhsd inputs: as it picks on a CPU; on a GPU each kernel pinned, and flash-attn (bshd) if
-    installed."""
+def _sdpa(causal: bool, kernel: str | None) -> Callable[..., Any]:
+    """torch SDPA on bhsd inputs, as it picks (``kernel`` None) or pinned to one SDPBackend member."""
     import torch.nn.functional as F
 
-    if not on_gpu:
-        return {_PEERS["torch"]: lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
+    if kernel is None:
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def pinned(kernel: Any) -> Callable[..., Any]:
-        def attention(q: Any, k: Any, v: Any) -> Any:
-            with sdpa_kernel(kernel):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    pinned = getattr(SDPBackend, kernel)
 
-        return attention
+    def attention(q: Any, k: Any, v: Any) -> Any:
+        with sdpa_kernel(pinned):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
-    peers = {"sdpa cudnn": pinned(SDPBackend.CUDNN_ATTENTION), "sdpa flash": pinned(SDPBackend.FLASH_ATTENTION)}
-    try:
-        from flash_attn import flash_attn_func
-    except ImportError:
-        return peers
+    return attention
 
-    def flash_attn(q: Any, k: Any, v: Any) -> Any:
+
+def _flash_attn(causal: bool) -> Callable[..., Any]:
+    """flash-attn 2's flash_attn_func (bshd) on bhsd inputs; ImportError where it is not installed."""
+    from flash_attn import flash_attn_func
+
+    def attention(q: Any, k: Any, v: Any) -> Any:
         return flash_attn_func(*(x.transpose(1, 2) for x in (q, k, v)), causal=causal).transpose(1, 2)
 
-    return {**peers, "flash-attn": flash_attn}
+    return attention
 
 
-def _jax_peers(causal: bool, on_gpu: bool) -> dict[str, Callable[..., Any]]:
-    """jax.nn.dot_product_attention on bhsd inputs (it takes bshd): as it picks on a CPU, pinned to cuDNN and to
-    XLA on a GPU."""
+def _jax_dpa(causal: bool, implementation: Literal["xla", "cudnn"] | None) -> Callable[..., Any]:
+    """jax.nn.dot_product_attention on bhsd inputs (it takes bshd)."""
     import jax
 
-    def peer(implementation: Literal["xla", "cudnn"] | None) -> Callable[..., Any]:
-        def attention(q: Any, k: Any, v: Any) -> Any:
-            bshd = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
-            out = jax.nn.dot_product_attention(*bshd, is_causal=causal, implementation=implementation)
-            return out.transpose(0, 2, 1, 3)
+    def attention(q: Any, k: Any, v: Any) -> Any:
+        bshd = [x.transpose(0, 2, 1, 3) for x in (q, k, v)]
+        out = jax.nn.dot_product_attention(*bshd, is_causal=causal, implementation=implementation)
+        return out.transpose(0, 2, 1, 3)
 
-        return attention
+    return attention
 
+
+@dataclass(frozen=True)
+class Peer:
+    """A framework's own attention the bench can time a backend against: its row label, its framework, and a
+    factory of the function for ``causal`` (top-left, as these libraries align it: only used where Lq == Lk)."""
+
+    label: str
+    framework: str
+    make: Callable[[bool], Callable[..., Any]]
+
+
+#: Every peer by its ``--peer`` name. The labels are the bench's row names (kept from before the names existed).
+PEERS: dict[str, Peer] = {
+    "sdpa": Peer("torch sdpa", "torch", lambda causal: _sdpa(causal, None)),
+    "sdpa-cudnn": Peer("sdpa cudnn", "torch", lambda causal: _sdpa(causal, "CUDNN_ATTENTION")),
+    "sdpa-flash": Peer("sdpa flash", "torch", lambda causal: _sdpa(causal, "FLASH_ATTENTION")),
+    "sdpa-efficient": Peer("sdpa efficient", "torch", lambda causal: _sdpa(causal, "EFFICIENT_ATTENTION")),
+    "sdpa-math": Peer("sdpa math", "torch", lambda causal: _sdpa(causal, "MATH")),
+    "flash-attn": Peer("flash-attn", "torch", _flash_attn),
+    "jax": Peer("jax.nn.dot_product_attention", "jax", lambda causal: _jax_dpa(causal, None)),
+    "jax-cudnn": Peer("jax cudnn", "jax", lambda causal: _jax_dpa(causal, "cudnn")),
+    "jax-xla": Peer("jax xla", "jax", lambda causal: _jax_dpa(causal, "xla")),
+}
+PEER_NAMES = tuple(PEERS)
+
+
+def default_peers(framework: str, on_gpu: bool) -> tuple[str, ...]:
+    """The peers without ``--peer``: the framework's attention as it picks on a CPU; on a GPU each of its kernels
+    pinned, and flash-attn for torch (dropped, with the reason, where it is not installed)."""
     if not on_gpu:
-        return {_PEERS["jax"]: peer(None)}
-    return {"jax cudnn": peer("cudnn"), "jax xla": peer("xla")}
+        return ("sdpa",) if framework == "torch" else ("jax",)
+    return ("sdpa-cudnn", "sdpa-flash", "flash-attn") if framework == "torch" else ("jax-cudnn", "jax-xla")
+
+
+def parse_shape(text: str) -> tuple[int, int, int, int, int]:
+    """``BxHxLQxLKxD`` (or ``BxHxLxD`` for Lq == Lk) as (B, H, Lq, Lk, D)."""
+    parts = [int(part) for part in text.lower().split("x")]
+    if len(parts) == 4:
+        parts.insert(3, parts[2])
+    if len(parts) != 5 or min(parts) < 1:
+        raise ValueError(f"shape {text!r}: expected BxHxLQxLKxD or BxHxLxD with positive integers")
+    batch, heads, len_q, len_k, head_dim = parts
+    return batch, heads, len_q, len_k, head_dim
+
+
+def paper_shapes(seq_lens: tuple[int, ...], head_dims: tuple[int, ...], tokens: int, hidden: int) -> list[Any]:
+    """The FlashAttention-2 paper's grid: ``tokens`` per batch (B = tokens / L), ``hidden`` = H * D."""
+    return [
+        (max(1, tokens // seq_len), max(1, hidden // head_dim), seq_len, seq_len, head_dim)
+        for head_dim in head_dims
+        for seq_len in seq_lens
+    ]
 
 
 def _runs(attention: Callable[..., Any], q: Any, k: Any, v: Any) -> str | None:
@@ -131,6 +183,16 @@ def _jax_passes(attention: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any
     return {"fwd": lambda: blocked(forward, q, k, v), "fwd+bwd": lambda: blocked(gradients, q, k, v)}
 
 
+#: The passes timed by default; ``bwd`` alone runs on a graph built outside the timing (torch), or is fwd+bwd minus
+#: fwd (JAX).
+PASSES = ("fwd", "bwd", "fwd+bwd")
+
+
+def _clock(framework: str, on_gpu: bool) -> Any:
+    """CUDA events time torch's queued GPU work; JAX calls block on their results, so the wall clock serves them."""
+    return cuda_event_clock() if on_gpu and framework == "torch" else wall_clock()
+
+
 def bench_backend(
     name: str,
     device: str = "cpu",
@@ -139,113 +201,225 @@ def bench_backend(
     dtype: str = "bfloat16",
     repeats: int = 10,
     warmup: int = 3,
+    peers: tuple[str, ...] | None = None,
+    shapes: list[tuple[int, int, int, int, int]] | None = None,
+    passes: tuple[str, ...] = PASSES,
+    progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """fwd, bwd and fwd+bwd TFLOP/s of a backend and of its framework's peer (torch SDPA for torch backends,
-    jax.nn.dot_product_attention for JAX ones), causal and not, at the FlashAttention-2 paper's shapes on a GPU
-    (tiny shapes on CPU, where the figures are not performance figures)."""
+    """fwd, bwd and fwd+bwd TFLOP/s of a backend and of its peers (by default its framework's own attention: torch
+    SDPA for torch backends, jax.nn.dot_product_attention for JAX ones; ``peers`` names others, of either framework),
+    causal and not, at the FlashAttention-2 paper's shapes on a GPU (tiny shapes on CPU, where the figures are not
+    performance figures) or at ``shapes`` (B, H, Lq, Lk, D).
+
+    Causal rows are timed only where Lq == Lk: the peers align causal masks top-left and attnkit bottom-right, which
+    agree only there. Backward passes are not timed where Lq == 1 (a decode step is inference). A call that raises
+    is recorded in its row (``error``, or ``<pass>_error``) and the run goes on: a first GPU run must report every
+    backend, not stop at the first refusal."""
     import attnkit
-    from attnkit.backend import Framework
     from attnkit.testing.runners import native_framework
 
     backend = attnkit.get_backend(name)
     reasons = backend.available()
     if reasons:
         raise attnkit.BackendUnavailableError(f"backend={name!r} cannot run here: {'; '.join(reasons)}")
-    framework = native_framework(name)
+    unknown = [peer for peer in peers or () if peer not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)} (known: {', '.join(PEER_NAMES)})")
+    unknown = [name for name in passes if name not in PASSES]
+    if unknown or not passes:
+        raise ValueError(f"passes {list(passes)}: choose among {', '.join(PASSES)}")
+    framework = native_framework(name).value
     on_gpu = device == "cuda"
-    seq_lens = seq_lens or (PAPER_SEQ_LENS if on_gpu else CPU_SEQ_LENS)
-    tokens, hidden = (PAPER_TOKENS, PAPER_HIDDEN) if on_gpu else (CPU_TOKENS, CPU_HIDDEN)
-    # CUDA events time torch's queued GPU work; JAX calls block on their results, so the wall clock serves them.
-    clock = cuda_event_clock() if on_gpu and framework is Framework.TORCH else wall_clock()
+    if shapes is None:
+        tokens, hidden = (PAPER_TOKENS, PAPER_HIDDEN) if on_gpu else (CPU_TOKENS, CPU_HIDDEN)
+        shapes = paper_shapes(seq_lens or (PAPER_SEQ_LENS if on_gpu else CPU_SEQ_LENS), head_dims, tokens, hidden)
+    chosen = peers if peers is not None else default_peers(framework, on_gpu)
     flush = _l2_flush(device)
+    clocks = {kind: _clock(kind, on_gpu) for kind in ("torch", "jax")}
+    say = progress or (lambda message: None)
 
-    def milliseconds(function: Callable[[], Any]) -> float:
-        samples = interleaved({name: function}, repeats, warmup, calls=1, clock=clock, after_sample=flush)
+    def milliseconds(function: Callable[[], Any], kind: str) -> float:
+        samples = interleaved({name: function}, repeats, warmup, calls=1, clock=clocks[kind], after_sample=flush)
         return statistics.median(samples[name]) / 1e6
 
     rows: list[dict[str, Any]] = []
-    skipped: dict[str, str] = {}  # a peer that cannot run here, and why
-    peers_of = _torch_peers if framework is Framework.TORCH else _jax_peers
-    for head_dim in head_dims:
-        for seq_len in seq_lens:
-            batch, heads = max(1, tokens // seq_len), max(1, hidden // head_dim)
-            shape = (batch, heads, seq_len, head_dim)
-            q, k, v, dout = random_inputs(framework, shape, shape, dtype, device)
-            for causal in (False, True):
-                spec = attnkit.AttentionSpec(causal=causal)  # Lq == Lk: bottom-right equals the peers' top-left
-                implementations = {
-                    name: lambda q, k, v, spec=spec: attnkit.attend(spec, q, k, v, backend=name),
-                    **peers_of(causal, on_gpu),
+    skipped: dict[str, str] = {}  # a peer that cannot run here (its first failure), and why
+    for batch, heads, len_q, len_k, head_dim in shapes:
+        inputs: dict[str, Any] = {}  # per framework, made once per shape
+        for causal in (False, True) if len_q == len_k else (False,):
+            spec = attnkit.AttentionSpec(causal=causal)  # Lq == Lk: bottom-right equals the peers' top-left
+            implementations: dict[str, tuple[str, Callable[[bool], Callable[..., Any]]]] = {
+                name: (framework, _backend_call(name, spec))
+            }
+            for peer in chosen:
+                implementations[PEERS[peer].label] = (PEERS[peer].framework, PEERS[peer].make)
+            for implementation, (kind, make) in implementations.items():
+                say(f"{implementation} B={batch} H={heads} Lq={len_q} Lk={len_k} D={head_dim} causal={causal}")
+                row: dict[str, Any] = {
+                    "implementation": implementation,
+                    "framework": kind,
+                    "seq_len": len_q,
+                    "len_k": len_k,
+                    "head_dim": head_dim,
+                    "batch": batch,
+                    "heads": heads,
+                    "causal": causal,
                 }
-                for implementation, attention in implementations.items():
-                    if implementation != name and implementation not in skipped:
-                        reason = _runs(attention, q, k, v)
-                        if reason is not None:
-                            skipped[implementation] = reason
-                    if implementation in skipped:
-                        continue
-                    if framework is Framework.TORCH:
-                        passes = _torch_passes(attention, q, k, v, dout)
-                        passes["build"]()
+                rows.append(row)
+                try:
+                    if kind not in inputs:
+                        q_shape, kv_shape = (batch, heads, len_q, head_dim), (batch, heads, len_k, head_dim)
+                        inputs[kind] = random_inputs(kind, q_shape, kv_shape, dtype, device)
+                    q, k, v, dout = inputs[kind]
+                    attention = make(causal)
+                except Exception as error:  # a peer whose library is missing (flash-attn), or a framework
+                    row["error"] = _reason(error)
+                else:
+                    row["error"] = _runs(attention, q, k, v)
+                if row["error"] is not None:
+                    if implementation != name:
+                        skipped.setdefault(implementation, row["error"])
+                    continue
+                timed = passes if len_q > 1 else tuple(p for p in passes if p == "fwd")
+                if kind == "torch":
+                    functions = _torch_passes(attention, q, k, v, dout)
+                else:
+                    functions = _jax_passes(attention, q, k, v, dout)
+                for pass_name in PASSES:
+                    row[f"{pass_name}_ms"] = row[f"{pass_name}_tflops"] = None
+                for pass_name in sorted(timed, key=PASSES.index):
+                    if pass_name == "bwd" and "bwd" not in functions:
+                        # JAX: the backward is what fwd+bwd adds to fwd (None when noise hides it, or one is missing)
+                        total, forward = (
+                            _timed(row, "fwd+bwd", functions, milliseconds, kind),
+                            _timed(row, "fwd", functions, milliseconds, kind),
+                        )
+                        difference = total - forward if total is not None and forward is not None else None
+                        elapsed = difference if difference is not None and difference > 0 else None
                     else:
-                        passes = _jax_passes(attention, q, k, v, dout)
-                    row: dict[str, Any] = {
-                        "implementation": implementation,
-                        "seq_len": seq_len,
-                        "head_dim": head_dim,
-                        "batch": batch,
-                        "heads": heads,
-                        "causal": causal,
-                    }
-                    for pass_name in ("fwd", "fwd+bwd", "bwd"):
-                        if pass_name in passes:
-                            elapsed: float | None = milliseconds(passes[pass_name])
-                        else:  # JAX: the backward is what fwd+bwd adds to fwd (None when noise hides it)
-                            difference = row["fwd+bwd_ms"] - row["fwd_ms"]
-                            elapsed = difference if difference > 0 else None
-                        flops = attention_flops(batch, heads, seq_len, head_dim, causal, pass_name)
-                        row[f"{pass_name}_ms"] = elapsed
-                        row[f"{pass_name}_tflops"] = flops / (elapsed * 1e9) if elapsed else None
-                    rows.append(row)
+                        elapsed = _timed(row, pass_name, functions, milliseconds, kind)
+                    flops = attention_flops(batch, heads, len_q, head_dim, causal, pass_name, len_k=len_k)
+                    row[f"{pass_name}_ms"] = elapsed
+                    row[f"{pass_name}_tflops"] = flops / (elapsed * 1e9) if elapsed else None
+                for key in [key for key in row if key.startswith("_")]:
+                    del row[key]  # _timed's memo
     return {
         "what": "backend",
         "backend": name,
-        "framework": framework.value,
+        "framework": framework,
         "peers": list(dict.fromkeys(row["implementation"] for row in rows if row["implementation"] != name)),
         "skipped_peers": skipped,
         "l2_flush": flush is not None,
+        "clocks": {"torch": "cuda events" if on_gpu else "wall clock", "jax": "wall clock, blocked on the result"},
         "backend_description": backend.capabilities.description,
         "environment": environment(device),
         "dtype": dtype,
         "repeats": repeats,
         "warmup": warmup,
+        "passes": list(passes),
         "results": rows,
     }
+
+
+def _backend_call(name: str, spec: Any) -> Callable[[bool], Callable[..., Any]]:
+    """A peer-like factory of ``attend(spec, ..., backend=name)`` (the spec already carries the causality)."""
+    import attnkit
+
+    def make(_causal: bool) -> Callable[..., Any]:
+        return lambda q, k, v: attnkit.attend(spec, q, k, v, backend=name)
+
+    return make
+
+
+def _reason(error: BaseException) -> str:
+    text = str(error)
+    return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def _timed(
+    row: dict[str, Any],
+    pass_name: str,
+    functions: dict[str, Callable[[], Any]],
+    milliseconds: Callable[[Callable[[], Any], str], float],
+    kind: str,
+) -> float | None:
+    """The median ms of one pass, once per row (JAX's bwd reuses fwd and fwd+bwd); None, with ``<pass>_error`` in
+    the row, where it raised."""
+    key = f"_{pass_name}_measured"
+    if key not in row:
+        if pass_name == "bwd" and "build" in functions:
+            functions["build"]()  # the graph the backward walks, outside the timing
+        try:
+            row[key] = milliseconds(functions[pass_name], kind)
+        except Exception as error:  # a backward the backend refuses or a kernel that fails: recorded, not raised
+            row[f"{pass_name}_error"] = _reason(error)
+            row[key] = None
+    return row[key]
+
+
+def ratios(result: dict[str, Any], pass_name: str = "fwd+bwd") -> list[dict[str, Any]]:
+    """The backend's TFLOP/s over each peer's at the same shape and causality, for one pass."""
+    rows = result["results"]
+    peers = {
+        (
+            row["implementation"],
+            row["batch"],
+            row["heads"],
+            row["seq_len"],
+            row["len_k"],
+            row["head_dim"],
+            row["causal"],
+        ): row
+        for row in rows
+    }
+    found = []
+    for row in rows:
+        if row["implementation"] != result["backend"]:
+            continue
+        shape = (row["batch"], row["heads"], row["seq_len"], row["len_k"], row["head_dim"], row["causal"])
+        for peer in result["peers"]:
+            other = peers.get((peer, *shape))
+            mine, theirs = row.get(f"{pass_name}_tflops"), other and other.get(f"{pass_name}_tflops")
+            if mine and theirs:
+                found.append({"peer": peer, "shape": shape, "pass": pass_name, "ratio": mine / theirs})
+    return found
 
 
 def format_backend(result: dict[str, Any]) -> str:
     by_shape: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in result["results"]:
-        by_shape.setdefault((row["head_dim"], row["seq_len"], row["causal"]), {})[row["implementation"]] = row
+        key = (row["batch"], row["heads"], row["seq_len"], row.get("len_k", row["seq_len"]), row["head_dim"])
+        by_shape.setdefault((*key, row["causal"]), {})[row["implementation"]] = row
+    passes = [name for name in PASSES if name in result.get("passes", PASSES)]
+    compared = [name for name in ("fwd", "fwd+bwd") if name in passes]
 
-    def ratio(row: dict[str, Any], peer: str) -> str:
-        other = by_shape[row["head_dim"], row["seq_len"], row["causal"]].get(peer)
-        if other is None or not other["fwd+bwd_tflops"] or not row["fwd+bwd_tflops"]:
-            return "n/a"
-        return f"{row['fwd+bwd_tflops'] / other['fwd+bwd_tflops']:.2f}x"
+    def ratio(row: dict[str, Any], peer: str, pass_name: str) -> str:
+        key = (row["batch"], row["heads"], row["seq_len"], row.get("len_k", row["seq_len"]), row["head_dim"])
+        other = by_shape[(*key, row["causal"])].get(peer)
+        mine, theirs = row.get(f"{pass_name}_tflops"), other and other.get(f"{pass_name}_tflops")
+        return f"{mine / theirs:.2f}x" if mine and theirs else "n/a"
+
+    def cell(row: dict[str, Any], pass_name: str) -> str:
+        if row.get("error"):
+            return "error"
+        if row.get(f"{pass_name}_error"):
+            return "error"
+        elapsed = row.get(f"{pass_name}_ms")
+        return f"{row[f'{pass_name}_tflops']:.3g} ({elapsed:.3g} ms)" if elapsed else "n/a"
+
+    def length(row: dict[str, Any]) -> str:
+        len_k = row.get("len_k", row["seq_len"])
+        return str(row["seq_len"]) if len_k == row["seq_len"] else f"{row['seq_len']}/{len_k}"
 
     rows = [
         [
             row["implementation"],
             "yes" if row["causal"] else "no",
             str(row["head_dim"]),
-            str(row["seq_len"]),
+            length(row),
             f"{row['batch']}x{row['heads']}",
-            *(
-                f"{row[f'{name}_tflops']:.3g} ({row[f'{name}_ms']:.3g} ms)" if row[f"{name}_ms"] else "n/a"
-                for name in ("fwd", "bwd", "fwd+bwd")
-            ),
-            *(ratio(row, peer) for peer in result["peers"]),
+            *(cell(row, name) for name in passes),
+            *(ratio(row, peer, name) for peer in result["peers"] for name in compared),
         ]
         for row in result["results"]
     ]
@@ -257,14 +431,23 @@ def format_backend(result: dict[str, Any]) -> str:
         )
     flushed = ", the L2 cache flushed between samples" if result["l2_flush"] else ""
     lines += [
-        f"{result['backend']} against {', '.join(result['peers'])}, {result['dtype']}, TFLOP/s (median ms) of "
-        f"{result['repeats']} repeats after {result['warmup']} warm-up{flushed}; FLOPs as in the FlashAttention-2 "
-        "paper",
+        f"{result['backend']} against {', '.join(result['peers']) or 'no peer'}, {result['dtype']}, TFLOP/s (median "
+        f"ms) of {result['repeats']} repeats after {result['warmup']} warm-up{flushed}; FLOPs as in the "
+        "FlashAttention-2 paper; L is Lq/Lk where they differ",
         format_table(
-            ["implementation", "causal", "D", "L", "BxH", "fwd", "bwd", "fwd+bwd"]
-            + [f"fwd+bwd vs {peer}" for peer in result["peers"]],
+            ["implementation", "causal", "D", "L", "BxH", *passes]
+            + [f"{name} vs {peer}" for peer in result["peers"] for name in compared],
             rows,
         ),
     ]
     lines += [f"not run: {peer} ({reason})" for peer, reason in result["skipped_peers"].items()]
+    for row in result["results"]:
+        if row["implementation"] != result["backend"]:
+            continue
+        errors = [f"{name}: {row[f'{name}_error']}" for name in PASSES if row.get(f"{name}_error")]
+        if row.get("error"):
+            errors.insert(0, row["error"])
+        if errors:
+            lines.append(f"{result['backend']} failed at {row['batch']}x{row['heads']} L={length(row)} "
+                         f"D={row['head_dim']} causal={row['causal']}: {'; '.join(errors)}")  # fmt: skip
     return "\n".join(lines)
