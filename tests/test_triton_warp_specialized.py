@@ -85,7 +85,7 @@ def test_compiled_warp_specialized_kernels_agree_with_the_oracle(
 
     if launch.INTERPRETED or launch.arch_of(torch.device("cuda")) != "sm_90":
         pytest.skip("the warp-specialised kernels are Hopper's")
-    monkeypatch.setattr(launch._autotuner, "choose", lambda key, configs, run: configs[-1])
+    monkeypatch.setattr(launch._autotuner, "choose", lambda key, configs, run, restore=(): configs[-1])
     case = Case(spec=AttentionSpec(), len_q=256, len_k=384, heads_q=4, heads_kv=2, head_dim=128, head_dim_v=128,
                 dtype="bfloat16")  # fmt: skip
     with attnkit.use_config({"backend_options": {"triton": {"warp_specialize": True}}}):
