@@ -151,7 +151,7 @@ class Scenario:
 
 
 def _scenarios() -> list[Scenario]:
-    whole = dict(len_q=256, len_k=384)  # whole 128-row tiles: the warp-specialised candidate can serve
+    whole: dict[str, Any] = dict(len_q=256, len_k=384)  # whole 128-row tiles: the warp-specialised candidate can serve
     causal_top_left = AttentionSpec(causal=True, causal_alignment=CausalAlignment.TOP_LEFT)
     scenarios = [
         Scenario("plain"),

@@ -18,6 +18,7 @@ assembly, the allocator of in-kernel descriptors.
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections.abc import Callable, Sequence
@@ -446,7 +447,7 @@ class Autotuner:
         try:
             for config in configs:
                 try:
-                    timings.append((timer(lambda config=config: timed(config)), config))
+                    timings.append((timer(functools.partial(timed, config)), config))
                 except triton.runtime.errors.OutOfResources:
                     continue
         finally:
