@@ -7,11 +7,21 @@ Triton decides when a kernel is decorated whether it is compiled for the GPU or 
 ``TRITON_INTERPRET=1`` environment variable, read when ``kernels.py`` is imported). Compiled kernels take CUDA
 tensors; interpreted ones take CPU tensors and run one program at a time in NumPy: correct and slow, a
 conformance path, never a performance one.
+
+What a launch does is planned for a :class:`Target` (the compiled kernels of an arch, or the interpreter's plan): the
+tiles, the autotuner, tensor descriptors, warp specialisation, the one-pass backward. The process's own target
+follows its mode and device; a test may plan for another (tests/test_triton_planning.py plans the compiled launches
+on CPU). Only what depends on how the kernels execute reads :data:`INTERPRETED`, through the
+:class:`KernelExecutor` that runs a planned launch: the interpreter's bfloat16 workaround, the compiled kernels' inline
+assembly, the allocator of in-kernel descriptors.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 import threading
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -36,6 +46,28 @@ from . import kernels
 INTERPRETED = isinstance(kernels._fwd_kernel, InterpretedFunction)
 #: The one device the kernels can take in this process.
 KERNEL_DEVICE = "cpu" if INTERPRETED else "cuda"
+#: The tile tables of compiled kernels (gpu_configs): "sm_80" for Ampere and older, "sm_90" for Hopper and newer.
+ARCHS = ("sm_80", "sm_90")
+
+
+class UnknownArchError(ValueError):
+    """A compiled target names an arch without a tile table (not one of ARCHS)."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """What a launch is planned for: compiled kernels of ``arch`` (one of ARCHS), or, not ``compiled``, the
+    interpreter's plan (its small tiles, no autotuner, descriptors and warp specialisation wherever they serve)."""
+
+    compiled: bool
+    arch: str | None = None  # compiled only
+
+    def __post_init__(self) -> None:
+        if self.compiled and self.arch not in ARCHS:
+            raise UnknownArchError(f"a compiled target needs an arch among {ARCHS}, not {self.arch!r}")
+
+
+INTERPRETER_TARGET = Target(compiled=False)
 
 
 @dataclass(frozen=True)
@@ -162,6 +194,11 @@ def arch_of(device: torch.device) -> str:
     return "sm_90" if major >= 9 else "sm_80"
 
 
+def target_of(device: torch.device) -> Target:
+    """The target this process's kernels serve on ``device``: the interpreter's plan, or compiled for its arch."""
+    return INTERPRETER_TARGET if INTERPRETED else Target(compiled=True, arch=arch_of(device))
+
+
 def length_bucket(length: int) -> int:
     """The autotuner's sequence-length bucket: the next power of two from 512 to 16384, so that a tile chosen on
     a short call is not reused for a long one."""
@@ -200,10 +237,12 @@ def kernel_constants(
     dtype: torch.dtype,
     switches: KernelSwitches | None = None,
     tensor_descriptors: bool = False,
+    interpreted: bool = INTERPRETED,
 ) -> dict[str, Any]:
     """The constexprs of one kernel, tiles aside. ``grad_float32`` has none: the kernels store through pointers
     typed by the gradient buffers. ``tensor_descriptors``: the kernel reads its DESCRIBED operands through the
-    descriptors passed after its other arguments (:func:`descriptors`)."""
+    descriptors passed after its other arguments (:func:`descriptors`). ``interpreted``: whether the interpreter
+    executes the kernel, whatever the plan's target (INTERPRETER_BF16 and COMPILED follow it)."""
     switches = switches or KernelSwitches()
     block = padded_head_dim(head_dim, head_dim_v)
     if kernel is Kernel.DELTA:
@@ -225,14 +264,15 @@ def kernel_constants(
         HAS_SEGMENT_IDS=switches.has_segment_ids,
         SEGMENT_GRANULE=SEGMENT_GRANULE,  # every tile above is a multiple of it
         # The one switch for the interpreter's bfloat16 bugs (kernels._dot, kernels._rounded).
-        INTERPRETER_BF16=INTERPRETED and dtype == torch.bfloat16,
+        INTERPRETER_BF16=interpreted and dtype == torch.bfloat16,
         # float32 operands multiply in IEEE float32, not TF32: TF32's 10-bit mantissa would miss the tolerance
         # rule for float32 (docs/testing.md) by three orders of magnitude.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )
     constants.update(TMA=tensor_descriptors)
     if kernel is Kernel.FORWARD:
-        constants.update(PAGED=switches.paged, SPLIT_K=switches.split_k, COMPILED=not INTERPRETED)
+        # COMPILED: the epilogue's inline assembly, which the interpreter cannot run (kernels._epilogue_rows).
+        constants.update(PAGED=switches.paged, SPLIT_K=switches.split_k, COMPILED=not interpreted)
     if kernel is Kernel.DKDV:
         constants.update(HAS_DBIAS=switches.has_dbias, ATOMIC_DQ=switches.atomic_dq)
     return constants
@@ -267,13 +307,13 @@ def descriptors_serve(kernel: Kernel, switches: KernelSwitches) -> bool:
 def descriptors_pay(kernel: Kernel, switches: KernelSwitches, dtype: torch.dtype, arch: str, block_d: int) -> bool:
     """Whether a compiled kernel takes them: on Hopper (TMA copies, no address arithmetic in the loop), in half
     precision, where they serve and the kernel stays lean by the static check (the cosine variant spills with
-    them; DESCRIBED's least head dim)."""
+    them; DESCRIBED's least head dim). False for a kernel DESCRIBED does not list (Δ)."""
     return (
-        arch == "sm_90"
+        descriptors_serve(kernel, switches)  # first: it excludes the kernels DESCRIBED does not list
+        and arch == "sm_90"
         and dtype != torch.float32
         and not switches.cosine
         and block_d >= DESCRIBED[kernel].least_block_d
-        and descriptors_serve(kernel, switches)
     )
 
 
@@ -282,20 +322,29 @@ def describable(x: torch.Tensor) -> bool:
     return x.stride(-1) == 1 and rows_on_16_bytes(x)
 
 
-def uses_descriptors(kernel: Kernel, call: KernelCall, args: list[Any], switches: KernelSwitches) -> bool:
+def uses_descriptors(
+    kernel: Kernel, call: KernelCall, args: list[Any], switches: KernelSwitches, target: Target
+) -> bool:
     """Whether a kernel reads its DESCRIBED operands through tensor descriptors: where they pay when compiled,
-    wherever they serve under the interpreter (the same kernel code, tested on CPU), and only for operands whose
+    wherever they serve in the interpreter's plan (the same kernel code, tested on CPU), and only for operands whose
     rows and strides are 16-byte aligned, as a descriptor requires."""
-    if INTERPRETED:
-        wanted = descriptors_serve(kernel, switches)
-    else:
+    if target.compiled:
+        assert target.arch is not None  # Target checks it
         block_d = padded_head_dim(*call.head_dims)
-        wanted = descriptors_pay(kernel, switches, call.q.dtype, arch_of(call.q.device), block_d)
+        wanted = descriptors_pay(kernel, switches, call.q.dtype, target.arch, block_d)
+    else:
+        wanted = descriptors_serve(kernel, switches)
     return wanted and all(describable(args[place]) for place in DESCRIBED[kernel].places)
 
 
 def warp_specialization_serves(
-    kernel: Kernel, call: KernelCall, args: list[Any], switches: KernelSwitches, described: bool, config: TileConfig
+    kernel: Kernel,
+    call: KernelCall,
+    args: list[Any],
+    switches: KernelSwitches,
+    described: bool,
+    config: TileConfig,
+    target: Target,
 ) -> bool:
     """Whether the forward or dQ can run its key loop warp-specialised at ``config``'s tile (the kernels'
     WARP_SPECIALIZE): every tile interior (none of _EDGE_SWITCHES, both lengths whole tiles), since Triton's pass
@@ -308,7 +357,7 @@ def warp_specialization_serves(
     if any(getattr(switches, name) for name in _EDGE_SWITCHES):
         return False
     _, _, len_q, len_k = call.geometry
-    head_dims_checked = INTERPRETED or padded_head_dim(*call.head_dims) in (64, 128)
+    head_dims_checked = not target.compiled or padded_head_dim(*call.head_dims) in (64, 128)
     whole_tiles = len_q % config.block_m == 0 and len_k % config.block_n == 0
     rows = [args[0]] if kernel is Kernel.FORWARD else [args[0], args[3]]  # q; q and dO
     rows_statistics = [] if kernel is Kernel.FORWARD else [args[4], args[5]]  # lse and Δ
@@ -348,95 +397,198 @@ def descriptors(kernel: Kernel, args: list[Any], config: TileConfig, block_d: in
     )
 
 
-class _Autotuner:
-    """Picks the fastest of a few configurations per key on the first CUDA call, then reuses it."""
+#: Each kernel's arguments that a launch adds into rather than overwrites (by parameter name in kernels.py), with the
+#: switch under which it does: two launches add twice, so the autotuner restores them between its timed launches.
+ACCUMULATED: dict[Kernel, tuple[tuple[str, str], ...]] = {Kernel.DKDV: (("DQSum", "atomic_dq"),)}
 
-    def __init__(self) -> None:
+
+def accumulated_arguments(kernel: Kernel, args: list[Any], switches: KernelSwitches) -> list[torch.Tensor]:
+    """The tensors among ``args`` that ``kernel``'s launch under ``switches`` accumulates into (ACCUMULATED)."""
+    names = FUNCTIONS[kernel].arg_names
+    return [args[names.index(name)] for name, switch in ACCUMULATED.get(kernel, ()) if getattr(switches, switch)]
+
+
+#: Times a launch (a callable of no arguments), in any unit: triton.testing.do_bench's milliseconds by default.
+Timer = Callable[[Callable[[], None]], float]
+
+
+class Autotuner:
+    """Picks the fastest of a few configurations per key on the first compiled call, then reuses it. ``timer``:
+    triton.testing.do_bench (read at each call) unless given; tests give one that needs no GPU."""
+
+    def __init__(self, timer: Timer | None = None) -> None:
+        self.timer = timer
         self._best: dict[tuple, TileConfig] = {}
         self._lock = threading.Lock()
 
-    def choose(self, key: tuple, configs: tuple[TileConfig, ...], launch: Any) -> TileConfig:
+    def choose(
+        self,
+        key: tuple,
+        configs: tuple[TileConfig, ...],
+        launch: Callable[[TileConfig], None],
+        restore: Sequence[torch.Tensor] = (),
+    ) -> TileConfig:
+        """The best of ``configs`` for ``key``, timing each by running ``launch`` on the live arguments the first
+        time. ``restore``: the tensors a launch adds into (accumulated_arguments). The timer runs a launch many times,
+        so each timed launch starts from their values on entry, and they hold those values again on return: the
+        caller's one launch then adds into them once (as Triton's own autotuner's restore_value)."""
         with self._lock:
             if key in self._best:
                 return self._best[key]
+        timer = self.timer or triton.testing.do_bench
+        saved = [x.clone() for x in restore]
+
+        def timed(config: TileConfig) -> None:
+            for x, value in zip(restore, saved):
+                x.copy_(value)
+            launch(config)
+
         timings = []
-        for config in configs:
-            try:
-                timings.append((triton.testing.do_bench(lambda config=config: launch(config)), config))
-            except triton.runtime.errors.OutOfResources:
-                continue
+        try:
+            for config in configs:
+                try:
+                    timings.append((timer(functools.partial(timed, config)), config))
+                except triton.runtime.errors.OutOfResources:
+                    continue
+        finally:
+            for x, value in zip(restore, saved):
+                x.copy_(value)
         best = min(timings, key=lambda item: item[0])[1] if timings else configs[0]
         with self._lock:
             self._best[key] = best
         return best
 
 
-_autotuner = _Autotuner()
+_autotuner = Autotuner()
+
+
+class KernelExecutor:
+    """Runs a planned launch of one of FUNCTIONS. ``interpreted``: whether Triton's interpreter runs it, which decides
+    what follows execution rather than the plan (kernel_constants' INTERPRETER_BF16 and COMPILED; the allocator that
+    compiled in-kernel descriptors need)."""
+
+    interpreted = INTERPRETED
+
+    def launch(
+        self,
+        kernel: Kernel,
+        grid: tuple[int, int, int],
+        args: list[Any],
+        constants: dict[str, Any],
+        options: dict[str, int],
+    ) -> None:
+        """``args``: the positional arguments (descriptors included); ``constants``: the constexprs; ``options``:
+        num_warps and num_stages (none: Triton's defaults)."""
+        FUNCTIONS[kernel][grid](*args, **constants, **options)
+
+
+#: The Triton versions (major, minor) on which WARP_SPECIALIZED is known to compile as intended for sm_90 (three
+#: warpgroups, setmaxnreg, no copy in the consumers' loop, no spills, a leaner loop than the default tile's): 3.9 by
+#: tests/test_triton_static.py, 3.6 by the same compile with Triton 3.6.0 (docs/triton.md). Not offered on others.
+WARP_SPECIALIZATION_CHECKED = ((3, 6), (3, 9))
+
+
+def warp_specialization_checked(version: str) -> bool:
+    """Whether a Triton version (``triton.__version__``) is one of WARP_SPECIALIZATION_CHECKED."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    return match is not None and (int(match[1]), int(match[2])) in WARP_SPECIALIZATION_CHECKED
 
 
 class TritonLauncher:
-    """Runs a kernel: interpreted with the interpreter tiles, or compiled with an autotuned configuration (the Δ
-    kernel, a row sum, with DELTA_BLOCK_M rows and Triton's default warps and stages)."""
+    """Plans each kernel's launch for a :class:`Target` and has a :class:`KernelExecutor` run it: the interpreter's
+    tiles, or compiled with an autotuned configuration (the Δ kernel, a row sum, with DELTA_BLOCK_M rows and Triton's
+    default warps and stages)."""
 
     # Triton types Python scalars itself: an int as i32 (i64 when it does not fit), a float as fp32.
     types = ArgumentTypes(int32=int, int64=int, float32=float)
     bias_dtype: torch.dtype | None = None  # the kernels read the bias in its own dtype
 
-    def __init__(self, offers_warp_specialized: bool = False) -> None:
+    def __init__(
+        self,
+        offers_warp_specialized: bool = False,
+        *,
+        target: Target | None = None,
+        executor: KernelExecutor | None = None,
+        autotuner: Autotuner | None = None,
+        triton_version: str = triton.__version__,
+    ) -> None:
         # Compiled, whether the autotuner also times WARP_SPECIALIZED where it serves (the triton backend's
-        # warp_specialize option). The interpreter runs that code wherever it serves, so the CPU tests cover it.
-        self.offers_warp_specialized = offers_warp_specialized
+        # warp_specialize option), on the Triton versions where it compiles as intended. The interpreter runs that
+        # code wherever it serves, so the CPU tests cover it.
+        self.offers_warp_specialized = offers_warp_specialized and warp_specialization_checked(triton_version)
+        self.target = target  # None: the process's own, per call (target_of)
+        self.executor = executor or KernelExecutor()
+        self.autotuner = autotuner or _autotuner
+
+    def target_for(self, call: KernelCall) -> Target:
+        return self.target or target_of(call.q.device)
 
     def one_pass_backward(self, call: KernelCall) -> bool:
         """The one-pass backward (dq added atomically by the dK/dV kernel) where it compiles lean: head dims up to 128
-        on Hopper, and under the interpreter alike (unless deterministic results are asked for: KernelBackend.
+        on Hopper, and in the interpreter's plan alike (unless deterministic results are asked for: KernelBackend.
         deterministic). On sm_80 Triton's float atomics cost a loop (75 instructions per score); at D = 256 the
         two-kernel tiles spill already. At D = 128 on sm_90 its 316 B of spills lie outside the interior loop, which
         reads 16.7 instructions per score against the two kernels' 9.6 + 13.6 (docs/performance.md)."""
         if padded_head_dim(*call.head_dims) > 128:
             return False
-        return INTERPRETED or arch_of(call.q.device) == "sm_90"
+        target = self.target_for(call)
+        return not target.compiled or target.arch == "sm_90"
+
+    def candidates(
+        self,
+        kernel: Kernel,
+        call: KernelCall,
+        args: list[Any],
+        switches: KernelSwitches,
+        described: bool,
+        target: Target,
+    ) -> tuple[TileConfig, ...]:
+        """A compiled kernel's tiles for the autotuner, the default first."""
+        assert target.arch is not None  # compiled: Target checks it
+        block_d = padded_head_dim(*call.head_dims)
+        configs = gpu_configs(NAMES[kernel], block_d, call.q.dtype, target.arch, switches)
+        if self.offers_warp_specialized and warp_specialization_serves(
+            kernel, call, args, switches, described, WARP_SPECIALIZED, target
+        ):
+            configs = (*configs, WARP_SPECIALIZED)
+        return configs
 
     def run(self, kernel: Kernel, call: KernelCall, grid: Grid, args: list[Any], switches: KernelSwitches) -> None:
-        function = FUNCTIONS[kernel]
+        target = self.target_for(call)
+        executor = self.executor
         if kernel is Kernel.DKDV and not switches.atomic_dq:  # no dq sum: any pointer and strides stand for it
             args = [*args, args[4], 0, 0, 0]
-        described = uses_descriptors(kernel, call, args, switches)
-        constants = kernel_constants(kernel, *call.head_dims, call.q.dtype, switches, described)
+        described = uses_descriptors(kernel, call, args, switches, target)
+        constants = kernel_constants(
+            kernel, *call.head_dims, call.q.dtype, switches, described, interpreted=executor.interpreted
+        )
         if kernel is Kernel.DELTA:
-            rows = INTERPRETER_CONFIG.block_m if INTERPRETED else DELTA_BLOCK_M
-            function[grid.blocks(rows, rows)](*args, **constants, BLOCK_M=rows)
+            rows = DELTA_BLOCK_M if target.compiled else INTERPRETER_CONFIG.block_m
+            executor.launch(kernel, grid.blocks(rows, rows), args, {**constants, "BLOCK_M": rows}, {})
             return
 
         def launch(config: TileConfig) -> None:
             tiles = descriptors(kernel, args, config, constants["BLOCK_D"]) if described else (None, None)
-            if config.warp_specialize and not INTERPRETED:
+            if config.warp_specialize and not executor.interpreted:
                 _ensure_allocator()
-            function[grid.blocks(config.block_m, config.block_n)](
-                *args,
-                *tiles,
-                **constants,
-                **tile_constants(kernel, config),
-                num_warps=config.num_warps,
-                num_stages=config.num_stages,
+            executor.launch(
+                kernel,
+                grid.blocks(config.block_m, config.block_n),
+                [*args, *tiles],
+                {**constants, **tile_constants(kernel, config)},
+                dict(num_warps=config.num_warps, num_stages=config.num_stages),
             )
 
-        if INTERPRETED:  # the warp-specialised kernels' code wherever it serves, as descriptors (the same tiles)
+        if not target.compiled:  # the warp-specialised kernels' code wherever it serves, as descriptors (same tiles)
             specialized = replace(INTERPRETER_CONFIG, warp_specialize=True)
-            serves = warp_specialization_serves(kernel, call, args, switches, described, specialized)
+            serves = warp_specialization_serves(kernel, call, args, switches, described, specialized, target)
             launch(specialized if serves else INTERPRETER_CONFIG)
             return
-        block_d, spec = constants["BLOCK_D"], call.spec
-        arch = arch_of(call.q.device)
-        configs = gpu_configs(NAMES[kernel], block_d, call.q.dtype, arch, switches)
-        if self.offers_warp_specialized and warp_specialization_serves(
-            kernel, call, args, switches, described, WARP_SPECIALIZED
-        ):
-            configs = (*configs, WARP_SPECIALIZED)
-        _, _, len_q, len_k = call.geometry
-        key = (NAMES[kernel], configs, call.q.dtype, arch, spec.causal, spec.window is not None, switches.paged,
+        configs = self.candidates(kernel, call, args, switches, described, target)
+        spec, (_, _, len_q, len_k) = call.spec, call.geometry
+        key = (NAMES[kernel], configs, call.q.dtype, target.arch, spec.causal, spec.window is not None, switches.paged,
                switches.split_k, length_bucket(max(len_q, len_k)))  # fmt: skip
-        launch(_autotuner.choose(key, configs, launch))
+        launch(self.autotuner.choose(key, configs, launch, restore=accumulated_arguments(kernel, args, switches)))
 
 
 LAUNCHER = TritonLauncher()
