@@ -7,6 +7,7 @@ import contextvars
 import importlib
 import logging
 import re
+import threading
 from pathlib import Path
 
 import pytest
@@ -278,3 +279,22 @@ def test_unknown_backend_in_use_backend() -> None:
     with pytest.raises(attnkit.UnknownBackendError, match="backend='nope' is not registered"):
         with attnkit.use_backend("nope"):
             pass
+
+
+def test_a_backward_on_another_thread_reads_the_options_of_the_forward_scope(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA autograd runs the backward on its device thread, where a use_config scope (a context variable) is
+    unset: the backend's backward reads its options inside the forward's context, so
+    ``[backend_options.triton] deterministic = true`` given by a scope holds for the backward it asks about."""
+    backend = attnkit.get_backend("triton")
+    if backend.available():
+        pytest.skip(f"triton is unavailable here: {backend.available()}")
+    seen: list[bool] = []
+    deterministic = type(backend).deterministic
+    monkeypatch.setattr(type(backend), "deterministic", lambda self: seen.append(deterministic(self)) or seen[-1])
+    q, k, v = (torch.randn(1, 1, 4, 16, requires_grad=True) for _ in range(3))
+    with attnkit.use_config({"backend_options": {"triton": {"deterministic": True}}}):
+        out = attnkit.attend(AttentionSpec(), q, k, v, backend="triton")
+    backward = threading.Thread(target=lambda: out.sum().backward())  # outside the scope, as a device thread is
+    backward.start()
+    backward.join(timeout=120)
+    assert seen == [True] and q.grad is not None

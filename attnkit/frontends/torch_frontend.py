@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextvars
+import functools
 from typing import Any
 
 import torch
@@ -42,6 +44,9 @@ class _AttendFunction(torch.autograd.Function):
         inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
         out, lse = backend.forward(spec, inputs, need_lse=True)
         ctx.backend, ctx.spec, ctx.return_lse = backend, spec, return_lse
+        # The caller's context (attnkit.use_config scopes are context variables): autograd runs a CUDA backward on
+        # its device thread, where they are unset, so the backward reads its options inside this copy.
+        ctx.context = contextvars.copy_context()
         ctx.save_for_backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, out, lse)
         return out, lse
 
@@ -50,9 +55,10 @@ class _AttendFunction(torch.autograd.Function):
         q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, out, lse = ctx.saved_tensors
         inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
         need_dbias = bias is not None and ctx.needs_input_grad[6]
-        grads = ctx.backend.backward(
-            ctx.spec, inputs, out, lse, dout, dlse if ctx.return_lse else None, need_dbias=need_dbias
-        )
+        grads = ctx.context.run(
+            functools.partial(ctx.backend.backward, need_dbias=need_dbias),
+            ctx.spec, inputs, out, lse, dout, dlse if ctx.return_lse else None,
+        )  # fmt: skip
         dbias = None
         if need_dbias:
             dbias = sum_to_shape(grads.dbias, bias.shape).to(bias.dtype)
