@@ -16,6 +16,7 @@ import attnkit
 from attnkit import dispatch, registry
 from attnkit.backend import Framework
 from attnkit.testing import interpret_triton_without_gpu, register_profiles
+from attnkit.testing.poison import poisoned_allocations
 from attnkit.testing.runners import native_framework
 from tests.cupy_emulator import attach_emulator
 
@@ -72,6 +73,34 @@ def pytest_report_header() -> list[str]:
         f"attnkit backends here: {', '.join(available_backends())}",
         f"expected ({EXPECTED_BACKENDS_VARIABLE}): {', '.join(expected) if expected is not None else 'not set'}",
     ]
+
+
+#: The test modules that run every backend against the oracle (or against the contract's exact promises) whose tests
+#: run with every uninitialised allocation poisoned (attnkit.testing.poison): a kernel that leaves part of a buffer
+#: unwritten fails here as it would on a GPU, where torch.empty hands back old data, not the CPU's zeroed pages.
+POISONED_MODULES = frozenset(
+    {
+        "test_conformance",
+        "test_contract",
+        "test_kernel_backends",
+        "test_ragged",
+        "test_tile_edges",
+    }
+)
+
+
+#: Set to 0 to run those modules unpoisoned: to time the poisoning, or to see a defect that only poisoning exposes pass.
+POISON_SWITCH_VARIABLE = "ATTNKIT_TEST_POISON"
+
+
+@pytest.fixture(autouse=True)
+def _poisoned_allocations(request: pytest.FixtureRequest) -> Iterator[None]:
+    module = request.module.__name__.rpartition(".")[2]
+    if module not in POISONED_MODULES or os.environ.get(POISON_SWITCH_VARIABLE) == "0":
+        yield
+        return
+    with poisoned_allocations():
+        yield
 
 
 @pytest.fixture(autouse=True)

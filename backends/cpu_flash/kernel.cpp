@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <optional>
 #include <type_traits>
@@ -41,6 +42,18 @@ void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, float alp
           const float* b, int64_t ldb, float beta, float* c, int64_t ldc) {
   const int mi = m, ni = n, ki = k, ldai = lda, ldbi = ldb, ldci = ldc;
   sgemm_(trans_b ? "T" : "N", trans_a ? "T" : "N", &ni, &mi, &ki, &alpha, b, &ldbi, a, &ldai, &beta, c, &ldci);
+}
+
+// Per-thread scratch: every element is written before it is read. While attnkit.testing.poison's variable is set
+// (the test suite), it starts at NaN instead of std::vector's zeros, so a read before the write shows in the results
+// instead of passing on the zeros (as a kernel on uninitialised GPU memory would not).
+bool poison_scratch() {
+  const char* value = std::getenv("ATTNKIT_POISON_UNINITIALISED");
+  return value != nullptr && value[0] == '1';
+}
+
+std::vector<float> scratch(int64_t size) {
+  return std::vector<float>(size, poison_scratch() ? std::numeric_limits<float>::quiet_NaN() : 0.0f);
 }
 
 float nan_max(float a, float b) { return (std::isnan(a) || std::isnan(b)) ? NAN : std::max(a, b); }
@@ -365,7 +378,8 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
                  float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry,
                  const Segments& segments, float softcap, int64_t group, const BackwardTerms& terms, int64_t b,
                  int64_t first_head) {
-  std::vector<float> s(n.block_q * n.block_k), t(n.block_q * n.block_k), dp(n.block_q * n.block_k);
+  std::vector<float> s = scratch(n.block_q * n.block_k), t = scratch(n.block_q * n.block_k),
+                     dp = scratch(n.block_q * n.block_k);
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head_rows = g * n.len_q;  // offset of this query head's rows within the group
@@ -753,7 +767,8 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
   const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   at::parallel_for(0, n.batch * n.heads_q * blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(n.block_q * n.block_k), acc(n.block_q * n.dim_v), row_max(n.block_q), row_sum(n.block_q);
+    std::vector<float> s = scratch(n.block_q * n.block_k), acc = scratch(n.block_q * n.dim_v),
+                       row_max = scratch(n.block_q), row_sum = scratch(n.block_q);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % blocks, head = (task / blocks) % n.heads_q, b = task / blocks / n.heads_q;
       const Rows geometry = rows_of(band, q_len, kv_len, b);
@@ -854,11 +869,13 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
   const auto run = [&](auto element) {  // the caches' element type: float, at::BFloat16 or at::Half
     using scalar_t = decltype(element);
     const scalar_t *kp = k_cache.data_ptr<scalar_t>(), *vp = v_cache.data_ptr<scalar_t>();
+    const int64_t staging_size =
+        std::is_same_v<scalar_t, float> ? 0 : std::min(n.block_k, block_size) * std::max(n.dim, n.dim_v);
     // A task: one sequence's query block, every head, one split of the keys.
     at::parallel_for(0, n.batch * blocks * splits, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> s(std::max(n.block_q, n.heads_q * kFewRows) * n.block_k), acc(n.heads_q * n.block_q * n.dim_v),
-          row_max(n.heads_q * n.block_q), row_sum(n.heads_q * n.block_q),
-          staging(std::is_same_v<scalar_t, float> ? 0 : std::min(n.block_k, block_size) * std::max(n.dim, n.dim_v));
+      std::vector<float> s = scratch(std::max(n.block_q, n.heads_q * kFewRows) * n.block_k),
+                         acc = scratch(n.heads_q * n.block_q * n.dim_v), row_max = scratch(n.heads_q * n.block_q),
+                         row_sum = scratch(n.heads_q * n.block_q), staging = scratch(staging_size);
       for (int64_t task = begin; task < end; ++task) {
         const int64_t split = task % splits, block = task / splits % blocks, b = task / splits / blocks;
         const Rows geometry = rows_of(band, q_len, kv_len, b);
