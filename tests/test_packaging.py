@@ -87,5 +87,7 @@ def test_ci_runs_the_triton_kernels_on_the_oldest_supported_triton() -> None:
     oldest = re.search(r"^OLDEST_TRITON=(\S+)$", ci, re.M)
     assert oldest, ".ci/run sets no OLDEST_TRITON"
     assert minor_version(oldest.group(1)) == SUPPORTED_TRITON[0], (oldest.group(1), SUPPORTED_TRITON)
-    step = [line for line in ci.splitlines() if "ATTNKIT_EXPECT_BACKENDS=triton " in line]
-    assert step and "tests/test_expected_backends.py" in step[0] and "tests/test_tile_edges.py" in step[0], step
+    step = ci[oldest.start() :]
+    assert re.search(r"^PYTHONPATH=\S+ ATTNKIT_EXPECT_BACKENDS=triton python -m pytest ", step, re.M), step
+    for tests in ("test_expected_backends.py", "test_tile_edges.py", "test_kernel_backends.py"):
+        assert f"tests/{tests}" in step, f".ci/run's oldest-Triton step runs no tests/{tests}"
