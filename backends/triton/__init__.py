@@ -15,7 +15,8 @@ from attnkit.backend import Backend, MissingPackageBackend
 #: The Triton minor versions the kernels are written for, [low, high): the ones the CUDA torch wheels of
 #: attnkit's torch range pin (3.6.0 for torch 2.10/2.11, 3.7.x for 2.12/2.13), up to the newest tested (3.9).
 #: pyproject.toml's `triton` extra says the same (tests/test_packaging.py keeps them in step); docs/triton.md has
-#: the table and why 3.5 and older are out (in-kernel descriptors and warp specialisation as the kernels use them).
+#: the table and why 3.5 and older are out (no GPU has run the kernels on them; 3.5.1's interpreter misreads
+#: descriptor strides).
 SUPPORTED_TRITON = ((3, 6), (3, 10))
 SUPPORTED_TRITON_TEXT = ">={}.{},<{}.{}".format(*SUPPORTED_TRITON[0], *SUPPORTED_TRITON[1])
 
