@@ -65,3 +65,29 @@ def test_static_checks_are_clean(tool: str) -> None:
     }[tool]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_triton_extra_is_the_range_the_backend_accepts() -> None:
+    """pyproject's `triton` extra and the backend's gate (backends/triton/__init__.py) name one range: a wider extra
+    would install a Triton the backend refuses, a narrower one would replace the Triton a CUDA torch wheel pins."""
+    import tomllib
+
+    from attnkit.backends.triton import SUPPORTED_TRITON_TEXT
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["triton"] == [f"triton{SUPPORTED_TRITON_TEXT}"], extras["triton"]
+
+
+def test_ci_runs_the_triton_kernels_on_the_oldest_supported_triton() -> None:
+    """.ci/run's second Triton is the range's floor, and its step runs the kernels' tests with the triton backend
+    required (a refused Triton would otherwise skip them all and pass)."""
+    from attnkit.backends.triton import SUPPORTED_TRITON, minor_version
+
+    ci = (ROOT / ".ci" / "run").read_text()
+    oldest = re.search(r"^OLDEST_TRITON=(\S+)$", ci, re.M)
+    assert oldest, ".ci/run sets no OLDEST_TRITON"
+    assert minor_version(oldest.group(1)) == SUPPORTED_TRITON[0], (oldest.group(1), SUPPORTED_TRITON)
+    step = ci[oldest.start() :]
+    assert re.search(r"^PYTHONPATH=\S+ ATTNKIT_EXPECT_BACKENDS=triton python -m pytest ", step, re.M), step
+    for tests in ("test_expected_backends.py", "test_tile_edges.py", "test_kernel_backends.py"):
+        assert f"tests/{tests}" in step, f".ci/run's oldest-Triton step runs no tests/{tests}"

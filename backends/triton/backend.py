@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numpy
 import torch
+import triton
 
 from attnkit.backend import AttentionSpec, Problem, Unverified, backend_option, pending_hardware
 from attnkit.contract.kernels import DETERMINISTIC_OPTION, KernelBackend, KernelLauncher, kernel_capabilities
 
-from . import launch
+from . import launch, minor_version, unsupported_triton
 
 MAX_HEAD_DIM = 256
 #: Off until a GPU has run it: on Hopper the autotuner then also times the warp-specialised forward and dQ tile
@@ -15,6 +17,19 @@ MAX_HEAD_DIM = 256
 WARP_SPECIALIZE_OPTION = ("warp_specialize", False)
 #: The path refused on CUDA until a GPU run has passed it (Capabilities.unverified).
 COMPILED_BACKWARD = "the compiled backward"
+
+
+def interpreter_refusals(triton_version: str, numpy_version: str) -> list[str]:
+    """Why Triton's interpreter cannot run the kernels here (empty: it can). Triton 3.6's interpreter turns a scalar
+    tensor (a one-element array) into a Python int with int(), which NumPy 2.4 refuses (triton-lang/triton#9171;
+    3.7.1 and later squeeze it first): every kernel whose loop bounds are tensors, ours all, would fail."""
+    old_triton = (minor_version(triton_version) or (0, 0)) < (3, 7)
+    if old_triton and (minor_version(numpy_version) or (0, 0)) >= (2, 4):
+        return [
+            f"triton {triton_version}'s interpreter cannot run under numpy {numpy_version} (it needs numpy<2.4; "
+            "triton>=3.7 has no such limit)"
+        ]
+    return []
 
 
 class TritonBackend(KernelBackend):
@@ -59,7 +74,12 @@ class TritonBackend(KernelBackend):
         return reasons
 
     def available(self) -> list[str]:
-        if not launch.INTERPRETED and not torch.cuda.is_available():
+        unsupported = unsupported_triton(triton.__version__)
+        if unsupported:
+            return unsupported
+        if launch.INTERPRETED:
+            return interpreter_refusals(triton.__version__, numpy.__version__)
+        if not torch.cuda.is_available():
             return [
                 "no CUDA device (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 before attnkit "
                 "loads its backends to run the kernels in the Triton interpreter on CPU tensors"
