@@ -43,7 +43,7 @@ _TENSOR_METHODS = ("new_empty", "new_empty_strided")
 
 _lock = threading.Lock()
 _depth = 0
-_restore: list[Callable[[], None]] = []
+_restore: list[Callable[[], object]] = []
 
 
 def poison(tensor: Any) -> None:
@@ -62,7 +62,7 @@ def poison(tensor: Any) -> None:
         byte = FLOAT_POISON_BYTE
     else:
         byte = INTEGER_POISON_BYTE
-    storage.fill_(byte)
+    storage.fill_(byte)  # type: ignore[attr-defined]  # UntypedStorage.fill_ exists; the stubs lack it
 
 
 def _poisoning(allocate: Callable[..., Any]) -> Callable[..., Any]:
