@@ -49,7 +49,7 @@ def attend(
     """Attention as ``spec`` defines it (docs/semantics.md), on torch tensors or JAX arrays.
 
     Returns ``out`` in q's dtype and layout, or ``(out, lse)`` with ``return_lse=True``
-    (lse: float32, (B, Hq, Lq), or (B, Lq) for 3-D inputs). ``backend`` is ``"auto"`` (the
+    (lse: float32, float64 for float64 inputs; (B, Hq, Lq), or (B, Lq) for 3-D inputs). ``backend`` is ``"auto"`` (the
     configured priority list) or a registered name; a named backend that cannot serve the call raises
     :class:`attnkit.BackendUnavailableError` with its reasons, never falling back silently. ``sinks``: one learnable
     logit per query head joining every row's softmax (§15), differentiable; lse then includes it.

@@ -88,7 +88,7 @@ def attend_varlen(
     ``cu_seqlens_q``/``cu_seqlens_k`` (n + 1,) cumulative offsets. Sequence s is attended as its own call, with
     ``sinks`` (Hq,) as attend takes them (§15).
 
-    Returns out (total_q, Hq, Dv), or (out, lse) with lse float32 (Hq, total_q). Differentiable as attend."""
+    Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) as attend's (§6). Differentiable as attend."""
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
     ops = ops_for(q, "q")

@@ -50,9 +50,11 @@ def with_sinks(
     spec: AttentionSpec, out: Any, lse: Any, sinks: Any, q_lengths: Any = None, q_segment_ids: Any = None
 ) -> tuple[Any, Any]:
     """(out, lse) of the call with ``sinks`` from ``(out₀, lse₀)`` of the call without them (§15), in the caller's
-    framework and shapes: out in its layout and dtype, lse float32 (B, Hq, Lq) or (B, Lq) for 3-D calls."""
-    xp, sigmoid, cast, arange = _namespace(out)
-    wide = xp.float64 if out.dtype == xp.float64 else xp.float32
+    framework and shapes: out in its layout and dtype, lse as the call's (§6) (B, Hq, Lq) or (B, Lq) for 3-D calls."""
+    xp, sigmoid, cast, arange, wide = _namespace(out)
+    # The per-row factors and dsinks' sum over rows in the widest float (they are (B, Hq, Lq), cheap; in float32 a
+    # gpt-oss layer's dsinks missed the tolerance against eager's softmax backward); out itself in its compute dtype.
+    out_wide = xp.float64 if out.dtype == xp.float64 else xp.float32
     three_d = len(lse.shape) == 2
     sink = cast(sinks, wide).reshape((1, 1) if three_d else (1, -1, 1))
     lse0 = cast(lse, wide)
@@ -67,7 +69,7 @@ def with_sinks(
         lse_new = xp.where(play, xp.logaddexp(lse_in, sink_in), lse0)
     if not three_d and spec.layout is Layout.BSHD:
         kept = kept.swapaxes(1, 2)
-    return cast(cast(out, wide) * kept[..., None], out.dtype), cast(lse_new, xp.float32)
+    return cast(cast(out, out_wide) * cast(kept, out_wide)[..., None], out.dtype), cast(lse_new, lse.dtype)
 
 
 def _rows_in_play(rows: Any, batch: int, q_lengths: Any, q_segment_ids: Any) -> Any:
@@ -81,14 +83,15 @@ def _rows_in_play(rows: Any, batch: int, q_lengths: Any, q_segment_ids: Any) -> 
     return in_play
 
 
-def _namespace(x: Any) -> tuple[Any, Any, Any, Any]:
-    """(array namespace, sigmoid, cast, arange(n, like)) of x's framework."""
+def _namespace(x: Any) -> tuple[Any, Any, Any, Any, Any]:
+    """(array namespace, sigmoid, cast, arange(n, like), its widest float) of x's framework."""
     if type(x).__module__.startswith("torch"):
         import torch
 
         return (torch, torch.sigmoid, lambda array, dtype: array.to(dtype),
-                lambda n, like: torch.arange(n, device=like.device))  # fmt: skip
+                lambda n, like: torch.arange(n, device=like.device), torch.float64)  # fmt: skip
     import jax
     import jax.numpy as jnp
 
-    return jnp, jax.nn.sigmoid, lambda array, dtype: array.astype(dtype), lambda n, like: jnp.arange(n)
+    widest = jnp.float64 if jax.config.read("jax_enable_x64") else jnp.float32
+    return jnp, jax.nn.sigmoid, lambda array, dtype: array.astype(dtype), lambda n, like: jnp.arange(n), widest

@@ -15,7 +15,8 @@ from attnkit.testing.cases import Case
 
 Results = dict[str, np.ndarray]
 DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")
-#: Inputs in the case's dtype (an attend_paged case's caches too); dlse is float32, the rest integer or boolean.
+#: Inputs in the case's dtype (an attend_paged case's caches too); dlse is lse's (float32, float64 for float64 calls),
+#: the rest integer or boolean.
 FLOATING_INPUTS = ("q", "k", "v", "dout", "bias", "k_cache", "v_cache", "sinks")
 OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "sinks")
 
@@ -133,7 +134,8 @@ def run_torch(
         if name in FLOATING_INPUTS:
             tensors[name] = torch.tensor(value, dtype=torch_dtype, device=device)
         elif name == "dlse":
-            tensors[name] = torch.tensor(value, dtype=torch.float32, device=device)
+            lse_dtype = torch.float64 if torch_dtype == torch.float64 else torch.float32  # lse's own (§6)
+            tensors[name] = torch.tensor(value, dtype=lse_dtype, device=device)
         else:
             tensors[name] = torch.tensor(value, device=device)
     leaves = [tensors[name] for name in DIFFERENTIABLE if name in tensors]
@@ -175,7 +177,7 @@ def run_jax(
         if name in FLOATING_INPUTS:
             converted[name] = jnp.asarray(value, dtype=jax_dtype)
         elif name == "dlse":
-            converted[name] = jnp.asarray(value, dtype=jnp.float32)
+            converted[name] = jnp.asarray(value, dtype=jnp.float64 if jax_dtype == jnp.float64 else jnp.float32)
         else:  # masks, and lengths as JAX makes integers: int32, or int64 under jax_enable_x64
             converted[name] = jnp.asarray(value)
     names = [name for name in DIFFERENTIABLE if name in converted and (name != "bias" or case.bias_grad)]

@@ -177,11 +177,8 @@ def cases(
 
 
 def sinks_drawn(dtype: str) -> st.SearchStrategy[bool]:
-    """Whether a call has sinks (§15), in a third of the draws. Every backend serves them (attend composes them with
-    its lse), except in float64, whose lse is float32 (§6): the composition then agrees with the float64 oracle to
-    ~1e-7 only, as a sharded call does (§14), so float64 calls are drawn without sinks."""
-    if dtype == "float64":
-        return st.just(False)
+    """Whether a call has sinks (§15), in a third of the draws, whatever the dtype: every backend serves them (attend
+    composes them with its lse, which is float64 in float64 calls, §6)."""
     return st.integers(0, 2).map(lambda draw: draw == 0)
 
 

@@ -81,7 +81,7 @@ class TorchNaiveBackend(RecomputingBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             out, lse = self.recompute(spec, inputs)
-        return out.to(inputs.q.dtype), lse.float()
+        return out.to(inputs.q.dtype), lse.to(compute_dtype(inputs.q.dtype))
 
     def forward_paged(
         self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
