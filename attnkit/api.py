@@ -9,6 +9,7 @@ from attnkit.backend import Backend, PlainCall, Problem, Runner, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
 from attnkit.frontends import ops_by_type, ops_for
+from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec
 from attnkit.validation import check_length_values, prepare
 
@@ -43,16 +44,25 @@ def attend(
     kv_segment_ids: Any = None,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: Any = None,
 ) -> Any:
     """Attention as ``spec`` defines it (docs/semantics.md), on torch tensors or JAX arrays.
 
     Returns ``out`` in q's dtype and layout, or ``(out, lse)`` with ``return_lse=True``
-    (lse: float32, (B, Hq, Lq), or (B, Lq) for 3-D inputs). ``backend`` is ``"auto"`` (the
+    (lse: float32, float64 for float64 inputs; (B, Hq, Lq), or (B, Lq) for 3-D inputs). ``backend`` is ``"auto"`` (the
     configured priority list) or a registered name; a named backend that cannot serve the call raises
-    :class:`attnkit.BackendUnavailableError` with its reasons, never falling back silently.
+    :class:`attnkit.BackendUnavailableError` with its reasons, never falling back silently. ``sinks``: one learnable
+    logit per query head joining every row's softmax (§15), differentiable; lse then includes it.
     """
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
+    if sinks is not None:  # §15: the call without them, then the merge with each row's sink
+        check_sinks(ops_for(q, "q"), spec, q, sinks)
+        out, lse = attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
+                          q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=True,
+                          backend=backend)  # fmt: skip
+        out, lse = with_sinks(spec, out, lse, sinks, q_lengths, q_segment_ids)
+        return (out, lse) if return_lse else out
     # Fast path: a call whose metadata (types, shapes, dtypes, devices, grad flags) was validated and
     # dispatched before reuses that work; only length values, which are data, are checked again. At decode
     # sizes every function call and attribute read here costs about as much as the rest, hence the inline read
@@ -121,11 +131,16 @@ def explain(
     q_segment_ids: Any = None,
     kv_segment_ids: Any = None,
     return_lse: bool = False,
+    sinks: Any = None,
 ) -> str:
-    """The dispatch table for a call, without running it: each backend, the one that would run, and why not."""
+    """The dispatch table for a call, without running it: each backend, the one that would run, and why not. With
+    ``sinks``, the call that runs without them and returns lse (§15's composition runs after it)."""
+    if sinks is not None:
+        check_sinks(ops_for(q, "q"), spec, q, sinks)
     _, problem, _, _ = prepare(
-        spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids
-    )
+        spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse or sinks is not None, q_segment_ids,
+        kv_segment_ids,
+    )  # fmt: skip
     return explain_problem(spec, problem)
 
 

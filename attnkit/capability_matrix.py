@@ -29,7 +29,7 @@ FEATURE_MEANINGS: dict[str, str] = {
     "bias": "an additive `bias` argument",
     "q_lengths": "per-batch valid query lengths `q_lengths`",
     "kv_lengths": "per-batch valid key lengths `kv_lengths`",
-    "lse": "`return_lse=True`: the float32 log-sum-exp per query",
+    "lse": "`return_lse=True`: the log-sum-exp per query (float32; float64 for float64 inputs)",
     "grad": "gradients with respect to q, k and v",
     "dbias": "the gradient with respect to `bias`",
     "segment_ids": "`q_segment_ids`/`kv_segment_ids`: packed documents and left padding (§4.5)",

@@ -14,6 +14,7 @@ from attnkit.api import attend
 from attnkit.backend import AttentionInputs, PagedInputs, Problem
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_for
+from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec, Layout
 
 
@@ -81,11 +82,13 @@ def attend_varlen(
     max_seqlen_k: int | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: Any = None,
 ) -> Any:
     """Attention over packed sequences (docs/semantics.md §12): q (total_q, Hq, D), k and v (total_k, Hkv, D|Dv),
-    ``cu_seqlens_q``/``cu_seqlens_k`` (n + 1,) cumulative offsets. Sequence s is attended as its own call.
+    ``cu_seqlens_q``/``cu_seqlens_k`` (n + 1,) cumulative offsets. Sequence s is attended as its own call, with
+    ``sinks`` (Hq,) as attend takes them (§15).
 
-    Returns out (total_q, Hq, Dv), or (out, lse) with lse float32 (Hq, total_q). Differentiable as attend."""
+    Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) as attend's (§6). Differentiable as attend."""
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
     ops = ops_for(q, "q")
@@ -134,18 +137,19 @@ def attend_varlen(
     if self_packed:  # one packed row, the sequence index its segment id (§12: the same contract, no copy)
         ids = xp.sequence_of(cu_seqlens_q, total_q)[None]
         result = attend(packed, q[None], k[None], v[None], q_segment_ids=ids, kv_segment_ids=ids,
-                        return_lse=return_lse, backend=backend)  # fmt: skip
+                        return_lse=return_lse, backend=backend, sinks=sinks)  # fmt: skip
         if not return_lse:
             return result[0]
         return result[0][0], result[1][0]
     return _as_padded_batch(
-        xp, packed, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), return_lse, backend
-    )
+        xp, packed, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), return_lse, backend,
+        sinks,
+    )  # fmt: skip
 
 
 def _as_padded_batch(
     xp: Any, spec: AttentionSpec, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int,
-    return_lse: bool, backend: str,
+    return_lse: bool, backend: str, sinks: Any,
 ) -> Any:  # fmt: skip
     """§12 as a batch of right-padded sequences with q_lengths and kv_lengths (§4.3)."""
     count = cu_q.shape[0] - 1
@@ -153,7 +157,7 @@ def _as_padded_batch(
     k_pad, kv_lengths = xp.pad_sequences(k, cu_k, max(max_k, 1))
     v_pad, _ = xp.pad_sequences(v, cu_k, max(max_k, 1))
     out_pad, lse_pad = attend(spec, q_pad, k_pad, v_pad, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                              return_lse=True, backend=backend)  # fmt: skip
+                              return_lse=True, backend=backend, sinks=sinks)  # fmt: skip
     # Token t of sequence s sits at (s, t − cu_q[s]) of the padded batch.
     flat = xp.padded_position(cu_q, q.shape[0], max(max_q, 1))
     out = xp.take_rows(out_pad.reshape(count * max(max_q, 1), *out_pad.shape[2:]), flat)
@@ -315,15 +319,22 @@ def attend_paged(
     *,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: Any = None,
 ) -> Any:
     """Attention of new queries against a paged KV cache (docs/semantics.md §13): exactly attend(spec, q, K_b, V_b,
     kv_lengths=kv_lengths) on the keys the block table gathers, which backends declaring ``paged`` read where the
-    blocks lie. Forward only. Returns out, or (out, lse), as attend does for q."""
-    problem, inputs = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse)
+    blocks lie, with ``sinks`` as attend takes them (§15). Forward only. Returns out, or (out, lse), as attend does
+    for q."""
+    if sinks is not None:
+        check_sinks(ops_for(q, "q"), spec, q, sinks)
+    need_lse = return_lse or sinks is not None
+    problem, inputs = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, need_lse)
     chosen = dispatch.select(spec, problem, backend)
     forward_paged = getattr(chosen, "forward_paged")  # noqa: B009  # the method of Feature.PAGED (attnkit.backend)
-    run = functools.partial(forward_paged, spec, need_lse=return_lse)
+    run = functools.partial(forward_paged, spec, need_lse=need_lse)
     out, lse = ops_for(q).forward_only("attend_paged (docs/semantics.md §13)", run, inputs)
+    if sinks is not None:
+        out, lse = with_sinks(spec, out, lse, sinks)
     return (out, lse) if return_lse else out
 
 

@@ -68,7 +68,8 @@ def literal_visibility(case: Case, arrays: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def literal_attention(case: Case, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """docs/semantics.md §1-§6 one query row at a time, in float64 (bhsd out, lse (B, Hq, Lq))."""
+    """docs/semantics.md §1-§6 and §15 (a sink: one more logit in a row that is not padding) one query row at a time,
+    in float64 (bhsd out, lse (B, Hq, Lq))."""
     spec = case.spec
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     if case.three_d:
@@ -81,6 +82,13 @@ def literal_attention(case: Case, arrays: dict[str, np.ndarray]) -> tuple[np.nda
     scale = spec.scale if spec.scale is not None else (16.0 if spec.variant is Variant.COSINE else head_dim**-0.5)
     out = np.zeros((batch, heads_q, len_q, v.shape[-1]))
     lse = np.full((batch, heads_q, len_q), -np.inf)
+    sinks = arrays.get("sinks")
+
+    def padding(b: int, i: int) -> bool:
+        return bool(
+            (case.q_lengths and i >= case.q_lengths[b]) or (case.q_segment_ids and case.q_segment_ids[b][i] < 0)
+        )
+
     for b in range(batch):
         for h in range(heads_q):
             kv_head = h // (heads_q // heads_kv)
@@ -100,11 +108,12 @@ def literal_attention(case: Case, arrays: dict[str, np.ndarray]) -> tuple[np.nda
                         s += bias[b, h, i, j]
                     keys.append(j)
                     scores.append(s)
-                if keys:
-                    top = max(scores)
-                    weights = np.exp(np.array(scores) - top)
+                logits = scores + ([float(sinks[h])] if sinks is not None and not padding(b, i) else [])
+                if logits:
+                    top = max(logits)
+                    weights = np.exp(np.array(logits) - top)
                     lse[b, h, i] = top + math.log(weights.sum())
-                    out[b, h, i] = (weights / weights.sum()) @ v[b, kv_head, keys]
+                    out[b, h, i] = (weights[: len(keys)] / weights.sum()) @ v[b, kv_head, keys]
     return out, lse
 
 
@@ -133,8 +142,8 @@ def assert_oracle_matches_literal_loops(case: Case) -> None:
     np.testing.assert_allclose(out, expected_out, rtol=1e-10, atol=1e-12)
     np.testing.assert_array_equal(np.isneginf(lse.numpy()), np.isneginf(expected_lse))
     finite = np.isfinite(expected_lse)
-    # lse is float32 by contract (§6), whatever the input dtype.
-    np.testing.assert_allclose(lse.numpy()[finite], expected_lse[finite], rtol=2e-7, atol=1e-7)
+    assert lse.dtype == torch.float64  # §6: float64 calls return a float64 lse
+    np.testing.assert_allclose(lse.numpy()[finite], expected_lse[finite], rtol=1e-10, atol=1e-12)
 
 
 @settings(max_examples=60)
@@ -315,15 +324,14 @@ def test_oracle_gradients_match_finite_differences(case: Case) -> None:
         return attnkit.attend(case.spec, q, k, v, return_lse=True, backend="torch-naive", **tensors)
 
     def lse_in_float64(values: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The oracle's lse before attend rounds it to float32 (§6), shaped as attend returns it: differences of
-        float32 values would bury the derivative in rounding (cosine's default scale 16 gives |lse| ≈ 16)."""
+        """The oracle's lse in float64, shaped as attend returns it."""
         inputs, was_3d = _inputs(case, named(values))
         _, lse = torch_naive.oracle_attention(case.spec, inputs, torch.float64)
         return lse[:, 0] if was_3d else lse
 
     class FiniteLse(torch.autograd.Function):
         """lse with −inf rows at 0, as the harness takes it: the value in float64, the gradient from attend's own
-        autograd through the lse it returns (float32 values; gradients in float64 from the float64 inputs)."""
+        autograd through the lse it returns."""
 
         @staticmethod
         def forward(ctx: Any, *values: torch.Tensor) -> torch.Tensor:

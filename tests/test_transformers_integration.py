@@ -38,9 +38,11 @@ BATCH, LENGTH, NEW_TOKENS, VOCAB = 3, 12, 5, 96
 PADDINGS = ("none", "left", "right")
 
 
-def exact_eager(module: torch.nn.Module, query, key, value, attention_mask, scaling=None, softcap=None, **kwargs):
-    """transformers' eager attention (kv heads repeated, scale, softcap, additive mask) with the softmax in the
-    inputs' dtype."""
+def exact_eager(
+    module: torch.nn.Module, query, key, value, attention_mask, scaling=None, softcap=None, s_aux=None, **kwargs
+):
+    """transformers' eager attention (kv heads repeated, scale, softcap, additive mask; gpt-oss's sinks ``s_aux``
+    as one more logit column, softmaxed and dropped) with the softmax in the inputs' dtype."""
     groups = query.shape[1] // key.shape[1]
     key, value = (tensor.repeat_interleave(groups, dim=1) for tensor in (key, value))
     scores = query @ key.transpose(2, 3) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
@@ -48,7 +50,11 @@ def exact_eager(module: torch.nn.Module, query, key, value, attention_mask, scal
         scores = softcap * torch.tanh(scores / softcap)
     if attention_mask is not None:
         scores = scores + attention_mask
-    return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
+    if s_aux is None:
+        return (scores.softmax(-1) @ value).transpose(1, 2).contiguous(), None
+    sinks = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)
+    weights = torch.cat([scores, sinks], dim=-1).softmax(-1)[..., :-1]
+    return (weights @ value).transpose(1, 2).contiguous(), None
 
 
 AttentionInterface.register("exact_eager", exact_eager)
@@ -66,11 +72,22 @@ CONFIGS: dict[str, Callable[[], Any]] = {
     ),
     # Every layer sliding, 5 keys.
     "mistral": lambda: transformers.MistralConfig(**SHARED, sliding_window=5),
+    # Sinks (s_aux, one learned logit per query head) on sliding layers (4 keys) alternating with full ones; a
+    # small mixture of experts. Sinks of order 1 (initializer_range), so a row's sink weight is far from 0 and 1.
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **SHARED,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        initializer_range=0.5,
+    ),  # fmt: skip
 }
 MODELS = {
     "llama": transformers.LlamaForCausalLM,
     "gemma2": transformers.Gemma2ForCausalLM,
     "mistral": transformers.MistralForCausalLM,
+    "gpt_oss": transformers.GptOssForCausalLM,
 }
 
 
@@ -79,6 +96,8 @@ def build(name: str) -> tuple[str, torch.nn.Module, torch.nn.Module]:
     """(name, float32 model, the same weights in float64), in train mode with attention dropout 0."""
     torch.manual_seed(0)
     model = MODELS[name](CONFIGS[name]()).train()
+    if name == "gpt_oss":
+        model.set_experts_implementation("eager")  # its default, grouped_mm, takes no float64
     return name, model, copy.deepcopy(model).double()
 
 
@@ -343,9 +362,9 @@ def test_attention_dropout_is_refused() -> None:
             layer.attention_dropout = 0.0
 
 
-@pytest.mark.parametrize("argument", ["s_aux", "position_bias", "cache"])
+@pytest.mark.parametrize("argument", ["position_bias", "cache"])
 def test_what_attnkit_cannot_express_is_refused(argument: str) -> None:
-    """Attention sinks, a T5 position bias, a paged KV cache: a typed error naming the argument."""
+    """A T5 position bias, a paged KV cache: a typed error naming the argument."""
     q = torch.zeros(1, 1, 2, 4)
     with pytest.raises(attnkit.InvalidInputError, match=f"{argument} is given"):
         attnkit_hf.attention(torch.nn.Module(), q, q, q, None, **{argument: torch.zeros(1)})
@@ -371,7 +390,9 @@ def test_a_forced_backend_serves_every_call(how: str, monkeypatch: pytest.Monkey
         attnkit_hf.register(backend="auto")
 
 
-@pytest.mark.parametrize("name, feature", [("gemma2", "softcap"), ("gemma2", "window"), ("mistral", "window")])
+@pytest.mark.parametrize(
+    "name, feature", [("gemma2", "softcap"), ("gemma2", "window"), ("mistral", "window"), ("gpt_oss", "sinks")]
+)
 def test_the_models_exercise_what_they_are_here_for(name: str, feature: str) -> None:
     """Softcap and the sliding windows change these models' logits far beyond any tolerance, so the comparisons
     above check them (the sequence is longer than the windows and the scores are of order 1)."""
@@ -380,7 +401,15 @@ def test_the_models_exercise_what_they_are_here_for(name: str, feature: str) -> 
     ids = token_ids(11)
     with torch.no_grad():
         with_it = model(ids).logits
-        if feature == "softcap":
+        if feature == "sinks":
+            sinks = [layer.self_attn.sinks for layer in model.model.layers]
+            saved = [parameter.detach().clone() for parameter in sinks]
+            for parameter in sinks:
+                parameter.data.fill_(float("-inf"))  # no sink
+            without = model(ids).logits
+            for parameter, value in zip(sinks, saved):
+                parameter.data.copy_(value)
+        elif feature == "softcap":
             modules = [layer.self_attn for layer in model.model.layers]
             for module in modules:
                 module.attn_logit_softcapping = None

@@ -42,7 +42,7 @@ def _attention(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, v: torch.T
     out = (weights / safe_total) @ v
     lse = torch.where(total > 0, peak + torch.log(safe_total), torch.full_like(total, float("-inf"))).squeeze(-1)
     out = out.to(q.dtype)
-    return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse.float()
+    return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse  # in `wide`: float64 for float64 (§6)
 
 
 class TinyBackend(BaseBackend):

@@ -382,12 +382,19 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def literal_attention(
-    spec: AttentionSpec, inputs: AttentionInputs, dtype: torch.dtype, visibility_rule: VisibilityRule | None = None
+    spec: AttentionSpec,
+    inputs: AttentionInputs,
+    dtype: torch.dtype,
+    visibility_rule: VisibilityRule | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) computed in ``dtype`` throughout; differentiable by torch autograd.
 
     ``visibility_rule`` defaults to :func:`visibility`; the oracle passes its own, written independently
     (backends/reference/torch_naive.py), so that a slip in this one cannot pass the oracle and the backends alike.
+
+    ``sinks`` (Hq,): §15 as gpt-oss writes it, one more logit column per row (−∞ in padding rows), softmaxed with the
+    scores and dropped before the values (attend composes it from lse instead: this is the oracle's way).
 
     out is bhsd/bshd per the spec in ``dtype``; lse is (B, Hq, Lq) in ``dtype``. Rows with no visible
     key give out 0 and lse -inf, and (because every -inf and 0/0 is kept out of the graph with
@@ -405,6 +412,10 @@ def literal_attention(
     visible = (visibility_rule or visibility)(spec, inputs, len_q, len_k)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        column = sinks.to(dtype).view(1, -1, 1, 1).expand(*s.shape[:3], 1)
+        padding = ~zero_padding(torch.ones_like(column, dtype=torch.bool), inputs.q_lengths, q_ids)
+        s = torch.cat([s, column.masked_fill(padding, float("-inf"))], dim=-1)
     # lse = m + log Σ exp(S − m), with m detached (it cancels) and made finite for empty rows.
     row_max = s.amax(dim=-1, keepdim=True).detach() if len_k else s.new_zeros(*s.shape[:-1], 1)
     row_max = torch.where(torch.isneginf(row_max), torch.zeros_like(row_max), row_max)
@@ -413,7 +424,7 @@ def literal_attention(
     has_keys = total != 0  # NaN counts as having keys: NaN in gives NaN lse, never a quiet -inf (§5)
     safe_total = torch.where(has_keys, total, torch.ones_like(total))
     lse = torch.where(has_keys, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
-    out = weighted_values(weights / safe_total, v)
+    out = weighted_values(weights[..., :len_k] / safe_total, v)  # the sink's column carries no value
     return from_bhsd(spec, out), lse.squeeze(-1)
 
 

@@ -123,7 +123,8 @@ def _attend_shapes(*args: Any) -> tuple[Tensor, Tensor]:
     ) = args  # as _attend has them
     given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
     out_shape, lse_shape = op_calls.output_shapes(_spec(spec_json), given)
-    lse = q.new_empty(lse_shape, dtype=torch.float32) if return_lse or needs_grad else _absent(q)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # §6
+    lse = q.new_empty(lse_shape, dtype=lse_dtype) if return_lse or needs_grad else _absent(q)
     return q.new_empty(out_shape), lse
 
 

@@ -38,7 +38,6 @@ NAME = "attnkit"
 BACKEND_ENV = "ATTNKIT_TRANSFORMERS_BACKEND"
 #: Keyword arguments of transformers' attention calls whose meaning attnkit cannot express.
 _INEXPRESSIBLE = {
-    "s_aux": "attention sinks (s_aux): a learned logit per head joining every softmax",
     "position_bias": "position_bias (T5-style learned relative bias)",
     "cache": "a paged KV cache (continuous batching): attnkit reads key and value as given",
 }
@@ -456,6 +455,7 @@ def attention(
         q_segment_ids=q_segment_ids,
         kv_segment_ids=kv_segment_ids,
         backend=_backend,
+        sinks=kwargs.get("s_aux"),  # gpt-oss: one learned logit per query head in every softmax (§15)
     )
     return out.transpose(1, 2).contiguous(), None
 

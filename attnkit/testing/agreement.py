@@ -73,8 +73,12 @@ def rounded(case: Case, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def oracle_results(case: Case, arrays: dict[str, np.ndarray]) -> tuple[Results, Results]:
-    """(oracle64, oracle at the input's own dtype) for rounded inputs."""
-    exact = run_torch(case.with_(dtype="float64"), arrays, ORACLE)
+    """(oracle64, oracle at the input's own dtype) for rounded inputs. A case with sinks gets both from the oracle's
+    literal function (the sink as a logit column, §15), not through attend, which composes sinks for every backend."""
+    if case.sinks:
+        exact = _literal_at_own_precision(case.with_(dtype="float64"), arrays)
+    else:
+        exact = run_torch(case.with_(dtype="float64"), arrays, ORACLE)
     if case.dtype == "float64":
         return exact, exact
     return exact, _literal_at_own_precision(case, arrays)
@@ -87,12 +91,13 @@ def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Resu
     from attnkit.validation import prepare
 
     dtype = getattr(torch, case.dtype)
+    floating = ("q", "k", "v", "bias", "sinks")
     tensors = {
-        name: torch.tensor(value, dtype=dtype) if name in ("q", "k", "v", "bias") else torch.tensor(value)
+        name: torch.tensor(value, dtype=dtype) if name in floating else torch.tensor(value)
         for name, value in arrays.items()
-        if name not in ("dout", "dlse")
+        if name not in ("dout", "dlse", "k_cache", "v_cache", "block_table")
     }
-    names = [name for name in ("q", "k", "v", "bias") if name in tensors and (name != "bias" or case.bias_grad)]
+    names = [name for name in floating if name in tensors and (name != "bias" or case.bias_grad)]
     for name in names:
         tensors[name].requires_grad_(True)
     _, _, inputs, was_3d = prepare(
@@ -108,7 +113,7 @@ def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Resu
         tensors.get("q_segment_ids"),
         tensors.get("kv_segment_ids"),
     )
-    out, lse = oracle_attention(case.spec, inputs, dtype)
+    out, lse = oracle_attention(case.spec, inputs, dtype, tensors.get("sinks"))
     if was_3d:
         out = out.reshape(tensors["q"].shape[:-1] + (out.shape[-1],))
         lse = lse.reshape(lse.shape[0], lse.shape[2])

@@ -16,6 +16,8 @@ from attnkit.spec import AttentionSpec, Layout
 
 #: Table columns that are call forms rather than backend features: an attend_varlen call runs as an attend call.
 VARLEN = "varlen"
+#: A call with sinks= (§15): composed by attend with any backend's lse, so a column of its own, not a feature.
+SINKS = "sinks"
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class Case:
     grad: bool = True
     varlen: Varlen | None = None
     paged: Paged | None = None
+    sinks: bool = False  # one logit per query head joins every row's softmax (§15); make_arrays draws them
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def problem(self, framework: Framework, device: str = "cpu") -> Problem:
@@ -99,7 +102,8 @@ class Case:
         """Spec and call features this case exercises (names as in attnkit.backend.ALL_FEATURES), and ``varlen`` for
         an attend_varlen call."""
         features = self.spec.features() | self.problem(Framework.TORCH).features()
-        return features | {VARLEN} if self.varlen is not None else features
+        forms = {VARLEN} if self.varlen is not None else set()
+        return features | forms | ({SINKS} if self.sinks else set())
 
     def with_(self, **changes: Any) -> Case:
         return replace(self, **changes)
@@ -124,6 +128,8 @@ class Case:
                 parts.append(f"{name}={value}")
         if self.three_d:
             parts.append("3-D")
+        if self.sinks:
+            parts.append("sinks")
         if self.varlen is not None:
             parts.append(
                 f"attend_varlen: sequences' q lengths {self.varlen.q_lengths} kv lengths {self.varlen.kv_lengths}"
@@ -219,6 +225,8 @@ def make_arrays(case: Case) -> dict[str, np.ndarray]:
         arrays["kv_segment_ids"] = np.asarray(case.kv_segment_ids, dtype=np.int64).reshape(case.batch, case.len_k)
     if case.paged is not None:
         arrays.update(_paged_cache(case, case.paged, arrays, rng))
+    if case.sinks:  # spread wide enough that some rows give most of their weight to the sink
+        arrays["sinks"] = 2.0 * rng.standard_normal(heads_q)
     return arrays
 
 

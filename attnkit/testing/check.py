@@ -31,7 +31,7 @@ from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 from attnkit.tables import format_table
 from attnkit.testing import strategies
 from attnkit.testing.agreement import Comparison, backends_for, check_backend
-from attnkit.testing.cases import VARLEN, Case, make_arrays, paged_case, shuffled_table, varlen_case
+from attnkit.testing.cases import SINKS, VARLEN, Case, make_arrays, paged_case, shuffled_table, varlen_case
 from attnkit.testing.profiles import register_profiles
 from attnkit.testing.runners import drawable_dtypes, dtype_scope, harness_capabilities
 
@@ -48,6 +48,7 @@ DEFAULT_EXAMPLES = 30
 CALL_FORM_MEANINGS = {
     Feature.PAGED.value: FEATURE_MEANINGS[Feature.PAGED],
     VARLEN: "`attend_varlen`: packed sequences (§12), run as one attend call with segment ids or lengths",
+    SINKS: "`sinks=`: one logit per query head in every row's softmax (§15), composed with the backend's lse",
 }
 
 
@@ -175,6 +176,20 @@ def _edge_shapes() -> list[tuple[str, Case]]:
                 kv_segment_ids=((-1, -1, 0, 0, 0, 0), (0,) * 6),
             ),  # fmt: skip
         ),
+        # §15: a row that sees no key keeps its sink (lse = s), padding rows get none, each query head its own.
+        (
+            "sinks, rows with no key, padding rows, GQA",
+            Case(
+                spec(causal=True),
+                heads_q=4,
+                heads_kv=2,
+                len_q=6,
+                len_k=5,
+                q_lengths=(6, 4),
+                kv_lengths=(5, 0),
+                sinks=True,
+            ),
+        ),  # fmt: skip
         *ragged_edge_shapes(),
     ]
 
@@ -378,7 +393,7 @@ def ratio_text(ratio: float | None, delegated: bool = False) -> str:
 
 def results_table(reports: Sequence[BackendReport]) -> str:
     """Worst error/allowed ratio per backend and feature (rows) among the cases that used it."""
-    columns = [PLAIN, *FEATURE_ORDER, VARLEN, *CHECK_DTYPES]
+    columns = [PLAIN, *FEATURE_ORDER, VARLEN, SINKS, *CHECK_DTYPES]
     checked = [report for report in reports if not report.unavailable]
     rows = [
         [column, *(ratio_text(report.worst(column), report.delegated(column)) for report in checked)]

@@ -14,10 +14,11 @@ from attnkit.backend import Capabilities, Framework
 from attnkit.testing.cases import Case
 
 Results = dict[str, np.ndarray]
-DIFFERENTIABLE = ("q", "k", "v", "bias")
-#: Inputs in the case's dtype (an attend_paged case's caches too); dlse is float32, the rest integer or boolean.
-FLOATING_INPUTS = ("q", "k", "v", "dout", "bias", "k_cache", "v_cache")
-OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids")
+DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")
+#: Inputs in the case's dtype (an attend_paged case's caches too); dlse is lse's (float32, float64 for float64 calls),
+#: the rest integer or boolean.
+FLOATING_INPUTS = ("q", "k", "v", "dout", "bias", "k_cache", "v_cache", "sinks")
+OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "sinks")
 
 
 def harness_device(backend: str) -> str:
@@ -70,7 +71,8 @@ def _varlen(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool =
     cu_q, cu_k = as_array(_offsets(q_lengths)), as_array(_offsets(kv_lengths))
     if case.varlen.self_packed:
         q, k, v = (arrays[name][0] for name in ("q", "k", "v"))
-        result = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_q, return_lse=return_lse, backend=backend)
+        result = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_q, return_lse=return_lse, backend=backend,
+                                      sinks=arrays.get("sinks"))  # fmt: skip
         return (result[0][None], result[1][None]) if return_lse else result[None]
 
     def pack(x: Any, lengths: tuple[int, ...]) -> Any:  # the padded batch's real rows, sequence after sequence
@@ -79,7 +81,8 @@ def _varlen(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool =
         return x[as_array(sequence), as_array(position)]
 
     q, k, v = pack(arrays["q"], q_lengths), pack(arrays["k"], kv_lengths), pack(arrays["v"], kv_lengths)
-    out, lse = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_k, return_lse=True, backend=backend)
+    out, lse = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_k, return_lse=True, backend=backend,
+                                    sinks=arrays.get("sinks"))  # fmt: skip
     # Position (b, t) of the padded batch is packed row cu_q[b] + t, for t < q_lengths[b].
     positions = np.arange(case.len_q)[None, :]
     real = positions < np.asarray(q_lengths)[:, None]
@@ -95,7 +98,7 @@ def _paged(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool = 
     """attend_paged on the case's cache and block table (§13)."""
     return ragged.attend_paged(
         case.spec, arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["block_table"], arrays["kv_lengths"],
-        return_lse=return_lse, backend=backend,
+        return_lse=return_lse, backend=backend, sinks=arrays.get("sinks"),
     )  # fmt: skip
 
 
@@ -131,7 +134,8 @@ def run_torch(
         if name in FLOATING_INPUTS:
             tensors[name] = torch.tensor(value, dtype=torch_dtype, device=device)
         elif name == "dlse":
-            tensors[name] = torch.tensor(value, dtype=torch.float32, device=device)
+            lse_dtype = torch.float64 if torch_dtype == torch.float64 else torch.float32  # lse's own (§6)
+            tensors[name] = torch.tensor(value, dtype=lse_dtype, device=device)
         else:
             tensors[name] = torch.tensor(value, device=device)
     leaves = [tensors[name] for name in DIFFERENTIABLE if name in tensors]
@@ -173,7 +177,7 @@ def run_jax(
         if name in FLOATING_INPUTS:
             converted[name] = jnp.asarray(value, dtype=jax_dtype)
         elif name == "dlse":
-            converted[name] = jnp.asarray(value, dtype=jnp.float32)
+            converted[name] = jnp.asarray(value, dtype=jnp.float64 if jax_dtype == jnp.float64 else jnp.float32)
         else:  # masks, and lengths as JAX makes integers: int32, or int64 under jax_enable_x64
             converted[name] = jnp.asarray(value)
     names = [name for name in DIFFERENTIABLE if name in converted and (name != "bias" or case.bias_grad)]

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from attnkit.backend import ALL_FEATURES, Capabilities, Feature, Sizes
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
-from attnkit.testing.cases import VARLEN, Case, blocks_needed, paged_case, varlen_case
+from attnkit.testing.cases import SINKS, VARLEN, Case, blocks_needed, paged_case, varlen_case
 
 SMALL_HEAD_DIMS = (16, 24, 32, 40)
 FLOATING_DTYPES = ("float32", "float16", "bfloat16", "float64")  # float32 first: hypothesis shrinks towards it
@@ -172,12 +172,19 @@ def cases(
         three_d=three_d,
         seed=draw(st.integers(0, 2**31 - 1)),
         grad=Feature.GRAD in features,
+        sinks=draw(sinks_drawn(dtype)),
     )
+
+
+def sinks_drawn(dtype: str) -> st.SearchStrategy[bool]:
+    """Whether a call has sinks (§15), in a third of the draws, whatever the dtype: every backend serves them (attend
+    composes them with its lse, which is float64 in float64 calls, §6)."""
+    return st.integers(0, 2).map(lambda draw: draw == 0)
 
 
 def _call_features(case: Case) -> frozenset[Feature]:
     """The features a ragged call of this form needs whatever its spec (gradients are drawn only where declared)."""
-    return frozenset(Feature(name) for name in case.features() - {VARLEN, Feature.GRAD})
+    return frozenset(Feature(name) for name in case.features() - {VARLEN, SINKS, Feature.GRAD})
 
 
 # What each ragged form needs, read off the cases it builds: the attend call attend_varlen makes of equal offsets
@@ -222,7 +229,8 @@ def varlen_cases(
         kv_lengths = (*kv_lengths[:-1], kv_lengths[-1] + 1)
     spec = draw(specs(features))
     geometry = draw(_geometry(allowed_dtypes, allowed_dims))
-    return varlen_case(spec, q_lengths, kv_lengths, grad=Feature.GRAD in features, **geometry)
+    return varlen_case(spec, q_lengths, kv_lengths, grad=Feature.GRAD in features,
+                       sinks=draw(sinks_drawn(geometry["dtype"])), **geometry)  # fmt: skip
 
 
 def _paged_sizes(capabilities: Capabilities | None, head_dims: list[int]) -> tuple[list[int], list[int]]:
@@ -265,7 +273,8 @@ def paged_cases(
     table = tuple(tuple(draw(read if j < n else never_read) for j in range(max_blocks)) for n in needed)
     spec = draw(specs(features))
     geometry = draw(_geometry(allowed_dtypes, allowed_dims))
-    return paged_case(spec, block_size, table, kv_lengths, num_blocks, len_q=draw(st.integers(1, 4)), **geometry)
+    return paged_case(spec, block_size, table, kv_lengths, num_blocks, len_q=draw(st.integers(1, 4)),
+                      sinks=draw(sinks_drawn(geometry["dtype"])), **geometry)  # fmt: skip
 
 
 @st.composite

@@ -286,7 +286,7 @@ class _BlockedFlash(torch.autograd.Function):
         flash_forward = _ops_for(q.device)[0]
         batch, heads, len_q, _ = q.shape
         out = q.new_zeros(batch, heads, len_q, v.shape[-1])
-        lse = q.new_full((batch, heads, len_q), float("-inf"), dtype=torch.float32)
+        lse = q.new_full((batch, heads, len_q), float("-inf"), dtype=compute_dtype(q.dtype))  # §6
         # The op's own lse, in its dtype (float64 for float64 inputs): its backward takes it back as it gave it.
         kernel_lse = torch.full_like(lse, float("-inf"), dtype=compute_dtype(q.dtype))
         for block in plan.blocks:
@@ -567,7 +567,7 @@ def _flash_attention(
     if q.numel() == 0 or len_k == 0:  # §9; the kernel faults on Lk = 0
         # Sums over empty extents are exactly 0 (NaN-free) and keep out in the autograd graph.
         out = q[..., :0].sum(-1, keepdim=True).expand(batch, heads_q, len_q, dim_v) + (k.sum() + v.sum()).to(dtype)
-        lse = q[..., :0].sum(-1).float() + float("-inf")
+        lse = q[..., :0].sum(-1).to(compute_dtype(dtype)) + float("-inf")
         return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
     q, k, v = zero_padding(q, inputs.q_lengths), zero_padding(k, inputs.kv_lengths), zero_padding(v, inputs.kv_lengths)
     if spec.variant is Variant.COSINE:
@@ -582,7 +582,7 @@ def _flash_attention(
     if bool(((kernel_lse == 0) & (lse != float("-inf"))).any()):
         # A row the kernel skipped though the contract sees keys: its first scores were NaN (or −inf from bias).
         out, lse = literal_attention(spec, inputs, compute_dtype(dtype))
-        return out.to(dtype), lse.float()
+        return out.to(dtype), lse.to(compute_dtype(dtype))
     out = out[..., :dim_v].to(dtype)
     return (out.transpose(1, 2) if spec.layout is Layout.BSHD else out), lse
 

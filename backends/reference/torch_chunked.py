@@ -363,7 +363,9 @@ class TorchChunkedBackend(BaseBackend):
         with torch.no_grad():
             ops, plan, _ = self._prepare(spec, inputs)
             out, lse = _forward_tiles(ops, plan)
-        return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).float()
+        return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).to(
+            compute_dtype(inputs.q.dtype)
+        )
 
     def forward_paged(
         self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
@@ -383,7 +385,9 @@ class TorchChunkedBackend(BaseBackend):
         block_k = max(1, self.block_k // block_size) * block_size
         with torch.no_grad():
             out, lse = _forward_tiles(ops, _plan(geometry, len_q, len_k, self.block_q, block_k))
-        return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).float()
+        return _from_query_side(spec, out, inputs.q.dtype), lse.transpose(2, 3).flatten(1, 2).to(
+            compute_dtype(inputs.q.dtype)
+        )
 
     def backward(
         self,

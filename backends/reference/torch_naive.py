@@ -53,10 +53,11 @@ def oracle_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, 
 
 
 def oracle_attention(
-    spec: AttentionSpec, inputs: AttentionInputs, dtype: torch.dtype
+    spec: AttentionSpec, inputs: AttentionInputs, dtype: torch.dtype, sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The oracle's (out, lse) in ``dtype``, differentiable: the literal contract with the oracle's own visibility."""
-    return literal_attention(spec, inputs, dtype, oracle_visibility)
+    """The oracle's (out, lse) in ``dtype``, differentiable: the literal contract with the oracle's own visibility,
+    and §15's sinks as a logit column (never the lse composition that attend applies to every backend)."""
+    return literal_attention(spec, inputs, dtype, oracle_visibility, sinks)
 
 
 class TorchNaiveBackend(RecomputingBackend):
@@ -80,7 +81,7 @@ class TorchNaiveBackend(RecomputingBackend):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.no_grad():
             out, lse = self.recompute(spec, inputs)
-        return out.to(inputs.q.dtype), lse.float()
+        return out.to(inputs.q.dtype), lse.to(compute_dtype(inputs.q.dtype))
 
     def forward_paged(
         self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
