@@ -265,8 +265,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser, explain_parser = build_parser()
     args = parser.parse_args(argv)
     out = sys.stdout
-    # Every command sees the backends this machine can run: without a GPU, Triton's kernels run interpreted.
-    interpret_triton_without_gpu()
+    # `check` checks every backend this machine can run, Triton's kernels interpreted where there is no GPU; the other
+    # commands see what `import attnkit` sees in a Python process (which TRITON_INTERPRET=1 changes the same way).
+    if args.command == "check":
+        interpret_triton_without_gpu()
     try:
         if args.command == "info":
             return run_info(args, out)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -315,3 +316,18 @@ def test_bench_backend_times_every_pass_against_sdpa(capsys: pytest.CaptureFixtu
         (name, causal, dim) for name in ("torch-chunked", "torch sdpa") for causal in (False, True) for dim in (64, 128)
     }
     assert all(row[f"{name}_tflops"] > 0 for row in rows for name in ("fwd", "bwd", "fwd+bwd"))
+
+
+def test_info_says_of_triton_what_a_python_process_finds() -> None:
+    """Without a GPU and without TRITON_INTERPRET, `attnkit info` and `import attnkit` agree that triton cannot run,
+    and both say how to run it interpreted. (The test process runs with TRITON_INTERPRET=1: each side runs in a fresh
+    one; with the variable set both find it available, as the rest of the suite shows.)"""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is visible: triton is compiled here, interpreter or not")
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    in_python = "import attnkit; print(attnkit.get_backend('triton').available())"
+    info = subprocess.run([sys.executable, "-m", "attnkit.cli", "info"], env=env, capture_output=True, text=True)
+    python = subprocess.run([sys.executable, "-c", in_python], env=env, capture_output=True, text=True)
+    (line,) = [row for row in info.stdout.splitlines() if row.split()[:1] == ["triton"]][:1]
+    assert "TRITON_INTERPRET=1" in python.stdout, python.stdout
+    assert "unavailable" in line and "TRITON_INTERPRET=1" in line, line
