@@ -66,31 +66,26 @@ def prepare(
     head_axis = 1 if spec.layout is Layout.BHSD else 2
     if was_3d:
         q, k, v = (ops.reshape(t, (*t.shape[:head_axis], 1, *t.shape[head_axis:])) for t in (q, k, v))
-    seq_axis = 3 - head_axis
-    batch, heads_q, len_q, head_dim = q.shape[0], q.shape[head_axis], q.shape[seq_axis], q.shape[3]
-    batch_k, heads_kv, len_k, head_dim_k = k.shape[0], k.shape[head_axis], k.shape[seq_axis], k.shape[3]
-    batch_v, heads_v, len_v, head_dim_v = v.shape[0], v.shape[head_axis], v.shape[seq_axis], v.shape[3]
-    if batch_k != batch or batch_v != batch:
-        raise InvalidInputError(f"batch sizes differ: q has {batch}, k has {batch_k}, v has {batch_v}")
-    if head_dim_k != head_dim:
-        raise InvalidInputError(f"k has head_dim={head_dim_k}, expected q's head_dim={head_dim}")
-    if head_dim == 0 or head_dim_v == 0:
-        raise InvalidInputError(f"{head_dim=} (q and k) and {head_dim_v=} (v) must both be positive")
-    if len_v != len_k:
-        raise InvalidInputError(f"v has {len_v} keys, expected k's {len_k}")
-    if heads_v != heads_kv:
-        raise InvalidInputError(f"v has num_heads_kv={heads_v}, expected k's {heads_kv}")
-    if heads_q == 0 or heads_kv == 0:
-        raise InvalidInputError(f"{heads_q=} and {heads_kv=} must both be positive")
-    if heads_q % heads_kv:
-        raise InvalidInputError(f"{heads_q=} (query heads) is not a multiple of {heads_kv=} (key/value heads)")
+    try:
+        batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v = _geometry(q, k, v, head_axis)
+    except InvalidInputError as error:
+        other = Layout.BSHD if spec.layout is Layout.BHSD else Layout.BHSD
+        if was_3d or not _fits(q, k, v, 3 - head_axis):
+            raise
+        raise InvalidInputError(
+            f"{error} (reading q, k, v as layout={spec.layout.value!r}); in layout={other.value!r} these shapes fit: "
+            f"pass AttentionSpec(layout={other.value!r}) if they are {_LAYOUT_AXES[other]}"
+        ) from error
 
     full = (batch, heads_q, len_q, len_k)
     if mask is not None:
         if not ops.is_array(mask):
             raise InvalidInputTypeError(f"mask must be a {ops.framework.value} array, got {type(mask).__name__}")
         if ops.dtype_name(mask) != "bool":
-            raise InvalidInputTypeError(f"mask has dtype {ops.dtype_name(mask)}, expected bool (True = may attend)")
+            raise InvalidInputTypeError(
+                f"mask has dtype {ops.dtype_name(mask)}, expected bool (True = may attend); an additive float mask "
+                "(0 and −inf, or any scores to add) goes in bias="
+            )
         mask = _to_4d(ops, "mask", mask, full, was_3d)
     if bias is not None:
         if not ops.is_array(bias):
@@ -102,7 +97,10 @@ def prepare(
         if lengths is None:
             continue
         if not ops.is_array(lengths):
-            raise InvalidInputTypeError(f"{name} must be a {ops.framework.value} array, got {type(lengths).__name__}")
+            raise InvalidInputTypeError(
+                f"{name} must be a {ops.framework.value} integer array of shape (B,) on q's device (e.g. "
+                f"{_ARRAY_EXAMPLE[ops.framework.value]}), got {type(lengths).__name__}"
+            )
         if ops.dtype_name(lengths) not in INTEGER:
             raise InvalidInputTypeError(f"{name} has dtype {ops.dtype_name(lengths)}, expected an integer dtype")
         if tuple(lengths.shape) != (batch,):
@@ -139,6 +137,42 @@ def prepare(
         has_segment_ids=q_segment_ids is not None,
     )
     return ops, problem, inputs, was_3d
+
+
+_ARRAY_EXAMPLE = {"torch": "torch.tensor([512, 300])", "jax": "jnp.array([512, 300])"}
+_LAYOUT_AXES = {Layout.BHSD: "(B, H, L, D)", Layout.BSHD: "(B, L, H, D)"}
+
+
+def _geometry(q: Any, k: Any, v: Any, head_axis: int) -> tuple[int, ...]:
+    """(B, Hq, Hkv, Lq, Lk, D, Dv) of 4-D q, k, v read with heads on ``head_axis``; InvalidInputError naming the
+    first shape that does not fit."""
+    seq_axis = 3 - head_axis
+    batch, heads_q, len_q, head_dim = q.shape[0], q.shape[head_axis], q.shape[seq_axis], q.shape[3]
+    batch_k, heads_kv, len_k, head_dim_k = k.shape[0], k.shape[head_axis], k.shape[seq_axis], k.shape[3]
+    batch_v, heads_v, len_v, head_dim_v = v.shape[0], v.shape[head_axis], v.shape[seq_axis], v.shape[3]
+    if batch_k != batch or batch_v != batch:
+        raise InvalidInputError(f"batch sizes differ: q has {batch}, k has {batch_k}, v has {batch_v}")
+    if head_dim_k != head_dim:
+        raise InvalidInputError(f"k has head_dim={head_dim_k}, expected q's head_dim={head_dim}")
+    if head_dim == 0 or head_dim_v == 0:
+        raise InvalidInputError(f"{head_dim=} (q and k) and {head_dim_v=} (v) must both be positive")
+    if len_v != len_k:
+        raise InvalidInputError(f"v has {len_v} keys, expected k's {len_k}")
+    if heads_v != heads_kv:
+        raise InvalidInputError(f"v has num_heads_kv={heads_v}, expected k's {heads_kv}")
+    if heads_q == 0 or heads_kv == 0:
+        raise InvalidInputError(f"{heads_q=} and {heads_kv=} must both be positive")
+    if heads_q % heads_kv:
+        raise InvalidInputError(f"{heads_q=} (query heads) is not a multiple of {heads_kv=} (key/value heads)")
+    return batch, heads_q, heads_kv, len_q, len_k, head_dim, head_dim_v
+
+
+def _fits(q: Any, k: Any, v: Any, head_axis: int) -> bool:
+    try:
+        _geometry(q, k, v, head_axis)
+    except InvalidInputError:
+        return False
+    return True
 
 
 def _check_segment_ids(

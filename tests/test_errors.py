@@ -38,7 +38,26 @@ CASES = [
         r"heads_q=3 \(query heads\) is not a multiple of heads_kv=2",
     ),
     ("ndim", dict(shapes={"q": (2, 4, 5, 16, 1)}), InvalidInputError, "must all be 4-D"),
-    ("mask dtype", dict(mask=torch.ones(5, 6)), InvalidInputTypeError, "mask has dtype float32, expected bool"),
+    (
+        "mask dtype",
+        dict(mask=torch.ones(5, 6)),
+        InvalidInputTypeError,
+        r"mask has dtype float32, expected bool \(True = may attend\); an additive float mask .* goes in bias=",
+    ),
+    (
+        "lengths as a list",
+        dict(kv_lengths=[6, 6]),
+        InvalidInputTypeError,
+        r"kv_lengths must be a torch integer array of shape \(B,\) on q's device "
+        r"\(e.g. torch.tensor\(\[512, 300\]\)\), got list",
+    ),
+    (
+        "bshd tensors read as bhsd",  # (B, L, H, D) = (2, 5, 4, 16) and (2, 6, 2, 16): in bhsd, 5 heads over 6
+        dict(shapes={"q": (2, 5, 4, 16), "k": (2, 6, 2, 16), "v": (2, 6, 2, 8)}),
+        InvalidInputError,
+        r"heads_q=5 .* is not a multiple of heads_kv=6 .* \(reading q, k, v as layout='bhsd'\); in layout='bshd' these "
+        r"shapes fit: pass AttentionSpec\(layout='bshd'\) if they are \(B, L, H, D\)",
+    ),
     ("mask shape", dict(mask=torch.ones(5, 7, dtype=torch.bool)), InvalidInputError, r"mask has shape \(5, 7\)"),
     ("bias shape", dict(bias=torch.zeros(3, 4, 5, 6)), InvalidInputError, r"bias has shape \(3, 4, 5, 6\), expected"),
     ("bias dtype", dict(bias=torch.zeros(5, 6, dtype=torch.int32)), InvalidInputTypeError, "bias has dtype int32"),
