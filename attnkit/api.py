@@ -150,4 +150,4 @@ def explain_problem(spec: AttentionSpec, problem: Problem) -> str:
     body = "\n".join(str(row) for row in rows)
     if not any(row.selected for row in rows):
         body += "\n(no backend can serve this call)"
-    return f"{header}\n{body}"
+    return f"{header}\n{body}\ndecided by: {dispatch.decision(spec, problem)}"

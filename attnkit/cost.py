@@ -181,6 +181,27 @@ def choose(servable: Sequence[str], predicted: Mapping[str, float | None], margi
     return best if best_time * (1.0 + margin) < first_time else first
 
 
+def decision(servable: Sequence[str], predicted: Mapping[str, float | None], margin: float, chosen: str) -> str:
+    """The rule of :func:`choose` that picked ``chosen``, in words, with the predictions it weighed."""
+    first = servable[0]
+    first_time = predicted.get(first)
+    if chosen != first:
+        return (
+            f"{chosen} is predicted at {predicted[chosen]:.4g} us, faster than {first}, the first in the priority list "
+            f"({first_time:.4g} us), by more than the cost margin ({margin:.0%})"
+        )
+    if first_time is None:
+        return f"{first} is the first in the priority list that can serve the call (no cost prediction for it)"
+    faster = [(name, time) for name in servable[1:] if (time := predicted.get(name)) is not None and time < first_time]
+    if not faster:
+        return f"{first} is the first in the priority list that can serve the call, and none is predicted faster"
+    name, time = min(faster, key=lambda item: item[1])
+    return (
+        f"{first} is the first in the priority list that can serve the call; {name} is predicted faster "
+        f"({time:.4g} us against {first_time:.4g} us) but not by more than the cost margin ({margin:.0%})"
+    )
+
+
 _FIELDS = {
     "backend": str,
     "device": str,

@@ -82,6 +82,20 @@ def _choose(
     return cost.choose(servable, predicted, current.cost_margin), predicted
 
 
+def decision(spec: AttentionSpec, problem: Problem) -> str:
+    """Why ``auto`` picks what it picks for this call: the forced backend, or the rule of :func:`cost.choose` with the
+    predictions it weighed (``attnkit explain`` prints it under the table)."""
+    forced = config.forced_backend()
+    if forced is not None:
+        return f"{forced} is forced (configuration or ATTNKIT_BACKEND)"
+    rows = _priority_rows(spec, problem, _order(spec, problem, None), registry.backends())
+    servable = [row.name for row in rows if not row.reasons]
+    if not servable:
+        return "no backend in the priority list can serve the call"
+    chosen, predicted = _choose(spec, problem, servable, None)
+    return cost.decision(servable, predicted, config.current_config().cost_margin, chosen)
+
+
 def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     """Every registered backend with its reasons, in the order ``auto`` would try them."""
     all_backends = registry.backends()

@@ -12,7 +12,16 @@ import torch
 from attnkit.backends.reference.torch_naive import TorchNaiveBackend
 
 import attnkit
-from attnkit import AttentionInputs, AttentionSpec, BackendUnavailableError, Capabilities, Framework, dispatch, registry
+from attnkit import (
+    AttentionInputs,
+    AttentionSpec,
+    BackendUnavailableError,
+    Capabilities,
+    Framework,
+    cost,
+    dispatch,
+    registry,
+)
 from attnkit.backend import Feature
 from attnkit.call_cache import CACHE, CallCache
 from tests.conftest import PLUGIN_DISTRIBUTION, backend_params
@@ -525,3 +534,27 @@ def test_auto_sends_a_long_packed_row_to_a_backend_that_skips_the_documents_tile
         if not skipping & servable:
             pytest.skip(f"none of {sorted(skipping)} serves segment ids here")
         assert chosen in skipping, table
+
+
+def test_explain_says_which_rule_decided() -> None:
+    """The priority list and its margin, or a prediction past the margin, or no prediction: explain prints the rule
+    that picked the backend, with the times it weighed (a user saw torch-sdpa picked over a cpu-flash predicted
+    faster, 357 us against 312, and no word of the margin)."""
+    servable = ["torch-sdpa", "cpu-flash", "torch-chunked"]
+    within = cost.decision(servable, {"torch-sdpa": 357.0, "cpu-flash": 312.0}, 0.2, "torch-sdpa")
+    assert within == (
+        "torch-sdpa is the first in the priority list that can serve the call; cpu-flash is predicted faster "
+        "(312 us against 357 us) but not by more than the cost margin (20%)"
+    )
+    past = cost.decision(servable, {"torch-sdpa": 900.0, "cpu-flash": 312.0}, 0.2, "cpu-flash")
+    assert past.startswith("cpu-flash is predicted at 312 us, faster than torch-sdpa") and "(900 us)" in past
+    assert "no cost prediction" in cost.decision(servable, {}, 0.2, "torch-sdpa")
+    q = torch.randn(1, 2, 8, 16)
+    text = attnkit.explain(AttentionSpec(), q, q, q)
+    chosen = next(line.split()[1] for line in text.splitlines() if line.startswith("->"))
+    assert text.splitlines()[-1].startswith(f"decided by: {chosen} ")
+    with attnkit.use_backend("torch-naive"):
+        assert (
+            attnkit.explain(AttentionSpec(), q, q, q).splitlines()[-1] == "decided by: torch-naive is forced "
+            "(configuration or ATTNKIT_BACKEND)"
+        )
