@@ -89,8 +89,10 @@ def test_every_feature_has_a_meaning() -> None:
 def test_explain_marks_selected_backend_and_gives_reasons(capsys: pytest.CaptureFixture[str]) -> None:
     code, out = run(capsys, "explain", "--causal", "--len-q", "1", "--len-k", "37", "--grad")
     assert code == 0
-    rows = {line.split()[1] if line.startswith("->") else line.split()[0]: line for line in out.splitlines()[2:]}
+    *table, decided = out.splitlines()[2:]
+    rows = {line.split()[1] if line.startswith("->") else line.split()[0]: line for line in table}
     assert set(rows) == set(registry.backends())
+    assert decided.startswith("decided by: ")
     assert sum(line.startswith("->") for line in rows.values()) == 1
     # jax-reference cannot take torch tensors (or is not installed): its row says why.
     assert not rows["jax-reference"].rstrip().endswith(" ok")
@@ -320,14 +322,14 @@ def test_bench_backend_times_every_pass_against_sdpa(capsys: pytest.CaptureFixtu
 
 def test_info_says_of_triton_what_a_python_process_finds() -> None:
     """Without a GPU and without TRITON_INTERPRET, `attnkit info` and `import attnkit` agree that triton cannot run,
-    and both say how to run it interpreted. (The test process runs with TRITON_INTERPRET=1: each side runs in a fresh
-    one; with the variable set both find it available, as the rest of the suite shows.)"""
+    and both say how to run it interpreted. (The test process runs with TRITON_INTERPRET=1: both run in a fresh one,
+    `import attnkit` first; with the variable set both find it available, as the rest of the suite shows.)"""
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: triton is compiled here, interpreter or not")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    in_python = "import attnkit; print(attnkit.get_backend('triton').available())"
-    info = subprocess.run([sys.executable, "-m", "attnkit.cli", "info"], env=env, capture_output=True, text=True)
-    python = subprocess.run([sys.executable, "-c", in_python], env=env, capture_output=True, text=True)
-    (line,) = [row for row in info.stdout.splitlines() if row.split()[:1] == ["triton"]][:1]
-    assert "TRITON_INTERPRET=1" in python.stdout, python.stdout
+    both = "import attnkit, attnkit.cli; print(attnkit.get_backend('triton').available()); attnkit.cli.main(['info'])"
+    result = subprocess.run([sys.executable, "-c", both], env=env, capture_output=True, text=True)
+    in_python, *info = result.stdout.splitlines()
+    (line,) = [row for row in info if row.split()[:1] == ["triton"]][:1]
+    assert "TRITON_INTERPRET=1" in in_python, result.stdout + result.stderr
     assert "unavailable" in line and "TRITON_INTERPRET=1" in line, line

@@ -89,5 +89,5 @@ def test_ci_runs_the_triton_kernels_on_the_oldest_supported_triton() -> None:
     assert minor_version(oldest.group(1)) == SUPPORTED_TRITON[0], (oldest.group(1), SUPPORTED_TRITON)
     step = ci[oldest.start() :]
     assert re.search(r"^PYTHONPATH=\S+ ATTNKIT_EXPECT_BACKENDS=triton python -m pytest ", step, re.M), step
-    for tests in ("test_expected_backends.py", "test_tile_edges.py", "test_kernel_backends.py"):
+    for tests in ("test_expected_backends.py", "test_kernel_backends.py", "test_conformance.py"):
         assert f"tests/{tests}" in step, f".ci/run's oldest-Triton step runs no tests/{tests}"

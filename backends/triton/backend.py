@@ -9,7 +9,8 @@ import triton
 from attnkit.backend import AttentionSpec, Problem, Unverified, backend_option, pending_hardware
 from attnkit.contract.kernels import DETERMINISTIC_OPTION, KernelBackend, KernelLauncher, kernel_capabilities
 
-from . import launch, minor_version, unsupported_triton
+from . import launch
+from .versions import minor_version, unsupported_triton
 
 MAX_HEAD_DIM = 256
 #: Off until a GPU has run it: on Hopper the autotuner then also times the warp-specialised forward and dQ tile
