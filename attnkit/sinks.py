@@ -11,6 +11,7 @@ lse₀ = −∞ meets a finite sink; a padding row's −∞ meets the −∞ tha
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
@@ -51,6 +52,21 @@ def with_sinks(
 ) -> tuple[Any, Any]:
     """(out, lse) of the call with ``sinks`` from ``(out₀, lse₀)`` of the call without them (§15), in the caller's
     framework and shapes: out in its layout and dtype, lse as the call's (§6) (B, Hq, Lq) or (B, Lq) for 3-D calls."""
+    bshd = spec.layout is Layout.BSHD
+    if type(out).__module__.startswith("torch"):
+        return _composed(bshd, out, lse, sinks, q_lengths, q_segment_ids)
+    return _jax_composed()(bshd, out, lse, sinks, q_lengths, q_segment_ids)  # type: ignore[no-any-return]
+
+
+@functools.cache
+def _jax_composed() -> Any:
+    """:func:`_composed` as one compiled JAX program per shape: eagerly, JAX compiles each of its dozen ops apart."""
+    import jax
+
+    return jax.jit(_composed, static_argnums=0)
+
+
+def _composed(bshd: bool, out: Any, lse: Any, sinks: Any, q_lengths: Any, q_segment_ids: Any) -> tuple[Any, Any]:
     xp, sigmoid, cast, arange, wide = _namespace(out)
     # The per-row factors and dsinks' sum over rows in the widest float (they are (B, Hq, Lq), cheap; in float32 a
     # gpt-oss layer's dsinks missed the tolerance against eager's softmax backward); out itself in its compute dtype.
@@ -67,7 +83,7 @@ def with_sinks(
         sink_in = xp.where(play, sink, float("-inf"))  # no sink: weight 0, lse unchanged
         kept = sigmoid(lse_in - sink_in)
         lse_new = xp.where(play, xp.logaddexp(lse_in, sink_in), lse0)
-    if not three_d and spec.layout is Layout.BSHD:
+    if not three_d and bshd:
         kept = kept.swapaxes(1, 2)
     return cast(cast(out, out_wide) * cast(kept, out_wide)[..., None], out.dtype), cast(lse_new, lse.dtype)
 
