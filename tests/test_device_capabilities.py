@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import hypothesis
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 
 import attnkit
 from attnkit.backend import (
@@ -37,20 +38,27 @@ from attnkit.testing.runners import dtype_scope, native_framework
 #: Calls drawn once from every feature, dtype and call form; each backend is checked on those within what it declares
 #: on a device, as the harness would draw them there (drawing is the cost here, ~20 ms a call; supports() is not).
 POOL_SIZE = 200
+#: attend_paged calls drawn per (backend, device) within its declared paged sizes, which few pool calls meet (pallas on
+#: a GPU: block sizes a power of two >= 16).
+PAGED_PER_DEVICE = 10
 
 
-@functools.cache
-def _pool() -> tuple[Case, ...]:
+def _examples(strategy: st.SearchStrategy[Case], count: int) -> tuple[Case, ...]:
     drawn: list[Case] = []
 
-    @settings(max_examples=POOL_SIZE, derandomize=True, database=None, deadline=None,
+    @settings(max_examples=count, derandomize=True, database=None, deadline=None,
               suppress_health_check=list(HealthCheck))  # fmt: skip
-    @hypothesis.given(strategies.calls())
+    @hypothesis.given(strategy)
     def draw(case: Case) -> None:
         drawn.append(case)
 
     draw()
     return tuple(drawn)
+
+
+@functools.cache
+def _pool() -> tuple[Case, ...]:
+    return _examples(strategies.calls(), POOL_SIZE)
 
 
 def _declared_devices() -> list[tuple[Backend, str]]:
@@ -88,6 +96,9 @@ def test_declared_calls_are_served_on_each_declared_device() -> None:
             continue  # the harness asks every call for lse, so it checks no backend without it (flash-attn)
         framework = native_framework(backend.name)
         drawn = [(f"drawn #{index}", case) for index, case in enumerate(_pool())]
+        if strategies.serves_paged(declared):
+            paged = _examples(strategies.paged_cases(capabilities=declared), PAGED_PER_DEVICE)
+            drawn += [(f"paged #{index}", case) for index, case in enumerate(paged)]
         # Every drawn call in every dtype declared there (a case's dtype is a field), so each declared feature is
         # checked in each declared dtype whatever the pool's draws (supports() is cheap; drawing is not).
         retyped = [(label, case.with_(dtype=dtype)) for label, case in drawn for dtype in sorted(declared.dtypes)]

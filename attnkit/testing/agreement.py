@@ -76,15 +76,16 @@ def oracle_results(case: Case, arrays: dict[str, np.ndarray]) -> tuple[Results, 
     """(oracle64, oracle at the input's own dtype) for rounded inputs. A case with sinks gets both from the oracle's
     literal function (the sink as a logit column, §15), not through attend, which composes sinks for every backend."""
     if case.sinks:
-        exact = _literal_at_own_precision(case.with_(dtype="float64"), arrays)
+        exact = _literal(case.with_(dtype="float64"), arrays)
     else:
         exact = run_torch(case.with_(dtype="float64"), arrays, ORACLE)
     if case.dtype == "float64":
         return exact, exact
-    return exact, _literal_at_own_precision(case, arrays)
+    return exact, _literal(case, arrays)
 
 
-def _literal_at_own_precision(case: Case, arrays: dict[str, np.ndarray]) -> Results:
+def _literal(case: Case, arrays: dict[str, np.ndarray]) -> Results:
+    """The oracle's literal function at the case's dtype, called directly (not through attend), with gradients."""
     import torch
 
     from attnkit.backends.reference.torch_naive import oracle_attention

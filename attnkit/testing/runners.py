@@ -128,14 +128,15 @@ def run_torch(
     (a compiled one, say)."""
     import torch
 
+    from attnkit.contract.torch import compute_dtype
+
     torch_dtype = getattr(torch, dtype or case.dtype)
     tensors: dict[str, Any] = {}
     for name, value in arrays.items():
         if name in FLOATING_INPUTS:
             tensors[name] = torch.tensor(value, dtype=torch_dtype, device=device)
         elif name == "dlse":
-            lse_dtype = torch.float64 if torch_dtype == torch.float64 else torch.float32  # lse's own (§6)
-            tensors[name] = torch.tensor(value, dtype=lse_dtype, device=device)
+            tensors[name] = torch.tensor(value, dtype=compute_dtype(torch_dtype), device=device)  # lse's own (§6)
         else:
             tensors[name] = torch.tensor(value, device=device)
     leaves = [tensors[name] for name in DIFFERENTIABLE if name in tensors]

@@ -172,11 +172,11 @@ def cases(
         three_d=three_d,
         seed=draw(st.integers(0, 2**31 - 1)),
         grad=Feature.GRAD in features,
-        sinks=draw(sinks_drawn(dtype)),
+        sinks=draw(sinks_drawn()),
     )
 
 
-def sinks_drawn(dtype: str) -> st.SearchStrategy[bool]:
+def sinks_drawn() -> st.SearchStrategy[bool]:
     """Whether a call has sinks (§15), in a third of the draws, whatever the dtype: every backend serves them (attend
     composes them with its lse, which is float64 in float64 calls, §6)."""
     return st.integers(0, 2).map(lambda draw: draw == 0)
@@ -230,7 +230,7 @@ def varlen_cases(
     spec = draw(specs(features))
     geometry = draw(_geometry(allowed_dtypes, allowed_dims))
     return varlen_case(spec, q_lengths, kv_lengths, grad=Feature.GRAD in features,
-                       sinks=draw(sinks_drawn(geometry["dtype"])), **geometry)  # fmt: skip
+                       sinks=draw(sinks_drawn()), **geometry)  # fmt: skip
 
 
 def _paged_sizes(capabilities: Capabilities | None, head_dims: list[int]) -> tuple[list[int], list[int]]:
@@ -274,7 +274,7 @@ def paged_cases(
     spec = draw(specs(features))
     geometry = draw(_geometry(allowed_dtypes, allowed_dims))
     return paged_case(spec, block_size, table, kv_lengths, num_blocks, len_q=draw(st.integers(1, 4)),
-                      sinks=draw(sinks_drawn(geometry["dtype"])), **geometry)  # fmt: skip
+                      sinks=draw(sinks_drawn()), **geometry)  # fmt: skip
 
 
 @st.composite

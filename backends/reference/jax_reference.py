@@ -213,8 +213,8 @@ def _online_softmax(spec: AttentionSpec, ops: _Operands) -> tuple[Any, Any]:
 
 def _forward(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> tuple[Any, Any]:
     out, lse = _online_softmax(spec, _operands(spec, block, inputs))
-    lse_dtype = jnp.float64 if inputs.q.dtype == jnp.float64 else jnp.float32  # §6
-    return _bhsd(spec, _ungroup(out)).astype(inputs.q.dtype), _ungroup(lse).astype(lse_dtype)
+    # lse in the compute dtype: float64 for float64 calls (§6).
+    return _bhsd(spec, _ungroup(out)).astype(inputs.q.dtype), _ungroup(lse).astype(_compute_dtype(inputs.q.dtype))
 
 
 def _backward_block(
