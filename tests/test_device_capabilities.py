@@ -17,12 +17,14 @@ from collections.abc import Iterator
 import hypothesis
 import pytest
 from hypothesis import HealthCheck, settings
+from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
 
 import attnkit
 from attnkit.backend import (
     ALLOW_UNVERIFIED_ENV,
     Backend,
+    Capabilities,
     Feature,
     Framework,
     PendingHardware,
@@ -41,6 +43,8 @@ POOL_SIZE = 200
 #: attend_paged calls drawn per (backend, device) within its declared paged sizes, which few pool calls meet (pallas on
 #: a GPU: block sizes a power of two >= 16).
 PAGED_PER_DEVICE = 10
+#: Calls drawn for a (dtype, feature) pair that no pool call inside a declaration has.
+PER_MISSED_PAIR = 3
 
 
 def _examples(strategy: st.SearchStrategy[Case], count: int) -> tuple[Case, ...]:
@@ -86,6 +90,40 @@ def _as_on_a_machine_with(device: str) -> Iterator[None]:
         yield
 
 
+def _served(
+    backend: Backend, device: str, declared: Capabilities, labelled: list[tuple[str, Case]]
+) -> tuple[set[tuple[str, str]], list[str]]:
+    """(the (dtype, feature) pairs of the calls inside the declaration, the refusals of those calls)."""
+    framework = native_framework(backend.name)
+    covered: set[tuple[str, str]] = set()
+    problems = []
+    for label, case in labelled:
+        if Feature.GRAD not in declared.features:
+            case = case.with_(grad=False)  # as the harness does: a forward-only backend is checked forward
+        if capability_reasons(declared, case.spec, case.problem(framework, device)):
+            continue  # outside the declaration: the harness never draws it there
+        covered.update((case.dtype, feature) for feature in case.features())
+        # A JAX backend's float64 runs under jax_enable_x64.
+        with dtype_scope(backend.name, case.dtype), _as_on_a_machine_with(device):
+            refusals = backend.supports(case.spec, case.problem(framework, device))
+        problems += [
+            f"{backend.name} on {device} refuses {label} ({case.describe()}): {reason}"
+            for reason in refusals
+            if not isinstance(reason, PendingHardware)
+        ]
+    return covered, problems
+
+
+def _drawn_with(declared: Capabilities, dtype: str, feature: str) -> list[tuple[str, Case]]:
+    """A few calls inside the declaration with ``feature`` in ``dtype``, for a pair the pool missed."""
+    strategy = strategies.calls(capabilities=declared, dtypes=[dtype]).filter(lambda case: feature in case.features())
+    try:
+        drawn = _examples(strategy, PER_MISSED_PAIR)
+    except Unsatisfiable:
+        return []
+    return [(f"drawn with {feature} #{index}", case) for index, case in enumerate(drawn)]
+
+
 def test_declared_calls_are_served_on_each_declared_device() -> None:
     """Every registered backend, on every device it declares: the edge cases and drawn calls inside its declaration
     there are served (or pending hardware), and those calls cover every declared (dtype, feature) pair."""
@@ -94,7 +132,6 @@ def test_declared_calls_are_served_on_each_declared_device() -> None:
         declared = backend.capabilities.on(device)
         if Feature.LSE not in declared.features:
             continue  # the harness asks every call for lse, so it checks no backend without it (flash-attn)
-        framework = native_framework(backend.name)
         drawn = [(f"drawn #{index}", case) for index, case in enumerate(_pool())]
         if strategies.serves_paged(declared):
             paged = _examples(strategies.paged_cases(capabilities=declared), PAGED_PER_DEVICE)
@@ -102,26 +139,15 @@ def test_declared_calls_are_served_on_each_declared_device() -> None:
         # Every drawn call in every dtype declared there (a case's dtype is a field), so each declared feature is
         # checked in each declared dtype whatever the pool's draws (supports() is cheap; drawing is not).
         retyped = [(label, case.with_(dtype=dtype)) for label, case in drawn for dtype in sorted(declared.dtypes)]
-        covered: set[tuple[str, str]] = set()
-        for label, case in backend_edge_cases(backend) + retyped:
-            if Feature.GRAD not in declared.features:
-                case = case.with_(grad=False)  # as the harness does: a forward-only backend is checked forward
-            if capability_reasons(declared, case.spec, case.problem(framework, device)):
-                continue  # outside the declaration: the harness never draws it there
-            covered.update((case.dtype, feature) for feature in case.features())
-            # A JAX backend's float64 runs under jax_enable_x64.
-            with dtype_scope(backend.name, case.dtype), _as_on_a_machine_with(device):
-                refusals = backend.supports(case.spec, case.problem(framework, device))
-            problems += [
-                f"{backend.name} on {device} refuses {label} ({case.describe()}): {reason}"
-                for reason in refusals
-                if not isinstance(reason, PendingHardware)
-            ]
+        covered, refused = _served(backend, device, declared, backend_edge_cases(backend) + retyped)
+        problems += refused
         features = {str(feature) for feature in declared.features}
-        missed = {(dtype, feature) for dtype in declared.dtypes for feature in features} - covered
-        problems += [
-            f"{backend.name} on {device}: no call drawn with {pair} (enlarge POOL_SIZE)" for pair in sorted(missed)
-        ]
+        # A pair the pool missed (which pairs it meets depends on the pool's draws): calls drawn to have it.
+        for dtype, feature in sorted({(dtype, feature) for dtype in declared.dtypes for feature in features} - covered):
+            more, refused = _served(backend, device, declared, _drawn_with(declared, dtype, feature))
+            problems += refused
+            if (dtype, feature) not in more:
+                problems.append(f"{backend.name} on {device}: no call with ({dtype}, {feature}) could be drawn")
     assert not problems, "\n".join(problems[:20])
 
 
