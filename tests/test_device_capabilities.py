@@ -17,8 +17,8 @@ from collections.abc import Iterator
 import hypothesis
 import pytest
 from hypothesis import HealthCheck, settings
-from hypothesis.errors import Unsatisfiable
 from hypothesis import strategies as st
+from hypothesis.errors import Unsatisfiable
 
 import attnkit
 from attnkit.backend import (
