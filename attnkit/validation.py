@@ -226,8 +226,9 @@ def _checked_slopes(ops: FrameworkOps, slopes: Any, batch: int, heads_q: int, de
         )
     if check_values:
         values = ops.host_values(slopes)
-        if values is not None and values.size and not bool(((values >= 0) & np.isfinite(values)).all()):
-            raise InvalidInputError(f"alibi_slopes must be finite and >= 0, got min={values.min()}, max={values.max()}")
+        wrong = values[~((values >= 0) & np.isfinite(values))] if values is not None else ()
+        if len(wrong):
+            raise InvalidInputError(f"alibi_slopes must be finite and >= 0, got {np.unique(wrong)[:4].tolist()}")
     return ops.reshape(slopes, (1, heads_q)) if slopes.ndim == 1 else slopes
 
 
