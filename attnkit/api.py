@@ -7,7 +7,7 @@ from typing import Any
 from attnkit import config, dispatch, op_calls
 from attnkit.backend import Backend, PlainCall, Problem, Runner, own_plain_call
 from attnkit.call_cache import CACHE
-from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
+from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import ops_by_type, ops_for
 from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec
@@ -45,6 +45,7 @@ def attend(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """Attention as ``spec`` defines it (docs/semantics.md), on torch tensors or JAX arrays.
 
@@ -53,6 +54,8 @@ def attend(
     configured priority list) or a registered name; a named backend that cannot serve the call raises
     :class:`attnkit.BackendUnavailableError` with its reasons, never falling back silently. ``sinks``: one learnable
     logit per query head joining every row's softmax (§15), differentiable; lse then includes it.
+    ``alibi_slopes``: float32 (Hq,) or (B, Hq), ALiBi's bias ``−slope · |i + off − j|`` on every score (§16), computed
+    by the backend from positions; no gradient.
     """
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
@@ -60,7 +63,7 @@ def attend(
         check_sinks(ops_for(q, "q"), spec, q, sinks)
         out, lse = attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=True,
-                          backend=backend)  # fmt: skip
+                          backend=backend, alibi_slopes=alibi_slopes)  # fmt: skip
         out, lse = with_sinks(spec, out, lse, sinks, q_lengths, q_segment_ids)
         return (out, lse) if return_lse else out
     # Fast path: a call whose metadata (types, shapes, dtypes, devices, grad flags) was validated and
@@ -69,7 +72,8 @@ def attend(
     # of the frontend table and the call cache's bound lookups (the scope is the only state in the key: a change
     # to the config or registry clears the cache).
     ops = ops_by_type.get(type(q)) or ops_for(q, "q")
-    signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths)
+    # A call with ALiBi slopes takes the validating path every time (their values are checked, §16).
+    signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths) if alibi_slopes is None else None
     if q_segment_ids is not None or kv_segment_ids is not None:
         signature = ops.segment_signature(signature, q_segment_ids, kv_segment_ids)
     if signature is not None:
@@ -92,23 +96,30 @@ def attend(
     if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
         from attnkit.frontends import torch_graph
 
+        if alibi_slopes is not None:
+            raise InvalidInputError(
+                "alibi_slopes is not yet taken under torch.compile or on meta/fake tensors (§16): call attend eagerly"
+            )
+
         return torch_graph.attend(
             spec, q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse, backend
         )
     epoch = CACHE.epoch  # before dispatch reads the config and registry: a clear after it stores nothing
     ops, problem, inputs, was_3d = prepare(
-        spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids
+        spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes
     )
     chosen = dispatch.select(spec, problem, backend)
     run = ops.runner(chosen, spec, problem)
+    # A runner takes the tensors its backend declares: seven, nine with segment ids, ten with ALiBi slopes.
+    given = 10 if inputs.alibi_slopes is not None else 9 if inputs.q_segment_ids is not None else 7
     try:
-        out, lse = run(*inputs) if inputs.q_segment_ids is not None else run(*inputs[:7])
+        out, lse = run(*inputs[:given])
     except BackendUnavailableError:
         if not _routes_elsewhere(chosen, backend):
             raise
         return attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=return_lse,
-                      backend=backend)  # fmt: skip
+                      backend=backend, alibi_slopes=alibi_slopes)  # fmt: skip
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
     # never sits there.
     if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
@@ -132,6 +143,7 @@ def explain(
     kv_segment_ids: Any = None,
     return_lse: bool = False,
     sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> str:
     """The dispatch table for a call, without running it: each backend, the one that would run, and why not. With
     ``sinks``, the call that runs without them and returns lse (§15's composition runs after it)."""
@@ -139,7 +151,7 @@ def explain(
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     _, problem, _, _ = prepare(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse or sinks is not None, q_segment_ids,
-        kv_segment_ids,
+        kv_segment_ids, alibi_slopes,
     )  # fmt: skip
     return explain_problem(spec, problem)
 

@@ -133,6 +133,8 @@ class Problem:
     #: A paged KV cache's block size (attend_paged, docs/semantics.md §13); None for contiguous keys. len_k is then
     #: the table's capacity, max_blocks · block_size.
     paged_block_size: int | None = None
+    #: ALiBi slopes given (docs/semantics.md §16).
+    has_alibi: bool = False
 
     def is_plain(self) -> bool:
         """q, k and v alone (no mask, bias, lengths or segment ids), and no lse wanted: a library's plain attention
@@ -145,6 +147,7 @@ class Problem:
             or self.has_kv_lengths
             or self.has_segment_ids
             or self.paged_block_size is not None
+            or self.has_alibi
         )
 
     def features(self) -> frozenset[Feature]:
@@ -158,6 +161,7 @@ class Problem:
             (self.needs_bias_grad, Feature.DBIAS),
             (self.has_segment_ids, Feature.SEGMENT_IDS),
             (self.paged_block_size is not None, Feature.PAGED),
+            (self.has_alibi, Feature.ALIBI),
         )
         return frozenset(feature for used, feature in flags if used)
 
@@ -177,6 +181,8 @@ class AttentionInputs(NamedTuple):
     kv_lengths: Any = None
     q_segment_ids: Any = None
     kv_segment_ids: Any = None
+    #: ALiBi slopes (docs/semantics.md §16), float32 (B|1, Hq); no gradient.
+    alibi_slopes: Any = None
 
 
 class PagedInputs(NamedTuple):

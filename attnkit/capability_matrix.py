@@ -34,6 +34,7 @@ FEATURE_MEANINGS: dict[str, str] = {
     "dbias": "the gradient with respect to `bias`",
     "segment_ids": "`q_segment_ids`/`kv_segment_ids`: packed documents and left padding (§4.5)",
     "paged": "`attend_paged`: a paged KV cache read where its blocks lie (§13; forward only)",
+    "alibi": "`alibi_slopes`: ALiBi's −slope·|i + off − j| on every score, computed from positions (§16)",
 }
 # Spec features first (what is computed), then call features (what is passed), each alphabetical.
 FEATURE_ORDER: tuple[str, ...] = (*sorted(SPEC_FEATURES), *sorted(CALL_FEATURES))

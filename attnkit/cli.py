@@ -163,6 +163,7 @@ def _add_bench(commands: Any) -> None:
             "packed",
             "paged",
             "context-parallel",
+            "clauses",
         ),  # fmt: skip
         default="dispatch",
     )

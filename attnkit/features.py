@@ -27,6 +27,8 @@ class Feature(enum.StrEnum):
     GRAD = "grad"
     DBIAS = "dbias"
     SEGMENT_IDS = "segment_ids"
+    # ALiBi's per-head slopes (docs/semantics.md §16), a bias the backend computes from positions.
+    ALIBI = "alibi"
     # Of attend_paged (docs/semantics.md §13): the backend reads a paged KV cache where its blocks lie.
     PAGED = "paged"
     # Of the call's geometry, read by routing only (config ``[[refine]]``), never a capability: causal aligned
@@ -48,6 +50,7 @@ CALL_FEATURES = frozenset(
         Feature.DBIAS,
         Feature.SEGMENT_IDS,
         Feature.PAGED,
+        Feature.ALIBI,
     }
 )
 #: What a backend can declare: every feature but the routing ones.

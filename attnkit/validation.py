@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from attnkit.backend import AttentionInputs, Problem
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_for
@@ -30,6 +32,7 @@ def prepare(
     return_lse: bool,
     q_segment_ids: Any = None,
     kv_segment_ids: Any = None,
+    alibi_slopes: Any = None,
     *,
     check_values: bool = True,
 ) -> tuple[FrameworkOps, Problem, AttentionInputs, bool]:
@@ -113,8 +116,10 @@ def prepare(
         if tensor is not None and ops.device(tensor) != device:
             raise InvalidInputTypeError(f"{name} is on device {ops.device(tensor)}, expected q's device {device}")
     _check_segment_ids(ops, q_segment_ids, kv_segment_ids, batch, len_q, len_k, device)
+    if alibi_slopes is not None:
+        alibi_slopes = _checked_slopes(ops, alibi_slopes, batch, heads_q, device, check_values)
 
-    inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+    inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes)
     needs_grad, needs_bias_grad = ops.needs_grad(inputs)
     problem = Problem(
         framework=ops.framework,
@@ -135,6 +140,7 @@ def prepare(
         needs_bias_grad=needs_bias_grad,
         return_lse=return_lse,
         has_segment_ids=q_segment_ids is not None,
+        has_alibi=alibi_slopes is not None,
     )
     return ops, problem, inputs, was_3d
 
@@ -194,6 +200,36 @@ def _check_segment_ids(
             raise InvalidInputError(f"{name} has shape {tuple(ids.shape)}, expected (B, {which})=({batch}, {length})")
         if ops.device(ids) != device:
             raise InvalidInputTypeError(f"{name} is on device {ops.device(ids)}, expected q's device {device}")
+
+
+def _checked_slopes(ops: FrameworkOps, slopes: Any, batch: int, heads_q: int, device: str, check_values: bool) -> Any:
+    """§16: float32 (Hq,) or (B, Hq) on q's device, finite and ≥ 0 (read eagerly), taking no gradient; returned as
+    (1|B, Hq)."""
+    if not ops.is_array(slopes):
+        raise InvalidInputTypeError(
+            f"alibi_slopes must be a {ops.framework.value} float32 array of shape (Hq,) or (B, Hq), got "
+            f"{type(slopes).__name__}"
+        )
+    if ops.dtype_name(slopes) != "float32":
+        raise InvalidInputTypeError(
+            f"alibi_slopes has dtype {ops.dtype_name(slopes)}, expected float32 (as flash-attn takes them)"
+        )
+    if tuple(slopes.shape) not in ((heads_q,), (batch, heads_q)):
+        raise InvalidInputError(
+            f"alibi_slopes has shape {tuple(slopes.shape)}, expected (Hq,)=({heads_q},) or (B, Hq)=({batch}, {heads_q})"
+        )
+    if ops.device(slopes) != device:
+        raise InvalidInputTypeError(f"alibi_slopes is on device {ops.device(slopes)}, expected q's device {device}")
+    if getattr(slopes, "requires_grad", False):  # a torch tensor; JAX differentiates what the caller asks
+        raise InvalidInputError(
+            "alibi_slopes requires grad, but ALiBi slopes take no gradient (§16): pass alibi_slopes.detach()"
+        )
+    if check_values:
+        values = ops.host_values(slopes)
+        wrong = values[~((values >= 0) & np.isfinite(values))] if values is not None else ()
+        if len(wrong):
+            raise InvalidInputError(f"alibi_slopes must be finite and >= 0, got {np.unique(wrong)[:4].tolist()}")
+    return ops.reshape(slopes, (1, heads_q)) if slopes.ndim == 1 else slopes
 
 
 def _check_range(ops: FrameworkOps, name: str, lengths: Any, limit: int) -> None:

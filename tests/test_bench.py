@@ -228,6 +228,25 @@ def test_masks_bench_pairs_attend_with_sdpa_in_every_cell(
             assert full[b, 0, i].tolist() == [j <= i and not bool(padded[b, j]) for j in range(6)]
 
 
+def test_clauses_bench_pairs_each_clause_with_the_plain_call(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--what clauses` on one tiny length: a finite sinks/plain and alibi/plain ratio per (causal, pass)."""
+    from attnkit.bench import clauses, timing
+
+    monkeypatch.setattr(timing, "MIN_SAMPLE_S", 0.001)  # one call per sample: this checks the plumbing, not speed
+    target = tmp_path / "clauses.json"
+    argv = ["bench", "--what", "clauses", "--seq-lens", "16", "--repeats", "1", "--warmup", "0", "--no-memory"]
+    code, out = run(capsys, *argv, "--threads", "1", "--json", str(target))
+    assert code == 0 and "alibi / plain" in out
+    result = json.loads(target.read_text())
+    assert result["backend"] == "cpu-flash" and "memory" not in result
+    cells = result["cells"]
+    expected = {(causal, pass_name) for causal in (False, True) for pass_name in clauses.PASSES}
+    assert {(c["causal"], c["pass"]) for c in cells} == expected
+    assert all(c[clause] > 0 and math.isfinite(c[clause]) for c in cells for clause in clauses.CLAUSES)
+
+
 def test_packed_bench_times_segment_ids_against_a_batch_sdpa_and_the_unpadded_call(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -93,6 +93,23 @@ CLAUSES = {
     "§7 bfloat16": Case(spec=AttentionSpec(causal=True), dtype="bfloat16", len_q=16, len_k=16),
     "§7 head_dim 80": Case(spec=AttentionSpec(causal=True), head_dim=80, head_dim_v=80),
     "§7 head_dim 256": Case(spec=AttentionSpec(), head_dim=256, head_dim_v=256, len_q=4, len_k=6),
+    # §16 ALiBi: per query head under GQA, bottom-right; per batch element with lengths moving each element's offset,
+    # top-left window; across packed documents
+    "§16 ALiBi, GQA, causal Lq<Lk": Case(
+        spec=AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=5, len_k=9, alibi_shape=(4,)
+    ),
+    "§16 ALiBi (B, Hq), lengths, top-left window": Case(
+        spec=AttentionSpec(window=(3, 1), causal_alignment="top_left"),
+        q_lengths=(8, 3),
+        kv_lengths=(6, 8),
+        alibi_shape=(2, 2),
+    ),
+    "§16 ALiBi (B, Hq), lengths, bottom-right": Case(
+        spec=AttentionSpec(), len_q=4, len_k=8, kv_lengths=(8, 5), q_lengths=(4, 2), alibi_shape=(2, 2)
+    ),
+    "§16 ALiBi, packed documents": Case(
+        spec=AttentionSpec(causal=True), q_segment_ids=PACKED, kv_segment_ids=PACKED, alibi_shape=(2,)
+    ),
 }
 
 

@@ -70,6 +70,43 @@ CASES = [
         r"kv_lengths values must lie in \[0, 6\], got min=1, max=7",
     ),
     ("negative lengths", dict(q_lengths=torch.tensor([-1, 2])), InvalidInputError, "q_lengths values must lie in"),
+    # §16: q has Hq = 4 query heads, B = 2
+    (
+        "alibi slopes shape",
+        dict(alibi_slopes=torch.ones(2)),
+        InvalidInputError,
+        r"alibi_slopes has shape \(2,\), expected \(Hq,\)=\(4,\) or \(B, Hq\)=\(2, 4\)",
+    ),
+    (
+        "alibi slopes dtype",
+        dict(alibi_slopes=torch.ones(4, dtype=torch.float64)),
+        InvalidInputTypeError,
+        r"alibi_slopes has dtype float64, expected float32",
+    ),
+    (
+        "alibi slopes negative",
+        dict(alibi_slopes=torch.tensor([0.5, -0.25, 0.125, 0.0])),
+        InvalidInputError,
+        r"alibi_slopes must be finite and >= 0, got \[-0.25\]",
+    ),
+    (
+        "alibi slopes NaN",
+        dict(alibi_slopes=torch.tensor([[0.5, 0.5, 0.5, 0.5], [0.5, float("nan"), 0.5, 0.5]])),
+        InvalidInputError,
+        r"alibi_slopes must be finite and >= 0, got \[nan\]",
+    ),
+    (
+        "alibi slopes with grad",
+        dict(alibi_slopes=torch.ones(4, requires_grad=True)),
+        InvalidInputError,
+        r"alibi_slopes requires grad, but ALiBi slopes take no gradient",
+    ),
+    (
+        "alibi slopes as a list",
+        dict(alibi_slopes=[0.5, 0.25, 0.125, 0.0625]),
+        InvalidInputTypeError,
+        r"alibi_slopes must be a torch float32 array of shape \(Hq,\) or \(B, Hq\), got list",
+    ),
 ]
 
 

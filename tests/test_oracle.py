@@ -68,8 +68,8 @@ def literal_visibility(case: Case, arrays: dict[str, np.ndarray]) -> np.ndarray:
 
 
 def literal_attention(case: Case, arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """docs/semantics.md §1-§6 and §15 (a sink: one more logit in a row that is not padding) one query row at a time,
-    in float64 (bhsd out, lse (B, Hq, Lq))."""
+    """docs/semantics.md §1-§6, §15 (a sink: one more logit in a row that is not padding) and §16 (ALiBi) one query row
+    at a time, in float64 (bhsd out, lse (B, Hq, Lq))."""
     spec = case.spec
     q, k, v = arrays["q"], arrays["k"], arrays["v"]
     if case.three_d:
@@ -83,6 +83,9 @@ def literal_attention(case: Case, arrays: dict[str, np.ndarray]) -> tuple[np.nda
     out = np.zeros((batch, heads_q, len_q, v.shape[-1]))
     lse = np.full((batch, heads_q, len_q), -np.inf)
     sinks = arrays.get("sinks")
+    slopes = arrays.get("alibi_slopes")
+    if slopes is not None:  # (Hq,) or (B, Hq) as (B, Hq), in float64 as the oracle computes
+        slopes = np.broadcast_to(slopes.astype(np.float64).reshape(-1, heads_q), (batch, heads_q))
 
     def padding(b: int, i: int) -> bool:
         return bool(
@@ -106,6 +109,11 @@ def literal_attention(case: Case, arrays: dict[str, np.ndarray]) -> tuple[np.nda
                         s = spec.softcap * math.tanh(s / spec.softcap)
                     if bias is not None:
                         s += bias[b, h, i, j]
+                    if slopes is not None:
+                        q_len = case.q_lengths[b] if case.q_lengths is not None else len_q
+                        kv_len = case.kv_lengths[b] if case.kv_lengths is not None else len_k
+                        bottom_right = spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
+                        s -= slopes[b, h] * abs(i + (kv_len - q_len if bottom_right else 0) - j)
                     keys.append(j)
                     scores.append(s)
                 logits = scores + ([float(sinks[h])] if sinks is not None and not padding(b, i) else [])

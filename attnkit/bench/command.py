@@ -12,6 +12,7 @@ from typing import Any, TextIO
 from attnkit.bench import (
     calibrate,
     chunked,
+    clauses,
     compiled,
     context_parallel,
     masks,
@@ -47,6 +48,8 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         return run_targets(args, out)
     if args.what == "masks":
         return run_masks(args, out)
+    if args.what == "clauses":
+        return run_clauses(args, out)
     if args.what == "paged":
         return run_paged(args, out)
     if args.what == "packed":
@@ -180,6 +183,23 @@ def run_masks(args: argparse.Namespace, out: TextIO) -> int:
             seq_lens=seq_lens, repeats=repeats, warmup=args.warmup, memory=not args.no_memory, progress=_progress
         )
     print(masks.format_masks(result), file=out)
+    _write_json(args, result, out)
+    return 0
+
+
+def run_clauses(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what clauses measures a CPU backend (--device cpu)", file=sys.stderr)
+        return 2
+    backends = _csv(args.backends) or ("cpu-flash",)
+    seq_lens = _csv(args.seq_lens, int) or ((256,) if args.quick else clauses.SEQ_LENS)
+    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 7)
+    with torch_threads(args.threads):
+        result = clauses.bench_clauses(
+            backend=backends[0], seq_lens=seq_lens, repeats=repeats, warmup=args.warmup,
+            memory=not (args.no_memory or args.quick), progress=_progress,
+        )  # fmt: skip
+    print(clauses.format_clauses(result), file=out)
     _write_json(args, result, out)
     return 0
 

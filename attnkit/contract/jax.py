@@ -30,6 +30,11 @@ def band_visibility(spec: AttentionSpec, i: Any, j: Any, q_len: Any, kv_len: Any
     return within_band(j - i - alignment_offset(spec, q_len, kv_len), *band)
 
 
+def alibi_distance(spec: AttentionSpec, i: Any, j: Any, q_len: Any, kv_len: Any) -> Any:
+    """|i + off − j|, the distance ALiBi's slopes multiply (§16), aligned by the lengths as :func:`band_visibility`."""
+    return jnp.abs(i + alignment_offset(spec, q_len, kv_len) - j)
+
+
 def length_visibility(i: Any, j: Any, q_len: Any, kv_len: Any) -> Any:
     """i < q_len and j < kv_len (§5); a None length limits nothing on its side, and None comes back when neither
     does."""

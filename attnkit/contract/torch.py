@@ -13,7 +13,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from attnkit.backend import AttentionInputs, AttentionSpec, BaseBackend, Gradients, Layout, Variant
+from attnkit.backend import AttentionInputs, AttentionSpec, BaseBackend, CausalAlignment, Gradients, Layout, Variant
 from attnkit.contract import (
     COSINE_EPS,
     TileVisibility,
@@ -297,6 +297,12 @@ class Band:
             visible = conjoin(visible, block_of(mask, rows, cols))
         return visible
 
+    def distance(self, rows: slice, cols: slice) -> torch.Tensor:
+        """(B, 1, rows, cols) int64: |i + off_b − j|, the distance ALiBi's slopes multiply (§16)."""
+        query_positions, key_positions = self._positions
+        aligned = query_positions[rows].view(1, 1, -1, 1) + self.offset.view(-1, 1, 1, 1)
+        return (aligned - key_positions[cols].view(1, 1, 1, -1)).abs()
+
     def key_ranges(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(first, last): per batch element and query row, the keys it sees are ``first ≤ j ≤ last`` (none when
         first > last); (B, Lq) int64, memory linear in L."""
@@ -381,6 +387,22 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def literal_alibi(
+    spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """§16 as written: −slope[b, h] · |i + off_b − j| for every (i, j), (B|1, Hq, Lq, Lk) in ``dtype``, with off_b the
+    alignment offset of each element's lengths (§4.1, §4.3). Materialised: the oracle's and torch-naive's way only."""
+    batch, device = inputs.q.shape[0], inputs.q.device
+    q_len = inputs.q_lengths.long() if inputs.q_lengths is not None else torch.full((batch,), len_q, device=device)
+    kv_len = inputs.kv_lengths.long() if inputs.kv_lengths is not None else torch.full((batch,), len_k, device=device)
+    offset = kv_len - q_len if spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT else torch.zeros_like(q_len)
+    i = torch.arange(len_q, device=device).view(1, 1, -1, 1)
+    j = torch.arange(len_k, device=device).view(1, 1, 1, -1)
+    distance = (i + offset.view(-1, 1, 1, 1) - j).abs().to(dtype)
+    slopes = inputs.alibi_slopes.to(dtype)
+    return -slopes.view(*slopes.shape, 1, 1) * distance
+
+
 def literal_attention(
     spec: AttentionSpec,
     inputs: AttentionInputs,
@@ -409,6 +431,8 @@ def literal_attention(
     bias = inputs.bias.to(dtype) if inputs.bias is not None else None
     len_q, len_k = q.shape[2], k.shape[2]
     s = scores(spec, q, k, bias, spec.resolved_scale(q.shape[-1]))
+    if inputs.alibi_slopes is not None:
+        s = s + literal_alibi(spec, inputs, len_q, len_k, dtype)
     visible = (visibility_rule or visibility)(spec, inputs, len_q, len_k)
     if visible is not None:
         s = s.masked_fill(~visible, float("-inf"))

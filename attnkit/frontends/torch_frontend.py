@@ -40,20 +40,29 @@ class _AttendFunction(torch.autograd.Function):
         kv_lengths: torch.Tensor | None,
         q_segment_ids: torch.Tensor | None,
         kv_segment_ids: torch.Tensor | None,
+        alibi_slopes: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+        inputs = AttentionInputs(
+            q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes
+        )
         out, lse = backend.forward(spec, inputs, need_lse=True)
         ctx.backend, ctx.spec, ctx.return_lse = backend, spec, return_lse
         # The caller's context (attnkit.use_config scopes are context variables): autograd runs a CUDA backward on
         # its device thread, where they are unset, so the backward reads its options inside this copy.
         ctx.context = contextvars.copy_context()
-        ctx.save_for_backward(q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, out, lse)
+        ctx.save_for_backward(
+            q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, out, lse
+        )
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, out, lse = ctx.saved_tensors
-        inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+        q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, out, lse = (
+            ctx.saved_tensors
+        )
+        inputs = AttentionInputs(
+            q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes
+        )
         need_dbias = bias is not None and ctx.needs_input_grad[6]
         grads = ctx.context.run(
             functools.partial(ctx.backend.backward, need_dbias=need_dbias),
@@ -62,7 +71,7 @@ class _AttendFunction(torch.autograd.Function):
         dbias = None
         if need_dbias:
             dbias = sum_to_shape(grads.dbias, bias.shape).to(bias.dtype)
-        return None, None, None, grads.dq, grads.dk, grads.dv, dbias, None, None, None, None, None
+        return None, None, None, grads.dq, grads.dk, grads.dv, dbias, None, None, None, None, None, None
 
 
 # Read on every attend call: module globals, not attribute lookups on torch.
@@ -164,10 +173,12 @@ class TorchOps:
             kv_lengths: Any,
             q_segment_ids: Any = None,
             kv_segment_ids: Any = None,
+            alibi_slopes: Any = None,
         ) -> tuple[Any, Any]:
             out, lse = _AttendFunction.apply(
-                backend, spec, return_lse, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids
-            )
+                backend, spec, return_lse, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
+                alibi_slopes,
+            )  # fmt: skip
             return out, lse
 
         return through_autograd

@@ -113,6 +113,7 @@ def _literal(case: Case, arrays: dict[str, np.ndarray]) -> Results:
         True,
         tensors.get("q_segment_ids"),
         tensors.get("kv_segment_ids"),
+        tensors.get("alibi_slopes"),
     )
     out, lse = oracle_attention(case.spec, inputs, dtype, tensors.get("sinks"))
     if was_3d:

@@ -73,6 +73,8 @@ class Case:
     varlen: Varlen | None = None
     paged: Paged | None = None
     sinks: bool = False  # one logit per query head joins every row's softmax (§15); make_arrays draws them
+    # ALiBi slopes (§16): None, or the slopes' shape, (Hq,) or (B, Hq); make_arrays draws them, float32.
+    alibi_shape: tuple[int, ...] | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def problem(self, framework: Framework, device: str = "cpu") -> Problem:
@@ -96,6 +98,7 @@ class Case:
             return_lse=True,
             has_segment_ids=self.q_segment_ids is not None,
             paged_block_size=self.paged.block_size if self.paged is not None else None,
+            has_alibi=self.alibi_shape is not None,
         )
 
     def features(self) -> frozenset[str]:
@@ -122,7 +125,7 @@ class Case:
             self.spec.model_dump_json(exclude_defaults=True),
         ]
         for name in ("mask_shape", "masked_rows", "bias_shape", "q_lengths", "kv_lengths", "q_segment_ids",
-                     "kv_segment_ids"):  # fmt: skip
+                     "kv_segment_ids", "alibi_shape"):  # fmt: skip
             value = getattr(self, name)
             if value:
                 parts.append(f"{name}={value}")
@@ -227,6 +230,9 @@ def make_arrays(case: Case) -> dict[str, np.ndarray]:
         arrays.update(_paged_cache(case, case.paged, arrays, rng))
     if case.sinks:  # spread wide enough that some rows give most of their weight to the sink
         arrays["sinks"] = 2.0 * rng.standard_normal(heads_q)
+    if case.alibi_shape is not None:  # around ALiBi's 2^(−8h/H), some 0, some steep enough to hide far keys
+        slopes = np.exp2(-8.0 * rng.random(case.alibi_shape)) * rng.choice([0.0, 1.0, 4.0], size=case.alibi_shape)
+        arrays["alibi_slopes"] = slopes.astype(np.float32)
     return arrays
 
 

@@ -18,7 +18,7 @@ DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")
 #: Inputs in the case's dtype (an attend_paged case's caches too); dlse is lse's (float32, float64 for float64 calls),
 #: the rest integer or boolean.
 FLOATING_INPUTS = ("q", "k", "v", "dout", "bias", "k_cache", "v_cache", "sinks")
-OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "sinks")
+OPTIONAL = ("mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "sinks", "alibi_slopes")
 
 
 def harness_device(backend: str) -> str:
@@ -179,7 +179,7 @@ def run_jax(
             converted[name] = jnp.asarray(value, dtype=jax_dtype)
         elif name == "dlse":
             converted[name] = jnp.asarray(value, dtype=jnp.float64 if jax_dtype == jnp.float64 else jnp.float32)
-        else:  # masks, and lengths as JAX makes integers: int32, or int64 under jax_enable_x64
+        else:  # masks, float32 ALiBi slopes, and lengths as JAX makes integers: int32, or int64 under x64
             converted[name] = jnp.asarray(value)
     names = [name for name in DIFFERENTIABLE if name in converted and (name != "bias" or case.bias_grad)]
     fixed = {name: value for name, value in converted.items() if name not in names}

@@ -151,6 +151,9 @@ def cases(
     q_segment_ids = kv_segment_ids = None
     if Feature.SEGMENT_IDS in features and draw(st.booleans()):
         q_segment_ids, kv_segment_ids = draw(segment_ids(batch, len_q, len_k))
+    alibi_shape = None
+    if Feature.ALIBI in features and draw(st.integers(0, 2)) == 0:  # a third of the calls, as sinks
+        alibi_shape = draw(st.sampled_from([(heads_q,), (batch, heads_q)]))
     return Case(
         spec=spec,
         batch=batch,
@@ -173,6 +176,7 @@ def cases(
         seed=draw(st.integers(0, 2**31 - 1)),
         grad=Feature.GRAD in features,
         sinks=draw(sinks_drawn()),
+        alibi_shape=alibi_shape,
     )
 
 

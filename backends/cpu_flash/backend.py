@@ -141,18 +141,19 @@ class _CpuFlash(torch.autograd.Function):
         band: _Band,
         softcap: float,
         q_scale: float,
+        slopes: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         out, lse = _kernel().forward(
-            q, k, v, q_lens, kv_lens, mask, bias, *segments, SEGMENT_GRANULE, *band.arguments(), softcap, q_scale,
-            *band.tile(FORWARD_TILE),
+            q, k, v, q_lens, kv_lens, mask, bias, slopes, *segments, SEGMENT_GRANULE, *band.arguments(), softcap,
+            q_scale, *band.tile(FORWARD_TILE),
         )  # fmt: skip
-        ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens, mask, bias)
+        ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens, mask, bias, slopes)
         ctx.segments, ctx.band, ctx.softcap, ctx.q_scale = segments, band, softcap, q_scale
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, out, lse, q_lens, kv_lens, mask, bias = ctx.saved_tensors
+        q, k, v, out, lse, q_lens, kv_lens, mask, bias, slopes = ctx.saved_tensors
         need_dbias = bias is not None and ctx.needs_input_grad[4]
         dout = dout.contiguous()
         delta = (dout * out).sum(dim=-1)
@@ -160,13 +161,13 @@ class _CpuFlash(torch.autograd.Function):
             delta = delta - dlse
         tile = ctx.band.tile(WINDOW_BACKWARD_TILE if ctx.band.low is not None else BACKWARD_TILE)
         dq, dk, dv, dbias = _kernel().backward(
-            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, mask, bias, *ctx.segments, SEGMENT_GRANULE,
-            need_dbias, *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile,
+            q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, mask, bias, slopes, *ctx.segments,
+            SEGMENT_GRANULE, need_dbias, *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile,
         )  # fmt: skip
         if need_dbias:  # the kernel's (B, Hq, …) planes, summed over the batch and heads the bias broadcasts along
             broadcast = [axis for axis in (0, 1) if bias.shape[axis] == 1]
             dbias = dbias.sum(dim=broadcast, keepdim=True) if broadcast else dbias
-        return dq, dk, dv, None, dbias if need_dbias else None, None, None, None, None, None, None
+        return dq, dk, dv, None, dbias if need_dbias else None, None, None, None, None, None, None, None
 
 
 # The kernel's segment arguments: q_ids (B, Lq) and kv_ids (B, Lk) int64, and their summaries (B, granules, 3) per
@@ -210,10 +211,13 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     # autograd casts dbias back from.
     mask = inputs.mask.view(torch.uint8) if inputs.mask is not None else None
     bias = inputs.bias.float() if inputs.bias is not None else None
+    slopes = inputs.alibi_slopes
+    if slopes is not None:  # (1|B, Hq) float32 -> the kernel's (B, Hq)
+        slopes = slopes.expand(q.shape[0], q.shape[1]).contiguous()
     out, lse = _CpuFlash.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), mask, bias,
         geometry.q_len.contiguous(), geometry.kv_len.contiguous(), _segments(geometry),
-        _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
+        _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale, slopes,
     )  # fmt: skip
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse
 

@@ -209,11 +209,17 @@ bool needs_mask(const Band& band, const Rows& rows, int64_t r0, int64_t r1, int6
          (band.has_high && (c1 - 1) - r0 - rows.offset > band.high);
 }
 
-// The caller's mask and bias for one (batch, head).
+// The caller's mask and bias for one (batch, head), and its ALiBi slope (0: none, §16).
 struct UserTerms {
   Plane<const uint8_t> mask;
   Plane<const float> bias;
+  float slope = 0.0f;
 };
+
+// ALiBi's slope of (batch b, query head h) from the (B, Hq) float32 slopes, 0 without them.
+float slope_of(const float* slopes, int64_t heads_q, int64_t b, int64_t h) {
+  return slopes ? slopes[b * heads_q + h] : 0.0f;
+}
 
 // One tile's segment ids (rows from r0, keys from c0); null where the ids hide no pair of the tile.
 struct TileIds {
@@ -226,7 +232,7 @@ TileIds tile_ids(const Segments& segments, const IdRange& rows, int64_t r0, int6
 }
 
 // U -> S in place for one tile (rows x cols, ld cols): S = cap tanh U when softcapped (tanh kept in `tanh_out` when
-// given), + bias, hidden pairs -inf (the band's when masked, then the user mask's).
+// given), + bias, - slope |i + offset - j| (ALiBi), hidden pairs -inf (the band's when masked, then the user mask's).
 void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap, bool masked, const Band& band,
             const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user, const TileIds& ids) {
   const int64_t step = Vec::size();
@@ -252,6 +258,14 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
       if (user.bias.col == 1)
         for (; c + step <= cols; c += step) (Vec::loadu(row + c) + Vec::loadu(bias + c)).store(row + c);
       for (; c < cols; ++c) row[c] += bias[c * user.bias.col];
+    }
+    if (user.slope != 0.0f) {  // positions below 2^24 are exact in float32
+      const float aligned = static_cast<float>(r0 + r + geometry.offset - c0);  // i + offset - j at j = c0
+      const Vec slope(user.slope), lanes = Vec::arange(0.0f, 1.0f);
+      int64_t c = 0;
+      for (; c + step <= cols; c += step)
+        (Vec::loadu(row + c) - slope * (Vec(aligned - static_cast<float>(c)) - lanes).abs()).store(row + c);
+      for (; c < cols; ++c) row[c] -= user.slope * std::abs(aligned - static_cast<float>(c));
     }
     if (masked) {  // row i sees the key interval i + offset + [low, high]: fill what lies outside it
       const int64_t i = r0 + r;
@@ -361,6 +375,7 @@ struct BackwardTerms {
   Strided<const uint8_t> mask;
   Strided<const float> bias;
   Strided<float> dbias;
+  const float* slopes = nullptr;  // ALiBi's (B, Hq), or null
 };
 
 // dbias[c .. c + lanes) += dS's lanes, for a dbias row whose keys are contiguous (col 1), broadcast (0) or strided.
@@ -383,7 +398,8 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head_rows = g * n.len_q;  // offset of this query head's rows within the group
-    const UserTerms user{terms.mask.plane(b, first_head + g), terms.bias.plane(b, first_head + g)};
+    const UserTerms user{terms.mask.plane(b, first_head + g), terms.bias.plane(b, first_head + g),
+                         slope_of(terms.slopes, n.heads_q, b, first_head + g)};
     const Plane<float> dbias = terms.dbias.plane(b, first_head + g);
     for (int64_t r0 = 0; r0 < q_rows; r0 += n.block_q) {
       const int64_t r1 = std::min(r0 + n.block_q, q_rows), rows = r1 - r0;
@@ -687,6 +703,15 @@ void check(const torch::Tensor& x, const char* name) {
               " must be a contiguous float32 CPU tensor");
 }
 
+// ALiBi's slopes: float32 (B, Hq) contiguous on the CPU, or None (null).
+const float* checked_slopes(const std::optional<torch::Tensor>& slopes, const torch::Tensor& q) {
+  if (!slopes) return nullptr;
+  TORCH_CHECK(slopes->device().is_cpu() && slopes->scalar_type() == torch::kFloat32 && slopes->is_contiguous() &&
+                  slopes->dim() == 2 && slopes->size(0) == q.size(0) && slopes->size(1) == q.size(1),
+              "alibi slopes must be a contiguous CPU float32 (B, Hq) tensor");
+  return slopes->data_ptr<float>();
+}
+
 // A mask (uint8) and a bias (float32) are 4-D CPU tensors, each axis q's batch, query heads, queries or k's keys, or 1.
 void check_terms(const std::optional<torch::Tensor>& mask, const std::optional<torch::Tensor>& bias,
                  const torch::Tensor& q, const torch::Tensor& k) {
@@ -744,16 +769,19 @@ SegmentArgs segment_args(const std::optional<torch::Tensor>& q_ids, const std::o
 }  // namespace
 
 // q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq).
-// mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None. Segment ids: q_ids
-// (B, Lq), kv_ids (B, Lk) int64 and their summaries per granule of positions (B, granules, 3), or all None.
+// mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None. ALiBi slopes: float32
+// (B, Hq) contiguous, or None. Segment ids: q_ids (B, Lq), kv_ids (B, Lk) int64 and their summaries per granule of
+// positions (B, granules, 3), or all None.
 std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_lens,
                                    torch::Tensor kv_lens, std::optional<torch::Tensor> mask,
-                                   std::optional<torch::Tensor> bias, std::optional<torch::Tensor> q_ids,
+                                   std::optional<torch::Tensor> bias, std::optional<torch::Tensor> slopes,
+                                   std::optional<torch::Tensor> q_ids,
                                    std::optional<torch::Tensor> kv_ids, std::optional<torch::Tensor> q_tiles,
                                    std::optional<torch::Tensor> kv_tiles, int64_t granule, bool has_low, int64_t low,
                                    bool has_high, int64_t high, bool bottom_right, double softcap, double q_scale,
                                    int64_t block_q, int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v"), check_terms(mask, bias, q, k);
+  const float* slope_values = checked_slopes(slopes, q);
   const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
   const Strided<const uint8_t> mask_view = strided<const uint8_t>(mask);
   const Strided<const float> bias_view = strided<const float>(bias);
@@ -775,7 +803,8 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
       const int64_t r0 = block * n.block_q, r1 = std::min({r0 + n.block_q, n.len_q, geometry.q_len});
       if (r0 >= r1) continue;
       const int64_t kv_head = b * n.heads_kv + head / group, q_head = b * n.heads_q + head;
-      const UserTerms user{mask_view.plane(b, head), bias_view.plane(b, head)};
+      const UserTerms user{mask_view.plane(b, head), bias_view.plane(b, head),
+                           slope_of(slope_values, n.heads_q, b, head)};
       fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
                 op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, segments.of(b),
                 (float)softcap, r0, r1, s, acc, row_max, row_sum);
@@ -790,7 +819,8 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
 std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout,
                                     torch::Tensor lse, torch::Tensor delta, torch::Tensor q_lens, torch::Tensor kv_lens,
                                     std::optional<torch::Tensor> mask, std::optional<torch::Tensor> bias,
-                                    std::optional<torch::Tensor> q_ids, std::optional<torch::Tensor> kv_ids,
+                                    std::optional<torch::Tensor> slopes, std::optional<torch::Tensor> q_ids,
+                                    std::optional<torch::Tensor> kv_ids,
                                     std::optional<torch::Tensor> q_tiles, std::optional<torch::Tensor> kv_tiles,
                                     int64_t granule, bool need_dbias, bool has_low, int64_t low, bool has_high,
                                     int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
@@ -805,7 +835,7 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
   auto dbias = need_dbias ? torch::zeros({n.batch, n.heads_q, bias->size(2), bias->size(3)}, q.options())
                           : torch::empty({0}, q.options());
   const BackwardTerms terms{strided<const uint8_t>(mask), strided<const float>(bias),
-                            need_dbias ? strided<float>(dbias) : Strided<float>{}};
+                            need_dbias ? strided<float>(dbias) : Strided<float>{}, checked_slopes(slopes, q)};
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
   const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
   const int64_t group = n.heads_q / n.heads_kv;

@@ -11,7 +11,7 @@ dropped, padded keys and batch elements are hidden (the block mask skips them), 
 
 The lowering:
 
-* Scores: ``score_mod`` applies scale, softcap and bias in that order (§3) to the float32 score the kernel
+* Scores: ``score_mod`` applies scale, softcap, bias and ALiBi in that order (§3, §16) to the float32 score the kernel
   accumulates; flex's own ``scale`` is 1. Scale, softcap, offsets and window sides are 0-d or (B,) tensors
   captured by the mods, never Python numbers, so a new value does not recompile (dynamo specialises on floats).
 * Visibility: ``mask_mod`` is §4 (causal and window aligned per batch, lengths); a user mask is folded into one
@@ -276,12 +276,13 @@ def _mods(
     scale: float,
     sink: tuple[int, torch.Tensor] | None,
     device: torch.device,
+    slopes: torch.Tensor | None = None,
 ) -> tuple[Any, Any, tuple[Any, ...]]:
     """(score_mod, mask_mod, structure): the mods for this call, and what of them changes the compiled graph.
 
     ``lengths`` is (offset, q_len, kv_len), each (B,); ``band_sides`` is :class:`Band`'s (lower, upper) on
     j − i − offset; ``segments`` is (q ids (B, Lq), kv ids (B, Lk)), or None; ``sink`` is (its key index,
-    (B, Hq, Lq) scores).
+    (B, Hq, Lq) scores); ``slopes`` ALiBi's (B, Hq) float32 (§16), or None.
     Every number is a tensor the mods capture, so new values reuse the compiled kernel.
     """
     scale_t = torch.tensor(scale, dtype=torch.float32, device=device)
@@ -296,6 +297,8 @@ def _mods(
             score = softcap * torch.tanh(score / softcap)
         if bias is not None:
             score = score + bias[_index(bias.shape, b, h, q_idx, kv_idx)]
+        if slopes is not None:
+            score = score - slopes[b, h] * torch.abs(q_idx + offset[b] - kv_idx)
         if sink_scores is not None:
             score = torch.where(kv_idx == sink_index, sink_scores[b, h, q_idx], score)
         return score
@@ -323,6 +326,7 @@ def _mods(
         sink_index,
         lower is not None,
         upper is not None,
+        slopes is not None,
     )
     return score_mod, mask_mod, structure
 
@@ -420,8 +424,13 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
             _padded(inputs.q_segment_ids.long(), (batch_p, len_q_p), value=-1),
             _padded(inputs.kv_segment_ids.long(), (batch_p, kernel_len_k), value=-1),
         )
+    slopes = None
+    if inputs.alibi_slopes is not None:  # ALiBi only lowers scores: the sink's bound above still holds
+        slopes = _padded(inputs.alibi_slopes.expand(batch, heads_q), (batch_p, heads_q))
     lengths, sides = (offset, q_len, kv_len), (band.lower, band.upper)
-    score_mod, mask_mod, structure = _mods(spec, lengths, sides, segments, dense, bias, scale, sink, q.device)
+    score_mod, mask_mod, structure = _mods(
+        spec, lengths, sides, segments, dense, bias, scale, sink, q.device, slopes
+    )
     if dense is not None:
         partial, full = _dense_blocks(dense)
     else:

@@ -33,6 +33,7 @@ try:
     from attnkit.contract import conjoin
     from attnkit.contract.jax import (
         Normalization,
+        alibi_distance,
         band_visibility,
         gather_pages,
         length_visibility,
@@ -65,11 +66,12 @@ class _Operands(NamedTuple):
     scale: float
     q_normalization: Normalization | None  # for the cosine backward
     k_normalization: Normalization | None
+    alibi: Any  # minus the ALiBi slopes (§16), (B|1, Hkv, G, 1, 1) in the compute dtype, or None
 
 
 def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> _Operands:
     """All the plumbing: layout, upcast, GQA grouping, cosine normalisation, lengths, segment ids, key padding."""
-    q, k, v, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids = inputs
+    q, k, v, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids, slopes = inputs
     dtype = _compute_dtype(q.dtype)
     q, k, v = (_bhsd(spec, x).astype(dtype) for x in (q, k, v))
     heads_kv, len_q, len_k = k.shape[1], q.shape[2], k.shape[2]
@@ -99,7 +101,8 @@ def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> _Oper
         None if kv_ids is None else _key_blocks(kv_ids.reshape(len(kv_ids), 1, 1, 1, len_k), -1, block, count, -1),
     )
     q_ids = None if q_ids is None else q_ids.reshape(len(q_ids), 1, 1, len_q, 1)  # B, Lq or Lk may be 0
-    return _Operands(q, keys, q_ids, q_limit, kv_limit, scale, q_normalization, k_normalization)
+    alibi = None if slopes is None else -_group(slopes.astype(dtype).reshape(*slopes.shape, 1, 1), heads_kv)
+    return _Operands(q, keys, q_ids, q_limit, kv_limit, scale, q_normalization, k_normalization, alibi)
 
 
 def _bhsd(spec: AttentionSpec, x: Any) -> Any:
@@ -168,6 +171,8 @@ def _block_scores(spec: AttentionSpec, ops: _Operands, keys: tuple[Any, ...]) ->
         s = s + bias
     i = jnp.arange(ops.q.shape[3])[:, None]
     j = start + jnp.arange(k.shape[2])[None, :]
+    if ops.alibi is not None:
+        s = s + ops.alibi * alibi_distance(spec, i, j, ops.q_limit, ops.kv_limit).astype(s.dtype)
     # The key limit always applies: it also hides the last block's padding beyond Lk.
     visible = conjoin(
         length_visibility(i, j, ops.q_limit, ops.kv_limit),

@@ -106,6 +106,10 @@ class _Geometry:
         band = band.unsqueeze(3)
         return band if tile is None else band & tile
 
+    def distance(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """(B, 1, tile_q, 1, tile_k) int64: ALiBi's |i + off_b − j| (§16)."""
+        return self.band.distance(slice(r0, r1), slice(c0, c1)).unsqueeze(3)
+
 
 # One entry per query tile with anything visible: (r0, r1, [(c0, c1, needs_mask), ...]).
 Plan = list[tuple[int, int, list[tuple[int, int, bool]]]]
@@ -163,7 +167,8 @@ class _Operands:
 
     ``q`` is the (normalised) query times ``q_scale`` = scale (÷ softcap), so ``q kᵀ`` is the tanh argument
     directly; ``softcap`` then multiplies tanh back. ``bias`` is the grouped view, in the caller's dtype. With
-    ``pages``, ``k`` and ``v`` are the caches (num_blocks, block_size, Hkv, D), read through its table.
+    ``pages``, ``k`` and ``v`` are the caches (num_blocks, block_size, Hkv, D), read through its table. ``alibi`` is
+    minus the slopes, (B|1, Hkv, 1, G, 1) in the compute dtype (§16).
     """
 
     q: torch.Tensor
@@ -174,6 +179,7 @@ class _Operands:
     softcap: float | None
     geometry: _Geometry
     pages: _Pages | None = None
+    alibi: torch.Tensor | None = None
 
     @property
     def group(self) -> int:
@@ -203,6 +209,8 @@ def _score_tile(
     tiled = s.view(*s.shape[:2], r1 - r0, ops.group, c1 - c0)
     if ops.bias is not None:
         tiled.add_(_tile(ops.bias, r0, r1, c0, c1).to(s.dtype))
+    if ops.alibi is not None:
+        tiled.add_(ops.alibi * ops.geometry.distance(r0, r1, c0, c1))
     if needs_mask:
         tiled.masked_fill_(~ops.geometry.visible(r0, r1, c0, c1), NEG_INF)
     return s, derivative
@@ -354,7 +362,10 @@ class TorchChunkedBackend(BaseBackend):
         bias = _grouped(inputs.bias, heads_kv) if inputs.bias is not None else None
         # q is a fresh copy here except when it is the detached normalised value autograd still holds.
         q = q * q_scale if tracked is not None else q.mul_(q_scale)
-        ops = _Operands(q, k, v, bias, q_scale, spec.softcap, geometry)
+        alibi = None
+        if inputs.alibi_slopes is not None:
+            alibi = -inputs.alibi_slopes.to(dtype).view(-1, heads_kv, 1, inputs.alibi_slopes.shape[1] // heads_kv, 1)
+        ops = _Operands(q, k, v, bias, q_scale, spec.softcap, geometry, alibi=alibi)
         return ops, _plan(geometry, len_q, len_k, self.block_q, self.block_k), tracked
 
     def forward(
