@@ -30,7 +30,8 @@ def shardable_cases(draw: st.DrawFn, world: int, dtypes: Iterable[str], mask_and
     segment ids drawn again for them; mask and bias dropped, 3-D inputs refused, where the caller says the call takes
     none; without mask or bias and 4-D, the heads multiplied by P so that Ulysses serves the case too."""
     drawn = cases(dtypes=dtypes, max_len=16)
-    case = draw(drawn if three_d else drawn.filter(lambda case: not case.three_d)).with_(sinks=False)  # §15: not yet
+    case = draw(drawn if three_d else drawn.filter(lambda case: not case.three_d))
+    case = case.with_(sinks=False, alibi_shape=None)  # §15, §16: the sharded call takes neither yet
     if not mask_and_bias:
         case = case.with_(mask_shape=None, masked_rows=(), bias_shape=None, bias_grad=False)
     unit = 2 * world
