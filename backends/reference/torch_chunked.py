@@ -363,8 +363,8 @@ class TorchChunkedBackend(BaseBackend):
         # q is a fresh copy here except when it is the detached normalised value autograd still holds.
         q = q * q_scale if tracked is not None else q.mul_(q_scale)
         alibi = None
-        if inputs.alibi_slopes is not None:
-            alibi = -inputs.alibi_slopes.to(dtype).view(-1, heads_kv, 1, inputs.alibi_slopes.shape[1] // heads_kv, 1)
+        if inputs.alibi_slopes is not None:  # (B|1, Hq) as a (B|1, Hq, 1, 1) bias would be, grouped
+            alibi = -_grouped(inputs.alibi_slopes.to(dtype)[..., None, None], heads_kv)
         ops = _Operands(q, k, v, bias, q_scale, spec.softcap, geometry, alibi=alibi)
         return ops, _plan(geometry, len_q, len_k, self.block_q, self.block_k), tracked
 
