@@ -236,6 +236,24 @@ def test_lengths_on_and_next_to_tile_boundaries(backend: str) -> None:
     _assert_agree(backend, _length_cases(backend), nan_padding=True)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_alibi_across_tile_boundaries(backend: str) -> None:
+    """§16: ALiBi's distance |i + off_b − j| uses each row's and key's position in the call, in every tile (a term
+    read from a tile's own indices is right in its first tile only). Three tiles of keys, lengths on and one off a
+    boundary per batch element (so the elements' offsets differ), causal bottom-right and a top-left window, per
+    (batch, head) slopes; padding is NaN."""
+    if Feature.ALIBI not in harness_capabilities(backend).features:
+        pytest.skip(f"{backend} does not declare alibi")
+    cases = []
+    for spec in (AttentionSpec(causal=True), AttentionSpec(window=(None, 3), causal_alignment="top_left")):
+        rows, keys = _quantum(_tiles(backend, spec))
+        cases.append(
+            Case(spec=spec, batch=2, heads_q=2, heads_kv=1, len_q=2 * rows + 1, len_k=3 * keys,
+                 q_lengths=(2 * rows + 1, rows), kv_lengths=(3 * keys, 2 * keys - 1), alibi_shape=(2, 2))
+        )  # fmt: skip
+    _assert_agree(backend, cases, nan_padding=True)
+
+
 def _needs_segment_ids(backend: str) -> None:
     if Feature.SEGMENT_IDS not in harness_capabilities(backend).features:
         pytest.skip(f"{backend} does not declare segment ids")
