@@ -194,6 +194,8 @@ class PagedInputs(NamedTuple):
     v_cache: Any
     block_table: Any
     kv_lengths: Any
+    #: ALiBi slopes (docs/semantics.md §16), float32 (B|1, Hq); no gradient.
+    alibi_slopes: Any = None
 
 
 @dataclass(frozen=True, slots=True)
