@@ -16,6 +16,7 @@ from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_for
 from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec, Layout
+from attnkit.validation import checked_slopes
 
 
 def _packed_spec(spec: AttentionSpec) -> AttentionSpec:
@@ -83,10 +84,12 @@ def attend_varlen(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """Attention over packed sequences (docs/semantics.md §12): q (total_q, Hq, D), k and v (total_k, Hkv, D|Dv),
     ``cu_seqlens_q``/``cu_seqlens_k`` (n + 1,) cumulative offsets. Sequence s is attended as its own call, with
-    ``sinks`` (Hq,) as attend takes them (§15).
+    ``sinks`` (Hq,) as attend takes them (§15) and ``alibi_slopes`` float32 (Hq,) or (n, Hq), one row per sequence
+    (§16, as flash-attn's varlen call takes them).
 
     Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) as attend's (§6). Differentiable as attend."""
     if type(spec) is not AttentionSpec:
@@ -132,24 +135,29 @@ def attend_varlen(
                 raise InvalidInputError(f"{name}={given} is less than the longest sequence's length {longest}")
         max_seqlen_q, max_seqlen_k = longest_q, longest_k
         self_packed = bool(np.array_equal(offsets_q, offsets_k))
+    if alibi_slopes is not None:  # per sequence: (n, Hq) makes the padded batch's (B, Hq)
+        alibi_slopes = checked_slopes(ops, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], ops.device(q),
+                                      check_values=offsets_q is not None)  # fmt: skip
+        # One packed row has one slope per head: slopes that differ between sequences take the padded batch.
+        self_packed = self_packed and alibi_slopes.shape[0] == 1
     packed = _packed_spec(spec)
     xp = _array_namespace(ops)
     if self_packed:  # one packed row, the sequence index its segment id (§12: the same contract, no copy)
         ids = xp.sequence_of(cu_seqlens_q, total_q)[None]
         result = attend(packed, q[None], k[None], v[None], q_segment_ids=ids, kv_segment_ids=ids,
-                        return_lse=return_lse, backend=backend, sinks=sinks)  # fmt: skip
+                        return_lse=return_lse, backend=backend, sinks=sinks, alibi_slopes=alibi_slopes)  # fmt: skip
         if not return_lse:
             return result[0]
         return result[0][0], result[1][0]
     return _as_padded_batch(
         xp, packed, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), return_lse, backend,
-        sinks,
+        sinks, alibi_slopes,
     )  # fmt: skip
 
 
 def _as_padded_batch(
     xp: Any, spec: AttentionSpec, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int,
-    return_lse: bool, backend: str, sinks: Any,
+    return_lse: bool, backend: str, sinks: Any, alibi_slopes: Any,
 ) -> Any:  # fmt: skip
     """§12 as a batch of right-padded sequences with q_lengths and kv_lengths (§4.3)."""
     count = cu_q.shape[0] - 1
@@ -157,7 +165,7 @@ def _as_padded_batch(
     k_pad, kv_lengths = xp.pad_sequences(k, cu_k, max(max_k, 1))
     v_pad, _ = xp.pad_sequences(v, cu_k, max(max_k, 1))
     out_pad, lse_pad = attend(spec, q_pad, k_pad, v_pad, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                              return_lse=True, backend=backend, sinks=sinks)  # fmt: skip
+                              return_lse=True, backend=backend, sinks=sinks, alibi_slopes=alibi_slopes)  # fmt: skip
     # Token t of sequence s sits at (s, t − cu_q[s]) of the padded batch.
     flat = xp.padded_position(cu_q, q.shape[0], max(max_q, 1))
     out = xp.take_rows(out_pad.reshape(count * max(max_q, 1), *out_pad.shape[2:]), flat)
@@ -233,8 +241,9 @@ def _array_namespace(ops: FrameworkOps) -> Any:
 
 
 def prepare_paged(
-    spec: AttentionSpec, q: Any, k_cache: Any, v_cache: Any, block_table: Any, kv_lengths: Any, return_lse: bool
-) -> tuple[Problem, PagedInputs]:
+    spec: AttentionSpec, q: Any, k_cache: Any, v_cache: Any, block_table: Any, kv_lengths: Any, return_lse: bool,
+    alibi_slopes: Any = None,
+) -> tuple[Problem, PagedInputs]:  # fmt: skip
     """Check every argument of an attend_paged call (§13), values included; the call as a Problem."""
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
@@ -267,7 +276,10 @@ def prepare_paged(
     table_values, length_values = ops.host_values(block_table), ops.host_values(kv_lengths)
     if table_values is not None and length_values is not None:  # under jax.jit they are traced: unchecked (§11)
         _check_table(table_values, length_values, num_blocks, block_size, capacity)
-    inputs = PagedInputs(q, k_cache, v_cache, block_table, kv_lengths)
+    heads_q = q.shape[2] if spec.layout is Layout.BSHD else q.shape[1]
+    if alibi_slopes is not None:
+        alibi_slopes = checked_slopes(ops, alibi_slopes, batch, heads_q, ops.device(q), length_values is not None)
+    inputs = PagedInputs(q, k_cache, v_cache, block_table, kv_lengths, alibi_slopes)
     if ops.needs_grad(AttentionInputs(q, k_cache, v_cache))[0]:  # torch with grad on; JAX differentiates later
         name = next(name for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) if x.requires_grad)
         raise InvalidInputError(
@@ -279,7 +291,7 @@ def prepare_paged(
         device=ops.device(q),
         dtype=ops.dtype_name(q),
         batch=batch,
-        heads_q=q.shape[2] if spec.layout is Layout.BSHD else q.shape[1],
+        heads_q=heads_q,
         heads_kv=k_cache.shape[2],
         len_q=len_q,
         len_k=capacity,
@@ -288,6 +300,7 @@ def prepare_paged(
         has_kv_lengths=True,
         return_lse=return_lse,
         paged_block_size=block_size,
+        has_alibi=alibi_slopes is not None,
     )
     return problem, inputs
 
@@ -320,15 +333,16 @@ def attend_paged(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """Attention of new queries against a paged KV cache (docs/semantics.md §13): exactly attend(spec, q, K_b, V_b,
     kv_lengths=kv_lengths) on the keys the block table gathers, which backends declaring ``paged`` read where the
-    blocks lie, with ``sinks`` as attend takes them (§15). Forward only. Returns out, or (out, lse), as attend does
-    for q."""
+    blocks lie, with ``sinks`` and ``alibi_slopes`` as attend takes them (§15, §16). Forward only. Returns out, or
+    (out, lse), as attend does for q."""
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     need_lse = return_lse or sinks is not None
-    problem, inputs = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, need_lse)
+    problem, inputs = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, need_lse, alibi_slopes)
     chosen = dispatch.select(spec, problem, backend)
     forward_paged = getattr(chosen, "forward_paged")  # noqa: B009  # the method of Feature.PAGED (attnkit.backend)
     run = functools.partial(forward_paged, spec, need_lse=need_lse)
@@ -340,10 +354,10 @@ def attend_paged(
 
 def explain_paged(
     spec: AttentionSpec, q: Any, k_cache: Any, v_cache: Any, block_table: Any, kv_lengths: Any, *,
-    return_lse: bool = False,
+    return_lse: bool = False, alibi_slopes: Any = None,
 ) -> str:  # fmt: skip
     """The dispatch table of an attend_paged call, without running it."""
     from attnkit.api import explain_problem
 
-    problem, _ = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse)
+    problem, _ = prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse, alibi_slopes)
     return explain_problem(spec, problem)

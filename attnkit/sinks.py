@@ -48,14 +48,17 @@ def check_sinks(ops: FrameworkOps, spec: AttentionSpec, q: Any, sinks: Any) -> N
 
 
 def with_sinks(
-    spec: AttentionSpec, out: Any, lse: Any, sinks: Any, q_lengths: Any = None, q_segment_ids: Any = None
-) -> tuple[Any, Any]:
+    spec: AttentionSpec, out: Any, lse: Any, sinks: Any, q_lengths: Any = None, q_segment_ids: Any = None,
+    positions: Any = None,
+) -> tuple[Any, Any]:  # fmt: skip
     """(out, lse) of the call with ``sinks`` from ``(out₀, lse₀)`` of the call without them (§15), in the caller's
-    framework and shapes: out in its layout and dtype, lse as the call's (§6) (B, Hq, Lq) or (B, Lq) for 3-D calls."""
+    framework and shapes: out in its layout and dtype, lse as the call's (§6) (B, Hq, Lq) or (B, Lq) for 3-D calls.
+    ``positions``: the place in the sequence of each of lse's rows, which ``q_lengths`` count (a sharded call's
+    local rows, §14); None: 0..Lq−1."""
     bshd = spec.layout is Layout.BSHD
     if type(out).__module__.startswith("torch"):
-        return _composed(bshd, out, lse, sinks, q_lengths, q_segment_ids)
-    return _jax_composed()(bshd, out, lse, sinks, q_lengths, q_segment_ids)  # type: ignore[no-any-return]
+        return _composed(bshd, out, lse, sinks, q_lengths, q_segment_ids, positions)
+    return _jax_composed()(bshd, out, lse, sinks, q_lengths, q_segment_ids, positions)  # type: ignore[no-any-return]
 
 
 @functools.cache
@@ -66,7 +69,9 @@ def _jax_composed() -> Any:
     return jax.jit(_composed, static_argnums=0)
 
 
-def _composed(bshd: bool, out: Any, lse: Any, sinks: Any, q_lengths: Any, q_segment_ids: Any) -> tuple[Any, Any]:
+def _composed(
+    bshd: bool, out: Any, lse: Any, sinks: Any, q_lengths: Any, q_segment_ids: Any, positions: Any
+) -> tuple[Any, Any]:
     xp, sigmoid, cast, arange, wide = _namespace(out)
     # The per-row factors and dsinks' sum over rows in the widest float (they are (B, Hq, Lq), cheap; in float32 a
     # gpt-oss layer's dsinks missed the tolerance against eager's softmax backward); out itself in its compute dtype.
@@ -74,7 +79,8 @@ def _composed(bshd: bool, out: Any, lse: Any, sinks: Any, q_lengths: Any, q_segm
     three_d = len(lse.shape) == 2
     sink = cast(sinks, wide).reshape((1, 1) if three_d else (1, -1, 1))
     lse0 = cast(lse, wide)
-    in_play = _rows_in_play(arange(lse.shape[-1], lse), lse.shape[0], q_lengths, q_segment_ids)
+    rows = arange(lse.shape[-1], lse) if positions is None else positions
+    in_play = _rows_in_play(rows, lse.shape[0], q_lengths, q_segment_ids)
     if in_play is None:
         kept, lse_new = sigmoid(lse0 - sink), xp.logaddexp(lse0, sink)
     else:
@@ -89,7 +95,8 @@ def _composed(bshd: bool, out: Any, lse: Any, sinks: Any, q_lengths: Any, q_segm
 
 
 def _rows_in_play(rows: Any, batch: int, q_lengths: Any, q_segment_ids: Any) -> Any:
-    """(B, Lq) True where a row (``rows``: 0..Lq−1) is a query, not padding; None when every row is one."""
+    """(B, Lq) True where a row (``rows``: the rows' positions) is a query, not padding; None when every row is
+    one."""
     in_play = None
     if q_lengths is not None:
         in_play = rows[None, :] < q_lengths.reshape(batch, 1)

@@ -117,7 +117,7 @@ def prepare(
             raise InvalidInputTypeError(f"{name} is on device {ops.device(tensor)}, expected q's device {device}")
     _check_segment_ids(ops, q_segment_ids, kv_segment_ids, batch, len_q, len_k, device)
     if alibi_slopes is not None:
-        alibi_slopes = _checked_slopes(ops, alibi_slopes, batch, heads_q, device, check_values)
+        alibi_slopes = checked_slopes(ops, alibi_slopes, batch, heads_q, device, check_values)
 
     inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes)
     needs_grad, needs_bias_grad = ops.needs_grad(inputs)
@@ -202,7 +202,7 @@ def _check_segment_ids(
             raise InvalidInputTypeError(f"{name} is on device {ops.device(ids)}, expected q's device {device}")
 
 
-def _checked_slopes(ops: FrameworkOps, slopes: Any, batch: int, heads_q: int, device: str, check_values: bool) -> Any:
+def checked_slopes(ops: FrameworkOps, slopes: Any, batch: int, heads_q: int, device: str, check_values: bool) -> Any:
     """§16: float32 (Hq,) or (B, Hq) on q's device, finite and ≥ 0 (read eagerly), taking no gradient; returned as
     (1|B, Hq)."""
     if not ops.is_array(slopes):

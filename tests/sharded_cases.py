@@ -31,7 +31,7 @@ def shardable_cases(draw: st.DrawFn, world: int, dtypes: Iterable[str], mask_and
     none; without mask or bias and 4-D, the heads multiplied by P so that Ulysses serves the case too."""
     drawn = cases(dtypes=dtypes, max_len=16)
     case = draw(drawn if three_d else drawn.filter(lambda case: not case.three_d))
-    case = case.with_(sinks=False, alibi_shape=None)  # §15, §16: the sharded call takes neither yet
+    case = case.with_(alibi_shape=None)  # §16: the sharded call takes no slopes yet
     if not mask_and_bias:
         case = case.with_(mask_shape=None, masked_rows=(), bias_shape=None, bias_grad=False)
     unit = 2 * world

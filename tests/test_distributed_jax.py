@@ -74,7 +74,9 @@ RUNS = [
         _case(TOP_LEFT, len_q=8, q_segment_ids=(IDS[::2],), kv_segment_ids=(IDS,)), "ring", "contiguous"),
     Run("ring-zigzag-window-bshd", _case(AttentionSpec(window=(3, 2), layout="bshd")), "ring", "zigzag"),
     # Bottom-right with lengths: the band's offset per element, masked blocks; b=1's first rows see nothing.
-    Run("ring-zigzag-lengths", _case(CAUSAL, batch=2, q_lengths=(16, 11), kv_lengths=(16, 6)), "ring", "zigzag"),
+    # Sinks once per row after the merge, q_lengths counted on each device's rows' global positions (§15).
+    Run("ring-zigzag-lengths-sinks", _case(CAUSAL, batch=2, q_lengths=(16, 11), kv_lengths=(16, 6), sinks=True), "ring",
+        "zigzag"),
     Run("allgather-zigzag-softcap", _case(AttentionSpec(causal=True, softcap=2.0)), "allgather", "zigzag"),
     Run("allgather-contiguous-cosine-window",
         _case(AttentionSpec(causal=True, window=(4, 0), variant="cosine")), "allgather", "contiguous"),
@@ -85,8 +87,8 @@ RUNS = [
     Run("ulysses-contiguous-window-lengths",
         _case(AttentionSpec(window=(2, 5)), heads_q=4, heads_kv=4, batch=2, q_lengths=(16, 7), kv_lengths=(9, 16)),
         "ulysses", "contiguous"),
-    Run("allgather-contiguous-gqa-inside-own-shard-map", _case(CAUSAL, heads_q=4, heads_kv=2), "allgather",
-        "contiguous", inside=True),
+    Run("allgather-zigzag-gqa-lengths-sinks-inside-own-shard-map",
+        _case(CAUSAL, heads_q=4, heads_kv=2, q_lengths=(13,), sinks=True), "allgather", "zigzag", inside=True),
 ]
 # fmt: on
 # Drawn runs: JAX takes no mask or bias; float16 is left out as above, float64 needs x64 (and a block's lse is float32).
@@ -135,7 +137,7 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
         if not run.inside:
             return attend_jax(case.spec, q, k, v, mesh=mesh, **optional, **options)
         sequence = Spec(*(AXIS if axis == seq_axis else None for axis in range(q.ndim)))
-        specs = {name: Spec() if name.endswith("lengths") else Spec(None, AXIS) for name in optional}
+        specs = {name: Spec() if name.endswith(("lengths", "sinks")) else Spec(None, AXIS) for name in optional}
         local = jax.shard_map(
             lambda q, k, v, optional: attend_jax(case.spec, q, k, v, **optional, **options),
             mesh=mesh,
@@ -150,16 +152,19 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
         q, k, v, dout = (shard(floats[name], seq_axis) for name in ("q", "k", "v", "dout"))
         optional = {name: shard(x, 1) if name.endswith("ids") else x for name, x in optional.items()}
-        (out, lse), pullback = jax.vjp(lambda q, k, v: call(q, k, v, optional), q, k, v)
-        results = (out, lse, *pullback((dout, shard(floats["dlse"], -1))))
+        sinks = {"sinks": floats["sinks"]} if "sinks" in floats else {}  # differentiated, replicated
+        (out, lse), pullback = jax.vjp(lambda q, k, v, sinks: call(q, k, v, {**optional, **sinks}), q, k, v, sinks)
+        *grads, dsinks = pullback((dout, shard(floats["dlse"], -1)))
         axes = (seq_axis, -1, seq_axis, seq_axis, seq_axis)
-        return [unshard_jax(x, mesh, AXIS, run.sharding, axis) for x, axis in zip(results, axes)]
+        whole = [unshard_jax(x, mesh, AXIS, run.sharding, axis) for x, axis in zip((out, lse, *grads), axes)]
+        return whole + list(dsinks.values())
 
-    floats = {name: jnp.asarray(arrays[name], case.dtype) for name in ("q", "k", "v", "dout")}
+    floats = {name: jnp.asarray(arrays[name], case.dtype) for name in ("q", "k", "v", "dout", "sinks")
+              if name in arrays}  # fmt: skip
     floats["dlse"] = jnp.asarray(arrays["dlse"], jnp.float32)  # lse is float32 whatever the inputs' dtype (§6)
     optional = {name: jnp.asarray(arrays[name], jnp.int32) for name in OPTIONAL if name in arrays}
     results = jax.jit(forward_backward)(floats, optional)
-    return {name: np.asarray(x, np.float64) for name, x in zip(("out", "lse", "dq", "dk", "dv"), results)}
+    return {name: np.asarray(x, np.float64) for name, x in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), results)}
 
 
 def _bad_call(name: str) -> None:

@@ -65,8 +65,9 @@ CASES = {
                                     len_q=16, len_k=16, dtype="bfloat16", seed=3),
     "cosine sliding window": Case(AttentionSpec(causal=True, window=(4, 0), variant="cosine", layout="bshd"),
                                   heads_q=4, heads_kv=4, len_q=16, len_k=16, head_dim=8, head_dim_v=8, seed=4),
-    "lengths bottom-right": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=4, len_q=16, len_k=16,
-                                 q_lengths=(16, 5), kv_lengths=(13, 9), seed=5),
+    # Sinks: once per row after the merge; q_lengths counted on the local rows' global positions (§15).
+    "lengths bottom-right sinks": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=4, len_q=16, len_k=16,
+                                       q_lengths=(16, 5), kv_lengths=(13, 9), sinks=True, seed=5),
     "lengths top-left MQA": Case(AttentionSpec(causal=True, causal_alignment="top_left"), heads_q=4, heads_kv=1,
                                  len_q=16, len_k=16, kv_lengths=(16, 7), seed=6),
     "segment ids causal": Case(AttentionSpec(causal=True), batch=1, heads_q=4, heads_kv=4, len_q=16, len_k=16,
@@ -86,7 +87,7 @@ CASES = {
 FIXED_CASES = {
     2: [name for name in CASES if not name.startswith("three ranks")],
     3: ["three ranks causal GQA Lq<Lk lengths"],
-    4: ["causal bottom-right Lq<Lk", "window softcap bfloat16", "lengths bottom-right", "segment ids causal",
+    4: ["causal bottom-right Lq<Lk", "window softcap bfloat16", "lengths bottom-right sinks", "segment ids causal",
         "mask and bias float16", "cosine sliding window"],  # contiguous: the ring stops after one hop
 }  # fmt: skip
 
@@ -130,15 +131,17 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
     q, k, v = (local(name, axis, grad=True) for name in ("q", "k", "v"))
     bias = local("bias", grad=case.bias_grad)
     lengths = {name: torch.tensor(arrays[name]) for name in ("q_lengths", "kv_lengths") if name in arrays}
+    sinks = torch.tensor(arrays["sinks"], dtype=getattr(torch, case.dtype), requires_grad=True) if case.sinks else None
     out, lse = distributed.attend(
         case.spec, q, k, v, strategy=strategy, sharding=sharding, mask=local("mask"), bias=bias,
         q_segment_ids=local("q_segment_ids", 1), kv_segment_ids=local("kv_segment_ids", 1), return_lse=True,
-        **lengths,
+        sinks=sinks, **lengths,
     )  # fmt: skip
     assert out.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, lse.dtype)  # §14: as attend's
     finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    leaves = [q, k, v] + ([bias] if case.bias_grad else [])
-    grads = torch.autograd.grad((out, finite_lse), leaves, (local("dout", axis), local("dlse", 2)))
+    leaves = [q, k, v] + ([bias] if case.bias_grad else []) + ([sinks] if sinks is not None else [])
+    grads = list(torch.autograd.grad((out, finite_lse), leaves, (local("dout", axis), local("dlse", 2))))
+    dsinks = grads.pop() if sinks is not None else None
     results = {"out": (out, axis), "lse": (lse, 2), "dq": (grads[0], axis), "dk": (grads[1], axis),
                "dv": (grads[2], axis)}  # fmt: skip
     whole = {name: distributed.unshard(x.detach(), sharding=sharding, seq_axis=a) for name, (x, a) in results.items()}
@@ -149,6 +152,9 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
             whole["dbias"] = dbias
         else:
             whole["dbias"] = distributed.unshard(dbias, sharding=sharding, seq_axis=bias_rows)
+    if dsinks is not None:  # each rank's rows' share
+        dist.all_reduce(dsinks)
+        whole["dsinks"] = dsinks
     return {name: x.double().numpy() for name, x in whole.items()}
 
 

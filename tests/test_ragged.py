@@ -94,6 +94,26 @@ def test_varlen_in_jax_under_jit_is_each_sequence_alone() -> None:
         np.testing.assert_allclose(np.asarray(grad), reference_grad.numpy(), rtol=1e-12, atol=1e-12)
 
 
+def test_varlen_per_sequence_alibi_slopes_in_one_packed_row() -> None:
+    """§16 in §12: equal offsets with (n, Hq) slopes, which one packed row cannot carry, are still each sequence's
+    call with its own slopes."""
+    spec, lengths = AttentionSpec(causal=True), [3, 0, 4]
+    q, k, v = (torch.randn(7, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    slopes = torch.tensor([[0.5, 0.0], [1.0, 1.0], [0.25, 2.0]])
+    cu = _offsets(lengths)
+    out = attnkit.attend_varlen(spec, q, k, v, cu, cu, alibi_slopes=slopes)
+    grads = torch.autograd.grad(out.square().sum(), (q, k, v))
+    expected = []
+    for s in (0, 2):
+        rows = slice(*cu[s : s + 2].tolist())
+        expected.append(attnkit.attend(spec.replace(layout="bshd"), q[None, rows], k[None, rows], v[None, rows],
+                                       alibi_slopes=slopes[s], backend="torch-naive")[0])  # fmt: skip
+    reference = torch.cat(expected)
+    torch.testing.assert_close(out, reference, rtol=1e-12, atol=1e-12)
+    for grad, reference_grad in zip(grads, torch.autograd.grad(reference.square().sum(), (q, k, v))):
+        torch.testing.assert_close(grad, reference_grad, rtol=1e-12, atol=1e-12)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # attend_paged
 
@@ -139,6 +159,8 @@ def _varlen_args(**changes: Any) -> dict[str, Any]:
         ({"cu_seqlens_q": _offsets([6])}, InvalidInputError, "same number of sequences"),
         ({"q": torch.randn(1, 6, 2, 8)}, InvalidInputError, r"q must be 3-D"),
         ({"max_seqlen_q": 3}, InvalidInputError, r"max_seqlen_q=3 is less than the longest sequence's length 4"),
+        ({"alibi_slopes": torch.ones(3, 2)}, InvalidInputError, r"alibi_slopes has shape \(3, 2\), expected"),
+        ({"alibi_slopes": torch.tensor([0.5, -1.0])}, InvalidInputError, r"alibi_slopes must be finite and >= 0"),
     ],
 )
 def test_bad_varlen_input_names_the_argument(changes: dict[str, Any], error: type, message: str) -> None:
@@ -168,9 +190,16 @@ def _paged_args(**changes: Any) -> dict[str, Any]:
         ({"block_table": torch.zeros(3, 2, dtype=torch.int32)}, InvalidInputError, r"block_table has shape \(3, 2\)"),
         ({"v_cache": torch.randn(5, 2, 1, 8)}, InvalidInputError, "v_cache has shape"),
         ({"q": torch.randn(2, 1, 2, 8, requires_grad=True)}, InvalidInputError, "q requires grad.*forward only"),
+        ({"alibi_slopes": torch.ones(2, dtype=torch.float64)}, InvalidInputTypeError, "alibi_slopes has dtype float64"),
+        (
+            {"alibi_slopes": torch.tensor([[0.5, 1.0], [float("nan"), 0.0]])},
+            InvalidInputError,
+            r"alibi_slopes must be finite and >= 0, got \[nan\]",
+        ),  # fmt: skip
     ],
 )
 def test_bad_paged_input_names_the_argument(changes: dict[str, Any], error: type, message: str) -> None:
     args = _paged_args(**changes)
     with pytest.raises(error, match=message):
-        attnkit.attend_paged(SPEC, *(args[n] for n in ("q", "k_cache", "v_cache", "block_table", "kv_lengths")))
+        attnkit.attend_paged(SPEC, *(args.pop(n) for n in ("q", "k_cache", "v_cache", "block_table", "kv_lengths")),
+                             **args)  # fmt: skip

@@ -45,6 +45,8 @@ from attnkit.distributed.sharding import (
     ring_hops,
 )
 from attnkit.errors import InvalidInputError
+from attnkit.frontends import ops_for
+from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout
 from attnkit.validation import prepare
 
@@ -105,9 +107,11 @@ def attend_jax(
     bias: Any = None,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: Any = None,
 ) -> Any:
     """``attnkit.attend`` on a sequence sharded along mesh axis ``axis_name`` (§14), equal to the single-device call
-    on the whole arrays in outputs and gradients.
+    on the whole arrays in outputs and gradients; ``sinks`` (Hq,), replicated, join each row once after its blocks
+    are merged (§15).
 
     With ``mesh``: q, k, v (and segment ids) are whole arrays laid out by :func:`shard_jax`; out and lse come back
     so laid out (:func:`unshard_jax` restores global order). Without: called inside the caller's shard_map over
@@ -119,7 +123,10 @@ def attend_jax(
                 f"{tuple(value.shape)}); express the visibility with lengths or segment ids"
             )
     config = _Config.make(spec, strategy, sharding, axis_name, backend)
-    optional = {"q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_ids": q_segment_ids, "kv_ids": kv_segment_ids}
+    if sinks is not None:
+        check_sinks(ops_for(q, "q"), spec, q, sinks)
+    optional = {"q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_ids": q_segment_ids, "kv_ids": kv_segment_ids,
+                "sinks": sinks}  # fmt: skip
     if mesh is None:
         world = lax.axis_size(axis_name)
         # Local shards: metadata only (the lengths are global and traced here; attend checks each block's).
@@ -167,7 +174,7 @@ def _attend_on_mesh(
         chunk_size(name, x.shape[seq_axis], world, config.sharding)
     present = {name: value for name, value in optional.items() if value is not None}
     sequence = _seq_spec(q.ndim, seq_axis, config.axis_name)
-    specs = {"q_lengths": Spec(), "kv_lengths": Spec(), "q_ids": Spec(None, config.axis_name)}
+    specs = {"q_lengths": Spec(), "kv_lengths": Spec(), "q_ids": Spec(None, config.axis_name), "sinks": Spec()}
     specs["kv_ids"] = specs["q_ids"]
     lse_spec = _seq_spec(q.ndim - 1, q.ndim - 2, config.axis_name)
 
@@ -190,6 +197,20 @@ def _attend_local(config: _Config, world: int, q: Any, k: Any, v: Any, optional:
         q, k, v = (jnp.expand_dims(x, head_axis) for x in (q, k, v))
         out, lse = _attend_local(config, world, q, k, v, optional)
         return jnp.squeeze(out, head_axis), jnp.squeeze(lse, 1)
+    out, lse = _merged(config, world, q, k, v, optional)
+    if optional["sinks"] is None:
+        return out, lse
+    # Once per row, after the merge (§15); the local rows' global positions count q_lengths.
+    local_q = q.shape[config.seq_axis]
+    positions = np.stack([np.concatenate([np.arange(span.start, span.stop) for span in
+                                          rank_spans(local_q * world, world, rank, config.sharding, "q")])
+                          for rank in range(world)])  # fmt: skip
+    return with_sinks(config.spec, out, lse, optional["sinks"], optional["q_lengths"], optional["q_ids"],
+                      jnp.asarray(positions)[lax.axis_index(config.axis_name)])  # fmt: skip
+
+
+def _merged(config: _Config, world: int, q: Any, k: Any, v: Any, optional: dict[str, Any]) -> tuple[Any, Any]:
+    """One device's 4-D shards in, its shards of out and lse merged over every block back (§14)."""
     seq_axis, local_k = config.seq_axis, k.shape[config.seq_axis]
     geometry = _Geometry(config, world, q.shape[seq_axis] * world, local_k * world, optional)
     if config.strategy is Strategy.ULYSSES:

@@ -38,6 +38,8 @@ from attnkit.distributed.sharding import (
     ring_hops,
 )
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
+from attnkit.frontends import ops_for
+from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout
 from attnkit.validation import prepare
 
@@ -291,6 +293,7 @@ def _validated(
     strategy: Strategy | str,
     sharding: Sharding | str,
     backend: str,
+    sinks: torch.Tensor | None = None,
 ) -> _Call:
     world, rank = _world(group)
 
@@ -299,13 +302,15 @@ def _validated(
             raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
         facts: dict[str, Any] = {"spec": spec.model_dump_json(), "strategy": _strategy(strategy).value}
         facts.update(sharding=_sharding(sharding).value, backend=backend)
-        for name, tensor in tensors.items():
+        for name, tensor in {**tensors, "sinks": sinks}.items():
             facts.update(_describe(name, tensor))
         q, k = tensors["q"], tensors["k"]
         if q.ndim != 4 or k.ndim != 4:
             raise InvalidInputError(
                 f"q is {q.ndim}-D and k {k.ndim}-D: attnkit.distributed.attend takes 4-D q, k, v (the spec's layout)"
             )
+        if sinks is not None:
+            check_sinks(ops_for(q), spec, q, sinks)
         return facts
 
     facts = _agree(group, world, rank, describe)
@@ -801,11 +806,16 @@ def attend_torch(
     bias: torch.Tensor | None = None,
     return_lse: bool = False,
     backend: str = "auto",
+    sinks: torch.Tensor | None = None,
 ) -> Any:
     """§14 on torch tensors: this rank's shards in, this rank's shard of out (and lse) back. A collective: every rank
-    of ``group`` calls it; a bad input on any rank raises a typed error on every rank."""
+    of ``group`` calls it; a bad input on any rank raises a typed error on every rank. ``sinks`` join each local row
+    once, after its blocks are merged (§15)."""
     tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_segment_ids": q_segment_ids,
                "kv_segment_ids": kv_segment_ids, "mask": mask, "bias": bias}  # fmt: skip
-    call = _validated(spec, tensors, group, strategy, sharding, backend)
+    call = _validated(spec, tensors, group, strategy, sharding, backend, sinks)
     out, lse = _STRATEGIES[_strategy(strategy)](call, q, k, v, q_segment_ids, kv_segment_ids)
+    if sinks is not None:  # the local rows' global positions count q_lengths
+        positions = torch.cat([torch.arange(span.start, span.stop, device=q.device) for span in call.q_spans()])
+        out, lse = with_sinks(spec, out, lse, sinks, q_lengths, q_segment_ids, positions)
     return (out, lse) if return_lse else out

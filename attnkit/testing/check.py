@@ -199,6 +199,7 @@ def ragged_edge_shapes() -> list[tuple[str, Case]]:
     spec = AttentionSpec
     shared_table, blocks = shuffled_table((7, 5, 0, 9), block_size=1, seed=0, shared=3)
     decode_table, decode_blocks = shuffled_table((21, 5, 13), block_size=5, seed=1, shared=0)
+    alibi_table, alibi_blocks = shuffled_table((11, 5, 13), block_size=3, seed=2, shared=1)
     return [
         # §12: empty sequences of each kind (no query; no key: out 0, lse −inf) beside full and one-token ones.
         (
@@ -208,6 +209,11 @@ def ragged_edge_shapes() -> list[tuple[str, Case]]:
         (
             "varlen self-packed, one-token and empty documents",
             varlen_case(spec(causal=True, window=(4, 0)), (7, 1, 0, 4), (7, 1, 0, 4), heads_q=4, heads_kv=2),
+        ),
+        # §16 per sequence: each its own slopes and its own bottom-right offset kv_len − q_len.
+        (
+            "varlen cross, per-sequence ALiBi slopes",
+            varlen_case(spec(causal=True), (3, 1, 4), (9, 5, 4), heads_q=2, heads_kv=1, alibi_shape=(3, 2)),
         ),
         # §13: a 3-block prefix shared by the sequences, blocks out of order, an empty sequence, NaN in unread blocks.
         (
@@ -226,6 +232,20 @@ def ragged_edge_shapes() -> list[tuple[str, Case]]:
                 heads_q=4,
                 heads_kv=2,
             ),
+        ),
+        (
+            "paged with ALiBi, block size 3, top-left",
+            paged_case(
+                spec(causal_alignment=CausalAlignment.TOP_LEFT),
+                3,
+                alibi_table,
+                (11, 5, 13),
+                alibi_blocks,
+                len_q=3,
+                heads_q=2,
+                heads_kv=1,
+                alibi_shape=(3, 2),
+            ),  # fmt: skip
         ),
     ]
 

@@ -72,7 +72,7 @@ def _varlen(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool =
     if case.varlen.self_packed:
         q, k, v = (arrays[name][0] for name in ("q", "k", "v"))
         result = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_q, return_lse=return_lse, backend=backend,
-                                      sinks=arrays.get("sinks"))  # fmt: skip
+                                      sinks=arrays.get("sinks"), alibi_slopes=arrays.get("alibi_slopes"))  # fmt: skip
         return (result[0][None], result[1][None]) if return_lse else result[None]
 
     def pack(x: Any, lengths: tuple[int, ...]) -> Any:  # the padded batch's real rows, sequence after sequence
@@ -82,7 +82,7 @@ def _varlen(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool =
 
     q, k, v = pack(arrays["q"], q_lengths), pack(arrays["k"], kv_lengths), pack(arrays["v"], kv_lengths)
     out, lse = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_k, return_lse=True, backend=backend,
-                                    sinks=arrays.get("sinks"))  # fmt: skip
+                                    sinks=arrays.get("sinks"), alibi_slopes=arrays.get("alibi_slopes"))  # fmt: skip
     # Position (b, t) of the padded batch is packed row cu_q[b] + t, for t < q_lengths[b].
     positions = np.arange(case.len_q)[None, :]
     real = positions < np.asarray(q_lengths)[:, None]
@@ -98,7 +98,7 @@ def _paged(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool = 
     """attend_paged on the case's cache and block table (§13)."""
     return ragged.attend_paged(
         case.spec, arrays["q"], arrays["k_cache"], arrays["v_cache"], arrays["block_table"], arrays["kv_lengths"],
-        return_lse=return_lse, backend=backend, sinks=arrays.get("sinks"),
+        return_lse=return_lse, backend=backend, sinks=arrays.get("sinks"), alibi_slopes=arrays.get("alibi_slopes"),
     )  # fmt: skip
 
 

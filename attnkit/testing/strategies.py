@@ -151,9 +151,6 @@ def cases(
     q_segment_ids = kv_segment_ids = None
     if Feature.SEGMENT_IDS in features and draw(st.booleans()):
         q_segment_ids, kv_segment_ids = draw(segment_ids(batch, len_q, len_k))
-    alibi_shape = None
-    if Feature.ALIBI in features and draw(st.integers(0, 2)) == 0:  # a third of the calls, as sinks
-        alibi_shape = draw(st.sampled_from([(heads_q,), (batch, heads_q)]))
     return Case(
         spec=spec,
         batch=batch,
@@ -176,7 +173,7 @@ def cases(
         seed=draw(st.integers(0, 2**31 - 1)),
         grad=Feature.GRAD in features,
         sinks=draw(sinks_drawn()),
-        alibi_shape=alibi_shape,
+        alibi_shape=draw(alibi_drawn(features, batch, heads_q)),
     )
 
 
@@ -184,6 +181,17 @@ def sinks_drawn() -> st.SearchStrategy[bool]:
     """Whether a call has sinks (§15), in a third of the draws, whatever the dtype: every backend serves them (attend
     composes them with its lse, which is float64 in float64 calls, §6)."""
     return st.integers(0, 2).map(lambda draw: draw == 0)
+
+
+def alibi_drawn(
+    features: frozenset[Feature], batch: int, heads_q: int, per_row: bool = True
+) -> st.SearchStrategy[tuple[int, ...] | None]:
+    """ALiBi slopes' shape (§16) in a third of the calls where declared, as sinks: (Hq,), or (B, Hq) where
+    ``per_row`` (a batch row's own slopes), else None."""
+    if Feature.ALIBI not in features:
+        return st.none()
+    shapes = [(heads_q,), (batch, heads_q)] if per_row else [(heads_q,)]
+    return st.integers(0, 2).flatmap(lambda third: st.sampled_from(shapes) if third == 0 else st.none())
 
 
 def _call_features(case: Case) -> frozenset[Feature]:
@@ -233,8 +241,10 @@ def varlen_cases(
         kv_lengths = (*kv_lengths[:-1], kv_lengths[-1] + 1)
     spec = draw(specs(features))
     geometry = draw(_geometry(allowed_dtypes, allowed_dims))
+    # A packed row's slopes are one per head; per-sequence slopes make attend_varlen's padded batch (§16).
+    alibi_shape = draw(alibi_drawn(features, count, geometry["heads_q"], per_row=not self_packed))
     return varlen_case(spec, q_lengths, kv_lengths, grad=Feature.GRAD in features,
-                       sinks=draw(sinks_drawn()), **geometry)  # fmt: skip
+                       sinks=draw(sinks_drawn()), alibi_shape=alibi_shape, **geometry)  # fmt: skip
 
 
 def _paged_sizes(capabilities: Capabilities | None, head_dims: list[int]) -> tuple[list[int], list[int]]:
@@ -277,8 +287,9 @@ def paged_cases(
     table = tuple(tuple(draw(read if j < n else never_read) for j in range(max_blocks)) for n in needed)
     spec = draw(specs(features))
     geometry = draw(_geometry(allowed_dtypes, allowed_dims))
+    alibi_shape = draw(alibi_drawn(features, batch, geometry["heads_q"]))
     return paged_case(spec, block_size, table, kv_lengths, num_blocks, len_q=draw(st.integers(1, 4)),
-                      sinks=draw(sinks_drawn()), **geometry)  # fmt: skip
+                      sinks=draw(sinks_drawn()), alibi_shape=alibi_shape, **geometry)  # fmt: skip
 
 
 @st.composite

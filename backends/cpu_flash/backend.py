@@ -211,15 +211,18 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
     # autograd casts dbias back from.
     mask = inputs.mask.view(torch.uint8) if inputs.mask is not None else None
     bias = inputs.bias.float() if inputs.bias is not None else None
-    slopes = inputs.alibi_slopes
-    if slopes is not None:  # (1|B, Hq) float32 -> the kernel's (B, Hq)
-        slopes = slopes.expand(q.shape[0], q.shape[1]).contiguous()
+    slopes = _kernel_slopes(inputs.alibi_slopes, q.shape[0], q.shape[1])
     out, lse = _CpuFlash.apply(
         q.contiguous(), k.contiguous(), v.contiguous(), mask, bias,
         geometry.q_len.contiguous(), geometry.kv_len.contiguous(), _segments(geometry),
         _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale, slopes,
     )  # fmt: skip
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse
+
+
+def _kernel_slopes(slopes: torch.Tensor | None, batch: int, heads_q: int) -> torch.Tensor | None:
+    """ALiBi's (1|B, Hq) float32 slopes (§16) as the kernel takes them: (B, Hq), contiguous."""
+    return None if slopes is None else slopes.expand(batch, heads_q).contiguous()
 
 
 # Split-K did not pay on the 2 shared cores it was measured on (B=1, Hq=Hkv=8, Lk=32768, block 256, 2 threads: 2 key
@@ -248,7 +251,8 @@ def paged_attention(spec: AttentionSpec, inputs: PagedInputs) -> tuple[torch.Ten
     splits = decode_splits(batch * -(-len_q // block_q), int(kv_len.max()) if batch else 0, torch.get_num_threads())
     out, lse = _kernel().forward_paged(
         q, inputs.k_cache.contiguous(), inputs.v_cache.contiguous(), inputs.block_table.contiguous(), q_len, kv_len,
-        *band.arguments(), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale,
+        _kernel_slopes(inputs.alibi_slopes, batch, heads_q), *band.arguments(), spec.softcap or 0.0,
+        scale / spec.softcap if spec.softcap is not None else scale,
         COSINE_EPS if spec.variant is Variant.COSINE else 0.0, block_q, block_k, splits,
     )  # fmt: skip
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse

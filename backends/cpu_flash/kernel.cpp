@@ -621,11 +621,12 @@ void few_rows_values(const float* p, const PagedSequence<T>& cache, const Sizes&
 // sequence's head 0; the online softmax keeps its state per head (row_max, row_sum: block_q per head; acc:
 // block_q * Dv per head). Decode-sized rows read the tile slot by slot for all heads at once (few_rows_*; s holds
 // every head's scores); more rows take one GEMM per head and block piece, each head's rows of a block Hkv * D floats
-// apart, which BLAS takes as its leading dimension.
+// apart, which BLAS takes as its leading dimension. slopes: the sequence's ALiBi slopes (Hq,), or null.
 template <typename T>
-void fwd_rows_paged(const float* q, const PagedSequence<T>& cache, float* out, float* lse, const Sizes& n,
-                    const Band& band, const Rows& geometry, float softcap, int64_t r0, int64_t r1, int64_t first,
-                    int64_t last, float* s, float* acc, float* row_max, float* row_sum, float* staging) {
+void fwd_rows_paged(const float* q, const PagedSequence<T>& cache, const float* slopes, float* out, float* lse,
+                    const Sizes& n, const Band& band, const Rows& geometry, float softcap, int64_t r0, int64_t r1,
+                    int64_t first, int64_t last, float* s, float* acc, float* row_max, float* row_sum,
+                    float* staging) {
   const int64_t rows = r1 - r0, group = n.heads_q / n.heads_kv, acc_size = n.block_q * n.dim_v;
   const bool few = rows <= kFewRows;
   for (int64_t h = 0; h < n.heads_q; ++h)
@@ -645,7 +646,8 @@ void fwd_rows_paged(const float* q, const PagedSequence<T>& cache, float* out, f
             divide_by_key_norms(s + (a - c0), rows, cols, b - a, keys.data, keys.ld, n.dim, cache.cosine_eps);
         });
       }
-      scores(head_s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, UserTerms{}, TileIds{});
+      const UserTerms user{{}, {}, slope_of(slopes, n.heads_q, 0, h)};
+      scores(head_s, nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, user, TileIds{});
       softmax_step(head_s, rows, cols, n.dim_v, row_max + h * n.block_q, row_sum + h * n.block_q, acc + h * acc_size);
       if (!few)
         for_each_piece(c0, c1, cache.block_size, [&](int64_t a, int64_t b) {
@@ -856,14 +858,17 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
 }
 
 // q (B, Hq, Lq, D); k_cache (num_blocks, block_size, Hkv, D), v_cache (num_blocks, block_size, Hkv, Dv); block_table
-// int32 (B, max_blocks); lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq). Each row's keys are cut into
+// int32 (B, max_blocks); lengths (B,) int64; ALiBi slopes float32 (B, Hq) or None -> out (B, Hq, Lq, Dv), lse
+// (B, Hq, Lq). Each row's keys are cut into
 // `splits` ranges (split-K) that separate tasks run, merged at the end; 1 runs each row whole.
 std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                                          torch::Tensor block_table, torch::Tensor q_lens, torch::Tensor kv_lens,
-                                         bool has_low, int64_t low, bool has_high, int64_t high, bool bottom_right,
-                                         double softcap, double q_scale, double cosine_eps, int64_t block_q,
-                                         int64_t block_k, int64_t splits) {
+                                         std::optional<torch::Tensor> slopes, bool has_low, int64_t low,
+                                         bool has_high, int64_t high, bool bottom_right, double softcap,
+                                         double q_scale, double cosine_eps, int64_t block_q, int64_t block_k,
+                                         int64_t splits) {
   check(q, "q");
+  const float* slope_values = checked_slopes(slopes, q);
   for (const auto* cache : {&k_cache, &v_cache})
     TORCH_CHECK(cache->is_contiguous() && cache->device().is_cpu() && cache->scalar_type() == k_cache.scalar_type() &&
                     (cache->scalar_type() == torch::kFloat || cache->scalar_type() == torch::kBFloat16 ||
@@ -922,7 +927,8 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
                                   block_size * n.heads_kv * n.dim_v, n.heads_kv * n.dim, n.heads_kv * n.dim_v,
                                   (float)cosine_eps};
         const int64_t head_0 = split * rows + b * n.heads_q * n.len_q;  // row (b, head 0, query 0) of this split's part
-        fwd_rows_paged(qp + b * n.heads_q * n.len_q * n.dim, cache, op + head_0 * n.dim_v, lp + head_0, n, band,
+        fwd_rows_paged(qp + b * n.heads_q * n.len_q * n.dim, cache,
+                       slope_values ? slope_values + b * n.heads_q : nullptr, op + head_0 * n.dim_v, lp + head_0, n, band,
                        geometry, (float)softcap, r0, r1, from, std::max(from, to), s.data(), acc.data(), row_max.data(),
                        row_sum.data(), staging.data());
       }

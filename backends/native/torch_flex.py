@@ -428,9 +428,7 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     if inputs.alibi_slopes is not None:  # ALiBi only lowers scores: the sink's bound above still holds
         slopes = _padded(inputs.alibi_slopes.expand(batch, heads_q), (batch_p, heads_q))
     lengths, sides = (offset, q_len, kv_len), (band.lower, band.upper)
-    score_mod, mask_mod, structure = _mods(
-        spec, lengths, sides, segments, dense, bias, scale, sink, q.device, slopes
-    )
+    score_mod, mask_mod, structure = _mods(spec, lengths, sides, segments, dense, bias, scale, sink, q.device, slopes)
     if dense is not None:
         partial, full = _dense_blocks(dense)
     else:

@@ -395,7 +395,7 @@ def _paged_config(
 
 def _paged_forward(static: Any, params: Any, band: Any, inputs: PagedInputs) -> tuple[Any, Any]:
     """(out, lse) of attend_paged (§13): q and the cache as they lie."""
-    q, k_cache, v_cache, block_table, kv_lengths = inputs
+    q, k_cache, v_cache, block_table, kv_lengths = inputs[:5]
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
     batch, len_q, heads_q = q.shape[0], q.shape[seq_axis], q.shape[head_axis]
     capacity = block_table.shape[1] * k_cache.shape[1]

@@ -340,7 +340,9 @@ class JaxReferenceBackend(BaseBackend):
         keys, values = (gather_pages(cache, inputs.block_table) for cache in (inputs.k_cache, inputs.v_cache))
         if spec.layout is Layout.BHSD:
             keys, values = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)
-        gathered = AttentionInputs(inputs.q, keys, values, kv_lengths=inputs.kv_lengths)
+        gathered = AttentionInputs(
+            inputs.q, keys, values, kv_lengths=inputs.kv_lengths, alibi_slopes=inputs.alibi_slopes
+        )
         return self.forward(spec, gathered, need_lse)
 
     def backward(

@@ -71,6 +71,11 @@ def _grouped(x: torch.Tensor, heads_kv: int) -> torch.Tensor:
     return x.transpose(2, 3)
 
 
+def _alibi(slopes: torch.Tensor | None, heads_kv: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """Minus ALiBi's (B|1, Hq) slopes (§16) as a (B|1, Hq, 1, 1) bias would be, grouped; None without them."""
+    return None if slopes is None else -_grouped(slopes.to(dtype)[..., None, None], heads_kv)
+
+
 def _tile(x: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
     """The (rows, cols) tile of a grouped mask or bias, leaving broadcast (size-1) axes whole."""
     rows = slice(r0, r1) if x.shape[2] != 1 else slice(None)
@@ -362,9 +367,7 @@ class TorchChunkedBackend(BaseBackend):
         bias = _grouped(inputs.bias, heads_kv) if inputs.bias is not None else None
         # q is a fresh copy here except when it is the detached normalised value autograd still holds.
         q = q * q_scale if tracked is not None else q.mul_(q_scale)
-        alibi = None
-        if inputs.alibi_slopes is not None:  # (B|1, Hq) as a (B|1, Hq, 1, 1) bias would be, grouped
-            alibi = -_grouped(inputs.alibi_slopes.to(dtype)[..., None, None], heads_kv)
+        alibi = _alibi(inputs.alibi_slopes, heads_kv, dtype)
         ops = _Operands(q, k, v, bias, q_scale, spec.softcap, geometry, alibi=alibi)
         return ops, _plan(geometry, len_q, len_k, self.block_q, self.block_k), tracked
 
@@ -392,7 +395,9 @@ class TorchChunkedBackend(BaseBackend):
         lengths = AttentionInputs(inputs.q, None, None, kv_lengths=inputs.kv_lengths)
         geometry = _Geometry(spec, lengths, heads_kv, len_q, len_k)
         pages = _Pages(inputs.block_table, inputs.kv_lengths, spec, dtype)
-        ops = _Operands(q.mul_(q_scale), inputs.k_cache, inputs.v_cache, None, q_scale, spec.softcap, geometry, pages)
+        alibi = _alibi(inputs.alibi_slopes, heads_kv, dtype)
+        ops = _Operands(q.mul_(q_scale), inputs.k_cache, inputs.v_cache, None, q_scale, spec.softcap, geometry, pages,
+                        alibi)  # fmt: skip
         block_k = max(1, self.block_k // block_size) * block_size
         with torch.no_grad():
             out, lse = _forward_tiles(ops, _plan(geometry, len_q, len_k, self.block_q, block_k))

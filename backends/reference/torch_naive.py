@@ -93,5 +93,7 @@ class TorchNaiveBackend(RecomputingBackend):
         )
         if spec.layout is Layout.BHSD:
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)
-        gathered = AttentionInputs(inputs.q, keys, values, kv_lengths=inputs.kv_lengths)
+        gathered = AttentionInputs(
+            inputs.q, keys, values, kv_lengths=inputs.kv_lengths, alibi_slopes=inputs.alibi_slopes
+        )
         return self.forward(spec, gathered, need_lse)
