@@ -203,16 +203,15 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    bench.add_argument(
-        "--rounds", type=int, default=20, help="dispatch, spec: interleaved rounds (default %(default)s)"
-    )
-    bench.add_argument("--calls", type=int, default=2000, help="dispatch, spec: calls per round (default %(default)s)")
+    bench.add_argument("--rounds", type=int, help="dispatch, spec, targets' decode: interleaved rounds (default 20)")
+    bench.add_argument("--calls", type=int, help="dispatch, spec, targets' decode: calls per round (default 2000)")
     bench.add_argument(
         "--seq-len",
         type=int,
-        help="chunked, memory, --backend, context-parallel: sequence length (default 4096, 16384, paper's, 16384)",
+        help="chunked, memory, --backend, context-parallel, packed: sequence length (default 4096, 16384, paper's, "
+        "16384, 4096)",
     )
-    bench.add_argument("--world", type=int, default=4, help="context-parallel: ranks of the gloo group (default 4)")
+    bench.add_argument("--world", type=int, help="context-parallel: ranks of the gloo group (default 4)")
     bench.add_argument(
         "--seq-lens",
         metavar="L1,L2",
@@ -223,8 +222,8 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument(
         "--quick",
         action="store_true",
-        help="targets: L=512 only, 2 repeats, short decode rounds; masks: L=64,512, 2 repeats; --calibrate: small "
-        "shapes (smoke tests)",
+        help="every bench as a smoke run of seconds: short lengths, few repeats and rounds, no memory runs "
+        "(flags given still win; attnkit/bench/command.py's QUICK lists them)",
     )
     bench.add_argument("--no-memory", action="store_true", help="targets, masks, packed: skip the peak-memory runs")
     bench.add_argument("--plot", metavar="PATH", help="targets: also plot GFLOP/s against L to this PNG (matplotlib)")
@@ -235,7 +234,7 @@ def _add_bench(commands: Any) -> None:
         "masks, paged 5; --calibrate 5; --quick 2)",
     )
     bench.add_argument(
-        "--warmup", type=int, default=1, help="chunked, --backend, targets: untimed repeats (default %(default)s)"
+        "--warmup", type=int, help="chunked, --backend, targets: untimed repeats (default 1)"
     )
     bench.add_argument("--threads", type=int, help="torch intra-op threads, and XLA's with 1 (default: their choice)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")

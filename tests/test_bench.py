@@ -247,6 +247,33 @@ def test_clauses_bench_pairs_each_clause_with_the_plain_call(
     assert all(c[clause] > 0 and math.isfinite(c[clause]) for c in cells for clause in clauses.CLAUSES)
 
 
+def test_every_bench_has_a_quick_form() -> None:
+    """Issue 32: --quick makes a smoke run of every bench, not of some."""
+    from attnkit.bench.command import QUICK
+    from attnkit.cli import build_parser
+
+    bench = build_parser()[0]._subparsers._group_actions[0].choices["bench"]  # type: ignore[union-attr]
+    whats = next(action.choices for action in bench._actions if action.dest == "what")
+    assert set(whats) | {"backend", "calibrate"} == set(QUICK)
+
+
+def test_quick_dispatch_runs_few_calls_and_given_flags_win(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--what dispatch --quick` ran its 20 rounds of 2000 calls (95 s) before issue 32; a flag given still wins."""
+    from attnkit.bench import overhead
+
+    asked: list[dict[str, Any]] = []
+    monkeypatch.setattr(overhead, "bench_dispatch", lambda **kwargs: asked.append(kwargs) or {})
+    monkeypatch.setattr(overhead, "format_dispatch", lambda result: "table")
+    assert run(capsys, "bench", "--what", "dispatch", "--quick")[0] == 0
+    assert asked[-1]["rounds"] * asked[-1]["calls"] <= 1000
+    assert run(capsys, "bench", "--what", "dispatch", "--quick", "--rounds", "7")[0] == 0
+    assert asked[-1]["rounds"] == 7 and asked[-1]["calls"] <= 500
+    assert run(capsys, "bench", "--what", "dispatch")[0] == 0
+    assert (asked[-1]["rounds"], asked[-1]["calls"]) == (20, 2000)
+
+
 def test_packed_bench_times_segment_ids_against_a_batch_sdpa_and_the_unpadded_call(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -257,7 +284,7 @@ def test_packed_bench_times_segment_ids_against_a_batch_sdpa_and_the_unpadded_ca
     monkeypatch.setattr(timing, "MIN_SAMPLE_S", 0.001)  # one call per sample: this checks the plumbing, not speed
     monkeypatch.setattr(packed, "DOCUMENTS", 3)
     monkeypatch.setattr(packed, "DOCUMENT_LEN", 8)
-    monkeypatch.setattr(packed, "LEFT_PADDED", {"batch": 2, "len": 16, "pad": 4})
+    monkeypatch.setattr(packed, "LEFT_PADDED_BATCH", 2)  # rows of 2 · 8 positions, the odd ones padded by 4
     target = tmp_path / "packed.json"
     argv = ["bench", "--what", "packed", "--repeats", "1", "--warmup", "0", "--no-memory", "--threads", "1"]
     code, out = run(capsys, *argv, "--json", str(target))

@@ -30,8 +30,41 @@ def _csv(text: str | None, kind: Callable[[str], Any] = str) -> tuple[Any, ...] 
     return None if text is None else tuple(kind(part.strip()) for part in text.split(",") if part.strip())
 
 
+#: What ``--quick`` sets where the flag was not given: every bench a smoke run of seconds (≤ 15 s on 2 shared cores).
+#: Keyed by --what, "backend" (--backend NAME) and "calibrate" (which also takes its small shapes).
+QUICK: dict[str, dict[str, Any]] = {
+    "dispatch": {"rounds": 2, "calls": 100},
+    "spec": {"rounds": 3, "calls": 200},
+    "chunked": {"seq_len": 512, "repeats": 1},
+    "memory": {"seq_len": 1024},
+    "targets": {"seq_lens": "512", "repeats": 2, "rounds": 5, "calls": 200},
+    "compiled": {"repeats": 1, "warmup": 1},
+    "masks": {"seq_lens": "64,512", "repeats": 2},
+    "packed": {"seq_len": 1024, "repeats": 1, "warmup": 0, "no_memory": True},
+    "paged": {"seq_lens": "1024", "repeats": 1, "backends": "cpu-flash,torch-chunked"},
+    "context-parallel": {"world": 2, "seq_len": 1024, "repeats": 1},
+    "clauses": {"seq_lens": "256", "repeats": 2, "no_memory": True},
+    "backend": {"seq_len": 256, "repeats": 1, "warmup": 0, "passes": "fwd"},
+    "calibrate": {"repeats": 2},
+}
+#: The flags' values when neither they nor --quick set them.
+FULL = {"rounds": 20, "calls": 2000, "warmup": 1, "world": 4}
+
+
+def _settled(args: argparse.Namespace) -> argparse.Namespace:
+    """The flags with --quick's values (:data:`QUICK`) filled in where not given, then the full defaults."""
+    chosen = "calibrate" if args.calibrate else "backend" if args.backend is not None else args.what
+    values = vars(args).copy()
+    for defaults in (QUICK[chosen] if args.quick else {}, FULL):
+        for name, value in defaults.items():
+            if values.get(name) is None or values.get(name) is False:
+                values[name] = value
+    return argparse.Namespace(**values)
+
+
 def run_bench(args: argparse.Namespace, out: TextIO) -> int:
     """``attnkit bench`` with the parsed flags (see attnkit/cli.py); returns the exit status."""
+    args = _settled(args)
     if args.backend is None and not args.calibrate and args.what == "spec":
         result = spec_cost.bench_spec(rounds=args.rounds, calls=args.calls)
         print(spec_cost.format_spec(result), file=out)
@@ -87,7 +120,9 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
             )
             text = tflops.format_backend(result)
         elif args.what == "dispatch":
-            result = overhead.bench_dispatch(rounds=args.rounds, calls=args.calls, device=args.device)
+            result = overhead.bench_dispatch(
+                rounds=args.rounds, calls=args.calls, device=args.device, progress=_progress
+            )
             text = overhead.format_dispatch(result)
         elif args.what == "compiled":
             result = compiled.bench_compiled(repeats=repeats, warmup=args.warmup, device=args.device)
@@ -126,7 +161,7 @@ def run_targets(args: argparse.Namespace, out: TextIO) -> int:
             print("attnkit bench: --plot needs matplotlib: pip install 'attnkit[bench]'", file=sys.stderr)
             return 2
     limit_jax_threads(args.threads)
-    seq_lens = _csv(args.seq_lens, int) or ((512,) if args.quick else targets.TARGET_SEQ_LENS)
+    seq_lens = _csv(args.seq_lens, int) or targets.TARGET_SEQ_LENS
     dtypes = _csv(args.dtypes) or targets.TARGET_DTYPES
     chosen = _csv(args.targets) or targets.TARGETS
     unknown = sorted(set(chosen) - set(targets.TARGETS))
@@ -134,7 +169,7 @@ def run_targets(args: argparse.Namespace, out: TextIO) -> int:
         known = ", ".join(targets.TARGETS)
         print(f"attnkit bench: unknown --targets {unknown} (known: {known})", file=sys.stderr)
         return 2
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 7)
+    repeats = args.repeats if args.repeats is not None else 7
     with torch_threads(args.threads):
         result = targets.bench_targets(
             seq_lens=seq_lens,
@@ -143,8 +178,8 @@ def run_targets(args: argparse.Namespace, out: TextIO) -> int:
             warmup=args.warmup,
             targets=chosen,
             memory=not args.no_memory,
-            decode_rounds=5 if args.quick else args.rounds,
-            decode_calls=200 if args.quick else args.calls,
+            decode_rounds=args.rounds,
+            decode_calls=args.calls,
             progress=_progress,
         )
     print(targets.format_targets(result), file=out)
@@ -176,8 +211,8 @@ def run_masks(args: argparse.Namespace, out: TextIO) -> int:
     if args.device != "cpu":
         print("attnkit bench: --what masks measures torch's CPU SDPA (--device cpu)", file=sys.stderr)
         return 2
-    seq_lens = _csv(args.seq_lens, int) or ((64, 512) if args.quick else masks.MASK_SEQ_LENS)
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    seq_lens = _csv(args.seq_lens, int) or masks.MASK_SEQ_LENS
+    repeats = args.repeats if args.repeats is not None else 5
     with torch_threads(args.threads):
         result = masks.bench_masks(
             seq_lens=seq_lens, repeats=repeats, warmup=args.warmup, memory=not args.no_memory, progress=_progress
@@ -192,12 +227,12 @@ def run_clauses(args: argparse.Namespace, out: TextIO) -> int:
         print("attnkit bench: --what clauses measures a CPU backend (--device cpu)", file=sys.stderr)
         return 2
     backends = _csv(args.backends) or ("cpu-flash",)
-    seq_lens = _csv(args.seq_lens, int) or ((256,) if args.quick else clauses.SEQ_LENS)
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 7)
+    seq_lens = _csv(args.seq_lens, int) or clauses.SEQ_LENS
+    repeats = args.repeats if args.repeats is not None else 7
     with torch_threads(args.threads):
         result = clauses.bench_clauses(
             backend=backends[0], seq_lens=seq_lens, repeats=repeats, warmup=args.warmup,
-            memory=not (args.no_memory or args.quick), progress=_progress,
+            memory=not args.no_memory, progress=_progress,
         )  # fmt: skip
     print(clauses.format_clauses(result), file=out)
     _write_json(args, result, out)
@@ -211,8 +246,9 @@ def run_packed(args: argparse.Namespace, out: TextIO) -> int:
     repeats = args.repeats if args.repeats is not None else 3
     with torch_threads(args.threads):
         result = packed.bench_packed(
-            repeats=repeats, warmup=args.warmup, memory=not args.no_memory, backends=_csv(args.backends)
-        )
+            repeats=repeats, warmup=args.warmup, memory=not args.no_memory, backends=_csv(args.backends),
+            document_len=args.seq_len // packed.DOCUMENTS if args.seq_len else packed.DOCUMENT_LEN,
+        )  # fmt: skip
     print(packed.format_packed(result), file=out)
     _write_json(args, result, out)
     return 0
@@ -226,6 +262,7 @@ def run_context_parallel(args: argparse.Namespace, out: TextIO) -> int:
     result = context_parallel.bench_context_parallel(
         world=args.world,
         seq_len=args.seq_len or context_parallel.SHAPE["seq_len"],
+        runs=context_parallel.RUNS[:1] if args.quick else context_parallel.RUNS,  # quick: one group's start-up
         repeats=args.repeats if args.repeats is not None else 2,
         threads=args.threads or 1,
         backend=(_csv(args.backends) or ("auto",))[0],
@@ -240,7 +277,7 @@ def run_calibrate(args: argparse.Namespace, out: TextIO) -> int:
     limit_jax_threads(args.threads)
     shapes = calibrate.QUICK_SHAPES if args.quick else calibrate.CALIBRATION_SHAPES
     dtypes = _csv(args.dtypes) or calibrate.CALIBRATION_DTYPES
-    repeats = args.repeats if args.repeats is not None else (2 if args.quick else 5)
+    repeats = args.repeats if args.repeats is not None else 5
     with torch_threads(args.threads):
         result = calibrate.calibrate(
             device=args.device,

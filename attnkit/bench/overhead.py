@@ -4,6 +4,7 @@ backend's ``forward`` directly, on a decode-sized call where that overhead matte
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from typing import Any
 
 from attnkit.bench.calls import random_inputs
@@ -15,7 +16,9 @@ ATTEND = "attend"
 DIRECT = "direct"
 
 
-def bench_dispatch(rounds: int = 20, calls: int = 2000, device: str = "cpu") -> dict[str, Any]:
+def bench_dispatch(
+    rounds: int = 20, calls: int = 2000, device: str = "cpu", progress: Callable[[str], None] | None = None
+) -> dict[str, Any]:
     """Median per-call time of attend(backend="auto") and of the chosen backend's forward, interleaved.
 
     Rounds alternate which of the two goes first, so drift (clock boost, cache warmth) hits both alike;
@@ -58,7 +61,9 @@ def bench_dispatch(rounds: int = 20, calls: int = 2000, device: str = "cpu") -> 
         warmup = max(1, calls // 10)  # allocator, caches, lazy imports
         return interleaved(functions, rounds, warmup, calls=calls, clock=wall_clock(synchronizer(device)))
 
+    say = progress or (lambda message: None)
     with torch.no_grad():
+        say(f"attend against {chosen.name}'s forward: {rounds} rounds of {calls} calls each")
         samples = measure()
         result = functions[DIRECT]()
         # attend may make the backend's plain call (the library call alone) rather than its forward: stub both, and
@@ -68,6 +73,7 @@ def bench_dispatch(rounds: int = 20, calls: int = 2000, device: str = "cpu") -> 
             mock.patch.object(chosen, "forward", lambda *args, **kwargs: result),
             mock.patch.object(chosen, "plain_call", lambda *args, **kwargs: lambda q, k, v: result[0], create=True),
         ):
+            say("again with the forward stubbed: attend's own work")
             stubbed = measure()
         dispatch.clear_cache()
 

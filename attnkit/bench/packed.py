@@ -26,7 +26,7 @@ from attnkit.tables import format_table
 
 DOCUMENTS, DOCUMENT_LEN = 8, 512
 HEADS, HEAD_DIM = 8, 64
-LEFT_PADDED = {"batch": 4, "len": 1024, "pad": 256}  # odd rows: the first `pad` positions are padding
+LEFT_PADDED_BATCH = 4  # rows of 2 documents' length; the odd rows' first quarter is padding
 MEMORY_DOCUMENTS = (8, 16)
 _MEMORY_CHILD = "import sys; from attnkit.bench.packed import _memory_child as m; m(int(sys.argv[1]))"
 
@@ -70,25 +70,25 @@ def _fwd_bwd(call: Callable[..., Any], q: Any, k: Any, v: Any, dout: Any) -> Cal
     return lambda: torch.autograd.grad(call(*leaves), leaves, dout)
 
 
-def _packed_cell(repeats: int, warmup: int, named: str | None = None) -> dict[str, Any]:
+def _packed_cell(repeats: int, warmup: int, named: str | None, document_len: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
     import attnkit
 
-    length = DOCUMENTS * DOCUMENT_LEN
+    length = DOCUMENTS * document_len
     spec = attnkit.AttentionSpec(causal=True)
-    ids = packed_ids(DOCUMENTS)
+    ids = packed_ids(DOCUMENTS, document_len)
     q, k, v, dout = random_inputs("torch", (1, HEADS, length, HEAD_DIM), (1, HEADS, length, HEAD_DIM))
     # The same documents as a batch: (1, H, D·n, ·) -> (D, H, n, ·), each row one document, contiguous as a batch is.
     as_batch = [
-        x.view(1, HEADS, DOCUMENTS, DOCUMENT_LEN, HEAD_DIM).transpose(0, 2).squeeze(2).contiguous()
+        x.view(1, HEADS, DOCUMENTS, document_len, HEAD_DIM).transpose(0, 2).squeeze(2).contiguous()
         for x in (q, k, v, dout)
     ]
     dense = causal_document_mask(ids)
     # attend_varlen's (total, H, D) tensors and offsets: the same row, as flash-attn's callers hold it.
     as_packed = [x[0].transpose(0, 1).contiguous() for x in (q, k, v, dout)]
-    offsets = torch.arange(0, length + 1, DOCUMENT_LEN, dtype=torch.int32)
+    offsets = torch.arange(0, length + 1, document_len, dtype=torch.int32)
 
     def varlen(q: Any, k: Any, v: Any) -> Any:
         return attnkit.attend_varlen(spec, q, k, v, offsets, offsets, backend=named or "auto")
@@ -107,7 +107,7 @@ def _packed_cell(repeats: int, warmup: int, named: str | None = None) -> dict[st
     samples = interleaved(functions, repeats, warmup)
     return {
         "cell": "packed",
-        "shape": f"B=1 L={length} ({DOCUMENTS} x {DOCUMENT_LEN})",
+        "shape": f"B=1 L={length} ({DOCUMENTS} x {document_len})",
         "backend": backend,
         "baseline_backend": _backend_of(spec, as_batch[0].requires_grad_(True), *as_batch[1:3]),
         "ms": {name: statistics.median(values) / 1e6 for name, values in samples.items()},
@@ -120,10 +120,10 @@ def _packed_cell(repeats: int, warmup: int, named: str | None = None) -> dict[st
     }
 
 
-def _left_padded_cell(repeats: int, warmup: int) -> dict[str, Any]:
+def _left_padded_cell(repeats: int, warmup: int, length: int) -> dict[str, Any]:
     import attnkit
 
-    batch, length, pad = LEFT_PADDED["batch"], LEFT_PADDED["len"], LEFT_PADDED["pad"]
+    batch, pad = LEFT_PADDED_BATCH, length // 4
     spec = attnkit.AttentionSpec(causal=True)
     ids = left_padded_ids(batch, length, pad)
     q, k, v, dout = random_inputs("torch", (batch, HEADS, length, HEAD_DIM), (batch, HEADS, length, HEAD_DIM))
@@ -153,8 +153,9 @@ def _left_padded_cell(repeats: int, warmup: int) -> dict[str, Any]:
 
 
 def bench_packed(
-    repeats: int = 3, warmup: int = 1, memory: bool = True, backends: tuple[str, ...] | None = None
-) -> dict[str, Any]:
+    repeats: int = 3, warmup: int = 1, memory: bool = True, backends: tuple[str, ...] | None = None,
+    document_len: int = DOCUMENT_LEN,
+) -> dict[str, Any]:  # fmt: skip
     """The packed-row and left-padding cells (float32, forward+backward through auto; the packed row on each of
     ``backends`` instead where given), and with ``memory`` the packed call's peak extra memory per row length."""
     result: dict[str, Any] = {
@@ -164,8 +165,8 @@ def bench_packed(
         "repeats": repeats,
         "warmup": warmup,
         "cells": [
-            *(_packed_cell(repeats, warmup, named) for named in backends or (None,)),
-            _left_padded_cell(repeats, warmup),
+            *(_packed_cell(repeats, warmup, named, document_len) for named in backends or (None,)),
+            _left_padded_cell(repeats, warmup, 2 * document_len),
         ],
     }
     if memory:
