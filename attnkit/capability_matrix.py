@@ -7,12 +7,13 @@ Printed by ``attnkit info`` (with what runs on this machine) and written as docs
 from __future__ import annotations
 
 import sys
+import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 from attnkit import registry
 from attnkit.backend import ALL_FEATURES, CALL_FEATURES, SPEC_FEATURES, Backend, Capabilities, Unverified
-from attnkit.tables import format_table, markdown_table
+from attnkit.tables import fitted_table, markdown_table
 
 DEFAULT_MARKDOWN_PATH = Path("docs") / "backends.md"
 STALE_MARKDOWN_MESSAGE = "docs/backends.md is stale: run `attnkit info --markdown`"
@@ -123,34 +124,44 @@ def _unverified_text(entry: Unverified) -> str:
     return f"refused on {entry.device} until a GPU run passes it: {entry.path} ({entry.history}; docs/gpu.md)"
 
 
-def availability_lines(registered: Mapping[str, Backend]) -> list[str]:
+def availability_lines(registered: Mapping[str, Backend], width: int | None = None) -> list[str]:
     rows = []
     for name in sorted(registered):
         reasons = registered[name].available()
         rows.append([name, "available" if not reasons else "unavailable: " + "; ".join(reasons)])
-    return format_table(["backend", "on this machine"], rows).splitlines()
+    return fitted_table(["backend", "on this machine"], rows, width).splitlines()
 
 
-def info_report(version: str) -> str:
-    """What ``attnkit info`` prints: availability, refused plugins, the matrix, and where each backend came from."""
+def info_report(version: str, width: int | None = None) -> str:
+    """What ``attnkit info`` prints: availability, refused plugins, the matrix, and where each backend came from;
+    within ``width`` columns (None: each line as long as it is)."""
+
+    def wrapped(*texts: str, indent: int = 4) -> list[str]:
+        if width is None:
+            return list(texts)
+        wrap = textwrap.TextWrapper(width, subsequent_indent=" " * indent, break_on_hyphens=False)
+        return [line for text in texts for line in wrap.wrap(text)]
+
     registered = registry.backends()
     lines = [f"attnkit {version}: {len(registered)} backends registered"]
     if "torch" in sys.modules:  # registering the torch backends imported it; without torch there is no signature
         from attnkit.frontends import torch_frontend
 
-        lines.append(f"torch call signature (attend's cache key): {torch_frontend.signature_in_use}")
-    lines += ["", *availability_lines(registered)]
+        lines += wrapped(f"torch call signature (attend's cache key): {torch_frontend.signature_in_use}")
+    lines += ["", *availability_lines(registered, width)]
     refused = registry.refused_plugins()
     if refused:
         lines += ["", f"plugins refused ({registry.ENTRY_POINT_GROUP} entry points that registered nothing):"]
-        lines += [f"  {plugin.entry_point}: {plugin.reason}" for plugin in refused]
+        lines += wrapped(*(f"  {plugin.entry_point}: {plugin.reason}" for plugin in refused))
     header, rows = capability_matrix(registered)
-    lines += ["", format_table(header, rows), "", "backends:"]
+    lines += ["", fitted_table(header, rows, width), "", "backends:"]
     origins = registry.origins()
     for name in sorted(registered):
         capabilities = registered[name].capabilities
-        lines.append(f"  {name}: {capabilities.description or '(no description)'}")
-        lines.append(f"    from: {origins.get(name, 'unknown')}")
-        lines += [f"    note: {note}" for note in capabilities.notes]
-        lines += [f"    pending hardware: {_unverified_text(entry)}" for entry in capabilities.unverified]
+        lines += wrapped(f"  {name}: {capabilities.description or '(no description)'}")
+        lines += wrapped(f"    from: {origins.get(name, 'unknown')}", indent=10)
+        lines += wrapped(*(f"    note: {note}" for note in capabilities.notes), indent=10)
+        lines += wrapped(
+            *(f"    pending hardware: {_unverified_text(entry)}" for entry in capabilities.unverified), indent=10
+        )
     return "\n".join(lines)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,7 +30,7 @@ CHECK_NEEDS = (("torch", "torch"), ("test", "hypothesis"))
 
 def run_info(args: argparse.Namespace, out: TextIO) -> int:
     if not args.markdown:
-        print(info_report(attnkit.__version__), file=out)
+        print(info_report(attnkit.__version__, None if args.wide else terminal_width(out)), file=out)
         return 0
     text = capability_markdown()
     if args.output == "-":
@@ -40,6 +41,18 @@ def run_info(args: argparse.Namespace, out: TextIO) -> int:
         path.write_text(text)
         print(f"wrote {path}", file=out)
     return 0
+
+
+def terminal_width(out: TextIO) -> int | None:
+    """The width to fit: COLUMNS where set, else the terminal's; None (no limit) when ``out`` is no terminal, so that
+    a pipe (grep, a file) gets whole lines."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit():
+        return int(columns)
+    try:
+        return os.get_terminal_size(out.fileno()).columns if out.isatty() else None
+    except (AttributeError, OSError, ValueError):  # a StringIO, or a stream without a descriptor
+        return None
 
 
 def run_build(args: argparse.Namespace, out: TextIO) -> int:
@@ -93,6 +106,9 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
 def _add_info(commands: Any) -> None:
     info = commands.add_parser("info", help="registered backends, availability and capability matrix")
     info.add_argument("--markdown", action="store_true", help="write the capability matrix as Markdown")
+    info.add_argument(
+        "--wide", action="store_true", help="lines as long as their contents (default: the terminal's width, COLUMNS)"
+    )
     info.add_argument(
         "--output",
         default=str(DEFAULT_MARKDOWN_PATH),
@@ -233,9 +249,7 @@ def _add_bench(commands: Any) -> None:
         help="chunked, --backend, targets, masks, packed, paged, --calibrate: timed repeats (default 3; targets 7; "
         "masks, paged 5; --calibrate 5; --quick 2)",
     )
-    bench.add_argument(
-        "--warmup", type=int, help="chunked, --backend, targets: untimed repeats (default 1)"
-    )
+    bench.add_argument("--warmup", type=int, help="chunked, --backend, targets: untimed repeats (default 1)")
     bench.add_argument("--threads", type=int, help="torch intra-op threads, and XLA's with 1 (default: their choice)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 

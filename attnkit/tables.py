@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Iterable, Sequence
 
 
@@ -12,6 +13,38 @@ def format_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in body]
     lines.insert(1, "  ".join("-" * width for width in widths))
     return "\n".join(lines)
+
+
+def fitted_table(header: Sequence[str], rows: Iterable[Sequence[str]], width: int | None) -> str:
+    """:func:`format_table` within ``width`` columns (None: as wide as it is): the columns after the first split into
+    tables that fit, one under the other, each repeating the first column; a column too wide alone is wrapped."""
+    body = [list(row) for row in rows]
+    table = format_table(header, body)
+    if width is None or max(map(len, table.splitlines())) <= width:
+        return table
+    first = max(len(row[0]) for row in [list(header), *body]) + 2
+    groups: list[list[int]] = [[]]
+    used = first
+    for column in range(1, len(header)):
+        column_width = max(len(row[column]) for row in [list(header), *body]) + 2
+        if groups[-1] and used + column_width > width:
+            groups.append([])
+            used = first
+        groups[-1].append(column)
+        used += column_width
+    tables = []
+    for group in groups:
+        columns = [0, *group]
+        part = [[row[c] for c in columns] for row in body]
+        if len(group) == 1:  # one column that does not fit: its cells wrapped, continuation rows under it
+            room = max(20, width - first)
+            part = [
+                [cells[0] if index == 0 else "", piece]
+                for cells in part
+                for index, piece in enumerate(textwrap.wrap(cells[1], room, break_on_hyphens=False) or [""])
+            ]
+        tables.append(format_table([header[c] for c in columns], part))
+    return "\n\n".join(tables)
 
 
 def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:

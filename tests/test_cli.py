@@ -45,7 +45,7 @@ def test_info_lists_every_backend(capsys: pytest.CaptureFixture[str]) -> None:
 def test_info_says_where_each_backend_came_from_and_which_plugins_were_refused(
     capsys: pytest.CaptureFixture[str], plugin_distribution: None
 ) -> None:
-    code, out = run(capsys, "info")
+    code, out = run(capsys, "info", "--wide")
     assert code == 0
     lines = out.splitlines()
     origins = {
@@ -65,6 +65,19 @@ def test_info_says_where_each_backend_came_from_and_which_plugins_were_refused(
     for entry in ("clash", "broken", "missing"):
         assert f"  entry point {entry} = " in refused
     assert f"clash = attnkit_test_plugin:clash {source}: InvalidInputError: backend name 'torch-sdpa'" in refused
+
+
+def test_info_fits_the_terminal_unless_wide(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: `attnkit info` was ~400 columns wide; it fits COLUMNS (the terminal's width), with every backend,
+    feature and word of the reasons still there, and --wide keeps whole lines."""
+    monkeypatch.setenv("COLUMNS", "100")
+    code, out = run(capsys, "info")
+    wide_code, wide = run(capsys, "info", "--wide")
+    assert code == wide_code == 0
+    assert max(map(len, out.splitlines())) <= 100 < max(map(len, wide.splitlines()))
+    assert set(out.split()) - {"-" * n for n in range(200)} == set(wide.split()) - {"-" * n for n in range(500)}
 
 
 def test_info_markdown_writes_capability_markdown(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -327,7 +340,10 @@ def test_info_says_of_triton_what_a_python_process_finds() -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU is visible: triton is compiled here, interpreter or not")
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
-    both = "import attnkit, attnkit.cli; print(attnkit.get_backend('triton').available()); attnkit.cli.main(['info'])"
+    both = (
+        "import attnkit, attnkit.cli; print(attnkit.get_backend('triton').available()); "
+        "attnkit.cli.main(['info', '--wide'])"
+    )
     result = subprocess.run([sys.executable, "-c", both], env=env, capture_output=True, text=True)
     in_python, *info = result.stdout.splitlines()
     (line,) = [row for row in info if row.split()[:1] == ["triton"]][:1]
