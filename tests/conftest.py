@@ -186,3 +186,45 @@ def plugin_distribution(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
             yield
     finally:
         sys.modules.pop("attnkit_test_plugin", None)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker memory (issue 32): XLA's CPU compiler crashed once in a worker that had compiled thousands of programs. JAX
+# keeps every compiled executable for the life of the process; they are dropped after each module, so a worker holds
+# one module's programs at a time, and each worker's peak RSS is reported at the end of the run.
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _jax_caches_per_module() -> Iterator[None]:
+    yield
+    if "jax" in sys.modules:
+        sys.modules["jax"].clear_caches()
+
+
+def _peak_rss_mib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its peak goes to the controller
+        workeroutput["peak_rss_mib"] = _peak_rss_mib()
+
+
+_WORKER_PEAKS: dict[str, float] = {}
+
+
+def pytest_testnodedown(node: object, error: object) -> None:
+    output = getattr(node, "workeroutput", {})
+    if "peak_rss_mib" in output:
+        gateway = getattr(node, "gateway", None)
+        _WORKER_PEAKS[getattr(gateway, "id", f"worker {len(_WORKER_PEAKS)}")] = output["peak_rss_mib"]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    peaks = _WORKER_PEAKS or {"this process": _peak_rss_mib()}
+    terminalreporter.write_line(
+        "peak RSS: " + ", ".join(f"{name} {mib:.0f} MiB" for name, mib in sorted(peaks.items()))
+    )
