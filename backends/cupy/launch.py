@@ -247,11 +247,11 @@ KERNEL_SWITCHES: dict[str, frozenset[str]] = {
 
 def canonical_switches(kernel: str, dtype: str, switches: KernelSwitches) -> KernelSwitches:
     """The switches a kernel reads, the others off; GRAD_FLOAT32 is moot for float32 inputs, BOTTOM_RIGHT without
-    a band."""
+    a band or ALiBi."""
     kept = {name: value and name in KERNEL_SWITCHES[kernel] for name, value in switches.__dict__.items()}
     if dtype == "float32":
         kept["grad_float32"] = False
-    if not (kept["has_lower"] or kept["has_upper"]):  # the offset only places the band
+    if not (kept["has_lower"] or kept["has_upper"] or kept["has_alibi"]):  # the offset places the band and ALiBi
         kept["bottom_right"] = False
     return KernelSwitches(**kept)
 
