@@ -289,13 +289,14 @@ def _score_tile(
     S += bias;  S −= slope · |i + off_b − j| (ALiBi, from the tile's positions in the call).  ``qk_scale`` is
     scale / c when softcapped, so the product is already the tanh argument.
     EDGE: the tile may hold hidden pairs (bounds, band, mask, ids); an interior tile (EDGE false) is all visible and
-    pays for no mask. FOLD_SCALE: without softcap, bias and ALiBi, leave U unscaled (q̂ k̂ᵀ) for the caller to fold
-    the scale into the exponent's FMA.
+    pays for no mask. FOLD_SCALE: without softcap and bias, leave U unscaled (q̂ k̂ᵀ, ALiBi's term divided by the
+    scale) for the caller to fold the scale into the exponent's FMA.
     """
     scores = _dot(q, tl.trans(k), INTERPRETER_BF16, DOT_PRECISION)
     if COSINE:
         scores = scores * q_inv_norm[:, None] * k_inv_norm[None, :]
-    if not (FOLD_SCALE and not HAS_SOFTCAP and not HAS_BIAS and not HAS_ALIBI):
+    folded = FOLD_SCALE and not HAS_SOFTCAP and not HAS_BIAS
+    if not folded:
         scores = scores * qk_scale
     tanh_u = scores
     if HAS_SOFTCAP:
@@ -323,8 +324,11 @@ def _score_tile(
         scores = tl.where(visible, scores, float("-inf"))
     elif HAS_BIAS:
         scores += tl.load(BiasTile + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n).to(tl.float32)
-    if HAS_ALIBI:  # hidden pairs stay −inf; positions below 2^24 are exact in float32
-        scores -= alibi_slope * tl.abs(rows[:, None] + offset - cols[None, :]).to(tl.float32)
+    if HAS_ALIBI:  # hidden pairs stay −inf; positions below 2^24 and their differences are exact in float32
+        distance = tl.abs((rows + offset).to(tl.float32)[:, None] - cols.to(tl.float32)[None, :])
+        if folded:  # U unscaled: the term in its units, −(slope / scale) · distance, scaled with U by the caller
+            alibi_slope = alibi_slope / qk_scale
+        scores -= alibi_slope * distance
     return scores, tanh_u
 
 
@@ -396,11 +400,11 @@ def _interior_queries(
 
 
 @triton.jit
-def _score_fold(qk_scale, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_ALIBI: tl.constexpr):
+def _score_fold(qk_scale, HAS_SOFTCAP: tl.constexpr, HAS_BIAS: tl.constexpr):
     """What turns _score_tile(FOLD_SCALE=True)'s tile into log₂ units: the scale with log₂e, or log₂e alone when
-    softcap, bias or ALiBi made the tile natural units already (the scale is > 0, so max(S)·fold = max(S·fold))."""
+    softcap or bias made the tile natural units already (the scale is > 0, so max(S)·fold = max(S·fold))."""
     fold = 1.4426950408889634  # log₂e
-    if not HAS_SOFTCAP and not HAS_BIAS and not HAS_ALIBI:
+    if not HAS_SOFTCAP and not HAS_BIAS:
         fold = qk_scale * 1.4426950408889634
     return fold
 
@@ -684,7 +688,7 @@ def _fwd_kernel(
     # log₂e · S; _fwd_tile); once at the end: out = acc / l, lse = ln 2 · (m + log₂ l). The interior tiles, every
     # pair visible, run first and without masks; then the edge tiles (bounds, the band's diagonal), masked. With a
     # mask or segment ids any tile may hide pairs: all are edge tiles.
-    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
     interior_low = end
     interior_high = end
     if not HAS_MASK and not HAS_SEGMENT_IDS:
@@ -1001,7 +1005,7 @@ def _bwd_dq_kernel(
     if HAS_SEGMENT_IDS:
         q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
     # As the forward: the interior key tiles unmasked, then the edge tiles (_dq_tile).
     interior_low = end
     interior_high = end
@@ -1289,7 +1293,7 @@ def _bwd_dkdv_kernel(
         k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS, HAS_ALIBI)
+    fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
     interior_low = end
     interior_high = end
     if not HAS_MASK and not HAS_SEGMENT_IDS:
