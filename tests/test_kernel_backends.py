@@ -241,8 +241,8 @@ def test_backward_scheme_follows_deterministic_settings(
 # ---------------------------------------------------------------------------------------------- ALiBi (§16)
 
 #: A multi-tile ALiBi call: GQA with per (batch, query head) slopes, lengths moving each batch element's bottom-right
-#: offset, causal, and a softcap and bias beside the term (both deterministic and one-pass backwards, both dtypes the
-#: cupy register kernels and the shared-memory ones take).
+#: offset, causal, and a softcap and bias beside the term (float16 for cupy's register kernels, float32 for its
+#: shared-memory ones).
 ALIBI_CASES = [
     Case(spec=AttentionSpec(causal=True), len_q=50, len_k=70, heads_q=4, heads_kv=2, kv_lengths=(70, 41),
          q_lengths=(50, 23), alibi_shape=(2, 4), dtype="float16"),
@@ -255,8 +255,9 @@ ALIBI_CASES = [
 @pytest.mark.parametrize("deterministic", [False, True], ids=["one-pass", "dq-kernel"])
 @pytest.mark.parametrize("case", ALIBI_CASES, ids=range(len(ALIBI_CASES)))
 def test_alibi_over_several_tiles_in_both_backward_schemes(backend: str, deterministic: bool, case: Case) -> None:
-    """The term is recomputed by every backward kernel: the dK/dV kernel with atomic dq (one pass) and the dQ and
-    dK/dV kernels (deterministic), over several tiles of queries and keys."""
+    """The term is recomputed by every backward kernel: the dK/dV kernel with atomic dq (one pass, where the backend
+    runs it: triton; cupy keeps ALiBi off it) and the dQ and dK/dV kernels (deterministic), over several tiles of
+    queries and keys."""
     config = {"backend_options": {backend: {"deterministic": deterministic}}}
     with attnkit.use_config(config):
         assert_backends_agree(case, backends=[backend])
