@@ -236,3 +236,65 @@ def test_backward_scheme_follows_deterministic_settings(
     backward = [(kernel, atomic) for kernel, atomic in launched if kernel in (Kernel.DQ, Kernel.DKDV)]
     expected = [(Kernel.DKDV, True)] if asked == "nothing" else [(Kernel.DQ, False), (Kernel.DKDV, False)]
     assert backward == expected
+
+
+# ---------------------------------------------------------------------------------------------- ALiBi (§16)
+
+#: A multi-tile ALiBi call: GQA with per (batch, query head) slopes, lengths moving each batch element's bottom-right
+#: offset, causal, and a softcap and bias beside the term (float16 for cupy's register kernels, float32 for its
+#: shared-memory ones).
+ALIBI_CASES = [
+    Case(spec=AttentionSpec(causal=True), len_q=50, len_k=70, heads_q=4, heads_kv=2, kv_lengths=(70, 41),
+         q_lengths=(50, 23), alibi_shape=(2, 4), dtype="float16"),
+    Case(spec=AttentionSpec(window=(9, 3), softcap=8.0, causal_alignment="top_left"), len_q=49, len_k=35,
+         bias_shape=(1, 2, 49, 35), bias_grad=True, alibi_shape=(2,)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("deterministic", [False, True], ids=["one-pass", "dq-kernel"])
+@pytest.mark.parametrize("case", ALIBI_CASES, ids=range(len(ALIBI_CASES)))
+def test_alibi_over_several_tiles_in_both_backward_schemes(backend: str, deterministic: bool, case: Case) -> None:
+    """The term is recomputed by every backward kernel: the dK/dV kernel with atomic dq (one pass, where the backend
+    runs it: triton; cupy keeps ALiBi off it) and the dQ and dK/dV kernels (deterministic), over several tiles of
+    queries and keys."""
+    config = {"backend_options": {backend: {"deterministic": deterministic}}}
+    with attnkit.use_config(config):
+        assert_backends_agree(case, backends=[backend])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("splits", [1, 3])
+def test_paged_alibi_measures_logical_positions(backend: str, splits: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """§13, §16: in a paged forward the distance |i + kv_len_b − Lq − j| takes the key's logical position j, not its
+    slot in a block or the cache: blocks that cut across key tiles in reverse order, per (batch, query head) slopes,
+    split-K off and forced to three key ranges. attend_paged takes no slopes yet: the backend's forward_paged gets
+    them in PagedInputs, as attend_paged will pass them; the oracle runs on the gathered keys."""
+    import torch
+
+    from attnkit.backend import AttentionInputs, PagedInputs
+    from attnkit.contract import kernels
+    from attnkit.contract.torch import gather_pages
+    from attnkit.testing.agreement import ORACLE, compare_outputs
+
+    monkeypatch.setattr(kernels, "decode_splits", lambda programs, keys, processors: splits)
+    key_tile = next(tile.keys for tile in TILED_BACKENDS[backend](AttentionSpec()) if tile.kernel == "forward")
+    assert key_tile is not None
+    spec = AttentionSpec(causal=True, layout="bshd")
+    q, k_cache, v_cache, table, lengths = _paged_call(key_tile - 3, (3 * key_tile + 1, key_tile - 1, 0, 5), len_q=4)
+    slopes = torch.rand(q.shape[0], q.shape[2], generator=torch.Generator().manual_seed(7))
+
+    def results(out_lse: tuple) -> dict:
+        out, lse = out_lse
+        return {"out": out.double().numpy(), "lse": lse.double().numpy()}
+
+    def oracle(dtype: torch.dtype) -> dict:
+        keys, values = (gather_pages(cache, table).to(dtype) for cache in (k_cache, v_cache))
+        gathered = AttentionInputs(q.to(dtype), keys, values, kv_lengths=lengths, alibi_slopes=slopes)
+        return results(attnkit.get_backend(ORACLE).forward(spec, gathered, need_lse=True))
+
+    paged = PagedInputs(q, k_cache, v_cache, table, lengths, alibi_slopes=slopes)
+    with torch.no_grad():
+        got = results(attnkit.get_backend(backend).forward_paged(spec, paged, need_lse=True))
+    comparisons = compare_outputs("float32", got, oracle(torch.float64), oracle(torch.float32))
+    assert all(comparison.ok for comparison in comparisons), [str(c) for c in comparisons]

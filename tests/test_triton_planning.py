@@ -140,6 +140,7 @@ class Scenario:
     kv_lengths: bool = False
     segments: bool = False
     dlse: bool = False
+    alibi: bool = False  # per (batch, query head) slopes
     paged: bool = False  # attend_paged: forward only
     deterministic: bool = False  # the two-kernel backward wherever one pass would run
     warp_specialize: bool = False  # the backend's option: the launcher offers the warp-specialised tile
@@ -177,9 +178,14 @@ def _scenarios() -> list[Scenario]:
         Scenario("both lengths", q_lengths=True, kv_lengths=True),
         Scenario("segment ids", segments=True),
         Scenario("dlse", dlse=True),
+        Scenario("alibi, warp_specialize on", alibi=True, warp_specialize=True, **whole),
+        Scenario("alibi causal, deterministic", spec=AttentionSpec(causal=True), alibi=True, deterministic=True),
         Scenario("paged decode", spec=AttentionSpec(causal=True), len_q=1, len_k=300, paged=True),
         Scenario("split-K decode", len_q=1, len_k=2048, batch=1, heads_q=2, heads_kv=1),
         Scenario("paged split-K decode", len_q=1, len_k=2048, batch=1, heads_q=2, heads_kv=1, paged=True),
+        Scenario(
+            "paged split-K decode, alibi", len_q=1, len_k=2048, batch=1, heads_q=2, heads_kv=1, paged=True, alibi=True
+        ),
         Scenario("unaligned", aligned=False),
         Scenario("unaligned D=128", aligned=False, head_dim=128),
         Scenario("Dv < D", head_dim=64, head_dim_v=32),
@@ -242,6 +248,8 @@ def plan(scenario: Scenario, arch: str, dtype: torch.dtype, *, triton_version: s
         optional["q_lengths"] = torch.tensor([s.len_q, s.len_q // 2][: s.batch], dtype=torch.int32)
     if s.kv_lengths or s.paged:
         optional["kv_lengths"] = torch.tensor([s.len_k, s.len_k // 3][: s.batch], dtype=torch.int32)
+    if s.alibi:
+        optional["alibi_slopes"] = torch.rand(s.batch, s.heads_q, generator=generator)
     if s.segments:
         optional["q_segment_ids"] = (torch.arange(s.len_q) * 3 // s.len_q).expand(s.batch, -1)
         optional["kv_segment_ids"] = (torch.arange(s.len_k) * 3 // s.len_k).expand(s.batch, -1)
@@ -251,7 +259,8 @@ def plan(scenario: Scenario, arch: str, dtype: torch.dtype, *, triton_version: s
         k_cache = _tensor((blocks, block_size, s.heads_kv, s.head_dim), dtype, s.aligned, generator)
         v_cache = _tensor((blocks, block_size, s.heads_kv, s.dv), dtype, s.aligned, generator)
         table = torch.randperm(blocks, generator=generator).view(s.batch, -1).to(torch.int32)
-        attention_forward(launcher, s.spec, PagedInputs(q, k_cache, v_cache, table, optional["kv_lengths"]))
+        paged = PagedInputs(q, k_cache, v_cache, table, optional["kv_lengths"], optional.get("alibi_slopes"))
+        attention_forward(launcher, s.spec, paged)
         return Planned(executor_.launches, [], None, 0.0)
     k = _tensor((s.batch, s.heads_kv, s.len_k, s.head_dim), dtype, s.aligned, generator)
     v = _tensor((s.batch, s.heads_kv, s.len_k, s.dv), dtype, s.aligned, generator)
@@ -322,12 +331,12 @@ def expect_descriptors(kernel: str, scenario: Scenario, arch: str, dtype: torch.
 
 def expect_warp_specialized(kernel: str, scenario: Scenario, arch: str, dtype: torch.dtype, offered: bool) -> bool:
     """docs/triton.md, "Warp specialisation": offered, on Hopper, for the forward and dQ, where every tile is interior
-    (no band, mask, bias, softcap, cosine, lengths, segment ids, paging or split-K; whole 128-row tiles), at padded
-    head dims 64 and 128, with K and V through descriptors."""
+    (no band, mask, bias, softcap, cosine, ALiBi, lengths, segment ids, paging or split-K; whole 128-row tiles), at
+    padded head dims 64 and 128, with K and V through descriptors."""
     spec = scenario.spec
     edges = (spec.causal or spec.window is not None or scenario.mask or scenario.bias or spec.softcap is not None
-             or spec.variant is Variant.COSINE or scenario.q_lengths or scenario.kv_lengths or scenario.segments
-             or scenario.paged)  # fmt: skip
+             or spec.variant is Variant.COSINE or scenario.alibi or scenario.q_lengths or scenario.kv_lengths
+             or scenario.segments or scenario.paged)  # fmt: skip
     return (
         offered
         and kernel in ("forward", "backward_dq")
@@ -360,6 +369,7 @@ def check_constants(launch_: Launch, scenario: Scenario, dtype: torch.dtype, spl
                     HAS_BIAS=scenario.bias, HAS_SOFTCAP=spec.softcap is not None,
                     COSINE=spec.variant is Variant.COSINE, HAS_Q_LENGTHS=scenario.q_lengths,
                     HAS_KV_LENGTHS=scenario.kv_lengths or scenario.paged, HAS_SEGMENT_IDS=scenario.segments,
+                    HAS_ALIBI=scenario.alibi,
                     PAGED=scenario.paged, SPLIT_K=split_k, HAS_DBIAS=scenario.bias, ATOMIC_DQ=one_pass,
                     HAS_DLSE=scenario.dlse, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                     COMPILED=True, INTERPRETER_BF16=False)  # fmt: skip

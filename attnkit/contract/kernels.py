@@ -4,8 +4,9 @@ public, imports torch): what their launchers compute alike, and the backend clas
 Both kernel sets take the same arguments in the same order (:func:`attention_forward`, :func:`attention_backward`
 write them): bhsd operands with their batch, head and sequence strides; the optional bias, mask, lengths and
 segment ids, each replaced by q where absent (never dereferenced) and switched on by a :class:`KernelSwitches` flag;
-bias and mask broadcast to (B, Hq, Lq, Lk) by stride 0; the geometry, the scales and the band of
-:func:`attnkit.contract.diagonal_band`.
+bias and mask broadcast to (B, Hq, Lq, Lk) by stride 0; ALiBi's float32 (B|1, Hq) slopes, broadcast over the batch
+by stride 0 (the kernels add −slope · |i + off_b − j| to each score themselves, docs/semantics.md §16); the geometry,
+the scales and the band of :func:`attnkit.contract.diagonal_band`.
 
 A paged KV cache (attend_paged, docs/semantics.md §13) is read where its blocks lie: the caches arrive as
 (num_blocks, Hkv, block_size, D) views whose first stride, the block stride, takes the batch stride's place, with
@@ -48,7 +49,6 @@ from attnkit.backend import (
     BaseBackend,
     Capabilities,
     CausalAlignment,
-    Feature,
     Framework,
     Gradients,
     Layout,
@@ -135,6 +135,7 @@ class KernelSwitches:
     has_q_lengths: bool = False
     has_kv_lengths: bool = False
     has_segment_ids: bool = False
+    has_alibi: bool = False  # −slope[b, h] · |i + off_b − j| added to every score (§16)
     has_dlse: bool = False  # Δ kernel: lse has a cotangent
     has_dbias: bool = False  # dK/dV kernel: write dS
     grad_float32: bool = False  # dq, dk, dv are float32 buffers (the cosine variant's chain rule follows)
@@ -183,10 +184,11 @@ class KernelCall:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    # bias, mask (uint8), q_lengths, kv_lengths (int32), q and kv segment ids, q and kv segment ranges (int64);
-    # q where absent
+    # bias, mask (uint8), q_lengths, kv_lengths (int32), q and kv segment ids, q and kv segment ranges (int64),
+    # ALiBi slopes (float32 (B|1, Hq), heads contiguous); q where absent
     optional: tuple[torch.Tensor, ...]
-    feature_strides: tuple[Any, ...]  # bias then mask, (B, Hq, Lq, Lk) strides, 0 on broadcast axes
+    # bias then mask, (B, Hq, Lq, Lk) strides, 0 on broadcast axes; then the slopes' batch stride (0: one row for all)
+    feature_strides: tuple[Any, ...]
     geometry: tuple[Any, ...]  # heads_q, group, len_q, len_k (a paged cache's len_k: the table's capacity)
     qk_scale: Any
     softcap: Any
@@ -267,7 +269,11 @@ def paged_operands(inputs: PagedInputs) -> tuple[AttentionInputs, torch.Tensor, 
     table = inputs.block_table.to(device=inputs.q.device, dtype=torch.int32).contiguous()
     block_size = inputs.k_cache.shape[1]
     views = AttentionInputs(
-        inputs.q, blocks_first(inputs.k_cache), blocks_first(inputs.v_cache), kv_lengths=inputs.kv_lengths
+        inputs.q,
+        blocks_first(inputs.k_cache),
+        blocks_first(inputs.v_cache),
+        kv_lengths=inputs.kv_lengths,
+        alibi_slopes=inputs.alibi_slopes,  # key positions are logical: the same distances as contiguous keys
     )
     return views, table, block_size, table.shape[1] * block_size
 
@@ -300,6 +306,11 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         optional.extend([*segments, *map(segment_ranges, segments)])
     else:
         optional.extend([q] * 4)
+    slopes = inputs.alibi_slopes
+    if slopes is not None:  # (B|1, Hq) float32, broadcast over the batch by stride 0
+        slopes = slopes.to(device=q.device, dtype=torch.float32).contiguous().expand(batch, heads_q)
+    optional.append(slopes if slopes is not None else q)
+    feature_strides.append(types.int64(slopes.stride(0) if slopes is not None else 0))
     lower, upper = diagonal_band(spec)
     scale = spec.resolved_scale(head_dim)
     switches = KernelSwitches(
@@ -313,6 +324,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         has_q_lengths=inputs.q_lengths is not None,
         has_kv_lengths=inputs.kv_lengths is not None,
         has_segment_ids=has_segment_ids,
+        has_alibi=slopes is not None,
         paged=table is not None,
     )
     return KernelCall(
@@ -538,7 +550,7 @@ def kernel_capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({device}),
-        features=ALL_FEATURES - {Feature.ALIBI},
+        features=ALL_FEATURES,
         head_dims=(1, max_head_dim),
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),

@@ -176,9 +176,10 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 
 #: Where the one-pass backward runs (CudaKernels.one_pass_backward): the register-resident dK/dV with atomic dq keeps
 #: every value in registers up to this padded head dim and without these switches; at D = 128 (causal on sm_80, a
-#: window on sm_90) and with a bias and dbias (sm_80) ptxas spills (docs/cupy.md, "The one-pass backward").
+#: window on sm_90), with a bias and dbias (sm_80) and with ALiBi beside every other switch (sm_90) ptxas spills
+#: (docs/cupy.md, "The one-pass backward").
 ONE_PASS_MAX_HEAD_DIM = 64
-ONE_PASS_EXCLUDED = ("cosine", "has_bias")
+ONE_PASS_EXCLUDED = ("cosine", "has_bias", "has_alibi")
 
 #: The kernels with a register-resident body (-DREGISTER_<KERNEL>); Δ has only its one-row-per-thread body.
 REGISTER_KERNELS = (Kernel.FORWARD, Kernel.DQ, Kernel.DKDV)
@@ -247,11 +248,11 @@ KERNEL_SWITCHES: dict[str, frozenset[str]] = {
 
 def canonical_switches(kernel: str, dtype: str, switches: KernelSwitches) -> KernelSwitches:
     """The switches a kernel reads, the others off; GRAD_FLOAT32 is moot for float32 inputs, BOTTOM_RIGHT without
-    a band."""
+    a band or ALiBi."""
     kept = {name: value and name in KERNEL_SWITCHES[kernel] for name, value in switches.__dict__.items()}
     if dtype == "float32":
         kept["grad_float32"] = False
-    if not (kept["has_lower"] or kept["has_upper"]):  # the offset only places the band
+    if not (kept["has_lower"] or kept["has_upper"] or kept["has_alibi"]):  # the offset places the band and ALiBi
         kept["bottom_right"] = False
     return KernelSwitches(**kept)
 

@@ -78,6 +78,7 @@ FEATURES: dict[str, dict[str, bool]] = {
     "lengths": {"has_q_lengths": True, "has_kv_lengths": True},
     "segments": {"has_segment_ids": True},
     "cosine": {"cosine": True},
+    "alibi": {"has_alibi": True, "bottom_right": True},
     "dbias": {"has_dbias": True},  # dkdv only
     "one-pass": {"atomic_dq": True},  # dkdv only: dq added atomically (the GPU default unless deterministic)
     "dlse": {"has_dlse": True},  # delta only
@@ -99,6 +100,7 @@ FEATURES: dict[str, dict[str, bool]] = {
         "has_kv_lengths": True,
         "has_segment_ids": True,
         "cosine": True,
+        "has_alibi": True,
         "has_dbias": True,
         "has_dlse": True,
     },
@@ -109,7 +111,7 @@ FEATURE_TILES = {"warp-specialized": (launch.WARP_SPECIALIZED, ("sm_90",))}
 #: The feature variants of ``--scope required``: attend's switches all at once, the paged decode and the
 #: warp-specialised forward and dQ.
 REQUIRED_FEATURES = ("all", "paged-split", "warp-specialized")
-_SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine")
+_SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "alibi")
 _FEATURES_OF = {
     "fwd": (*_SWITCHES_ALONE, "paged", "split", "paged-split", "warp-specialized", "all"),
     "dq": (*_SWITCHES_ALONE, "warp-specialized", "all"),
@@ -232,6 +234,7 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         "KvLengths": constants.get("HAS_KV_LENGTHS", False),
         **dict.fromkeys(_SEGMENT_POINTERS, segments),
         "BlockTable": constants.get("PAGED", False),
+        "AlibiSlopes": constants.get("HAS_ALIBI", False),
     }
     present_type = {
         "Bias": element,
@@ -240,6 +243,7 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         "KvLengths": "i32",
         **dict.fromkeys(_SEGMENT_POINTERS, "i64"),
         "BlockTable": "i32",
+        "AlibiSlopes": "fp32",
     }
     # Split-K's partial outputs are float32 whatever the inputs' dtype.
     float32_pointers = (*_FLOAT32_POINTERS, "Out") if constants.get("SPLIT_K", False) else _FLOAT32_POINTERS

@@ -11,6 +11,10 @@ window's left side gives ``LOWER = −left`` and causal and the window's right s
 keys ``j ≥ kv_len_b`` are padding: never loaded, never visible. The band also gives the loop bounds, so tiles it
 hides entirely are never loaded or multiplied.
 
+ALiBi (``HAS_ALIBI``, §16) adds ``−slope[b, h] · |i + off_b − j|`` to every score, after the softcap, beside the
+bias: computed in ``_score_tile`` from the positions of the tile in the call and the same ``off_b``, one float32
+slope per (batch, query head); the backward recomputes the same scores, and the slopes take no gradient.
+
 Segment ids (``HAS_SEGMENT_IDS``, §4.5) add ``q_id[i] == kv_id[j] ≥ 0``. A position with a negative id is padding,
 never loaded (its row is read as 0). A tile's ids lie in [low, high], read from the granule ranges of
 ``attnkit.contract.kernels.segment_ranges``; a (query tile, key tile) pair whose ranges do not overlap shares no id
@@ -114,6 +118,16 @@ def _batch_geometry(
     if BOTTOM_RIGHT:
         offset = kv_len - q_len
     return q_len, kv_len, offset
+
+
+@triton.jit
+def _alibi_slope(AlibiSlopes, batch64, head, stride_alibi_b, HAS_ALIBI: tl.constexpr):
+    """ALiBi's slope of one (batch, query head), from the float32 (B|1, Hq) slopes (batch stride 0 for one row);
+    0.0, unread, without ALiBi."""
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(AlibiSlopes + batch64 * stride_alibi_b + head)
+    return slope
 
 
 @triton.jit
@@ -255,6 +269,7 @@ def _score_tile(
     stride_mask_n,
     qk_scale,
     softcap,
+    alibi_slope,
     HAS_LOWER: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -262,6 +277,7 @@ def _score_tile(
     HAS_SOFTCAP: tl.constexpr,
     COSINE: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr = True,
@@ -270,15 +286,17 @@ def _score_tile(
     """S for one (BLOCK_M, BLOCK_N) tile, −inf where hidden, and tanh(U / c) for the softcap derivative.
 
     U = scale · q̂ k̂ᵀ (q̂ = q, or q/‖q‖ for the cosine variant);  S = c · tanh(U / c) if softcapped, else U;
-    S += bias.  ``qk_scale`` is scale / c when softcapped, so the product is already the tanh argument.
+    S += bias;  S −= slope · |i + off_b − j| (ALiBi, from the tile's positions in the call).  ``qk_scale`` is
+    scale / c when softcapped, so the product is already the tanh argument.
     EDGE: the tile may hold hidden pairs (bounds, band, mask, ids); an interior tile (EDGE false) is all visible and
-    pays for no mask. FOLD_SCALE: without softcap and bias, leave U unscaled (q̂ k̂ᵀ) for the caller to fold the scale
-    into the exponent's FMA.
+    pays for no mask. FOLD_SCALE: without softcap and bias, leave U unscaled (q̂ k̂ᵀ, ALiBi's term divided by the
+    scale) for the caller to fold the scale into the exponent's FMA.
     """
     scores = _dot(q, tl.trans(k), INTERPRETER_BF16, DOT_PRECISION)
     if COSINE:
         scores = scores * q_inv_norm[:, None] * k_inv_norm[None, :]
-    if not (FOLD_SCALE and not HAS_SOFTCAP and not HAS_BIAS):
+    folded = FOLD_SCALE and not HAS_SOFTCAP and not HAS_BIAS
+    if not folded:
         scores = scores * qk_scale
     tanh_u = scores
     if HAS_SOFTCAP:
@@ -306,6 +324,11 @@ def _score_tile(
         scores = tl.where(visible, scores, float("-inf"))
     elif HAS_BIAS:
         scores += tl.load(BiasTile + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n).to(tl.float32)
+    if HAS_ALIBI:  # hidden pairs stay −inf; positions below 2^24 and their differences are exact in float32
+        distance = tl.abs((rows + offset).to(tl.float32)[:, None] - cols.to(tl.float32)[None, :])
+        if folded:  # U unscaled: the term in its units, −(slope / scale) · distance, scaled with U by the caller
+            alibi_slope = alibi_slope / qk_scale
+        scores -= alibi_slope * distance
     return scores, tanh_u
 
 
@@ -436,6 +459,7 @@ def _fwd_tile(
     stride_mask_n,
     qk_scale,
     softcap,
+    alibi_slope,
     fold,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
@@ -449,6 +473,7 @@ def _fwd_tile(
     HAS_SOFTCAP: tl.constexpr,
     COSINE: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -496,6 +521,7 @@ def _fwd_tile(
         stride_mask_n,
         qk_scale,
         softcap,
+        alibi_slope,
         HAS_LOWER,
         HAS_UPPER,
         HAS_MASK,
@@ -503,6 +529,7 @@ def _fwd_tile(
         HAS_SOFTCAP,
         COSINE,
         HAS_SEGMENT_IDS,
+        HAS_ALIBI,
         INTERPRETER_BF16,
         DOT_PRECISION,
         EDGE,
@@ -534,6 +561,7 @@ def _fwd_kernel(
     KvSegmentIds,
     QSegmentRanges,
     KvSegmentRanges,
+    AlibiSlopes,
     BlockTable,
     stride_qb,
     stride_qh,
@@ -557,6 +585,7 @@ def _fwd_kernel(
     stride_mask_h,
     stride_mask_m,
     stride_mask_n,
+    stride_alibi_b,
     heads_q,
     group,
     len_q,
@@ -586,6 +615,7 @@ def _fwd_kernel(
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     PAGED: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SEGMENT_GRANULE: tl.constexpr,
@@ -644,6 +674,7 @@ def _fwd_kernel(
     VHead = V + head_kv * stride_vh
     BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
     MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
+    alibi_slope = _alibi_slope(AlibiSlopes, batch64, head, stride_alibi_b, HAS_ALIBI)
 
     first, end = _key_span(row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
     if SPLIT_K:
@@ -669,9 +700,9 @@ def _fwd_kernel(
                 acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
                 KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
                 offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N,
-                HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED, INTERPRETER_BF16,
-                DOT_PRECISION, False, TMA,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS,
+                HAS_ALIBI, PAGED, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
             )  # fmt: skip
     # The edge tiles: [first, interior_low), then [interior_high, end) where interior tiles split them: two affine
     # loops (one loop over a remapped index left ptxas at 128 registers and spilling kilobytes with every feature on).
@@ -683,22 +714,22 @@ def _fwd_kernel(
             meets = (q_low <= k_high) & (k_low <= q_high)
         if meets:
             acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
-                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
-                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
-                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
+                KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
+                offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS,
+                HAS_ALIBI, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     if not HAS_MASK and not HAS_SEGMENT_IDS and not WARP_SPECIALIZE:
         for key_start in range(interior_high, end, BLOCK_N):
             acc, row_max, row_sum = _fwd_tile(
-                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles,
-                head_kv, KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len,
-                kv_len, offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, PAGED,
-                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
+                KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
+                offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS,
+                HAS_ALIBI, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
@@ -792,6 +823,7 @@ def _dq_tile(
     stride_mask_n,
     qk_scale,
     softcap,
+    alibi_slope,
     fold,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
@@ -805,6 +837,7 @@ def _dq_tile(
     HAS_SOFTCAP: tl.constexpr,
     COSINE: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr,
@@ -826,8 +859,9 @@ def _dq_tile(
     k_inv_norm = _inverse_norms(k, COSINE)
     scores, tanh_u = _score_tile(
         q, k, q_inv_norm, k_inv_norm, rows, cols, q_ids, kv_ids, q_len, kv_len, offset, lower, upper, BiasTile,
-        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, HAS_LOWER, HAS_UPPER,
-        HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, EDGE, True,
+        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, HAS_LOWER,
+        HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION,
+        EDGE, True,
     )  # fmt: skip
     p = tl.math.exp2(tl.fma(scores, fold, -lse2[:, None]))
     dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
@@ -856,6 +890,7 @@ def _bwd_dq_kernel(
     KvSegmentIds,
     QSegmentRanges,
     KvSegmentRanges,
+    AlibiSlopes,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -879,6 +914,7 @@ def _bwd_dq_kernel(
     stride_mask_h,
     stride_mask_m,
     stride_mask_n,
+    stride_alibi_b,
     heads_q,
     group,
     len_q,
@@ -906,6 +942,7 @@ def _bwd_dq_kernel(
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     SEGMENT_GRANULE: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -962,6 +999,7 @@ def _bwd_dq_kernel(
     VTile = V + batch64 * stride_vb + head_kv * stride_vh
     BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
     MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
+    alibi_slope = _alibi_slope(AlibiSlopes, batch64, head, stride_alibi_b, HAS_ALIBI)
 
     first, end = _key_span(row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER)
     if HAS_SEGMENT_IDS:
@@ -978,11 +1016,10 @@ def _bwd_dq_kernel(
         for key_start in tl.range(interior_low, interior_high, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
             dq = _dq_tile(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
-                KvSegmentIds, batch64,
-                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
-                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
+                KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
+                stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
+                fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
+                HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
             )  # fmt: skip
     for key_start in range(first, first if WARP_SPECIALIZE else interior_low, BLOCK_N):  # as the forward's
         meets = True
@@ -992,21 +1029,19 @@ def _bwd_dq_kernel(
         if meets:
             dq = _dq_tile(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
-                KvSegmentIds, batch64,
-                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
-                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
+                stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
+                fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
+                HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     if not HAS_MASK and not HAS_SEGMENT_IDS and not WARP_SPECIALIZE:
         for key_start in range(interior_high, end, BLOCK_N):
             dq = _dq_tile(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
-                KvSegmentIds, batch64,
-                stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m,
-                stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V,
-                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
-                HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
+                stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
+                fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
+                HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     dq = dq * grad_scale
     tl.store(
@@ -1056,6 +1091,7 @@ def _dkdv_tile(
     stride_mask_n,
     qk_scale,
     softcap,
+    alibi_slope,
     fold,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
@@ -1070,6 +1106,7 @@ def _dkdv_tile(
     COSINE: tl.constexpr,
     HAS_DBIAS: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
@@ -1100,8 +1137,9 @@ def _dkdv_tile(
         delta = tl.load(Delta + row_base + rows)
     scores, tanh_u = _score_tile(
         q, k, q_inv_norm, k_inv_norm, rows, cols, q_ids, kv_ids, q_len, kv_len, offset, lower, upper, BiasTile,
-        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, HAS_LOWER, HAS_UPPER,
-        HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, INTERPRETER_BF16, DOT_PRECISION, EDGE, True,
+        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, HAS_LOWER,
+        HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION,
+        EDGE, True,
     )  # fmt: skip
     p = tl.math.exp2(tl.fma(scores, fold, -lse2[:, None]))
     dv += _dot(tl.trans(_rounded(p, dout.dtype, INTERPRETER_BF16)), dout, INTERPRETER_BF16, DOT_PRECISION)
@@ -1152,6 +1190,7 @@ def _bwd_dkdv_kernel(
     KvSegmentIds,
     QSegmentRanges,
     KvSegmentRanges,
+    AlibiSlopes,
     stride_qb,
     stride_qh,
     stride_qm,
@@ -1178,6 +1217,7 @@ def _bwd_dkdv_kernel(
     stride_mask_h,
     stride_mask_m,
     stride_mask_n,
+    stride_alibi_b,
     heads_q,
     group,
     len_q,
@@ -1210,6 +1250,7 @@ def _bwd_dkdv_kernel(
     HAS_Q_LENGTHS: tl.constexpr,
     HAS_KV_LENGTHS: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
+    HAS_ALIBI: tl.constexpr,
     SEGMENT_GRANULE: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -1264,6 +1305,7 @@ def _bwd_dkdv_kernel(
     for head in range(head_kv * group, head_kv * group + group):
         BiasTile = Bias + batch64 * stride_bias_b + head * stride_bias_h
         MaskTile = Mask + batch64 * stride_mask_b + head * stride_mask_h
+        alibi_slope = _alibi_slope(AlibiSlopes, batch64, head, stride_alibi_b, HAS_ALIBI)
         QHead = Q + batch64 * stride_qb + head * stride_qh
         DOutHead = DOut + batch64 * stride_dob + head * stride_doh
         DQHead = DQSum + batch64 * stride_dqb + head * stride_dqh
@@ -1275,35 +1317,32 @@ def _bwd_dkdv_kernel(
                 meets = (q_low <= k_high) & (k_low <= q_high)
             if meets:
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head,
-                    Lse, Delta, DBias, row_base,
-                    DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
-                    offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
-                    stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
-                    HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
-                    DOT_PRECISION, ATOMIC_DQ, True, TMA,
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
+                    Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
+                    len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                    BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS,
+                    HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True, TMA,
                 )  # fmt: skip
         if not HAS_MASK and not HAS_SEGMENT_IDS:
             for row_start in range(interior_low, interior_high, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head,
-                    Lse, Delta, DBias, row_base,
-                    DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
-                    offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
-                    stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
-                    HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
-                    DOT_PRECISION, ATOMIC_DQ, False, TMA,
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
+                    Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
+                    len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                    BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS,
+                    HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, False, TMA,
                 )  # fmt: skip
         if not HAS_MASK and not HAS_SEGMENT_IDS:
             for row_start in range(interior_high, end, BLOCK_M):
                 dk, dv = _dkdv_tile(
-                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head,
-                    Lse, Delta, DBias, row_base,
-                    DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q, len_k, q_len, kv_len,
-                    offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile, stride_mask_m,
-                    stride_mask_n, qk_scale, softcap, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER,
-                    HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, INTERPRETER_BF16,
-                    DOT_PRECISION, ATOMIC_DQ, True, TMA,
+                    dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
+                    Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
+                    len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
+                    BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS,
+                    HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True, TMA,
                 )  # fmt: skip
     dk = dk * grad_scale
     in_keys = cols[:, None] < len_k

@@ -168,10 +168,10 @@ SM90_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
 WARP_SPECIALIZED = TileConfig(128, 128, 4, 2, warp_specialize=True)
 WARP_SPECIALIZED_KERNELS = (Kernel.FORWARD, Kernel.DQ)
 
-#: The switches under which some tile is not interior: a band, a mask or bias, softcap and cosine (kept off the
-#: warp-specialised loop: the static check has not found them lean there), lengths, segment ids, paging, split-K.
-_EDGE_SWITCHES = ("has_lower", "has_upper", "has_mask", "has_bias", "has_softcap", "cosine", "has_q_lengths",
-                  "has_kv_lengths", "has_segment_ids", "paged", "split_k")  # fmt: skip
+#: The switches under which some tile is not interior: a band, a mask or bias, softcap, cosine and ALiBi (kept off
+#: the warp-specialised loop: the static check has not found them lean there), lengths, segment ids, paging, split-K.
+_EDGE_SWITCHES = ("has_lower", "has_upper", "has_mask", "has_bias", "has_softcap", "cosine", "has_alibi",
+                  "has_q_lengths", "has_kv_lengths", "has_segment_ids", "paged", "split_k")  # fmt: skip
 
 
 def gpu_configs(
@@ -262,6 +262,7 @@ def kernel_constants(
         HAS_Q_LENGTHS=switches.has_q_lengths,
         HAS_KV_LENGTHS=switches.has_kv_lengths,
         HAS_SEGMENT_IDS=switches.has_segment_ids,
+        HAS_ALIBI=switches.has_alibi,
         SEGMENT_GRANULE=SEGMENT_GRANULE,  # every tile above is a multiple of it
         # The one switch for the interpreter's bfloat16 bugs (kernels._dot, kernels._rounded).
         INTERPRETER_BF16=interpreted and dtype == torch.bfloat16,

@@ -7,13 +7,17 @@
 // BLOCK_DV (head dims padded to a multiple of 16), BLOCK_M (query rows per tile), BLOCK_N (keys per tile),
 // NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_FORWARD / REGISTER_DQ / REGISTER_DKDV (which
 // body that kernel compiles), and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS,
-// HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32, PAGED, SPLIT_K,
-// ATOMIC_DQ (0 or 1): a call without a feature compiles without its code.
+// HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32,
+// PAGED, SPLIT_K, ATOMIC_DQ (0 or 1): a call without a feature compiles without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
 // per-batch bottom-right offset kv_len_b − q_len_b (0 for top-left). Rows i ≥ q_len_b and keys j ≥ kv_len_b are
 // padding: never loaded, never visible. The band gives the loop bounds, so tiles it hides are never loaded.
+//
+// ALiBi (HAS_ALIBI, §16) adds −slope[b, h] · |i + off_b − j| to every score, after the softcap, beside the bias
+// (score()): from the score's positions in the call and the same off_b, one float32 slope per (batch, query head).
+// The backward recomputes the same scores; the slopes take no gradient.
 //
 // Segment ids (HAS_SEGMENT_IDS, §4.5) add q_id[i] == kv_id[j] >= 0. A position with a negative id is padding, never
 // loaded (its row is read as 0). A tile's ids lie in [low, high], read from the granule ranges of
@@ -74,6 +78,10 @@ typedef elem_t out_t;
 // The kernel compiled with its register-resident body (REGISTER_FORWARD, REGISTER_DQ, REGISTER_DKDV: at most one per
 // compiled variant, as each kernel's tile has the shape its own body needs); their PTX-level helpers compile with any.
 #define REGISTER_RESIDENT (REGISTER_FORWARD || REGISTER_DQ || REGISTER_DKDV)
+
+// Whether S is more than the scaled q·k (a softcap, bias or ALiBi term): the register-resident kernels then form each
+// score with score() and fold log2(e) alone into the exponent; otherwise they fold the scale in with it.
+#define SCORE_TERMS (HAS_SOFTCAP || HAS_BIAS || HAS_ALIBI)
 
 #define NUM_THREADS (NUM_WARPS * 32)
 // Threads sharing one row in the forward's softmax: a power of two within a warp.
@@ -517,11 +525,14 @@ __device__ __forceinline__ void interior_query_tiles(int key_start, Geometry g, 
     interior_end = max(interior_first, min(limit / BLOCK_M * BLOCK_M, end));
 }
 
-// The optional per-(batch, query head) mask and bias planes, broadcast by stride 0.
+// The optional per-(batch, query head) terms: the mask and bias planes, broadcast by stride 0, and ALiBi's slope with
+// the batch element's offset off_b.
 struct Planes {
     const unsigned char* mask;
     const float* bias;
     index_t mask_m, mask_n, bias_m, bias_n;
+    float alibi_slope;
+    int offset;
 };
 
 __device__ __forceinline__ bool visible(int row, int col, Geometry g, int lower, int upper, const Planes& planes) {
@@ -540,7 +551,8 @@ struct Score {
 };
 
 // U = scale · q̂·k̂ (dot = raw q·k, times both inverse norms for the cosine variant);
-// S = c · tanh(U / c) if softcapped, else U;  S += bias.  qk_scale is scale / c when softcapped.
+// S = c · tanh(U / c) if softcapped, else U;  S += bias;  S −= slope · |i + off_b − j| (ALiBi).
+// qk_scale is scale / c when softcapped.
 __device__ __forceinline__ Score score(float dot, float q_inverse, float k_inverse, float qk_scale, float softcap,
                                        int row, int col, const Planes& planes) {
     float u = dot;
@@ -552,17 +564,22 @@ __device__ __forceinline__ Score score(float dot, float q_inverse, float k_inver
         result.s = softcap * result.tanh_u;
     }
     if (HAS_BIAS) result.s += planes.bias[row * planes.bias_m + col * planes.bias_n];
+    // positions below 2^24 are exact in float32
+    if (HAS_ALIBI) result.s -= planes.alibi_slope * fabsf(static_cast<float>(row + planes.offset - col));
     return result;
 }
 
-// Strides (batch, head, row, column) of the mask and the bias, 0 on broadcast axes.
+// Strides (batch, head, row, column) of the mask and the bias, 0 on broadcast axes; the batch stride of ALiBi's
+// (B|1, Hq) slopes, 0 for one row.
 struct PlaneStrides {
-    index_t mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n;
+    index_t mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b;
 };
 
-__device__ __forceinline__ Planes planes_of(const unsigned char* mask, const float* bias, const PlaneStrides& st,
-                                            int batch, int head) {
+__device__ __forceinline__ Planes planes_of(const unsigned char* mask, const float* bias, const float* alibi_slopes,
+                                            const PlaneStrides& st, const Geometry& g, int batch, int head) {
     Planes planes;
+    planes.alibi_slope = HAS_ALIBI ? alibi_slopes[batch * st.alibi_b + head] : 0.0f;
+    planes.offset = g.offset;
     planes.mask = mask + batch * st.mask_b + head * st.mask_h;
     planes.bias = bias + batch * st.bias_b + head * st.bias_h;
     planes.mask_m = st.mask_m;
@@ -583,16 +600,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                       const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
                       const int* __restrict__ kv_lengths, const index_t* __restrict__ q_segment_ids,
                       const index_t* __restrict__ kv_segment_ids, const index_t* __restrict__ q_segment_ranges,
-                      const index_t* __restrict__ kv_segment_ranges, const int* __restrict__ block_table, index_t q_b,
-                      index_t q_h, index_t q_m, index_t k_b, index_t k_h, index_t k_n, index_t v_b, index_t v_h,
-                      index_t v_n, index_t o_b, index_t o_h, index_t o_m, index_t o_s, index_t lse_s, index_t bias_b,
-                      index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m,
-                      index_t mask_n, int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
-                      int lower, int upper, int block_size, int max_blocks, int splits) {
+                      const index_t* __restrict__ kv_segment_ranges, const float* __restrict__ alibi_slopes,
+                      const int* __restrict__ block_table, index_t q_b, index_t q_h, index_t q_m, index_t k_b,
+                      index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t o_b, index_t o_h,
+                      index_t o_m, index_t o_s, index_t lse_s, index_t bias_b, index_t bias_h, index_t bias_m,
+                      index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n, index_t alibi_b,
+                      int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap, int lower, int upper,
+                      int block_size, int max_blocks, int splits) {
     const int row_start = query_tile(len_q) * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
-    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
-    const Planes planes = planes_of(mask, bias, strides, batch, head);
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
+    const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, batch, head);
     // A paged cache's keys go through the block table (key_rows): no batch offset in the head's base.
     const elem_t* k_head = k + (PAGED ? 0 : batch * k_b) + (head / group) * k_h;
     const elem_t* v_head = v + (PAGED ? 0 : batch * v_b) + (head / group) * v_h;
@@ -647,9 +665,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     int interior_first, interior_end;
     interior_key_tiles(row_start, g, lower, upper, first, end, interior_first, interior_end);
 
-    // Scores in base 2: logit t = q·k (the scale folded into the exponent's FMA), or with a softcap or bias
+    // Scores in base 2: logit t = q·k (the scale folded into the exponent's FMA), or with a softcap, bias or ALiBi
     // t = log2(e) · S with fold 1.
-    const float fold = HAS_SOFTCAP || HAS_BIAS ? 1.0f : qk_scale * LOG2E;
+    const float fold = SCORE_TERMS ? 1.0f : qk_scale * LOG2E;
     float o[OUT_BLOCKS][4] = {}, row_max[2] = {negative_infinity(), negative_infinity()}, row_sum[2] = {0.0f, 0.0f};
     // Online softmax over the key tiles, in base 2 (m, l per row; each lane sums its own columns, the quad at the end):
     //   S = Q Kᵀ (t per score);  m' = max(m, fold · rowmax t);  P = 2^(fold · t − m');  α = 2^(m − m')
@@ -685,7 +703,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                 const int row = row_start + 16 * warp + lane_row + 8 * (i / 2), col = key_start + 8 * j + pair + i % 2;
                 if (masked && !visible(row, col, g, lower, upper, planes)) {
                     s[j][i] = negative_infinity();
-                } else if (HAS_SOFTCAP || HAS_BIAS) {
+                } else if (SCORE_TERMS) {
                     s[j][i] = score(s[j][i], 1.0f, 1.0f, qk_scale, softcap, row, col, planes).s * LOG2E;
                 }
                 tile_max[i / 2] = fmaxf(tile_max[i / 2], s[j][i]);
@@ -881,16 +899,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                           const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
                           const int* __restrict__ kv_lengths, const index_t* __restrict__ q_segment_ids,
                           const index_t* __restrict__ kv_segment_ids, const index_t* __restrict__ q_segment_ranges,
-                          const index_t* __restrict__ kv_segment_ranges, index_t q_b, index_t q_h, index_t q_m,
-                          index_t k_b, index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t do_b,
-                          index_t do_h, index_t do_m, index_t dq_b, index_t dq_h, index_t dq_m, index_t bias_b,
-                          index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h,
-                          index_t mask_m, index_t mask_n, int heads_q, int group, int len_q, int len_k,
-                          float qk_scale, float softcap, float grad_scale, int lower, int upper) {
+                          const index_t* __restrict__ kv_segment_ranges, const float* __restrict__ alibi_slopes,
+                          index_t q_b, index_t q_h, index_t q_m, index_t k_b, index_t k_h, index_t k_n, index_t v_b,
+                          index_t v_h, index_t v_n, index_t do_b, index_t do_h, index_t do_m, index_t dq_b,
+                          index_t dq_h, index_t dq_m, index_t bias_b, index_t bias_h, index_t bias_m, index_t bias_n,
+                          index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n, index_t alibi_b, int heads_q,
+                          int group, int len_q, int len_k, float qk_scale, float softcap, float grad_scale, int lower,
+                          int upper) {
     const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
-    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
-    const Planes planes = planes_of(mask, bias, strides, batch, head);
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
+    const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, batch, head);
     const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
     const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
     const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
@@ -952,7 +971,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     interior_key_tiles(row_start, g, lower, upper, first, end, interior_first, interior_end);
 
     // Scores in base 2, as in the forward (fold, t); lse₂ = log2(e) · lse.
-    const float fold = HAS_SOFTCAP || HAS_BIAS ? 1.0f : qk_scale * LOG2E;
+    const float fold = SCORE_TERMS ? 1.0f : qk_scale * LOG2E;
     float dq_acc[D_BLOCKS][4] = {};
     // Over the key tiles the query tile sees (dS rounded to the input type, reused from registers as the A operand):
     //   S = Q Kᵀ;  P = 2^(fold · S − lse₂);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped
@@ -996,7 +1015,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                 float ds = 0.0f;
                 if (!masked || visible(row, col, g, lower, upper, planes)) {
                     float t = s[j][i], tanh_u = 0.0f;
-                    if (HAS_SOFTCAP || HAS_BIAS) {
+                    if (SCORE_TERMS) {
                         const Score sc = score(t, 1.0f, 1.0f, qk_scale, softcap, row, col, planes);
                         t = sc.s * LOG2E;
                         tanh_u = sc.tanh_u;
@@ -1107,23 +1126,24 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
 #define DQ_SUM_PARAMETERS
 #endif
 extern "C" __global__ void __launch_bounds__(NUM_THREADS)
-    attention_backward_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k,
-                            const elem_t* __restrict__ v, const elem_t* __restrict__ dout,
-                            const float* __restrict__ lse, const float* __restrict__ delta, grad_t* __restrict__ dk,
-                            grad_t* __restrict__ dv, float* __restrict__ dbias, const float* __restrict__ bias,
+    attention_backward_dkdv(const elem_t* __restrict__ q, const elem_t* __restrict__ k, const elem_t* __restrict__ v,
+                            const elem_t* __restrict__ dout, const float* __restrict__ lse,
+                            const float* __restrict__ delta, grad_t* __restrict__ dk, grad_t* __restrict__ dv,
+                            float* __restrict__ dbias, const float* __restrict__ bias,
                             const unsigned char* __restrict__ mask, const int* __restrict__ q_lengths,
                             const int* __restrict__ kv_lengths, const index_t* __restrict__ q_segment_ids,
                             const index_t* __restrict__ kv_segment_ids, const index_t* __restrict__ q_segment_ranges,
-                            const index_t* __restrict__ kv_segment_ranges, index_t q_b, index_t q_h, index_t q_m,
-                            index_t k_b, index_t k_h, index_t k_n, index_t v_b, index_t v_h, index_t v_n, index_t do_b,
-                            index_t do_h, index_t do_m, index_t dk_b, index_t dk_h, index_t dk_n, index_t dv_b,
-                            index_t dv_h, index_t dv_n, index_t bias_b, index_t bias_h, index_t bias_m,
-                            index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n,
-                            int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap,
-                            float grad_scale, int lower, int upper DQ_SUM_PARAMETERS) {
+                            const index_t* __restrict__ kv_segment_ranges, const float* __restrict__ alibi_slopes,
+                            index_t q_b, index_t q_h, index_t q_m, index_t k_b, index_t k_h, index_t k_n, index_t v_b,
+                            index_t v_h, index_t v_n, index_t do_b, index_t do_h, index_t do_m, index_t dk_b,
+                            index_t dk_h, index_t dk_n, index_t dv_b, index_t dv_h, index_t dv_n, index_t bias_b,
+                            index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h,
+                            index_t mask_m, index_t mask_n, index_t alibi_b, int heads_q, int group, int len_q,
+                            int len_k, float qk_scale, float softcap, float grad_scale, int lower,
+                            int upper DQ_SUM_PARAMETERS) {
     const int key_start = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
-    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n};
+    const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
 
 #if REGISTER_DKDV
     // Register-resident dK/dV in the transposed formulation: warp w owns keys 16w..16w+15 of the key tile; Sᵀ, Pᵀ,
@@ -1199,9 +1219,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     int interior_first, interior_end;
     interior_query_tiles(key_start, g, lower, upper, first, end, interior_first, interior_end);
 
-    // Scores in base 2, as in the forward: t = q·k with the scale folded into the exponent's FMA, or with a softcap
-    // or bias t = log2(e) · S with fold 1; lse₂ = log2(e) · lse.
-    const float fold = HAS_SOFTCAP || HAS_BIAS ? 1.0f : qk_scale * LOG2E;
+    // Scores in base 2, as in the forward: t = q·k with the scale folded into the exponent's FMA, or with a softcap,
+    // bias or ALiBi t = log2(e) · S with fold 1; lse₂ = log2(e) · lse.
+    const float fold = SCORE_TERMS ? 1.0f : qk_scale * LOG2E;
     float dk_acc[D_BLOCKS][4] = {}, dv_acc[DV_BLOCKS][4] = {};
     // Over the G query heads of this kv head and the query tiles that see this key tile (Sᵀ and dPᵀ 16 keys × BLOCK_M
     // queries per warp; Pᵀ and dSᵀ rounded to the input type, reused from registers as A operands):
@@ -1246,7 +1266,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                 mma_m16n8k16<elem_t>(dp[j + 1], a, {b[2], b[3]});
             }
         }
-        const Planes planes = planes_of(mask, bias, strides, batch, head);
+        const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
 #pragma unroll
         for (int j = 0; j < QUERY_BLOCKS; ++j)
@@ -1257,7 +1277,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                 float p = 0.0f, ds = 0.0f;
                 if (!masked || visible(row, col, g, lower, upper, planes)) {
                     float t = s[j][i], tanh_u = 0.0f;
-                    if (HAS_SOFTCAP || HAS_BIAS) {
+                    if (SCORE_TERMS) {
                         const Score sc = score(t, 1.0f, 1.0f, qk_scale, softcap, row, col, planes);
                         t = sc.s * LOG2E;
                         tanh_u = sc.tanh_u;
@@ -1393,7 +1413,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     //   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
     //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q;  ATOMIC_DQ: dq_sum += dU K, atomically
     for (int head = head_kv * group; head < head_kv * group + group; ++head) {
-        const Planes planes = planes_of(mask, bias, strides, batch, head);
+        const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
         for (int row_start = first; row_start < end; row_start += BLOCK_M) {
             // A query tile sharing no segment id with the key tile is skipped.
