@@ -7,7 +7,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from attnkit import config, cost, registry
+from attnkit import autotune, config, cost, registry
 from attnkit.backend import Backend, Delegation, Problem, routing_features
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
@@ -72,19 +72,73 @@ def _priority_rows(
     return rows
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` picked among the servable backends, and what decided it."""
+
+    backend: str
+    predicted: dict[str, float | None]
+    #: The measurement that decided (read from the records, or made by this call); None: the prediction decided.
+    record: autotune.Record | None = None
+    #: Why the prediction decided where measuring could have ("" where the prediction alone was asked for).
+    not_measured: str = ""
+    #: False when a later eager call of the same bucket would measure (the decision is then not cached).
+    final: bool = True
+
+
 def _choose(
-    spec: AttentionSpec, problem: Problem, servable: list[str], forced: str | None
-) -> tuple[str, dict[str, float | None]]:
-    """The backend to run among ``servable`` (non-empty, in priority order) and the cost table's predictions."""
+    spec: AttentionSpec,
+    problem: Problem,
+    servable: list[str],
+    forced: str | None,
+    trial: autotune.Trial | None = None,
+) -> Choice:
+    """The backend to run among ``servable`` (non-empty, in priority order): the cost table's prediction, unless the
+    table cannot decide and measuring can (attnkit/autotune.py). ``trial`` times backends on the call's inputs; without
+    one (explain, a graph operator) a bucket's record is used where there is one, else the prediction."""
     current = config.current_config()
     table = current.cost_table() if forced is None else None
     predicted = table.predictions(spec, problem, servable) if table else {}
-    return cost.choose(servable, predicted, current.cost_margin), predicted
+    chosen = cost.choose(servable, predicted, current.cost_margin)
+    if forced is not None or len(servable) < 2:
+        return Choice(chosen, predicted)
+    if not current.autotune:
+        return Choice(chosen, predicted, not_measured=f"not measured: measuring is off ({MEASURING_SWITCHES})")
+    fitted_here = table is not None and table.fitted_here(problem, servable)
+    contenders = autotune.contenders(servable, predicted, chosen, fitted_here, current)
+    if len(contenders) < 2:
+        why = "the cost table, fitted on this machine, predicts no other backend within the cost margin"
+        alone = "no other backend may be measured (autotune_exclude, autotune_spread)"
+        return Choice(chosen, predicted, not_measured="not measured: " + (why if fitted_here else alone))
+    key, bucket = autotune.bucket_key(spec, problem, contenders)
+    record = autotune.STORE.load(key)
+    if record is not None and record.winner in servable:
+        return Choice(record.winner, predicted, record=record)
+    if trial is None:
+        later = f"not measured yet: the first eager attend call of its bucket times {', '.join(contenders)}"
+        return Choice(chosen, predicted, not_measured=later, final=False)
+    skip = trial.skip_reason(current)
+    if skip is not None:
+        return Choice(chosen, predicted, not_measured=skip, final=False)
+    backends = registry.backends()
+    measured = autotune.measure([backends[name] for name in contenders], trial)
+    if measured is None:
+        failed = f"not measured: timing {', '.join(contenders)} failed (logged at info level)"
+        return Choice(chosen, predicted, not_measured=failed, final=False)
+    winner, times = measured
+    record = autotune.Record(key, bucket, winner, tuple(times.items()), autotune.now_utc())
+    record = autotune.STORE.save(record, current.autotune_records)
+    _log.debug("attnkit: measured %s", record.describe())
+    return Choice(winner, predicted, record=record)
+
+
+#: How measuring is turned off, for explain's line.
+MEASURING_SWITCHES = "autotune = false in the config, or ATTNKIT_AUTOTUNE=0"
 
 
 def decision(spec: AttentionSpec, problem: Problem) -> str:
-    """Why ``auto`` picks what it picks for this call: the forced backend, or the rule of :func:`cost.choose` with the
-    predictions it weighed (``attnkit explain`` prints it under the table)."""
+    """Why ``auto`` picks what it picks for this call: the forced backend, a measurement (with its record), or the
+    rule of :func:`cost.choose` with the predictions it weighed (``attnkit explain`` prints it under the table)."""
     forced = config.forced_backend()
     if forced is not None:
         return f"{forced} is forced (configuration or ATTNKIT_BACKEND)"
@@ -92,8 +146,11 @@ def decision(spec: AttentionSpec, problem: Problem) -> str:
     servable = [row.name for row in rows if not row.reasons]
     if not servable:
         return "no backend in the priority list can serve the call"
-    chosen, predicted = _choose(spec, problem, servable, None)
-    return cost.decision(servable, predicted, config.current_config().cost_margin, chosen)
+    choice = _choose(spec, problem, servable, None)
+    if choice.record is not None:
+        return f"{choice.backend} was measured fastest: {choice.record.describe()}"
+    rule = cost.decision(servable, choice.predicted, config.current_config().cost_margin, choice.backend)
+    return f"{rule}; predicted, {choice.not_measured}" if choice.not_measured else rule
 
 
 def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
@@ -104,7 +161,8 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     rows = _priority_rows(spec, problem, order, all_backends)
     servable = [row.name for row in rows if not row.reasons]
     if servable:
-        chosen, predicted = _choose(spec, problem, servable, forced)
+        choice = _choose(spec, problem, servable, forced)
+        chosen, predicted = choice.backend, choice.predicted
         rows = [
             Candidate(row.name, row.reasons, selected=row.name == chosen, predicted_us=predicted.get(row.name))
             for row in rows
@@ -115,8 +173,11 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     return [dataclasses.replace(row, delegations=all_backends[row.name].capabilities.delegations) for row in rows]
 
 
-def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Backend:
-    """The backend that runs this call. ``backend`` is ``"auto"`` or a registered name."""
+def select(
+    spec: AttentionSpec, problem: Problem, backend: str = "auto", trial: autotune.Trial | None = None
+) -> Backend:
+    """The backend that runs this call. ``backend`` is ``"auto"`` or a registered name. ``trial`` (attend's eager
+    calls) lets ``auto`` measure where the cost table cannot decide (attnkit/autotune.py)."""
     if not isinstance(backend, str):  # None does not mean "auto": a forgotten value must not pass as a choice
         raise InvalidInputTypeError(
             f"backend={backend!r}: expected {config.AUTO!r} or a registered backend's name (a str), "
@@ -141,7 +202,10 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
         if not servable:
             table = "\n".join(str(row) for row in candidates(spec, problem))
             raise BackendUnavailableError(f"no backend can serve this call:\n{table}")
-        chosen = all_backends[_choose(spec, problem, servable, None)[0]]
+        choice = _choose(spec, problem, servable, None, trial)
+        chosen = all_backends[choice.backend]
+        if not choice.final:  # a later eager call of this bucket measures: it must not find this decision cached
+            return chosen
     if CACHE.remember(CACHE.decisions, key, chosen, epoch):
         _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
     return chosen
@@ -161,3 +225,4 @@ def clear_cache() -> None:
     """Forget every cached call, decision and availability reading (attnkit/call_cache.py), e.g. after installing a
     package or a compiler mid-process. Changes to the config or the registry clear them by themselves."""
     CACHE.clear()
+    autotune.STORE.forget()
