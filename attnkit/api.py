@@ -151,17 +151,18 @@ def explain(
     ``sinks``, the call that runs without them and returns lse (§15's composition runs after it)."""
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
-    _, problem, _, _ = prepare(
+    ops, problem, inputs, _ = prepare(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse or sinks is not None, q_segment_ids,
         kv_segment_ids, alibi_slopes,
     )  # fmt: skip
-    return explain_problem(spec, problem)
+    # A dry run: what measuring attend's call would do (or why it would not), never timing anything.
+    return explain_problem(spec, problem, autotune.Trial(ops, spec, problem, inputs, dry_run=True))
 
 
-def explain_problem(spec: AttentionSpec, problem: Problem) -> str:
-    rows = dispatch.candidates(spec, problem)
+def explain_problem(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None = None) -> str:
+    rows = dispatch.candidates(spec, problem, trial)
     header = f"spec: {spec.model_dump_json(exclude_defaults=True)}\nproblem: {problem}"
     body = "\n".join(str(row) for row in rows)
     if not any(row.selected for row in rows):
         body += "\n(no backend can serve this call)"
-    return f"{header}\n{body}\ndecided by: {dispatch.decision(spec, problem)}"
+    return f"{header}\n{body}\ndecided by: {dispatch.decision(spec, problem, trial)}"

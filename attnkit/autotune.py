@@ -216,11 +216,15 @@ def contenders(
 class Trial:
     """Times one backend on the inputs of the call being dispatched (eager torch calls only: :meth:`skip_reason`)."""
 
-    def __init__(self, ops: FrameworkOps, spec: AttentionSpec, problem: Problem, inputs: Sequence[Any]) -> None:
+    def __init__(
+        self, ops: FrameworkOps, spec: AttentionSpec, problem: Problem, inputs: Sequence[Any], dry_run: bool = False
+    ) -> None:
         self.ops = ops
         self.spec = spec
         self.problem = problem
         self.inputs = tuple(inputs)  # positionally, as the runners take them
+        #: explain's: says whether the call would be measured, never times anything.
+        self.dry_run = dry_run
 
     def skip_reason(self, config: Config) -> str | None:
         """Why this call must not be measured (the prediction decides), or None."""
@@ -325,7 +329,7 @@ class RecordStore:
         #: Buckets whose file was missing when looked for: not looked for again in the process (a decode loop that
         #: is never measured would otherwise stat a file per step) until forget() or this process's own save.
         self._missing: set[tuple[str, str]] = set()
-        self._refused: set[str] = set()  # directories already logged as refused
+        self._refused: set[str] = set()  # refusals already logged
         self._lock = threading.Lock()
         self._directory: Path | None = None  # use_directory's, over default_directory()
 
@@ -368,8 +372,8 @@ class RecordStore:
 
     def _refusal(self, error: AutotuneStoreError) -> None:
         with self._lock:
-            first = str(self.directory()) not in self._refused
-            self._refused.add(str(self.directory()))
+            first = str(error) not in self._refused
+            self._refused.add(str(error))
         if first:
             _log.warning("attnkit: %s; measured backends are kept in this process only", error)
 

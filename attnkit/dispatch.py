@@ -114,12 +114,12 @@ def _choose(
     record = autotune.STORE.load(key)
     if record is not None and record.winner in servable:
         return Choice(record.winner, predicted, record=record)
-    if trial is None:
-        later = f"not measured yet: the first eager attend call of its bucket times {', '.join(contenders)}"
-        return Choice(chosen, predicted, not_measured=later, final=False)
-    skip = trial.skip_reason(current)
+    skip = trial.skip_reason(current) if trial is not None else None
     if skip is not None:
         return Choice(chosen, predicted, not_measured=skip, final=False)
+    if trial is None or trial.dry_run:
+        later = f"not measured yet: the first eager attend call of its bucket times {', '.join(contenders)}"
+        return Choice(chosen, predicted, not_measured=later, final=False)
     backends = registry.backends()
     measured = autotune.measure([backends[name] for name in contenders], trial)
     if measured is None:
@@ -136,9 +136,10 @@ def _choose(
 MEASURING_SWITCHES = "autotune = false in the config, or ATTNKIT_AUTOTUNE=0"
 
 
-def decision(spec: AttentionSpec, problem: Problem) -> str:
+def decision(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None = None) -> str:
     """Why ``auto`` picks what it picks for this call: the forced backend, a measurement (with its record), or the
-    rule of :func:`cost.choose` with the predictions it weighed (``attnkit explain`` prints it under the table)."""
+    rule of :func:`cost.choose` with the predictions it weighed (``attnkit explain`` prints it under the table).
+    ``trial`` (a dry run: nothing is timed) says why a call with values would not be measured."""
     forced = config.forced_backend()
     if forced is not None:
         return f"{forced} is forced (configuration or ATTNKIT_BACKEND)"
@@ -146,22 +147,22 @@ def decision(spec: AttentionSpec, problem: Problem) -> str:
     servable = [row.name for row in rows if not row.reasons]
     if not servable:
         return "no backend in the priority list can serve the call"
-    choice = _choose(spec, problem, servable, None)
+    choice = _choose(spec, problem, servable, None, trial)
     if choice.record is not None:
         return f"{choice.backend} was measured fastest: {choice.record.describe()}"
     rule = cost.decision(servable, choice.predicted, config.current_config().cost_margin, choice.backend)
     return f"{rule}; predicted, {choice.not_measured}" if choice.not_measured else rule
 
 
-def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
-    """Every registered backend with its reasons, in the order ``auto`` would try them."""
+def candidates(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None = None) -> list[Candidate]:
+    """Every registered backend with its reasons, in the order ``auto`` would try them (``trial``: as decision's)."""
     all_backends = registry.backends()
     forced = config.forced_backend()
     order = _order(spec, problem, forced)
     rows = _priority_rows(spec, problem, order, all_backends)
     servable = [row.name for row in rows if not row.reasons]
     if servable:
-        choice = _choose(spec, problem, servable, forced)
+        choice = _choose(spec, problem, servable, forced, trial)
         chosen, predicted = choice.backend, choice.predicted
         rows = [
             Candidate(row.name, row.reasons, selected=row.name == chosen, predicted_us=predicted.get(row.name))
