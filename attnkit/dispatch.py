@@ -148,6 +148,18 @@ def decision(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None
     if not servable:
         return "no backend in the priority list can serve the call"
     choice = _choose(spec, problem, servable, None, trial)
+    return _in_words(choice, servable)
+
+
+def auto_choice(spec: AttentionSpec, problem: Problem) -> Choice | None:
+    """What ``auto`` picks for this call with nothing forced, and what decided it, without measuring (a record
+    decides where there is one); None when no backend in the priority list can serve it."""
+    rows = _priority_rows(spec, problem, _order(spec, problem, None), registry.backends())
+    servable = [row.name for row in rows if not row.reasons]
+    return _choose(spec, problem, servable, None) if servable else None
+
+
+def _in_words(choice: Choice, servable: list[str]) -> str:
     if choice.record is not None:
         return f"{choice.backend} was measured fastest: {choice.record.describe()}"
     rule = cost.decision(servable, choice.predicted, config.current_config().cost_margin, choice.backend)
