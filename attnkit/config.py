@@ -1,7 +1,8 @@
 """Configuration: which backend ``auto`` picks, per device and per spec feature.
 
 Layers, later ones winning (docs/dispatch.md, "Precedence", says it in one place): ``configs/default.toml``
-shipped with the package, the file named by ``ATTNKIT_CONFIG``, :func:`configure`, ``ATTNKIT_BACKEND``, then the
+shipped with the package, the file named by ``ATTNKIT_CONFIG``, :func:`configure`, ``ATTNKIT_BACKEND`` and
+``ATTNKIT_AUTOTUNE`` (measuring on or off, attnkit/autotune.py), then the
 scoped overrides :func:`use_config` and :func:`use_backend`, the innermost scope winning (ContextVars: per thread
 and per asyncio task; a thread pool does not carry them, see README). Each layer is validated on its own, with
 strict types, before it is merged, and an error names its file, variable or call and the key. The environment
