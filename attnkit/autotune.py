@@ -193,8 +193,11 @@ def contenders(
     """The backends worth measuring for a call (fastest predicted first, at most ``autotune_candidates``), or fewer
     than two when the prediction decides: with a table fitted on this machine, those predicted within
     ``cost_margin`` of the fastest prediction; otherwise those within ``autotune_spread`` of it, and those without
-    a prediction. ``chosen`` (the prediction's pick) is always among them. Never one of ``autotune_exclude``."""
+    a prediction. ``chosen`` (the prediction's pick) is always among them; never one of ``autotune_exclude``, and none
+    when ``chosen`` is one (only ``chosen`` is returned)."""
     allowed = [name for name in servable if name not in config.autotune_exclude]
+    if chosen not in allowed:  # the pick cannot be measured against the others: measuring them would drop it unheard
+        return (chosen,)
     times = {name: time for name in allowed if (time := predicted.get(name)) is not None}
     fastest = min(times.values(), default=None)
     factor = 1.0 + config.cost_margin if fitted_here else config.autotune_spread
@@ -205,8 +208,7 @@ def contenders(
     picked.sort(key=lambda name: (times.get(name, math.inf), rank[name]))
     if chosen in picked:
         picked.remove(chosen)
-    if chosen in allowed:
-        picked.insert(0, chosen)
+    picked.insert(0, chosen)
     return tuple(picked[: config.autotune_candidates])
 
 

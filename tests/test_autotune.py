@@ -257,6 +257,7 @@ def test_contenders_are_the_close_predictions_or_the_spread_of_a_foreign_table()
     # Fitted elsewhere: within 4x, then the unpredicted, capped at three; the excluded never.
     assert autotune.contenders(servable, predicted, "b", False, current) == ("b", "a", "c")
     assert autotune.contenders(["a", "c"], {"a": 100.0, "c": 390.0}, "a", True, current) == ("a",)
+    assert autotune.contenders(servable, predicted, "x", False, current) == ("x",)  # an excluded pick stands
 
 
 def test_a_table_fitted_on_this_machine_is_trusted() -> None:
