@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -130,6 +131,7 @@ def _power_of_two(count: int) -> int:
     return 1 << max(count - 1, 0).bit_length()
 
 
+@functools.cache
 def _versions(framework: Framework) -> str:
     """What a timing depends on besides the machine: attnkit's, Python's and the framework's versions."""
     from attnkit import __version__

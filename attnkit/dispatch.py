@@ -197,7 +197,10 @@ def select(
             f"got {type(backend).__name__}"
         )
     epoch = CACHE.epoch  # before the config and registry are read: a clear after it drops what is found here
-    key = (spec, problem, backend, CACHE.scope_serial())
+    # Whether a trial came is in the key: a call that cannot measure (attend_paged, a graph operator, a bench asking
+    # ahead) keeps the decision it got, the prediction's included, where attend's eager calls keep only a final one,
+    # so that the first of a bucket measures whoever asked before it.
+    key = (spec, problem, backend, CACHE.scope_serial(), trial is None)
     hit = CACHE.decisions.get(key)
     if hit is not None:
         return hit
@@ -217,7 +220,7 @@ def select(
             raise BackendUnavailableError(f"no backend can serve this call:\n{table}")
         choice = _choose(spec, problem, servable, None, trial)
         chosen = all_backends[choice.backend]
-        if not choice.final:  # a later eager call of this bucket measures: it must not find this decision cached
+        if not choice.final and trial is not None:  # a later eager call of the bucket measures: nothing cached
             return chosen
     if CACHE.remember(CACHE.decisions, key, chosen, epoch):
         _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
