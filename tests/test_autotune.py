@@ -17,7 +17,7 @@ import torch
 
 import attnkit
 from attnkit import autotune, config, dispatch, validation
-from attnkit.cost import CostEntry, CostTable
+from attnkit.cost import CostEntry, CostTable, load_table, write_table
 from attnkit.environment import cpu_fingerprint
 from attnkit.errors import ConfigError
 from attnkit.spec import AttentionSpec
@@ -272,3 +272,11 @@ def test_a_table_fitted_on_this_machine_is_trusted() -> None:
     assert not table("another machine").fitted_here(problem, ["a", "b"])
     assert not table(cpu_fingerprint()).fitted_here(problem, ["a", "c"])  # c has no entry
     assert not config.shipped_cost_table().fitted_here(problem, ["torch-sdpa", "cpu-flash"])  # fitted elsewhere
+
+
+def test_a_calibrated_table_records_the_machine_it_was_fitted_on(tmp_path: Path) -> None:
+    entries = [CostEntry("a", "cpu", "float32", "forward", 1.0, 2.0, 3.0, fitted_on=cpu_fingerprint())]
+    write_table(entries, tmp_path / "costs.toml", "a header")
+    assert f'fitted_on = "{cpu_fingerprint()}"' in (tmp_path / "costs.toml").read_text()
+    [entry] = load_table(tmp_path / "costs.toml").entries.values()
+    assert entry.fitted_on == cpu_fingerprint()
