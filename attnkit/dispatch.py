@@ -121,7 +121,7 @@ def _choose(
         later = f"not measured yet: the first eager attend call of its bucket times {', '.join(contenders)}"
         return Choice(chosen, predicted, not_measured=later, final=False)
     backends = registry.backends()
-    measured = autotune.measure([backends[name] for name in contenders], trial)
+    measured = autotune.measure([backends[name] for name in contenders], trial, servable)
     if measured is None:
         failed = f"not measured: timing {', '.join(contenders)} failed (logged at info level)"
         return Choice(chosen, predicted, not_measured=failed, final=False)
