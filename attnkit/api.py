@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnkit import config, dispatch, op_calls
+from attnkit import autotune, config, dispatch, op_calls
 from attnkit.backend import Backend, PlainCall, Problem, Runner, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
@@ -108,10 +108,12 @@ def attend(
     ops, problem, inputs, was_3d = prepare(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes
     )
-    chosen = dispatch.select(spec, problem, backend)
-    run = ops.runner(chosen, spec, problem)
     # A runner takes the tensors its backend declares: seven, nine with segment ids, ten with ALiBi slopes.
     given = 10 if inputs.alibi_slopes is not None else 9 if inputs.q_segment_ids is not None else 7
+    # An eager call with values: where the cost table cannot decide, auto may time the contenders on it.
+    trial = autotune.Trial(ops, spec, problem, inputs[:given]) if backend == config.AUTO else None
+    chosen = dispatch.select(spec, problem, backend, trial)
+    run = ops.runner(chosen, spec, problem)
     try:
         out, lse = run(*inputs[:given])
     except BackendUnavailableError:
@@ -149,17 +151,18 @@ def explain(
     ``sinks``, the call that runs without them and returns lse (§15's composition runs after it)."""
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
-    _, problem, _, _ = prepare(
+    ops, problem, inputs, _ = prepare(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse or sinks is not None, q_segment_ids,
         kv_segment_ids, alibi_slopes,
     )  # fmt: skip
-    return explain_problem(spec, problem)
+    # A dry run: what measuring attend's call would do (or why it would not), never timing anything.
+    return explain_problem(spec, problem, autotune.Trial(ops, spec, problem, inputs, dry_run=True))
 
 
-def explain_problem(spec: AttentionSpec, problem: Problem) -> str:
-    rows = dispatch.candidates(spec, problem)
+def explain_problem(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None = None) -> str:
+    rows = dispatch.candidates(spec, problem, trial)
     header = f"spec: {spec.model_dump_json(exclude_defaults=True)}\nproblem: {problem}"
     body = "\n".join(str(row) for row in rows)
     if not any(row.selected for row in rows):
         body += "\n(no backend can serve this call)"
-    return f"{header}\n{body}\ndecided by: {dispatch.decision(spec, problem)}"
+    return f"{header}\n{body}\ndecided by: {dispatch.decision(spec, problem, trial)}"

@@ -7,7 +7,8 @@ entry every step, which must not grow without end):
   backend, scope): the validated Problem, the runner, and the runner's plain call if it has one;
 * ``operator_calls``: the same for calls a graph operator runs (attnkit/op_calls.py), whose key also carries the
   caller's grad flags: the validated Problem and the chosen backend;
-* ``decisions``: dispatch.select(), per (spec, Problem, backend, scope): the chosen backend;
+* ``decisions``: dispatch.select(), per (spec, Problem, backend, scope, whether the caller could measure): the
+  chosen backend;
 * ``availability``: each backend's ``available()`` reading, by name (it looks at the machine: imports, compilers).
 
 What these depend on besides the call is the config in force and the registry. The process-wide config and the

@@ -1,7 +1,8 @@
 """Configuration: which backend ``auto`` picks, per device and per spec feature.
 
 Layers, later ones winning (docs/dispatch.md, "Precedence", says it in one place): ``configs/default.toml``
-shipped with the package, the file named by ``ATTNKIT_CONFIG``, :func:`configure`, ``ATTNKIT_BACKEND``, then the
+shipped with the package, the file named by ``ATTNKIT_CONFIG``, :func:`configure`, ``ATTNKIT_BACKEND`` and
+``ATTNKIT_AUTOTUNE`` (measuring on or off, attnkit/autotune.py), then the
 scoped overrides :func:`use_config` and :func:`use_backend`, the innermost scope winning (ContextVars: per thread
 and per asyncio task; a thread pool does not carry them, see README). Each layer is validated on its own, with
 strict types, before it is merged, and an error names its file, variable or call and the key. The environment
@@ -46,6 +47,10 @@ DEVICES = frozenset({"cpu", "cuda"})
 AUTO = "auto"
 #: ``ATTNKIT_LOG`` values (any case): the level of the ``attnkit`` logger's stderr handler.
 LOG_LEVELS = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR}
+#: Turns measuring (the ``autotune`` key) on or off for the process, over every config file and configure().
+AUTOTUNE_VARIABLE = "ATTNKIT_AUTOTUNE"
+SWITCH_VALUES = {"1": True, "on": True, "true": True, "yes": True}
+SWITCH_VALUES |= {"0": False, "off": False, "false": False, "no": False}
 # Strict scalars: "no" is not False and "0.9" is not a number (an int is a fine float); containers stay lax,
 # so a TOML array or a Python list serves where a tuple or frozenset is kept.
 Names = tuple[StrictStr, ...]
@@ -100,6 +105,22 @@ class Config(BaseModel):
     costs: StrictStr | None = None
     #: Another backend replaces the first in priority only when predicted faster by more than this fraction.
     cost_margin: StrictNumber = 0.5
+    #: Measure the backends that can serve a call where the cost table cannot decide, once per bucket of calls, and
+    #: keep the winner across processes (attnkit/autotune.py, docs/dispatch.md "Measuring"). ATTNKIT_AUTOTUNE=0 or 1
+    #: overrides it.
+    autotune: StrictBool = True
+    #: At most this many backends are measured for a bucket (the fastest predicted first).
+    autotune_candidates: Annotated[int, Strict()] = 3
+    #: Where the cost table was not fitted on this machine, every backend predicted at most this many times slower
+    #: than the fastest prediction is a candidate (the shipped CPU table was off by up to 3.5x on another machine).
+    autotune_spread: StrictNumber = 4.0
+    #: Backends never measured: a first call whose cost a few repeated calls cannot bound (one compiling per shape).
+    autotune_exclude: Names = ()
+    #: Under torch.no_grad() a call with at most this many queries, fewer than its keys, is a decode step: never
+    #: measured, since a generation loop's step latency matters more than the step's backend.
+    autotune_decode_len_q: Annotated[int, Strict()] = 16
+    #: The measured records kept on disk; the oldest go past it.
+    autotune_records: Annotated[int, Strict()] = 1024
     #: Settings of single backends, ``[backend_options.<name>]``: each name one the backend declares
     #: (``Capabilities.options``; docs/dispatch.md lists them), its value of the declared default's type.
     backend_options: dict[StrictStr, dict[StrictStr, OptionValue]] = {}
@@ -114,6 +135,27 @@ class Config(BaseModel):
     def _non_negative(cls, value: float) -> float:
         if not value >= 0.0:
             raise ValueError(f"cost_margin={value} must be >= 0")
+        return value
+
+    @field_validator("autotune_spread")
+    @classmethod
+    def _a_factor(cls, value: float) -> float:
+        if not value >= 1.0:
+            raise ValueError(f"autotune_spread={value} must be >= 1 (a factor over the fastest prediction)")
+        return value
+
+    @field_validator("autotune_candidates", "autotune_records")
+    @classmethod
+    def _at_least_two(cls, value: int) -> int:
+        if value < 2:
+            raise ValueError(f"{value} must be >= 2")
+        return value
+
+    @field_validator("autotune_decode_len_q")
+    @classmethod
+    def _a_count(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError(f"autotune_decode_len_q={value} must be >= 0")
         return value
 
     def cost_table(self) -> CostTable | None:
@@ -148,6 +190,9 @@ def _check_names(layer: Config, source: str) -> None:
                     raise ConfigError(f"{source}: key {key}.{device}: unknown backend {name!r} (allowed: {allowed})")
 
     check("priority", layer.priority)
+    for name in layer.autotune_exclude:
+        if name not in known:
+            raise ConfigError(f"{source}: key autotune_exclude: unknown backend {name!r} (allowed: {allowed})")
     for index, refinement in enumerate(layer.refine):
         check(f"refine[{index}].priority", refinement.priority)
     if layer.costs is not None:
@@ -315,6 +360,13 @@ def _build_base(extra: str | os.PathLike[str] | Mapping[str, Any] | None = None)
         config = load_config(user_file, base=config, label=f"ATTNKIT_CONFIG={user_file}")
     if extra is not None:
         config = load_config(extra, base=config, label=_call_label("configure", extra))
+    measuring = os.environ.get(AUTOTUNE_VARIABLE)
+    if measuring:
+        switch = SWITCH_VALUES.get(measuring.lower())
+        if switch is None:
+            allowed = ", ".join(SWITCH_VALUES)
+            raise ConfigError(f"{AUTOTUNE_VARIABLE}={measuring!r}: expected on or off (allowed, any case: {allowed})")
+        config = config.model_copy(update={"autotune": switch})
     forced = os.environ.get("ATTNKIT_BACKEND")
     if forced:
         _check_backend_name("ATTNKIT_BACKEND", forced)

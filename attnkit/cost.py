@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from attnkit.backend import Problem
-from attnkit.environment import accelerator_name
+from attnkit.environment import accelerator_name, cpu_fingerprint
 from attnkit.errors import ConfigError
 from attnkit.spec import AttentionSpec, CausalAlignment
 
@@ -48,6 +48,10 @@ class CostEntry:
     #: The GPU model it was measured on ("NVIDIA H100 80GB HBM3", :func:`attnkit.environment.accelerator_name`):
     #: the entry then speaks only for that model. "" (CPU entries): for any machine the table is used on.
     device_name: str = ""
+    #: :func:`~attnkit.environment.cpu_fingerprint` of the CPU the entry was fitted on (the table's top-level
+    #: ``fitted_on``); "" where unknown. A prediction from an entry fitted elsewhere is a prior, not a verdict:
+    #: ``auto`` measures the close candidates (attnkit/autotune.py).
+    fitted_on: str = ""
     #: per measured call: (log visible, log full, measured/fitted), computed once; a decision reads every one
     _corrections: tuple[tuple[float, float, float], ...] = field(init=False, repr=False, compare=False)
 
@@ -142,16 +146,35 @@ class CostTable:
         """The predicted time of one call on ``backend``, or None when the table has no entry for it."""
         return self.predictions(spec, problem, (backend,))[backend]
 
+    def entry(self, backend: str, problem: Problem) -> CostEntry | None:
+        """The entry that predicts ``backend`` on this call: its GPU model's first, then one without a model."""
+        pass_name = pass_of(problem)
+        for name in self._device_names(problem):
+            found = self.entries.get((backend, problem.device, problem.dtype, pass_name, name))
+            if found is not None:
+                return found
+        return None
+
     def predictions(self, spec: AttentionSpec, problem: Problem, backends: Iterable[str]) -> dict[str, float | None]:
         """:meth:`predict_us` of each of ``backends``, the call's work counted once."""
         units = work_units(spec, problem)
-        names, pass_name = self._device_names(problem), pass_of(problem)
         predicted: dict[str, float | None] = {}
         for backend in backends:
-            found = (self.entries.get((backend, problem.device, problem.dtype, pass_name, name)) for name in names)
-            entry = next((e for e in found if e is not None), None)
+            entry = self.entry(backend, problem)
             predicted[backend] = entry.predict_us(*units) if entry is not None else None
         return predicted
+
+    def fitted_here(self, problem: Problem, backends: Iterable[str]) -> bool:
+        """Whether every one of ``backends`` is predicted by an entry fitted on this machine: one keyed by this
+        call's GPU model, or a CPU entry whose ``fitted_on`` is this CPU's fingerprint. A backend without an entry
+        counts as not fitted here."""
+        for backend in backends:
+            entry = self.entry(backend, problem)
+            if entry is None:
+                return False
+            if not entry.device_name and (problem.device != "cpu" or entry.fitted_on != cpu_fingerprint()):
+                return False
+        return True
 
     @staticmethod
     def combined(tables: Iterable[CostTable]) -> CostTable:
@@ -214,7 +237,7 @@ _FIELDS = {
 _OPTIONAL_FIELDS = {"measured", "device_name"}
 
 
-def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
+def _entry(source: str, index: int, row: dict[str, object], fitted_on: str = "") -> CostEntry:
     where = f"{source}: entry[{index}]"
     missing = sorted(set(_FIELDS) - set(row))
     unknown = sorted(set(row) - set(_FIELDS) - _OPTIONAL_FIELDS)
@@ -255,6 +278,7 @@ def _entry(source: str, index: int, row: dict[str, object]) -> CostEntry:
         ns_per_full_unit=float(values["ns_per_full_unit"]),  # type: ignore[arg-type]
         measured=tuple((float(v), float(f), float(t)) for v, f, t in measured),
         device_name=device_name,
+        fitted_on=fitted_on,
     )
 
 
@@ -267,7 +291,10 @@ def _load_cached(path: str, modified: float) -> CostTable:
     rows = data.get("entry", [])
     if not isinstance(rows, list):
         raise ConfigError(f"{path}: key entry must be an array of tables ([[entry]])")
-    return CostTable((_entry(path, index, row) for index, row in enumerate(rows)), source=path)
+    fitted_on = data.get("fitted_on", "")
+    if not isinstance(fitted_on, str):
+        raise ConfigError(f"{path}: key fitted_on={fitted_on!r}, expected a str (a CPU fingerprint)")
+    return CostTable((_entry(path, index, row, fitted_on) for index, row in enumerate(rows)), source=path)
 
 
 def load_table(path: str | Path) -> CostTable:
@@ -312,6 +339,9 @@ def fit(points: Sequence[tuple[float, float, float]], relative: bool = False) ->
 def write_table(entries: Sequence[CostEntry], path: str | Path, header: str) -> None:
     """Write entries as a TOML cost table, ``header`` as its leading comment lines."""
     lines = [f"# {line}" if line else "#" for line in header.splitlines()]
+    fitted_on = {entry.fitted_on for entry in entries} - {""}
+    if len(fitted_on) == 1:  # the machine the entries were measured on: there auto trusts them (attnkit/autotune.py)
+        lines += ["", f'fitted_on = "{fitted_on.pop()}"']
     for entry in entries:
         lines += [
             "",

@@ -7,7 +7,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from attnkit import config, cost, registry
+from attnkit import autotune, config, cost, registry
 from attnkit.backend import Backend, Delegation, Problem, routing_features
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
@@ -72,19 +72,74 @@ def _priority_rows(
     return rows
 
 
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` picked among the servable backends, and what decided it."""
+
+    backend: str
+    predicted: dict[str, float | None]
+    #: The measurement that decided (read from the records, or made by this call); None: the prediction decided.
+    record: autotune.Record | None = None
+    #: Why the prediction decided where measuring could have ("" where the prediction alone was asked for).
+    not_measured: str = ""
+    #: False when a later eager call of the same bucket would measure (the decision is then not cached).
+    final: bool = True
+
+
 def _choose(
-    spec: AttentionSpec, problem: Problem, servable: list[str], forced: str | None
-) -> tuple[str, dict[str, float | None]]:
-    """The backend to run among ``servable`` (non-empty, in priority order) and the cost table's predictions."""
+    spec: AttentionSpec,
+    problem: Problem,
+    servable: list[str],
+    forced: str | None,
+    trial: autotune.Trial | None = None,
+) -> Choice:
+    """The backend to run among ``servable`` (non-empty, in priority order): the cost table's prediction, unless the
+    table cannot decide and measuring can (attnkit/autotune.py). ``trial`` times backends on the call's inputs; without
+    one (explain, a graph operator) a bucket's record is used where there is one, else the prediction."""
     current = config.current_config()
     table = current.cost_table() if forced is None else None
     predicted = table.predictions(spec, problem, servable) if table else {}
-    return cost.choose(servable, predicted, current.cost_margin), predicted
+    chosen = cost.choose(servable, predicted, current.cost_margin)
+    if forced is not None or len(servable) < 2:
+        return Choice(chosen, predicted)
+    if not current.autotune:
+        return Choice(chosen, predicted, not_measured=f"not measured: measuring is off ({MEASURING_SWITCHES})")
+    fitted_here = table is not None and table.fitted_here(problem, servable)
+    contenders = autotune.contenders(servable, predicted, chosen, fitted_here, current)
+    if len(contenders) < 2:
+        why = "the cost table, fitted on this machine, predicts no other backend within the cost margin"
+        alone = "no other backend may be measured (autotune_exclude, autotune_spread)"
+        return Choice(chosen, predicted, not_measured="not measured: " + (why if fitted_here else alone))
+    key, bucket = autotune.bucket_key(spec, problem, contenders)
+    record = autotune.STORE.load(key)
+    if record is not None and record.winner in servable:
+        return Choice(record.winner, predicted, record=record)
+    skip = trial.skip_reason(current) if trial is not None else None
+    if skip is not None:
+        return Choice(chosen, predicted, not_measured=skip, final=False)
+    if trial is None or trial.dry_run:
+        later = f"not measured yet: the first eager attend call of its bucket times {', '.join(contenders)}"
+        return Choice(chosen, predicted, not_measured=later, final=False)
+    backends = registry.backends()
+    measured = autotune.measure([backends[name] for name in contenders], trial, servable)
+    if measured is None:
+        failed = f"not measured: timing {', '.join(contenders)} failed (logged at info level)"
+        return Choice(chosen, predicted, not_measured=failed, final=False)
+    winner, times = measured
+    record = autotune.Record(key, bucket, winner, tuple(times.items()), autotune.now_utc())
+    record = autotune.STORE.save(record, current.autotune_records)
+    _log.debug("attnkit: measured %s", record.describe())
+    return Choice(winner, predicted, record=record)
 
 
-def decision(spec: AttentionSpec, problem: Problem) -> str:
-    """Why ``auto`` picks what it picks for this call: the forced backend, or the rule of :func:`cost.choose` with the
-    predictions it weighed (``attnkit explain`` prints it under the table)."""
+#: How measuring is turned off, for explain's line.
+MEASURING_SWITCHES = "autotune = false in the config, or ATTNKIT_AUTOTUNE=0"
+
+
+def decision(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None = None) -> str:
+    """Why ``auto`` picks what it picks for this call: the forced backend, a measurement (with its record), or the
+    rule of :func:`cost.choose` with the predictions it weighed (``attnkit explain`` prints it under the table).
+    ``trial`` (a dry run: nothing is timed) says why a call with values would not be measured."""
     forced = config.forced_backend()
     if forced is not None:
         return f"{forced} is forced (configuration or ATTNKIT_BACKEND)"
@@ -92,19 +147,35 @@ def decision(spec: AttentionSpec, problem: Problem) -> str:
     servable = [row.name for row in rows if not row.reasons]
     if not servable:
         return "no backend in the priority list can serve the call"
-    chosen, predicted = _choose(spec, problem, servable, None)
-    return cost.decision(servable, predicted, config.current_config().cost_margin, chosen)
+    choice = _choose(spec, problem, servable, None, trial)
+    return _in_words(choice, servable)
 
 
-def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
-    """Every registered backend with its reasons, in the order ``auto`` would try them."""
+def auto_choice(spec: AttentionSpec, problem: Problem) -> Choice | None:
+    """What ``auto`` picks for this call with nothing forced, and what decided it, without measuring (a record
+    decides where there is one); None when no backend in the priority list can serve it."""
+    rows = _priority_rows(spec, problem, _order(spec, problem, None), registry.backends())
+    servable = [row.name for row in rows if not row.reasons]
+    return _choose(spec, problem, servable, None) if servable else None
+
+
+def _in_words(choice: Choice, servable: list[str]) -> str:
+    if choice.record is not None:
+        return f"{choice.backend} was measured fastest: {choice.record.describe()}"
+    rule = cost.decision(servable, choice.predicted, config.current_config().cost_margin, choice.backend)
+    return f"{rule}; predicted, {choice.not_measured}" if choice.not_measured else rule
+
+
+def candidates(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None = None) -> list[Candidate]:
+    """Every registered backend with its reasons, in the order ``auto`` would try them (``trial``: as decision's)."""
     all_backends = registry.backends()
     forced = config.forced_backend()
     order = _order(spec, problem, forced)
     rows = _priority_rows(spec, problem, order, all_backends)
     servable = [row.name for row in rows if not row.reasons]
     if servable:
-        chosen, predicted = _choose(spec, problem, servable, forced)
+        choice = _choose(spec, problem, servable, forced, trial)
+        chosen, predicted = choice.backend, choice.predicted
         rows = [
             Candidate(row.name, row.reasons, selected=row.name == chosen, predicted_us=predicted.get(row.name))
             for row in rows
@@ -115,15 +186,21 @@ def candidates(spec: AttentionSpec, problem: Problem) -> list[Candidate]:
     return [dataclasses.replace(row, delegations=all_backends[row.name].capabilities.delegations) for row in rows]
 
 
-def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Backend:
-    """The backend that runs this call. ``backend`` is ``"auto"`` or a registered name."""
+def select(
+    spec: AttentionSpec, problem: Problem, backend: str = "auto", trial: autotune.Trial | None = None
+) -> Backend:
+    """The backend that runs this call. ``backend`` is ``"auto"`` or a registered name. ``trial`` (attend's eager
+    calls) lets ``auto`` measure where the cost table cannot decide (attnkit/autotune.py)."""
     if not isinstance(backend, str):  # None does not mean "auto": a forgotten value must not pass as a choice
         raise InvalidInputTypeError(
             f"backend={backend!r}: expected {config.AUTO!r} or a registered backend's name (a str), "
             f"got {type(backend).__name__}"
         )
     epoch = CACHE.epoch  # before the config and registry are read: a clear after it drops what is found here
-    key = (spec, problem, backend, CACHE.scope_serial())
+    # Whether a trial came is in the key: a call that cannot measure (attend_paged, a graph operator, a bench asking
+    # ahead) keeps the decision it got, the prediction's included, where attend's eager calls keep only a final one,
+    # so that the first of a bucket measures whoever asked before it.
+    key = (spec, problem, backend, CACHE.scope_serial(), trial is None)
     hit = CACHE.decisions.get(key)
     if hit is not None:
         return hit
@@ -141,7 +218,10 @@ def select(spec: AttentionSpec, problem: Problem, backend: str = "auto") -> Back
         if not servable:
             table = "\n".join(str(row) for row in candidates(spec, problem))
             raise BackendUnavailableError(f"no backend can serve this call:\n{table}")
-        chosen = all_backends[_choose(spec, problem, servable, None)[0]]
+        choice = _choose(spec, problem, servable, None, trial)
+        chosen = all_backends[choice.backend]
+        if not choice.final and trial is not None:  # a later eager call of the bucket measures: nothing cached
+            return chosen
     if CACHE.remember(CACHE.decisions, key, chosen, epoch):
         _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
     return chosen
@@ -161,3 +241,4 @@ def clear_cache() -> None:
     """Forget every cached call, decision and availability reading (attnkit/call_cache.py), e.g. after installing a
     package or a compiler mid-process. Changes to the config or the registry clear them by themselves."""
     CACHE.clear()
+    autotune.STORE.forget()

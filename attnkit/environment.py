@@ -70,3 +70,13 @@ def accelerator_name(framework: str, device: str) -> str:
 
         names = {d.device_kind for d in jax.devices() if d.platform == "gpu"}
     return names.pop() if len(names) == 1 else ""
+
+
+@functools.cache
+def cpu_fingerprint() -> str:
+    """This CPU's model and instruction-set flags (/proc/cpuinfo, what a ``-march=native`` build is keyed on),
+    hashed: what a CPU cost table records as the machine it was fitted on, and part of the key of every record
+    ``auto`` measures (attnkit/autotune.py). Read once per process."""
+    from attnkit.build import cpu_description, digest
+
+    return digest(cpu_description())

@@ -20,6 +20,13 @@ from attnkit.testing.poison import poisoned_allocations
 from attnkit.testing.runners import native_framework
 from tests.cupy_emulator import attach_emulator
 
+# Measuring (attnkit/autotune.py) makes auto's choice depend on timings: off for the suite, whose tests of it turn it
+# on in a scope with a fake clock; records, if any test writes one, go to a directory of the run, never the user's.
+os.environ["ATTNKIT_AUTOTUNE"] = "0"
+os.environ["ATTNKIT_AUTOTUNE_DIR"] = os.path.join(
+    os.environ.get("TMPDIR", "/tmp"), f"attnkit-test-autotune-{os.getuid()}-{os.getpid()}"
+)
+
 PROFILE = register_profiles()
 # Before any backend loads: without a GPU the triton backend runs its kernels in the Triton interpreter.
 interpret_triton_without_gpu()

@@ -26,7 +26,7 @@ from typing import Any
 
 from attnkit.bench.calls import call_problem, interpreted, random_inputs
 from attnkit.bench.timing import blocked, environment, interleaved
-from attnkit.environment import accelerator_name
+from attnkit.environment import accelerator_name, cpu_fingerprint
 from attnkit.features import Feature
 from attnkit.tables import format_table
 
@@ -243,7 +243,7 @@ def calibrate(
         overhead, per_visible, per_full = cost.fit(measured, relative=True)
         entry = cost.CostEntry(
             group["backend"], group["device"], group["dtype"], group["pass"], overhead, per_visible, per_full, measured,
-            device_name=group["device_name"],
+            device_name=group["device_name"], fitted_on=cpu_fingerprint() if device == "cpu" else "",
         )  # fmt: skip
         group["fit"] = {"overhead_us": overhead, "ns_per_visible_unit": per_visible, "ns_per_full_unit": per_full}
         for point in points:
@@ -271,6 +271,7 @@ def calibrate(
                 "ns_per_visible_unit": e.ns_per_visible_unit,
                 "ns_per_full_unit": e.ns_per_full_unit,
                 "measured": [list(point) for point in e.measured],
+                "fitted_on": e.fitted_on,
             }
             for e in entries
         ],
@@ -303,6 +304,7 @@ def cost_entries(result: dict[str, Any]) -> list[Any]:
             row["ns_per_full_unit"],
             tuple(tuple(point) for point in row.get("measured", ())),
             device_name=row.get("device_name", ""),
+            fitted_on=row.get("fitted_on", ""),
         )
         for row in result["entries"]
     ]

@@ -1,0 +1,482 @@
+"""Measuring where the cost model cannot decide: ``auto``'s benchmark mode (docs/dispatch.md, "Measuring").
+
+The cost table (attnkit/cost.py) is a prior: fitted on one machine, it was off by up to 3.5x on another, where it
+made ``auto`` 2x slower than the SDPA call it replaced (issue 32). So where more than one backend can serve a call and
+either the table's predictions for them are within ``cost_margin`` of each other, or the table was not fitted on this
+machine (its ``fitted_on`` is not this CPU's fingerprint), ``auto`` times the few *contenders* on the call's own
+inputs, keeps the winner in a :class:`Record`, and uses it from then on, in this process and in later ones. As
+cuDNN's benchmark mode, Triton's autotuner and FFTW's wisdom do.
+
+* **Bucket.** One record per (device model, framework and versions, torch threads, dtype, shape bucket, spec class,
+  pass, contenders): batch, heads and lengths rounded up to a power of two, the head-group ratio and head dims exact,
+  the spec class the call's routing features (causal, window, softcap, layout, mask, lse, grad, ...). Its key is a
+  hash of all of it, as the build cache keys a build (attnkit/build.py): what a timing depends on is in the key, so
+  a record is never read for a machine, version or call kind it was not measured on.
+* **Measuring** (:func:`measure`): one timed call per contender, fastest predicted first; a contender slower than the
+  best by more than :data:`CLOSE` is beaten and timed no more; the ones still close are timed again while the
+  measuring has cost less than :data:`BUDGET_CALLS` calls of the slowest contender, and the first of them in the
+  priority list wins. A call that records gradients
+  is measured forward+backward, on detached views of its inputs (no copy; ``torch.autograd.grad``, so nothing is
+  accumulated into the caller's ``.grad``).
+* **Never measured** (the prediction, or a record already there, decides): under ``torch.compile`` and on meta or
+  fake tensors (attend hands those to the graph operator, which never measures), JAX arrays (jit traces attend: its
+  tracers have no values), and decode steps under ``torch.no_grad()`` (Lq <= ``autotune_decode_len_q`` and Lq <
+  Lk), where a generation loop's step latency matters more than which backend runs it. With ``autotune = false``
+  or ``ATTNKIT_AUTOTUNE=0``, nothing is measured and no record is read.
+* **Records** (:class:`RecordStore`): one JSON file per bucket under ``ATTNKIT_AUTOTUNE_DIR``, else
+  ``$XDG_CACHE_HOME/attnkit/autotune`` (``~/.cache/attnkit/autotune``); written to a private temporary file and moved
+  into place with ``os.replace``, so a reader sees a whole record or none and concurrent writers of one bucket each
+  write a whole one (the last stays); at most ``autotune_records`` files, the oldest removed first. Read only from a
+  directory and files the current user owns and nobody else can write (:func:`attnkit.build.ownership_problem`):
+  otherwise the directory is refused (logged once), and measured winners are kept in the process only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import logging
+import math
+import os
+import platform
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from attnkit import cost
+from attnkit.backend import Backend, Framework, Problem, routing_features
+from attnkit.build import digest, ownership_problem
+from attnkit.environment import accelerator_name, cpu_fingerprint
+from attnkit.errors import AttnkitError
+from attnkit.spec import AttentionSpec
+
+if TYPE_CHECKING:
+    from attnkit.config import Config
+    from attnkit.frontends import FrameworkOps
+
+_log = logging.getLogger("attnkit")
+
+DIRECTORY_VARIABLE = "ATTNKIT_AUTOTUNE_DIR"
+#: A contender slower than the best time by more than this fraction is beaten: timed no more.
+CLOSE = 0.10
+#: Measuring a bucket costs at most this many calls of its slowest contender (issue 32's bound).
+BUDGET_CALLS = 3.0
+RECORD_VERSION = 1
+#: Buckets remembered as having no record, per process (the call cache's bound: attnkit/call_cache.py).
+MISSING_LIMIT = 4096
+
+#: The clock measuring reads (seconds); tests put a fake one here.
+clock: Callable[[], float] = time.perf_counter
+
+
+class AutotuneStoreError(AttnkitError, RuntimeError):
+    """The records directory may not be used (someone else owns it or could write it, or it cannot be created); the
+    message says why. Dispatch catches it: the measured winner is then kept in the process only."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """A bucket's measurement: the winner and each contender's best time, in the order they were timed."""
+
+    key: str
+    bucket: str  # the bucket in words (dtype, pass, shape, spec class)
+    winner: str
+    times_us: tuple[tuple[str, float], ...]
+    measured_at: str  # UTC
+    path: str = ""  # the file it was read from or written to; "" when kept in the process only
+    note: str = ""  # why it is kept in the process only
+
+    def describe(self) -> str:
+        """One line: the times, and where the record lives."""
+        times = ", ".join(f"{name} {format_us(us)}" for name, us in self.times_us)
+        where = f"record {self.path}" if self.path else f"record kept in this process only: {self.note}"
+        return f"{times} ({where}; measured {self.measured_at} for {self.bucket})"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "version": RECORD_VERSION,
+            "key": self.key,
+            "bucket": self.bucket,
+            "winner": self.winner,
+            "times_us": [[name, us] for name, us in self.times_us],
+            "measured_at": self.measured_at,
+        }
+
+    @staticmethod
+    def from_json(data: Any, path: str) -> Record | None:
+        """The record a file holds, or None if it is not one of this version (a reader never trusts a file it
+        cannot fully read: it measures again and replaces it)."""
+        try:
+            if data["version"] != RECORD_VERSION:
+                return None
+            times = tuple((str(name), float(us)) for name, us in data["times_us"])
+            record = Record(
+                str(data["key"]), str(data["bucket"]), str(data["winner"]), times, str(data["measured_at"]), path
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        return record if record.winner in dict(times) else None
+
+
+# ------------------------------------------------------------------------------------------------------ buckets
+
+
+def _power_of_two(count: int) -> int:
+    return 1 << max(count - 1, 0).bit_length()
+
+
+@functools.cache
+def _versions(framework: Framework) -> str:
+    """What a timing depends on besides the machine: attnkit's, Python's and the framework's versions."""
+    from attnkit import __version__
+
+    if framework is Framework.TORCH:
+        import torch
+
+        return f"attnkit {__version__}, python {platform.python_version()}, torch {torch.__version__}"
+    import jax
+
+    return f"attnkit {__version__}, python {platform.python_version()}, jax {jax.__version__}"
+
+
+def _threads(framework: Framework) -> int:
+    if framework is Framework.TORCH:
+        import torch
+
+        return torch.get_num_threads()
+    return os.cpu_count() or 1
+
+
+def device_model(problem: Problem) -> str:
+    """The GPU's model for a CUDA call, this CPU's fingerprint (model and instruction-set flags) for a CPU one."""
+    if problem.device == "cpu":
+        return f"cpu {cpu_fingerprint()}"
+    return f"{problem.device} {accelerator_name(problem.framework.value, problem.device) or 'unknown model'}"
+
+
+def bucket_of(spec: AttentionSpec, problem: Problem) -> str:
+    """The bucket of a call in words: dtype, pass, rounded shape and spec class (module docstring)."""
+    group = problem.heads_q // max(problem.heads_kv, 1)
+    shape = (
+        f"B<={_power_of_two(problem.batch)} Hq<={_power_of_two(problem.heads_q)} group={group} "
+        f"Lq<={_power_of_two(problem.len_q)} Lk<={_power_of_two(problem.len_k)} D={problem.head_dim} "
+        f"Dv={problem.head_dim_v}"
+    )
+    features = ",".join(sorted(routing_features(spec, problem))) or "plain"
+    return f"{problem.framework.value} {problem.device} {problem.dtype} {cost.pass_of(problem)} {shape} {features}"
+
+
+def bucket_key(spec: AttentionSpec, problem: Problem, contenders: Sequence[str]) -> tuple[str, str]:
+    """(key, bucket in words): the key hashes the bucket, the machine, the versions, the thread count and the
+    contenders, so a record is read only where all of them are the same."""
+    bucket = bucket_of(spec, problem)
+    identity = (
+        bucket,
+        device_model(problem),
+        _versions(problem.framework),
+        f"threads {_threads(problem.framework)}",
+        "contenders " + ",".join(sorted(contenders)),
+    )
+    return digest(*identity), bucket
+
+
+# ------------------------------------------------------------------------------------------------ contenders
+
+
+def contenders(
+    servable: Sequence[str], predicted: Mapping[str, float | None], chosen: str, fitted_here: bool, config: Config
+) -> tuple[str, ...]:
+    """The backends worth measuring for a call (fastest predicted first, at most ``autotune_candidates``), or fewer
+    than two when the prediction decides: with a table fitted on this machine, those predicted within
+    ``cost_margin`` of the fastest prediction; otherwise those within ``autotune_spread`` of it, and those without
+    a prediction. ``chosen`` (the prediction's pick) is always among them; never one of ``autotune_exclude``, and none
+    when ``chosen`` is one (only ``chosen`` is returned)."""
+    allowed = [name for name in servable if name not in config.autotune_exclude]
+    if chosen not in allowed:  # the pick cannot be measured against the others: measuring them would drop it unheard
+        return (chosen,)
+    times = {name: time for name in allowed if (time := predicted.get(name)) is not None}
+    fastest = min(times.values(), default=None)
+    factor = 1.0 + config.cost_margin if fitted_here else config.autotune_spread
+    picked = [name for name, time in times.items() if fastest is None or time <= fastest * factor]
+    if not fitted_here:
+        picked += [name for name in allowed if name not in times]
+    rank = {name: index for index, name in enumerate(servable)}  # priority order breaks ties and orders unknowns
+    picked.sort(key=lambda name: (times.get(name, math.inf), rank[name]))
+    if chosen in picked:
+        picked.remove(chosen)
+    picked.insert(0, chosen)
+    return tuple(picked[: config.autotune_candidates])
+
+
+# ------------------------------------------------------------------------------------------------- measuring
+
+
+class Trial:
+    """Times one backend on the inputs of the call being dispatched (eager torch calls only: :meth:`skip_reason`)."""
+
+    def __init__(
+        self, ops: FrameworkOps, spec: AttentionSpec, problem: Problem, inputs: Sequence[Any], dry_run: bool = False
+    ) -> None:
+        self.ops = ops
+        self.spec = spec
+        self.problem = problem
+        self.inputs = tuple(inputs)  # positionally, as the runners take them
+        #: explain's: says whether the call would be measured, never times anything.
+        self.dry_run = dry_run
+
+    def skip_reason(self, config: Config) -> str | None:
+        """Why this call must not be measured (the prediction decides), or None."""
+        if self.problem.framework is not Framework.TORCH:
+            return "not measured: a JAX call (jit traces attend, where its arrays have no values)"
+        import torch
+
+        q = self.inputs[0]
+        if torch.compiler.is_compiling() or self.ops.symbolic(q):
+            return "not measured: inside a torch.compile trace, or meta/fake tensors"
+        problem = self.problem
+        decode = problem.len_q <= config.autotune_decode_len_q and problem.len_q < problem.len_k
+        if decode and not torch.is_grad_enabled():
+            return (
+                f"not measured: a decode step under torch.no_grad() (Lq={problem.len_q} <= autotune_decode_len_q="
+                f"{config.autotune_decode_len_q}, Lq < Lk), whose latency comes first"
+            )
+        return None
+
+    def seconds(self, backend: Backend) -> float:
+        """One call's time on ``backend``: forward, or forward+backward where the call records gradients."""
+        import torch
+
+        run = self.ops.runner(backend, self.spec, self.problem)
+        args = list(self.inputs)
+        leaves: list[torch.Tensor] = []
+        if self.problem.needs_grad:  # detached views: the backward reaches none of the caller's tensors
+            for index, tensor in enumerate(args):
+                if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                    args[index] = tensor.detach().requires_grad_(True)
+                    leaves.append(args[index])
+        synchronize = torch.cuda.synchronize if self.problem.device == "cuda" else None
+        if synchronize is not None:
+            synchronize()
+        start = clock()
+        out, _ = run(*args)
+        if leaves:
+            torch.autograd.grad(out, leaves, grad_outputs=torch.ones_like(out))
+        if synchronize is not None:
+            synchronize()
+        return clock() - start
+
+
+#: Backends measuring has run in this process: the first call of each, which loads its code (cpu-flash's extension,
+#: a first kernel launch) and takes up to seconds more than any later one, is a warm-up, not a sample.
+_warm: set[str] = set()
+
+
+def measure(
+    contenders: Sequence[Backend], trial: Trial, priority: Sequence[str]
+) -> tuple[str, dict[str, float]] | None:
+    """The fastest of ``contenders`` on the trial's call, the first in ``priority`` (every contender is in it) among
+    those within :data:`CLOSE` of the best, and each one's best time in µs (module docstring, "Measuring"); None
+    when none could be timed. A contender that fails is left out (its error is logged): measuring
+    never fails the call, which then runs its backend and raises what it raises."""
+    best: dict[str, float] = {}
+    spent = 0.0
+    for backend in contenders:
+        try:
+            if backend.name not in _warm:  # its first call in the process loads (or builds) its code: not timed
+                trial.seconds(backend)
+                _warm.add(backend.name)
+            seconds = trial.seconds(backend)
+        except Exception as error:  # noqa: BLE001  any failure only removes the contender; the call reports its own
+            _log.info("attnkit: measuring %s failed (%s: %s); left out", backend.name, type(error).__name__, error)
+            continue
+        best[backend.name] = seconds
+        spent += seconds
+    if not best:
+        return None
+    budget = BUDGET_CALLS * max(best.values())
+    by_name = {backend.name: backend for backend in contenders}
+    while True:
+        fastest = min(best.values())
+        close = [name for name, seconds in best.items() if seconds <= fastest * (1.0 + CLOSE)]
+        again = sum(best[name] for name in close)
+        if len(close) < 2 or spent + again > budget:
+            break
+        for name in close:
+            seconds = trial.seconds(by_name[name])
+            spent += seconds
+            best[name] = min(best[name], seconds)
+    # Within CLOSE of the best, one sample each cannot tell them apart on a busy machine (the same backend timed
+    # twice differed by 25% in a loaded bench here): the priority order decides among them, as the cost margin
+    # leaves a close prediction to it, so the framework's own kernel keeps a tie.
+    fastest = min(best.values())
+    winner = next(name for name in priority if name in best and best[name] <= fastest * (1.0 + CLOSE))
+    return winner, {name: seconds * 1e6 for name, seconds in best.items()}
+
+
+# --------------------------------------------------------------------------------------------------- records
+
+
+def default_directory() -> Path:
+    """``ATTNKIT_AUTOTUNE_DIR``, else ``$XDG_CACHE_HOME/attnkit/autotune``, else ``~/.cache/attnkit/autotune``."""
+    given = os.environ.get(DIRECTORY_VARIABLE)
+    if given:
+        return Path(given)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnkit" / "autotune"
+
+
+class RecordStore:
+    """The records of measured buckets: on disk (module docstring, "Records") and, once read or written, in the
+    process, so a bucket's record is read from disk at most once per process and directory."""
+
+    def __init__(self) -> None:
+        self._known: dict[tuple[str, str], Record] = {}
+        #: Buckets whose file was missing when looked for: not looked for again in the process (a decode loop that
+        #: is never measured would otherwise stat a file per step) until forget() or this process's own save.
+        self._missing: set[tuple[str, str]] = set()
+        self._refused: set[str] = set()  # refusals already logged
+        self._lock = threading.Lock()
+        self._directory: Path | None = None  # use_directory's, over default_directory()
+
+    def directory(self) -> Path:
+        return self._directory if self._directory is not None else default_directory()
+
+    @contextlib.contextmanager
+    def use_directory(self, directory: Path | str) -> Iterator[None]:
+        """Read and write records in ``directory`` within the block (a bench's fresh records, a test's)."""
+        previous, self._directory = self._directory, Path(directory)
+        try:
+            yield
+        finally:
+            self._directory = previous
+
+    def forget(self) -> None:
+        """Drop what the process holds (dispatch.clear_cache): records are read from disk again."""
+        with self._lock:
+            self._known.clear()
+            self._missing.clear()
+
+    def usable_directory(self, create: bool) -> Path:
+        """The records directory, created owner-only when ``create`` and missing; AutotuneStoreError when it may not
+        be used (someone else owns it or may write it, or it cannot be created)."""
+        directory = self.directory()
+        if create:
+            try:
+                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+            except OSError as error:
+                raise AutotuneStoreError(f"cannot create the autotune records directory {directory}: {error}") from None
+        try:
+            problem = ownership_problem(directory)
+        except OSError as error:
+            raise AutotuneStoreError(f"cannot use the autotune records directory {directory}: {error}") from None
+        if problem:
+            raise AutotuneStoreError(
+                f"refusing the autotune records directory: {problem} (set {DIRECTORY_VARIABLE} to a private one)"
+            )
+        return directory
+
+    def _refusal(self, error: AutotuneStoreError) -> None:
+        with self._lock:
+            first = str(error) not in self._refused
+            self._refused.add(str(error))
+        if first:
+            _log.warning("attnkit: %s; measured backends are kept in this process only", error)
+
+    def load(self, key: str) -> Record | None:
+        """The record of bucket ``key``: the process's, else the directory's file (if the directory and the file
+        may be read), else None."""
+        directory = self.directory()
+        slot = (str(directory), key)
+        with self._lock:
+            known = self._known.get(slot)
+            if known is not None or slot in self._missing:
+                return known
+        path = directory / f"{key}.json"
+        if not path.exists():
+            with self._lock:
+                if len(self._missing) >= MISSING_LIMIT:
+                    self._missing.clear()
+                self._missing.add(slot)
+            return None
+        try:
+            self.usable_directory(create=False)
+            refused = ownership_problem(path)
+            if refused:
+                raise AutotuneStoreError(f"refusing the autotune record {path}: {refused}")
+            record = Record.from_json(json.loads(path.read_text()), str(path))
+        except AutotuneStoreError as error:
+            self._refusal(error)
+            return None
+        except (OSError, ValueError):  # vanished or unreadable: measured again and replaced
+            return None
+        if record is None or record.key != key:
+            return None
+        with self._lock:
+            self._known.setdefault((str(directory), key), record)
+            return self._known[(str(directory), key)]
+
+    def save(self, record: Record, limit: int) -> Record:
+        """Keep ``record`` in the process and write it (atomically) to the directory; the record as kept, with its
+        path, or with the note of why it is in the process only."""
+        directory = self.directory()
+        try:
+            usable = self.usable_directory(create=True)
+            path = usable / f"{record.key}.json"
+            descriptor, scratch = tempfile.mkstemp(prefix=f".{record.key}.", suffix=".tmp", dir=usable)  # mode 0600
+            try:
+                with os.fdopen(descriptor, "w") as file:
+                    json.dump(record.to_json(), file, indent=1)
+                os.replace(scratch, path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(scratch)
+                raise
+            kept = dataclasses.replace(record, path=str(path), note="")
+            self._prune(usable, limit)
+        except AutotuneStoreError as error:
+            self._refusal(error)
+            kept = dataclasses.replace(record, path="", note=str(error))
+        except OSError as error:
+            kept = dataclasses.replace(record, path="", note=f"writing {directory} failed: {error}")
+        with self._lock:
+            self._known[(str(directory), record.key)] = kept
+            self._missing.discard((str(directory), record.key))
+        return kept
+
+    @staticmethod
+    def _prune(directory: Path, limit: int) -> None:
+        """At most ``limit`` records: the least recently written go first. Scratch files of writers that died
+        (older than an hour) go too. Another process pruning at once removes some of the same files: ignored."""
+        ages: list[tuple[float, Path]] = []
+        now = time.time()
+        for entry in os.scandir(directory):
+            with contextlib.suppress(OSError):
+                modified = entry.stat(follow_symlinks=False).st_mtime
+                if entry.name.endswith(".json"):
+                    ages.append((modified, Path(entry.path)))
+                elif entry.name.endswith(".tmp") and now - modified > 3600:
+                    os.unlink(entry.path)
+        ages.sort()
+        for _, path in ages[: max(len(ages) - limit, 0)]:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
+#: The one store dispatch uses.
+STORE = RecordStore()
+
+
+def format_us(us: float) -> str:
+    if us >= 1e6:
+        return f"{us / 1e6:.3g} s"
+    return f"{us / 1e3:.3g} ms" if us >= 1e3 else f"{us:.3g} us"
+
+
+def now_utc() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
