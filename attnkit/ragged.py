@@ -136,8 +136,7 @@ def attend_varlen(
         max_seqlen_q, max_seqlen_k = longest_q, longest_k
         self_packed = bool(np.array_equal(offsets_q, offsets_k))
     if alibi_slopes is not None:  # per sequence: (n, Hq) makes the padded batch's (B, Hq)
-        alibi_slopes = checked_slopes(ops, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], ops.device(q),
-                                      check_values=offsets_q is not None)  # fmt: skip
+        alibi_slopes = checked_slopes(ops, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], ops.device(q), True)
         # One packed row has one slope per head: slopes that differ between sequences take the padded batch.
         self_packed = self_packed and alibi_slopes.shape[0] == 1
     packed = _packed_spec(spec)
@@ -278,7 +277,7 @@ def prepare_paged(
         _check_table(table_values, length_values, num_blocks, block_size, capacity)
     heads_q = q.shape[2] if spec.layout is Layout.BSHD else q.shape[1]
     if alibi_slopes is not None:
-        alibi_slopes = checked_slopes(ops, alibi_slopes, batch, heads_q, ops.device(q), length_values is not None)
+        alibi_slopes = checked_slopes(ops, alibi_slopes, batch, heads_q, ops.device(q), check_values=True)
     inputs = PagedInputs(q, k_cache, v_cache, block_table, kv_lengths, alibi_slopes)
     if ops.needs_grad(AttentionInputs(q, k_cache, v_cache))[0]:  # torch with grad on; JAX differentiates later
         name = next(name for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)) if x.requires_grad)
