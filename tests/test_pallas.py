@@ -135,6 +135,16 @@ TORCH_CASES = [
         bias_grad=True,
         dtype="bfloat16",
     ),
+    Case(
+        spec=AttentionSpec(causal=True, causal_alignment="top_left", softcap=5.0),
+        heads_q=4,
+        heads_kv=2,
+        len_q=9,
+        len_k=20,
+        q_lengths=(9, 4),
+        kv_lengths=(20, 7),
+        alibi_shape=(2, 4),
+    ),
 ]
 
 
@@ -293,12 +303,14 @@ def test_interior_runs_are_exactly_the_tiles_with_every_pair_visible(lo: int, hi
             spec=AttentionSpec(), len_q=64, len_k=64, heads_q=4, heads_kv=2, bias_shape=(1, 4, 64, 64), bias_grad=True
         ),
         Case(spec=AttentionSpec(causal=True, window=(40, 0), softcap=8.0, layout="bshd"), len_q=64, len_k=96),
+        Case(spec=AttentionSpec(causal=True), len_q=64, len_k=96, heads_q=4, heads_kv=2, alibi_shape=(2, 4)),
     ],
-    ids=["bias dbias GQA", "causal window softcap"],
+    ids=["bias dbias GQA", "causal window softcap", "causal alibi GQA"],
 )
 def test_interior_tiles_match_the_oracle(case: Case) -> None:
     """Lengths on tile multiples, so that the kernels' interior runs (no masks, no selects) are not empty: the scale
-    folded into exp2 (or not, with bias or softcap), dbias written from interior tiles, both loop directions."""
+    folded into exp2 (or not, with bias, softcap or ALiBi), dbias written from interior tiles, both loop directions,
+    ALiBi's term in interior tiles of every kernel."""
     _assert_agrees_with_oracle(case)
 
 
