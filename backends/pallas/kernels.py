@@ -155,12 +155,15 @@ def _alibi(slopes_ref: Any, geom_ref: Any) -> Alibi | None:
 
 def _alibi_term(alibi: Alibi | None, head: Any, i0: Any, j0: Any, block_q: int, block_k: int) -> Any:
     """ALiBi's term on the tile of rows i0.. and keys j0.., for query head ``head`` of the cell's slopes:
-    −slope·|i + off − j| from the tile's own indices (a float32 distance, exact below 2²⁴); None without slopes."""
+    −slope·|i + off − j| from the tile's own indices; None without slopes. The row (i + off − j0) and column
+    (j − j0) positions are made float32 as vectors, so the tile costs a float subtract, abs and multiply per score
+    (exact: positions stay below 2²⁴)."""
     if alibi is None:
         return None
     shape = (block_q, block_k)
-    distance = jnp.abs((i0 + alibi.offset - j0) + _iota(shape, 0) - _iota(shape, 1))
-    return -alibi.slopes[head] * distance.astype(jnp.float32)
+    rows = (i0 + alibi.offset - j0 + _iota(shape, 0)).astype(jnp.float32)
+    columns = _iota(shape, 1).astype(jnp.float32)
+    return -alibi.slopes[head] * jnp.abs(rows - columns)
 
 
 def _kv_range(geom: tuple[Any, ...], i0: Any, block_q: int, block_k: int) -> tuple[Any, Any]:
