@@ -165,3 +165,21 @@ def test_differentiating_paged_is_a_typed_error(backend: str) -> None:
 
     with pytest.raises(InvalidInputError, match="attend_paged .* is forward only"):
         jax.grad(loss)(arrays["q"])
+
+
+@pytest.mark.parametrize(
+    ("case", "per_batch", "splits"),
+    [("causal-gqa-block4", True, 1), ("window-softcap-top-left-block3", False, 1), ("causal-gqa-block4", True, 2)],
+    ids=["bottom-right, per (batch, head)", "top-left, per head", "split-K"],
+)
+def test_pallas_paged_alibi(case: str, per_batch: bool, splits: int) -> None:
+    """§16 in pallas's paged kernel: key j is the sequence's position, not the slot's, read through a table of
+    shared, out-of-order blocks; the offset kv_len − Lq bottom-right and 0 top-left; (Hq,) or (B, Hq) slopes; split
+    into key ranges too."""
+    paged = CASES[case]
+    arrays = _paged_arrays(paged, seed=4)
+    shape = (len(paged.kv_lengths), paged.heads_q) if per_batch else (paged.heads_q,)
+    arrays["alibi_slopes"] = np.random.default_rng(5).uniform(0.05, 1.0, shape).astype(np.float32)
+    _, inputs = prepare_paged(paged.spec, **{n: jnp.asarray(x) for n, x in arrays.items()}, return_lse=True)
+    out, lse = _pallas(decode_splits=splits).forward_paged(paged.spec, inputs, need_lse=True)
+    _check(paged.spec, arrays, out, lse)

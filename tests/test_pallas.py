@@ -135,6 +135,16 @@ TORCH_CASES = [
         bias_grad=True,
         dtype="bfloat16",
     ),
+    Case(
+        spec=AttentionSpec(causal=True, causal_alignment="top_left", softcap=5.0),
+        heads_q=4,
+        heads_kv=2,
+        len_q=9,
+        len_k=20,
+        q_lengths=(9, 4),
+        kv_lengths=(20, 7),
+        alibi_shape=(2, 4),
+    ),
 ]
 
 
@@ -293,12 +303,14 @@ def test_interior_runs_are_exactly_the_tiles_with_every_pair_visible(lo: int, hi
             spec=AttentionSpec(), len_q=64, len_k=64, heads_q=4, heads_kv=2, bias_shape=(1, 4, 64, 64), bias_grad=True
         ),
         Case(spec=AttentionSpec(causal=True, window=(40, 0), softcap=8.0, layout="bshd"), len_q=64, len_k=96),
+        Case(spec=AttentionSpec(causal=True), len_q=64, len_k=96, heads_q=4, heads_kv=2, alibi_shape=(2, 4)),
     ],
-    ids=["bias dbias GQA", "causal window softcap"],
+    ids=["bias dbias GQA", "causal window softcap", "causal alibi GQA"],
 )
 def test_interior_tiles_match_the_oracle(case: Case) -> None:
     """Lengths on tile multiples, so that the kernels' interior runs (no masks, no selects) are not empty: the scale
-    folded into exp2 (or not, with bias or softcap), dbias written from interior tiles, both loop directions."""
+    folded into exp2 (or not, with bias, softcap or ALiBi), dbias written from interior tiles, both loop directions,
+    ALiBi's term in interior tiles of every kernel."""
     _assert_agrees_with_oracle(case)
 
 
@@ -358,7 +370,8 @@ def test_cosine_in_half_precision_never_rounds_the_unit_vectors(case: Case) -> N
 def test_operands_reach_the_kernels_unpadded() -> None:
     """No copy pads q, k, v, dO, bias or the outputs to the tiles or to a power-of-two head dim, and none slices
     results back: every kernel takes and returns arrays at their own shapes (ragged last tiles and head dims of 40
-    and 24 are bounded inside the kernels). The traced forward and backward, outside the kernels, hold no pad."""
+    and 24 are bounded inside the kernels). The traced forward and backward, outside the kernels, hold no pad.
+    ALiBi's slopes reach the kernels as (1, Hq), never expanded to the batch or to (Lq, Lk)."""
     import jax
     import jax.extend
     import jax.numpy as jnp
@@ -366,9 +379,10 @@ def test_operands_reach_the_kernels_unpadded() -> None:
     spec = AttentionSpec(causal=True, softcap=20.0)
     q, k, v = (jnp.zeros(shape, jnp.bfloat16) for shape in ((2, 4, 37, 40), (2, 2, 29, 40), (2, 2, 29, 24)))
     bias = jnp.zeros((1, 4, 37, 29), jnp.float32)
+    slopes = jnp.full((4,), 0.25, jnp.float32)
 
     def loss(q, k, v, bias):
-        out, lse = attnkit.attend(spec, q, k, v, bias=bias, return_lse=True, backend="pallas")
+        out, lse = attnkit.attend(spec, q, k, v, bias=bias, alibi_slopes=slopes, return_lse=True, backend="pallas")
         return out.astype(jnp.float32).sum() + lse.sum()
 
     primitives, kernel_shapes = set(), set()
@@ -386,5 +400,6 @@ def test_operands_reach_the_kernels_unpadded() -> None:
 
     walk(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias).jaxpr)
     assert "pad" not in primitives
-    own_shapes = {q.shape, k.shape, v.shape, bias.shape, (2, 4, 37, 24), (2, 4, 37), (2, 4, 37, 29), (2, 4), (4,)}
+    out, lse, dbias, geometry, params, slopes_shape = (2, 4, 37, 24), (2, 4, 37), (2, 4, 37, 29), (2, 5), (4,), (1, 4)
+    own_shapes = {q.shape, k.shape, v.shape, bias.shape, out, lse, dbias, geometry, params, slopes_shape}
     assert kernel_shapes <= own_shapes, kernel_shapes - own_shapes

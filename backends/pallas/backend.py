@@ -25,7 +25,6 @@ from attnkit.backend import (
     BaseBackend,
     Capabilities,
     DeviceLimits,
-    Feature,
     Framework,
     Gradients,
     Layout,
@@ -191,10 +190,10 @@ def _pad_axis(x: Any, axis: int, size: int, value: float = 0) -> Any:
 
 
 def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> Any:
-    """(B, 4) int32 [q_len, kv_len, lo, hi] (kernels.py); lengths may be tracers: clamped.
+    """(B, 5) int32 [q_len, kv_len, lo, hi, off] (kernels.py); lengths may be tracers: clamped.
 
-    ``lo, hi`` is the band (lower, upper) of ``band`` shifted by each element's alignment offset, so the kernels
-    test ``lo ≤ j − i ≤ hi``; an open side stays ∓FAR."""
+    ``lo, hi`` is the band (lower, upper) of ``band`` shifted by each element's alignment offset ``off``, so the
+    kernels test ``lo ≤ j − i ≤ hi``; an open side stays ∓FAR. ALiBi's distance is |i + off − j|."""
     batch, len_q, len_k = sizes.batch, sizes.len_q, sizes.len_k
     q_len = jnp.full((batch,), len_q, jnp.int32) if q_lengths is None else jnp.clip(q_lengths, 0, len_q)
     kv_len = jnp.full((batch,), len_k, jnp.int32) if kv_lengths is None else jnp.clip(kv_lengths, 0, len_k)
@@ -203,7 +202,7 @@ def _geometry(band: Any, sizes: _Sizes, q_lengths: Any, kv_lengths: Any) -> Any:
     offset = (kv_len - q_len) * alignment
     lo = jnp.where(lower <= -kernels.FAR, -kernels.FAR, offset + lower)
     hi = jnp.where(upper >= kernels.FAR, kernels.FAR, offset + upper)
-    return jnp.stack([q_len, kv_len, lo, hi], axis=1)
+    return jnp.stack([q_len, kv_len, lo, hi, offset], axis=1)
 
 
 def _pairwise(x: Any, sizes: _Sizes, dtype: Any) -> Any:
@@ -223,7 +222,7 @@ def _segments(config: _Config, sizes: _Sizes, inputs: AttentionInputs) -> tuple[
 
 def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, Any]:
     """Kernel operands: q, k, v as given (raw for cosine too; zero at negative segment ids), int8 mask, float32
-    bias, geometry, segment ids."""
+    bias, ALiBi's float32 slopes (B|1, Hq) as given, geometry, segment ids."""
     sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     seq_axis, _ = _axes(config)
     q = zero_padding(inputs.q, None, seq_axis, inputs.q_segment_ids)
@@ -234,6 +233,7 @@ def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, A
     prepared["q"], prepared["k"], prepared["v"] = q, k, v
     prepared["mask"] = None if inputs.mask is None else _pairwise(inputs.mask, sizes, jnp.int8)
     prepared["bias"] = None if inputs.bias is None else _pairwise(inputs.bias, sizes, jnp.float32)
+    prepared["slopes"] = inputs.alibi_slopes
     return prepared
 
 
@@ -267,7 +267,7 @@ def _forward(stages: _Stages, config: _Config, params: Any, band: Any, inputs: A
     if _empty(inputs, config):
         return _empty_forward(inputs, config)
     p = stages.prepare(config, band, inputs)
-    operands = (p["geom"], params, p["q"], p["k"], p["v"], p["mask"], p["bias"], p["segments"])
+    operands = (p["geom"], params, p["q"], p["k"], p["v"], p["mask"], p["bias"], p["slopes"], p["segments"])
     return stages.forward_kernel(config.kernel, *operands)
 
 
@@ -317,7 +317,7 @@ def _backward(
         return jnp.zeros_like(inputs.q), jnp.zeros_like(inputs.k), jnp.zeros_like(inputs.v), dbias
     p = stages.prepare(config, band, inputs)
     lse, delta = stages.backward_rows(config, out, lse, dout, dlse)
-    operands = (p["geom"], params, p["q"], p["k"], p["v"], dout, lse, delta, p["mask"], p["bias"])
+    operands = (p["geom"], params, p["q"], p["k"], p["v"], dout, lse, delta, p["mask"], p["bias"], p["slopes"])
     dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands, p["segments_dkdv"])
     dq, dbias = stages.dq_kernel(config.kernel, *operands, p["segments"], need_dbias)
     return stages.finish_backward(config, inputs, (dq, dk, dv, dbias))
@@ -347,7 +347,7 @@ def _compiled() -> tuple[Any, Any, Any, Any]:
         jax.jit(kernels.forward_call, static_argnums=(0,), compiler_options=fast),
         jax.jit(_backward_rows, static_argnums=(0,)),
         jax.jit(kernels.dkdv_call, static_argnums=(0,), compiler_options=fast),
-        jax.jit(kernels.dq_call, static_argnums=(0, 12), compiler_options=fast),
+        jax.jit(kernels.dq_call, static_argnums=(0, 13), compiler_options=fast),
         jax.jit(_finish_backward, static_argnums=(0,)),
     )
     whole_forward = jax.jit(functools.partial(_forward, _PLAIN), static_argnums=(0,))
@@ -394,8 +394,8 @@ def _paged_config(
 
 
 def _paged_forward(static: Any, params: Any, band: Any, inputs: PagedInputs) -> tuple[Any, Any]:
-    """(out, lse) of attend_paged (§13): q and the cache as they lie."""
-    q, k_cache, v_cache, block_table, kv_lengths = inputs[:5]
+    """(out, lse) of attend_paged (§13): q and the cache as they lie; ALiBi's key positions are the sequence's."""
+    q, k_cache, v_cache, block_table, kv_lengths, slopes = inputs
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
     batch, len_q, heads_q = q.shape[0], q.shape[seq_axis], q.shape[head_axis]
     capacity = block_table.shape[1] * k_cache.shape[1]
@@ -403,7 +403,8 @@ def _paged_forward(static: Any, params: Any, band: Any, inputs: PagedInputs) -> 
         out = jnp.zeros((*q.shape[:-1], v_cache.shape[-1]), q.dtype)
         return out, jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
     geom = _geometry(band, _Sizes(batch, len_q, capacity, len_q, capacity), None, kv_lengths)
-    return kernels.paged_forward_call(static, geom, params, block_table.astype(jnp.int32), q, k_cache, v_cache)
+    table = block_table.astype(jnp.int32)
+    return kernels.paged_forward_call(static, geom, params, table, q, k_cache, v_cache, slopes)
 
 
 @functools.cache
@@ -456,7 +457,7 @@ class PallasBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.ALIBI},
+        features=ALL_FEATURES,
         native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
         per_device=(("cuda", GPU_PAGED_LIMITS),),
@@ -473,6 +474,8 @@ class PallasBackend(BaseBackend):
             "dense mask/bias: their sequence axes are materialised (batch/head broadcast is kept)",
             "segment ids: narrowed to int32; tile pairs whose id ranges cannot meet are skipped, so a packed row "
             "of contiguous documents costs Σ Lᵢ²",
+            "ALiBi: the (B|1, Hq) slopes go in as they are and each tile computes −slope·|i + off − j| from its own "
+            "indices (forward, both backward kernels and the paged forward); on a GPU not yet run on hardware",
             "paged KV cache (forward only): the kernel reads each key tile where it lies, through the block table "
             "(a tile never straddles two blocks); on a GPU the block size and head dims must be powers of two >= 16",
             "split-K decode on a GPU: one query tile per (batch, head) and few of those: the keys are cut into up "

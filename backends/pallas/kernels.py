@@ -13,11 +13,18 @@ next power of two >= 16 (``width``) with its extra columns masked to 0. q/k are 
 (below); mask comes as int8 and bias as float32 in (B|1, Hq|1, Lq, Lk). Two small operands carry everything that
 may change without recompiling:
 
-* ``geom`` (B, 4) int32, per batch element ``[q_len, kv_len, lo, hi]``: query ``i`` sees key ``j`` when
+* ``geom`` (B, 5) int32, per batch element ``[q_len, kv_len, lo, hi, off]``: query ``i`` sees key ``j`` when
   ``i < q_len``, ``j < kv_len`` and ``lo <= j - i <= hi``. That band is causal and window together
   (docs/semantics.md §4): ``lo = off + lower``, ``hi = off + upper`` with ``(lower, upper)`` the spec's
-  ``attnkit.contract.diagonal_band`` (an open side: ``∓FAR``) and ``off`` the per-batch alignment offset.
+  ``attnkit.contract.diagonal_band`` (an open side: ``∓FAR``) and ``off`` the per-batch alignment offset, which
+  ALiBi's distance reads too.
 * ``params`` (4,) float32: ``[scale, softcap, 0, 0]``.
+
+ALiBi (§16), when given, arrives as its slopes (B|1, Hq) float32, a grid cell reading its own query heads' (one, or
+the dK/dV kernel's G). A tile's term −slope·|i + off − j| is computed from the tile's row and column indices
+(``_alibi_term``) and added to the scores beside the bias in every kernel, so the backward recomputes the forward's
+scores; no (Lq, Lk) bias is ever formed, and the slopes get no gradient. It hides nothing: the tiles skipped and
+the interior runs are those without it.
 
 Segment ids (§4.5), when given, arrive as :class:`Segments`: the ids of the padded rows (−1 on padding, which
 ``backend.py`` has also zeroed in q, k, v) and, per tile of the kernel's blocks, the smallest and largest
@@ -132,6 +139,31 @@ def _inverse_norms(x: Any, static: Static) -> Any:
 
 def _geometry(geom_ref: Any) -> tuple[Any, Any, Any, Any]:
     return geom_ref[0], geom_ref[1], geom_ref[2], geom_ref[3]
+
+
+class Alibi(NamedTuple):
+    """ALiBi inside a kernel (§16): the ref of the cell's query heads' slopes, (1,) or the dK/dV kernel's (G,)
+    float32, and the batch element's alignment offset (``geom``'s last column)."""
+
+    slopes: Any
+    offset: Any
+
+
+def _alibi(slopes_ref: Any, geom_ref: Any) -> Alibi | None:
+    return None if slopes_ref is None else Alibi(slopes_ref, geom_ref[4])
+
+
+def _alibi_term(alibi: Alibi | None, head: Any, i0: Any, j0: Any, block_q: int, block_k: int) -> Any:
+    """ALiBi's term on the tile of rows i0.. and keys j0.., for query head ``head`` of the cell's slopes:
+    −slope·|i + off − j| from the tile's own indices; None without slopes. The row (i + off − j0) and column
+    (j − j0) positions are made float32 as vectors, so the tile costs a float subtract, abs and multiply per score
+    (exact: positions stay below 2²⁴)."""
+    if alibi is None:
+        return None
+    shape = (block_q, block_k)
+    rows = (i0 + alibi.offset - j0 + _iota(shape, 0)).astype(jnp.float32)
+    columns = _iota(shape, 1).astype(jnp.float32)
+    return -alibi.slopes[head] * jnp.abs(rows - columns)
 
 
 def _kv_range(geom: tuple[Any, ...], i0: Any, block_q: int, block_k: int) -> tuple[Any, Any]:
@@ -297,21 +329,28 @@ def _traced_slice(index: Any) -> bool:
     return isinstance(index, pl.Slice) and not isinstance(index.start, int)
 
 
-def _score_fold(params_ref: Any, static: Static, has_bias: bool) -> Any:
-    """What turns _scores' tile into log₂ units: scale·log₂e when the scale is left to it (no softcap, no bias:
-    the tile is q·kᵀ), else log₂e. The scale is > 0, so max(S)·fold = max(S·fold)."""
-    if static.softcap or has_bias:
+def _score_fold(params_ref: Any, static: Static, has_terms: bool) -> Any:
+    """What turns _scores' tile into log₂ units: scale·log₂e when the scale is left to it (no softcap and no added
+    terms, bias or ALiBi: the tile is q·kᵀ), else log₂e. The scale is > 0, so max(S)·fold = max(S·fold)."""
+    if static.softcap or has_terms:
         return jnp.float32(LOG2E)
     return params_ref[0] * LOG2E
 
 
 def _scores(
-    a: Any, b: Any, params_ref: Any, static: Static, bias: Any, visible: Any, norms: tuple[Any, Any] = (None, None)
+    a: Any,
+    b: Any,
+    params_ref: Any,
+    static: Static,
+    bias: Any,
+    visible: Any,
+    norms: tuple[Any, Any] = (None, None),
+    alibi: Any = None,
 ) -> tuple[Any, Any]:
-    """S = softcap(scale·â·b̂ᵀ) + bias, −inf where hidden (``visible`` None: an interior tile, nothing hidden); also
-    tanh(raw/c) for the softcap derivative. Without softcap and bias S is left unscaled (â·b̂ᵀ): _score_fold
-    carries the scale into exp2's argument. â = a unless ``norms`` holds a's and b's inverse norms (cosine):
-    â·b̂ᵀ = (a·bᵀ)·(1/‖a‖)·(1/‖b‖) in float32."""
+    """S = softcap(scale·â·b̂ᵀ) + bias + alibi (``_alibi_term``'s tile, or None), −inf where hidden (``visible``
+    None: an interior tile, nothing hidden); also tanh(raw/c) for the softcap derivative. Without softcap, bias and
+    ALiBi S is left unscaled (â·b̂ᵀ): _score_fold carries the scale into exp2's argument. â = a unless ``norms``
+    holds a's and b's inverse norms (cosine): â·b̂ᵀ = (a·bᵀ)·(1/‖a‖)·(1/‖b‖) in float32."""
     s = _dot(a, b, trans_b=True)
     a_inverse, b_inverse = norms
     if a_inverse is not None:
@@ -321,10 +360,12 @@ def _scores(
         cap = params_ref[1]
         tanh = jnp.tanh(s * params_ref[0] / cap)
         s = tanh * cap
-    elif bias is not None:
+    elif bias is not None or alibi is not None:
         s = s * params_ref[0]
     if bias is not None:
         s = s + bias
+    if alibi is not None:
+        s = s + alibi
     if visible is None:
         return s, tanh
     return jnp.where(visible, s, -jnp.inf), tanh
@@ -372,30 +413,41 @@ def _read(ref: Any, head: Any, i0: Any, j0: Any, static: Static, geom: Any = Non
 
 
 def _split(refs: tuple[Any, ...], present: tuple[bool, ...]) -> list[Any]:
-    """Pop the optional refs in order: mask, bias, then the four of :class:`Segments` (one entry), then the
-    outputs; ``present[n]`` says whether the n-th optional operand was passed."""
+    """Pop the optional refs in order: mask, bias, ALiBi's slopes, then the four of :class:`Segments` (one entry),
+    then the outputs; ``present[n]`` says whether the n-th optional operand was passed."""
     refs_list = list(refs)
-    mask_present, bias_present, segments_present = present
+    mask_present, bias_present, slopes_present, segments_present = present
     mask = refs_list.pop(0) if mask_present else None
     bias = refs_list.pop(0) if bias_present else None
+    slopes = refs_list.pop(0) if slopes_present else None
     segments = Segments(*(refs_list.pop(0) for _ in Segments._fields)) if segments_present else None
-    return [mask, bias, segments, *refs_list]
+    return [mask, bias, slopes, segments, *refs_list]
 
 
 def _optional_operands(
-    in_specs: list[Any], operands: list[Any], pair_spec: Any, mask: Any, bias: Any, segments: Segments | None
-) -> tuple[bool, bool, bool]:
-    """Append mask, bias (each with ``pair_spec(shape)``) and the segment operands (whole rows of the batch
-    element) to a call's specs and operands; the kernel's ``has``."""
+    in_specs: list[Any],
+    operands: list[Any],
+    pair_spec: Any,
+    mask: Any,
+    bias: Any,
+    slopes: Any,
+    segments: Segments | None,
+    group: int = 1,
+) -> tuple[bool, bool, bool, bool]:
+    """Append mask, bias (each with ``pair_spec(shape)``), ALiBi's slopes (``group`` query heads a grid cell) and
+    the segment operands (whole rows of the batch element) to a call's specs and operands; the kernel's ``has``."""
     for extra in (mask, bias):
         if extra is not None:
             in_specs.append(pair_spec(extra.shape))
             operands.append(extra)
+    if slopes is not None:
+        in_specs.append(_slopes_spec(slopes.shape, group))
+        operands.append(slopes)
     if segments is not None:
         for array in segments:
             in_specs.append(pl.BlockSpec((None, *array.shape[1:]), lambda b, *_, n=array.ndim: (b,) + (0,) * (n - 1)))
             operands.append(array)
-    return mask is not None, bias is not None, segments is not None
+    return mask is not None, bias is not None, slopes is not None, segments is not None
 
 
 def _key_tile(
@@ -425,9 +477,10 @@ def _key_tile(
 def _fwd_tile(
     geom_ref: Any, params_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, static: Static, has: tuple
 ) -> None:
-    mask_ref, bias_ref, segments, o_ref, lse_ref = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, o_ref, lse_ref = _split(refs, has)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
+    alibi = _alibi(slopes_ref, geom_ref)
     q_len = geom[0]
     q_tile = pl.program_id(2)
     i0 = q_tile * block_q
@@ -439,12 +492,13 @@ def _fwd_tile(
         kind = (edge, ragged)
         k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, mask_ref, segments, geom, i0, tile, static, kind)
         norms = (q_inverse, _inverse_norms(k, static))
-        return _scores(q, k, params_ref, static, bias, visible, norms)[0], v
+        term = _alibi_term(alibi, 0, i0, tile * block_k, block_q, block_k)
+        return _scores(q, k, params_ref, static, bias, visible, norms, term)[0], v
 
     first, end = _split_range(static, k_ref.shape[0], *_kv_range(geom, i0, block_q, block_k))
     interior = None if _all_edge(mask_ref, segments) else _interior_keys(geom, i0, first, end, block_q, block_k)
     guard = functools.partial(_where_ids_meet, segments, lambda tile: (q_tile, tile))
-    fold = _score_fold(params_ref, static, bias_ref is not None)
+    fold = _score_fold(params_ref, static, bias_ref is not None or alibi is not None)
     tiles = (k_ref.shape[0], block_k)
     state = _softmax_over_tiles(
         first, end, interior, scores, fold, block_q, width(v_ref.shape[-1]), tiles, guard, bias_ref is not None
@@ -547,12 +601,28 @@ def _pair_spec(shape: tuple[int, ...], group: int = 1) -> Any:
     return pl.BlockSpec((None, heads, *shape[2:]), index)
 
 
+def _slopes_spec(shape: tuple[int, ...], group: int = 1) -> pl.BlockSpec:
+    """BlockSpec of ALiBi's slopes (B|1, Hq): the ``group`` query heads from h·G of the cell's batch element (one
+    head but in the dK/dV kernel); a batch of 1 is read by every element."""
+    batch_broadcast = shape[0] == 1
+    return pl.BlockSpec((None, group), lambda b, h, *_: (0 if batch_broadcast else b, h))
+
+
 def _geom_specs() -> list[pl.BlockSpec]:
-    return [pl.BlockSpec((None, 4), lambda b, h, *_: (b, 0)), pl.BlockSpec((4,), lambda *_: (0,))]
+    return [pl.BlockSpec((None, 5), lambda b, h, *_: (b, 0)), pl.BlockSpec((4,), lambda *_: (0,))]
 
 
 def forward_call(
-    static: Static, geom: Any, params: Any, q: Any, k: Any, v: Any, mask: Any, bias: Any, segments: Segments | None
+    static: Static,
+    geom: Any,
+    params: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    slopes: Any,
+    segments: Segments | None,
 ) -> tuple[Any, Any]:
     """out (q's layout) and lse (B, Hq, Lq) float32; grid (B, Hq, query tiles[, key ranges])."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
@@ -565,7 +635,7 @@ def forward_call(
         _seq_spec(static, len_k, dim_v, lambda h: h // group),
     ]
     operands = [geom, params, q, k, v]
-    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, segments)
+    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments)
     kernel = functools.partial(_fwd_tile, static=static, has=has)
     return _launch_forward(static, kernel, in_specs, operands, q, dim_v, "attnkit_pallas_fwd")
 
@@ -611,13 +681,16 @@ def _launch_forward(
 
 
 def _paged_tile(
-    geom_ref: Any, params_ref: Any, table_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any, o_ref: Any, lse_ref: Any,
-    *, static: Static, page: int,
+    geom_ref: Any, params_ref: Any, table_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any,
+    static: Static, page: int, has_slopes: bool,
 ) -> None:  # fmt: skip
     """The forward over a paged cache: key j of this sequence is slot j mod page of block table[j // page]. A key
-    tile (block_k keys) lies inside one block, read where it lies; tiles at or past kv_len are never loaded."""
+    tile (block_k keys) lies inside one block, read where it lies; tiles at or past kv_len are never loaded. ALiBi's
+    j is the key's position in the sequence, not its slot."""
+    slopes_ref, o_ref, lse_ref = refs if has_slopes else (None, *refs)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
+    alibi = _alibi(slopes_ref, geom_ref)
     q_len, kv_len = geom[0], geom[1]
     i0 = pl.program_id(2) * block_q
     rows = pl.ds(i0, block_q)
@@ -632,22 +705,24 @@ def _paged_tile(
         k = _load(k_ref, (block, pl.ds(slot, block_k), _columns(k_ref)), limits)
         v = _load(v_ref, (block, pl.ds(slot, block_k), _columns(v_ref)), limits)
         norms = (q_inverse, _inverse_norms(k, static))
-        s, _ = _scores(q, k, params_ref, static, None, _visible(geom, i0, j0, block_q, block_k), norms)
-        return s, v
+        visible = _visible(geom, i0, j0, block_q, block_k)
+        term = _alibi_term(alibi, 0, i0, j0, block_q, block_k)
+        return _scores(q, k, params_ref, static, None, visible, norms, term)[0], v
 
     capacity = table_ref.shape[0] * page
     first, end = _split_range(static, capacity, *_kv_range(geom, i0, block_q, block_k))
-    fold = _score_fold(params_ref, static, False)
+    fold = _score_fold(params_ref, static, alibi is not None)
     state = _softmax_over_tiles(first, end, None, scores, fold, block_q, width(v_ref.shape[-1]), (capacity, block_k))
     _store_rows(o_ref, lse_ref, rows, *state)
 
 
 def paged_forward_call(
-    static: Static, geom: Any, params: Any, block_table: Any, q: Any, k_cache: Any, v_cache: Any
+    static: Static, geom: Any, params: Any, block_table: Any, q: Any, k_cache: Any, v_cache: Any, slopes: Any = None
 ) -> tuple[Any, Any]:
     """attend_paged's forward: out (q's layout) and lse (B, Hq, Lq_pad); grid (B, Hq, query tiles[, key ranges]).
     k_cache/v_cache (num_blocks, page, Hkv, D|Dv) go in whole (one kv head per cell) and are read a tile at a time
-    through the table (B, max_blocks) int32; ``static.block_k`` divides the page."""
+    through the table (B, max_blocks) int32; ``static.block_k`` divides the page. ``slopes``: ALiBi's (B|1, Hq)
+    float32, or None."""
     num_blocks, page, heads_kv, dim = k_cache.shape
     head_axis = 2 if static.bshd else 1
     group = q.shape[head_axis] // heads_kv
@@ -660,7 +735,10 @@ def paged_forward_call(
         pl.BlockSpec((num_blocks, page, None, dim_v), lambda b, h, *_: (0, 0, h // group, 0)),
     ]
     operands = [geom, params, block_table, q, k_cache, v_cache]
-    kernel = functools.partial(_paged_tile, static=static, page=page)
+    if slopes is not None:
+        in_specs.append(_slopes_spec(slopes.shape))
+        operands.append(slopes)
+    kernel = functools.partial(_paged_tile, static=static, page=page, has_slopes=slopes is not None)
     return _launch_forward(static, kernel, in_specs, operands, q, dim_v, "attnkit_pallas_paged_fwd")
 
 
@@ -681,9 +759,10 @@ def _bwd_dkdv(
     has: tuple,
     group: int,
 ) -> None:
-    mask_ref, bias_ref, segments, dk_ref, dv_ref = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, dk_ref, dv_ref = _split(refs, has)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
+    alibi = _alibi(slopes_ref, geom_ref)
     q_len, kv_len = geom[0], geom[1]
     kv_tile = pl.program_id(2)
     j0 = kv_tile * block_k
@@ -699,7 +778,7 @@ def _bwd_dkdv(
         lse = _load(lse_ref, (g, rows), limits, jnp.inf, overrun) * LOG2E
         return q, do, lse, _load(delta_ref, (g, rows), limits, overrun=overrun)
 
-    fold = _score_fold(params_ref, static, bias_ref is not None)
+    fold = _score_fold(params_ref, static, bias_ref is not None or alibi is not None)
 
     # Per query tile of each of the G query heads reading this kv head, P recomputed from lse (log₂ units):
     # P = 2^(S·fold − lse·log₂e), dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse,
@@ -717,8 +796,9 @@ def _bwd_dkdv(
             if edge:
                 visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g)
             bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static, geom if edge else None)
+            term = _alibi_term(alibi, g, i0, j0, block_q, block_k)
             q_inverse = _inverse_norms(q, static)
-            s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse))
+            s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse), term)
             p = jnp.exp2(s * fold - lse[:, None])
             dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
             ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
@@ -759,10 +839,11 @@ def _bwd_dq(
     static: Static,
     has: tuple,
 ) -> None:
-    mask_ref, bias_ref, segments, dq_ref, *dbias = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, dq_ref, *dbias = _split(refs, has)
     dbias_ref = dbias[0] if dbias else None
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
+    alibi = _alibi(slopes_ref, geom_ref)
     q_len = geom[0]
     q_tile = pl.program_id(2)
     i0 = q_tile * block_q
@@ -773,7 +854,7 @@ def _bwd_dq(
     lse = _load(lse_ref, (rows,), (q_len,), other=jnp.inf) * LOG2E
     delta = _load(delta_ref, (rows,), (q_len,))
 
-    fold = _score_fold(params_ref, static, bias_ref is not None)
+    fold = _score_fold(params_ref, static, bias_ref is not None or alibi is not None)
 
     # Per visible key tile: P = 2^(S·fold − lse·log₂e), dS = P ⊙ (dO·Vᵀ − Δ) (this is dbias),
     # dS' = dS ⊙ (1 − tanh²), dQ += scale · dS'·K (cosine: dQ̂ += scale · (dS'/‖k‖)·K).
@@ -783,7 +864,8 @@ def _bwd_dq(
             k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, mask_ref, segments, geom, i0, tile, static, kind)
             keys = pl.ds(tile * block_k, block_k)
             k_inverse = _inverse_norms(k, static)
-            s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse))
+            term = _alibi_term(alibi, 0, i0, tile * block_k, block_q, block_k)
+            s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse), term)
             p = jnp.exp2(s * fold - lse[:, None])
             ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
             if dbias_ref is not None:
@@ -827,6 +909,7 @@ def dkdv_call(
     delta: Any,
     mask: Any,
     bias: Any,
+    slopes: Any,
     segments: Segments | None,
 ) -> tuple[Any, Any]:
     """dk, dv float32 in k's layout; grid (B, Hkv, key tiles), each looping over its G query heads."""
@@ -843,7 +926,7 @@ def dkdv_call(
     in_specs = [*_geom_specs(), grouped[0], keys, keys_v, grouped[1], rows, rows]
     operands = [geom, params, q, k, v, do, lse, delta]
     pair_spec = lambda shape: _pair_spec(shape, group)  # noqa: E731
-    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, segments)
+    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, slopes, segments, group)
     kernel = functools.partial(_bwd_dkdv, static=static, has=has, group=group)
     return pl.pallas_call(
         kernel,
@@ -872,6 +955,7 @@ def dq_call(
     delta: Any,
     mask: Any,
     bias: Any,
+    slopes: Any,
     segments: Segments | None,
     need_dbias: bool,
 ) -> tuple[Any, Any]:
@@ -891,7 +975,7 @@ def dq_call(
         rows,
     ]
     operands = [geom, params, q, k, v, do, lse, delta]
-    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, segments)
+    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments)
     out_specs = [_seq_spec(static, len_q, dim)]
     out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
     if need_dbias:

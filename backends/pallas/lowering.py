@@ -49,6 +49,13 @@ def variants() -> dict[str, dict[str, Any]]:
             "segment_ids": True,
             "bias": (1, 4, 200, 300),
         },
+        "alibi GQA, lengths": {"spec": causal, "alibi": (2, 4), "lengths": True},
+        "alibi broadcast batch, softcap, bias dbias, top_left": {
+            "spec": AttentionSpec(causal=True, causal_alignment="top_left", softcap=30.0),
+            "alibi": (1, 4),
+            "bias": (1, 4, 200, 300),
+        },
+        "alibi GQA 3:1, segment ids": {"spec": causal, "heads_q": 6, "alibi": (2, 6), "segment_ids": True},
         "MQA": {"spec": causal, "heads_kv": 1},
         "MHA": {"spec": causal, "heads_kv": 4},
         "GQA 3:1, B=3, mask per head": {"spec": causal, "batch": 3, "heads_q": 6, "mask": (3, 6, 200, 300)},
@@ -70,6 +77,12 @@ def variants() -> dict[str, dict[str, Any]]:
             "dtype": "float32",
             "heads_kv": 1,
             "paged": 32,
+        },
+        "paged decode split-K alibi, block 16": {
+            "spec": AttentionSpec(causal=True, layout="bshd"),
+            "len_q": 1,
+            "paged": 16,
+            "alibi": (2, 4),
         },
     }
 
@@ -94,17 +107,19 @@ def lower(
     bias: tuple[int, ...] | None = None,
     lengths: bool = False,
     segment_ids: bool = False,
+    alibi: tuple[int, ...] | None = None,
     paged: int | None = None,
 ) -> dict[str, list[str]]:
     """Custom-call targets of the forward and backward programs lowered for CUDA, by pass; with ``paged`` (a block
-    size), of attend_paged's forward over a cache of ``len_k`` keys per sequence."""
+    size), of attend_paged's forward over a cache of ``len_k`` keys per sequence. ``alibi``: the shape of ALiBi's
+    slopes, (B|1, Hq)."""
     import jax
     import jax.numpy as jnp
 
     from .backend import PallasBackend
 
     if paged is not None:
-        return _lower_paged(spec, batch, heads_q, heads_kv, len_q, len_k, dim, dim_v, dtype, paged)
+        return _lower_paged(spec, batch, heads_q, heads_kv, len_q, len_k, dim, dim_v, dtype, paged, alibi)
 
     def shape(heads: int, length: int, d: int) -> tuple[int, ...]:
         return (batch, length, heads, d) if spec.layout.value == "bshd" else (batch, heads, length, d)
@@ -124,6 +139,7 @@ def lower(
         length_array,
         array((batch, len_q), jnp.int32) if segment_ids else None,
         array((batch, len_k), jnp.int32) if segment_ids else None,
+        None if alibi is None else array(alibi, jnp.float32),
     )
     forward, backward, config, params, band = PallasBackend(interpret=False)._call(spec, inputs)
     out = array((*q.shape[:-1], dim_v), q.dtype)
@@ -142,7 +158,7 @@ def _targets(traced: Any) -> list[str]:
 
 def _lower_paged(
     spec: AttentionSpec, batch: int, heads_q: int, heads_kv: int, len_q: int, len_k: int, dim: int, dim_v: int,
-    dtype: str, block_size: int,
+    dtype: str, block_size: int, alibi: tuple[int, ...] | None,
 ) -> dict[str, list[str]]:  # fmt: skip
     import jax
     import jax.numpy as jnp
@@ -159,6 +175,7 @@ def _lower_paged(
         array((num_blocks, block_size, heads_kv, dim_v), jnp.dtype(dtype)),
         array((batch, max_blocks), jnp.int32),
         array((batch,), jnp.int32),
+        None if alibi is None else array(alibi, jnp.float32),
     )
     static = _paged_config(spec, len_q, block_size, max_blocks, max(dim, dim_v), False, batch * heads_q, None)
     params, band = _scalars(spec, dim)
