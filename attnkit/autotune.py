@@ -36,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -133,17 +134,33 @@ def _power_of_two(count: int) -> int:
 
 
 @functools.cache
-def _versions(framework: Framework) -> str:
-    """What a timing depends on besides the machine: attnkit's, Python's and the framework's versions."""
-    from attnkit import __version__
+def _source_digest() -> str:
+    """A digest of attnkit's own code and its backends' (Python, C++, CUDA C, tables): a changed kernel measures
+    anew, where a version number would keep its old records."""
+    import importlib.util
 
+    backends = importlib.util.find_spec("attnkit.backends")
+    locations = (backends.submodule_search_locations or []) if backends is not None else []
+    roots = [Path(__file__).parent, *(Path(location) for location in locations)]
+    digest = hashlib.sha256()
+    for root in roots:
+        for path in sorted(root.rglob("*")):
+            if path.suffix in (".py", ".cpp", ".cu", ".cuh", ".h", ".toml") and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+@functools.cache
+def _versions(framework: Framework) -> str:
+    """What a timing depends on besides the machine: attnkit's code, Python's and the framework's versions."""
+    code = f"source {_source_digest()}"
     if framework is Framework.TORCH:
         import torch
 
-        return f"attnkit {__version__}, python {platform.python_version()}, torch {torch.__version__}"
+        return f"attnkit {code}, python {platform.python_version()}, torch {torch.__version__}"
     import jax
 
-    return f"attnkit {__version__}, python {platform.python_version()}, jax {jax.__version__}"
+    return f"attnkit {code}, python {platform.python_version()}, jax {jax.__version__}"
 
 
 def _threads(framework: Framework) -> int:

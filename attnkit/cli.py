@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -23,6 +22,7 @@ from attnkit.environment import interpret_triton_without_gpu
 from attnkit.errors import AttnkitError
 from attnkit.explain_flags import problem_from_args, spec_from_args, window_side
 from attnkit.spec import CausalAlignment, Layout, Variant
+from attnkit.tables import terminal_width
 
 #: What ``attnkit check`` imports beyond a plain install, with the extra that installs it.
 CHECK_NEEDS = (("torch", "torch"), ("test", "hypothesis"))
@@ -41,18 +41,6 @@ def run_info(args: argparse.Namespace, out: TextIO) -> int:
         path.write_text(text)
         print(f"wrote {path}", file=out)
     return 0
-
-
-def terminal_width(out: TextIO) -> int | None:
-    """The width to fit: COLUMNS where set, else the terminal's; None (no limit) when ``out`` is no terminal, so that
-    a pipe (grep, a file) gets whole lines."""
-    columns = os.environ.get("COLUMNS", "")
-    if columns.isdigit():
-        return int(columns)
-    try:
-        return os.get_terminal_size(out.fileno()).columns if out.isatty() else None
-    except (AttributeError, OSError, ValueError):  # a StringIO, or a stream without a descriptor
-        return None
 
 
 def run_build(args: argparse.Namespace, out: TextIO) -> int:

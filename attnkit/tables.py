@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 from collections.abc import Iterable, Sequence
+from typing import TextIO
 
 
 def format_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
@@ -51,3 +53,15 @@ def markdown_table(header: Sequence[str], rows: Iterable[Sequence[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def terminal_width(out: TextIO) -> int | None:
+    """The width to fit: COLUMNS where set, else the terminal's; None (no limit) when ``out`` is no terminal, so that
+    a pipe (grep, a file) gets whole lines."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit():
+        return int(columns)
+    try:
+        return os.get_terminal_size(out.fileno()).columns if out.isatty() else None
+    except (AttributeError, OSError, ValueError):  # a StringIO, or a stream without a descriptor
+        return None
