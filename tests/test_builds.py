@@ -79,7 +79,7 @@ def assert_auto_falls_back(reason: str) -> None:
         with pytest.raises(BackendUnavailableError, match="cpu-flash") as raised:
             attnkit.attend(SPEC, q, k, v, backend="cpu-flash")
         assert reason in str(raised.value)
-        info = run_cli("info")
+        info = run_cli("info", "--wide")
         assert reason in next(line for line in info.splitlines() if line.startswith("cpu-flash")), info
 
     failures: list[BaseException] = []
@@ -240,7 +240,7 @@ def test_an_object_others_can_write_is_never_loaded(
 
     in_use = torch_frontend.use_compiled_signature()  # what `import attnkit` runs
     assert in_use.startswith("python (") and "writable by group or others" in in_use, in_use
-    assert f"torch call signature (attend's cache key): {in_use}" in run_cli("info")
+    assert f"torch call signature (attend's cache key): {in_use}" in run_cli("info", "--wide")
     assert_auto_falls_back("writable by group or others")
     assert not marker.exists(), "a planted object was loaded"
 

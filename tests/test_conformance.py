@@ -21,6 +21,9 @@ from tests.conftest import backend_params
 
 #: Drawn ragged calls per backend: a few, each form's corners being in tests/test_ragged.py's named cases.
 RAGGED_EXAMPLES = max(2, settings.default.max_examples // 10)
+#: Drawn attend calls per JAX backend: each call's new shape and dtype is a new compiled program there (and pallas
+#: interprets its kernels besides), seconds a call in CI, so they draw three fifths of the profile's count.
+JAX_EXAMPLES = max(3, settings.default.max_examples * 3 // 5)
 
 
 def _assert_agrees(backend: str, case: Case) -> None:
@@ -31,11 +34,22 @@ def _assert_agrees(backend: str, case: Case) -> None:
     assert not failures, f"{backend} disagrees with the oracle on {case.describe()}:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("backend", backend_params())
-@given(data=st.data())
-def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
+def _agrees_on_a_drawn_call(backend: str, data: st.DataObject) -> None:
     capabilities = harness_capabilities(backend)
     _assert_agrees(backend, data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend)), label="case"))
+
+
+@pytest.mark.parametrize("backend", backend_params(Framework.TORCH))
+@given(data=st.data())
+def test_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
+    _agrees_on_a_drawn_call(backend, data)
+
+
+@pytest.mark.parametrize("backend", backend_params(Framework.JAX))
+@settings(max_examples=JAX_EXAMPLES)
+@given(data=st.data())
+def test_jax_backend_agrees_with_oracle(backend: str, data: st.DataObject) -> None:
+    _agrees_on_a_drawn_call(backend, data)
 
 
 def _serving(form: str, serves: Any) -> list[object]:

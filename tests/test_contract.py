@@ -124,7 +124,10 @@ def _runnable(case: Case, backend: str) -> None:
 def test_clause_agrees_with_oracle(clause: str, backend: str) -> None:
     case = CLAUSES[clause]
     _runnable(case, backend)
-    for dtype in ("float32", "bfloat16") if case.dtype == "float32" else (case.dtype,):
+    # Each clause again in bfloat16, except on JAX backends, where each is a second compiled program (seconds in CI):
+    # their half precision is the §7 clauses' and the conformance draws'.
+    twice = case.dtype == "float32" and native_framework(backend) is not attnkit.Framework.JAX
+    for dtype in ("float32", "bfloat16") if twice else (case.dtype,):
         assert_backends_agree(case.with_(dtype=dtype), backends=[backend])
 
 

@@ -256,7 +256,7 @@ def test_info_says_cpu_runs_interpreted() -> None:
         def write(self, text: str) -> None:
             lines.append(text)
 
-    cli.run_info(type("Args", (), {"markdown": False})(), Out())  # type: ignore[arg-type]
+    cli.run_info(type("Args", (), {"markdown": False, "wide": True})(), Out())  # type: ignore[arg-type]
     assert "interpret=True" in "".join(lines)
 
 
