@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, TypeAlias
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -27,7 +27,7 @@ from attnkit.frontends.torch_frontend import sum_to_shape
 from attnkit.spec import AttentionSpec
 from attnkit.validation import prepare
 
-Tensor = torch.Tensor
+Tensor: TypeAlias = torch.Tensor
 _specs: dict[str, AttentionSpec] = {}
 
 

@@ -18,7 +18,7 @@ import shutil
 import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 import torch
@@ -288,7 +288,7 @@ def compile_options(
 
 
 #: A kernel argument: a tensor (its data pointer) or a typed scalar.
-Argument = torch.Tensor | np.int32 | np.int64 | np.float32
+Argument: TypeAlias = torch.Tensor | np.int32 | np.int64 | np.float32
 
 
 class Launcher(Protocol):
