@@ -19,10 +19,14 @@ assembly, the allocator of in-kernel descriptors.
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +34,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from attnkit.backend import RecordDirectory, RecordsRefusedError, attnkit_version, default_directory, lasting_records
 from attnkit.contract.kernels import (
     SEGMENT_GRANULE,
     ArgumentTypes,
@@ -41,6 +46,8 @@ from attnkit.contract.kernels import (
 )
 
 from . import kernels
+
+_log = logging.getLogger("attnkit")
 
 #: True when the kernels were decorated under TRITON_INTERPRET=1: they then run on CPU tensors only.
 INTERPRETED = isinstance(kernels._fwd_kernel, InterpretedFunction)
@@ -412,13 +419,104 @@ def accumulated_arguments(kernel: Kernel, args: list[Any], switches: KernelSwitc
 #: Times a launch (a callable of no arguments), in any unit: triton.testing.do_bench's milliseconds by default.
 Timer = Callable[[Callable[[], None]], float]
 
+#: The tile records live in this subdirectory of auto's records directory (attnkit/records.py: ATTNKIT_AUTOTUNE_DIR,
+#: else ~/.cache/attnkit/autotune), at most TILE_RECORDS_LIMIT of them, the least recently written pruned first.
+TILE_RECORDS_SUBDIRECTORY = "triton-tiles"
+TILE_RECORDS_LIMIT = 512
+TILE_RECORD_VERSION = 1
+
+
+@functools.cache
+def kernel_digest() -> str:
+    """A digest of the kernels' source and of this module's (tile tables, constexprs): a changed kernel tunes anew."""
+    hashed = hashlib.sha256()
+    for source in (kernels.__file__, __file__):
+        hashed.update(Path(source).read_bytes())
+    return hashed.hexdigest()[:16]
+
+
+@functools.cache
+def _gpu_identity(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"{torch.cuda.get_device_name(index)} sm_{major}{minor}"
+
+
+def gpu_identity(device: torch.device) -> str:
+    """The GPU a tile was timed on, for its record's key: the model's name and compute capability."""
+    return _gpu_identity(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tile_from_record(data: Any, key: str, configs: tuple[TileConfig, ...]) -> TileConfig | None:
+    """The tile a record names, if the record is whole, of this version and key, and names one of ``configs`` (a
+    record can choose among today's candidates, never put another tile in their place); else None."""
+    try:
+        if data["version"] != TILE_RECORD_VERSION or data["key"] != key:
+            return None
+        tile = TileConfig(**data["config"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return tile if tile in configs else None
+
+
+class TileRecords:
+    """The autotuner's choices kept across processes (docs/triton.md, "Autotune records"), one JSON file per lasting
+    key (Autotuner.choose), through the door's RecordDirectory: atomic writes, a bounded count, and read only from a
+    directory and files the current user alone can write. ``enabled``: read per miss; the config's ``autotune`` key
+    (ATTNKIT_AUTOTUNE) by default, so the switch that turns auto's records off turns these off too."""
+
+    def __init__(
+        self,
+        directory: Callable[[], Path] | None = None,
+        limit: int = TILE_RECORDS_LIMIT,
+        enabled: Callable[[], bool] = lasting_records,
+    ) -> None:
+        self.files = RecordDirectory(
+            "triton tile record", directory or (lambda: default_directory() / TILE_RECORDS_SUBDIRECTORY)
+        )
+        self.limit = limit
+        self.enabled = enabled
+        self._refused: set[str] = set()  # refusals already logged
+
+    def _refusal(self, error: RecordsRefusedError) -> None:
+        if str(error) not in self._refused:
+            self._refused.add(str(error))
+            _log.warning("attnkit: %s; triton tiles are autotuned in this process only", error)
+
+    def load(self, key: str, configs: tuple[TileConfig, ...]) -> TileConfig | None:
+        """The recorded tile of ``key`` among ``configs``, or None (no record, or one not to be used)."""
+        try:
+            data = self.files.read(key)
+        except RecordsRefusedError as error:
+            self._refusal(error)
+            return None
+        return tile_from_record(data, key, configs)
+
+    def save(self, key: str, described: str, best: TileConfig, timings: Sequence[tuple[float, TileConfig]]) -> None:
+        """Record ``best`` for ``key``; ``described``: the autotuner's key in words, for a reader of the file."""
+        record = {
+            "version": TILE_RECORD_VERSION,
+            "key": key,
+            "described": described,
+            "config": asdict(best),
+            "timings": [[repr(config), time] for time, config in timings],
+            "measured_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        }
+        try:
+            self.files.write(key, record, self.limit)
+        except RecordsRefusedError as error:
+            self._refusal(error)
+        except OSError as error:
+            _log.info("attnkit: writing the triton tile record %s failed: %s", key, error)
+
 
 class Autotuner:
-    """Picks the fastest of a few configurations per key on the first compiled call, then reuses it. ``timer``:
-    triton.testing.do_bench (read at each call) unless given; tests give one that needs no GPU."""
+    """Picks the fastest of a few configurations per key on the first compiled call, then reuses it; with a lasting
+    key, a choice recorded by an earlier process (:class:`TileRecords`) is taken without timing, and a new one is
+    recorded. ``timer``: triton.testing.do_bench (read at each call) unless given; tests give one that needs no GPU."""
 
-    def __init__(self, timer: Timer | None = None) -> None:
+    def __init__(self, timer: Timer | None = None, records: TileRecords | None = None) -> None:
         self.timer = timer
+        self.records = records if records is not None else TileRecords()
         self._best: dict[tuple, TileConfig] = {}
         self._lock = threading.Lock()
 
@@ -428,14 +526,24 @@ class Autotuner:
         configs: tuple[TileConfig, ...],
         launch: Callable[[TileConfig], None],
         restore: Sequence[torch.Tensor] = (),
+        lasting_key: Callable[[], str] | None = None,
     ) -> TileConfig:
         """The best of ``configs`` for ``key``, timing each by running ``launch`` on the live arguments the first
         time. ``restore``: the tensors a launch adds into (accumulated_arguments). The timer runs a launch many times,
         so each timed launch starts from their values on entry, and they hold those values again on return: the
-        caller's one launch then adds into them once (as Triton's own autotuner's restore_value)."""
+        caller's one launch then adds into them once (as Triton's own autotuner's restore_value). ``lasting_key``:
+        the key of the choice across processes (made only on a miss in the process: it hashes the GPU and versions)."""
         with self._lock:
             if key in self._best:
                 return self._best[key]
+        records = self.records if lasting_key is not None and self.records.enabled() else None
+        lasting = lasting_key() if records is not None and lasting_key is not None else ""
+        if records is not None:
+            recorded = records.load(lasting, configs)
+            if recorded is not None:
+                with self._lock:
+                    self._best[key] = recorded
+                return recorded
         timer = self.timer or triton.testing.do_bench
         saved = [x.clone() for x in restore]
 
@@ -455,6 +563,8 @@ class Autotuner:
             for x, value in zip(restore, saved):
                 x.copy_(value)
         best = min(timings, key=lambda item: item[0])[1] if timings else configs[0]
+        if records is not None and timings:
+            records.save(lasting, repr(key), best, timings)
         with self._lock:
             self._best[key] = best
         return best
@@ -512,6 +622,7 @@ class TritonLauncher:
         executor: KernelExecutor | None = None,
         autotuner: Autotuner | None = None,
         triton_version: str = triton.__version__,
+        device_identity: Callable[[torch.device], str] = gpu_identity,
     ) -> None:
         # Compiled, whether the autotuner also times WARP_SPECIALIZED where it serves (the triton backend's
         # warp_specialize option), on the Triton versions where it compiles as intended. The interpreter runs that
@@ -520,6 +631,16 @@ class TritonLauncher:
         self.target = target  # None: the process's own, per call (target_of)
         self.executor = executor or KernelExecutor()
         self.autotuner = autotuner or _autotuner
+        self.triton_version = triton_version
+        self.device_identity = device_identity  # the GPU in a tile record's key; tests name a fake one
+
+    def lasting_key(self, key: tuple, device: torch.device) -> str:
+        """The key of an autotuned choice across processes: the autotuner's key (kernel, candidates, dtype, arch,
+        switches, length bucket) and everything that invalidates a timing: the GPU model, the Triton, torch and
+        attnkit versions, and the kernels' source."""
+        parts = (repr(key), self.device_identity(device), f"triton {self.triton_version}", f"torch {torch.__version__}",
+                 f"attnkit {attnkit_version()}", f"kernels {kernel_digest()}")  # fmt: skip
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
     def target_for(self, call: KernelCall) -> Target:
         return self.target or target_of(call.q.device)
@@ -589,7 +710,9 @@ class TritonLauncher:
         spec, (_, _, len_q, len_k) = call.spec, call.geometry
         key = (NAMES[kernel], configs, call.q.dtype, target.arch, spec.causal, spec.window is not None, switches.paged,
                switches.split_k, length_bucket(max(len_q, len_k)))  # fmt: skip
-        launch(self.autotuner.choose(key, configs, launch, restore=accumulated_arguments(kernel, args, switches)))
+        restore = accumulated_arguments(kernel, args, switches)
+        lasting = functools.partial(self.lasting_key, key, call.q.device)
+        launch(self.autotuner.choose(key, configs, launch, restore=restore, lasting_key=lasting))
 
 
 LAUNCHER = TritonLauncher()
