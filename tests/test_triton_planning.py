@@ -432,6 +432,14 @@ def check_plan(scenario: Scenario, arch: str, dtype: torch.dtype, planned: Plann
     expected_order = ["backward_delta"] + ["backward_dq"] * (0 if one_pass else 1) + ["backward_dkdv"]
     assert [name for name, _ in itertools.groupby(order)] == (expected_order if not scenario.paged else [])
     specialized = False
+    # Split-K: the forward, then its combine, one launch of one program per query row (docs/triton.md).
+    merges = by_kernel.pop(launch.MERGE, [])
+    assert [str(launch_.kernel) for launch_ in planned.forward[-2:]][-len(merges) - 1 :] == (
+        ["forward", launch.MERGE] if split_k else ["forward"]
+    )
+    for merge in merges:
+        assert merge.grid == (scenario.batch * scenario.heads_q * scenario.len_q, 1, 1) and merge.options == {}
+        assert merge.constants["BLOCK_S"] >= splits == merge.args[signature(merge.kernel)[0].index("splits")]
     for kernel, launches in by_kernel.items():
         if kernel == "backward_delta":
             [delta] = launches

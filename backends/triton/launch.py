@@ -206,19 +206,29 @@ def target_of(device: torch.device) -> Target:
     return INTERPRETER_TARGET if INTERPRETED else Target(compiled=True, arch=arch_of(device))
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1). triton.next_power_of_2 is a constexpr function whose every call
+    pays an import and argument unwrapping (13 µs a call against 1 µs here, on a loaded 2-core machine)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def length_bucket(length: int) -> int:
     """The autotuner's sequence-length bucket: the next power of two from 512 to 16384, so that a tile chosen on
     a short call is not reused for a long one."""
-    return min(max(triton.next_power_of_2(max(length, 1)), 512), 16384)
+    return min(max(next_power_of_2(length), 512), 16384)
 
 
 #: Each kernel's name here (its tiles: GPU_CONFIGS[name]) and its function in kernels.py.
 NAMES = {Kernel.FORWARD: "fwd", Kernel.DELTA: "delta", Kernel.DQ: "dq", Kernel.DKDV: "dkdv"}
-FUNCTIONS = {
+#: Split-K's combine (kernels._merge_splits_kernel): this kernel set's own, launched after a split forward in place
+#: of the shared sequence's torch merge (ten CUDA kernels: contract.kernels.merge_splits).
+MERGE = "merge_splits"
+FUNCTIONS: dict[Kernel | str, Any] = {
     Kernel.FORWARD: kernels._fwd_kernel,
     Kernel.DELTA: kernels._bwd_delta_kernel,
     Kernel.DQ: kernels._bwd_dq_kernel,
     Kernel.DKDV: kernels._bwd_dkdv_kernel,
+    MERGE: kernels._merge_splits_kernel,
 }
 
 
@@ -234,7 +244,7 @@ def padded_head_dim(head_dim: int, head_dim_v: int) -> int:
     One width for both: on an H100 with Triton 3.6, a half-precision forward with BLOCK_D 64 and BLOCK_DV 32 (head
     dims 40 and 24) made an out-of-range shared-memory access inside tl.dot (compute-sanitizer), with every tile
     config; equal widths passed the whole conformance run there. Dv ≠ D then costs zero columns in the P·V product."""
-    return max(16, triton.next_power_of_2(max(head_dim, head_dim_v)))
+    return max(16, next_power_of_2(max(head_dim, head_dim_v)))
 
 
 def kernel_constants(
@@ -582,14 +592,14 @@ class KernelExecutor:
 
     def launch(
         self,
-        kernel: Kernel,
+        kernel: Kernel | str,
         grid: tuple[int, int, int],
         args: list[Any],
         constants: dict[str, Any],
         options: dict[str, int],
     ) -> None:
-        """``args``: the positional arguments (descriptors included); ``constants``: the constexprs; ``options``:
-        num_warps and num_stages (none: Triton's defaults)."""
+        """``kernel``: one of FUNCTIONS' keys; ``args``: the positional arguments (descriptors included); ``constants``:
+        the constexprs; ``options``: num_warps and num_stages (none: Triton's defaults)."""
         FUNCTIONS[kernel][grid](*args, **constants, **options)
 
 
@@ -674,6 +684,27 @@ class TritonLauncher:
         ):
             configs = (*configs, WARP_SPECIALIZED)
         return configs
+
+    def merge_splits(
+        self,
+        call: KernelCall,
+        partial_out: torch.Tensor,
+        partial_lse: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Split-K's combine as one launch (MERGE) into ``out`` (a bhsd view in q's dtype) and ``lse``, one program per
+        query row, in place of the shared sequence's torch merge (contract.kernels.attention_forward calls it)."""
+        splits, batch, heads_q, len_q, head_dim_v = partial_out.shape
+        constants = dict(
+            HEAD_DIM_V=head_dim_v,
+            BLOCK_DV=padded_head_dim(*call.head_dims),  # the forward's width
+            BLOCK_S=max(2, next_power_of_2(splits)),
+            INTERPRETER_BF16=self.executor.interpreted and out.dtype == torch.bfloat16,
+        )
+        args = [partial_out, partial_lse, out, lse, partial_out.stride(0), partial_lse.stride(0), *out.stride()[:3],
+                heads_q, len_q, splits]  # fmt: skip
+        self.executor.launch(MERGE, (batch * heads_q * len_q, 1, 1), args, constants, {})
 
     def run(self, kernel: Kernel, call: KernelCall, grid: Grid, args: list[Any], switches: KernelSwitches) -> None:
         target = self.target_for(call)
