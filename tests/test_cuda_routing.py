@@ -253,6 +253,7 @@ def test_on_an_h200_the_shipped_table_puts_no_attnkit_kernel_ahead_of_sdpa(
     table = attnkit.current_config().cost_table()
     assert table is not None
     predicted = table.predictions(spec, problem, ("torch-sdpa", "triton", "cupy"))
-    assert all(predicted[name] is not None for name in predicted), predicted  # every one from the H200 entries
-    assert predicted["torch-sdpa"] < min(predicted["triton"], predicted["cupy"]), predicted  # type: ignore[operator]
+    sdpa, triton, cupy = (predicted[name] for name in ("torch-sdpa", "triton", "cupy"))
+    assert sdpa is not None and triton is not None and cupy is not None, predicted  # all from the H200 entries
+    assert sdpa < min(triton, cupy), predicted
     assert dispatch.select(spec, problem).name == "torch-sdpa"
