@@ -98,6 +98,7 @@ TARGETS = {
                     "_bwd_delta_kernel",
                     "_bwd_dq_kernel",
                     "_bwd_dkdv_kernel",
+                    "_merge_splits_kernel",
                 ),
                 "attnkit.backends.triton.kernels",
             ),
