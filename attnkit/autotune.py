@@ -28,7 +28,8 @@ cuDNN's benchmark mode, Triton's autotuner and FFTW's wisdom do.
   into place with ``os.replace``, so a reader sees a whole record or none and concurrent writers of one bucket each
   write a whole one (the last stays); at most ``autotune_records`` files, the oldest removed first. Read only from a
   directory and files the current user owns and nobody else can write (:func:`attnkit.build.ownership_problem`):
-  otherwise the directory is refused (logged once), and measured winners are kept in the process only.
+  otherwise the directory is refused (logged once), and measured winners are kept in the process only. The files
+  are handled by :mod:`attnkit.records`, which the triton backend's tile records share.
 """
 
 from __future__ import annotations
@@ -37,12 +38,10 @@ import contextlib
 import dataclasses
 import functools
 import hashlib
-import json
 import logging
 import math
 import os
 import platform
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -53,9 +52,9 @@ from typing import TYPE_CHECKING, Any
 
 from attnkit import cost
 from attnkit.backend import Backend, Framework, Problem, routing_features
-from attnkit.build import digest, ownership_problem
+from attnkit.build import digest
 from attnkit.environment import accelerator_name, cpu_fingerprint
-from attnkit.errors import AttnkitError
+from attnkit.records import RecordDirectory, RecordsRefusedError, default_directory
 from attnkit.spec import AttentionSpec
 
 if TYPE_CHECKING:
@@ -64,7 +63,6 @@ if TYPE_CHECKING:
 
 _log = logging.getLogger("attnkit")
 
-DIRECTORY_VARIABLE = "ATTNKIT_AUTOTUNE_DIR"
 #: A contender slower than the best time by more than this fraction is beaten: timed no more.
 CLOSE = 0.10
 #: Measuring a bucket costs at most this many calls of its slowest contender (issue 32's bound).
@@ -77,9 +75,9 @@ MISSING_LIMIT = 4096
 clock: Callable[[], float] = time.perf_counter
 
 
-class AutotuneStoreError(AttnkitError, RuntimeError):
-    """The records directory may not be used (someone else owns it or could write it, or it cannot be created); the
-    message says why. Dispatch catches it: the measured winner is then kept in the process only."""
+#: The records directory may not be used (someone else owns it or could write it, or it cannot be created); the
+#: message says why. Dispatch catches it: the measured winner is then kept in the process only.
+AutotuneStoreError = RecordsRefusedError
 
 
 @dataclass(frozen=True)
@@ -340,17 +338,9 @@ def measure(
 # --------------------------------------------------------------------------------------------------- records
 
 
-def default_directory() -> Path:
-    """``ATTNKIT_AUTOTUNE_DIR``, else ``$XDG_CACHE_HOME/attnkit/autotune``, else ``~/.cache/attnkit/autotune``."""
-    given = os.environ.get(DIRECTORY_VARIABLE)
-    if given:
-        return Path(given)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "attnkit" / "autotune"
-
-
 class RecordStore:
-    """The records of measured buckets: on disk (module docstring, "Records") and, once read or written, in the
-    process, so a bucket's record is read from disk at most once per process and directory."""
+    """The records of measured buckets: on disk (module docstring, "Records"; attnkit/records.py) and, once read or
+    written, in the process, so a bucket's record is read from disk at most once per process and directory."""
 
     def __init__(self) -> None:
         self._known: dict[tuple[str, str], Record] = {}
@@ -360,6 +350,7 @@ class RecordStore:
         self._refused: set[str] = set()  # refusals already logged
         self._lock = threading.Lock()
         self._directory: Path | None = None  # use_directory's, over default_directory()
+        self.files = RecordDirectory("autotune record", self.directory)
 
     def directory(self) -> Path:
         return self._directory if self._directory is not None else default_directory()
@@ -382,21 +373,7 @@ class RecordStore:
     def usable_directory(self, create: bool) -> Path:
         """The records directory, created owner-only when ``create`` and missing; AutotuneStoreError when it may not
         be used (someone else owns it or may write it, or it cannot be created)."""
-        directory = self.directory()
-        if create:
-            try:
-                directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            except OSError as error:
-                raise AutotuneStoreError(f"cannot create the autotune records directory {directory}: {error}") from None
-        try:
-            problem = ownership_problem(directory)
-        except OSError as error:
-            raise AutotuneStoreError(f"cannot use the autotune records directory {directory}: {error}") from None
-        if problem:
-            raise AutotuneStoreError(
-                f"refusing the autotune records directory: {problem} (set {DIRECTORY_VARIABLE} to a private one)"
-            )
-        return directory
+        return self.files.usable(create)
 
     def _refusal(self, error: AutotuneStoreError) -> None:
         with self._lock:
@@ -414,7 +391,7 @@ class RecordStore:
             known = self._known.get(slot)
             if known is not None or slot in self._missing:
                 return known
-        path = directory / f"{key}.json"
+        path = self.files.path(key)
         if not path.exists():
             with self._lock:
                 if len(self._missing) >= MISSING_LIMIT:
@@ -422,40 +399,24 @@ class RecordStore:
                 self._missing.add(slot)
             return None
         try:
-            self.usable_directory(create=False)
-            refused = ownership_problem(path)
-            if refused:
-                raise AutotuneStoreError(f"refusing the autotune record {path}: {refused}")
-            record = Record.from_json(json.loads(path.read_text()), str(path))
+            data = self.files.read(key)
         except AutotuneStoreError as error:
             self._refusal(error)
             return None
-        except (OSError, ValueError):  # vanished or unreadable: measured again and replaced
-            return None
-        if record is None or record.key != key:
+        record = Record.from_json(data, str(path)) if data is not None else None
+        if record is None or record.key != key:  # unreadable or foreign: measured again and replaced
             return None
         with self._lock:
-            self._known.setdefault((str(directory), key), record)
-            return self._known[(str(directory), key)]
+            self._known.setdefault(slot, record)
+            return self._known[slot]
 
     def save(self, record: Record, limit: int) -> Record:
         """Keep ``record`` in the process and write it (atomically) to the directory; the record as kept, with its
         path, or with the note of why it is in the process only."""
         directory = self.directory()
         try:
-            usable = self.usable_directory(create=True)
-            path = usable / f"{record.key}.json"
-            descriptor, scratch = tempfile.mkstemp(prefix=f".{record.key}.", suffix=".tmp", dir=usable)  # mode 0600
-            try:
-                with os.fdopen(descriptor, "w") as file:
-                    json.dump(record.to_json(), file, indent=1)
-                os.replace(scratch, path)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.unlink(scratch)
-                raise
+            path = self.files.write(record.key, record.to_json(), limit)
             kept = dataclasses.replace(record, path=str(path), note="")
-            self._prune(usable, limit)
         except AutotuneStoreError as error:
             self._refusal(error)
             kept = dataclasses.replace(record, path="", note=str(error))
@@ -465,24 +426,6 @@ class RecordStore:
             self._known[(str(directory), record.key)] = kept
             self._missing.discard((str(directory), record.key))
         return kept
-
-    @staticmethod
-    def _prune(directory: Path, limit: int) -> None:
-        """At most ``limit`` records: the least recently written go first. Scratch files of writers that died
-        (older than an hour) go too. Another process pruning at once removes some of the same files: ignored."""
-        ages: list[tuple[float, Path]] = []
-        now = time.time()
-        for entry in os.scandir(directory):
-            with contextlib.suppress(OSError):
-                modified = entry.stat(follow_symlinks=False).st_mtime
-                if entry.name.endswith(".json"):
-                    ages.append((modified, Path(entry.path)))
-                elif entry.name.endswith(".tmp") and now - modified > 3600:
-                    os.unlink(entry.path)
-        ages.sort()
-        for _, path in ages[: max(len(ages) - limit, 0)]:
-            with contextlib.suppress(OSError):
-                path.unlink()
 
 
 #: The one store dispatch uses.

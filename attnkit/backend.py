@@ -56,6 +56,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 from attnkit.build import TorchExtension
 from attnkit.errors import BackendUnavailableError, BuildError, InvalidInputTypeError
 from attnkit.features import ALL_FEATURES, CALL_FEATURES, ROUTING_FEATURES, SPEC_FEATURES, Feature
+from attnkit.records import RecordDirectory, RecordsRefusedError, attnkit_version, default_directory
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 
 __all__ = [
@@ -83,13 +84,18 @@ __all__ = [
     "PendingHardware",
     "PlainCall",
     "Problem",
+    "RecordDirectory",
+    "RecordsRefusedError",
     "Runner",
     "Sizes",
     "TorchExtension",
     "Unverified",
     "Variant",
+    "attnkit_version",
     "capability_reasons",
+    "default_directory",
     "delegated",
+    "lasting_records",
     "own_forward",
     "own_plain_call",
     "peer_backend",
@@ -551,6 +557,23 @@ def backend_option(backend: Backend, key: str) -> Any:
         raise KeyError(f"backend={backend.name!r} declares no option {key!r} (declared: {sorted(declared)})")
     given = _options_lookup(backend.name) if _options_lookup is not None else {}
     return given.get(key, declared[key])
+
+
+# The config binds here whether measured choices are kept across processes (its ``autotune`` key, ATTNKIT_AUTOTUNE):
+# ``auto``'s records and a backend's own (the triton backend's autotuned tiles) are read and written only when it is on.
+_lasting_lookup: Callable[[], bool] | None = None
+
+
+def bind_lasting_records(lookup: Callable[[], bool]) -> None:
+    global _lasting_lookup
+    _lasting_lookup = lookup
+
+
+def lasting_records() -> bool:
+    """Whether a backend may read and write records that last across processes (:class:`RecordDirectory`) in the
+    configuration in effect: ``autotune = false`` or ``ATTNKIT_AUTOTUNE=0`` turns them off. Read it per call. Off
+    until the config has loaded (nothing is kept by a process that never read one)."""
+    return _lasting_lookup() if _lasting_lookup is not None else False
 
 
 # Which code ran: a backend that hands part of a call to another backend's code says so with delegated(); the

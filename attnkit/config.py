@@ -106,8 +106,8 @@ class Config(BaseModel):
     #: Another backend replaces the first in priority only when predicted faster by more than this fraction.
     cost_margin: StrictNumber = 0.5
     #: Measure the backends that can serve a call where the cost table cannot decide, once per bucket of calls, and
-    #: keep the winner across processes (attnkit/autotune.py, docs/dispatch.md "Measuring"). ATTNKIT_AUTOTUNE=0 or 1
-    #: overrides it.
+    #: keep the winner across processes (attnkit/autotune.py, docs/dispatch.md "Measuring"); also whether the triton
+    #: backend keeps its autotuned tiles across processes (docs/triton.md). ATTNKIT_AUTOTUNE=0 or 1 overrides it.
     autotune: StrictBool = True
     #: At most this many backends are measured for a bucket (the fastest predicted first).
     autotune_candidates: Annotated[int, Strict()] = 3
@@ -387,6 +387,7 @@ def current_config() -> Config:
 
 
 door.bind_options(lambda name: current_config().backend_options.get(name, {}))
+door.bind_lasting_records(lambda: current_config().autotune)
 
 
 def forced_backend() -> str | None:

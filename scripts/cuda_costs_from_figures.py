@@ -1,4 +1,5 @@
-"""configs/costs_cuda.toml from the H100 figures in docs/performance.md ("First run on a GPU").
+"""configs/costs_cuda.toml from the GPU figures: the H100's in docs/performance.md ("First run on a GPU") and the
+H200's of issue 33 (docs/performance.md, "Issue 33: the static model against the H200").
 
     python scripts/cuda_costs_from_figures.py            # rewrites configs/costs_cuda.toml
 
@@ -9,6 +10,12 @@ forward and forward+backward. Each row becomes a calibration point (visible_unit
 stand for the torch-sdpa backend: on these plain calls it is SDPA itself. The points are long prefill calls only (no
 decode step was timed), so the fits' overheads are extrapolated; a run of `attnkit bench --calibrate --device cuda`
 on an H100 replaces this table.
+
+The H200 rows (H200_FIGURES) are the issue's table: cuDNN's TF/s (SDPA pinned to it) and each attnkit kernel's ratio
+to it in the same process, bf16, CUDA events, median of 10-20 runs after warm-up and autotuning. torch-sdpa's rows are
+cuDNN's (the midpoint of its range); triton's and cupy's the upper end of their ratio ranges, the most favourable to
+attnkit that was measured, so no entry makes them look faster than the H200 ran them. Triton's fwd+bwd was timed with
+a hand-patched backward (indicative only; the compiled backward is refused on CUDA until a GPU passes it).
 """
 
 from __future__ import annotations
@@ -18,12 +25,23 @@ from pathlib import Path
 
 from attnkit import cost
 from attnkit.backend import Framework, Problem
+from attnkit.bench.calls import attention_flops
 from attnkit.spec import AttentionSpec
 
 ROOT = Path(__file__).resolve().parent.parent
 FIGURES = ROOT / "docs" / "performance.md"
 OUTPUT = ROOT / "configs" / "costs_cuda.toml"
 DEVICE_NAME = "NVIDIA H100 80GB HBM3"
+H200 = "NVIDIA H200"
+#: Issue 33's H200 table: (batch, heads, len_q, len_k, head_dim, causal) -> {pass: (cuDNN TF/s, triton ratio, cupy
+#: ratio)}; ratios to cuDNN, the upper end of each measured range, cuDNN the midpoint of its range.
+H200_FIGURES: dict[tuple[int, int, int, int, int, bool], dict[str, tuple[float, float, float]]] = {
+    (2, 16, 8192, 8192, 128, False): {cost.FORWARD: (644.5, 0.74, 0.39), cost.FORWARD_BACKWARD: (568.0, 0.54, 0.39)},
+    (2, 16, 8192, 8192, 128, True): {cost.FORWARD: (562.5, 0.74, 0.40), cost.FORWARD_BACKWARD: (530.0, 0.55, 0.39)},
+    (4, 32, 4096, 4096, 64, True): {cost.FORWARD: (393.5, 0.68, 0.45), cost.FORWARD_BACKWARD: (379.0, 0.64, 0.45)},
+    (8, 16, 2048, 2048, 128, True): {cost.FORWARD: (449.5, 0.60, 0.29), cost.FORWARD_BACKWARD: (410.0, 0.43, 0.29)},
+    (1, 32, 1, 8192, 128, False): {cost.FORWARD: (1.8, 0.15, 0.08)},  # decode: cuDNN 74 us
+}
 #: The bench's implementation names, and the backends they stand for.
 BACKENDS = {"triton": "triton", "cupy": "cupy", "torch sdpa": "torch-sdpa"}
 ROW = re.compile(
@@ -59,6 +77,21 @@ def points(blocks: list[str]) -> dict[tuple[str, str], list[tuple[float, float, 
     return found
 
 
+def h200_points() -> dict[tuple[str, str], list[tuple[float, float, float]]]:
+    """(backend, pass) -> calibration points of the H200 table."""
+    found: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+    for (batch, heads, len_q, len_k, head_dim, causal), passes in H200_FIGURES.items():
+        problem = Problem(Framework.TORCH, "cuda", "bfloat16", batch, heads, heads, len_q, len_k, head_dim, head_dim)
+        units = cost.work_units(AttentionSpec(causal=causal), problem)
+        for pass_name, (cudnn_tflops, *ratios) in passes.items():
+            work = "fwd" if pass_name == cost.FORWARD else "fwd+bwd"
+            flops = attention_flops(batch, heads, len_q, head_dim, causal, work, len_k=len_k)
+            cudnn_us = flops / (cudnn_tflops * 1e12) * 1e6
+            for backend, ratio in zip(("torch-sdpa", "triton", "cupy"), (1.0, *ratios)):
+                found.setdefault((backend, pass_name), []).append((*units, cudnn_us / ratio))
+    return found
+
+
 def main() -> None:
     entries = []
     for (backend, pass_name), measured in sorted(points(figure_blocks(FIGURES.read_text())).items()):
@@ -76,6 +109,21 @@ def main() -> None:
                 device_name=DEVICE_NAME,
             )  # fmt: skip
         )
+    for (backend, pass_name), measured in sorted(h200_points().items()):
+        overhead, per_visible, per_full = cost.fit(measured, relative=True)
+        entries.append(
+            cost.CostEntry(
+                backend,
+                "cuda",
+                "bfloat16",
+                pass_name,
+                overhead,
+                per_visible,
+                per_full,
+                tuple(measured),
+                device_name=H200,
+            )  # fmt: skip
+        )
     header = "\n".join(
         [
             "attnkit cost table for CUDA (attnkit/cost.py), keyed to the GPU model it was measured on: it speaks for",
@@ -87,6 +135,10 @@ def main() -> None:
             "attnkit bench --calibrate --device cuda)",
             "shapes: D=64 and 128, L=512..16384 (Lq = Lk), causal and not, bfloat16; no decode step (overheads are",
             "extrapolated).",
+            f'The "{H200}" entries: issue 33\'s table (docs/performance.md, "Issue 33: the static model against the',
+            'H200"), torch 2.11.0+cu130, Triton 3.6.0, cupy-cuda13x 14.2.0, main at e782468, bf16, SDPA pinned to',
+            "cuDNN (torch-sdpa's rows), triton and cupy at the upper end of their measured ratios to it; five shapes,",
+            "decode (B=1 H=32 Lq=1 Lk=8192 D=128) among them, forward, and fwd+bwd but for decode.",
         ]
     )
     cost.write_table(entries, OUTPUT, header)

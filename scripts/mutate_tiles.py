@@ -98,6 +98,7 @@ TARGETS = {
                     "_bwd_delta_kernel",
                     "_bwd_dq_kernel",
                     "_bwd_dkdv_kernel",
+                    "_merge_splits_kernel",
                 ),
                 "attnkit.backends.triton.kernels",
             ),
@@ -539,6 +540,10 @@ class Swapper:
                 for name, value in list(vars(other).items()):
                     if callable(value) and id(value) in swapped:
                         setattr(other, name, swapped[id(value)])
+                    elif isinstance(value, dict):  # a table of them (the triton launcher's FUNCTIONS): its values too
+                        for key, entry in list(value.items()):
+                            if callable(entry) and id(entry) in swapped:
+                                value[key] = swapped[id(entry)]
         if source.module.endswith("pallas.kernels"):  # backend.py holds the kernels' functions: re-run it too
             backend = importlib.import_module("attnkit.backends.pallas.backend")
             original = (ROOT / "backends/pallas/backend.py").read_text()

@@ -13,11 +13,15 @@ It runs in a checkout of 531af8d with triton 3.6.0 installed and reads today's m
 
 Backward throughput counts the FlashAttention-2 paper's flops (2.5 × the forward's) over the dQ and dK/dV
 kernels' predicted times (the Δ kernel is left out: a memory pass).
+
+Issue 33 retired the model's speed projections: its last predictions missed the H200 by 1.4–1.6× (triton forward)
+and 1.5–3× (fwd+bwd); docs/performance.md, "Issue 33: the static model against the H200".
 """
 
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import itertools
 import os
 import subprocess
@@ -43,11 +47,23 @@ def load_model(path: str):  # type: ignore[no-untyped-def]
     return module
 
 
+def candidate_tiles(launch, kernel: str, head_dim: int):  # type: ignore[no-untyped-def]
+    """The autotuner's sm_90 bfloat16 candidates for a kernel without features, on either signature of
+    ``launch.gpu_configs``: (kernel, block_d, dtype) in 531af8d's checkout, (kernel, block_d, dtype, arch, switches)
+    since the Hopper tables; calling the old form on today's code raised TypeError (missing arch and switches)."""
+    import torch
+
+    if len(inspect.signature(launch.gpu_configs).parameters) == 3:
+        return launch.gpu_configs(kernel, head_dim, torch.bfloat16)
+    from attnkit.contract.kernels import KernelSwitches
+
+    return launch.gpu_configs(kernel, head_dim, torch.bfloat16, "sm_90", KernelSwitches())
+
+
 def predictions(sass):  # type: ignore[no-untyped-def]
     """Predicted TFLOP/s of each kernel's own products, per head dim, one value per autotune candidate."""
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    import torch
     import triton
     from attnkit.backends.triton import inspect as old
     from attnkit.backends.triton import kernels, launch
@@ -58,7 +74,7 @@ def predictions(sass):  # type: ignore[no-untyped-def]
     for kernel in ("fwd", "dq", "dkdv"):
         for head_dim in (64, 128):
             variant = old.Variant(kernel, "sm_90", "bf16", head_dim)
-            for tile in launch.gpu_configs(kernel, head_dim, torch.bfloat16):
+            for tile in candidate_tiles(launch, kernel, head_dim):
                 constants, tile = old._constants(variant, tile)
                 fn = getattr(kernels, old._KERNEL_FUNCTIONS[kernel])
                 signature, attrs, constexprs = old._signature(fn, variant, constants)

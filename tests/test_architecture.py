@@ -25,7 +25,9 @@ BACKEND_MAY_IMPORT = frozenset(
     }
 )
 #: The core modules the door and the contract helpers stand on (none of them imports api, config, dispatch, registry).
-GROUND = frozenset({"attnkit.build", "attnkit.errors", "attnkit.features", "attnkit.spec", "attnkit.tables"})
+GROUND = frozenset(
+    {"attnkit.build", "attnkit.errors", "attnkit.features", "attnkit.records", "attnkit.spec", "attnkit.tables"}
+)
 
 
 def _imports(path: Path) -> list[tuple[int, str, list[str]]]:

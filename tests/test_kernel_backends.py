@@ -7,6 +7,8 @@ outside the band never loaded, from tests/test_tile_edges.py."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import attnkit
@@ -174,7 +176,8 @@ def test_paged_blocks_cutting_across_key_tiles(backend: str) -> None:
 def test_split_k_merges_to_the_oracle(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Split-K forced to three key ranges per query tile, paged and contiguous, forward and backward: rows whose keys
     fill all three ranges (five key tiles), some (two tiles: the third range is empty) and none (kv_length 0, every
-    range empty, out 0 and lse −inf), merged by lse to the float64 oracle's result."""
+    range empty, out 0 and lse −inf), merged by lse to the float64 oracle's result (triton by its own combine kernel,
+    launch.TritonLauncher.merge_splits; cupy by the shared torch merge)."""
     from attnkit.contract import kernels
 
     key_tile = next(tile.keys for tile in TILED_BACKENDS[backend](AttentionSpec()) if tile.kernel == "forward")
@@ -183,6 +186,16 @@ def test_split_k_merges_to_the_oracle(backend: str, monkeypatch: pytest.MonkeyPa
     merge = kernels.merge_splits
     monkeypatch.setattr(kernels, "decode_splits", lambda programs, keys, processors: 3)
     monkeypatch.setattr(kernels, "merge_splits", lambda out, lse: merges.append(out.shape[0]) or merge(out, lse))
+    if backend == "triton":
+        from attnkit.backends.triton import launch
+
+        combine = launch.TritonLauncher.merge_splits
+
+        def recorded(self: Any, call: Any, out: Any, lse: Any, *targets: Any) -> None:
+            merges.append(out.shape[0])
+            combine(self, call, out, lse, *targets)
+
+        monkeypatch.setattr(launch.TritonLauncher, "merge_splits", recorded)
     kv_lengths = (5 * key_tile - 2, 2 * key_tile - 1, 0)
     spec = AttentionSpec(causal=True, layout="bshd")
     _assert_paged_agrees(backend, spec, _paged_call(7, kv_lengths, len_q=2))

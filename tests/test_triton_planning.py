@@ -432,6 +432,14 @@ def check_plan(scenario: Scenario, arch: str, dtype: torch.dtype, planned: Plann
     expected_order = ["backward_delta"] + ["backward_dq"] * (0 if one_pass else 1) + ["backward_dkdv"]
     assert [name for name, _ in itertools.groupby(order)] == (expected_order if not scenario.paged else [])
     specialized = False
+    # Split-K: the forward, then its combine, one launch of one program per query row (docs/triton.md).
+    merges = by_kernel.pop(launch.MERGE, [])
+    assert [str(launch_.kernel) for launch_ in planned.forward[-2:]][-len(merges) - 1 :] == (
+        ["forward", launch.MERGE] if split_k else ["forward"]
+    )
+    for merge in merges:
+        assert merge.grid == (scenario.batch * scenario.heads_q * scenario.len_q, 1, 1) and merge.options == {}
+        assert merge.constants["BLOCK_S"] >= splits == merge.args[signature(merge.kernel)[0].index("splits")]
     for kernel, launches in by_kernel.items():
         if kernel == "backward_delta":
             [delta] = launches
@@ -554,3 +562,22 @@ def test_compiled_plan_executed_agrees_with_the_oracle(arch: str, case: Any, mon
     monkeypatch.setattr(TritonBackend, "kernel_launcher", lambda self: launcher)
     monkeypatch.setattr(TritonBackend, "deterministic", lambda self: False)  # the one-pass backward where it runs
     assert "triton" in assert_backends_agree(case, backends=["triton"])
+
+
+def test_the_proxy_script_asks_gpu_configs_for_sm_90_on_todays_signature() -> None:
+    """scripts/proxy_against_gpu_run.py called gpu_configs with 531af8d's three arguments; today's takes five."""
+    import importlib.util
+    from pathlib import Path
+
+    from attnkit.backends.triton import launch
+
+    from attnkit.contract.kernels import KernelSwitches
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "proxy_against_gpu_run.py"
+    spec = importlib.util.spec_from_file_location("proxy_against_gpu_run", path)
+    assert spec is not None and spec.loader is not None
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    for kernel in ("fwd", "dq", "dkdv"):
+        expected = launch.gpu_configs(kernel, 128, torch.bfloat16, "sm_90", KernelSwitches())
+        assert script.candidate_tiles(launch, kernel, 128) == expected == launch.SM90_GPU_CONFIGS[kernel][128]

@@ -225,6 +225,10 @@ class KernelLauncher(Protocol):
         """Launch ``kernel`` over ``grid`` with ``args``, compiled for ``switches``."""
         ...
 
+    # Optional: ``merge_splits(call, partial_out, partial_lse, out, lse)``, split-K's combine as the kernel set's own
+    # launch (float32 partials (S, B, Hq, Lq, Dv) and (S, B, Hq, Lq) into out, a bhsd view in q's dtype, and lse).
+    # Without it attention_forward merges in torch (merge_splits): ten kernels on a GPU where one does.
+
 
 #: The option a kernel backend declares when it has a one-pass backward (``[backend_options.<name>]``).
 DETERMINISTIC_OPTION = ("deterministic", False)
@@ -426,9 +430,13 @@ def attention_forward(
     grid = Grid(len_q, heads_q, batch, splits=splits)
     launcher.run(Kernel.FORWARD, call, grid, args, call.switches.with_(split_k=splits > 1))
     if splits > 1:
-        merged_out, merged_lse = merge_splits(partial_out, partial_lse)
-        out_view.copy_(merged_out)
-        lse.copy_(merged_lse)
+        combine = getattr(launcher, "merge_splits", None)
+        if combine is not None:  # the kernel set's own combine: one launch
+            combine(call, partial_out, partial_lse, out_view, lse)
+        else:
+            merged_out, merged_lse = merge_splits(partial_out, partial_lse)
+            out_view.copy_(merged_out)
+            lse.copy_(merged_lse)
     return out, lse
 
 

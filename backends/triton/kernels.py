@@ -748,6 +748,56 @@ def _fwd_kernel(
 
 
 @triton.jit
+def _merge_splits_kernel(
+    PartialOut,
+    PartialLse,
+    Out,
+    Lse,
+    stride_split_out,
+    stride_split_lse,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    heads_q,
+    len_q,
+    splits,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    INTERPRETER_BF16: tl.constexpr,
+):
+    """Split-K's combine in one launch, one program per (batch, query head, query row): of the float32 partials
+    out_s (S, B, Hq, Lq, Dv) and lse_s (S, B, Hq, Lq), contiguous,
+
+        lse = m + log Σ_s 2^… = m + log Σ_s exp(lse_s − m);  out = Σ_s exp(lse_s − m) · out_s / Σ_s exp(lse_s − m)
+
+    with m the largest lse_s. A range with no visible key (lse_s = −inf, out_s = 0) weighs exactly 0, so a row empty
+    in every range gets out 0 and lse −inf; a NaN in any range stays NaN (as contract.kernels.merge_splits)."""
+    row = tl.program_id(0).to(tl.int64)
+    ranges = tl.arange(0, BLOCK_S)
+    dims_v = tl.arange(0, BLOCK_DV)
+    lse_s = tl.load(PartialLse + ranges * stride_split_lse + row, mask=ranges < splits, other=float("-inf"))
+    shift = tl.max(lse_s, 0)
+    shift = tl.where(shift == float("-inf"), 0.0, shift)
+    weights = tl.where(lse_s == float("-inf"), 0.0, tl.exp(lse_s - shift))
+    total = tl.sum(weights, 0)
+    inside = (ranges[:, None] < splits) & (dims_v[None, :] < HEAD_DIM_V)
+    partial = tl.load(
+        PartialOut + ranges[:, None] * stride_split_out + row * HEAD_DIM_V + dims_v[None, :], mask=inside, other=0.0
+    )
+    out = tl.sum(weights[:, None] * partial, 0) / tl.where(total == 0.0, 1.0, total)
+    query = row % len_q
+    head = (row // len_q) % heads_q
+    batch = row // (len_q * heads_q)
+    tl.store(
+        Out + batch * stride_ob + head * stride_oh + query * stride_om + dims_v,
+        _rounded(out, Out.dtype.element_ty, INTERPRETER_BF16),
+        mask=dims_v < HEAD_DIM_V,
+    )
+    tl.store(Lse + row, tl.where(total == 0.0, float("-inf"), shift + tl.log(total)))
+
+
+@triton.jit
 def _bwd_delta_kernel(
     Out,
     DOut,

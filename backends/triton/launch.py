@@ -19,10 +19,14 @@ assembly, the allocator of in-kernel descriptors.
 from __future__ import annotations
 
 import functools
+import hashlib
+import logging
 import re
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +34,7 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from attnkit.backend import RecordDirectory, RecordsRefusedError, attnkit_version, default_directory, lasting_records
 from attnkit.contract.kernels import (
     SEGMENT_GRANULE,
     ArgumentTypes,
@@ -41,6 +46,8 @@ from attnkit.contract.kernels import (
 )
 
 from . import kernels
+
+_log = logging.getLogger("attnkit")
 
 #: True when the kernels were decorated under TRITON_INTERPRET=1: they then run on CPU tensors only.
 INTERPRETED = isinstance(kernels._fwd_kernel, InterpretedFunction)
@@ -199,19 +206,29 @@ def target_of(device: torch.device) -> Target:
     return INTERPRETER_TARGET if INTERPRETED else Target(compiled=True, arch=arch_of(device))
 
 
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1). triton.next_power_of_2 is a constexpr function whose every call
+    pays an import and argument unwrapping (13 µs a call against 1 µs here, on a loaded 2-core machine)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def length_bucket(length: int) -> int:
     """The autotuner's sequence-length bucket: the next power of two from 512 to 16384, so that a tile chosen on
     a short call is not reused for a long one."""
-    return min(max(triton.next_power_of_2(max(length, 1)), 512), 16384)
+    return min(max(next_power_of_2(length), 512), 16384)
 
 
 #: Each kernel's name here (its tiles: GPU_CONFIGS[name]) and its function in kernels.py.
 NAMES = {Kernel.FORWARD: "fwd", Kernel.DELTA: "delta", Kernel.DQ: "dq", Kernel.DKDV: "dkdv"}
-FUNCTIONS = {
+#: Split-K's combine (kernels._merge_splits_kernel): this kernel set's own, launched after a split forward in place
+#: of the shared sequence's torch merge (ten CUDA kernels: contract.kernels.merge_splits).
+MERGE = "merge_splits"
+FUNCTIONS: dict[Kernel | str, Any] = {
     Kernel.FORWARD: kernels._fwd_kernel,
     Kernel.DELTA: kernels._bwd_delta_kernel,
     Kernel.DQ: kernels._bwd_dq_kernel,
     Kernel.DKDV: kernels._bwd_dkdv_kernel,
+    MERGE: kernels._merge_splits_kernel,
 }
 
 
@@ -227,7 +244,7 @@ def padded_head_dim(head_dim: int, head_dim_v: int) -> int:
     One width for both: on an H100 with Triton 3.6, a half-precision forward with BLOCK_D 64 and BLOCK_DV 32 (head
     dims 40 and 24) made an out-of-range shared-memory access inside tl.dot (compute-sanitizer), with every tile
     config; equal widths passed the whole conformance run there. Dv ≠ D then costs zero columns in the P·V product."""
-    return max(16, triton.next_power_of_2(max(head_dim, head_dim_v)))
+    return max(16, next_power_of_2(max(head_dim, head_dim_v)))
 
 
 def kernel_constants(
@@ -412,13 +429,104 @@ def accumulated_arguments(kernel: Kernel, args: list[Any], switches: KernelSwitc
 #: Times a launch (a callable of no arguments), in any unit: triton.testing.do_bench's milliseconds by default.
 Timer = Callable[[Callable[[], None]], float]
 
+#: The tile records live in this subdirectory of auto's records directory (attnkit/records.py: ATTNKIT_AUTOTUNE_DIR,
+#: else ~/.cache/attnkit/autotune), at most TILE_RECORDS_LIMIT of them, the least recently written pruned first.
+TILE_RECORDS_SUBDIRECTORY = "triton-tiles"
+TILE_RECORDS_LIMIT = 512
+TILE_RECORD_VERSION = 1
+
+
+@functools.cache
+def kernel_digest() -> str:
+    """A digest of the kernels' source and of this module's (tile tables, constexprs): a changed kernel tunes anew."""
+    hashed = hashlib.sha256()
+    for source in (kernels.__file__, __file__):
+        hashed.update(Path(source).read_bytes())
+    return hashed.hexdigest()[:16]
+
+
+@functools.cache
+def _gpu_identity(index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(index)
+    return f"{torch.cuda.get_device_name(index)} sm_{major}{minor}"
+
+
+def gpu_identity(device: torch.device) -> str:
+    """The GPU a tile was timed on, for its record's key: the model's name and compute capability."""
+    return _gpu_identity(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def tile_from_record(data: Any, key: str, configs: tuple[TileConfig, ...]) -> TileConfig | None:
+    """The tile a record names, if the record is whole, of this version and key, and names one of ``configs`` (a
+    record can choose among today's candidates, never put another tile in their place); else None."""
+    try:
+        if data["version"] != TILE_RECORD_VERSION or data["key"] != key:
+            return None
+        tile = TileConfig(**data["config"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return tile if tile in configs else None
+
+
+class TileRecords:
+    """The autotuner's choices kept across processes (docs/triton.md, "Autotune records"), one JSON file per lasting
+    key (Autotuner.choose), through the door's RecordDirectory: atomic writes, a bounded count, and read only from a
+    directory and files the current user alone can write. ``enabled``: read per miss; the config's ``autotune`` key
+    (ATTNKIT_AUTOTUNE) by default, so the switch that turns auto's records off turns these off too."""
+
+    def __init__(
+        self,
+        directory: Callable[[], Path] | None = None,
+        limit: int = TILE_RECORDS_LIMIT,
+        enabled: Callable[[], bool] = lasting_records,
+    ) -> None:
+        self.files = RecordDirectory(
+            "triton tile record", directory or (lambda: default_directory() / TILE_RECORDS_SUBDIRECTORY)
+        )
+        self.limit = limit
+        self.enabled = enabled
+        self._refused: set[str] = set()  # refusals already logged
+
+    def _refusal(self, error: RecordsRefusedError) -> None:
+        if str(error) not in self._refused:
+            self._refused.add(str(error))
+            _log.warning("attnkit: %s; triton tiles are autotuned in this process only", error)
+
+    def load(self, key: str, configs: tuple[TileConfig, ...]) -> TileConfig | None:
+        """The recorded tile of ``key`` among ``configs``, or None (no record, or one not to be used)."""
+        try:
+            data = self.files.read(key)
+        except RecordsRefusedError as error:
+            self._refusal(error)
+            return None
+        return tile_from_record(data, key, configs)
+
+    def save(self, key: str, described: str, best: TileConfig, timings: Sequence[tuple[float, TileConfig]]) -> None:
+        """Record ``best`` for ``key``; ``described``: the autotuner's key in words, for a reader of the file."""
+        record = {
+            "version": TILE_RECORD_VERSION,
+            "key": key,
+            "described": described,
+            "config": asdict(best),
+            "timings": [[repr(config), time] for time, config in timings],
+            "measured_at": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        }
+        try:
+            self.files.write(key, record, self.limit)
+        except RecordsRefusedError as error:
+            self._refusal(error)
+        except OSError as error:
+            _log.info("attnkit: writing the triton tile record %s failed: %s", key, error)
+
 
 class Autotuner:
-    """Picks the fastest of a few configurations per key on the first compiled call, then reuses it. ``timer``:
-    triton.testing.do_bench (read at each call) unless given; tests give one that needs no GPU."""
+    """Picks the fastest of a few configurations per key on the first compiled call, then reuses it; with a lasting
+    key, a choice recorded by an earlier process (:class:`TileRecords`) is taken without timing, and a new one is
+    recorded. ``timer``: triton.testing.do_bench (read at each call) unless given; tests give one that needs no GPU."""
 
-    def __init__(self, timer: Timer | None = None) -> None:
+    def __init__(self, timer: Timer | None = None, records: TileRecords | None = None) -> None:
         self.timer = timer
+        self.records = records if records is not None else TileRecords()
         self._best: dict[tuple, TileConfig] = {}
         self._lock = threading.Lock()
 
@@ -428,14 +536,24 @@ class Autotuner:
         configs: tuple[TileConfig, ...],
         launch: Callable[[TileConfig], None],
         restore: Sequence[torch.Tensor] = (),
+        lasting_key: Callable[[], str] | None = None,
     ) -> TileConfig:
         """The best of ``configs`` for ``key``, timing each by running ``launch`` on the live arguments the first
         time. ``restore``: the tensors a launch adds into (accumulated_arguments). The timer runs a launch many times,
         so each timed launch starts from their values on entry, and they hold those values again on return: the
-        caller's one launch then adds into them once (as Triton's own autotuner's restore_value)."""
+        caller's one launch then adds into them once (as Triton's own autotuner's restore_value). ``lasting_key``:
+        the key of the choice across processes (made only on a miss in the process: it hashes the GPU and versions)."""
         with self._lock:
             if key in self._best:
                 return self._best[key]
+        records = self.records if lasting_key is not None and self.records.enabled() else None
+        lasting = lasting_key() if records is not None and lasting_key is not None else ""
+        if records is not None:
+            recorded = records.load(lasting, configs)
+            if recorded is not None:
+                with self._lock:
+                    self._best[key] = recorded
+                return recorded
         timer = self.timer or triton.testing.do_bench
         saved = [x.clone() for x in restore]
 
@@ -455,6 +573,8 @@ class Autotuner:
             for x, value in zip(restore, saved):
                 x.copy_(value)
         best = min(timings, key=lambda item: item[0])[1] if timings else configs[0]
+        if records is not None and timings:
+            records.save(lasting, repr(key), best, timings)
         with self._lock:
             self._best[key] = best
         return best
@@ -472,14 +592,14 @@ class KernelExecutor:
 
     def launch(
         self,
-        kernel: Kernel,
+        kernel: Kernel | str,
         grid: tuple[int, int, int],
         args: list[Any],
         constants: dict[str, Any],
         options: dict[str, int],
     ) -> None:
-        """``args``: the positional arguments (descriptors included); ``constants``: the constexprs; ``options``:
-        num_warps and num_stages (none: Triton's defaults)."""
+        """``kernel``: one of FUNCTIONS' keys; ``args``: the positional arguments (descriptors included); ``constants``:
+        the constexprs; ``options``: num_warps and num_stages (none: Triton's defaults)."""
         FUNCTIONS[kernel][grid](*args, **constants, **options)
 
 
@@ -512,6 +632,7 @@ class TritonLauncher:
         executor: KernelExecutor | None = None,
         autotuner: Autotuner | None = None,
         triton_version: str = triton.__version__,
+        device_identity: Callable[[torch.device], str] = gpu_identity,
     ) -> None:
         # Compiled, whether the autotuner also times WARP_SPECIALIZED where it serves (the triton backend's
         # warp_specialize option), on the Triton versions where it compiles as intended. The interpreter runs that
@@ -520,6 +641,16 @@ class TritonLauncher:
         self.target = target  # None: the process's own, per call (target_of)
         self.executor = executor or KernelExecutor()
         self.autotuner = autotuner or _autotuner
+        self.triton_version = triton_version
+        self.device_identity = device_identity  # the GPU in a tile record's key; tests name a fake one
+
+    def lasting_key(self, key: tuple, device: torch.device) -> str:
+        """The key of an autotuned choice across processes: the autotuner's key (kernel, candidates, dtype, arch,
+        switches, length bucket) and everything that invalidates a timing: the GPU model, the Triton, torch and
+        attnkit versions, and the kernels' source."""
+        parts = (repr(key), self.device_identity(device), f"triton {self.triton_version}", f"torch {torch.__version__}",
+                 f"attnkit {attnkit_version()}", f"kernels {kernel_digest()}")  # fmt: skip
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
 
     def target_for(self, call: KernelCall) -> Target:
         return self.target or target_of(call.q.device)
@@ -553,6 +684,27 @@ class TritonLauncher:
         ):
             configs = (*configs, WARP_SPECIALIZED)
         return configs
+
+    def merge_splits(
+        self,
+        call: KernelCall,
+        partial_out: torch.Tensor,
+        partial_lse: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> None:
+        """Split-K's combine as one launch (MERGE) into ``out`` (a bhsd view in q's dtype) and ``lse``, one program per
+        query row, in place of the shared sequence's torch merge (contract.kernels.attention_forward calls it)."""
+        splits, batch, heads_q, len_q, head_dim_v = partial_out.shape
+        constants = dict(
+            HEAD_DIM_V=head_dim_v,
+            BLOCK_DV=padded_head_dim(*call.head_dims),  # the forward's width
+            BLOCK_S=max(2, next_power_of_2(splits)),
+            INTERPRETER_BF16=self.executor.interpreted and out.dtype == torch.bfloat16,
+        )
+        args = [partial_out, partial_lse, out, lse, partial_out.stride(0), partial_lse.stride(0), *out.stride()[:3],
+                heads_q, len_q, splits]  # fmt: skip
+        self.executor.launch(MERGE, (batch * heads_q * len_q, 1, 1), args, constants, {})
 
     def run(self, kernel: Kernel, call: KernelCall, grid: Grid, args: list[Any], switches: KernelSwitches) -> None:
         target = self.target_for(call)
@@ -589,7 +741,9 @@ class TritonLauncher:
         spec, (_, _, len_q, len_k) = call.spec, call.geometry
         key = (NAMES[kernel], configs, call.q.dtype, target.arch, spec.causal, spec.window is not None, switches.paged,
                switches.split_k, length_bucket(max(len_q, len_k)))  # fmt: skip
-        launch(self.autotuner.choose(key, configs, launch, restore=accumulated_arguments(kernel, args, switches)))
+        restore = accumulated_arguments(kernel, args, switches)
+        lasting = functools.partial(self.lasting_key, key, call.q.device)
+        launch(self.autotuner.choose(key, configs, launch, restore=restore, lasting_key=lasting))
 
 
 LAUNCHER = TritonLauncher()
