@@ -402,15 +402,15 @@ def measure(
             break
         fastest = min(best.values())
         # Timed again: the close ones, and those whose one sample was a first call (it may be loading, not work).
-        running = [name for name, seconds in best.items() if seconds <= fastest * (1.0 + CLOSE)]
-        running += [name for name in first_call_only if name not in running]
-        spent = budget.spent
-        if len(running) >= 2:
-            for name in sorted(running, key=best.__getitem__):  # the fastest first: the likeliest winners
-                if name in best and budget.refusal(best[name], best) is None:
-                    time_once(name)
-        if budget.spent == spent:  # nothing more was affordable, or nothing is left to decide
+        close = [name for name, seconds in best.items() if seconds <= fastest * (1.0 + CLOSE)]
+        running = sorted(set(close) | first_call_only, key=best.__getitem__)  # the fastest first: likeliest winners
+        affordable = [name for name in running if budget.refusal(best[name], best) is None]
+        # A round decides something only if it samples a first call again or compares two close ones.
+        if len(running) < 2 or (len(affordable) < 2 and not first_call_only & set(affordable)):
             break
+        for name in affordable:
+            if name in best and budget.refusal(best[name], best) is None:
+                time_once(name)
     if not best:
         return None
     fastest = min(best.values())
