@@ -39,7 +39,7 @@ QUICK: dict[str, dict[str, Any]] = {
     "memory": {"seq_len": 1024},
     "targets": {"seq_lens": "512", "repeats": 2, "rounds": 5, "calls": 200, "no_memory": True},
     "compiled": {"repeats": 1, "warmup": 1},
-    "masks": {"seq_lens": "64,512", "repeats": 2, "no_memory": True},  # a child process per memory cell
+    "masks": {"seq_lens": "128", "repeats": 2, "no_memory": True},  # a child process per memory cell
     "packed": {"seq_len": 1024, "repeats": 1, "warmup": 0, "no_memory": True},
     "paged": {"seq_lens": "1024", "repeats": 1, "backends": "cpu-flash,torch-chunked"},
     "context-parallel": {"world": 2, "seq_len": 1024, "repeats": 1},
