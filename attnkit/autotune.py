@@ -12,10 +12,15 @@ cuDNN's benchmark mode, Triton's autotuner and FFTW's wisdom do.
   the spec class the call's routing features (causal, window, softcap, layout, mask, lse, grad, ...). Its key is a
   hash of all of it, as the build cache keys a build (attnkit/build.py): what a timing depends on is in the key, so
   a record is never read for a machine, version or call kind it was not measured on.
-* **Measuring** (:func:`measure`): one timed call per contender, fastest predicted first; a contender slower than the
-  best by more than :data:`CLOSE` is beaten and timed no more; the ones still close are timed again while the
-  measuring has cost less than :data:`BUDGET_CALLS` calls of the slowest contender, and the first of them in the
-  priority list wins. A call that records gradients
+* **Measuring** (:func:`measure`): one timed call per contender, the prediction's pick first; a contender slower
+  than the best by more than :data:`CLOSE` is beaten and timed no more; the ones still close, and those whose only
+  sample was their first call in the process (which loads code and memory: an upper bound of a call, not a sample
+  of one), are timed again, and the first of the close ones in the priority list wins. Every timed call counts,
+  first calls included, and none is made that would take the measuring past ``autotune_budget_calls`` calls of the
+  slowest contender (issue 32's bound: 3) or ``autotune_budget_s`` seconds: a contender not timed then is not in the
+  record, which says why. A contender whose first call in the process costs far more than a call (a build, a
+  compile: the backend's ``cold_start`` says so) is not timed at all, the prediction deciding against it; its record
+  is kept in the process only, so that a later process, where it is ready, measures it. A call that records gradients
   is measured forward+backward, on detached views of its inputs (no copy; ``torch.autograd.grad``, so nothing is
   accumulated into the caller's ``.grad``).
 * **Never measured** (the prediction, or a record already there, decides): under ``torch.compile`` and on meta or
@@ -65,9 +70,9 @@ _log = logging.getLogger("attnkit")
 
 #: A contender slower than the best time by more than this fraction is beaten: timed no more.
 CLOSE = 0.10
-#: Measuring a bucket costs at most this many calls of its slowest contender (issue 32's bound).
-BUDGET_CALLS = 3.0
-RECORD_VERSION = 1
+#: A contender is timed at most this many times for a bucket (a bound on the loop, whatever the clock says).
+SAMPLES_AT_MOST = 5
+RECORD_VERSION = 2  # 2: the contenders not timed, and why
 #: Buckets remembered as having no record, per process (the call cache's bound: attnkit/call_cache.py).
 MISSING_LIMIT = 4096
 
@@ -91,10 +96,14 @@ class Record:
     measured_at: str  # UTC
     path: str = ""  # the file it was read from or written to; "" when kept in the process only
     note: str = ""  # why it is kept in the process only
+    #: Contenders of the bucket that were not timed, each with why (the budget, a first call that builds or compiles).
+    unmeasured: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
-        """One line: the times, and where the record lives."""
+        """One line: the times, the contenders not timed, and where the record lives."""
         times = ", ".join(f"{name} {format_us(us)}" for name, us in self.times_us)
+        if self.unmeasured:
+            times += "; not timed: " + "; ".join(f"{name} ({why})" for name, why in self.unmeasured)
         where = f"record {self.path}" if self.path else f"record kept in this process only: {self.note}"
         return f"{times} ({where}; measured {self.measured_at} for {self.bucket})"
 
@@ -106,6 +115,7 @@ class Record:
             "winner": self.winner,
             "times_us": [[name, us] for name, us in self.times_us],
             "measured_at": self.measured_at,
+            "unmeasured": [[name, why] for name, why in self.unmeasured],
         }
 
     @staticmethod
@@ -116,8 +126,15 @@ class Record:
             if data["version"] != RECORD_VERSION:
                 return None
             times = tuple((str(name), float(us)) for name, us in data["times_us"])
+            unmeasured = tuple((str(name), str(why)) for name, why in data["unmeasured"])
             record = Record(
-                str(data["key"]), str(data["bucket"]), str(data["winner"]), times, str(data["measured_at"]), path
+                str(data["key"]),
+                str(data["bucket"]),
+                str(data["winner"]),
+                times,
+                str(data["measured_at"]),
+                path,
+                unmeasured=unmeasured,
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -288,51 +305,119 @@ class Trial:
         return clock() - start
 
 
-#: Backends measuring has run in this process: the first call of each, which loads its code (cpu-flash's extension,
-#: a first kernel launch) and takes up to seconds more than any later one, is a warm-up, not a sample.
+#: Backends measuring has run in this process: a backend's first call loads its code and memory (cpu-flash's
+#: extension, a first kernel launch, the allocator's pages) and may take several later calls' time, so a sample of
+#: a first call only bounds a call from above.
 _warm: set[str] = set()
 
 
+@dataclass(frozen=True)
+class Measurement:
+    """What :func:`measure` found: the winner, each timed contender's best time in µs (in the order timed), and the
+    contenders it did not time, with why."""
+
+    winner: str
+    times_us: dict[str, float]
+    unmeasured: tuple[tuple[str, str], ...] = ()
+    #: A contender was left out for this process's state only (its first call builds or compiles): the record is
+    #: then kept in the process, and a later process measures the bucket again.
+    transient: bool = False
+
+
+def cold_start(backend: Backend, spec: AttentionSpec, problem: Problem) -> str | None:
+    """Why ``backend``'s next call on this problem costs far more than a call (its optional ``cold_start`` hook: a
+    build, a compile), or None."""
+    hook = getattr(backend, "cold_start", None)
+    return hook(spec, problem) if hook is not None else None
+
+
+class _Budget:
+    """The time measuring may spend (module docstring, "Measuring"): ``calls`` calls of the slowest contender timed,
+    and ``seconds`` (None: no cap)."""
+
+    def __init__(self, calls: float, seconds: float | None) -> None:
+        self.calls = calls
+        self.seconds = seconds
+        self.spent = 0.0
+
+    def refusal(self, estimate: float, best: Mapping[str, float]) -> str | None:
+        """Why one more call, estimated at ``estimate`` seconds, would pass the budget, or None (the first call is
+        always made: nothing is known before it)."""
+        if not best:
+            return None
+        if self.spent + estimate > self.calls * max(*best.values(), estimate):
+            return f"the budget of {self.calls:g} calls of the slowest contender (autotune_budget_calls) was spent"
+        if self.seconds is not None and self.spent + estimate > self.seconds:
+            return f"the budget of {self.seconds:g} s (autotune_budget_s) was spent"
+        return None
+
+
 def measure(
-    contenders: Sequence[Backend], trial: Trial, priority: Sequence[str]
-) -> tuple[str, dict[str, float]] | None:
-    """The fastest of ``contenders`` on the trial's call, the first in ``priority`` (every contender is in it) among
-    those within :data:`CLOSE` of the best, and each one's best time in µs (module docstring, "Measuring"); None
-    when none could be timed. A contender that fails is left out (its error is logged): measuring
-    never fails the call, which then runs its backend and raises what it raises."""
+    contenders: Sequence[Backend],
+    trial: Trial,
+    priority: Sequence[str],
+    budget_calls: float,
+    budget_s: float | None = None,
+) -> Measurement | None:
+    """The fastest of ``contenders`` (the prediction's pick first) on the trial's call, the first in ``priority``
+    (every contender is in it) among those within :data:`CLOSE` of the best (module docstring, "Measuring"). Every
+    timed call counts against the budget, first calls included: ``budget_calls`` calls of the slowest contender
+    timed, and ``budget_s`` seconds; a call that would pass it is not made. None when none could be timed. A
+    contender that fails is left out (its error is logged): measuring never fails the call, which then runs its
+    backend and raises what it raises."""
+    by_name = {backend.name: backend for backend in contenders}
     best: dict[str, float] = {}
-    spent = 0.0
-    for backend in contenders:
+    first_call_only: set[str] = set()  # sampled once, on its first call in the process: an upper bound
+    unmeasured: list[tuple[str, str]] = []
+    budget = _Budget(budget_calls, budget_s)
+
+    def time_once(name: str) -> None:
+        first = name not in _warm
         try:
-            if backend.name not in _warm:  # its first call in the process loads (or builds) its code: not timed
-                trial.seconds(backend)
-                _warm.add(backend.name)
-            seconds = trial.seconds(backend)
+            seconds = trial.seconds(by_name[name])
         except Exception as error:  # noqa: BLE001  any failure only removes the contender; the call reports its own
-            _log.info("attnkit: measuring %s failed (%s: %s); left out", backend.name, type(error).__name__, error)
-            continue
-        best[backend.name] = seconds
-        spent += seconds
+            _log.info("attnkit: measuring %s failed (%s: %s); left out", name, type(error).__name__, error)
+            best.pop(name, None)
+            first_call_only.discard(name)
+            return
+        _warm.add(name)
+        budget.spent += seconds
+        best[name] = min(best.get(name, math.inf), seconds)
+        (first_call_only.add if first else first_call_only.discard)(name)
+
+    transient = False
+    for index, backend in enumerate(contenders):
+        # The prediction's pick (index 0) runs the call anyway: its first call is paid with or without measuring.
+        slow_start = None if index == 0 or backend.name in _warm else cold_start(backend, trial.spec, trial.problem)
+        refused = slow_start or budget.refusal(max(best.values(), default=0.0), best)  # unknown: as the slowest
+        if refused is not None:
+            unmeasured.append((backend.name, refused))
+            transient = transient or slow_start is not None
+        else:
+            time_once(backend.name)
+    for _ in range(SAMPLES_AT_MOST - 1):
+        if not best:
+            break
+        fastest = min(best.values())
+        # Timed again: the close ones, and those whose one sample was a first call (it may be loading, not work).
+        close = [name for name, seconds in best.items() if seconds <= fastest * (1.0 + CLOSE)]
+        running = sorted(set(close) | first_call_only, key=best.__getitem__)  # the fastest first: likeliest winners
+        affordable = [name for name in running if budget.refusal(best[name], best) is None]
+        # A round decides something only if it samples a first call again or compares two close ones.
+        if len(running) < 2 or (len(affordable) < 2 and not first_call_only & set(affordable)):
+            break
+        for name in affordable:
+            if name in best and budget.refusal(best[name], best) is None:
+                time_once(name)
     if not best:
         return None
-    budget = BUDGET_CALLS * max(best.values())
-    by_name = {backend.name: backend for backend in contenders}
-    while True:
-        fastest = min(best.values())
-        close = [name for name, seconds in best.items() if seconds <= fastest * (1.0 + CLOSE)]
-        again = sum(best[name] for name in close)
-        if len(close) < 2 or spent + again > budget:
-            break
-        for name in close:
-            seconds = trial.seconds(by_name[name])
-            spent += seconds
-            best[name] = min(best[name], seconds)
+    fastest = min(best.values())
     # Within CLOSE of the best, one sample each cannot tell them apart on a busy machine (the same backend timed
     # twice differed by 25% in a loaded bench here): the priority order decides among them, as the cost margin
     # leaves a close prediction to it, so the framework's own kernel keeps a tie.
-    fastest = min(best.values())
     winner = next(name for name in priority if name in best and best[name] <= fastest * (1.0 + CLOSE))
-    return winner, {name: seconds * 1e6 for name, seconds in best.items()}
+    times = {name: seconds * 1e6 for name, seconds in best.items()}
+    return Measurement(winner, times, tuple(unmeasured), transient)
 
 
 # --------------------------------------------------------------------------------------------------- records
@@ -425,6 +510,15 @@ class RecordStore:
         with self._lock:
             self._known[(str(directory), record.key)] = kept
             self._missing.discard((str(directory), record.key))
+        return kept
+
+    def keep(self, record: Record, note: str) -> Record:
+        """Keep ``record`` in the process only (``note`` says why): no file is written, a later process measures."""
+        kept = dataclasses.replace(record, path="", note=note)
+        slot = (str(self.directory()), record.key)
+        with self._lock:
+            self._known[slot] = kept
+            self._missing.discard(slot)
         return kept
 
 

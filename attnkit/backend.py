@@ -449,6 +449,11 @@ class BaseBackend:
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         return capability_reasons(self.capabilities, spec, problem)
 
+    def cold_start(self, spec: AttentionSpec, problem: Problem) -> str | None:
+        """Why this backend's next call on ``problem`` costs far more than a call of it (a build, a compile), or None.
+        ``auto``'s measuring does not time a backend then, unless the prediction picked it (attnkit/autotune.py)."""
+        return None
+
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         raise NotImplementedError(f"{type(self).__name__}.forward")
 

@@ -310,6 +310,10 @@ class TorchExtension:
             missing.append(f"ninja, which torch.utils.cpp_extension builds {self.source.name} with, is not on PATH")
         return missing
 
+    def built(self) -> bool:
+        """Loaded in this process, or built on this machine (loading it then costs a file read, not a build)."""
+        return self._module is not None or self.library().exists()
+
     def load(self, build: bool = True) -> ModuleType:
         """The module: loaded if built (and owner-only), else built first when ``build``; BuildError otherwise."""
         if self._module is not None:

@@ -119,6 +119,12 @@ class Config(BaseModel):
     #: Under torch.no_grad() a call with at most this many queries, fewer than its keys, is a decode step: never
     #: measured, since a generation loop's step latency matters more than the step's backend.
     autotune_decode_len_q: Annotated[int, Strict()] = 16
+    #: Measuring a bucket's first call times no call that would take it past this many calls of the slowest
+    #: contender, first calls included (issue 32's bound: what measuring adds to the call).
+    autotune_budget_calls: StrictNumber = 3.0
+    #: And past this many seconds (None: no cap): for buckets whose calls take seconds, where even the first calls of
+    #: the contenders are too many; the contenders not timed are in the record, the prediction's pick timed first.
+    autotune_budget_s: StrictNumber | None = None
     #: The measured records kept on disk; the oldest go past it.
     autotune_records: Annotated[int, Strict()] = 1024
     #: Settings of single backends, ``[backend_options.<name>]``: each name one the backend declares
@@ -142,6 +148,20 @@ class Config(BaseModel):
     def _a_factor(cls, value: float) -> float:
         if not value >= 1.0:
             raise ValueError(f"autotune_spread={value} must be >= 1 (a factor over the fastest prediction)")
+        return value
+
+    @field_validator("autotune_budget_calls")
+    @classmethod
+    def _at_least_one_call(cls, value: float) -> float:
+        if not value >= 1.0:
+            raise ValueError(f"autotune_budget_calls={value} must be >= 1 (calls of the slowest contender)")
+        return value
+
+    @field_validator("autotune_budget_s")
+    @classmethod
+    def _positive_seconds(cls, value: float | None) -> float | None:
+        if value is not None and not value > 0.0:
+            raise ValueError(f"autotune_budget_s={value} must be > 0 seconds, or unset")
         return value
 
     @field_validator("autotune_candidates", "autotune_records")

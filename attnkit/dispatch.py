@@ -121,13 +121,24 @@ def _choose(
         later = f"not measured yet: the first eager attend call of its bucket times {', '.join(contenders)}"
         return Choice(chosen, predicted, not_measured=later, final=False)
     backends = registry.backends()
-    measured = autotune.measure([backends[name] for name in contenders], trial, servable)
+    measured = autotune.measure(
+        [backends[name] for name in contenders],
+        trial,
+        servable,
+        current.autotune_budget_calls,
+        current.autotune_budget_s,
+    )
     if measured is None:
         failed = f"not measured: timing {', '.join(contenders)} failed (logged at info level)"
         return Choice(chosen, predicted, not_measured=failed, final=False)
-    winner, times = measured
-    record = autotune.Record(key, bucket, winner, tuple(times.items()), autotune.now_utc())
-    record = autotune.STORE.save(record, current.autotune_records)
+    winner = measured.winner
+    record = autotune.Record(
+        key, bucket, winner, tuple(measured.times_us.items()), autotune.now_utc(), unmeasured=measured.unmeasured
+    )
+    if measured.transient:  # a contender not ready in this process: a later process measures the bucket again
+        record = autotune.STORE.keep(record, "a contender's first call builds or compiles in this process")
+    else:
+        record = autotune.STORE.save(record, current.autotune_records)
     _log.debug("attnkit: measured %s", record.describe())
     return Choice(winner, predicted, record=record)
 

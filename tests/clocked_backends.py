@@ -12,6 +12,10 @@ SLOW = "clocked-slow"
 FAST = "clocked-fast"
 #: Fake seconds per forward call; a backward costs twice its forward.
 COSTS = {SLOW: 3.0, FAST: 1.0}
+#: Fake seconds a backend's first forward after CLOCK.reset() costs on top (its code and memory loading); none here.
+FIRST_CALL_EXTRA = dict.fromkeys(COSTS, 0.0)
+#: What a backend's cold_start says (a first call that builds or compiles); none here.
+COLD_START: dict[str, str] = {}
 
 
 class FakeClock:
@@ -39,8 +43,11 @@ class ClockedBackend(TinyBackend):
     def __init__(self, name: str) -> None:
         self.name = name
 
+    def cold_start(self, spec: Any, problem: Any) -> str | None:
+        return COLD_START.get(self.name)
+
     def forward(self, spec: Any, inputs: Any, need_lse: bool) -> Any:
-        CLOCK.now += COSTS[self.name]
+        CLOCK.now += COSTS[self.name] + (FIRST_CALL_EXTRA[self.name] if CLOCK.calls[self.name] == 0 else 0.0)
         CLOCK.calls[self.name] += 1
         return super().forward(spec, inputs, need_lse)
 

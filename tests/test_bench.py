@@ -260,6 +260,59 @@ def test_every_bench_has_a_quick_form() -> None:
     assert set(whats) | {"backend", "calibrate"} == set(QUICK)
 
 
+#: Each --what's bench function and formatter (module, function, formatter), and the flags it needs besides --what.
+BENCH_FUNCTIONS = {
+    "dispatch": ("overhead", "bench_dispatch", "format_dispatch", ()),
+    "spec": ("spec_cost", "bench_spec", "format_spec", ()),
+    "chunked": ("chunked", "bench_chunked", "format_chunked", ()),
+    "memory": ("chunked", "bench_memory", "format_memory", ()),
+    "targets": ("targets", "bench_targets", "format_targets", ()),
+    "compiled": ("compiled", "bench_compiled", "format_compiled", ()),
+    "masks": ("masks", "bench_masks", "format_masks", ()),
+    "packed": ("packed", "bench_packed", "format_packed", ()),
+    "paged": ("paged", "bench_paged", "format_paged", ()),
+    "context-parallel": ("context_parallel", "bench_context_parallel", "format_context_parallel", ()),
+    "clauses": ("clauses", "bench_clauses", "format_clauses", ()),
+    "backend": ("tflops", "bench_backend", "format_backend", ("--backend", "torch-chunked")),
+}
+
+
+def _work(value: Any) -> float | None:
+    """How much a bench argument asks for (a count, a length, how many cases, whether memory is measured), or None
+    for one that sets no amount (a device, a callback, a name)."""
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, tuple | list):
+        return float(len(value))
+    return None
+
+
+@pytest.mark.parametrize("what", sorted(BENCH_FUNCTIONS))
+def test_quick_asks_each_bench_for_less_work(
+    what: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 32: `--quick` runs fewer cases, repeats, lengths or memory children than the full bench of each --what
+    (the bench functions are stubbed: this reads what each would be asked to run, not how long it takes)."""
+    import importlib
+
+    module_name, function, formatter, flags = BENCH_FUNCTIONS[what]
+    module = importlib.import_module(f"attnkit.bench.{module_name}")
+    asked: list[dict[str, Any]] = []
+    monkeypatch.setattr(module, function, lambda *args, **kwargs: asked.append(kwargs) or {})
+    monkeypatch.setattr(module, formatter, lambda result: "table")
+    selector = list(flags) or ["--what", what]
+    assert run(capsys, "bench", *selector)[0] == 0
+    assert run(capsys, "bench", *selector, "--quick")[0] == 0
+    full, quick = ({name: _work(value) for name, value in kwargs.items()} for kwargs in asked)
+    amounts = [name for name, amount in full.items() if amount is not None and quick[name] is not None]
+    assert all(quick[name] <= full[name] for name in amounts), (full, quick)
+    assert any(quick[name] < full[name] for name in amounts), (full, quick)
+    if "memory" in quick:  # measuring memory runs a child process per cell: never in a smoke run
+        assert quick["memory"] == 0.0
+
+
 def test_quick_dispatch_runs_few_calls_and_given_flags_win(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

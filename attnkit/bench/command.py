@@ -37,9 +37,9 @@ QUICK: dict[str, dict[str, Any]] = {
     "spec": {"rounds": 3, "calls": 200},
     "chunked": {"seq_len": 512, "repeats": 1},
     "memory": {"seq_len": 1024},
-    "targets": {"seq_lens": "512", "repeats": 2, "rounds": 5, "calls": 200},
+    "targets": {"seq_lens": "512", "repeats": 2, "rounds": 5, "calls": 200, "no_memory": True},
     "compiled": {"repeats": 1, "warmup": 1},
-    "masks": {"seq_lens": "64,512", "repeats": 2},
+    "masks": {"seq_lens": "128", "repeats": 2, "no_memory": True},  # a child process per memory cell
     "packed": {"seq_len": 1024, "repeats": 1, "warmup": 0, "no_memory": True},
     "paged": {"seq_lens": "1024", "repeats": 1, "backends": "cpu-flash,torch-chunked"},
     "context-parallel": {"world": 2, "seq_len": 1024, "repeats": 1},

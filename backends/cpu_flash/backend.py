@@ -281,6 +281,11 @@ class CpuFlashBackend(RecomputingBackend):
         ),
     )
 
+    def cold_start(self, spec: AttentionSpec, problem: Problem) -> str | None:
+        if EXTENSION.built():
+            return None
+        return "its first call builds kernel.cpp (tens of seconds; measured in a process after the build)"
+
     def available(self) -> list[str]:
         blas = _blas_reason()
         return [*EXTENSION.problems(), *([blas] if blas else [])]

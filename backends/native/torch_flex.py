@@ -59,6 +59,7 @@ from attnkit.backend import (
     Feature,
     Framework,
     Gradients,
+    Problem,
     Variant,
     delegated,
     peer_backend,
@@ -130,6 +131,13 @@ class _CompiledCache:
 
     def __len__(self) -> int:
         return len(self._functions)
+
+    def has_shape(self, q_shape: tuple[int, ...], dtype: torch.dtype) -> bool:
+        """Whether a kernel for queries of this (bucketed) shape and dtype, on this many threads, is compiled (its
+        mods may still differ: close enough to say that the compiler has run for the call's kind)."""
+        threads = torch.get_num_threads()
+        with self._lock:
+            return any(key[0] == q_shape and key[3] == dtype and key[5] == threads for key in self._functions)
 
     def get(self, key: tuple[Any, ...]) -> Callable[..., Any]:
         with self._lock:
@@ -485,6 +493,15 @@ class TorchFlexBackend(BaseBackend):
         ),
         delegations=(BACKWARD, EMPTY, NAN_INPUTS, LSE_RANGE),
     )
+
+    def cold_start(self, spec: AttentionSpec, problem: Problem) -> str | None:
+        len_q, len_k = bucket_length(problem.len_q), bucket_length(problem.len_k) + int(problem.return_lse)
+        if len_q * len_k < COMPILE_MIN_PAIRS:  # run eagerly: nothing to compile
+            return None
+        q_shape = (bucket_batch(problem.batch), problem.heads_q, len_q, bucket_head_dim(problem.head_dim))
+        if COMPILED.has_shape(q_shape, getattr(torch, problem.dtype)):
+            return None
+        return "its first call of this shape compiles a kernel (seconds)"
 
     def available(self) -> list[str]:
         reason = _api_reason() or _cpu_template_reason()
