@@ -1,10 +1,10 @@
 """Context parallelism on a JAX mesh (docs/semantics.md §14): attnkit.distributed's JAX calls on 4 host devices equal
 the single-device call on the whole arrays, out, lse and dq, dk, dv (through out and lse), against the float64
 oracle (torch-naive) under the tolerance rule at the case's dtype (float32 and bfloat16), for every
-strategy × sharding over causal (both alignments, Lq ≠ Lk), windows, GQA, softcap, cosine, lengths, segment ids and
-3-D inputs, fixed runs and runs drawn by attnkit.testing.strategies (as many as the hypothesis profile says,
-derandomised under ``ci``); under jax.jit, on arrays laid out by shard_jax and inside the caller's own shard_map. Bad
-input raises a typed error naming the value.
+strategy × sharding over causal (both alignments, Lq ≠ Lk), windows, GQA, softcap, cosine, lengths, segment ids,
+sinks, ALiBi slopes and 3-D inputs, fixed runs and runs drawn by attnkit.testing.strategies (as many as the hypothesis
+profile says, derandomised under ``ci``); under jax.jit, on arrays laid out by shard_jax and inside the caller's own
+shard_map. Bad input raises a typed error naming the value.
 
 JAX makes its host devices when it is first imported (XLA_FLAGS), and this process imported it long ago: the
 sharded calls run in ONE child process (this file run as a script), which reads the drawn runs from its directory and

@@ -3,10 +3,10 @@
 One spawn of a gloo group per world size (2, 3 and 4 ranks) runs every case under every strategy × sharding that
 serves it, and the bad inputs, in the children. The cases are fixed ones naming the clause each reaches across shards
 and, per world size, cases drawn in the parent by attnkit.testing.strategies (every spec feature, GQA/MQA, masks, bias,
-lengths, segment ids; float32, float16 and bfloat16) with their sequences stretched to a multiple of 2P; how many
-follows the hypothesis profile (derandomised under ``ci``). The parent holds each result (out, lse, dq, dk, dv, dbias
-unsharded) against the float64 oracle under the tolerance rule at the case's dtype, and checks that a bad input on any
-rank raised a typed error on every rank (nothing hung: the spawn has a deadline)."""
+lengths, segment ids, sinks, ALiBi slopes; float32, float16 and bfloat16) with their sequences stretched to a multiple
+of 2P; how many follows the hypothesis profile (derandomised under ``ci``). The parent holds each result (out, lse,
+dq, dk, dv, dbias unsharded) against the float64 oracle under the tolerance rule at the case's dtype, and checks that a
+bad input on any rank raised a typed error on every rank (nothing hung: the spawn has a deadline)."""
 
 from __future__ import annotations
 
