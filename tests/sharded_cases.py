@@ -28,10 +28,10 @@ def shardable_cases(draw: st.DrawFn, world: int, dtypes: Iterable[str], mask_and
     """A case drawn by attnkit.testing.strategies.cases, made shardable over ``world`` ranks: Lq and Lk stretched to
     the next multiple of 2P (zigzag's chunk count; contiguous needs P) with the mask and bias shapes following and the
     segment ids drawn again for them; mask and bias dropped, 3-D inputs refused, where the caller says the call takes
-    none; without mask or bias and 4-D, the heads multiplied by P so that Ulysses serves the case too."""
+    none; without mask or bias and 4-D, the heads multiplied by P so that Ulysses serves the case too (ALiBi slopes,
+    drawn as attend's, following them)."""
     drawn = cases(dtypes=dtypes, max_len=16)
     case = draw(drawn if three_d else drawn.filter(lambda case: not case.three_d))
-    case = case.with_(alibi_shape=None)  # §16: the sharded call takes no slopes yet
     if not mask_and_bias:
         case = case.with_(mask_shape=None, masked_rows=(), bias_shape=None, bias_grad=False)
     unit = 2 * world
@@ -44,9 +44,10 @@ def shardable_cases(draw: st.DrawFn, world: int, dtypes: Iterable[str], mask_and
     if case.q_segment_ids is not None:
         ids = draw(segment_ids(case.batch, len_q, len_k))
     heads = world if case.mask_shape is None and case.bias_shape is None and not case.three_d else 1
+    slopes = None if case.alibi_shape is None else (*case.alibi_shape[:-1], case.heads_q * heads)  # one per head
     return case.with_(len_q=len_q, len_k=len_k, mask_shape=stretched(case.mask_shape),
                       bias_shape=stretched(case.bias_shape), q_segment_ids=ids[0], kv_segment_ids=ids[1],
-                      heads_q=case.heads_q * heads, heads_kv=case.heads_kv * heads)  # fmt: skip
+                      heads_q=case.heads_q * heads, heads_kv=case.heads_kv * heads, alibi_shape=slopes)  # fmt: skip
 
 
 def examples(strategy: st.SearchStrategy[T], count: int = DRAWN) -> list[T]:

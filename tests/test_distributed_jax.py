@@ -1,10 +1,10 @@
 """Context parallelism on a JAX mesh (docs/semantics.md §14): attnkit.distributed's JAX calls on 4 host devices equal
 the single-device call on the whole arrays, out, lse and dq, dk, dv (through out and lse), against the float64
 oracle (torch-naive) under the tolerance rule at the case's dtype (float32 and bfloat16), for every
-strategy × sharding over causal (both alignments, Lq ≠ Lk), windows, GQA, softcap, cosine, lengths, segment ids and
-3-D inputs, fixed runs and runs drawn by attnkit.testing.strategies (as many as the hypothesis profile says,
-derandomised under ``ci``); under jax.jit, on arrays laid out by shard_jax and inside the caller's own shard_map. Bad
-input raises a typed error naming the value.
+strategy × sharding over causal (both alignments, Lq ≠ Lk), windows, GQA, softcap, cosine, lengths, segment ids,
+sinks, ALiBi slopes and 3-D inputs, fixed runs and runs drawn by attnkit.testing.strategies (as many as the hypothesis
+profile says, derandomised under ``ci``); under jax.jit, on arrays laid out by shard_jax and inside the caller's own
+shard_map. Bad input raises a typed error naming the value.
 
 JAX makes its host devices when it is first imported (XLA_FLAGS), and this process imported it long ago: the
 sharded calls run in ONE child process (this file run as a script), which reads the drawn runs from its directory and
@@ -63,7 +63,8 @@ CAUSAL = AttentionSpec(causal=True)
 TOP_LEFT = AttentionSpec(causal=True, causal_alignment="top_left")
 # fmt: off
 RUNS = [
-    Run("ring-zigzag-causal-gqa", _case(CAUSAL, heads_q=4, heads_kv=2), "ring", "zigzag"),
+    # ALiBi (§16) in several: native on the diagonal blocks, a key bias and a row constant (traced offsets) elsewhere.
+    Run("ring-zigzag-causal-gqa", _case(CAUSAL, heads_q=4, heads_kv=2, alibi_shape=(4,)), "ring", "zigzag"),
     # bfloat16 (not float16: the runs are jitted, and JAX's CPU dot_general rejects the F16_F16_F32 product of the
     # jitted backward, backends/native/jax_xla.py).
     Run("ring-contiguous-window-gqa-bfloat16",
@@ -73,22 +74,28 @@ RUNS = [
     Run("ring-contiguous-top-left-lq<lk-segments",
         _case(TOP_LEFT, len_q=8, q_segment_ids=(IDS[::2],), kv_segment_ids=(IDS,)), "ring", "contiguous"),
     Run("ring-zigzag-window-bshd", _case(AttentionSpec(window=(3, 2), layout="bshd")), "ring", "zigzag"),
+    # Cross-attention, no causal: blocks straddling the diagonal at no native offset (c = 1, 2 in chunks of 2 × 5).
+    Run("ring-contiguous-cross-lq<lk-alibi", _case(AttentionSpec(), len_q=8, len_k=20, alibi_shape=(2,)), "ring",
+        "contiguous"),
     # Bottom-right with lengths: the band's offset per element, masked blocks; b=1's first rows see nothing.
-    # Sinks once per row after the merge, q_lengths counted on each device's rows' global positions (§15).
-    Run("ring-zigzag-lengths-sinks", _case(CAUSAL, batch=2, q_lengths=(16, 11), kv_lengths=(16, 6), sinks=True), "ring",
-        "zigzag"),
+    # Sinks once per row after the merge, q_lengths counted on each device's rows' global positions (§15). ALiBi's
+    # offset per element: every block split by a mask.
+    Run("ring-zigzag-lengths-sinks", _case(CAUSAL, batch=2, q_lengths=(16, 11), kv_lengths=(16, 6), sinks=True,
+                                           alibi_shape=(2, 2)), "ring", "zigzag"),
     Run("allgather-zigzag-softcap", _case(AttentionSpec(causal=True, softcap=2.0)), "allgather", "zigzag"),
     Run("allgather-contiguous-cosine-window",
         _case(AttentionSpec(causal=True, window=(4, 0), variant="cosine")), "allgather", "contiguous"),
     Run("allgather-zigzag-top-left-lengths-segments",
-        _case(TOP_LEFT, q_lengths=(13,), kv_lengths=(15,), q_segment_ids=(IDS,), kv_segment_ids=(IDS,)),
-        "allgather", "zigzag"),
-    Run("ulysses-zigzag-causal-gqa", _case(CAUSAL, heads_q=8, heads_kv=4), "ulysses", "zigzag"),
+        _case(TOP_LEFT, q_lengths=(13,), kv_lengths=(15,), q_segment_ids=(IDS,), kv_segment_ids=(IDS,),
+              alibi_shape=(2,)), "allgather", "zigzag"),
+    # Ulysses: each device's slice of the slopes, for the heads the all-to-all gave it.
+    Run("ulysses-zigzag-causal-gqa", _case(CAUSAL, heads_q=8, heads_kv=4, alibi_shape=(8,)), "ulysses", "zigzag"),
     Run("ulysses-contiguous-window-lengths",
-        _case(AttentionSpec(window=(2, 5)), heads_q=4, heads_kv=4, batch=2, q_lengths=(16, 7), kv_lengths=(9, 16)),
-        "ulysses", "contiguous"),
+        _case(AttentionSpec(window=(2, 5)), heads_q=4, heads_kv=4, batch=2, q_lengths=(16, 7), kv_lengths=(9, 16),
+              alibi_shape=(2, 4)), "ulysses", "contiguous"),
     Run("allgather-zigzag-gqa-lengths-sinks-inside-own-shard-map",
-        _case(CAUSAL, heads_q=4, heads_kv=2, q_lengths=(13,), sinks=True), "allgather", "zigzag", inside=True),
+        _case(CAUSAL, heads_q=4, heads_kv=2, q_lengths=(13,), sinks=True, alibi_shape=(1, 4)), "allgather", "zigzag",
+        inside=True),
 ]
 # fmt: on
 # Drawn runs: JAX takes no mask or bias; float16 is left out as above, float64 needs x64 (and a block's lse is float32).
@@ -111,6 +118,7 @@ BAD = {
     "ulysses-kv-heads": (dict(heads_q=4, heads_kv=2, strategy="ulysses"), ("k has 2 heads", "4 devices")),
     "length-not-divisible": (dict(len_q=12, len_k=12, strategy="ring"), ("q is 12 positions long", "8 equal chunks")),
     "mask": (dict(mask=True, strategy="ring"), ("mask is not taken",)),
+    "negative-slope": (dict(alibi_slopes=(0.5, -1.0), strategy="ring"), ("alibi_slopes must be finite and >= 0",)),
     "unknown-strategy": (dict(strategy="tree"), ("strategy='tree'", "'ring'")),
 }
 
@@ -137,7 +145,8 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
         if not run.inside:
             return attend_jax(case.spec, q, k, v, mesh=mesh, **optional, **options)
         sequence = Spec(*(AXIS if axis == seq_axis else None for axis in range(q.ndim)))
-        specs = {name: Spec() if name.endswith(("lengths", "sinks")) else Spec(None, AXIS) for name in optional}
+        specs = {name: Spec() if name.endswith(("lengths", "sinks", "slopes")) else Spec(None, AXIS)
+                 for name in optional}  # fmt: skip
         local = jax.shard_map(
             lambda q, k, v, optional: attend_jax(case.spec, q, k, v, **optional, **options),
             mesh=mesh,
@@ -163,6 +172,8 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
               if name in arrays}  # fmt: skip
     floats["dlse"] = jnp.asarray(arrays["dlse"], jnp.float32)  # lse is float32 whatever the inputs' dtype (§6)
     optional = {name: jnp.asarray(arrays[name], jnp.int32) for name in OPTIONAL if name in arrays}
+    if "alibi_slopes" in arrays:  # replicated, float32, taking no gradient
+        optional["alibi_slopes"] = jnp.asarray(arrays["alibi_slopes"], jnp.float32)
     results = jax.jit(forward_backward)(floats, optional)
     return {name: np.asarray(x, np.float64) for name, x in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), results)}
 
@@ -179,8 +190,10 @@ def _bad_call(name: str) -> None:
     arrays = make_arrays(_case(CAUSAL, **shape))
     q, k, v = (jnp.asarray(arrays[key], jnp.float32) for key in ("q", "k", "v"))
     mask = jnp.ones((1, 1, q.shape[2], k.shape[2]), bool) if changes.get("mask") else None
+    slopes = jnp.asarray(changes["alibi_slopes"], jnp.float32) if "alibi_slopes" in changes else None
     mesh = Mesh(np.array(jax.devices()[:WORLD]), (AXIS,))
-    attend_jax(CAUSAL, q, k, v, mesh=mesh, axis_name=AXIS, strategy=changes["strategy"], mask=mask)
+    attend_jax(CAUSAL, q, k, v, mesh=mesh, axis_name=AXIS, strategy=changes["strategy"], mask=mask,
+               alibi_slopes=slopes)  # fmt: skip
 
 
 def _child(directory: Path) -> None:

@@ -3,10 +3,10 @@
 One spawn of a gloo group per world size (2, 3 and 4 ranks) runs every case under every strategy × sharding that
 serves it, and the bad inputs, in the children. The cases are fixed ones naming the clause each reaches across shards
 and, per world size, cases drawn in the parent by attnkit.testing.strategies (every spec feature, GQA/MQA, masks, bias,
-lengths, segment ids; float32, float16 and bfloat16) with their sequences stretched to a multiple of 2P; how many
-follows the hypothesis profile (derandomised under ``ci``). The parent holds each result (out, lse, dq, dk, dv, dbias
-unsharded) against the float64 oracle under the tolerance rule at the case's dtype, and checks that a bad input on any
-rank raised a typed error on every rank (nothing hung: the spawn has a deadline)."""
+lengths, segment ids, sinks, ALiBi slopes; float32, float16 and bfloat16) with their sequences stretched to a multiple
+of 2P; how many follows the hypothesis profile (derandomised under ``ci``). The parent holds each result (out, lse,
+dq, dk, dv, dbias unsharded) against the float64 oracle under the tolerance rule at the case's dtype, and checks that a
+bad input on any rank raised a typed error on every rank (nothing hung: the spawn has a deadline)."""
 
 from __future__ import annotations
 
@@ -52,33 +52,41 @@ def _packed(lengths: tuple[int, ...], total: int) -> tuple[int, ...]:
 
 # Global lengths divisible by 2P for P = 2 and 4 (zigzag); each case names the contract clause it reaches across shards.
 CASES = {
-    "causal bottom-right GQA": Case(AttentionSpec(causal=True), batch=1, heads_q=4, heads_kv=2, len_q=16, len_k=16),
+    # ALiBi (§16) in several: a block takes the slopes natively on the diagonal, else as a key bias and a row constant.
+    "causal bottom-right GQA": Case(AttentionSpec(causal=True), batch=1, heads_q=4, heads_kv=2, len_q=16, len_k=16,
+                                    alibi_shape=(4,)),
     "causal top-left Lq<Lk bshd": Case(
         AttentionSpec(causal=True, causal_alignment="top_left", layout="bshd"), heads_q=4, heads_kv=4, len_q=8,
-        len_k=16, head_dim=8, head_dim_v=8, seed=1,
+        len_k=16, head_dim=8, head_dim_v=8, seed=1, alibi_shape=(2, 4),
     ),
+    # Cross-attention, no causal: blocks whose keys straddle the diagonal (c = 1, 2 in chunks of 2 × 5) at no native
+    # offset, split in two by a mask; others wholly behind or ahead of it.
+    "cross Lq<Lk ALiBi straddling": Case(AttentionSpec(), heads_q=4, heads_kv=2, len_q=8, len_k=20,
+                                         alibi_shape=(2, 4), seed=11),
     "causal bottom-right Lq<Lk": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=4, len_q=8, len_k=16, seed=2),
     # Contiguous: rank 0's queries precede every key, so none of its blocks is visible, yet its call is differentiable.
     "causal bottom-right Lq>Lk": Case(AttentionSpec(causal=True), batch=1, heads_q=2, heads_kv=2, len_q=16, len_k=8,
-                                      seed=10),
+                                      seed=10, alibi_shape=(2,)),
     "window softcap bfloat16": Case(AttentionSpec(window=(3, 1), softcap=5.0), batch=1, heads_q=4, heads_kv=4,
                                     len_q=16, len_k=16, dtype="bfloat16", seed=3),
     "cosine sliding window": Case(AttentionSpec(causal=True, window=(4, 0), variant="cosine", layout="bshd"),
                                   heads_q=4, heads_kv=4, len_q=16, len_k=16, head_dim=8, head_dim_v=8, seed=4),
-    # Sinks: once per row after the merge; q_lengths counted on the local rows' global positions (§15).
+    # Sinks: once per row after the merge; q_lengths counted on the local rows' global positions (§15). ALiBi's
+    # offset per element (kv_len − q_len): every block split by a mask.
     "lengths bottom-right sinks": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=4, len_q=16, len_k=16,
-                                       q_lengths=(16, 5), kv_lengths=(13, 9), sinks=True, seed=5),
+                                       q_lengths=(16, 5), kv_lengths=(13, 9), sinks=True, seed=5, alibi_shape=(2, 4)),
     "lengths top-left MQA": Case(AttentionSpec(causal=True, causal_alignment="top_left"), heads_q=4, heads_kv=1,
-                                 len_q=16, len_k=16, kv_lengths=(16, 7), seed=6),
+                                 len_q=16, len_k=16, kv_lengths=(16, 7), seed=6, alibi_shape=(4,)),
     "segment ids causal": Case(AttentionSpec(causal=True), batch=1, heads_q=4, heads_kv=4, len_q=16, len_k=16,
                                q_segment_ids=(_packed((5, 6, 3), 16),), kv_segment_ids=(_packed((5, 6, 3), 16),),
                                seed=7),
+    # The user's bias block plus the key bias of ALiBi's linear sides; dbias through both.
     "mask and bias float16": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=16, len_k=16,
                                   mask_shape=(2, 1, 16, 16), masked_rows=(3,), bias_shape=(1, 4, 16, 16),
-                                  bias_grad=True, dtype="float16", seed=8),
+                                  bias_grad=True, dtype="float16", seed=8, alibi_shape=(2, 4)),
     # Three ranks: lengths multiples of 2P = 6, heads of P = 3 (Ulysses serves it).
     "three ranks causal GQA Lq<Lk lengths": Case(AttentionSpec(causal=True), heads_q=6, heads_kv=3, len_q=6,
-                                                 len_k=12, kv_lengths=(12, 7), seed=9),
+                                                 len_k=12, kv_lengths=(12, 7), seed=9, alibi_shape=(6,)),
 }  # fmt: skip
 
 
@@ -132,10 +140,11 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
     bias = local("bias", grad=case.bias_grad)
     lengths = {name: torch.tensor(arrays[name]) for name in ("q_lengths", "kv_lengths") if name in arrays}
     sinks = torch.tensor(arrays["sinks"], dtype=getattr(torch, case.dtype), requires_grad=True) if case.sinks else None
+    slopes = torch.tensor(arrays["alibi_slopes"]) if "alibi_slopes" in arrays else None  # float32, no gradient
     out, lse = distributed.attend(
         case.spec, q, k, v, strategy=strategy, sharding=sharding, mask=local("mask"), bias=bias,
         q_segment_ids=local("q_segment_ids", 1), kv_segment_ids=local("kv_segment_ids", 1), return_lse=True,
-        sinks=sinks, **lengths,
+        sinks=sinks, alibi_slopes=slopes, **lengths,
     )  # fmt: skip
     assert out.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, lse.dtype)  # §14: as attend's
     finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -177,6 +186,9 @@ def _bad_inputs(world: int, rank: int) -> dict[str, str]:
             spec, q, torch.randn(1, 4, 4, 8, dtype=torch.float16 if rank == world - 1 else torch.float32), q
         ),
         "strategy on one rank": lambda: distributed.attend(spec, *tensors(4), strategy="ring" if rank else "rings"),
+        "negative slope on one rank": lambda: distributed.attend(
+            spec, *tensors(4), alibi_slopes=torch.tensor([0.5, 0.25, -1.0 if rank == world - 1 else 0.0, 0.125])
+        ),
     }
     raised = {}
     for name, call in calls.items():
@@ -304,11 +316,15 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank(group: Any) -> None:
         "dtype on one rank": "InvalidInputTypeError: q dtype differs across ranks",
         "k dtype on one rank": "InvalidInputTypeError: k dtype differs across ranks",
         "strategy on one rank": "InvalidInputError: ",
+        "negative slope on one rank": "InvalidInputError: ",
     }
     for rank, report in enumerate(reports):
         for name, start in expected.items():
             assert report["bad"][name].startswith(start), (rank, name, report["bad"][name])
     assert all("rank 0" in report["bad"]["strategy on one rank"] for report in reports[1:])
+    slope = [report["bad"]["negative slope on one rank"] for report in reports]
+    assert all("alibi_slopes must be finite and >= 0" in message for message in slope), slope
+    assert all(f"rank {world - 1}" in message for message in slope[:-1]), slope
 
 
 def test_each_rank_sends_the_analytic_volume_and_skips_blocks_of_other_documents(group: Any) -> None:

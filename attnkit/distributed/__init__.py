@@ -37,14 +37,9 @@ def _placement(is_jax: bool, group: Any, mesh: Any, axis_name: Any) -> None:
 def attend(spec: Any, q: Any, k: Any, v: Any, **options: Any) -> Any:
     """The sharded call of §14: every rank (device) passes its shards of q, k, v and gets its shard of out (and lse).
     torch: ``group=``; JAX: ``mesh=`` and ``axis_name=``, or ``axis_name=`` alone inside a shard_map. ``sinks=``
-    (Hq,), the same on every rank, join each row once, after its blocks are merged (§15)."""
+    (Hq,), the same on every rank, join each row once, after its blocks are merged (§15); ``alibi_slopes=`` (Hq,) or
+    (B, Hq), the same on every rank, are ALiBi's at global distances (§16)."""
     implementation = _implementation(q, "q")
-    if options.get("alibi_slopes") is not None:  # raised alike on every rank, before any collective
-        raise InvalidInputError(
-            "alibi_slopes= is not taken by attnkit.distributed.attend yet (docs/semantics.md §16): each block's "
-            "distances need its global offset, which no backend call takes"
-        )
-    options.pop("alibi_slopes", None)
     if implementation.__name__.endswith("jax_cp"):
         return implementation.attend_jax(spec, q, k, v, **options)
     return implementation.attend_torch(spec, q, k, v, **options)

@@ -31,12 +31,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 
 from attnkit import api
+from attnkit.contract import alignment_offset, conjoin
 from attnkit.contract.jax import band_visibility, merge_partials
 from attnkit.distributed.sharding import (
+    AlibiSide,
     Block,
     BlockKind,
     Sharding,
     Strategy,
+    alibi_plan,
     block_plan,
     chunk_size,
     gather_order,
@@ -108,10 +111,11 @@ def attend_jax(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: Any = None,
+    alibi_slopes: Any = None,
 ) -> Any:
     """``attnkit.attend`` on a sequence sharded along mesh axis ``axis_name`` (§14), equal to the single-device call
     on the whole arrays in outputs and gradients; ``sinks`` (Hq,), replicated, join each row once after its blocks
-    are merged (§15).
+    are merged (§15); ``alibi_slopes`` (Hq,) or (B, Hq), replicated, are ALiBi's at global distances (§16).
 
     With ``mesh``: q, k, v (and segment ids) are whole arrays laid out by :func:`shard_jax`; out and lse come back
     so laid out (:func:`unshard_jax` restores global order). Without: called inside the caller's shard_map over
@@ -126,16 +130,17 @@ def attend_jax(
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     optional = {"q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_ids": q_segment_ids, "kv_ids": kv_segment_ids,
-                "sinks": sinks}  # fmt: skip
+                "sinks": sinks, "alibi_slopes": alibi_slopes}  # fmt: skip
     if mesh is None:
         world = lax.axis_size(axis_name)
         # Local shards: metadata only (the lengths are global and traced here; attend checks each block's).
         prepare(spec, q, k, v, None, None, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids,
-                check_values=False)  # fmt: skip
+                alibi_slopes, check_values=False)  # fmt: skip
         out, lse = _attend_local(config, world, q, k, v, optional)
     else:
         world = _world(mesh, axis_name)
-        prepare(spec, q, k, v, None, None, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids)
+        prepare(spec, q, k, v, None, None, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids,
+                alibi_slopes)  # fmt: skip
         out, lse = _attend_on_mesh(config, mesh, world, q, k, v, optional)
     return (out, lse) if return_lse else out
 
@@ -174,7 +179,8 @@ def _attend_on_mesh(
         chunk_size(name, x.shape[seq_axis], world, config.sharding)
     present = {name: value for name, value in optional.items() if value is not None}
     sequence = _seq_spec(q.ndim, seq_axis, config.axis_name)
-    specs = {"q_lengths": Spec(), "kv_lengths": Spec(), "q_ids": Spec(None, config.axis_name), "sinks": Spec()}
+    specs = {"q_lengths": Spec(), "kv_lengths": Spec(), "q_ids": Spec(None, config.axis_name), "sinks": Spec(),
+             "alibi_slopes": Spec()}  # fmt: skip
     specs["kv_ids"] = specs["q_ids"]
     lse_spec = _seq_spec(q.ndim - 1, q.ndim - 2, config.axis_name)
 
@@ -270,23 +276,28 @@ class _Geometry:
         self.q_lengths, self.kv_lengths = optional["q_lengths"], optional["kv_lengths"]
         self.has_lengths = has_lengths = self.q_lengths is not None or self.kv_lengths is not None
         self.per_element = has_lengths and config.spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT
+        self.slopes = optional["alibi_slopes"]
         self.count = len(rank_chunks(world, 0, sharding))
-        self.plans: dict[tuple[int, int], tuple[list[Block], np.ndarray]] = {}
+        self.plans: dict[tuple[int, int], tuple[list[tuple[Block, AlibiSide | None]], np.ndarray]] = {}
         for q_chunk in range(self.count):
             for k_chunk in range(self.count):
                 distinct: dict[Any, int] = {}
-                blocks: list[Block] = []
+                blocks: list[tuple[Block, AlibiSide | None]] = []
                 table = np.zeros((world, world), np.int32)
                 for rank in range(world):
                     q_span = rank_spans(len_q, world, rank, sharding, "q")[q_chunk]
                     for source in range(world):
                         k_span = rank_spans(len_k, world, source, sharding, "k")[k_chunk]
                         block = block_plan(config.spec, q_span, k_span, len_q, len_k, has_lengths)
-                        # A masked block's mask comes from traced positions: one branch serves every offset.
-                        key = block.kind if block.kind in (BlockKind.HIDDEN, BlockKind.MASKED) else block.spec
+                        side = None
+                        if self.slopes is not None:
+                            block, side = alibi_plan(block, self.chunk_q, self.chunk_k, has_lengths)
+                        # A masked block's mask, and a linear side's ALiBi, come from traced positions: one branch
+                        # serves every offset.
+                        key = block.kind if block.kind is BlockKind.HIDDEN else (block.kind, block.spec, side)
                         if key not in distinct:
                             distinct[key] = len(blocks)
-                            blocks.append(block)
+                            blocks.append((block, side))
                         table[rank, source] = distinct[key]
                 self.plans[q_chunk, k_chunk] = blocks, table
 
@@ -324,7 +335,7 @@ class _Geometry:
         q_start = rank_chunks(self.world, rank, self.config.sharding)[q_chunk] * self.chunk_q
         k_start = rank_chunks(self.world, source, self.config.sharding)[k_chunk] * self.chunk_k
         operands = (q, k, v, q_ids, kv_ids, q_start, k_start)
-        branches = [functools.partial(self._run, block) for block in blocks]
+        branches = [functools.partial(self._run, block, side) for block, side in blocks]
 
         def run(*operands: Any) -> tuple[Any, Any]:
             if len(branches) == 1:
@@ -346,8 +357,9 @@ class _Geometry:
         )
 
     def _run(
-        self, block: Block, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any, q_start: Any, k_start: Any
-    ) -> tuple[Any, Any]:
+        self, block: Block, side: AlibiSide | None, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any, q_start: Any,
+        k_start: Any,
+    ) -> tuple[Any, Any]:  # fmt: skip
         seq_axis = self.config.seq_axis
         if block.kind is BlockKind.HIDDEN:
             return self._nothing_seen(q, v)
@@ -359,12 +371,41 @@ class _Geometry:
                 self.config.spec, rows, cols, self._global_lengths(self.q_lengths, self.len_q),
                 self._global_lengths(self.kv_lengths, self.len_k),
             )  # fmt: skip
-        return api.attend(  # type: ignore[no-any-return]
-            block.spec, q, k, v, mask=mask,
-            q_lengths=self._local_lengths(self.q_lengths, q_start, q.shape[seq_axis]),
-            kv_lengths=self._local_lengths(self.kv_lengths, k_start, k.shape[seq_axis]),
-            q_segment_ids=q_ids, kv_segment_ids=kv_ids, return_lse=True, backend=self.config.backend,
-        )  # fmt: skip
+
+        def attended(mask: Any, bias: Any, alibi_slopes: Any) -> tuple[Any, Any]:
+            return api.attend(  # type: ignore[no-any-return]
+                block.spec, q, k, v, mask=mask, bias=bias,
+                q_lengths=self._local_lengths(self.q_lengths, q_start, q.shape[seq_axis]),
+                kv_lengths=self._local_lengths(self.kv_lengths, k_start, k.shape[seq_axis]),
+                q_segment_ids=q_ids, kv_segment_ids=kv_ids, return_lse=True, backend=self.config.backend,
+                alibi_slopes=alibi_slopes,
+            )  # fmt: skip
+
+        if side is None or side is AlibiSide.NATIVE:
+            return attended(mask, None, self.slopes)
+        offset = self._block_offset(q_start, k_start)
+        dtype = jnp.promote_types(q.dtype, jnp.float32)
+        outs, lses = [], []
+        for side_mask, key_bias, row_constant in _alibi_sides(self.slopes, side, offset, q, k, seq_axis, dtype):
+            # The row constant joins the bias here, not the block's lse as in torch: added to lse, jitted allgather
+            # runs gave NaN dq/dk (unexplained; ring runs and torch agree). The sum is the term itself, rounded as
+            # a backend's own float32 ALiBi term is.
+            out, lse = attended(conjoin(mask, side_mask), key_bias + row_constant[..., None], None)
+            outs.append(out)
+            lses.append(lse)
+        if len(outs) == 1:
+            return outs[0], lses[0]
+        out, lse = merge_partials(jnp.stack(outs), jnp.stack(lses), seq_axis)
+        return out.astype(q.dtype), lse  # as every other branch of the switch returns
+
+    def _block_offset(self, q_start: Any, k_start: Any) -> Any:
+        """The block's offset c (``Block.offset``, traced: one branch serves several blocks) as (B|1, 1, 1, 1), per
+        element where bottom-right follows the lengths (off_b = kv_len_b − q_len_b, §4.3)."""
+        if self.per_element:
+            off = self._global_lengths(self.kv_lengths, self.len_k) - self._global_lengths(self.q_lengths, self.len_q)
+        else:
+            off = alignment_offset(self.config.spec, self.len_q, self.len_k)
+        return jnp.reshape(off + q_start - k_start, (-1, 1, 1, 1))
 
     def _global_lengths(self, lengths: Any, full: int) -> Any:
         """Per element (B, 1, 1, 1) where the band's offset follows the lengths, else the full length."""
@@ -374,6 +415,29 @@ class _Geometry:
     def _local_lengths(lengths: Any, start: Any, size: int) -> Any:
         """A chunk's lengths: the global ones counted from its first position, clipped to it."""
         return None if lengths is None else jnp.clip(lengths - start, 0, size).astype(lengths.dtype)
+
+
+def _alibi_sides(
+    slopes: Any, side: AlibiSide, offset: Any, q: Any, k: Any, seq_axis: int, dtype: Any
+) -> list[tuple[Any, Any, Any]]:
+    """A non-native block's ALiBi as (side mask or None, key bias (B|1, Hq, 1, chunk k), row constant (B|1, Hq,
+    chunk q)) per side it has keys on: −slope·|i + c − j| = key bias_j + row constant_i on that side, the key bias 0
+    at the key nearest the diagonal (float32 keeps its precision there) and the row constant added to the side's lse
+    (out does not see a per-row constant)."""
+    slope = jnp.reshape(slopes, (-1, slopes.shape[-1], 1, 1)).astype(dtype)  # (B|1, Hq, 1, 1)
+    rows = jnp.arange(q.shape[seq_axis], dtype=dtype).reshape(-1, 1)
+    cols = jnp.arange(k.shape[seq_axis], dtype=dtype).reshape(1, -1)
+    c, last = offset.astype(dtype), k.shape[seq_axis] - 1
+    # behind (i + c − j ≥ 0): −slope·(i + c − j) = slope·(j − last) − slope·(i + c − last)
+    behind = (None, slope * (cols - last), (-slope * (rows + c - last))[..., 0])
+    # ahead (i + c − j ≤ 0): −slope·(j − i − c) = −slope·j + slope·(i + c)
+    ahead = (None, -slope * cols, (slope * (rows + c))[..., 0])
+    if side is AlibiSide.BEHIND:
+        return [behind]
+    if side is AlibiSide.AHEAD:
+        return [ahead]
+    at_or_behind = rows + c - cols >= 0  # (B|1, 1, chunk q, chunk k)
+    return [(at_or_behind, *behind[1:]), (~at_or_behind, *ahead[1:])]
 
 
 def _segment_range(ids: Any) -> tuple[Any, Any]:
@@ -410,10 +474,15 @@ def _ulysses(geometry: _Geometry, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
 
     q_ids = whole_ids(geometry.optional["q_ids"], to_global)
     kv_ids = whole_ids(geometry.optional["kv_ids"], kv_to_global)
+    slopes = geometry.slopes
+    if slopes is not None:  # this device's query heads, as the all-to-all hands them out: the r-th of P equal groups
+        heads_here = slopes.shape[-1] // world
+        start = lax.axis_index(axis_name) * heads_here
+        slopes = lax.dynamic_slice_in_dim(slopes, start, heads_here, axis=slopes.ndim - 1)
     out, lse = api.attend(
         config.spec, heads_sharded(q, to_global), heads_sharded(k, kv_to_global), heads_sharded(v, kv_to_global),
         q_lengths=geometry.q_lengths, kv_lengths=geometry.kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        return_lse=True, backend=config.backend,
+        return_lse=True, backend=config.backend, alibi_slopes=slopes,
     )  # fmt: skip
     out = lax.all_to_all(jnp.take(out, q_order, axis=seq_axis), axis_name, seq_axis, head_axis, tiled=True)
     lse = lax.all_to_all(jnp.take(lse, q_order, axis=2), axis_name, 2, 1, tiled=True)

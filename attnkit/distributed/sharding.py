@@ -10,7 +10,7 @@ A rank's local tensor is its chunks concatenated along the sequence axis.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attnkit.contract import TileVisibility, alignment_offset, diagonal_band, tile_visibility
 from attnkit.errors import InvalidInputError
@@ -107,6 +107,36 @@ def block_plan(spec: AttentionSpec, q_span: range, k_span: range, len_q: int, le
         if offset == len(k_span) - len(q_span) and not has_lengths:  # with lengths, bottom-right follows them
             return Block(BlockKind.ALIGNED, spec.replace(causal_alignment=CausalAlignment.BOTTOM_RIGHT), offset, band)
     return Block(BlockKind.MASKED, open_band, offset, band)
+
+
+class AlibiSide(enum.Enum):
+    """How a block takes ALiBi's ``−slope · |i + c − j|`` (§16), ``c`` its ``Block.offset`` in block-local indices."""
+
+    NATIVE = "native"  # the local call's own ALiBi offset is c: the slopes pass straight through
+    BEHIND = "behind"  # every key at or behind its query's diagonal (i + c − j ≥ 0): a key bias + a row constant
+    AHEAD = "ahead"  # every key at or ahead of it (i + c − j ≤ 0): linear the other way
+    BOTH = "both"  # keys on both sides, or c per batch element: split by a mask into the two linear sides
+
+
+def alibi_plan(block: Block, rows: int, cols: int, has_lengths: bool) -> tuple[Block, AlibiSide]:
+    """How ``block`` (``rows`` queries × ``cols`` keys) takes ALiBi, with the spec its local call then runs. An
+    ALIGNED block's alignment is c's; a FULL or MASKED block has no causal or window left, so its alignment only
+    steers ALiBi and may be chosen to make c native. Bottom-right with lengths has c per element (``kv_len − q_len``
+    shifted by the block's place): split by masks, which read each element's c."""
+    if block.kind in (BlockKind.HIDDEN, BlockKind.ALIGNED):
+        return block, AlibiSide.NATIVE
+    if has_lengths and block.spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT:
+        return block, AlibiSide.BOTH
+    offset = block.offset
+    if offset == 0:  # top-left's own offset is 0, whatever the lengths
+        return replace(block, spec=block.spec.replace(causal_alignment=CausalAlignment.TOP_LEFT)), AlibiSide.NATIVE
+    if offset == cols - rows and not has_lengths:  # bottom-right's own offset, lk − lq without lengths
+        return replace(block, spec=block.spec.replace(causal_alignment=CausalAlignment.BOTTOM_RIGHT)), AlibiSide.NATIVE
+    if offset - (cols - 1) >= 0:  # the least i + c − j of the block, at i = 0, j = cols − 1
+        return block, AlibiSide.BEHIND
+    if rows - 1 + offset <= 0:  # the greatest, at i = rows − 1, j = 0
+        return block, AlibiSide.AHEAD
+    return block, AlibiSide.BOTH
 
 
 def ring_hops(spec: AttentionSpec, len_q: int, len_k: int, world: int, sharding: Sharding, has_lengths: bool) -> int:

@@ -28,9 +28,11 @@ from attnkit.api import attend as local_attend
 from attnkit.contract import conjoin, within_band
 from attnkit.contract.torch import block_of, compute_dtype
 from attnkit.distributed.sharding import (
+    AlibiSide,
     BlockKind,
     Sharding,
     Strategy,
+    alibi_plan,
     block_plan,
     chunk_size,
     gather_order,
@@ -41,7 +43,7 @@ from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import ops_for
 from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout
-from attnkit.validation import prepare
+from attnkit.validation import checked_slopes, prepare
 
 Group = Any  # a torch.distributed ProcessGroup, or None for the default group
 Partial = tuple[torch.Tensor, torch.Tensor]  # (out, lse) of one block
@@ -264,6 +266,7 @@ class _Call:
     mask: torch.Tensor | None
     bias: torch.Tensor | None
     backend: str
+    alibi_slopes: torch.Tensor | None  # as given: (Hq,) or (B, Hq), float32, the same on every rank
 
     @property
     def chunk_q(self) -> int:
@@ -294,6 +297,7 @@ def _validated(
     sharding: Sharding | str,
     backend: str,
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> _Call:
     world, rank = _world(group)
 
@@ -302,7 +306,7 @@ def _validated(
             raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
         facts: dict[str, Any] = {"spec": spec.model_dump_json(), "strategy": _strategy(strategy).value}
         facts.update(sharding=_sharding(sharding).value, backend=backend)
-        for name, tensor in {**tensors, "sinks": sinks}.items():
+        for name, tensor in {**tensors, "sinks": sinks, "alibi_slopes": alibi_slopes}.items():
             facts.update(_describe(name, tensor))
         q, k = tensors["q"], tensors["k"]
         if q.ndim != 4 or k.ndim != 4:
@@ -311,6 +315,9 @@ def _validated(
             )
         if sinks is not None:
             check_sinks(ops_for(q), spec, q, sinks)
+        if alibi_slopes is not None:  # its values too: a negative slope on one rank raises on every rank
+            heads_q = q.shape[2 if spec.layout is Layout.BSHD else 1]
+            checked_slopes(ops_for(q), alibi_slopes, q.shape[0], heads_q, ops_for(q).device(q), check_values=True)
         return facts
 
     facts = _agree(group, world, rank, describe)
@@ -340,7 +347,7 @@ def _validated(
             tensors = {**tensors, name: x[(None,) * (4 - x.ndim)]}
     _check_global_call(spec, tensors, seq_axis, len_q, len_k, facts)
     return _Call(spec, group, world, rank, sharding, seq_axis, len_q, len_k, tensors["q_lengths"],
-                 tensors["kv_lengths"], tensors["mask"], tensors["bias"], backend)  # fmt: skip
+                 tensors["kv_lengths"], tensors["mask"], tensors["bias"], backend, alibi_slopes)  # fmt: skip
 
 
 def _check_global_call(
@@ -407,23 +414,51 @@ def _clipped(lengths: torch.Tensor | None, span: range) -> torch.Tensor | None:
     return None if lengths is None else (lengths - span.start).clamp(0, len(span))
 
 
+def _element_offsets(call: _Call, q_span: range, k_span: range, offset: int, device: torch.device) -> Any:
+    """The block's offset c (``Block.offset``) as (B|1, 1, 1, 1): per batch element where bottom-right follows the
+    lengths, off_b = kv_len_b − q_len_b (§4.3) shifted by the block's place like the plan's offset."""
+    per_element = call.spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT and (
+        call.q_lengths is not None or call.kv_lengths is not None
+    )
+    if not per_element:
+        return torch.tensor(offset, device=device).view(1, 1, 1, 1)
+    kv_len = call.kv_lengths if call.kv_lengths is not None else torch.tensor(call.len_k, device=device)
+    q_len = call.q_lengths if call.q_lengths is not None else torch.tensor(call.len_q, device=device)
+    return ((kv_len.long() - q_len.long()).to(device) - (k_span.start - q_span.start)).view(-1, 1, 1, 1)
+
+
 def _band_mask(
     call: _Call, q_span: range, k_span: range, offset: int, band: tuple[int | None, int | None], device: torch.device
 ) -> Any:
     """(B|1, 1, chunk q, chunk k) boolean: §4's band on global positions, rel = j − i − off_b in block indices."""
     rows = torch.arange(len(q_span), device=device).view(-1, 1)
     cols = torch.arange(len(k_span), device=device).view(1, -1)
-    per_element = call.spec.causal_alignment is CausalAlignment.BOTTOM_RIGHT and (
-        call.q_lengths is not None or call.kv_lengths is not None
-    )
-    if per_element:  # off_b = kv_len_b − q_len_b (§4.3), shifted by the block's place like the plan's offset
-        kv_len = call.kv_lengths if call.kv_lengths is not None else torch.tensor(call.len_k, device=device)
-        q_len = call.q_lengths if call.q_lengths is not None else torch.tensor(call.len_q, device=device)
-        element_offset = (kv_len.long() - q_len.long()).to(device) - (k_span.start - q_span.start)
-        relative = cols - rows - element_offset.view(-1, 1, 1, 1)
-    else:
-        relative = (cols - rows - offset).view(1, 1, len(q_span), len(k_span))
-    return within_band(relative, *band)
+    return within_band(cols - rows - _element_offsets(call, q_span, k_span, offset, device), *band)
+
+
+def _alibi_sides(
+    call: _Call, side: AlibiSide, q_span: range, k_span: range, offset: int, dtype: torch.dtype, device: torch.device
+) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:
+    """A non-native block's ALiBi as (side mask or None, key bias (B|1, Hq, 1, chunk k), row constant (B|1, Hq,
+    chunk q)) per side it has keys on: −slope·|i + c − j| = key bias_j + row constant_i on that side, the key bias 0
+    at the key nearest the diagonal (float32 keeps its precision there) and the row constant added to the side's lse
+    (out does not see a per-row constant)."""
+    assert call.alibi_slopes is not None
+    slope = call.alibi_slopes.to(dtype).view(-1, call.alibi_slopes.shape[-1], 1, 1)  # (B|1, Hq, 1, 1)
+    c = _element_offsets(call, q_span, k_span, offset, device)
+    rows = torch.arange(len(q_span), device=device, dtype=dtype).view(-1, 1)
+    cols = torch.arange(len(k_span), device=device, dtype=dtype).view(1, -1)
+    last = len(k_span) - 1
+    # behind (i + c − j ≥ 0): −slope·(i + c − j) = slope·(j − last) − slope·(i + c − last)
+    behind = (None, slope * (cols - last), (-slope * (rows + c - last)).squeeze(-1))
+    # ahead (i + c − j ≤ 0): −slope·(j − i − c) = −slope·j + slope·(i + c)
+    ahead = (None, -slope * cols, (slope * (rows + c)).squeeze(-1))
+    if side is AlibiSide.BEHIND:
+        return [behind]
+    if side is AlibiSide.AHEAD:
+        return [ahead]
+    at_or_behind = rows + c - cols >= 0  # (B|1, 1, chunk q, chunk k)
+    return [(at_or_behind, *behind[1:]), (~at_or_behind, *ahead[1:])]
 
 
 def _segment_range(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -455,24 +490,33 @@ def _block(
         return None
     if _traffic is not None:
         _traffic.blocks += 1
+    side = None
+    if call.alibi_slopes is not None:  # the plan's spec may be realigned to make the block's offset native
+        plan, side = alibi_plan(plan, len(q_span), len(k_span), has_lengths)
     columns = slice(k_span.start, k_span.stop)
     masked = plan.kind is BlockKind.MASKED
     band = _band_mask(call, q_span, k_span, plan.offset, plan.band, q.device) if masked else None
     mask = conjoin(band, block_of(call.mask, q_rows, columns) if call.mask is not None else None)
+    bias = block_of(bias, q_rows, columns) if bias is not None else None
     axis = call.seq_axis
     k, v = keys.k.narrow(axis, k_cols.start, len(k_span)), keys.v.narrow(axis, k_cols.start, len(k_span))
-    out, lse = local_attend(
-        plan.spec, q, k, v,
-        mask=mask,
-        bias=block_of(bias, q_rows, columns) if bias is not None else None,
-        q_lengths=_clipped(call.q_lengths, q_span),
-        kv_lengths=_clipped(call.kv_lengths, k_span),
-        q_segment_ids=q_ids,
-        kv_segment_ids=kv_ids,
-        return_lse=True,
-        backend=call.backend,
-    )  # fmt: skip
-    return out, lse
+
+    def attended(mask: Any, bias: Any, alibi_slopes: Any) -> Partial:
+        return local_attend(  # type: ignore[no-any-return]
+            plan.spec, q, k, v, mask=mask, bias=bias, q_lengths=_clipped(call.q_lengths, q_span),
+            kv_lengths=_clipped(call.kv_lengths, k_span), q_segment_ids=q_ids, kv_segment_ids=kv_ids,
+            return_lse=True, backend=call.backend, alibi_slopes=alibi_slopes,
+        )  # fmt: skip
+
+    if side is None or side is AlibiSide.NATIVE:
+        return attended(mask, bias, call.alibi_slopes)
+    parts = []
+    for side_mask, key_bias, row_constant in _alibi_sides(
+        call, side, q_span, k_span, plan.offset, compute_dtype(q.dtype), q.device
+    ):
+        out, lse = attended(conjoin(mask, side_mask), key_bias if bias is None else bias + key_bias, None)
+        parts.append((out, lse + row_constant.to(lse.dtype)))  # −inf (nothing seen) stays −inf
+    return parts[0] if len(parts) == 1 else _merge(call, parts, _empty_like(call, q, v))
 
 
 def _weights(lse_part: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
@@ -581,11 +625,15 @@ def _ulysses(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Pa
     def everywhere(ids: torch.Tensor | None) -> torch.Tensor | None:
         return None if ids is None else _to_global_order(_gathered(ids, group, 1), 1, world, call.sharding)
 
+    slopes = call.alibi_slopes
+    if slopes is not None:  # this rank's query heads, as the all-to-all hands them out: the r-th of P equal groups
+        heads_here = slopes.shape[-1] // world
+        slopes = slopes[..., call.rank * heads_here : (call.rank + 1) * heads_here]
     out, lse = local_attend(
         call.spec, heads_of(q), heads_of(k), heads_of(v),
         q_lengths=call.q_lengths, kv_lengths=call.kv_lengths,
         q_segment_ids=everywhere(q_ids), kv_segment_ids=everywhere(kv_ids),
-        return_lse=True, backend=call.backend,
+        return_lse=True, backend=call.backend, alibi_slopes=slopes,
     )  # fmt: skip
     order = gather_order(call.len_q, world, call.sharding)
     out = _AllToAll.apply(_reordered(out, seq, order), group, seq, heads)
@@ -807,13 +855,14 @@ def attend_torch(
     return_lse: bool = False,
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> Any:
     """§14 on torch tensors: this rank's shards in, this rank's shard of out (and lse) back. A collective: every rank
     of ``group`` calls it; a bad input on any rank raises a typed error on every rank. ``sinks`` join each local row
-    once, after its blocks are merged (§15)."""
+    once, after its blocks are merged (§15); ``alibi_slopes`` (§16) enter each block at its global distances."""
     tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_segment_ids": q_segment_ids,
                "kv_segment_ids": kv_segment_ids, "mask": mask, "bias": bias}  # fmt: skip
-    call = _validated(spec, tensors, group, strategy, sharding, backend, sinks)
+    call = _validated(spec, tensors, group, strategy, sharding, backend, sinks, alibi_slopes)
     out, lse = _STRATEGIES[_strategy(strategy)](call, q, k, v, q_segment_ids, kv_segment_ids)
     if sinks is not None:  # the local rows' global positions count q_lengths
         positions = torch.cat([torch.arange(span.start, span.stop, device=q.device) for span in call.q_spans()])
