@@ -40,6 +40,7 @@ from attnkit.distributed.sharding import (
     Sharding,
     Strategy,
     alibi_plan,
+    alibi_sides,
     block_plan,
     chunk_size,
     gather_order,
@@ -386,7 +387,10 @@ class _Geometry:
         offset = self._block_offset(q_start, k_start)
         dtype = jnp.promote_types(q.dtype, jnp.float32)
         outs, lses = [], []
-        for side_mask, key_bias, row_constant in _alibi_sides(self.slopes, side, offset, q, k, seq_axis, dtype):
+        slope = jnp.reshape(self.slopes, (-1, self.slopes.shape[-1], 1, 1)).astype(dtype)  # (B|1, Hq, 1, 1)
+        rows = jnp.arange(q.shape[seq_axis], dtype=dtype).reshape(-1, 1)
+        cols = jnp.arange(k.shape[seq_axis], dtype=dtype).reshape(1, -1)
+        for side_mask, key_bias, row_constant in alibi_sides(side, slope, rows, cols, offset.astype(dtype)):
             # The row constant joins the bias here, not the block's lse as in torch: added to lse, jitted allgather
             # runs gave NaN dq/dk (unexplained; ring runs and torch agree). The sum is the term itself, rounded as
             # a backend's own float32 ALiBi term is.
@@ -415,29 +419,6 @@ class _Geometry:
     def _local_lengths(lengths: Any, start: Any, size: int) -> Any:
         """A chunk's lengths: the global ones counted from its first position, clipped to it."""
         return None if lengths is None else jnp.clip(lengths - start, 0, size).astype(lengths.dtype)
-
-
-def _alibi_sides(
-    slopes: Any, side: AlibiSide, offset: Any, q: Any, k: Any, seq_axis: int, dtype: Any
-) -> list[tuple[Any, Any, Any]]:
-    """A non-native block's ALiBi as (side mask or None, key bias (B|1, Hq, 1, chunk k), row constant (B|1, Hq,
-    chunk q)) per side it has keys on: −slope·|i + c − j| = key bias_j + row constant_i on that side, the key bias 0
-    at the key nearest the diagonal (float32 keeps its precision there) and the row constant added to the side's lse
-    (out does not see a per-row constant)."""
-    slope = jnp.reshape(slopes, (-1, slopes.shape[-1], 1, 1)).astype(dtype)  # (B|1, Hq, 1, 1)
-    rows = jnp.arange(q.shape[seq_axis], dtype=dtype).reshape(-1, 1)
-    cols = jnp.arange(k.shape[seq_axis], dtype=dtype).reshape(1, -1)
-    c, last = offset.astype(dtype), k.shape[seq_axis] - 1
-    # behind (i + c − j ≥ 0): −slope·(i + c − j) = slope·(j − last) − slope·(i + c − last)
-    behind = (None, slope * (cols - last), (-slope * (rows + c - last))[..., 0])
-    # ahead (i + c − j ≤ 0): −slope·(j − i − c) = −slope·j + slope·(i + c)
-    ahead = (None, -slope * cols, (slope * (rows + c))[..., 0])
-    if side is AlibiSide.BEHIND:
-        return [behind]
-    if side is AlibiSide.AHEAD:
-        return [ahead]
-    at_or_behind = rows + c - cols >= 0  # (B|1, 1, chunk q, chunk k)
-    return [(at_or_behind, *behind[1:]), (~at_or_behind, *ahead[1:])]
 
 
 def _segment_range(ids: Any) -> tuple[Any, Any]:

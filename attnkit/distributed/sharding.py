@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, replace
+from typing import Any
 
 from attnkit.contract import TileVisibility, alignment_offset, diagonal_band, tile_visibility
 from attnkit.errors import InvalidInputError
@@ -137,6 +138,25 @@ def alibi_plan(block: Block, rows: int, cols: int, has_lengths: bool) -> tuple[B
     if rows - 1 + offset <= 0:  # the greatest, at i = rows − 1, j = 0
         return block, AlibiSide.AHEAD
     return block, AlibiSide.BOTH
+
+
+def alibi_sides(side: AlibiSide, slope: Any, rows: Any, cols: Any, offset: Any) -> list[tuple[Any, Any, Any]]:
+    """A non-native block's ALiBi as (side mask or None, key bias (B|1, Hq, 1, chunk k), row constant (B|1, Hq,
+    chunk q)) per side it has keys on: −slope·|i + c − j| = key bias_j + row constant_i on that side, the key bias 0
+    at the key nearest the diagonal (float32 keeps its precision there), the row constant for the side's lse (out does
+    not see a per-row constant). Framework arrays: ``slope`` (B|1, Hq, 1, 1), ``rows`` (chunk q, 1) and ``cols``
+    (1, chunk k) block-local positions in the slope's dtype, ``offset`` c, a number or (B|1, 1, 1, 1)."""
+    last = cols.shape[-1] - 1
+    # behind (i + c − j ≥ 0): −slope·(i + c − j) = slope·(j − last) − slope·(i + c − last)
+    behind = (None, slope * (cols - last), (-slope * (rows + offset - last))[..., 0])
+    # ahead (i + c − j ≤ 0): −slope·(j − i − c) = −slope·j + slope·(i + c)
+    ahead = (None, -slope * cols, (slope * (rows + offset))[..., 0])
+    if side is AlibiSide.BEHIND:
+        return [behind]
+    if side is AlibiSide.AHEAD:
+        return [ahead]
+    at_or_behind = rows + offset - cols >= 0  # (B|1, 1, chunk q, chunk k)
+    return [(at_or_behind, *behind[1:]), (~at_or_behind, *ahead[1:])]
 
 
 def ring_hops(spec: AttentionSpec, len_q: int, len_k: int, world: int, sharding: Sharding, has_lengths: bool) -> int:

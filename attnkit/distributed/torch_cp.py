@@ -33,6 +33,7 @@ from attnkit.distributed.sharding import (
     Sharding,
     Strategy,
     alibi_plan,
+    alibi_sides,
     block_plan,
     chunk_size,
     gather_order,
@@ -436,31 +437,6 @@ def _band_mask(
     return within_band(cols - rows - _element_offsets(call, q_span, k_span, offset, device), *band)
 
 
-def _alibi_sides(
-    call: _Call, side: AlibiSide, q_span: range, k_span: range, offset: int, dtype: torch.dtype, device: torch.device
-) -> list[tuple[Any, torch.Tensor, torch.Tensor]]:
-    """A non-native block's ALiBi as (side mask or None, key bias (B|1, Hq, 1, chunk k), row constant (B|1, Hq,
-    chunk q)) per side it has keys on: −slope·|i + c − j| = key bias_j + row constant_i on that side, the key bias 0
-    at the key nearest the diagonal (float32 keeps its precision there) and the row constant added to the side's lse
-    (out does not see a per-row constant)."""
-    assert call.alibi_slopes is not None
-    slope = call.alibi_slopes.to(dtype).view(-1, call.alibi_slopes.shape[-1], 1, 1)  # (B|1, Hq, 1, 1)
-    c = _element_offsets(call, q_span, k_span, offset, device)
-    rows = torch.arange(len(q_span), device=device, dtype=dtype).view(-1, 1)
-    cols = torch.arange(len(k_span), device=device, dtype=dtype).view(1, -1)
-    last = len(k_span) - 1
-    # behind (i + c − j ≥ 0): −slope·(i + c − j) = slope·(j − last) − slope·(i + c − last)
-    behind = (None, slope * (cols - last), (-slope * (rows + c - last)).squeeze(-1))
-    # ahead (i + c − j ≤ 0): −slope·(j − i − c) = −slope·j + slope·(i + c)
-    ahead = (None, -slope * cols, (slope * (rows + c)).squeeze(-1))
-    if side is AlibiSide.BEHIND:
-        return [behind]
-    if side is AlibiSide.AHEAD:
-        return [ahead]
-    at_or_behind = rows + c - cols >= 0  # (B|1, 1, chunk q, chunk k)
-    return [(at_or_behind, *behind[1:]), (~at_or_behind, *ahead[1:])]
-
-
 def _segment_range(ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per batch element, the least and greatest non-negative id (lo > hi when every position is padding)."""
     real = ids >= 0
@@ -511,9 +487,13 @@ def _block(
     if side is None or side is AlibiSide.NATIVE:
         return attended(mask, bias, call.alibi_slopes)
     parts = []
-    for side_mask, key_bias, row_constant in _alibi_sides(
-        call, side, q_span, k_span, plan.offset, compute_dtype(q.dtype), q.device
-    ):
+    assert call.alibi_slopes is not None
+    dtype = compute_dtype(q.dtype)
+    slope = call.alibi_slopes.to(dtype).view(-1, call.alibi_slopes.shape[-1], 1, 1)  # (B|1, Hq, 1, 1)
+    rows = torch.arange(len(q_span), device=q.device, dtype=dtype).view(-1, 1)
+    cols = torch.arange(len(k_span), device=q.device, dtype=dtype).view(1, -1)
+    offset = _element_offsets(call, q_span, k_span, plan.offset, q.device)
+    for side_mask, key_bias, row_constant in alibi_sides(side, slope, rows, cols, offset):
         out, lse = attended(conjoin(mask, side_mask), key_bias if bias is None else bias + key_bias, None)
         parts.append((out, lse + row_constant.to(lse.dtype)))  # −inf (nothing seen) stays −inf
     return parts[0] if len(parts) == 1 else _merge(call, parts, _empty_like(call, q, v))
