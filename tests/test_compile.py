@@ -9,6 +9,8 @@ here), except one inductor test.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -153,6 +155,35 @@ def test_the_operator_passes_torchs_own_checks() -> None:
     for args in ((q, k, v, None, None, None, None, *no_ids, key, "auto", False, True, False),
                  (q, k, v, mask, bias, None, kv_lengths, *no_ids, key, "torch-naive", True, True, True)):  # fmt: skip
         torch.library.opcheck(torch.ops.attnkit.attend.default, args)
+
+
+def test_an_eager_call_imports_no_compiler_and_one_compiled_later_is_still_traced_to_the_operator() -> None:
+    """A process's first eager attend imports neither Dynamo nor inductor (seconds on a small machine); Dynamo
+    imported after it still traces attend past the cache of eager calls, to the graph operator, in one trace. In a
+    fresh process: this one imported Dynamo long ago."""
+    script = """
+import sys
+import torch
+import attnkit
+from attnkit import AttentionSpec
+
+spec = AttentionSpec(causal=True)
+q, k, v = (torch.randn(1, 2, 8, 16, requires_grad=True) for _ in range(3))
+eager = attnkit.attend(spec, q, k, v)
+eager.sum().backward()
+loaded = sorted(m for m in ("torch._dynamo", "torch._inductor") if m in sys.modules)
+assert not loaded, loaded
+
+import torch._dynamo.testing
+counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+compiled = torch.compile(lambda q, k, v: attnkit.attend(spec, q, k, v), fullgraph=True, backend=counter)
+for _ in range(2):
+    torch.testing.assert_close(compiled(q, k, v), eager)
+graph = str(counter.graphs[0].graph)
+assert counter.frame_count == 1 and "attnkit.attend" in graph, (counter.frame_count, graph)
+"""
+    child = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-3000:]
 
 
 def test_compiled_by_inductor_equals_eager() -> None:

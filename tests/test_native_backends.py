@@ -151,3 +151,12 @@ def test_flex_new_values_and_shapes_in_a_bucket_reuse_the_compiled_kernel() -> N
     again = AttentionSpec(causal=True, softcap=9.0, scale=0.7, window=(9, 0))
     attnkit.attend(again, *tensors(2, 29, 12), kv_lengths=torch.tensor([11, 17]), backend=FLEX)
     assert (len(COMPILED), counters["stats"]["unique_graphs"]) == (compiled, graphs)
+
+
+def test_flex_reads_inductors_own_rule_for_its_cpu_template() -> None:
+    """torch-flex's availability copies inductor's rule so that a first attend need not import inductor (seconds):
+    the copy must say what inductor says."""
+    from attnkit.backends.native.torch_flex import cpu_template_supported
+    from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
+
+    assert cpu_template_supported() == bool(check_cpu_supported())

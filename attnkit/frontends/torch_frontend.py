@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import importlib.abc
+import importlib.util
+import sys
+import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -190,7 +195,51 @@ def _signature_when_traced(q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengt
     return None
 
 
-torch.compiler.substitute_in_graph(TorchOps.signature)(_signature_when_traced)
+class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs ``action`` right after module ``name`` is first imported: at that import it steps aside (off
+    sys.meta_path), finds the module's own spec and loader, and wraps their exec_module once."""
+
+    def __init__(self, name: str, action: Callable[[], None]) -> None:
+        self.name, self.action = name, action
+        self.loader: Any = None
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        self.loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec: Any) -> Any:
+        return self.loader.create_module(spec)
+
+    def exec_module(self, module: Any) -> None:
+        module.__loader__ = module.__spec__.loader = self.loader  # the module keeps its own loader
+        self.loader.exec_module(module)
+        try:
+            self.action()
+        except Exception as error:  # torch's import goes on; compiled calls of attend may then graph-break
+            warnings.warn(f"attnkit could not prepare {self.name} for attend: {error!r}", stacklevel=2)
+
+
+def _when_dynamo_is_imported(action: Callable[[], None]) -> None:
+    """``action`` now if Dynamo is imported, else right after its import. Importing it costs seconds (4-8 s on a
+    2-core machine) that an eager attend never needs; nothing is traced before it is imported."""
+    if "torch._dynamo" in sys.modules:
+        action()
+    else:
+        sys.meta_path.insert(0, _AfterImport("torch._dynamo", action))
+
+
+def _trace_past(signature: Callable[..., Any], **options: Any) -> None:
+    """Dynamo traces :func:`_signature_when_traced` in place of ``signature`` (when it imports)."""
+    _when_dynamo_is_imported(lambda: torch.compiler.substitute_in_graph(signature, **options)(_signature_when_traced))
+
+
+_trace_past(TorchOps.signature)
 OPS = TorchOps()
 #: The array type attend's table maps to OPS from the start (attnkit/frontends/__init__.py).
 ARRAY_TYPE = torch.Tensor
@@ -209,7 +258,7 @@ def use_compiled_signature(build: bool = False) -> str:
     except Exception as error:  # a failed build or load leaves the Python signature, which computes the same keys
         function, reason = None, f"{type(error).__name__}: {error}".splitlines()[0]
     if function is not None:
-        torch.compiler.substitute_in_graph(function, skip_signature_check=True)(_signature_when_traced)
+        _trace_past(function, skip_signature_check=True)
         OPS.signature = function  # type: ignore[method-assign]  # an instance attribute over the staticmethod
         signature_in_use = "compiled"
     else:

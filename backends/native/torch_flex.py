@@ -39,6 +39,8 @@ The lowering:
 from __future__ import annotations
 
 import inspect
+import os
+import sys
 import threading
 import types
 import warnings
@@ -104,13 +106,17 @@ def _api_reason() -> str | None:
     return None
 
 
+def cpu_template_supported() -> bool:
+    """Whether inductor's C++ flex template runs here: inductor's own rule (``check_cpu_supported`` in
+    torch._inductor.kernel.flex.flex_cpu, torch 2.13), read without importing inductor (seconds at a process's first
+    attend). tests/test_native_backends.py holds it to inductor's."""
+    avx2 = torch.cpu._is_avx2_supported() and os.environ.get("ATEN_CPU_CAPABILITY") != "default"
+    return avx2 and not torch.xpu.is_available() and sys.platform != "darwin"
+
+
 def _cpu_template_reason() -> str | None:
     """Why inductor's C++ flex template cannot run here, or None."""
-    try:
-        from torch._inductor.kernel.flex.flex_cpu import check_cpu_supported
-    except ImportError:
-        return None  # older layout of inductor: its lowering says so at compile time
-    return None if check_cpu_supported() else "inductor's CPU flex_attention template needs AVX2 (x86)"
+    return None if cpu_template_supported() else "inductor's CPU flex_attention template needs AVX2 (x86)"
 
 
 def _flex_call(q: Any, k: Any, v: Any, score_mod: Any, block_mask: Any, enable_gqa: bool) -> Any:
