@@ -186,7 +186,12 @@ assert counter.frame_count == 1 and "attnkit.attend" in graph, (counter.frame_co
     assert child.returncode == 0, child.stderr[-3000:]
 
 
-def test_compiled_by_inductor_equals_eager() -> None:
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
+def test_compiled_by_inductor_equals_eager(cpp_wrapper: bool) -> None:
+    """Inductor's Python wrapper, and its C++ wrapper (AOTInductor's code generation), which writes the operator's
+    string arguments into C++ source."""
+    import torch._inductor.config
+
     spec = attnkit.AttentionSpec(causal=True, softcap=20.0)
     q, k, v = (torch.randn(2, 8, 4, 16, requires_grad=True) for _ in range(3))
 
@@ -197,7 +202,9 @@ def test_compiled_by_inductor_equals_eager() -> None:
 
     leaves = (q, k, v)
     eager = torch.autograd.grad(step(*leaves), leaves)
-    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(*leaves), leaves)
+    torch._dynamo.reset()  # Dynamo's cache of step's code does not key on inductor's config
+    with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
+        compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(*leaves), leaves)
     for got, want in zip(compiled, eager):
         torch.testing.assert_close(got, want)
 

@@ -8,7 +8,8 @@ implementation validates and dispatches the call as attend() does eagerly (attnk
 the dispatcher runs the fake implementation, forward and backward: outputs of the right shapes and dtypes, and no
 backend chosen.
 
-The spec crosses the operator boundary as its JSON (a constant of the traced graph), read back once per process.
+The spec crosses the operator boundary as its JSON (a constant of the traced graph, ' for "), read back once per
+process.
 """
 
 from __future__ import annotations
@@ -33,7 +34,9 @@ _specs: dict[str, AttentionSpec] = {}
 
 @torch.compiler.assume_constant_result
 def _spec_key(spec: AttentionSpec) -> str:
-    return spec.model_dump_json()
+    """The spec's JSON with ' for ": inductor's C++ wrapper (and AOTInductor) writes a string argument into the
+    C++ source between quotes, unescaped (torch 2.13). A spec's JSON holds no ' (its strings are enum values)."""
+    return spec.model_dump_json().replace('"', "'")
 
 
 def _spec(key: str) -> AttentionSpec:
@@ -41,7 +44,7 @@ def _spec(key: str) -> AttentionSpec:
     if spec is None:
         if len(_specs) >= 1024:
             _specs.clear()
-        spec = _specs[key] = AttentionSpec.model_validate_json(key)
+        spec = _specs[key] = AttentionSpec.model_validate_json(key.replace("'", '"'))
     return spec
 
 
