@@ -203,7 +203,12 @@ def _add_bench(commands: Any) -> None:
         help="--backend: time this shape instead of the FlashAttention-2 paper's grid (repeatable; BxHxLxD for "
         "Lq == Lk; causal rows only where Lq == Lk, no backward where Lq == 1)",
     )
-    bench.add_argument("--passes", metavar="A,B", help="--backend: which of fwd,bwd,fwd+bwd to time (default: all)")
+    bench.add_argument(
+        "--passes",
+        metavar="A,B",
+        help="which passes to time: --backend any of fwd,bwd,fwd+bwd (default: all); "
+        "--what compiled fwd or fwd+bwd (default: fwd+bwd)",
+    )
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
     bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")

@@ -313,6 +313,23 @@ def test_quick_asks_each_bench_for_less_work(
         assert quick["memory"] == 0.0
 
 
+def test_compiled_times_the_pass_asked_for_and_names_the_ones_it_takes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--what compiled`: a training step by default, the forward alone with `--passes fwd` (what `--quick` asks:
+    half the graphs for inductor to compile); a pass it has no meaning for is refused, naming the ones it takes."""
+    from attnkit.bench import compiled
+
+    asked: list[dict[str, Any]] = []
+    monkeypatch.setattr(compiled, "bench_compiled", lambda **kwargs: asked.append(kwargs) or {})
+    monkeypatch.setattr(compiled, "format_compiled", lambda result: "table")
+    assert run(capsys, "bench", "--what", "compiled")[0] == 0
+    assert run(capsys, "bench", "--what", "compiled", "--passes", "fwd")[0] == 0
+    assert [kwargs["backward"] for kwargs in asked] == [True, False]
+    assert main(["bench", "--what", "compiled", "--passes", "bwd"]) == 2
+    assert "--passes bwd: one of fwd, fwd+bwd" in capsys.readouterr().err and len(asked) == 2
+
+
 def test_quick_dispatch_runs_few_calls_and_given_flags_win(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,6 +1,8 @@
 """``attnkit bench --what compiled``: a training step of a small causal transformer block compiled with
 ``torch.compile(fullgraph=True)``, its attention by ``attnkit.attend`` (auto) against the same block calling
-``F.scaled_dot_product_attention``, both compiled by inductor, interleaved in one run."""
+``F.scaled_dot_product_attention``, both compiled by inductor, interleaved in one run. ``--passes fwd`` (and
+``--quick``) times the forward alone under ``torch.no_grad()``: half the graphs for inductor to compile, which is
+most of a cold run's time."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from attnkit.tables import format_table
 SHAPE = {"batch": 4, "heads": 8, "heads_kv": 2, "seq_len": 256, "head_dim": 64}
 ATTNKIT = "attnkit.attend"
 SDPA = "F.scaled_dot_product_attention"
+PASSES = ("fwd", "fwd+bwd")
 
 
 def _block(attention: str, shape: dict[str, int], device: str) -> Any:
@@ -51,8 +54,9 @@ def _block(attention: str, shape: dict[str, int], device: str) -> Any:
     return Block().to(device)
 
 
-def bench_compiled(repeats: int = 5, warmup: int = 3, device: str = "cpu") -> dict[str, Any]:
-    """Median step time (forward + backward) of the compiled block each way, and their paired ratio."""
+def bench_compiled(repeats: int = 5, warmup: int = 3, device: str = "cpu", backward: bool = True) -> dict[str, Any]:
+    """Median step time (forward + backward, or the forward alone without autograd) of the compiled block each way,
+    and their paired ratio."""
     import torch
 
     shape = SHAPE
@@ -62,7 +66,11 @@ def bench_compiled(repeats: int = 5, warmup: int = 3, device: str = "cpu") -> di
         block = torch.compile(_block(attention, shape, device), fullgraph=True)
 
         def step(block: Any = block) -> None:
-            block(x).square().mean().backward()
+            if backward:
+                block(x).square().mean().backward()
+            else:
+                with torch.no_grad():
+                    block(x)
 
         functions[attention] = step
     samples = in_ms(interleaved(functions, repeats, warmup, clock=wall_clock(synchronizer(device))))
@@ -70,6 +78,7 @@ def bench_compiled(repeats: int = 5, warmup: int = 3, device: str = "cpu") -> di
         "what": "compiled",
         "environment": environment(device),
         "shape": {**shape, "dtype": "float32", "causal": True},
+        "pass": "fwd+bwd" if backward else "fwd",
         "repeats": repeats,
         "step_ms": {name: statistics.median(values) for name, values in samples.items()},
         "ratio_attnkit_over_sdpa": paired_ratio(samples, ATTNKIT, SDPA),
@@ -84,7 +93,8 @@ def format_compiled(result: dict[str, Any]) -> str:
     return "\n".join(
         [
             device_banner(result),
-            f"compiled training step (torch.compile fullgraph, inductor): pre-norm block, B={shape['batch']} "
+            f"compiled {'training step' if result['pass'] == 'fwd+bwd' else 'forward, no_grad'} "
+            f"(torch.compile fullgraph, inductor): pre-norm block, B={shape['batch']} "
             f"L={shape['seq_len']} H={shape['heads']} Hkv={shape['heads_kv']} D={shape['head_dim']} float32 causal; "
             f"median of {result['repeats']} interleaved repeats",
             format_table(["attention", "ms/step"], rows),
