@@ -188,8 +188,8 @@ assert counter.frame_count == 1 and "attnkit.attend" in graph, (counter.frame_co
 
 @pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
 def test_compiled_by_inductor_equals_eager(cpp_wrapper: bool) -> None:
-    """Inductor's Python wrapper, and its C++ wrapper (AOTInductor's code generation), which writes the operator's
-    string arguments into C++ source."""
+    """Inductor's Python wrapper, and its C++ wrapper, which writes the operator's string arguments into C++
+    source (unescaped in torch 2.13: the spec's JSON once failed to compile there)."""
     import torch._inductor.config
 
     spec = attnkit.AttentionSpec(causal=True, softcap=20.0)

@@ -34,8 +34,8 @@ _specs: dict[str, AttentionSpec] = {}
 
 @torch.compiler.assume_constant_result
 def _spec_key(spec: AttentionSpec) -> str:
-    """The spec's JSON with ' for ": inductor's C++ wrapper (and AOTInductor) writes a string argument into the
-    C++ source between quotes, unescaped (torch 2.13). A spec's JSON holds no ' (its strings are enum values)."""
+    """The spec's JSON with ' for ": inductor's C++ wrapper (``cpp_wrapper=True``) writes a string argument into
+    the C++ source between quotes, unescaped (torch 2.13). A spec's JSON holds no ' (its strings are enum values)."""
     return spec.model_dump_json().replace('"', "'")
 
 
