@@ -187,7 +187,8 @@ def _add_bench(commands: Any) -> None:
     bench.add_argument(
         "--backends",
         metavar="A,B",
-        help="--calibrate, paged, packed: only these backends; context-parallel: the local blocks' backend",
+        help="--calibrate, paged, packed: only these backends; context-parallel: the local blocks' backend; "
+        "targets: the non-native paths timed besides auto (default: every torch backend that serves the call)",
     )
     bench.add_argument(
         "--peer",

@@ -62,6 +62,10 @@ def test_targets_quick_writes_every_target(targets_run: tuple[int, str, dict[str
         assert row["best"] in row["paths_ms"] and row["path"] in row["paths_ms"]
         assert not any(interpreted(name, "cpu") for name in row["paths_ms"])
         assert row["attnkit_ms"] == min(row["paths_ms"].values())
+        # --quick times auto and cpu-flash alone (no per-shape torch-flex compiles): the others that serve are named
+        assert set(row["paths_ms"]) <= {row["path"], "cpu-flash"}
+        assert row["skipped"]["torch-chunked"] == "not in --backends"
+    assert non_native["paths"] == ["cpu-flash"] and "Paths timed: auto and cpu-flash where they serve" in out
     bottom_right = [row for row in non_native["rows"] if row["len_q"] != row["len_k"]]
     assert bottom_right and all(row["len_q"] == 16 and row["len_k"] == 32 for row in bottom_right)
     decode = result["targets"]["decode"]

@@ -30,14 +30,24 @@ def _csv(text: str | None, kind: Callable[[str], Any] = str) -> tuple[Any, ...] 
     return None if text is None else tuple(kind(part.strip()) for part in text.split(",") if part.strip())
 
 
-#: What ``--quick`` sets where the flag was not given: every bench a smoke run of seconds (≤ 15 s on 2 shared cores).
-#: Keyed by --what, "backend" (--backend NAME) and "calibrate" (which also takes its small shapes).
+#: What ``--quick`` sets where the flag was not given: every --what a smoke run of seconds (≤ 15 s on 2 shared cores;
+#: --calibrate's ~30 s). Keyed by --what, "backend" (--backend NAME) and "calibrate" (which also takes its small
+#: shapes).
 QUICK: dict[str, dict[str, Any]] = {
     "dispatch": {"rounds": 2, "calls": 100},
     "spec": {"rounds": 3, "calls": 200},
     "chunked": {"seq_len": 512, "repeats": 1},
     "memory": {"seq_len": 1024},
-    "targets": {"seq_lens": "512", "repeats": 2, "rounds": 5, "calls": 200, "no_memory": True},
+    # float32 alone, and of the non-native paths auto and cpu-flash (torch-flex compiles per shape, naive is slow)
+    "targets": {
+        "seq_lens": "512",
+        "dtypes": "float32",
+        "repeats": 2,
+        "rounds": 5,
+        "calls": 200,
+        "no_memory": True,
+        "backends": "cpu-flash",
+    },
     "compiled": {"repeats": 1, "warmup": 1, "passes": "fwd"},  # inductor's compiles are the time: half as many
     "masks": {"seq_lens": "128", "repeats": 2, "no_memory": True},  # a child process per memory cell
     "packed": {"seq_len": 1024, "repeats": 1, "warmup": 0, "no_memory": True},
@@ -188,6 +198,7 @@ def run_targets(args: argparse.Namespace, out: TextIO) -> int:
             decode_rounds=args.rounds,
             decode_calls=args.calls,
             progress=_progress,
+            non_native_paths=_csv(args.backends),
         )
     print(targets.format_targets(result), file=out)
     _write_json(args, result, out)

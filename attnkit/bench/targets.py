@@ -326,9 +326,11 @@ NON_NATIVE_CASES = (
 )
 
 
-def servable_torch_backends(spec: Any, problem: Any) -> tuple[list[str], dict[str, str]]:
-    """Registered backends that take torch tensors and can serve (spec, problem) here without an interpreter,
-    and why the others that could are left out."""
+def servable_torch_backends(
+    spec: Any, problem: Any, only: Sequence[str] | None = None
+) -> tuple[list[str], dict[str, str]]:
+    """Registered backends that take torch tensors and can serve (spec, problem) here without an interpreter (of
+    ``only`` where given), and why the others that could are left out."""
     from attnkit import registry
     from attnkit.backend import Framework
 
@@ -345,13 +347,23 @@ def servable_torch_backends(spec: Any, problem: Any) -> tuple[list[str], dict[st
         if name == "torch-naive" and score_bytes > NAIVE_MAX_SCORE_BYTES:
             skipped[name] = f"materialises {score_bytes / 2**20:.0f} MiB of float32 scores (several copies)"
             continue
+        if only is not None and name not in only:
+            skipped[name] = "not in --backends"
+            continue
         chosen.append(name)
     return chosen, skipped
 
 
 def bench_non_native_target(
-    seq_lens: Sequence[int], dtypes: Sequence[str], repeats: int, warmup: int, cases: Sequence[NonNativeCase]
+    seq_lens: Sequence[int],
+    dtypes: Sequence[str],
+    repeats: int,
+    warmup: int,
+    cases: Sequence[NonNativeCase],
+    only_backends: Sequence[str] | None = None,
 ) -> dict[str, Any]:
+    """Per case, dtype, length and pass: auto, and each torch backend that serves the call (of ``only_backends``
+    where given), against SDPA's plain causal call at the same shape."""
     import torch.nn.functional as F
 
     rows = []
@@ -365,7 +377,8 @@ def bench_non_native_target(
                     # One call first: where auto measures (attnkit/autotune.py), the record then names the path.
                     torch_pass(case.attention("auto", lengths), q, k, v, dout, pass_name)()
                     path = auto_choice(spec, *call, kv_lengths=lengths)
-                    backends, skipped = servable_torch_backends(spec, call_problem(spec, *call, kv_lengths=lengths))
+                    problem = call_problem(spec, *call, kv_lengths=lengths)
+                    backends, skipped = servable_torch_backends(spec, problem, only_backends)
 
                     def sdpa(q: Any, k: Any, v: Any) -> Any:
                         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -415,6 +428,7 @@ def bench_non_native_target(
     return {
         "target": NON_NATIVE_RATIO,
         "peer": SDPA_CAUSAL,
+        "paths": None if only_backends is None else list(only_backends),
         "cases": {
             case.name: case.spec_json | {"half_queries": case.half_queries, "kv_lengths": case.kv_lengths}
             for case in cases
@@ -619,8 +633,10 @@ def bench_targets(
     decode_rounds: int = 20,
     decode_calls: int = 2000,
     progress: Callable[[str], None] | None = None,
+    non_native_paths: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Every target of issue 6 in one run (see the module docstring); a JSON-ready dict."""
+    """Every target of issue 6 in one run (see the module docstring); a JSON-ready dict. ``non_native_paths``: the
+    backends the non-native target times besides auto (default: every torch backend that serves the call)."""
     import torch
 
     say = progress or (lambda message: None)
@@ -643,7 +659,7 @@ def bench_targets(
         result["targets"]["jax"] = bench_jax_target(seq_lens, dtypes, repeats, warmup)
     if "non-native" in targets:
         say("non-native: best attnkit path against SDPA plain causal")
-        non_native = bench_non_native_target(seq_lens, dtypes, repeats, warmup, NON_NATIVE_CASES)
+        non_native = bench_non_native_target(seq_lens, dtypes, repeats, warmup, NON_NATIVE_CASES, non_native_paths)
         if memory:
             say("non-native: peak memory, one process per point")
             non_native["memory"] = non_native_memory(non_native, seq_lens, dtypes[0], torch.get_num_threads())
@@ -655,6 +671,15 @@ def bench_targets(
     result["environment"]["load_average_end"] = [round(load, 2) for load in os.getloadavg()]
     result["seconds"] = time.time() - started
     return result
+
+
+def _paths_timed(paths: Sequence[str] | None) -> str:
+    if paths is not None:
+        return f"{', '.join(paths)} where they serve the spec (--backends)"
+    return (
+        f"every torch backend that serves the spec (no interpreters; torch-naive only while its scores stay under "
+        f"{NAIVE_MAX_SCORE_BYTES // 2**20} MiB)"
+    )
 
 
 def summary(result: dict[str, Any]) -> dict[str, Any]:
@@ -733,8 +758,7 @@ def format_targets(result: dict[str, Any]) -> str:
             "",
             f"target [non-native]: best attnkit path vs SDPA's plain causal call at the same (Lq, Lk), ratio of FLOP/s "
             f"of the pairs each computes (time ratio in the JSON); {settings}. "
-            f"Paths timed: auto and every torch backend that serves the spec (no interpreters; torch-naive only while "
-            f"its scores stay under {NAIVE_MAX_SCORE_BYTES // 2**20} MiB)",
+            f"Paths timed: auto and {_paths_timed(target.get('paths'))}",
             format_table(
                 [
                     "spec",
