@@ -5,22 +5,19 @@ from __future__ import annotations
 from typing import Any
 
 from attnkit import autotune, config, dispatch, op_calls
-from attnkit.backend import Backend, PlainCall, Problem, Runner, own_plain_call
+from attnkit.backend import Backend, Problem, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import ops_by_type, ops_for
 from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec
-from attnkit.validation import check_length_values, prepare
+from attnkit.validation import check_length_values, check_lengths_against_shapes, prepare
 
-# The fast path's table and the scope state it keys on, bound once (attnkit/call_cache.py): at decode sizes an
+# The fast path's tables and the scope state they key on, bound once (attnkit/call_cache.py): at decode sizes an
 # attribute read costs about as much as the rest of a cached call.
+_cached_class = CACHE.length_classes.get
 _cached_call = CACHE.calls.get
 _scope_serial = CACHE.scope_serial
-
-
-def _remember(key: tuple[Any, ...], problem: Problem, run: Runner, plain: PlainCall | None, epoch: int) -> None:
-    CACHE.remember(CACHE.calls, key, (problem, run, plain), epoch)
 
 
 def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
@@ -72,6 +69,28 @@ def attend(
     # of the frontend table and the call cache's bound lookups (the scope is the only state in the key: a change
     # to the config or registry clears the cache).
     ops = ops_by_type.get(type(q)) or ops_for(q, "q")
+    # First by length class, where the sequence lengths enter the key only by their class: a new length of a class
+    # seen before (a KV cache growing one key a step, a new prompt length) is served as the first one was.
+    class_key = None
+    if mask is None and bias is None and alibi_slopes is None:
+        signature = ops.length_class_signature(spec, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+        if signature is not None:
+            class_key = (spec, signature, return_lse, backend, _scope_serial())
+            try:
+                hit = _cached_class(class_key)
+            except TypeError:  # an unhashable argument (backend=[...]): the checks below name it
+                hit = None
+            if hit is not None:
+                _, run, plain = hit
+                if plain is not None:  # stored only for a call with q, k, v alone that wants no lse
+                    return plain(q, k, v)
+                if q_lengths is not None or kv_lengths is not None:
+                    check_lengths_against_shapes(ops, spec, q, k, q_lengths, kv_lengths)
+                if q_segment_ids is None:
+                    out, lse = run(q, k, v, None, None, q_lengths, kv_lengths)
+                else:
+                    out, lse = run(q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+                return (out, lse) if return_lse else out
     # A call with ALiBi slopes takes the validating path every time (their values are checked, §16).
     signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths) if alibi_slopes is None else None
     if q_segment_ids is not None or kv_segment_ids is not None:
@@ -112,7 +131,7 @@ def attend(
     given = 10 if inputs.alibi_slopes is not None else 9 if inputs.q_segment_ids is not None else 7
     # An eager call with values: where the cost table cannot decide, auto may time the contenders on it.
     trial = autotune.Trial(ops, spec, problem, inputs[:given]) if backend == config.AUTO else None
-    chosen = dispatch.select(spec, problem, backend, trial)
+    chosen, per_class = dispatch.select_call(spec, problem, backend, trial)
     run = ops.runner(chosen, spec, problem)
     try:
         out, lse = run(*inputs[:given])
@@ -123,9 +142,12 @@ def attend(
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=return_lse,
                       backend=backend, alibi_slopes=alibi_slopes)  # fmt: skip
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
-    # never sits there.
-    if signature is not None and not was_3d and inputs.mask is mask and inputs.bias is bias:
-        _remember(key, problem, run, own_plain_call(chosen, spec, problem), epoch)
+    # never sits there. By length class where the decision and the runner hold for the class, else by exact shape.
+    if not was_3d:
+        if class_key is not None and per_class:
+            CACHE.remember(CACHE.length_classes, class_key, (chosen, run, own_plain_call(chosen, spec, problem)), epoch)
+        elif signature is not None and inputs.mask is mask and inputs.bias is bias:
+            CACHE.remember(CACHE.calls, key, (problem, run, own_plain_call(chosen, spec, problem)), epoch)
     if was_3d:
         out, lse = op_calls.as_3d(ops, spec, out, lse if return_lse else None)
     return (out, lse) if return_lse else out

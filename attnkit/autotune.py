@@ -56,8 +56,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attnkit import cost
-from attnkit.backend import Backend, Framework, Problem, routing_features
+from attnkit.backend import Backend, Framework, Problem, length_bucket, routing_features
 from attnkit.build import digest
+from attnkit.call_cache import CACHE
 from attnkit.environment import accelerator_name, cpu_fingerprint
 from attnkit.records import RecordDirectory, RecordsRefusedError, default_directory
 from attnkit.spec import AttentionSpec
@@ -144,10 +145,6 @@ class Record:
 # ------------------------------------------------------------------------------------------------------ buckets
 
 
-def _power_of_two(count: int) -> int:
-    return 1 << max(count - 1, 0).bit_length()
-
-
 @functools.cache
 def _source_digest() -> str:
     """A digest of attnkit's own code and its backends' (Python, C++, CUDA C, tables): a changed kernel measures
@@ -197,8 +194,8 @@ def bucket_of(spec: AttentionSpec, problem: Problem) -> str:
     """The bucket of a call in words: dtype, pass, rounded shape and spec class (module docstring)."""
     group = problem.heads_q // max(problem.heads_kv, 1)
     shape = (
-        f"B<={_power_of_two(problem.batch)} Hq<={_power_of_two(problem.heads_q)} group={group} "
-        f"Lq<={_power_of_two(problem.len_q)} Lk<={_power_of_two(problem.len_k)} D={problem.head_dim} "
+        f"B<={length_bucket(problem.batch)} Hq<={length_bucket(problem.heads_q)} group={group} "
+        f"Lq<={length_bucket(problem.len_q)} Lk<={length_bucket(problem.len_k)} D={problem.head_dim} "
         f"Dv={problem.head_dim_v}"
     )
     features = ",".join(sorted(routing_features(spec, problem))) or "plain"
@@ -273,11 +270,12 @@ class Trial:
         if torch.compiler.is_compiling() or self.ops.symbolic(q):
             return "not measured: inside a torch.compile trace, or meta/fake tensors"
         problem = self.problem
-        decode = problem.len_q <= config.autotune_decode_len_q and problem.len_q < problem.len_k
+        # Lq's bucket, not Lq: the rule is then one per length class (Problem.length_class), as the decision is.
+        decode = length_bucket(problem.len_q) <= config.autotune_decode_len_q and problem.len_q < problem.len_k
         if decode and not torch.is_grad_enabled():
             return (
-                f"not measured: a decode step under torch.no_grad() (Lq={problem.len_q} <= autotune_decode_len_q="
-                f"{config.autotune_decode_len_q}, Lq < Lk), whose latency comes first"
+                f"not measured: a decode step under torch.no_grad() (Lq={problem.len_q}, in a bucket <= "
+                f"autotune_decode_len_q={config.autotune_decode_len_q}, Lq < Lk), whose latency comes first"
             )
         return None
 
@@ -435,10 +433,18 @@ class RecordStore:
         self._refused: set[str] = set()  # refusals already logged
         self._lock = threading.Lock()
         self._directory: Path | None = None  # use_directory's, over default_directory()
+        #: (epoch, default_directory()): the environment is read once per call-cache epoch (configure(),
+        #: clear_cache()), never per call.
+        self._default: tuple[int, Path] | None = None
         self.files = RecordDirectory("autotune record", self.directory)
 
     def directory(self) -> Path:
-        return self._directory if self._directory is not None else default_directory()
+        if self._directory is not None:
+            return self._directory
+        default = self._default
+        if default is None or default[0] != CACHE.epoch:
+            default = self._default = (CACHE.epoch, default_directory())
+        return default[1]
 
     @contextlib.contextmanager
     def use_directory(self, directory: Path | str) -> Iterator[None]:

@@ -96,6 +96,8 @@ __all__ = [
     "default_directory",
     "delegated",
     "lasting_records",
+    "length_bucket",
+    "length_class",
     "own_forward",
     "own_plain_call",
     "peer_backend",
@@ -156,6 +158,16 @@ class Problem:
             or self.has_alibi
         )
 
+    def length_class(self) -> tuple[int, int, int]:
+        """The class of this call's sequence lengths: :func:`length_class` of Lq and of Lk, and the sign of Lk − Lq.
+        A backend that declares :attr:`Capabilities.length_generic` answers alike for every call of one class."""
+        return length_class(self.len_q), length_class(self.len_k), (self.len_k > self.len_q) - (self.len_k < self.len_q)
+
+    def at_bucket_lengths(self) -> Problem:
+        """This call with Lq and Lk raised to their buckets (:func:`length_bucket`): the call ``auto``'s predictions
+        and records speak for, so that its decision is one per bucket."""
+        return dataclasses.replace(self, len_q=length_bucket(self.len_q), len_k=length_bucket(self.len_k))
+
     def features(self) -> frozenset[Feature]:
         flags = (
             (self.has_mask, Feature.MASK),
@@ -170,6 +182,21 @@ class Problem:
             (self.has_alibi, Feature.ALIBI),
         )
         return frozenset(feature for used, feature in flags if used)
+
+
+def length_bucket(length: int) -> int:
+    """The power of two at or above ``length`` (1 for 0 and 1): the lengths ``auto``'s predictions and records group
+    together (a record's "Lk<=1024" holds for 513..1024 keys)."""
+    return 1 << max(length - 1, 0).bit_length()
+
+
+def length_class(length: int) -> int:
+    """A number per class of sequence lengths: each power of two (and 0) is a class of its own, and so is each open
+    interval between two powers of two. Every comparison of a length with a power of two (``< 64``, ``>= 512``,
+    ``== 1``) and every :func:`length_bucket` is the same across a class, so a decision or a runner that reads
+    lengths only through such comparisons and through Lq against Lk holds for the whole class
+    (:attr:`Capabilities.length_generic`)."""
+    return 2 * length.bit_length() - (length & (length - 1) == 0)
 
 
 class AttentionInputs(NamedTuple):
@@ -318,6 +345,12 @@ class Capabilities:
     paged_head_dims: Sizes | None = None
     #: Paths refused on a device until they have passed there on hardware (:func:`pending_hardware`).
     unverified: tuple[Unverified, ...] = ()
+    #: Whether ``supports()``, ``differentiable_forward()`` and ``plain_call()`` read the sequence lengths only
+    #: through :meth:`Problem.length_class` (comparisons with powers of two, and of Lq with Lk), so that what they
+    #: answer for one call holds for every call of its class: ``attend`` then serves a new length of a class it has
+    #: seen (a KV cache growing one key a step) with the decision and runner it made before. False (the default)
+    #: for a backend that has not said so: calls that consult it are validated and dispatched per exact shape.
+    length_generic: bool = False
 
     def on(self, device: str) -> Capabilities:
         """These capabilities as they stand on ``device``: its :class:`DeviceLimits` applied, none left."""
@@ -514,7 +547,7 @@ class MissingPackageBackend(BaseBackend):
         self.package = package
         self.extra = extra
         self.capabilities = Capabilities(
-            frameworks=frozenset(), dtypes=frozenset(), devices=frozenset(), features=frozenset()
+            frameworks=frozenset(), dtypes=frozenset(), devices=frozenset(), features=frozenset(), length_generic=True
         )
 
     def available(self) -> list[str]:

@@ -1,10 +1,14 @@
 """Everything dispatch remembers between calls, in one object with one :meth:`CallCache.clear`.
 
-:data:`CACHE` holds four tables, each bounded (emptied when full: a KV cache growing one key a step makes a new
-entry every step, which must not grow without end):
+:data:`CACHE` holds five tables, each bounded (emptied when full):
 
-* ``calls``: attend()'s fast path, per call signature (spec, the frontend's signature of the tensors, return_lse,
-  backend, scope): the validated Problem, the runner, and the runner's plain call if it has one;
+* ``length_classes``: attend()'s fast path for calls without a mask, bias or ALiBi slopes, per (spec, the frontend's
+  signature of the tensors with each sequence length replaced by its class, return_lse, backend, scope): the
+  chosen backend, the runner and the runner's plain call if it has one, kept only where the decision and the runner
+  hold for every length of the class (``Capabilities.length_generic``, docs/dispatch.md). A KV cache growing one
+  key a step meets a new class only at each power of two and the next length, so this table stays small;
+* ``calls``: attend()'s fast path per exact call signature (spec, the frontend's signature of the tensors,
+  return_lse, backend, scope): the validated Problem, the runner, and the runner's plain call if it has one;
 * ``operator_calls``: the same for calls a graph operator runs (attnkit/op_calls.py), whose key also carries the
   caller's grad flags: the validated Problem and the chosen backend;
 * ``decisions``: dispatch.select(), per (spec, Problem, backend, scope, whether the caller could measure): the
@@ -35,6 +39,7 @@ if TYPE_CHECKING:
     from attnkit.backend import Backend, PlainCall, Problem, Runner
 
     CallEntry = tuple[Problem, Runner, PlainCall | None]
+    ClassEntry = tuple[Backend, Runner, PlainCall | None]
 
 Value = TypeVar("Value")
 
@@ -44,9 +49,10 @@ LIMIT = 4096
 
 class CallCache:
     """The fast-path, decision and availability tables and the state they key on (module docstring). The tables are
-    emptied in place, never replaced: attend() holds ``calls.get``."""
+    emptied in place, never replaced: attend() holds ``length_classes.get`` and ``calls.get``."""
 
     __slots__ = (
+        "length_classes",
         "calls",
         "operator_calls",
         "decisions",
@@ -60,6 +66,7 @@ class CallCache:
     )
 
     def __init__(self, limit: int = LIMIT) -> None:
+        self.length_classes: dict[Hashable, ClassEntry] = {}
         self.calls: dict[Hashable, CallEntry] = {}
         self.operator_calls: dict[Hashable, tuple[Problem, Backend]] = {}
         self.decisions: dict[Hashable, Backend] = {}
@@ -101,6 +108,7 @@ class CallCache:
         every call and decision is forgotten, so the next dispatch routes elsewhere."""
         with self._lock:
             self.epoch += 1
+            self.length_classes.clear()
             self.calls.clear()
             self.operator_calls.clear()
             self.decisions.clear()
@@ -110,6 +118,7 @@ class CallCache:
         """Forget every call, decision and availability reading."""
         with self._lock:
             self.epoch += 1
+            self.length_classes.clear()
             self.calls.clear()
             self.operator_calls.clear()
             self.decisions.clear()

@@ -27,6 +27,7 @@ from typing import Annotated, Any
 from pydantic import (
     BaseModel,
     ConfigDict,
+    PrivateAttr,
     Strict,
     StrictBool,
     StrictStr,
@@ -63,6 +64,8 @@ class Refinement(BaseModel):
     ``when_any`` (if given) is used."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    #: (epoch, use_costs, costs, table) of the last cost_table() read.
+    _table: tuple[int, bool, str | None, CostTable | None] | None = PrivateAttr(default=None)
 
     when: frozenset[StrictStr] = frozenset()
     when_any: frozenset[StrictStr] = frozenset()
@@ -93,6 +96,8 @@ class Config(BaseModel):
     replaced, which clears those caches (configure()) or leaves its scope (use_config, use_backend)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+    #: (epoch, use_costs, costs, table) of the last cost_table() read.
+    _table: tuple[int, bool, str | None, CostTable | None] | None = PrivateAttr(default=None)
 
     priority: dict[StrictStr, Names] = {}
     refine: tuple[Refinement, ...] = ()
@@ -116,8 +121,9 @@ class Config(BaseModel):
     autotune_spread: StrictNumber = 4.0
     #: Backends never measured: a first call whose cost a few repeated calls cannot bound (one compiling per shape).
     autotune_exclude: Names = ()
-    #: Under torch.no_grad() a call with at most this many queries, fewer than its keys, is a decode step: never
-    #: measured, since a generation loop's step latency matters more than the step's backend.
+    #: Under torch.no_grad() a call with fewer queries than keys, Lq's bucket (the power of two at or above it) at
+    #: most this, is a decode step: never measured, since a generation loop's step latency matters more than the
+    #: step's backend.
     autotune_decode_len_q: Annotated[int, Strict()] = 16
     #: Measuring a bucket's first call times no call that would take it past this many calls of the slowest
     #: contender, first calls included (issue 32's bound: what measuring adds to the call).
@@ -179,9 +185,16 @@ class Config(BaseModel):
         return value
 
     def cost_table(self) -> CostTable | None:
-        if not self.use_costs:
-            return None
-        return load_table(self.costs) if self.costs is not None else shipped_cost_table()
+        """The cost table in force: read once per config and call-cache epoch (configure(), clear_cache() and
+        registry changes start a new one), never per call."""
+        epoch, kept = CACHE.epoch, self._table
+        if kept is not None and kept[:3] == (epoch, self.use_costs, self.costs):  # a model_copy keeps _table
+            return kept[3]
+        table = None
+        if self.use_costs:
+            table = load_table(self.costs) if self.costs is not None else shipped_cost_table()
+        self._table = (epoch, self.use_costs, self.costs, table)
+        return table
 
     def priority_for(self, device: str, features: frozenset[Feature]) -> tuple[str, ...]:
         for refinement in self.refine:

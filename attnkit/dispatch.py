@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from attnkit import autotune, config, cost, registry
@@ -84,6 +85,9 @@ class Choice:
     not_measured: str = ""
     #: False when a later eager call of the same bucket would measure (the decision is then not cached).
     final: bool = True
+    #: Whether every call of the problem's length class would be decided alike: a final decision, or one that
+    #: measuring must not make for any of them (a decode step under no_grad, a JAX call).
+    per_class: bool = True
 
 
 def _choose(
@@ -98,7 +102,9 @@ def _choose(
     one (explain, a graph operator) a bucket's record is used where there is one, else the prediction."""
     current = config.current_config()
     table = current.cost_table() if forced is None else None
-    predicted = table.predictions(spec, problem, servable) if table else {}
+    # Predicted for the bucket's largest call, the one its records speak for: one decision per bucket, which a new
+    # length of the bucket (a decode step) can reuse (Capabilities.length_generic).
+    predicted = table.predictions(spec, problem.at_bucket_lengths(), servable) if table else {}
     chosen = cost.choose(servable, predicted, current.cost_margin)
     if forced is not None or len(servable) < 2:
         return Choice(chosen, predicted)
@@ -119,7 +125,7 @@ def _choose(
         return Choice(chosen, predicted, not_measured=skip, final=False)
     if trial is None or trial.dry_run:
         later = f"not measured yet: the first eager attend call of its bucket times {', '.join(contenders)}"
-        return Choice(chosen, predicted, not_measured=later, final=False)
+        return Choice(chosen, predicted, not_measured=later, final=False, per_class=False)
     backends = registry.backends()
     measured = autotune.measure(
         [backends[name] for name in contenders],
@@ -130,7 +136,7 @@ def _choose(
     )
     if measured is None:
         failed = f"not measured: timing {', '.join(contenders)} failed (logged at info level)"
-        return Choice(chosen, predicted, not_measured=failed, final=False)
+        return Choice(chosen, predicted, not_measured=failed, final=False, per_class=False)
     winner = measured.winner
     record = autotune.Record(
         key, bucket, winner, tuple(measured.times_us.items()), autotune.now_utc(), unmeasured=measured.unmeasured
@@ -202,6 +208,19 @@ def select(
 ) -> Backend:
     """The backend that runs this call. ``backend`` is ``"auto"`` or a registered name. ``trial`` (attend's eager
     calls) lets ``auto`` measure where the cost table cannot decide (attnkit/autotune.py)."""
+    return select_call(spec, problem, backend, trial)[0]
+
+
+def _length_generic(names: Iterable[str], all_backends: dict[str, Backend]) -> bool:
+    return all(all_backends[name].capabilities.length_generic for name in names)
+
+
+def select_call(
+    spec: AttentionSpec, problem: Problem, backend: str = "auto", trial: autotune.Trial | None = None
+) -> tuple[Backend, bool]:
+    """:func:`select`, and whether its answer holds for every call of the problem's length class
+    (:meth:`Problem.length_class`): every backend it consulted declares ``Capabilities.length_generic``, and the
+    decision was not left to a later call's measuring."""
     if not isinstance(backend, str):  # None does not mean "auto": a forgotten value must not pass as a choice
         raise InvalidInputTypeError(
             f"backend={backend!r}: expected {config.AUTO!r} or a registered backend's name (a str), "
@@ -221,6 +240,7 @@ def select(
         reasons = _reasons(chosen, spec, problem)
         if reasons:
             raise BackendUnavailableError(f"backend={forced!r} cannot serve this call:\n  - " + "\n  - ".join(reasons))
+        per_class = chosen.capabilities.length_generic
     else:
         # Only the priority list's rows: the full table (candidates) is for explain() and the error below.
         all_backends = registry.backends()
@@ -231,11 +251,12 @@ def select(
             raise BackendUnavailableError(f"no backend can serve this call:\n{table}")
         choice = _choose(spec, problem, servable, None, trial)
         chosen = all_backends[choice.backend]
+        per_class = choice.per_class and _length_generic((row.name for row in rows), all_backends)
         if not choice.final and trial is not None:  # a later eager call of the bucket measures: nothing cached
-            return chosen
-    if CACHE.remember(CACHE.decisions, key, chosen, epoch):
+            return chosen, per_class
+    if CACHE.remember(CACHE.decisions, key, (chosen, per_class), epoch):
         _log.debug("attnkit: %s on %s -> %s", spec, problem, chosen.name)
-    return chosen
+    return chosen, per_class
 
 
 def became_unavailable(backend: Backend) -> bool:

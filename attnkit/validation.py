@@ -245,6 +245,17 @@ def check_length_values(ops: FrameworkOps, problem: Problem, q_lengths: Any, kv_
         _check_range(ops, "kv_lengths", kv_lengths, problem.len_k)
 
 
+def check_lengths_against_shapes(
+    ops: FrameworkOps, spec: AttentionSpec, q: Any, k: Any, q_lengths: Any, kv_lengths: Any
+) -> None:
+    """:func:`check_length_values` of a 4-D call whose Problem was made for another length of its class."""
+    seq_axis = 1 if spec.layout is Layout.BSHD else 2
+    if q_lengths is not None:
+        _check_range(ops, "q_lengths", q_lengths, q.shape[seq_axis])
+    if kv_lengths is not None:
+        _check_range(ops, "kv_lengths", kv_lengths, k.shape[seq_axis])
+
+
 def _to_4d(ops: FrameworkOps, argument: str, tensor: Any, full: tuple[int, ...], was_3d: bool) -> Any:
     """Check broadcastability and prepend unit axes so backends always see 4-D mask and bias."""
     if was_3d:

@@ -418,7 +418,7 @@ def test_the_decision_cache_stays_bounded_under_a_growing_kv_cache(monkeypatch: 
         # the float64 oracle (torch-naive on float64 tensors), at float32's tolerance
         expected = attnkit.attend(spec, q.double(), kv.double(), kv.double(), backend="torch-naive")
         assert torch.allclose(out.double(), expected, rtol=1e-5, atol=1e-6)
-        assert len(CACHE.decisions) <= 4 and len(CACHE.calls) <= 4
+        assert len(CACHE.decisions) <= 4 and len(CACHE.calls) <= 4 and len(CACHE.length_classes) <= 4
 
 
 class LateBackend(CountingBackend):
@@ -455,19 +455,22 @@ def test_clear_cache_makes_a_call_seen_before_dispatch_again(plugin: CountingBac
 
 def test_one_clear_empties_every_table_and_each_change_clears() -> None:
     spec, (q, k, v) = AttentionSpec(), tensors()
+    masked = torch.ones(1, 1, q.shape[2], k.shape[2], dtype=torch.bool)  # a mask: kept by exact shape, not by class
     attnkit.attend(spec, q, k, v)
-    assert CACHE.calls and CACHE.decisions and CACHE.availability
+    attnkit.attend(spec, q, k, v, mask=masked)
+    assert CACHE.length_classes and CACHE.calls and CACHE.decisions and CACHE.availability
     dispatch.clear_cache()
-    assert not (CACHE.calls or CACHE.decisions or CACHE.availability)
+    assert not (CACHE.length_classes or CACHE.calls or CACHE.decisions or CACHE.availability)
     for change in (
         lambda: attnkit.configure(),
         lambda: attnkit.register_backend(CountingBackend("test-change")),
         lambda: attnkit.unregister_backend("test-change"),
     ):
         attnkit.attend(spec, q, k, v)
-        assert CACHE.calls
+        attnkit.attend(spec, q, k, v, mask=masked)
+        assert CACHE.length_classes and CACHE.calls
         change()
-        assert not (CACHE.calls or CACHE.decisions or CACHE.availability)
+        assert not (CACHE.length_classes or CACHE.calls or CACHE.decisions or CACHE.availability)
 
 
 def test_a_store_made_before_a_clear_is_dropped() -> None:

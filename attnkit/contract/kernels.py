@@ -564,6 +564,7 @@ def kernel_capabilities(
         notes=(*notes, *KERNEL_NOTES, *how_to_run),
         options=options,
         unverified=unverified,
+        length_generic=True,
     )
 
 

@@ -37,6 +37,23 @@ class FrameworkOps(Protocol):
         values), or None where the framework offers no cheap one."""
         ...
 
+    def length_class_signature(
+        self,
+        spec: AttentionSpec,
+        q: Any,
+        k: Any,
+        v: Any,
+        q_lengths: Any,
+        kv_lengths: Any,
+        q_segment_ids: Any,
+        kv_segment_ids: Any,
+    ) -> Any:
+        """For a call without mask, bias or ALiBi slopes: :meth:`signature` (and the segment ids') with each
+        sequence length replaced by its :func:`attnkit.backend.length_class` and Lq against Lk, so that every length
+        of a class has one key; None where the framework offers no cheap one, or the call is not 4-D with
+        ``v``'s length ``k``'s and segment ids of the call's lengths."""
+        ...
+
     def segment_signature(self, signature: Any, q_segment_ids: Any, kv_segment_ids: Any) -> Any:
         """:meth:`signature` of a call with segment ids, extended by theirs; None where it is None or they are not
         this framework's arrays."""

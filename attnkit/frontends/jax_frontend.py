@@ -122,6 +122,9 @@ class JaxOps:
     def segment_signature(self, signature: Any, q_segment_ids: Any, kv_segment_ids: Any) -> Any:
         return None
 
+    def length_class_signature(self, spec: Any, q: Any, *arrays: Any) -> Any:
+        return None  # as signature: jit traces the call once
+
     def symbolic(self, q: Any) -> bool:
         return False  # jit traces attend itself, with the backend's own JAX code
 

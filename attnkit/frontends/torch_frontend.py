@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, own_forward
-from attnkit.spec import AttentionSpec
+from attnkit.spec import AttentionSpec, Layout
 
 
 def sum_to_shape(gradient: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -81,6 +81,7 @@ class _AttendFunction(torch.autograd.Function):
 
 # Read on every attend call: module globals, not attribute lookups on torch.
 _Tensor = torch.Tensor
+_BSHD = Layout.BSHD
 _is_grad_enabled = torch.is_grad_enabled
 _is_compiling = torch.compiler.is_compiling
 
@@ -151,6 +152,60 @@ class TorchOps:
         )
 
     @staticmethod
+    def length_class_signature(
+        spec: AttentionSpec,
+        q: Any,
+        k: Any,
+        v: Any,
+        q_lengths: Any,
+        kv_lengths: Any,
+        q_segment_ids: Any,
+        kv_segment_ids: Any,
+    ) -> Any:
+        if type(q) is not _Tensor or type(k) is not _Tensor or type(v) is not _Tensor:
+            return None
+        try:
+            if spec.layout is _BSHD:
+                batch_q, len_q, heads_q, dim_q = q.shape
+                batch_k, len_k, heads_k, dim_k = k.shape
+                batch_v, len_v, heads_v, dim_v = v.shape
+            else:
+                batch_q, heads_q, len_q, dim_q = q.shape
+                batch_k, heads_k, len_k, dim_k = k.shape
+                batch_v, heads_v, len_v, dim_v = v.shape
+        except ValueError:  # not 4-D: the full path names it, or brings a 3-D call to 4-D
+            return None
+        if len_v != len_k:
+            return None
+        grad_mode = _is_grad_enabled()  # a decode step is measured or not by the grad mode (autotune.Trial)
+        signature = (
+            batch_q, heads_q, dim_q, batch_k, heads_k, dim_k, batch_v, heads_v, dim_v,
+            q.dtype, k.dtype, v.dtype, q.device, k.device, v.device,
+            grad_mode, grad_mode and (q.requires_grad or k.requires_grad or v.requires_grad),
+            2 * len_q.bit_length() - (len_q & (len_q - 1) == 0),  # length_class, inline: one call less
+            2 * len_k.bit_length() - (len_k & (len_k - 1) == 0),
+            (len_k > len_q) - (len_k < len_q),
+        )  # fmt: skip
+        if q_lengths is None and kv_lengths is None and q_segment_ids is None and kv_segment_ids is None:
+            return signature
+        optional: list[Any] = []
+        for lengths in (q_lengths, kv_lengths):
+            if lengths is None:
+                optional.append(None)
+            elif type(lengths) is _Tensor:
+                optional.append((lengths.shape, lengths.dtype, lengths.device))
+            else:
+                return None
+        for ids, length in ((q_segment_ids, len_q), (kv_segment_ids, len_k)):
+            if ids is None:
+                optional.append(None)
+                continue
+            if type(ids) is not _Tensor or ids.dim() != 2 or ids.shape[1] != length:
+                return None  # the full path names what is wrong
+            optional.append((ids.shape[0], ids.dtype, ids.device))
+        return (*signature, *optional)
+
+    @staticmethod
     def segment_signature(signature: Any, q_segment_ids: Any, kv_segment_ids: Any) -> Any:
         if signature is None or type(q_segment_ids) is not _Tensor or type(kv_segment_ids) is not _Tensor:
             return None
@@ -195,6 +250,20 @@ def _signature_when_traced(q: Any, k: Any, v: Any, mask: Any, bias: Any, q_lengt
     return None
 
 
+def _length_class_signature_when_traced(
+    spec: Any,
+    q: Any,
+    k: Any,
+    v: Any,
+    q_lengths: Any,
+    kv_lengths: Any,
+    q_segment_ids: Any,
+    kv_segment_ids: Any,
+) -> None:
+    """:func:`_signature_when_traced`'s counterpart for the length-class signature."""
+    return None
+
+
 class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Runs ``action`` right after module ``name`` is first imported: at that import it steps aside (off
     sys.meta_path), finds the module's own spec and loader, and wraps their exec_module once."""
@@ -234,12 +303,15 @@ def _when_dynamo_is_imported(action: Callable[[], None]) -> None:
         sys.meta_path.insert(0, _AfterImport("torch._dynamo", action))
 
 
-def _trace_past(signature: Callable[..., Any], **options: Any) -> None:
-    """Dynamo traces :func:`_signature_when_traced` in place of ``signature`` (when it imports)."""
-    _when_dynamo_is_imported(lambda: torch.compiler.substitute_in_graph(signature, **options)(_signature_when_traced))
+def _trace_past(
+    signature: Callable[..., Any], stand_in: Callable[..., None] = _signature_when_traced, **options: Any
+) -> None:
+    """Dynamo traces ``stand_in`` (a function returning None) in place of ``signature`` (when it imports)."""
+    _when_dynamo_is_imported(lambda: torch.compiler.substitute_in_graph(signature, **options)(stand_in))
 
 
 _trace_past(TorchOps.signature)
+_trace_past(TorchOps.length_class_signature, _length_class_signature_when_traced)
 OPS = TorchOps()
 #: The array type attend's table maps to OPS from the start (attnkit/frontends/__init__.py).
 ARRAY_TYPE = torch.Tensor

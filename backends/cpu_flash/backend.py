@@ -263,6 +263,7 @@ class CpuFlashBackend(RecomputingBackend):
 
     name = "cpu-flash"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),

@@ -44,6 +44,7 @@ MAX_HEAD_DIM = 256
 class FlashAttnBackend(RecomputingBackend):
     name = "flash-attn"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16"}),
         devices=frozenset({"cuda"}),

@@ -160,6 +160,7 @@ class JaxXlaBackend(BaseBackend):
 
     name = "jax-xla"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),

@@ -473,6 +473,7 @@ class TorchFlexBackend(BaseBackend):
 
     name = "torch-flex"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),

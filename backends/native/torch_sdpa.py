@@ -435,10 +435,11 @@ def _masked_runner(
                 return _CausalMaskedFlash.apply(q, k, v, mask, scale)
             return _causal_masked_op(q, k, v, mask, scale)[0]  # inference: no autograd.Function around it
 
-    else:
+    else:  # the band of this call's lengths: a runner serves every length of its class (Capabilities.length_generic)
 
         def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return sdpa(q, k, v, attn_mask=mask & _causal_band(spec, len_q, len_k, q.device), **options)
+            band = _causal_band(spec, q.shape[2], k.shape[2], q.device)
+            return sdpa(q, k, v, attn_mask=mask & band, **options)
 
     if spec.variant is not Variant.COSINE and spec.layout is Layout.BHSD:
         return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
@@ -611,6 +612,7 @@ class TorchSdpaBackend(RecomputingBackend):
 
     name = "torch-sdpa"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),

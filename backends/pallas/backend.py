@@ -454,6 +454,7 @@ def _mask_from_int8(inputs: AttentionInputs) -> AttentionInputs:
 class PallasBackend(BaseBackend):
     name = "pallas"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),

@@ -298,6 +298,7 @@ def _compiled() -> tuple[Any, Any]:
 class JaxReferenceBackend(BaseBackend):
     name = "jax-reference"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),

@@ -315,6 +315,7 @@ def _accumulate_dbias(target: torch.Tensor, ds: torch.Tensor) -> None:
 class TorchChunkedBackend(BaseBackend):
     name = "torch-chunked"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),

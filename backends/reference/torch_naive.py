@@ -63,6 +63,7 @@ def oracle_attention(
 class TorchNaiveBackend(RecomputingBackend):
     name = "torch-naive"
     capabilities = Capabilities(
+        length_generic=True,
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
