@@ -223,9 +223,7 @@ def _add_bench(commands: Any) -> None:
         help="chunked, memory, --backend, context-parallel, packed: sequence length (default 4096, 16384, paper's, "
         "16384, 4096)",
     )
-    bench.add_argument(
-        "--steps", type=int, help="decode: growing-cache steps per row, torch and JAX (default 1000)"
-    )
+    bench.add_argument("--steps", type=int, help="decode: growing-cache steps per row, torch and JAX (default 1000)")
     bench.add_argument(
         "--seen-signatures",
         type=int,
@@ -254,7 +252,9 @@ def _add_bench(commands: Any) -> None:
         help="chunked, --backend, targets, masks, packed, paged, --calibrate: timed repeats (default 3; targets 7; "
         "masks, paged 5; --calibrate 5; --quick 2); decode: transformers generate() turns (default 3)",
     )
-    bench.add_argument("--warmup", type=int, help="chunked, --backend, targets: untimed repeats (default 1)")
+    bench.add_argument(
+        "--warmup", type=int, help="chunked, --backend, targets: untimed repeats (default 1, at least 1)"
+    )
     bench.add_argument("--threads", type=int, help="torch intra-op threads, and XLA's with 1 (default: their choice)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 

@@ -34,6 +34,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from typing import Any
 
 from attnkit.bench.timing import device_banner, environment, interleaved, paired_difference, paired_ratio
@@ -67,13 +68,13 @@ SDPA = "sdpa"
 JAX_NN = "jax.nn"
 
 
-def _blocks(first: int, steps: int, block: int) -> list[range]:
+def length_blocks(first: int, steps: int, block: int) -> list[range]:
     """``steps`` lengths from ``first`` upward (at least one block), cut in blocks of ``block``."""
     count = max(1, steps // block)
     return [range(first + i * block, first + (i + 1) * block) for i in range(count)]
 
 
-def _block_runner(step: Callable[[int], Any], blocks: Sequence[range]) -> Callable[[], None]:
+def block_runner(step: Callable[[int], Any], blocks: Sequence[range]) -> Callable[[], None]:
     """A function whose n-th call runs ``step(L)`` for every L of block n: the blocks are consumed once."""
     left: Iterator[range] = iter(blocks)
 
@@ -108,7 +109,6 @@ def _paired(samples: dict[str, list[float]], first: str, second: str, steps_per_
 def _torch_row(heads_kv: int, recording: bool, first: int, steps: int, block: int) -> dict[str, Any]:
     """One growing-cache row: attend against SDPA over the lengths ``first`` .. (see the module docstring)."""
     import contextlib
-    from functools import partial
 
     import torch
     import torch.nn.functional as F
@@ -117,7 +117,7 @@ def _torch_row(heads_kv: int, recording: bool, first: int, steps: int, block: in
     from attnkit.bench.calls import auto_choice
 
     batch, heads_q, dim = SHAPE["batch"], SHAPE["heads_q"], SHAPE["head_dim"]
-    blocks = _blocks(first, steps, block)
+    blocks = length_blocks(first, steps, block)
     warm = range(first - block, first)  # lengths below every timed one
     capacity = blocks[-1].stop
     generator = torch.Generator().manual_seed(heads_kv)
@@ -135,11 +135,14 @@ def _torch_row(heads_kv: int, recording: bool, first: int, steps: int, block: in
     mode = contextlib.nullcontext if recording else torch.no_grad
     with mode():
         cold = first - block - 1
-        first_call = {ATTEND: _first_call_us(lambda: step(ours)(cold)), SDPA: _first_call_us(lambda: step(theirs)(cold))}
+        first_call = {
+            ATTEND: _first_call_us(lambda: step(ours)(cold)),
+            SDPA: _first_call_us(lambda: step(theirs)(cold)),
+        }
         length = first - 1
         agree = float((step(ours)(length) - step(theirs)(length)).detach().abs().max())
         path = auto_choice(spec, q, k_all[:, :, :length], v_all[:, :, :length])
-    functions = {ATTEND: _block_runner(step(ours), [warm, *blocks]), SDPA: _block_runner(step(theirs), [warm, *blocks])}
+    functions = {ATTEND: block_runner(step(ours), [warm, *blocks]), SDPA: block_runner(step(theirs), [warm, *blocks])}
     # warmup=1: the first block of each is ``warm``, the shorter lengths; then one block of each per repeat.
     samples = interleaved(functions, len(blocks), warmup=1, calls=1, contexts={name: mode for name in functions})
     return {
@@ -177,8 +180,9 @@ def drive_signatures(count: int) -> dict[str, Any]:
     return {"signatures": len(pairs), "seconds": time.perf_counter() - start}
 
 
-def bench_torch(steps: int, seen: int, block: int = BLOCK, progress: Callable[[str], None] | None = None) -> dict:
+def bench_torch(steps: int, seen: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     say = progress or (lambda message: None)
+    block = BLOCK
     rows = []
     for heads_kv in HEADS_KV:
         for recording in (False, True):
@@ -186,7 +190,7 @@ def bench_torch(steps: int, seen: int, block: int = BLOCK, progress: Callable[[s
             rows.append(_torch_row(heads_kv, recording, FIRST_LEN, steps, block))
     say(f"torch: {seen} distinct signatures, then the growing cache again")
     driven = drive_signatures(seen)
-    fresh = FIRST_LEN + len(_blocks(FIRST_LEN, steps, block)) * block + block  # past every earlier row's lengths
+    fresh = FIRST_LEN + len(length_blocks(FIRST_LEN, steps, block)) * block + block  # past every earlier row's lengths
     row = _torch_row(HEADS_KV[0], False, fresh, steps, block)
     row["after_signatures"] = driven["signatures"]
     row["driving_seconds"] = driven["seconds"]
@@ -197,7 +201,7 @@ def bench_torch(steps: int, seen: int, block: int = BLOCK, progress: Callable[[s
 # ---------------------------------------------------------------------------------------------- jax
 
 
-def bench_jax(steps: int, block: int = BLOCK, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def bench_jax(steps: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
 
@@ -205,9 +209,10 @@ def bench_jax(steps: int, block: int = BLOCK, progress: Callable[[str], None] | 
     from attnkit.bench.calls import auto_choice
 
     say = progress or (lambda message: None)
+    block = BLOCK
     batch, heads, dim = SHAPE["batch"], SHAPE["heads_q"], SHAPE["head_dim"]
     steps = min(steps, JAX_CAPACITY - FIRST_LEN)
-    blocks = _blocks(FIRST_LEN, steps, block)
+    blocks = length_blocks(FIRST_LEN, steps, block)
     warm = range(FIRST_LEN - block, FIRST_LEN)
     keys = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(keys[0], (batch, 1, heads, dim), jnp.float32)  # bshd, as jax.nn takes it
@@ -226,12 +231,12 @@ def bench_jax(steps: int, block: int = BLOCK, progress: Callable[[str], None] | 
         return lambda length: jax.block_until_ready(function(q, k, v, lengths[length]))
 
     say(f"jax: jitted decode step over a {JAX_CAPACITY}-key cache, {steps} steps")
-    first_call = {name: _first_call_us(lambda name=name: step(name)(warm.start - 1)) for name in jitted}
+    first_call = {name: _first_call_us(partial(step(name), warm.start - 1)) for name in jitted}
     outputs = {name: step(name)(FIRST_LEN - 1) for name in jitted}
     path = auto_choice(spec, q, k, v, lengths[FIRST_LEN - 1])  # asked eagerly: what the jitted trace dispatched to
     agree = float(jnp.max(jnp.abs(outputs[ATTEND] - outputs[JAX_NN])))
     compiled_before = {name: function._cache_size() for name, function in jitted.items()}
-    functions = {name: _block_runner(step(name), [warm, *blocks]) for name in jitted}
+    functions = {name: block_runner(step(name), [warm, *blocks]) for name in jitted}
     samples = interleaved(functions, len(blocks), warmup=1, calls=1)
     compiled_after = {name: function._cache_size() for name, function in jitted.items()}
     return {
@@ -289,7 +294,7 @@ def bench_transformers(
         return out[0, prompt:]
 
     warm_prompt = PROMPT_RANGE[0] // 2  # a warm-up turn below every timed length
-    first_call = {name: _first_call_us(lambda name=name: generate(name, warm_prompt, 8)) for name in models}
+    first_call = {name: _first_call_us(partial(generate, name, warm_prompt, 8)) for name in models}
     prompts = prompt_lengths(repeats, new_tokens, rng, warm_prompt + 9)
     say(f"transformers: generate() of {new_tokens} tokens, prompts {prompts}, attnkit and sdpa interleaved")
     seconds: dict[str, list[float]] = {name: [] for name in models}
