@@ -30,6 +30,7 @@ the paired values, which cancels most of a shared machine's drift.
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import time
@@ -341,6 +342,7 @@ def bench_decode(
         result["parts"]["jax"] = bench_jax(steps, progress=progress)
     if "transformers" in parts:
         result["parts"]["transformers"] = bench_transformers(new_tokens, repeats, progress=progress)
+    result["environment"]["load_average_end"] = [round(load, 2) for load in os.getloadavg()]
     result["seconds"] = time.time() - started
     return result
 
@@ -363,7 +365,10 @@ def _first_calls(first_call: dict[str, float]) -> str:
 
 
 def format_decode(result: dict[str, Any]) -> str:
+    end = result["environment"].get("load_average_end")
     lines = [device_banner(result)]
+    if end:
+        lines.append(f"load average at the end: {' '.join(f'{load:.2f}' for load in end)}; {result['seconds']:.0f} s")
     parts = result["parts"]
     if "torch" in parts:
         torch_part = parts["torch"]
