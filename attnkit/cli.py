@@ -152,7 +152,8 @@ def _add_bench(commands: Any) -> None:
         "bench",
         help="issue 6's targets against the frameworks' own attention; dispatch overhead; AttentionSpec construction; "
         "torch-chunked against SDPA and torch-naive in time or peak memory; segment ids (packed rows, left padding); "
-        "--backend NAME in TFLOP/s; --calibrate the cost table",
+        "--backend NAME in TFLOP/s; a decode step over a growing cache, jitted JAX and transformers generate(); "
+        "--calibrate the cost table",
     )
     bench.add_argument(
         "--what",
@@ -168,6 +169,7 @@ def _add_bench(commands: Any) -> None:
             "paged",
             "context-parallel",
             "clauses",
+            "decode",
         ),  # fmt: skip
         default="dispatch",
     )
@@ -221,6 +223,13 @@ def _add_bench(commands: Any) -> None:
         help="chunked, memory, --backend, context-parallel, packed: sequence length (default 4096, 16384, paper's, "
         "16384, 4096)",
     )
+    bench.add_argument("--steps", type=int, help="decode: growing-cache steps per row, torch and JAX (default 1000)")
+    bench.add_argument(
+        "--seen-signatures",
+        type=int,
+        help="decode: distinct call signatures attend meets before its last growing-cache row (default 100000)",
+    )
+    bench.add_argument("--new-tokens", type=int, help="decode: tokens per transformers generate() (default 256)")
     bench.add_argument("--world", type=int, help="context-parallel: ranks of the gloo group (default 4)")
     bench.add_argument(
         "--seq-lens",
@@ -241,9 +250,11 @@ def _add_bench(commands: Any) -> None:
         "--repeats",
         type=int,
         help="chunked, --backend, targets, masks, packed, paged, --calibrate: timed repeats (default 3; targets 7; "
-        "masks, paged 5; --calibrate 5; --quick 2)",
+        "masks, paged 5; --calibrate 5; --quick 2); decode: transformers generate() turns (default 3)",
     )
-    bench.add_argument("--warmup", type=int, help="chunked, --backend, targets: untimed repeats (default 1)")
+    bench.add_argument(
+        "--warmup", type=int, help="chunked, --backend, targets: untimed repeats (default 1, at least 1)"
+    )
     bench.add_argument("--threads", type=int, help="torch intra-op threads, and XLA's with 1 (default: their choice)")
     bench.add_argument("--json", metavar="PATH", help="also write the results as JSON")
 

@@ -277,6 +277,7 @@ BENCH_FUNCTIONS = {
     "paged": ("paged", "bench_paged", "format_paged", ()),
     "context-parallel": ("context_parallel", "bench_context_parallel", "format_context_parallel", ()),
     "clauses": ("clauses", "bench_clauses", "format_clauses", ()),
+    "decode": ("decode", "bench_decode", "format_decode", ()),
     "backend": ("tflops", "bench_backend", "format_backend", ("--backend", "torch-chunked")),
 }
 
@@ -387,3 +388,113 @@ def test_packed_bench_times_segment_ids_against_a_batch_sdpa_and_the_unpadded_ca
     mask = packed.causal_document_mask(ids)[0, 0]
     assert mask.tolist() == [[j <= i and j // 2 == i // 2 for j in range(6)] for i in range(6)]
     assert (packed.left_padded_ids(4, 5, 2) < 0).sum(dim=1).tolist() == [0, 2, 0, 2]
+
+
+def test_decode_bench_pairs_each_part_with_its_peer(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--what decode` in blocks of 5 steps: every torch row meets key counts new to attnkit (the last one after the
+    signatures it drove, on lengths no other row used); its figures are the per-block pairs; the jitted JAX step
+    compiles once however the length grows and agrees with jax.nn; generate() makes the same tokens as sdpa, every
+    turn on lengths no earlier turn met."""
+    from attnkit.bench import decode
+
+    monkeypatch.setattr(decode, "BLOCK", 5)
+    target = tmp_path / "decode.json"
+    argv = ["bench", "--what", "decode", "--steps", "10", "--seen-signatures", "40", "--new-tokens", "3"]
+    code, out = run(capsys, *argv, "--repeats", "2", "--json", str(target))
+    assert code == 0
+    result = json.loads(target.read_text())
+    assert result["what"] == "decode" and result["environment"]["cpu_threads"] == 1
+    rows = result["parts"]["torch"]["rows"]
+    assert [(row["heads_kv"], row["grad"]) for row in rows] == [
+        (8, "no_grad"), (8, "recording"), (2, "no_grad"), (2, "recording"), (8, "no_grad")
+    ]  # fmt: skip
+    for row in rows:
+        assert row["steps"] == 10 and row["len_k"][1] - row["len_k"][0] == 9
+        assert row["path"] in attnkit.registered_backends() and row["max_abs_difference"] < 1e-5
+        blocks = row["blocks_us"]
+        assert len(blocks["attend"]) == len(blocks["sdpa"]) == 2
+        assert row["difference_us"] == pytest.approx(statistics.median(a - s for a, s in zip(*blocks.values())))
+        assert row["attend_us"] == pytest.approx(statistics.fmean(blocks["attend"]))
+        assert set(row["first_call_us"]) == {"attend", "sdpa"}
+    assert all(row["len_k"][0] == decode.FIRST_LEN for row in rows[:-1])
+    assert rows[-1]["after_signatures"] == 40 and rows[-1]["len_k"][0] > rows[0]["len_k"][1]
+    assert decode.drive_signatures(40)["signatures"] == 40
+    jax_part = result["parts"]["jax"]
+    assert jax_part["compiled_programs_before"] == jax_part["compiled_programs_after"] == {"attend": 1, "jax.nn": 1}
+    assert not jax_part["recompiled"] and jax_part["max_abs_difference"] < 1e-5
+    assert "no recompile as the length grew" in out
+    hf = result["parts"]["transformers"]
+    assert hf["identical_tokens"] == [True, True] and set(hf["tokens_per_s"]) == {"attend", "sdpa"}
+    assert hf["prompts"][1] > hf["prompts"][0] + hf["new_tokens"]  # the second turn's lengths are all new
+    assert hf["ratio"] == pytest.approx(statistics.median(a / s for a, s in zip(*hf["turns_tokens_per_s"].values())))
+    for heading in ("torch: a KV cache growing one key a step", "jax: jax.jit decode step", "transformers: generate()"):
+        assert heading in out
+
+
+def test_every_timing_warms_up_and_can_report_the_cold_call() -> None:
+    """A bench asking for no warm-up (as `--backend --quick` did) still times warm calls; the cold one is kept apart."""
+    from attnkit.bench.timing import interleaved
+
+    calls = {"a": 0, "b": 0}
+
+    def counter(name: str) -> Any:
+        return lambda: calls.__setitem__(name, calls[name] + 1)
+
+    first: dict[str, float] = {}
+    samples = interleaved({name: counter(name) for name in calls}, repeats=2, warmup=0, calls=1, first_calls=first)
+    assert calls == {"a": 3, "b": 3} and set(first) == {"a", "b"} and len(samples["a"]) == 2
+
+
+def test_bench_warmup_flag_is_at_least_one(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from attnkit.bench import tflops
+
+    asked: list[dict[str, Any]] = []
+    monkeypatch.setattr(tflops, "bench_backend", lambda name, **kwargs: asked.append(kwargs) or {})
+    monkeypatch.setattr(tflops, "format_backend", lambda result: "table")
+    assert run(capsys, "bench", "--backend", "cpu-flash", "--quick")[0] == 0
+    assert run(capsys, "bench", "--backend", "cpu-flash", "--warmup", "0")[0] == 0
+    assert [kwargs["warmup"] for kwargs in asked] == [1, 1]
+
+
+def _tiny_backend_run(name: str) -> dict[str, Any]:
+    from attnkit.bench import tflops
+
+    reasons = attnkit.get_backend(name).available()
+    if reasons:
+        pytest.skip(f"{name} unavailable: {reasons}")
+    return tflops.bench_backend(name, shapes=[(1, 1, 16, 16, 8)], dtype="float32", repeats=1, passes=("fwd",))
+
+
+def test_backend_advice_of_a_cpu_backend_names_no_gpu() -> None:
+    """cpu-flash runs on CPUs alone: its CPU figures are its figures, with no advice to rerun on CUDA (it said so);
+    the cold first call is reported apart from the medians."""
+    from attnkit.bench import tflops
+
+    result = _tiny_backend_run("cpu-flash")
+    assert result["backend_devices"] == ["cpu"] and not result["interpreted"]
+    text = tflops.format_backend(result)
+    assert tflops.device_advice(result) is None
+    assert "NOT A PERFORMANCE FIGURE" not in text and "cuda" not in text.lower()
+    assert "first call ms" in text
+    assert all(math.isfinite(row["first_call_ms"]) and row["first_call_ms"] > 0 for row in result["results"])
+
+
+def test_backend_advice_names_the_devices_the_backend_runs_on() -> None:
+    """A backend of CPU and CUDA: CPU figures, and --device cuda for its others; an interpreted or emulated run is
+    not a performance figure, and names the device its kernels are for, even where the interpreter declares only
+    the CPU (triton under TRITON_INTERPRET=1)."""
+    from attnkit.bench import tflops
+
+    result = _tiny_backend_run("torch-chunked")
+    assert "cpu figures of torch-chunked; it also runs on a CUDA GPU (--device cuda)" in tflops.format_backend(result)
+    for devices in (["cpu", "cuda"], ["cpu"], ["cuda"]):
+        interpreted = {**result, "backend": "k", "backend_devices": devices, "interpreted": devices != ["cuda"]}
+        advice = tflops.device_advice(interpreted)
+        assert advice is not None and advice.startswith("NOT A PERFORMANCE FIGURE: on cpu, k runs as")
+        assert advice.endswith("Its kernels run on a CUDA GPU (--device cuda): rerun it there.")
+    on_gpu = {**result, "environment": {**result["environment"], "device": "cuda"}, "interpreted": False}
+    assert tflops.device_advice(on_gpu) == (
+        "cuda figures of torch-chunked; it also runs on a CPU (--device cpu): rerun there for those figures."
+    )

@@ -15,6 +15,7 @@ from attnkit.bench import (
     clauses,
     compiled,
     context_parallel,
+    decode,
     masks,
     overhead,
     packed,
@@ -23,6 +24,7 @@ from attnkit.bench import (
     targets,
     tflops,
 )
+from attnkit.bench.timing import MIN_WARMUP
 from attnkit.environment import limit_jax_threads, torch_threads
 
 
@@ -50,11 +52,13 @@ QUICK: dict[str, dict[str, Any]] = {
     },
     "compiled": {"repeats": 1, "warmup": 1, "passes": "fwd"},  # inductor's compiles are the time: half as many
     "masks": {"seq_lens": "128", "repeats": 2, "no_memory": True},  # a child process per memory cell
-    "packed": {"seq_len": 1024, "repeats": 1, "warmup": 0, "no_memory": True},
+    "packed": {"seq_len": 1024, "repeats": 1, "no_memory": True},
     "paged": {"seq_lens": "1024", "repeats": 1, "backends": "cpu-flash,torch-chunked"},
     "context-parallel": {"world": 2, "seq_len": 1024, "repeats": 1},
     "clauses": {"seq_lens": "256", "repeats": 2, "no_memory": True},
-    "backend": {"seq_len": 256, "repeats": 1, "warmup": 0, "passes": "fwd"},
+    "backend": {"seq_len": 256, "repeats": 1, "passes": "fwd"},  # after the warm-up every bench takes (timing.py)
+    # 200 growing-cache steps a row, 2,000 signatures before the last, one generate() of 32 tokens each
+    "decode": {"steps": 200, "seen_signatures": 2000, "new_tokens": 32, "repeats": 1},
     "calibrate": {"repeats": 2},
 }
 #: The flags' values when neither they nor --quick set them.
@@ -69,6 +73,7 @@ def _settled(args: argparse.Namespace) -> argparse.Namespace:
         for name, value in defaults.items():
             if values.get(name) is None or values.get(name) is False:
                 values[name] = value
+    values["warmup"] = max(values["warmup"], MIN_WARMUP)  # what every bench does (timing.interleaved), said so
     return argparse.Namespace(**values)
 
 
@@ -99,6 +104,8 @@ def run_bench(args: argparse.Namespace, out: TextIO) -> int:
         return run_packed(args, out)
     if args.what == "context-parallel":
         return run_context_parallel(args, out)
+    if args.what == "decode":
+        return run_decode(args, out)
     if args.what == "memory" and args.device != "cpu":
         print("attnkit bench: --what memory measures host memory (peak RSS), on --device cpu only", file=sys.stderr)
         return 2
@@ -287,6 +294,25 @@ def run_context_parallel(args: argparse.Namespace, out: TextIO) -> int:
         progress=_progress,
     )
     print(context_parallel.format_context_parallel(result), file=out)
+    _write_json(args, result, out)
+    return 0
+
+
+def run_decode(args: argparse.Namespace, out: TextIO) -> int:
+    if args.device != "cpu":
+        print("attnkit bench: --what decode measures CPU decode steps (--device cpu)", file=sys.stderr)
+        return 2
+    threads = args.threads or 1  # one thread unless asked: a decode step's cost, not a second core's wake-up
+    limit_jax_threads(threads)
+    with torch_threads(threads):
+        result = decode.bench_decode(
+            steps=args.steps or decode.STEPS,
+            seen=args.seen_signatures or decode.SEEN_LENGTHS,
+            new_tokens=args.new_tokens or decode.NEW_TOKENS,
+            repeats=args.repeats if args.repeats is not None else decode.REPEATS,
+            progress=_progress,
+        )
+    print(decode.format_decode(result), file=out)
     _write_json(args, result, out)
     return 0
 

@@ -38,6 +38,7 @@ from attnkit.bench.calls import (
     interpreted,
     random_inputs,
 )
+from attnkit.bench.decode import block_runner, length_blocks
 from attnkit.bench.peak_memory import peak_extra_bytes, run_child
 from attnkit.bench.timing import (
     blocked,
@@ -582,7 +583,8 @@ def bench_decode_target(rounds: int, calls: int) -> dict[str, Any]:
 def _growing_cache_overhead(spec: Any, q: Any, rounds: int, steps: int) -> dict[str, Any]:
     """Not a target: attend's cost over SDPA per decode step when the KV cache grows by one key a step, so that every
     step's shape is new to attnkit's caches (validation and a dispatch decision each step), under no_grad. Each round
-    takes ``steps`` key counts no earlier round used, as views of one preallocated cache; the median over rounds."""
+    takes ``steps`` key counts no earlier round used, as views of one preallocated cache; the median over rounds.
+    (``attnkit bench --what decode`` times this at length, with grad recording, GQA and JAX too.)"""
     import torch
     import torch.nn.functional as F
 
@@ -590,30 +592,22 @@ def _growing_cache_overhead(spec: Any, q: Any, rounds: int, steps: int) -> dict[
 
     steps = max(steps, 10)
     first = DECODE_SHAPE["len_k"] + 1
-    cache_shape = (1, DECODE_SHAPE["heads"], first + rounds * steps, DECODE_SHAPE["head_dim"])
+    blocks = length_blocks(first, (rounds + 1) * steps, steps)  # the first, of lengths no round meets, warms up
+    cache_shape = (1, DECODE_SHAPE["heads"], blocks[-1].stop, DECODE_SHAPE["head_dim"])
     cache_k, cache_v = torch.randn(cache_shape), torch.randn(cache_shape)
-    views = [
-        [(cache_k[:, :, :length], cache_v[:, :, :length]) for length in range(start, start + steps)]
-        for start in range(first, first + rounds * steps, steps)
-    ]
 
-    def one_round(attention: Callable[..., Any]) -> Callable[[], None]:
-        """A function whose n-th call runs round n: each call of either function meets key counts of its own."""
-        rounds_left = iter(views)
+    def step(attention: Callable[..., Any]) -> Callable[[int], Any]:
+        return lambda length: attention(q, cache_k[:, :, :length], cache_v[:, :, :length])
 
-        def run() -> None:
-            for k, v in next(rounds_left):
-                attention(q, k, v)
-
-        return run
-
-    functions = {"attend": one_round(partial(attnkit.attend, spec)), "sdpa": one_round(F.scaled_dot_product_attention)}
+    functions = {
+        "attend": block_runner(step(partial(attnkit.attend, spec)), blocks),
+        "sdpa": block_runner(step(F.scaled_dot_product_attention), blocks),
+    }
     with torch.no_grad():
-        # No warm-up: it would cache the shapes the rounds must meet for the first time.
-        samples = interleaved(functions, rounds, warmup=0, calls=1)
+        samples = interleaved(functions, rounds, warmup=1, calls=1)
     return {
         "spec": "causal",
-        "len_k": [first, first + rounds * steps - 1],
+        "len_k": [blocks[1].start, blocks[-1].stop - 1],
         "steps_per_round": steps,
         "rounds": rounds,
         "overhead_us": paired_difference(samples, "attend", "sdpa") / steps / 1000,

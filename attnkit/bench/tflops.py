@@ -10,13 +10,16 @@ JAX work with the wall clock around a blocked call. ``shapes`` replaces the pape
 
 from __future__ import annotations
 
+import math
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from attnkit.bench.calls import attention_flops, random_inputs
 from attnkit.bench.timing import (
+    MIN_WARMUP,
     blocked,
     cuda_event_clock,
     device_banner,
@@ -154,13 +157,22 @@ def paper_shapes(seq_lens: tuple[int, ...], head_dims: tuple[int, ...], tokens: 
     ]
 
 
-def _runs(attention: Callable[..., Any], q: Any, k: Any, v: Any) -> str | None:
-    """None if ``attention`` runs on these inputs, else why not (a pinned kernel the GPU or the shape lacks)."""
+def _first_call(attention: Callable[..., Any], q: Any, k: Any, v: Any, on_gpu: bool) -> tuple[str | None, float]:
+    """The first call of ``attention`` on these inputs, timed (ms, the GPU's queue or JAX's dispatch waited for): the
+    cold call a user's first step pays (a build, a compile, lazy imports), which the timed samples never include;
+    and None if it ran, else why not (a pinned kernel the GPU or the shape lacks)."""
+    start = time.perf_counter()
     try:
-        attention(q, k, v)
+        out = attention(q, k, v)
+        if hasattr(out, "block_until_ready"):
+            out.block_until_ready()
+        elif on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
     except Exception as error:  # each library raises its own: RuntimeError, ValueError, NotImplementedError
-        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-    return None
+        return f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", math.nan
+    return None, (time.perf_counter() - start) * 1e3
 
 
 def _l2_flush(device: str) -> Callable[[], Any] | None:
@@ -216,6 +228,7 @@ def bench_backend(
     is recorded in its row (``error``, or ``<pass>_error``) and the run goes on: a first GPU run must report every
     backend, not stop at the first refusal."""
     import attnkit
+    from attnkit.backend import runs_interpreted
     from attnkit.testing.runners import native_framework
 
     backend = attnkit.get_backend(name)
@@ -275,7 +288,7 @@ def bench_backend(
                 except Exception as error:  # a peer whose library is missing (flash-attn), or a framework
                     row["error"] = _reason(error)
                 else:
-                    row["error"] = _runs(attention, q, k, v)
+                    row["error"], row["first_call_ms"] = _first_call(attention, q, k, v, on_gpu)
                 if row["error"] is not None:
                     if implementation != name:
                         skipped.setdefault(implementation, row["error"])
@@ -312,10 +325,12 @@ def bench_backend(
         "l2_flush": flush is not None,
         "clocks": {"torch": "cuda events" if on_gpu else "wall clock", "jax": "wall clock, blocked on the result"},
         "backend_description": backend.capabilities.description,
+        "backend_devices": sorted(backend.capabilities.devices),
+        "interpreted": runs_interpreted(backend, device),
         "environment": environment(device),
         "dtype": dtype,
         "repeats": repeats,
-        "warmup": warmup,
+        "warmup": max(warmup, MIN_WARMUP),
         "passes": list(passes),
         "results": rows,
     }
@@ -385,6 +400,38 @@ def ratios(result: dict[str, Any], pass_name: str = "fwd+bwd") -> list[dict[str,
     return found
 
 
+#: How the advice names a device (``--device`` value -> words): every device the bench runs on.
+DEVICE_WORDS = {"cpu": "a CPU", "cuda": "a CUDA GPU"}
+
+
+def device_advice(result: dict[str, Any]) -> str | None:
+    """What the figures of ``result`` are figures of, from the backend's own declared devices
+    (``capabilities.devices``) and whether it ran interpreted: on a device it does not run its kernels on (an
+    interpreter, an emulator), not a performance figure, and the device that gives one; on one of its devices, its
+    figures there, and its other devices, if any, named with the ``--device`` that measures them; None for a
+    backend's only device."""
+    measured = result["environment"]["device"]
+    devices = result.get("backend_devices", ["cuda"])  # results written before the field: GPU kernel backends
+    others = [device for device in devices if device != measured]
+
+    def where(names: list[str]) -> str:
+        return " or ".join(f"{DEVICE_WORDS.get(name, name)} (--device {name})" for name in names)
+
+    name = result["backend"]
+    if result.get("interpreted", measured != "cuda") or measured not in devices:
+        # An interpreter may declare only the device it emulates on (triton under TRITON_INTERPRET=1): its kernels
+        # are then for the bench's other devices.
+        others = others or [device for device in DEVICE_WORDS if device != measured]
+        return (
+            f"NOT A PERFORMANCE FIGURE: on {measured}, {name} runs as {result['backend_description']!r}, "
+            f"interpreted or emulated; this run only shows the benchmark works. Its kernels run on {where(others)}: "
+            "rerun it there."
+        )
+    if others:
+        return f"{measured} figures of {name}; it also runs on {where(others)}: rerun there for those figures."
+    return None
+
+
 def format_backend(result: dict[str, Any]) -> str:
     by_shape: dict[tuple[Any, ...], dict[str, Any]] = {}
     for row in result["results"]:
@@ -407,6 +454,10 @@ def format_backend(result: dict[str, Any]) -> str:
         elapsed = row.get(f"{pass_name}_ms")
         return f"{row[f'{pass_name}_tflops']:.3g} ({elapsed:.3g} ms)" if elapsed else "n/a"
 
+    def first_call(row: dict[str, Any]) -> str:
+        elapsed = row.get("first_call_ms")
+        return f"{elapsed:.3g}" if elapsed is not None and not math.isnan(elapsed) else "n/a"
+
     def length(row: dict[str, Any]) -> str:
         len_k = row.get("len_k", row["seq_len"])
         return str(row["seq_len"]) if len_k == row["seq_len"] else f"{row['seq_len']}/{len_k}"
@@ -420,23 +471,24 @@ def format_backend(result: dict[str, Any]) -> str:
             f"{row['batch']}x{row['heads']}",
             *(cell(row, name) for name in passes),
             *(ratio(row, peer, name) for peer in result["peers"] for name in compared),
+            first_call(row),
         ]
         for row in result["results"]
     ]
     lines = [device_banner(result)]
-    if result["environment"]["device"] != "cuda":
-        lines.append(
-            f"NOT A PERFORMANCE FIGURE: on CPU, {result['backend']} runs as {result['backend_description']!r}; "
-            "this run only shows the benchmark works. Run it on a CUDA machine with --device cuda."
-        )
+    advice = device_advice(result)
+    if advice:
+        lines.append(advice)
     flushed = ", the L2 cache flushed between samples" if result["l2_flush"] else ""
     lines += [
         f"{result['backend']} against {', '.join(result['peers']) or 'no peer'}, {result['dtype']}, TFLOP/s (median "
         f"ms) of {result['repeats']} repeats after {result['warmup']} warm-up{flushed}; FLOPs as in the "
-        "FlashAttention-2 paper; L is Lq/Lk where they differ",
+        "FlashAttention-2 paper; L is Lq/Lk where they differ; first call: the cold first forward at the shape "
+        "(builds, compiles), apart from the medians",
         format_table(
             ["implementation", "causal", "D", "L", "BxH", *passes]
-            + [f"{name} vs {peer}" for peer in result["peers"] for name in compared],
+            + [f"{name} vs {peer}" for peer in result["peers"] for name in compared]
+            + ["first call ms"],
             rows,
         ),
     ]

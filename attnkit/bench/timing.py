@@ -22,6 +22,8 @@ Clock = Callable[[Callable[[], Any], int], float]
 #: With ``calls=None``, a sample lasts about this long (at most ``MAX_CALLS`` calls).
 MIN_SAMPLE_S = 0.05
 MAX_CALLS = 200
+#: Untimed calls of each function before its samples, whatever a bench or ``--warmup`` asks.
+MIN_WARMUP = 1
 
 
 def _no_sync() -> None:
@@ -82,14 +84,17 @@ def interleaved(
     clock: Clock | None = None,
     contexts: Mapping[str, Callable[[], AbstractContextManager[Any]]] | None = None,
     after_sample: Callable[[], Any] | None = None,
+    first_calls: dict[str, float] | None = None,
 ) -> dict[str, list[float]]:
     """Nanoseconds per call of each function, one sample per repeat.
 
-    Every function is first called ``warmup`` times (compiles, allocator, caches). Each repeat then samples every
+    Every function is first called ``warmup`` times, at least once (compiles, allocator, caches: no sample is ever a
+    cold first call; a bench that reports the cold call times it apart). Each repeat then samples every
     function once, in an order rotated by one per repeat. A sample times ``calls`` back-to-back calls with ``clock``
     (default :func:`wall_clock`); ``calls=None`` takes enough to last ``MIN_SAMPLE_S``, estimated per function from
-    one call after a warm-up of at least one call. ``contexts`` wraps a function's warm-up and samples (say
-    ``torch.no_grad``) outside the timed region; ``after_sample`` runs untimed after every sample.
+    one call after the warm-up. ``contexts`` wraps a function's warm-up and samples (say
+    ``torch.no_grad``) outside the timed region; ``after_sample`` runs untimed after every sample. ``first_calls``,
+    if given, receives each function's first warm-up call timed by ``clock`` (ns): its cold call, to report apart.
     """
     clock = clock or wall_clock()
     contexts = contexts or {}
@@ -97,8 +102,11 @@ def interleaved(
     counts: dict[str, int] = {}
     for name in names:
         with contexts.get(name, contextlib.nullcontext)():
-            for _ in range(warmup if calls is not None else max(warmup, 1)):
-                functions[name]()
+            for index in range(max(warmup, MIN_WARMUP)):
+                if index == 0 and first_calls is not None:
+                    first_calls[name] = clock(functions[name], 1)
+                else:
+                    functions[name]()
             counts[name] = calls if calls is not None else _calls_lasting(functions[name], MIN_SAMPLE_S)
     samples: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(repeats):
