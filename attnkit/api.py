@@ -124,6 +124,7 @@ def attend(
             spec, q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse, backend
         )
     epoch = CACHE.epoch  # before dispatch reads the config and registry: a clear after it stores nothing
+    CACHE.full_paths += 1
     ops, problem, inputs, was_3d = prepare(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes
     )

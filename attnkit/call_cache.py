@@ -57,6 +57,7 @@ class CallCache:
         "operator_calls",
         "decisions",
         "availability",
+        "full_paths",
         "limit",
         "epoch",
         "scope_serial",
@@ -72,6 +73,9 @@ class CallCache:
         self.decisions: dict[Hashable, Backend] = {}
         self.availability: dict[str, tuple[str, ...]] = {}
         self.limit = limit
+        #: attend() calls that took the full path (validation and dispatch) in this process: a statistic for benches
+        #: and tests (how often a loop missed the fast path), never cleared.
+        self.full_paths = 0
         #: Bumped by every clear: a store made with an older epoch is dropped.
         self.epoch = 0
         self._scope: ContextVar[int | None] = ContextVar("attnkit_scope", default=None)

@@ -8,15 +8,13 @@ another scope's cache entries): the same backend chosen, call by call, and the s
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
 import attnkit
-from attnkit import api
 from attnkit.backend import Framework, Problem, length_bucket, length_class
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError
@@ -69,23 +67,6 @@ def _served(spec: attnkit.AttentionSpec, arguments: dict[str, Any], return_lse: 
     return CACHE.length_classes[(spec, signature, return_lse, backend, CACHE.scope_serial())][0].name
 
 
-@contextmanager
-def _counting_full_paths() -> Iterator[list[int]]:
-    """How many calls took attend's full path (validation and dispatch)."""
-    count = [0]
-    prepare = api.prepare
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
-        return prepare(*args, **kwargs)
-
-    api.prepare = counted
-    try:
-        yield count
-    finally:
-        api.prepare = prepare
-
-
 def _compare_with_full_path(
     spec: attnkit.AttentionSpec,
     call: Call,
@@ -96,8 +77,8 @@ def _compare_with_full_path(
 ) -> None:
     """Each length through the fast path (one scope for the sweep) and through the full path (a fresh scope each),
     checking the backend, the output and, with ``grad``, dq."""
-    with attnkit.use_config({}), _counting_full_paths() as full_paths:
-        classes, in_fresh_scopes = set(), 0
+    with attnkit.use_config({}):
+        classes, in_fresh_scopes, before = set(), 0, CACHE.full_paths
         for len_k in lengths:
             arguments = call(len_k)
             if grad:
@@ -107,7 +88,7 @@ def _compare_with_full_path(
             q, k = arguments["q"], arguments["k"]
             seq = 1 if spec.layout is Layout.BSHD else 2
             classes.add((length_class(q.shape[seq]), length_class(k.shape[seq]), q.shape[seq] < k.shape[seq]))
-            assert full_paths[0] - in_fresh_scopes == len(classes), f"len_k={len_k}: took the full path again"
+            assert CACHE.full_paths - before - in_fresh_scopes == len(classes), f"len_k={len_k}: a full path again"
             with attnkit.use_config({}):
                 full = attnkit.attend(spec, **arguments, return_lse=return_lse, backend=backend)
                 assert _served(spec, arguments, return_lse, backend) == served, f"len_k={len_k}"
@@ -179,12 +160,12 @@ def test_a_hundred_thousand_lengths_keep_the_tables_small() -> None:
     spec = attnkit.AttentionSpec(causal=True)
     q = torch.randn(1, 1, 1, 4)
     k = torch.randn(1, 1, CACHE.limit + 500, 4)
-    with attnkit.use_config({}), torch.no_grad(), _counting_full_paths() as full_paths:
-        calls_before = len(CACHE.calls)
+    with attnkit.use_config({}), torch.no_grad():
+        calls_before, full_paths = len(CACHE.calls), CACHE.full_paths
         for len_k in range(1, k.shape[2] + 1):
             attnkit.attend(spec, q, k[:, :, :len_k], k[:, :, :len_k])
         classes = {length_class(len_k) for len_k in range(1, k.shape[2] + 1)}
-        assert full_paths[0] == len(classes)
+        assert CACHE.full_paths - full_paths == len(classes)
         assert len(CACHE.calls) == calls_before
 
 

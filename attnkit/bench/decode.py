@@ -39,6 +39,7 @@ from functools import partial
 from typing import Any
 
 from attnkit.bench.timing import device_banner, environment, interleaved, paired_difference, paired_ratio
+from attnkit.call_cache import CACHE
 from attnkit.tables import format_table
 
 SHAPE = {"batch": 1, "heads_q": 8, "head_dim": 64, "dtype": "float32"}
@@ -145,13 +146,17 @@ def _torch_row(heads_kv: int, recording: bool, first: int, steps: int, block: in
         path = auto_choice(spec, q, k_all[:, :, :length], v_all[:, :, :length])
     functions = {ATTEND: block_runner(step(ours), [warm, *blocks]), SDPA: block_runner(step(theirs), [warm, *blocks])}
     # warmup=1: the first block of each is ``warm``, the shorter lengths; then one block of each per repeat.
+    full_paths = CACHE.full_paths
     samples = interleaved(functions, len(blocks), warmup=1, calls=1, contexts={name: mode for name in functions})
+    full_paths = CACHE.full_paths - full_paths  # attend's calls that were validated and dispatched anew
     return {
         "heads_kv": heads_kv,
         "grad": "recording" if recording else "no_grad",
         "len_k": [first, blocks[-1].stop - 1],
         "steps": len(blocks) * block,
         "path": path,
+        "full_paths": full_paths,
+        "attend_calls": len(warm) + sum(len(lengths) for lengths in blocks),
         "first_call_us": first_call,
         "max_abs_difference": agree,
         **_paired(samples, ATTEND, SDPA, block),
@@ -276,13 +281,15 @@ def bench_transformers(
     import attnkit.integrations.transformers  # noqa: F401  registers attn_implementation="attnkit"
 
     say = progress or (lambda message: None)
-    torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA)
     models = {}
     for name in (ATTEND, SDPA):
         torch.manual_seed(0)  # the same weights for both
-        models[name] = LlamaForCausalLM(config).eval()
+        # A config each: a model keeps the config object it is given, and set_attn_implementation writes to it.
+        models[name] = LlamaForCausalLM(LlamaConfig(**LLAMA)).eval()
         models[name].set_attn_implementation("attnkit" if name == ATTEND else "sdpa")
+    implementations = {name: model.config._attn_implementation for name, model in models.items()}
+    if implementations != {ATTEND: "attnkit", SDPA: "sdpa"}:
+        raise RuntimeError(f"the two models run {implementations}, expected attnkit and sdpa")
     vocab = LLAMA["vocab_size"]
     rng = random.Random(seed if seed is not None else time.time_ns())
 
@@ -379,7 +386,9 @@ def format_decode(result: dict[str, Any]) -> str:
             f"D={shape['head_dim']} {shape['dtype']}; attend(AttentionSpec(causal=True), q, k_all[:, :, :L], "
             "v_all[:, :, :L]) against F.scaled_dot_product_attention over the same L, each L new to attnkit; blocks "
             f"of {torch_part['block']} steps alternating; us per step (mean), difference and ratio: medians of the "
-            "per-block pairs; first call (attend / sdpa): each row's first, before its warm-up",
+            "per-block pairs; full paths: how many of attend's steps (its warm-up block included) were validated and "
+            "dispatched anew rather than served from the length-class cache; first call (attend / sdpa): each row's "
+            "first, before its warm-up",
         ]
         rows = []
         for row in torch_part["rows"]:
@@ -391,6 +400,7 @@ def format_decode(result: dict[str, Any]) -> str:
                     label,
                     f"{row['len_k'][0]}..{row['len_k'][1]}",
                     row["path"],
+                    f"{row['full_paths']} of {row['attend_calls']}",
                     _us(row["attend_us"]),
                     _us(row["sdpa_us"]),
                     f"{row['difference_us']:+.1f}",
@@ -400,7 +410,17 @@ def format_decode(result: dict[str, Any]) -> str:
             )
         lines.append(
             format_table(
-                ["row", "L", "auto runs", "attend us", "sdpa us", "attend - sdpa", "attend / sdpa", "first call"],
+                [
+                    "row",
+                    "L",
+                    "auto runs",
+                    "full paths",
+                    "attend us",
+                    "sdpa us",
+                    "attend - sdpa",
+                    "attend / sdpa",
+                    "first call",
+                ],  # fmt: skip
                 rows,
             )
         )
