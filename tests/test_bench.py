@@ -413,6 +413,8 @@ def test_decode_bench_pairs_each_part_with_its_peer(
     for row in rows:
         assert row["steps"] == 10 and row["len_k"][1] - row["len_k"][0] == 9
         assert row["path"] in attnkit.registered_backends() and row["max_abs_difference"] < 1e-5
+        # 507..521: only 512 and 513 open a length class the row's earlier calls had not (attnkit/call_cache.py)
+        assert row["full_paths"] <= 2 and row["attend_calls"] == 15
         blocks = row["blocks_us"]
         assert len(blocks["attend"]) == len(blocks["sdpa"]) == 2
         assert row["difference_us"] == pytest.approx(statistics.median(a - s for a, s in zip(*blocks.values())))
