@@ -188,4 +188,8 @@ def explain_problem(spec: AttentionSpec, problem: Problem, trial: autotune.Trial
     body = "\n".join(str(row) for row in rows)
     if not any(row.selected for row in rows):
         body += "\n(no backend can serve this call)"
-    return f"{header}\n{body}\ndecided by: {dispatch.decision(spec, problem, trial)}"
+    decided = dispatch.decision(spec, problem, trial)
+    bucket = problem.at_bucket_lengths()
+    if bucket != problem and any(row.predicted_us is not None for row in rows):  # one decision per bucket
+        decided += f" (predictions are for the bucket's largest call, len_q={bucket.len_q}, len_k={bucket.len_k})"
+    return f"{header}\n{body}\ndecided by: {decided}"
