@@ -15,9 +15,11 @@ import torch
 
 import attnkit
 from attnkit.frontends import torch_compiled, torch_frontend
+from attnkit.spec import Layout
 
 Signature = Callable[..., Any]
 python_signature = torch_frontend.TorchOps.signature
+python_class_signature = torch_frontend.TorchOps.length_class_signature
 
 
 @pytest.fixture(scope="module")
@@ -98,8 +100,44 @@ def test_every_other_call_gets_the_python_key(compiled: Signature) -> None:
         compiled(q, k, v)
 
 
+@pytest.fixture(scope="module")
+def compiled_by_class(compiled: Signature) -> Signature:
+    function, reason = torch_compiled.load_length_class(python_class_signature, Layout.BSHD)
+    assert function is not None, reason
+    return function
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_compiled_length_class_keys_group_as_the_python_ones(compiled_by_class: Signature, layout: str) -> None:
+    """Over lengths in one class and across classes, and the variants above: two calls share a compiled key exactly
+    when they share a Python one (the compiled key is stricter only in grad flags, which these calls share)."""
+    spec = attnkit.AttentionSpec(layout=layout)
+    calls = {f"{name}": call for name, call in variants().items() if "requires grad" not in name}
+    for len_q, len_k in itertools.product((1, 2, 3, 5, 7, 8, 9, 64, 65, 100), repeat=2):
+        q, k, v = (torch.zeros(1, 2, length, 8) for length in (len_q, len_k, len_k))
+        if layout == "bshd":
+            q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        calls[f"Lq={len_q} Lk={len_k}"] = (q, k, v)
+    keys = {
+        name: (compiled_by_class(spec, *call, None, None, None, None), python_class_signature(spec, *call, *[None] * 4))
+        for name, call in calls.items()
+    }
+    for (first, (compiled_a, python_a)), (second, (compiled_b, python_b)) in itertools.combinations(keys.items(), 2):
+        if compiled_a is not None and python_a is not None:
+            assert (compiled_a == compiled_b) == (python_a == python_b), f"{first} and {second}"
+    for name in ("q parameter", "q subclass", "q 3-D", "k 5-D"):  # left to the Python signature: no key
+        assert keys[name] == (None, None), name
+    arguments = [attnkit.AttentionSpec(), *calls["base"], torch.tensor([3]), None, None, None]
+    assert compiled_by_class(*arguments) == python_class_signature(*arguments)  # lengths: the Python key
+    with pytest.raises(TypeError, match="takes 8 arguments"):
+        compiled_by_class(spec, *calls["base"])
+
+
 def test_attend_with_the_compiled_signature(compiled: Signature, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch_frontend.OPS, "signature", compiled)
+    by_class, reason = torch_compiled.load_length_class(python_class_signature, Layout.BSHD)
+    assert by_class is not None, reason
+    monkeypatch.setattr(torch_frontend.OPS, "length_class_signature", by_class)
     spec = attnkit.AttentionSpec(causal=True)
     generator = torch.Generator().manual_seed(0)
     for len_k in (80, 80, 81, 80):  # cached, new shape, cached again

@@ -28,16 +28,33 @@ def build_directory() -> Path:
     return EXTENSION.directory()
 
 
-def load(fallback: Callable[..., Any], build: bool = False) -> tuple[Callable[..., Any] | None, str]:
-    """(the compiled signature, "") or (None, why not). Builds it first with ``build=True``; the compiled function
-    hands every call it does not key itself to ``fallback`` (the Python signature)."""
+def _module(build: bool) -> tuple[Any, str]:
     if os.environ.get(DISABLE_VARIABLE) == "0":
         return None, f"{DISABLE_VARIABLE}=0"
     if not build and not EXTENSION.library().exists():
         return None, f"not built (run `attnkit build`; it would live in {build_directory()})"
     try:
-        module: Any = EXTENSION.load(build=build)
+        return EXTENSION.load(build=build), ""
     except BuildError as error:
         return None, str(error)
+
+
+def load(fallback: Callable[..., Any], build: bool = False) -> tuple[Callable[..., Any] | None, str]:
+    """(the compiled signature, "") or (None, why not). Builds it first with ``build=True``; the compiled function
+    hands every call it does not key itself to ``fallback`` (the Python signature)."""
+    module, reason = _module(build)
+    if module is None:
+        return None, reason
     module.set_fallback(fallback)
     return module.signature, ""
+
+
+def load_length_class(
+    fallback: Callable[..., Any], bshd: Any, build: bool = False
+) -> tuple[Callable[..., Any] | None, str]:
+    """:func:`load` of the length-class signature (TorchOps.length_class_signature); ``bshd``: Layout.BSHD."""
+    module, reason = _module(build)
+    if module is None:
+        return None, reason
+    module.set_class_fallback(fallback, bshd)
+    return module.length_class_signature, ""

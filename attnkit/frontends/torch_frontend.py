@@ -327,11 +327,14 @@ def use_compiled_signature(build: bool = False) -> str:
 
     try:
         function, reason = torch_compiled.load(TorchOps.signature, build=build)
+        by_class, _ = torch_compiled.load_length_class(TorchOps.length_class_signature, _BSHD)
     except Exception as error:  # a failed build or load leaves the Python signature, which computes the same keys
-        function, reason = None, f"{type(error).__name__}: {error}".splitlines()[0]
-    if function is not None:
+        function, by_class, reason = None, None, f"{type(error).__name__}: {error}".splitlines()[0]
+    if function is not None and by_class is not None:
         _trace_past(function, skip_signature_check=True)
+        _trace_past(by_class, _length_class_signature_when_traced, skip_signature_check=True)
         OPS.signature = function  # type: ignore[method-assign]  # an instance attribute over the staticmethod
+        OPS.length_class_signature = by_class  # type: ignore[method-assign]
         signature_in_use = "compiled"
     else:
         signature_in_use = f"python ({reason})"
