@@ -77,19 +77,19 @@ def attend(
         if signature is not None:
             class_key = (spec, signature, return_lse, backend, _scope_serial())
             try:
-                hit = _cached_class(class_key)
+                served = _cached_class(class_key)
             except TypeError:  # an unhashable argument (backend=[...]): the checks below name it
-                hit = None
-            if hit is not None:
-                _, run, plain = hit
-                if plain is not None:  # stored only for a call with q, k, v alone that wants no lse
-                    return plain(q, k, v)
+                served = None
+            if served is not None:
+                _, runs, plain_call = served
+                if plain_call is not None:  # stored only for a call with q, k, v alone that wants no lse
+                    return plain_call(q, k, v)
                 if q_lengths is not None or kv_lengths is not None:
                     check_lengths_against_shapes(ops, spec, q, k, q_lengths, kv_lengths)
                 if q_segment_ids is None:
-                    out, lse = run(q, k, v, None, None, q_lengths, kv_lengths)
+                    out, lse = runs(q, k, v, None, None, q_lengths, kv_lengths)
                 else:
-                    out, lse = run(q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+                    out, lse = runs(q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
                 return (out, lse) if return_lse else out
     # A call with ALiBi slopes takes the validating path every time (their values are checked, §16).
     signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths) if alibi_slopes is None else None

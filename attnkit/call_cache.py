@@ -12,7 +12,7 @@
 * ``operator_calls``: the same for calls a graph operator runs (attnkit/op_calls.py), whose key also carries the
   caller's grad flags: the validated Problem and the chosen backend;
 * ``decisions``: dispatch.select(), per (spec, Problem, backend, scope, whether the caller could measure): the
-  chosen backend;
+  chosen backend, and whether the decision holds for every length of the Problem's length class;
 * ``availability``: each backend's ``available()`` reading, by name (it looks at the machine: imports, compilers).
 
 What these depend on besides the call is the config in force and the registry. The process-wide config and the
@@ -70,7 +70,7 @@ class CallCache:
         self.length_classes: dict[Hashable, ClassEntry] = {}
         self.calls: dict[Hashable, CallEntry] = {}
         self.operator_calls: dict[Hashable, tuple[Problem, Backend]] = {}
-        self.decisions: dict[Hashable, Backend] = {}
+        self.decisions: dict[Hashable, tuple[Backend, bool]] = {}
         self.availability: dict[str, tuple[str, ...]] = {}
         self.limit = limit
         #: attend() calls that took the full path (validation and dispatch) in this process: a statistic for benches
