@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnkit import autotune, config, dispatch, op_calls
-from attnkit.backend import Backend, Problem, own_plain_call
+from attnkit.backend import Backend, Problem, Runner, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import ops_by_type, ops_for
@@ -18,6 +18,27 @@ from attnkit.validation import check_length_values, check_lengths_against_shapes
 _cached_class = CACHE.length_classes.get
 _cached_call = CACHE.calls.get
 _scope_serial = CACHE.scope_serial
+
+
+def _run(
+    run: Runner,
+    q: Any,
+    k: Any,
+    v: Any,
+    mask: Any,
+    bias: Any,
+    q_lengths: Any,
+    kv_lengths: Any,
+    q_segment_ids: Any,
+    kv_segment_ids: Any,
+    return_lse: bool,
+) -> Any:
+    """A cached runner on a call (a backend that does not declare segment ids has a runner of seven)."""
+    if q_segment_ids is None:
+        out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
+    else:
+        out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+    return (out, lse) if return_lse else out
 
 
 def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
@@ -86,11 +107,7 @@ def attend(
                     return plain_call(q, k, v)
                 if q_lengths is not None or kv_lengths is not None:
                     check_lengths_against_shapes(ops, spec, q, k, q_lengths, kv_lengths)
-                if q_segment_ids is None:
-                    out, lse = runs(q, k, v, None, None, q_lengths, kv_lengths)
-                else:
-                    out, lse = runs(q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
-                return (out, lse) if return_lse else out
+                return _run(runs, q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse)
     # A call with ALiBi slopes takes the validating path every time (their values are checked, §16).
     signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths) if alibi_slopes is None else None
     if q_segment_ids is not None or kv_segment_ids is not None:
@@ -107,11 +124,7 @@ def attend(
                 return plain(q, k, v)
             if q_lengths is not None or kv_lengths is not None:
                 check_length_values(ops, problem, q_lengths, kv_lengths)
-            if q_segment_ids is None:  # a backend that does not declare segment ids has a runner of seven
-                out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
-            else:
-                out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
-            return (out, lse) if return_lse else out
+            return _run(run, q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse)
     if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
         from attnkit.frontends import torch_graph
 

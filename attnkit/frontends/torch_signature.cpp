@@ -33,6 +33,21 @@ int64_t packed_flags(const at::Tensor& tensor) {
   return flags * 2 + (tensor.requires_grad() ? 1 : 0);
 }
 
+// The key: a tuple of the ints.
+PyObject* as_tuple(const int64_t* values, Py_ssize_t count) {
+  PyObject* key = PyTuple_New(count);
+  if (key == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < count; ++i) {
+    PyObject* value = PyLong_FromLongLong(values[i]);
+    if (value == nullptr) {
+      Py_DECREF(key);
+      return nullptr;
+    }
+    PyTuple_SET_ITEM(key, i, value);
+  }
+  return key;
+}
+
 PyObject* fallback(PyObject* const* args) {
   if (python_signature == nullptr) {
     PyErr_SetString(PyExc_RuntimeError, "attnkit: set_fallback() was not called before signature()");
@@ -64,17 +79,7 @@ PyObject* signature(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     values[count++] = packed_flags(tensor);
   }
   values[count++] = at::GradMode::is_enabled() ? 1 : 0;
-  PyObject* key = PyTuple_New(count);
-  if (key == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    PyObject* value = PyLong_FromLongLong(values[i]);
-    if (value == nullptr) {
-      Py_DECREF(key);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(key, i, value);
-  }
-  return key;
+  return as_tuple(values, count);
 }
 
 constexpr Py_ssize_t kClassArguments = 8;  // spec, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids
@@ -124,17 +129,7 @@ PyObject* length_class_signature(PyObject*, PyObject* const* args, Py_ssize_t na
   values[count++] = length_class(lengths[0]);
   values[count++] = length_class(lengths[1]);
   values[count++] = (lengths[1] > lengths[0]) - (lengths[1] < lengths[0]);
-  PyObject* key = PyTuple_New(count);
-  if (key == nullptr) return nullptr;
-  for (Py_ssize_t i = 0; i < count; ++i) {
-    PyObject* value = PyLong_FromLongLong(values[i]);
-    if (value == nullptr) {
-      Py_DECREF(key);
-      return nullptr;
-    }
-    PyTuple_SET_ITEM(key, i, value);
-  }
-  return key;
+  return as_tuple(values, count);
 }
 
 // set_class_fallback(function, bshd): the Python length-class signature, and Layout.BSHD.
