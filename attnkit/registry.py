@@ -55,8 +55,9 @@ _loaded = False
 _builtins_listed = False
 
 
-def _register(backend: Backend, replace: bool, origin: str) -> None:
-    if not isinstance(backend, Backend):
+def _register(backend: Backend | door.LazyBackend, replace: bool, origin: str) -> None:
+    # A built-in LazyBackend is not checked against the protocol: reading its capabilities would import its module.
+    if not isinstance(backend, door.LazyBackend) and not isinstance(backend, Backend):
         raise InvalidInputTypeError(f"backend={backend!r} does not implement attnkit.Backend (see attnkit/backend.py)")
     with _lock:
         previous = _backends.get(backend.name)
@@ -70,6 +71,19 @@ def _register(backend: Backend, replace: bool, origin: str) -> None:
         _backends[backend.name] = backend
         _origins[backend.name] = origin
         CACHE.clear()  # after the change: nothing dispatched before it is served again (attnkit/call_cache.py)
+
+
+def _put_loaded(lazy: door.LazyBackend, backend: Backend, guessed: bool) -> None:
+    """A built-in backend's module has been imported (its first real use): the backend takes its stand-in's place.
+    What dispatch read of the stand-in stays true, unless its availability was answered without loading."""
+    with _lock:
+        if _backends.get(lazy.name) is lazy:
+            _backends[lazy.name] = backend
+            if guessed:
+                CACHE.clear()
+
+
+door.bind_loaded(_put_loaded)
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
@@ -157,21 +171,25 @@ def _ensure_loaded() -> None:
 
 
 def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; a built-in one's module is imported now if it was not."""
     _ensure_loaded()
     with _lock:
         try:
-            return _backends[name]
+            backend = _backends[name]
         except KeyError:
             raise UnknownBackendError(
                 f"backend={name!r} is not registered (registered: {', '.join(sorted(_backends))})"
             ) from None
+    return backend.load() if isinstance(backend, door.LazyBackend) else backend  # outside the lock (_put_loaded)
 
 
 door.bind_registry(get_backend)
 
 
 def backends() -> dict[str, Backend]:
-    """A snapshot of the registered backends, by name."""
+    """A snapshot of the registered backends, by name. A built-in backend whose module has not been imported yet is
+    its :class:`~attnkit.backend.LazyBackend`, which answers for it (availability, the reasons for a call of another
+    framework) without importing its framework, and imports it for anything else."""
     _ensure_loaded()
     with _lock:
         return dict(_backends)
