@@ -47,7 +47,7 @@ from attnkit.errors import BuildError, ConfigError
 _log = logging.getLogger("attnkit")
 
 TIMEOUT_VARIABLE = "ATTNKIT_BUILD_TIMEOUT"
-DEFAULT_TIMEOUT_S = 600.0  # a cold kernel.cpp build takes ~35 s on 2 idle cores; several builders at once, more
+DEFAULT_TIMEOUT_S = 600.0  # a cold kernel.cpp build takes ~16 s on 2 idle cores; several builders at once, more
 CPUINFO = Path("/proc/cpuinfo")
 # Fields of /proc/cpuinfo that say which instructions the CPU runs (x86, ARM, RISC-V), not its clock or core id.
 CPU_FIELDS = frozenset(

@@ -3,7 +3,7 @@ the backends for a new kind of call), so that a first call of tens of seconds is
 
 Each notice is an INFO record on the ``attnkit`` logger. Where nobody configured logging for attnkit (no handler on
 it or its ancestors, ``ATTNKIT_LOG`` unset), where such a record would be dropped, it is also written to stderr as
-one line: ``attnkit: building cpu-flash (once, ~30 s); later processes reuse it``. A configured logger (a handler,
+one line: ``attnkit: building cpu-flash (once, ~16 s); later processes reuse it``. A configured logger (a handler,
 a ``logging.NullHandler`` included, or ``ATTNKIT_LOG``) decides alone what is shown.
 """
 

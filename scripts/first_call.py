@@ -116,7 +116,8 @@ def fresh_call(checkout: str | None) -> dict[str, float]:
     env = dict(os.environ)
     if checkout:
         env["PYTHONPATH"] = checkout
-    output = subprocess.run([sys.executable, "-c", FRESH_CALL], env=env, check=True, capture_output=True, text=True)
+    run = [sys.executable, "-c", FRESH_CALL]  # from a neutral directory: "-c" puts the current one first on the path
+    output = subprocess.run(run, env=env, check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
     return json.loads(output.stdout.splitlines()[-1])
 
 

@@ -74,7 +74,7 @@ def _flags() -> list[str]:
 
 # Keyed by the source, the flags, torch, Python and (for -march=native) the CPU: an edited kernel.cpp or another
 # machine sharing the cache never loads a stale or foreign build.
-EXTENSION = TorchExtension("attnkit_cpu_flash", KERNEL_SOURCE, _flags(), label="cpu-flash", expected_s=30)
+EXTENSION = TorchExtension("attnkit_cpu_flash", KERNEL_SOURCE, _flags(), label="cpu-flash", expected_s=16)
 
 
 def _blas_reason() -> str | None:
