@@ -373,8 +373,8 @@ def measure(
         names = ", ".join(backend.name for backend in contenders)
         notices.once(
             "measuring",
-            f"auto measured {names} for a new kind of call ({took:.1f} s; once per kind of call, kept for later "
-            f"processes under {STORE.directory()})",
+            f"auto timed {names} on a new kind of call ({took:.1f} s, each one's first call included; once per kind "
+            f"of call, the choice kept for later processes under {STORE.directory()})",
         )
     return found
 

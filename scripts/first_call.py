@@ -111,12 +111,15 @@ print(json.dumps({"torch_s": imported_torch - start, "attnkit_s": imported_attnk
 """
 
 
-def fresh_call(checkout: str | None) -> dict[str, float]:
+WARM_UP = "from attnkit.backends.cpu_flash.backend import EXTENSION\nEXTENSION.load()\n" + FRESH_CALL
+
+
+def fresh_call(checkout: str | None, script: str = FRESH_CALL) -> dict[str, float]:
     """One fresh process's figures; ``checkout``: run that attnkit (its attnkit/ and backends/) instead."""
     env = dict(os.environ)
     if checkout:
         env["PYTHONPATH"] = checkout
-    run = [sys.executable, "-c", FRESH_CALL]  # from a neutral directory: "-c" puts the current one first on the path
+    run = [sys.executable, "-c", script]  # from a neutral directory: "-c" puts the current one first on the path
     output = subprocess.run(run, env=env, check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
     return json.loads(output.stdout.splitlines()[-1])
 
@@ -124,7 +127,7 @@ def fresh_call(checkout: str | None) -> dict[str, float]:
 def fresh(runs: int, against: str | None) -> None:
     versions = {"this": None} | ({"against": against} if against else {})
     for checkout in versions.values():
-        fresh_call(checkout)  # warm caches: cpu-flash built, auto's record of the bucket written
+        fresh_call(checkout, WARM_UP)  # warm caches: cpu-flash built (auto measures it only then), auto's record
     rows: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
     for _ in range(runs):
         for name, checkout in versions.items():  # interleaved: a busy moment hits both

@@ -91,4 +91,4 @@ def test_measuring_over_a_second_says_so_once(
         taking.append(seconds)
         autotune.measure(contenders, None, [], 3.0)  # type: ignore[arg-type]
     [line] = capsys.readouterr().err.splitlines()
-    assert line.startswith("attnkit: auto measured torch-sdpa, cpu-flash for a new kind of call (2.0 s;"), line
+    assert line.startswith("attnkit: auto timed torch-sdpa, cpu-flash on a new kind of call (2.0 s,"), line
