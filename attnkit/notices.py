@@ -9,16 +9,20 @@ a ``logging.NullHandler`` included, or ``ATTNKIT_LOG``) decides alone what is sh
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import threading
+from collections.abc import Iterator
+from contextvars import ContextVar
 
 _log = logging.getLogger("attnkit")
 _said: set[str] = set()
 _lock = threading.Lock()
 #: Work expected to take longer than this many seconds is announced.
 SLOW_S = 1.0
+_printing: ContextVar[bool] = ContextVar("attnkit_notices_printing", default=True)
 
 
 def logging_configured(logger: logging.Logger = _log) -> bool:
@@ -44,9 +48,19 @@ def once(key: str, message: str) -> bool:
             return False
         _said.add(key)
     _log.info("attnkit: %s", message)
-    if not logging_configured():
+    if _printing.get() and not logging_configured():
         print(f"attnkit: {message}", file=sys.stderr, flush=True)
     return True
+
+
+@contextlib.contextmanager
+def said_by_caller() -> Iterator[None]:
+    """Inside the block notices are only logged, never printed: the caller (``attnkit build``) says what it does."""
+    token = _printing.set(False)
+    try:
+        yield
+    finally:
+        _printing.reset(token)
 
 
 def forget() -> None:

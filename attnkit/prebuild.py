@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TextIO
 
-from attnkit import registry
+from attnkit import notices, registry
 from attnkit.backend import run_time_builds
 from attnkit.build import TorchExtension
 from attnkit.errors import BuildError
@@ -49,7 +49,8 @@ def build(extension: TorchExtension, reasons: list[str]) -> Outcome:
         return Outcome(extension.label, CANNOT, "; ".join(reasons))
     started = time.perf_counter()
     try:
-        extension.load(build=True)
+        with notices.said_by_caller():  # prebuild prints "building ..." itself
+            extension.load(build=True)
     except BuildError as error:
         return Outcome(extension.label, FAILED, str(error))
     return Outcome(extension.label, BUILT, f"{time.perf_counter() - started:.1f} s, {extension.library()}")

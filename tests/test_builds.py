@@ -9,6 +9,7 @@ state a new process starts in, and a private TORCH_EXTENSIONS_DIR."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -27,7 +28,7 @@ import torch
 from attnkit.backends.cpu_flash import backend as cpu_flash
 
 import attnkit
-from attnkit import AttentionSpec, BackendUnavailableError, ConfigError, build, cli, dispatch
+from attnkit import AttentionSpec, BackendUnavailableError, ConfigError, build, cli, dispatch, notices
 from attnkit.build import TorchExtension
 from attnkit.errors import BuildError
 from attnkit.frontends import torch_compiled, torch_frontend
@@ -232,9 +233,14 @@ def test_attnkit_build_builds_what_is_missing_once(
 
     monkeypatch.setattr(build, "run_bounded", compile_empty_module)
     monkeypatch.setattr(cpu_flash, "_blas_reason", lambda: None)
+    notices.forget()
+    monkeypatch.delenv("ATTNKIT_LOG", raising=False)  # logging unconfigured, where a first use's build prints
+    monkeypatch.setattr(logging.getLogger("attnkit"), "handlers", [])
+    monkeypatch.setattr(logging.root, "handlers", [])
     assert cli.main(["build"]) == 0
-    first = capsys.readouterr().out
+    first, said = capsys.readouterr()
     assert len(launched) == 2, first
+    assert "attnkit: building" not in said  # the command's own lines say it, not the first-use notice
     for label in ("the compiled call signature", "cpu-flash"):
         assert f"{label}: building ..." in first and f"{label}: built (" in first, first
     assert cli.main(["build"]) == 0
