@@ -180,19 +180,28 @@ def get_backend(name: str) -> Backend:
             raise UnknownBackendError(
                 f"backend={name!r} is not registered (registered: {', '.join(sorted(_backends))})"
             ) from None
-    return backend.load() if isinstance(backend, door.LazyBackend) else backend  # outside the lock (_put_loaded)
+    return _itself(backend)  # outside the lock: loading takes it (_put_loaded)
 
 
 door.bind_registry(get_backend)
 
 
-def backends() -> dict[str, Backend]:
+def backends(load: bool = False) -> dict[str, Backend]:
     """A snapshot of the registered backends, by name. A built-in backend whose module has not been imported yet is
     its :class:`~attnkit.backend.LazyBackend`, which answers for it (availability, the reasons for a call of another
-    framework) without importing its framework, and imports it for anything else."""
+    framework) without importing its framework, and imports it for anything else. ``load=True`` imports every one
+    first (what reports on every backend want: ``attnkit info``, ``attnkit check``): each is then itself, and its
+    ``available()`` the backend's own, not the stand-in's "nothing missing" before its framework is imported."""
     _ensure_loaded()
     with _lock:
-        return dict(_backends)
+        found = dict(_backends)
+    if load:
+        found = {name: _itself(backend) for name, backend in found.items()}
+    return found
+
+
+def _itself(backend: Backend | door.LazyBackend) -> Backend:
+    return backend.load() if isinstance(backend, door.LazyBackend) else backend
 
 
 def origins() -> dict[str, str]:

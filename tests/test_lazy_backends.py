@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from attnkit import registry
 from attnkit.backend import Framework, LazyBackend, Problem
 from attnkit.spec import AttentionSpec
 
@@ -76,3 +77,11 @@ def test_a_backend_not_imported_answers_as_it_will_once_imported(lazy: LazyBacke
             f"framework={framework.value} (supported: {', '.join(sorted(f.value for f in lazy.frameworks))})"
         ]
         assert fresh.loaded() is None  # answered without importing
+
+
+def test_reports_see_every_backend_itself() -> None:
+    """What attnkit info, attnkit check and the benches list: every backend loaded (its own availability, never the
+    stand-in's guess), and the registry's from then on."""
+    loaded = registry.backends(load=True)
+    assert not [name for name, backend in loaded.items() if isinstance(backend, LazyBackend)]
+    assert all(registry.backends()[name] is backend for name, backend in loaded.items())
