@@ -565,11 +565,12 @@ class LazyBackend:
 
     ``frameworks`` are the array frameworks it takes (its capabilities' frameworks: checked by the test suite);
     ``load`` imports its module and returns the backend, or names what to call as ``"module:attribute"`` (an
-    entry point's spelling: ``"attnkit.backends.native.torch_sdpa:TorchSdpaBackend"``). Until then it answers without importing anything:
-    ``supports()`` for a call of another framework gives :func:`framework_reason`, the one reason the backend itself
-    gives (capability_reasons); ``available()`` is empty while no framework it takes has been imported (a call it
-    could serve imports one first; its package was found installed), and otherwise the backend's own. Everything
-    else (``capabilities``, ``forward``, the optional hooks) loads it. Once loaded, the registry puts the backend
+    entry point's spelling: ``"attnkit.backends.native.torch_sdpa:TorchSdpaBackend"``). Until then it answers
+    without importing anything: ``supports()`` for a call of another framework gives :func:`framework_reason`, the
+    one reason the backend itself gives (capability_reasons); ``available()`` is empty while no framework it takes
+    has been imported (a call it could serve imports one first; its package was found installed), and otherwise the
+    backend's own. Everything else (``capabilities``, ``forward``, the optional hooks) loads it, and reports load
+    every backend first (``registry.backends(load=True)``). Once loaded, the registry puts the backend
     itself in its place (:func:`bind_loaded`)."""
 
     def __init__(self, name: str, frameworks: frozenset[Framework], load: Callable[[], Backend] | str) -> None:

@@ -17,6 +17,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import cast
 
 from attnkit import backend as door
 from attnkit.backend import Backend
@@ -68,7 +69,7 @@ def _register(backend: Backend | door.LazyBackend, replace: bool, origin: str) -
                     "pass replace=True"
                 )
             origin = f"{origin}, replacing {_origins[backend.name]}"
-        _backends[backend.name] = backend
+        _backends[backend.name] = cast(Backend, backend)  # a LazyBackend answers as its backend does
         _origins[backend.name] = origin
         CACHE.clear()  # after the change: nothing dispatched before it is served again (attnkit/call_cache.py)
 

@@ -142,7 +142,9 @@ def fresh(runs: int, against: str | None) -> None:
         )
     if against:
         ratios = [mine["first_call_s"] / theirs["first_call_s"] for mine, theirs in zip(*rows.values(), strict=True)]
-        print(f"paired ratio this/against: median {statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})")
+        print(
+            f"paired ratio this/against: median {statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"
+        )
 
 
 BUILD_CHILD = """
@@ -164,7 +166,9 @@ def cold_build() -> None:
     """cpu-flash's first-use build in an empty cache, then the phases of its compile command (from the build log)."""
     with tempfile.TemporaryDirectory() as root:
         env = os.environ | {"TORCH_EXTENSIONS_DIR": root}
-        output = subprocess.run([sys.executable, "-c", BUILD_CHILD], env=env, check=True, capture_output=True, text=True)
+        output = subprocess.run(
+            [sys.executable, "-c", BUILD_CHILD], env=env, check=True, capture_output=True, text=True
+        )
         print(f"cold build of cpu-flash, as a first call pays it: {float(output.stdout.split()[-1]):.1f} s")
         [log] = Path(root).glob("*/*.so.log")
         lines = log.read_text().splitlines()
@@ -176,7 +180,9 @@ def cold_build() -> None:
         for command in compiles:
             words = command.split()
             source = words[words.index("-c") + 1]
-            base = [word for word in words[: words.index("-c")] if word not in ("-MMD", "-MF") and not word.endswith(".o.d")]
+            base = [
+                word for word in words[: words.index("-c")] if word not in ("-MMD", "-MF") and not word.endswith(".o.d")
+            ]
             out = str(scratch / Path(source).with_suffix(".o").name)
             phases = {
                 "preprocess": timed([*base, "-E", source, "-o", os.devnull]),

@@ -224,7 +224,7 @@ def test_attnkit_build_builds_what_is_missing_once(
         source = tmp_path / f"{job['name']}.c"
         source.write_text(
             "#include <Python.h>\n"
-            f"static struct PyModuleDef m = {{PyModuleDef_HEAD_INIT, \"{job['name']}\", 0, -1, 0}};\n"
+            f'static struct PyModuleDef m = {{PyModuleDef_HEAD_INIT, "{job["name"]}", 0, -1, 0}};\n'
             f"PyMODINIT_FUNC PyInit_{job['name']}(void) {{ return PyModule_Create(&m); }}\n"
         )
         library = Path(job["directory"]) / f"{job['name']}.so"

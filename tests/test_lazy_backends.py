@@ -43,9 +43,8 @@ JAX_CALL = """
 def test_a_call_imports_no_other_framework(call: str, framework: str, absent: tuple[str, ...]) -> None:
     """In a fresh process: the first auto call of one framework leaves the others unimported."""
     pytest.importorskip(framework)
-    script = "import sys\nimport attnkit\n" + textwrap.dedent(call) + (
-        "print(sorted(m for m in %r if m in sys.modules))\n" % (absent,)
-    )
+    script = "import sys\nimport attnkit\n" + textwrap.dedent(call)
+    script += f"print(sorted(m for m in {absent!r} if m in sys.modules))\n"
     environment = {**os.environ, "ATTNKIT_AUTOTUNE": "0", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, env=environment, cwd=ROOT, timeout=120
@@ -73,9 +72,11 @@ def test_a_backend_not_imported_answers_as_it_will_once_imported(lazy: LazyBacke
     for framework in set(Framework) - lazy.frameworks:
         problem = Problem(framework, "cpu", "float64", 1, 2, 1, 5, 7, 512, 24, has_mask=True, return_lse=True)
         fresh = LazyBackend(lazy.name, lazy.frameworks, lambda: loaded)
-        assert fresh.supports(spec, problem) == loaded.supports(spec, problem) == [
-            f"framework={framework.value} (supported: {', '.join(sorted(f.value for f in lazy.frameworks))})"
-        ]
+        assert (
+            fresh.supports(spec, problem)
+            == loaded.supports(spec, problem)
+            == [f"framework={framework.value} (supported: {', '.join(sorted(f.value for f in lazy.frameworks))})"]
+        )
         assert fresh.loaded() is None  # answered without importing
 
 

@@ -49,7 +49,10 @@ def test_a_build_says_so_once_on_stderr_when_logging_is_not_configured(
 
 
 def test_a_build_is_an_info_record_and_nothing_on_stderr_where_logging_is_configured(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     extension, _ = fake_build(tmp_path, monkeypatch)
     with caplog.at_level(logging.INFO, logger="attnkit"):
