@@ -55,7 +55,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from attnkit import cost
+from attnkit import cost, notices
 from attnkit.backend import Backend, Framework, Problem, length_bucket, routing_features
 from attnkit.build import digest
 from attnkit.call_cache import CACHE
@@ -362,7 +362,28 @@ def measure(
     timed call counts against the budget, first calls included: ``budget_calls`` calls of the slowest contender
     timed, and ``budget_s`` seconds; a call that would pass it is not made. None when none could be timed. A
     contender that fails is left out (its error is logged): measuring never fails the call, which then runs its
-    backend and raises what it raises."""
+    backend and raises what it raises. Measuring that took over a second is announced, once per process
+    (attnkit/notices.py)."""
+    started = clock()
+    found = _measure(contenders, trial, priority, budget_calls, budget_s)
+    took = clock() - started
+    if took > notices.SLOW_S:  # once per process: later buckets are measured in silence
+        names = ", ".join(backend.name for backend in contenders)
+        notices.once(
+            "measuring",
+            f"auto timed {names} on a new kind of call ({took:.1f} s, each one's first call included; once per kind "
+            f"of call, the choice kept for later processes under {STORE.directory()})",
+        )
+    return found
+
+
+def _measure(
+    contenders: Sequence[Backend],
+    trial: Trial,
+    priority: Sequence[str],
+    budget_calls: float,
+    budget_s: float | None,
+) -> Measurement | None:
     by_name = {backend.name: backend for backend in contenders}
     best: dict[str, float] = {}
     first_call_only: set[str] = set()  # sampled once, on its first call in the process: an upper bound

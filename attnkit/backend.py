@@ -28,9 +28,12 @@ say; ``backward``: refused where the capabilities declare no grad) and the optio
   call with nothing around it (at decode sizes a wrapper's frame and tuple are a tenth of the dispatch cost).
 * ``interpreted(device)``: whether the backend runs its kernels in an interpreter or emulator on ``device``
   (benchmarks and cost calibration leave it out).
+* ``run_time_builds()``: the :class:`TorchExtension` objects it compiles on first use, which ``attnkit build``
+  builds ahead of time.
 
 A backend written against the :class:`Backend` protocol alone, without the base class, may define any of them; the
-door's :func:`own_forward`, :func:`own_plain_call` and :func:`runs_interpreted` are where attnkit reads them.
+door's :func:`own_forward`, :func:`own_plain_call`, :func:`runs_interpreted` and :func:`run_time_builds` are where
+attnkit reads them.
 
 Backends receive tensors of their own framework, already validated, in the spec's layout (4-D: a 3-D call gets a
 head axis of 1 added by the frontend). ``mask`` and ``bias`` are 4-D and broadcastable to (B, Hq, Lq, Lk); a
@@ -46,7 +49,11 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
+import importlib
 import os
+import sys
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -76,6 +83,8 @@ __all__ = [
     "DeviceLimits",
     "Feature",
     "Framework",
+    "FRAMEWORK_MODULES",
+    "LazyBackend",
     "Gradients",
     "Layout",
     "ALLOW_UNVERIFIED_ENV",
@@ -93,6 +102,7 @@ __all__ = [
     "Variant",
     "attnkit_version",
     "capability_reasons",
+    "framework_reason",
     "default_directory",
     "delegated",
     "lasting_records",
@@ -104,6 +114,7 @@ __all__ = [
     "pending_hardware",
     "recording_delegations",
     "routing_features",
+    "run_time_builds",
     "runs_interpreted",
 ]
 
@@ -380,12 +391,18 @@ class Capabilities:
             )
 
 
+def framework_reason(framework: Framework, frameworks: frozenset[Framework]) -> str:
+    """The reason a backend taking ``frameworks`` gives a call of ``framework`` (its only one: see
+    :func:`capability_reasons`)."""
+    allowed = ", ".join(sorted(f.value for f in frameworks))
+    return f"framework={framework.value} (supported: {allowed})"
+
+
 def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem) -> list[str]:
     """Why a backend with these capabilities cannot serve (spec, problem); empty when it can."""
+    if problem.framework not in caps.frameworks:  # the one reason: nothing else matters for arrays it cannot take
+        return [framework_reason(problem.framework, caps.frameworks)]
     reasons = []
-    if problem.framework not in caps.frameworks:
-        allowed = ", ".join(sorted(f.value for f in caps.frameworks))
-        reasons.append(f"framework={problem.framework.value} (supported: {allowed})")
     if problem.device not in caps.devices:
         reasons.append(f"device={problem.device} (supported: {', '.join(sorted(caps.devices))})")
     # Limits of one device name it: "dtype=float64 (supported on cuda: ...)".
@@ -519,6 +536,9 @@ class BaseBackend:
     def interpreted(self, device: str) -> bool:
         return False
 
+    def run_time_builds(self) -> tuple[TorchExtension, ...]:
+        return ()
+
 
 def own_forward(backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner | None:
     """The backend's ``differentiable_forward`` for (spec, problem), or None where it has none."""
@@ -530,6 +550,13 @@ def own_plain_call(backend: Backend, spec: AttentionSpec, problem: Problem) -> P
     """The backend's ``plain_call`` for a plain (spec, problem), or None."""
     hook = getattr(backend, "plain_call", None)
     return hook(spec, problem) if hook is not None and problem.is_plain() else None
+
+
+def run_time_builds(backend: Backend) -> tuple[TorchExtension, ...]:
+    """What the backend compiles at run time (its optional ``run_time_builds`` hook): ``attnkit build`` builds them
+    ahead of the first call."""
+    hook = getattr(backend, "run_time_builds", None)
+    return tuple(hook()) if hook is not None else ()
 
 
 def runs_interpreted(backend: Backend, device: str) -> bool:
@@ -558,6 +585,111 @@ class MissingPackageBackend(BaseBackend):
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         raise BackendUnavailableError(self.available()[0])
+
+
+#: The module each framework's arrays come from: a call of a framework has imported it.
+FRAMEWORK_MODULES = {Framework.TORCH: "torch", Framework.JAX: "jax"}
+
+
+class LazyBackend:
+    """A backend whose module is imported at its first real use, not when the registry loads: a backend built on
+    JAX costs a torch-only process nothing (and one built on torch, a JAX-only process), though every backend is
+    registered, listed and explained.
+
+    ``frameworks`` are the array frameworks it takes (its capabilities' frameworks: checked by the test suite);
+    ``load`` imports its module and returns the backend, or names what to call as ``"module:attribute"`` (an
+    entry point's spelling: ``"attnkit.backends.native.torch_sdpa:TorchSdpaBackend"``). Until then it answers
+    without importing anything: ``supports()`` for a call of another framework gives :func:`framework_reason`, the
+    one reason the backend itself gives (capability_reasons); ``available()`` is empty while no framework it takes
+    has been imported (a call it could serve imports one first; its package was found installed), and otherwise the
+    backend's own. Everything else (``capabilities``, ``forward``, the optional hooks) loads it, and reports load
+    every backend first (``registry.backends(load=True)``). Once loaded, the registry puts the backend
+    itself in its place (:func:`bind_loaded`)."""
+
+    def __init__(self, name: str, frameworks: frozenset[Framework], load: Callable[[], Backend] | str) -> None:
+        self.name = name
+        self.frameworks = frozenset(frameworks)
+        self._load = load if callable(load) else functools.partial(_call_named, load)
+        self._backend: Backend | None = None
+        self._guessed = False  # available() answered without loading: supports() then adds the real reasons once
+        self._loading = threading.Lock()
+
+    def __repr__(self) -> str:
+        state = "loaded" if self._backend is not None else "not loaded"
+        return f"<LazyBackend {self.name!r}, {state}>"
+
+    def loaded(self) -> Backend | None:
+        """The backend, if its module has been imported; None otherwise (nothing is imported)."""
+        return self._backend
+
+    def load(self) -> Backend:
+        """The backend, its module imported first if it was not."""
+        backend = self._backend
+        if backend is not None:
+            return backend
+        with self._loading:
+            fresh = self._backend is None
+            if fresh:
+                self._backend = self._load()
+            backend = self._backend
+        assert backend is not None
+        if fresh and _loaded_hook is not None:  # outside the lock: the registry takes its own
+            _loaded_hook(self, backend, self._guessed)
+        return backend
+
+    def _framework_imported(self) -> bool:
+        return any(FRAMEWORK_MODULES[framework] in sys.modules for framework in self.frameworks)
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return self.load().capabilities
+
+    def available(self) -> list[str]:
+        if self._backend is None and not self._framework_imported():
+            self._guessed = True
+            return []
+        return self.load().available()
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        if problem.framework not in self.frameworks:
+            return [framework_reason(problem.framework, self.frameworks)]
+        backend = self.load()
+        if self._guessed:  # available() was answered unloaded: the backend's own reasons come once, here
+            self._guessed = False
+            missing = [f"unavailable: {reason}" for reason in backend.available()]
+            if missing:
+                return missing
+        return backend.supports(spec, problem)
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        return self.load().forward(*args, **kwargs)
+
+    def backward(self, *args: Any, **kwargs: Any) -> Gradients:
+        return self.load().backward(*args, **kwargs)
+
+    def __getattr__(self, attribute: str) -> Any:  # the optional hooks and anything else of the backend's own
+        if attribute.startswith("__") or attribute in ("_load", "_backend", "_guessed", "_loading"):
+            raise AttributeError(attribute)
+        return getattr(self.load(), attribute)
+
+
+def _call_named(target: str) -> Backend:
+    """Call ``"module:attribute"`` (the attribute may be dotted: ``"module:Class.factory"``)."""
+    module, _, attribute = target.partition(":")
+    found: Any = importlib.import_module(module)
+    for part in attribute.split("."):
+        found = getattr(found, part)
+    return found()
+
+
+_loaded_hook: Callable[[LazyBackend, Backend, bool], None] | None = None
+
+
+def bind_loaded(hook: Callable[[LazyBackend, Backend, bool], None]) -> None:
+    """The registry binds here what to do when a :class:`LazyBackend` has loaded its backend: put it in its place,
+    and forget what was read of it unloaded (the third argument: its ``available()`` was answered so)."""
+    global _loaded_hook
+    _loaded_hook = hook
 
 
 # The registry binds its lookup here when it loads (it imports this module, never the other way round).

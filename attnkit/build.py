@@ -41,12 +41,13 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 
+from attnkit import notices
 from attnkit.errors import BuildError, ConfigError
 
 _log = logging.getLogger("attnkit")
 
 TIMEOUT_VARIABLE = "ATTNKIT_BUILD_TIMEOUT"
-DEFAULT_TIMEOUT_S = 600.0  # a cold kernel.cpp build takes ~35 s on 2 idle cores; several builders at once, more
+DEFAULT_TIMEOUT_S = 600.0  # a cold kernel.cpp build takes ~16 s on 2 idle cores; several builders at once, more
 CPUINFO = Path("/proc/cpuinfo")
 # Fields of /proc/cpuinfo that say which instructions the CPU runs (x86, ARM, RISC-V), not its clock or core id.
 CPU_FIELDS = frozenset(
@@ -266,10 +267,15 @@ class TorchExtension:
     """A C++ source built into a torch extension module on demand: once per key on a machine, loaded once per
     process. A failed build or load is remembered for the process (:meth:`problems` then names it)."""
 
-    def __init__(self, name: str, source: Path, cflags: Sequence[str]) -> None:
+    def __init__(
+        self, name: str, source: Path, cflags: Sequence[str], label: str = "", expected_s: float | None = None
+    ) -> None:
         self.name = name
         self.source = source
         self.cflags = tuple(cflags)
+        #: What the build notice calls it ("cpu-flash"), and about how long a build takes on a small machine.
+        self.label = label or source.name
+        self.expected_s = expected_s
         self.native = any(flag.endswith("=native") for flag in self.cflags)  # -march=native, -mcpu=native
         self._module: ModuleType | None = None
         self._failure: str | None = None
@@ -353,7 +359,13 @@ class TorchExtension:
             raise BuildError(f"loading {library} failed: {error}") from None
         return module
 
+    def announce(self) -> None:
+        """Say, once per process, that it is being built (attnkit/notices.py): a build takes seconds to a minute."""
+        expected = f", ~{self.expected_s:.0f} s" if self.expected_s else ""
+        notices.once(f"build {self.name}", f"building {self.label} (once{expected}); later processes reuse it")
+
     def _make(self, scratch: Path, log: Path) -> Path:
+        self.announce()
         name = scratch.parent.name
         job: dict[str, object] = {"name": name, "sources": [str(self.source)], "cflags": list(self.cflags)}
         # "parent": not the builder's own first getppid(), as its parent may be dead before it asks

@@ -86,7 +86,7 @@ def capability_markdown(registered: Mapping[str, Backend] | None = None) -> str:
     Deliberately machine-independent: availability (installed packages, devices) is left out, so the
     committed file only goes stale when a backend's declaration changes.
     """
-    registered = registry.backends() if registered is None else registered
+    registered = registry.backends(load=True) if registered is None else registered
     header, rows = capability_matrix(registered)
     parts = [
         "# Backends",
@@ -142,7 +142,7 @@ def info_report(version: str, width: int | None = None) -> str:
         wrap = textwrap.TextWrapper(width, subsequent_indent=" " * indent, break_on_hyphens=False)
         return [line for text in texts for line in wrap.wrap(text)]
 
-    registered = registry.backends()
+    registered = registry.backends(load=True)
     lines = [f"attnkit {version}: {len(registered)} backends registered"]
     if "torch" in sys.modules:  # registering the torch backends imported it; without torch there is no signature
         from attnkit.frontends import torch_frontend

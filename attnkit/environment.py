@@ -15,8 +15,10 @@ def interpret_triton_without_gpu() -> bool:
     """Set TRITON_INTERPRET=1 when no CUDA device is visible, so the ``triton`` backend runs its kernels in the
     Triton interpreter on CPU tensors. Returns whether the interpreter is on.
 
-    Triton reads the switch when a kernel is decorated, so call this before attnkit loads its backends (before
-    the first attend/registry call). An explicit TRITON_INTERPRET in the environment is left as it is.
+    Triton reads the switch when a kernel is decorated, so call this before the triton backend's module is imported:
+    the registry imports it at the backend's first use (a call that may run on it, ``attnkit explain``, ``attnkit
+    info``), never for a torch call on the CPU, whose priority list leaves it out. An explicit TRITON_INTERPRET in
+    the environment is left as it is.
     """
     if "TRITON_INTERPRET" not in os.environ:
         has_gpu = False

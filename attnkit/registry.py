@@ -17,6 +17,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from importlib.metadata import EntryPoint, entry_points
+from typing import cast
 
 from attnkit import backend as door
 from attnkit.backend import Backend
@@ -55,8 +56,9 @@ _loaded = False
 _builtins_listed = False
 
 
-def _register(backend: Backend, replace: bool, origin: str) -> None:
-    if not isinstance(backend, Backend):
+def _register(backend: Backend | door.LazyBackend, replace: bool, origin: str) -> None:
+    # A built-in LazyBackend is not checked against the protocol: reading its capabilities would import its module.
+    if not isinstance(backend, door.LazyBackend) and not isinstance(backend, Backend):
         raise InvalidInputTypeError(f"backend={backend!r} does not implement attnkit.Backend (see attnkit/backend.py)")
     with _lock:
         previous = _backends.get(backend.name)
@@ -67,9 +69,22 @@ def _register(backend: Backend, replace: bool, origin: str) -> None:
                     "pass replace=True"
                 )
             origin = f"{origin}, replacing {_origins[backend.name]}"
-        _backends[backend.name] = backend
+        _backends[backend.name] = cast(Backend, backend)  # a LazyBackend answers as its backend does
         _origins[backend.name] = origin
         CACHE.clear()  # after the change: nothing dispatched before it is served again (attnkit/call_cache.py)
+
+
+def _put_loaded(lazy: door.LazyBackend, backend: Backend, guessed: bool) -> None:
+    """A built-in backend's module has been imported (its first real use): the backend takes its stand-in's place.
+    What dispatch read of the stand-in stays true, unless its availability was answered without loading."""
+    with _lock:
+        if _backends.get(lazy.name) is lazy:
+            _backends[lazy.name] = backend
+            if guessed:
+                CACHE.clear()
+
+
+door.bind_loaded(_put_loaded)
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
@@ -157,24 +172,37 @@ def _ensure_loaded() -> None:
 
 
 def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; a built-in one's module is imported now if it was not."""
     _ensure_loaded()
     with _lock:
         try:
-            return _backends[name]
+            backend = _backends[name]
         except KeyError:
             raise UnknownBackendError(
                 f"backend={name!r} is not registered (registered: {', '.join(sorted(_backends))})"
             ) from None
+    return _itself(backend)  # outside the lock: loading takes it (_put_loaded)
 
 
 door.bind_registry(get_backend)
 
 
-def backends() -> dict[str, Backend]:
-    """A snapshot of the registered backends, by name."""
+def backends(load: bool = False) -> dict[str, Backend]:
+    """A snapshot of the registered backends, by name. A built-in backend whose module has not been imported yet is
+    its :class:`~attnkit.backend.LazyBackend`, which answers for it (availability, the reasons for a call of another
+    framework) without importing its framework, and imports it for anything else. ``load=True`` imports every one
+    first (what reports on every backend want: ``attnkit info``, ``attnkit check``): each is then itself, and its
+    ``available()`` the backend's own, not the stand-in's "nothing missing" before its framework is imported."""
     _ensure_loaded()
     with _lock:
-        return dict(_backends)
+        found = dict(_backends)
+    if load:
+        found = {name: _itself(backend) for name, backend in found.items()}
+    return found
+
+
+def _itself(backend: Backend | door.LazyBackend) -> Backend:
+    return backend.load() if isinstance(backend, door.LazyBackend) else backend
 
 
 def origins() -> dict[str, str]:

@@ -9,6 +9,18 @@ attend's own one-time costs (imports, registry, availability: seconds, with or w
 bucket, running no backend.
 
     python scripts/first_call.py --seq-lens 512,2048
+
+With ``--what fresh``: a fresh process's first causal call (B=1, H=8, L=512, D=64, float32, one thread) with warm
+caches (cpu-flash built, auto's record present: one untimed process first makes them), in ``--runs`` processes;
+printed with the import of torch and of attnkit, and whether the call imported jax or triton. ``--against PATH``
+(another checkout of attnkit) interleaves the same runs of that version, and prints the paired ratios.
+
+With ``--what build``: cpu-flash's cold build in an empty private TORCH_EXTENSIONS_DIR (the shared cache is left
+alone), as the first call pays it, then its compiler's phases: preprocessing alone, parsing alone (-fsyntax-only),
+the full compile, the link.
+
+    python scripts/first_call.py --what fresh --runs 7 [--against ../attnkit-before]
+    python scripts/first_call.py --what build
 """
 
 from __future__ import annotations
@@ -21,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 CONTENDERS = ("torch-sdpa", "cpu-flash", "torch-chunked")
 
@@ -80,11 +93,124 @@ def child(seq_lens: list[int], measuring: bool) -> None:
                     print(json.dumps(row | {"trials": list(trials), "steady_ms": steady}), flush=True)
 
 
+FRESH_CALL = """
+import json, sys, time
+start = time.perf_counter()
+import torch
+torch.set_num_threads(1)
+imported_torch = time.perf_counter()
+import attnkit
+imported_attnkit = time.perf_counter()
+q, k, v = (torch.randn(1, 8, 512, 64) for _ in range(3))
+spec = attnkit.AttentionSpec(causal=True)
+called = time.perf_counter()
+attnkit.attend(spec, q, k, v)
+done = time.perf_counter()
+print(json.dumps({"torch_s": imported_torch - start, "attnkit_s": imported_attnkit - imported_torch,
+                  "first_call_s": done - called, "jax": "jax" in sys.modules, "triton": "triton" in sys.modules}))
+"""
+
+
+WARM_UP = "from attnkit.backends.cpu_flash.backend import EXTENSION\nEXTENSION.load()\n" + FRESH_CALL
+
+
+def fresh_call(checkout: str | None, script: str = FRESH_CALL) -> dict[str, float]:
+    """One fresh process's figures; ``checkout``: run that attnkit (its attnkit/ and backends/) instead."""
+    env = dict(os.environ)
+    if checkout:
+        env["PYTHONPATH"] = checkout
+    run = [sys.executable, "-c", script]  # from a neutral directory: "-c" puts the current one first on the path
+    output = subprocess.run(run, env=env, check=True, capture_output=True, text=True, cwd=tempfile.gettempdir())
+    return json.loads(output.stdout.splitlines()[-1])
+
+
+def fresh(runs: int, against: str | None) -> None:
+    versions = {"this": None} | ({"against": against} if against else {})
+    for checkout in versions.values():
+        fresh_call(checkout, WARM_UP)  # warm caches: cpu-flash built (auto measures it only then), auto's record
+    rows: dict[str, list[dict[str, float]]] = {name: [] for name in versions}
+    for _ in range(runs):
+        for name, checkout in versions.items():  # interleaved: a busy moment hits both
+            rows[name].append(fresh_call(checkout))
+    for name, found in rows.items():
+        first = [row["first_call_s"] for row in found]
+        print(
+            f"{name}: first call median {statistics.median(first):.3f} s (runs: {' '.join(f'{s:.2f}' for s in first)})"
+            f"; import torch {statistics.median(row['torch_s'] for row in found):.2f} s, import attnkit "
+            f"{statistics.median(row['attnkit_s'] for row in found):.2f} s; imported jax: {found[-1]['jax']}, "
+            f"triton: {found[-1]['triton']}"
+        )
+    if against:
+        ratios = [mine["first_call_s"] / theirs["first_call_s"] for mine, theirs in zip(*rows.values(), strict=True)]
+        print(
+            f"paired ratio this/against: median {statistics.median(ratios):.2f} ({min(ratios):.2f}..{max(ratios):.2f})"
+        )
+
+
+BUILD_CHILD = """
+import time
+from attnkit.backends.cpu_flash.backend import EXTENSION
+start = time.perf_counter()
+EXTENSION.load()
+print(time.perf_counter() - start)
+"""
+
+
+def timed(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, capture_output=True)
+    return time.perf_counter() - start
+
+
+def cold_build() -> None:
+    """cpu-flash's first-use build in an empty cache, then the phases of its compile command (from the build log)."""
+    with tempfile.TemporaryDirectory() as root:
+        env = os.environ | {"TORCH_EXTENSIONS_DIR": root}
+        output = subprocess.run(
+            [sys.executable, "-c", BUILD_CHILD], env=env, check=True, capture_output=True, text=True
+        )
+        print(f"cold build of cpu-flash, as a first call pays it: {float(output.stdout.split()[-1]):.1f} s")
+        [log] = Path(root).glob("*/*.so.log")
+        lines = log.read_text().splitlines()
+        compiles = [line.split("] ", 1)[1] for line in lines if line.startswith("[") and " -c " in line]
+        link = next(line.split("] ", 1)[1] for line in lines if line.startswith("[") and " -shared" in line)
+        scratch = Path(root) / "phases"
+        scratch.mkdir()
+        total = 0.0
+        for command in compiles:
+            words = command.split()
+            source = words[words.index("-c") + 1]
+            base = [
+                word for word in words[: words.index("-c")] if word not in ("-MMD", "-MF") and not word.endswith(".o.d")
+            ]
+            out = str(scratch / Path(source).with_suffix(".o").name)
+            phases = {
+                "preprocess": timed([*base, "-E", source, "-o", os.devnull]),
+                "parse (-fsyntax-only)": timed([*base, "-fsyntax-only", source]),
+                "compile": timed([*base, "-c", source, "-o", out]),
+            }
+            total += phases["compile"]
+            print(f"{Path(source).name}: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in phases.items()))
+        link_words = link.split()
+        objects = [str(scratch / Path(word).name) if word.endswith(".o") else word for word in link_words]
+        objects[objects.index("-o") + 1] = str(scratch / "linked.so")
+        print(f"link {timed(objects):.1f} s; compiles in sequence {total:.1f} s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--what", choices=("measuring", "fresh", "build"), default="measuring")
     parser.add_argument("--seq-lens", default="512,2048")
+    parser.add_argument("--runs", type=int, default=5, help="fresh: processes per version")
+    parser.add_argument("--against", metavar="PATH", help="fresh: another attnkit checkout to interleave with")
     parser.add_argument("--child", choices=("measuring", "recorded"))
     args = parser.parse_args()
+    if args.what == "fresh":
+        fresh(args.runs, args.against)
+        return
+    if args.what == "build":
+        cold_build()
+        return
     seq_lens = [int(n) for n in args.seq_lens.split(",")]
     if args.child:
         child(seq_lens, args.child == "measuring")

@@ -8,11 +8,14 @@ state a new process starts in, and a private TORCH_EXTENSIONS_DIR."""
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import textwrap
 import threading
 import time
@@ -25,7 +28,7 @@ import torch
 from attnkit.backends.cpu_flash import backend as cpu_flash
 
 import attnkit
-from attnkit import AttentionSpec, BackendUnavailableError, ConfigError, build, cli, dispatch
+from attnkit import AttentionSpec, BackendUnavailableError, ConfigError, build, cli, dispatch, notices
 from attnkit.build import TorchExtension
 from attnkit.errors import BuildError
 from attnkit.frontends import torch_compiled, torch_frontend
@@ -42,7 +45,7 @@ needs_ninja = pytest.mark.skipif(shutil.which("ninja") is None, reason="a build 
 
 
 def fresh(extension: TorchExtension) -> TorchExtension:
-    return TorchExtension(extension.name, extension.source, extension.cflags)
+    return TorchExtension(extension.name, extension.source, extension.cflags, extension.label, extension.expected_s)
 
 
 @pytest.fixture
@@ -189,8 +192,8 @@ def test_an_unusable_cache_directory_falls_back(extensions: Path, monkeypatch: p
 def test_no_ninja_falls_back_and_attnkit_build_says_why(
     extensions: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """PATH with the compiler but without ninja: cpu-flash unavailable up front; `attnkit build` exits 1 with the
-    reason, no traceback."""
+    """PATH with the compiler but without ninja: cpu-flash unavailable up front; `attnkit build` says why nothing
+    can be built here, and exits 0 (nothing failed), with no traceback."""
     tools = tmp_path / "bin"
     tools.mkdir()
     compiler = os.environ.get("CXX", "c++")
@@ -198,10 +201,62 @@ def test_no_ninja_falls_back_and_attnkit_build_says_why(
     monkeypatch.setenv("PATH", str(tools))
     assert_auto_falls_back("ninja, which torch.utils.cpp_extension builds kernel.cpp with, is not on PATH")
     capsys.readouterr()
+    assert cli.main(["build"]) == 0
+    said = capsys.readouterr()
+    lines = said.out.splitlines()
+    for label, source in (("the compiled call signature", "torch_signature.cpp"), ("cpu-flash", "kernel.cpp")):
+        line = next(line for line in lines if line.startswith(f"{label}: cannot be built here ("))
+        assert f"ninja, which torch.utils.cpp_extension builds {source} with, is not on PATH" in line, said.out
+    assert "Traceback" not in said.err and "building" not in said.out
+
+
+def test_attnkit_build_builds_what_is_missing_once(
+    extensions: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`attnkit build` builds the signature and cpu-flash's kernel, then finds both built; a build that fails makes
+    it exit 1. The builder is a stand-in that compiles an empty Python module of the extension's name (a second,
+    not the minute of kernel.cpp)."""
+    launched = []
+
+    def compile_empty_module(command: list[str], what: str, log: Path, timeout: float) -> None:
+        job = json.loads(command[-1])
+        launched.append(job["name"])
+        source = tmp_path / f"{job['name']}.c"
+        source.write_text(
+            "#include <Python.h>\n"
+            f'static struct PyModuleDef m = {{PyModuleDef_HEAD_INIT, "{job["name"]}", 0, -1, 0}};\n'
+            f"PyMODINIT_FUNC PyInit_{job['name']}(void) {{ return PyModule_Create(&m); }}\n"
+        )
+        library = Path(job["directory"]) / f"{job['name']}.so"
+        include = sysconfig.get_paths()["include"]
+        subprocess.run(["cc", "-shared", "-fPIC", f"-I{include}", str(source), "-o", str(library)], check=True)
+
+    monkeypatch.setattr(build, "run_bounded", compile_empty_module)
+    monkeypatch.setattr(cpu_flash, "_blas_reason", lambda: None)
+    notices.forget()
+    monkeypatch.delenv("ATTNKIT_LOG", raising=False)  # logging unconfigured, where a first use's build prints
+    monkeypatch.setattr(logging.getLogger("attnkit"), "handlers", [])
+    monkeypatch.setattr(logging.root, "handlers", [])
+    assert cli.main(["build"]) == 0
+    first, said = capsys.readouterr()
+    assert len(launched) == 2, first
+    assert "attnkit: building" not in said  # the command's own lines say it, not the first-use notice
+    for label in ("the compiled call signature", "cpu-flash"):
+        assert f"{label}: building ..." in first and f"{label}: built (" in first, first
+    assert cli.main(["build"]) == 0
+    again = capsys.readouterr().out
+    assert len(launched) == 2 and again.count(": already built (") == 2, again
+
+    def fail(command: list[str], what: str, log: Path, timeout: float) -> None:
+        raise BuildError(f"building {what} failed (exit status 1; output: {log}): kernel.cpp:1:1: error: injected")
+
+    monkeypatch.setattr(build, "run_bounded", fail)
+    monkeypatch.setattr(cpu_flash, "EXTENSION", fresh(cpu_flash.EXTENSION))
+    shutil.rmtree(cpu_flash.EXTENSION.directory())
     assert cli.main(["build"]) == 1
-    error = capsys.readouterr().err
-    assert "ninja, which torch.utils.cpp_extension builds torch_signature.cpp with, is not on PATH" in error, error
-    assert "Traceback" not in error
+    said = capsys.readouterr()
+    assert "cpu-flash: failed (" in said.err and "error: injected" in said.err, said.err
+    assert "the compiled call signature: already built (" in said.out, said.out
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,7 @@ from attnkit.backends import triton as triton_package
 
 import attnkit
 from attnkit import AttentionSpec, BackendUnavailableError
+from attnkit.backend import LazyBackend
 
 triton = pytest.importorskip("triton")
 
@@ -40,9 +41,11 @@ def test_the_registry_reports_an_unsupported_triton(monkeypatch: pytest.MonkeyPa
 
 
 def test_the_installed_triton_is_accepted() -> None:
-    """This environment's Triton is in the range (CI runs the newest and the oldest): the backend is the real one."""
+    """This environment's Triton is in the range (CI runs the newest and the oldest): the backend is the real one,
+    its module imported at its first use."""
     (found,) = triton_package.backends()
-    assert isinstance(found, triton_backend.TritonBackend), found.available()
+    assert isinstance(found, LazyBackend), found.available()
+    assert isinstance(found.load(), triton_backend.TritonBackend)
 
 
 def test_the_backend_itself_refuses_a_triton_outside_the_range(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -77,7 +77,7 @@ def calibratable(device: str, only: Sequence[str] | None = None) -> tuple[list[s
     from attnkit.backend import Framework
 
     chosen, skipped = [], {}
-    for name, backend in sorted(registry.backends().items()):
+    for name, backend in sorted(registry.backends(load=True).items()):
         missing = backend.available()
         caps = backend.capabilities
         if only is not None and name not in only:

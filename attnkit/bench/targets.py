@@ -336,7 +336,7 @@ def servable_torch_backends(
     from attnkit.backend import Framework
 
     chosen, skipped = [], {}
-    for name, backend in sorted(registry.backends().items()):
+    for name, backend in sorted(registry.backends(load=True).items()):
         if Framework.TORCH not in backend.capabilities.frameworks or backend.available():
             continue
         if backend.supports(spec, problem):

@@ -20,7 +20,7 @@ from attnkit.errors import BuildError
 
 SOURCE = Path(__file__).with_name("torch_signature.cpp")
 DISABLE_VARIABLE = "ATTNKIT_COMPILED_SIGNATURE"
-EXTENSION = TorchExtension("attnkit_signature", SOURCE, ["-O2"])
+EXTENSION = TorchExtension("attnkit_signature", SOURCE, ["-O2"], label="the compiled call signature", expected_s=15)
 
 
 def build_directory() -> Path:

@@ -172,7 +172,7 @@ def compare_outputs(dtype: str, results: Results, exact: Results, baseline: Resu
 def backends_for(case: Case, names: list[str] | None = None) -> dict[str, list[str]]:
     """For each backend (all registered, or ``names``): the reasons it cannot run this case, [] if it can."""
     table = {}
-    for name, backend in registry.backends().items():
+    for name, backend in registry.backends(load=True).items():
         if names is not None and name not in names:
             continue
         reasons = list(backend.available())

@@ -450,7 +450,7 @@ def failure_details(reports: Sequence[BackendReport]) -> list[str]:
 
 def backends_to_check(requested: list[str] | None, out: TextIO) -> list[Backend] | None:
     """The named backends (each once, in order), or every available one; None after printing why not."""
-    registered = registry.backends()
+    registered = registry.backends(load=True)
     names = (
         list(dict.fromkeys(requested)) if requested else sorted(n for n, b in registered.items() if not b.available())
     )

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 
-from attnkit.backend import Backend, MissingPackageBackend
+from attnkit.backend import Backend, Framework, LazyBackend, MissingPackageBackend
 
 
-def backends() -> list[Backend]:
+def backends() -> list[Backend | LazyBackend]:
+    """Its module is imported at its first use (attnkit.backend.LazyBackend)."""
     if importlib.util.find_spec("torch") is not None:
-        from .backend import CpuFlashBackend
-
-        return [CpuFlashBackend()]
+        return [LazyBackend("cpu-flash", frozenset({Framework.TORCH}), f"{__name__}.backend:CpuFlashBackend")]
     return [MissingPackageBackend("cpu-flash", "torch", "torch")]

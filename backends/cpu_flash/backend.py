@@ -74,7 +74,7 @@ def _flags() -> list[str]:
 
 # Keyed by the source, the flags, torch, Python and (for -march=native) the CPU: an edited kernel.cpp or another
 # machine sharing the cache never loads a stale or foreign build.
-EXTENSION = TorchExtension("attnkit_cpu_flash", KERNEL_SOURCE, _flags())
+EXTENSION = TorchExtension("attnkit_cpu_flash", KERNEL_SOURCE, _flags(), label="cpu-flash", expected_s=16)
 
 
 def _blas_reason() -> str | None:
@@ -286,6 +286,9 @@ class CpuFlashBackend(RecomputingBackend):
         if EXTENSION.built():
             return None
         return "its first call builds kernel.cpp (tens of seconds; measured in a process after the build)"
+
+    def run_time_builds(self) -> tuple[TorchExtension, ...]:
+        return (EXTENSION,)
 
     def available(self) -> list[str]:
         blas = _blas_reason()

@@ -10,7 +10,14 @@
 // (section 4.5): q_ids[i] == kv_ids[j] >= 0 besides; a query block's key tiles are runs of key granules whose ids can
 // meet the block's, so a key granule that cannot is never read (a packed row costs its documents' sum of L_i^2).
 
-#include <torch/extension.h>
+// The headers of what the kernel uses, not <torch/extension.h> (torch's whole C++ frontend): parsing that took most
+// of the build (docs/cpu_flash.md, "Build").
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+#include <ATen/ops/zeros.h>
+#include <ATen/ops/zeros_like.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
@@ -120,7 +127,7 @@ struct Strided {  // the whole 4-D tensor; plane(b, h) picks one (batch, head)
 };
 
 template <typename T>
-Strided<T> strided(const std::optional<torch::Tensor>& x) {
+Strided<T> strided(const std::optional<at::Tensor>& x) {
   Strided<T> view;
   if (!x.has_value()) return view;
   view.data = reinterpret_cast<T*>(x->data_ptr());
@@ -689,7 +696,7 @@ void merge_splits(const float* parts, const float* part_lse, int64_t splits, int
   });
 }
 
-Sizes sizes_of(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int64_t block_q, int64_t block_k,
+Sizes sizes_of(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t block_q, int64_t block_k,
                double q_scale) {
   TORCH_CHECK(block_q >= 1 && block_k >= 1, "block_q=", block_q, " and block_k=", block_k, " must be >= 1");
   return Sizes{q.size(0),  q.size(1), k.size(1), q.size(2), k.size(2), q.size(3), v.size(3),
@@ -700,29 +707,29 @@ Band band_of(bool has_low, int64_t low, bool has_high, int64_t high, bool bottom
   return Band{has_low, has_high, low, high, bottom_right};
 }
 
-void check(const torch::Tensor& x, const char* name) {
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && x.is_contiguous() && x.device().is_cpu(), name,
+void check(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous() && x.device().is_cpu(), name,
               " must be a contiguous float32 CPU tensor");
 }
 
 // ALiBi's slopes: float32 (B, Hq) contiguous on the CPU, or None (null).
-const float* checked_slopes(const std::optional<torch::Tensor>& slopes, const torch::Tensor& q) {
+const float* checked_slopes(const std::optional<at::Tensor>& slopes, const at::Tensor& q) {
   if (!slopes) return nullptr;
-  TORCH_CHECK(slopes->device().is_cpu() && slopes->scalar_type() == torch::kFloat32 && slopes->is_contiguous() &&
+  TORCH_CHECK(slopes->device().is_cpu() && slopes->scalar_type() == at::kFloat && slopes->is_contiguous() &&
                   slopes->dim() == 2 && slopes->size(0) == q.size(0) && slopes->size(1) == q.size(1),
               "alibi slopes must be a contiguous CPU float32 (B, Hq) tensor");
   return slopes->data_ptr<float>();
 }
 
 // A mask (uint8) and a bias (float32) are 4-D CPU tensors, each axis q's batch, query heads, queries or k's keys, or 1.
-void check_terms(const std::optional<torch::Tensor>& mask, const std::optional<torch::Tensor>& bias,
-                 const torch::Tensor& q, const torch::Tensor& k) {
+void check_terms(const std::optional<at::Tensor>& mask, const std::optional<at::Tensor>& bias,
+                 const at::Tensor& q, const at::Tensor& k) {
   const int64_t full[4] = {q.size(0), q.size(1), q.size(2), k.size(2)};
   for (const auto* term : {&mask, &bias}) {
     if (!term->has_value()) continue;
     const auto& x = **term;
     const char* name = term == &mask ? "mask" : "bias";
-    TORCH_CHECK(x.scalar_type() == (term == &mask ? torch::kByte : torch::kFloat) && x.device().is_cpu(), name,
+    TORCH_CHECK(x.scalar_type() == (term == &mask ? at::kByte : at::kFloat) && x.device().is_cpu(), name,
                 " must be a CPU tensor, mask uint8 and bias float32");
     TORCH_CHECK(x.dim() == 4, name, " must be 4-D, got ", x.dim(), "-D");
     for (int d = 0; d < 4; ++d)
@@ -743,21 +750,21 @@ struct SegmentArgs {
   }
 };
 
-SegmentArgs segment_args(const std::optional<torch::Tensor>& q_ids, const std::optional<torch::Tensor>& kv_ids,
-                         const std::optional<torch::Tensor>& q_tiles, const std::optional<torch::Tensor>& kv_tiles,
-                         int64_t granule, const torch::Tensor& q, const torch::Tensor& k) {
+SegmentArgs segment_args(const std::optional<at::Tensor>& q_ids, const std::optional<at::Tensor>& kv_ids,
+                         const std::optional<at::Tensor>& q_tiles, const std::optional<at::Tensor>& kv_tiles,
+                         int64_t granule, const at::Tensor& q, const at::Tensor& k) {
   SegmentArgs args;
   if (!q_ids.has_value()) return args;
   TORCH_CHECK(kv_ids.has_value() && q_tiles.has_value() && kv_tiles.has_value() && granule >= 1,
               "segment ids need both sides and their tile summaries");
   const int64_t granules_q = (q.size(2) + granule - 1) / granule, granules_k = (k.size(2) + granule - 1) / granule;
-  const std::pair<const torch::Tensor*, std::vector<int64_t>> expected[] = {
+  const std::pair<const at::Tensor*, std::vector<int64_t>> expected[] = {
       {&*q_ids, {q.size(0), q.size(2)}},
       {&*kv_ids, {q.size(0), k.size(2)}},
       {&*q_tiles, {q.size(0), granules_q, 3}},
       {&*kv_tiles, {q.size(0), granules_k, 3}}};
   for (const auto& [x, shape] : expected)
-    TORCH_CHECK(x->scalar_type() == torch::kLong && x->is_contiguous() && x->device().is_cpu() &&
+    TORCH_CHECK(x->scalar_type() == at::kLong && x->is_contiguous() && x->device().is_cpu() &&
                     x->sizes() == c10::IntArrayRef(shape),
                 "segment ids and summaries must be contiguous int64 CPU tensors of shape ", c10::IntArrayRef(shape),
                 ", got ", x->sizes());
@@ -774,12 +781,12 @@ SegmentArgs segment_args(const std::optional<torch::Tensor>& q_ids, const std::o
 // mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None. ALiBi slopes: float32
 // (B, Hq) contiguous, or None. Segment ids: q_ids (B, Lq), kv_ids (B, Lk) int64 and their summaries per granule of
 // positions (B, granules, 3), or all None.
-std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor q_lens,
-                                   torch::Tensor kv_lens, std::optional<torch::Tensor> mask,
-                                   std::optional<torch::Tensor> bias, std::optional<torch::Tensor> slopes,
-                                   std::optional<torch::Tensor> q_ids,
-                                   std::optional<torch::Tensor> kv_ids, std::optional<torch::Tensor> q_tiles,
-                                   std::optional<torch::Tensor> kv_tiles, int64_t granule, bool has_low, int64_t low,
+std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_lens,
+                                   at::Tensor kv_lens, std::optional<at::Tensor> mask,
+                                   std::optional<at::Tensor> bias, std::optional<at::Tensor> slopes,
+                                   std::optional<at::Tensor> q_ids,
+                                   std::optional<at::Tensor> kv_ids, std::optional<at::Tensor> q_tiles,
+                                   std::optional<at::Tensor> kv_tiles, int64_t granule, bool has_low, int64_t low,
                                    bool has_high, int64_t high, bool bottom_right, double softcap, double q_scale,
                                    int64_t block_q, int64_t block_k) {
   check(q, "q"), check(k, "k"), check(v, "v"), check_terms(mask, bias, q, k);
@@ -789,8 +796,8 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
   const Strided<const float> bias_view = strided<const float>(bias);
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
-  auto out = torch::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
-  auto lse = torch::full({n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
+  auto out = at::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
+  auto lse = at::full({n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
   const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
   const int64_t blocks = (n.len_q + n.block_q - 1) / n.block_q, group = n.heads_q / n.heads_kv;
@@ -818,12 +825,12 @@ std::vector<torch::Tensor> forward(torch::Tensor q, torch::Tensor k, torch::Tens
 // delta = rowsum(dout * out) - dlse, (B, Hq, Lq). Returns dq (for the scaled q), dk, dv, and with need_dbias the
 // bias gradient as (B, Hq, Lq|1, Lk|1): summed over the bias's broadcast rows and keys, not yet over its broadcast
 // batch and heads (each task owns its planes; the caller sums those), else an empty tensor.
-std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor dout,
-                                    torch::Tensor lse, torch::Tensor delta, torch::Tensor q_lens, torch::Tensor kv_lens,
-                                    std::optional<torch::Tensor> mask, std::optional<torch::Tensor> bias,
-                                    std::optional<torch::Tensor> slopes, std::optional<torch::Tensor> q_ids,
-                                    std::optional<torch::Tensor> kv_ids,
-                                    std::optional<torch::Tensor> q_tiles, std::optional<torch::Tensor> kv_tiles,
+std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor dout,
+                                    at::Tensor lse, at::Tensor delta, at::Tensor q_lens, at::Tensor kv_lens,
+                                    std::optional<at::Tensor> mask, std::optional<at::Tensor> bias,
+                                    std::optional<at::Tensor> slopes, std::optional<at::Tensor> q_ids,
+                                    std::optional<at::Tensor> kv_ids,
+                                    std::optional<at::Tensor> q_tiles, std::optional<at::Tensor> kv_tiles,
                                     int64_t granule, bool need_dbias, bool has_low, int64_t low, bool has_high,
                                     int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
                                     int64_t block_k) {
@@ -833,9 +840,9 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
   TORCH_CHECK(!need_dbias || bias.has_value(), "need_dbias without a bias");
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
-  auto dq = torch::zeros_like(q), dk = torch::zeros_like(k), dv = torch::zeros_like(v);
-  auto dbias = need_dbias ? torch::zeros({n.batch, n.heads_q, bias->size(2), bias->size(3)}, q.options())
-                          : torch::empty({0}, q.options());
+  auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
+  auto dbias = need_dbias ? at::zeros({n.batch, n.heads_q, bias->size(2), bias->size(3)}, q.options())
+                          : at::empty({0}, q.options());
   const BackwardTerms terms{strided<const uint8_t>(mask), strided<const float>(bias),
                             need_dbias ? strided<float>(dbias) : Strided<float>{}, checked_slopes(slopes, q)};
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
@@ -861,9 +868,9 @@ std::vector<torch::Tensor> backward(torch::Tensor q, torch::Tensor k, torch::Ten
 // int32 (B, max_blocks); lengths (B,) int64; ALiBi slopes float32 (B, Hq) or None -> out (B, Hq, Lq, Dv), lse
 // (B, Hq, Lq). Each row's keys are cut into
 // `splits` ranges (split-K) that separate tasks run, merged at the end; 1 runs each row whole.
-std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
-                                         torch::Tensor block_table, torch::Tensor q_lens, torch::Tensor kv_lens,
-                                         std::optional<torch::Tensor> slopes, bool has_low, int64_t low,
+std::vector<at::Tensor> forward_paged(at::Tensor q, at::Tensor k_cache, at::Tensor v_cache,
+                                         at::Tensor block_table, at::Tensor q_lens, at::Tensor kv_lens,
+                                         std::optional<at::Tensor> slopes, bool has_low, int64_t low,
                                          bool has_high, int64_t high, bool bottom_right, double softcap,
                                          double q_scale, double cosine_eps, int64_t block_q, int64_t block_k,
                                          int64_t splits) {
@@ -871,10 +878,10 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
   const float* slope_values = checked_slopes(slopes, q);
   for (const auto* cache : {&k_cache, &v_cache})
     TORCH_CHECK(cache->is_contiguous() && cache->device().is_cpu() && cache->scalar_type() == k_cache.scalar_type() &&
-                    (cache->scalar_type() == torch::kFloat || cache->scalar_type() == torch::kBFloat16 ||
-                     cache->scalar_type() == torch::kHalf),
+                    (cache->scalar_type() == at::kFloat || cache->scalar_type() == at::kBFloat16 ||
+                     cache->scalar_type() == at::kHalf),
                 "k_cache and v_cache must be contiguous CPU tensors of one dtype: float32, bfloat16 or float16");
-  TORCH_CHECK(block_table.scalar_type() == torch::kInt && block_table.is_contiguous() && block_table.dim() == 2,
+  TORCH_CHECK(block_table.scalar_type() == at::kInt && block_table.is_contiguous() && block_table.dim() == 2,
               "block_table must be a contiguous 2-D int32 tensor");
   TORCH_CHECK(splits >= 1, "splits=", splits, " must be >= 1");
   const int64_t block_size = k_cache.size(1), num_blocks = k_cache.size(0), max_blocks = block_table.size(1);
@@ -892,12 +899,12 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
                   i, "]=", table[b * max_blocks + i], " outside [0, ", num_blocks, ")");
   }
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
-  auto out = torch::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
-  auto lse = torch::full({n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
+  auto out = at::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
+  auto lse = at::full({n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
   const int64_t rows = n.batch * n.heads_q * n.len_q;
   // One split writes straight into out and lse; more write parts, merged below.
-  auto parts = splits == 1 ? out : torch::zeros({splits, n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
-  auto part_lse = splits == 1 ? lse : torch::full({splits, n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
+  auto parts = splits == 1 ? out : at::zeros({splits, n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
+  auto part_lse = splits == 1 ? lse : at::full({splits, n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
   const int64_t blocks = (n.len_q + n.block_q - 1) / n.block_q;
   const float* qp = q.data_ptr<float>();
   float *op = parts.data_ptr<float>(), *lp = part_lse.data_ptr<float>();
@@ -934,8 +941,8 @@ std::vector<torch::Tensor> forward_paged(torch::Tensor q, torch::Tensor k_cache,
       }
     });
   };
-  if (k_cache.scalar_type() == torch::kFloat) run(float{});
-  else if (k_cache.scalar_type() == torch::kBFloat16) run(at::BFloat16{});
+  if (k_cache.scalar_type() == at::kFloat) run(float{});
+  else if (k_cache.scalar_type() == at::kBFloat16) run(at::BFloat16{});
   else run(at::Half{});
   if (splits > 1) merge_splits(op, lp, splits, rows, n.dim_v, out.data_ptr<float>(), lse.data_ptr<float>());
   return {out, lse};

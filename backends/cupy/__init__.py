@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 
-from attnkit.backend import Backend, MissingPackageBackend
+from attnkit.backend import Backend, Framework, LazyBackend, MissingPackageBackend
 
 
-def backends() -> list[Backend]:
+def backends() -> list[Backend | LazyBackend]:
+    """Their module is imported at its first use (attnkit.backend.LazyBackend)."""
     if importlib.util.find_spec("torch") is not None:
-        from .backend import CupyBackend
-
-        return [CupyBackend.on_cuda(), CupyBackend.emulated()]
+        torch = frozenset({Framework.TORCH})
+        made = f"{__name__}.backend:CupyBackend"
+        return [LazyBackend("cupy", torch, f"{made}.on_cuda"), LazyBackend("cupy-emulated", torch, f"{made}.emulated")]
     return [MissingPackageBackend(name, "torch", "torch") for name in ("cupy", "cupy-emulated")]

@@ -9,27 +9,27 @@ from __future__ import annotations
 
 import importlib.util
 
-from attnkit.backend import Backend, MissingPackageBackend
+from attnkit.backend import Backend, Framework, LazyBackend, MissingPackageBackend
+
+TORCH, JAX = frozenset({Framework.TORCH}), frozenset({Framework.JAX})
 
 
-def backends() -> list[Backend]:
-    found: list[Backend] = []
+def backends() -> list[Backend | LazyBackend]:
+    """Each backend's module is imported at its first use (attnkit.backend.LazyBackend)."""
+    found: list[Backend | LazyBackend] = []
     if importlib.util.find_spec("torch") is not None:
-        from .flash_attn import FlashAttnBackend
-        from .torch_flex import TorchFlexBackend
-        from .torch_sdpa import TorchSdpaBackend
-
-        found += [TorchSdpaBackend(), TorchFlexBackend()]
+        found += [
+            LazyBackend("torch-sdpa", TORCH, f"{__name__}.torch_sdpa:TorchSdpaBackend"),
+            LazyBackend("torch-flex", TORCH, f"{__name__}.torch_flex:TorchFlexBackend"),
+        ]
     else:
         found += [MissingPackageBackend(name, "torch", "torch") for name in ("torch-sdpa", "torch-flex")]
     if importlib.util.find_spec("jax") is not None:
-        from .jax_xla import JaxXlaBackend
-
-        found.append(JaxXlaBackend())
+        found.append(LazyBackend("jax-xla", JAX, f"{__name__}.jax_xla:JaxXlaBackend"))
     else:
         found.append(MissingPackageBackend("jax-xla", "jax", "jax"))
     if importlib.util.find_spec("torch") is not None:
-        found.append(FlashAttnBackend())
+        found.append(LazyBackend("flash-attn", TORCH, f"{__name__}.flash_attn:FlashAttnBackend"))
     else:
         found.append(MissingPackageBackend("flash-attn", "torch", "torch"))
     return found

@@ -73,6 +73,8 @@ class FlashAttnBackend(RecomputingBackend):
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         reasons = super().supports(spec, problem)
+        if problem.framework not in self.capabilities.frameworks:
+            return reasons  # the one reason (capability_reasons)
         if Feature.TOP_LEFT in spec.features() and problem.len_q != problem.len_k:
             reasons.append(f"top-left alignment with len_q={problem.len_q} != len_k={problem.len_k} (supported: equal)")
         if problem.head_dim != problem.head_dim_v:

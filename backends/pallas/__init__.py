@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 
-from attnkit.backend import Backend, MissingPackageBackend
+from attnkit.backend import Backend, Framework, LazyBackend, MissingPackageBackend
 
 
-def backends() -> list[Backend]:
+def backends() -> list[Backend | LazyBackend]:
+    """Its module (which imports jax) is imported at its first use (attnkit.backend.LazyBackend)."""
     if importlib.util.find_spec("jax") is not None:
-        from .backend import PallasBackend
-
-        return [PallasBackend()]
+        return [LazyBackend("pallas", frozenset({Framework.JAX, Framework.TORCH}), f"{__name__}.backend:PallasBackend")]
     return [MissingPackageBackend("pallas", "jax", "jax")]

@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import importlib.util
 
-from attnkit.backend import Backend, MissingPackageBackend
+from attnkit.backend import Backend, Framework, LazyBackend, MissingPackageBackend
+
+TORCH, JAX = frozenset({Framework.TORCH}), frozenset({Framework.JAX})
 
 
-def backends() -> list[Backend]:
-    found: list[Backend] = []
+def backends() -> list[Backend | LazyBackend]:
+    """Each backend's module is imported at its first use (attnkit.backend.LazyBackend)."""
+    found: list[Backend | LazyBackend] = []
     if importlib.util.find_spec("torch") is not None:
-        from .torch_chunked import TorchChunkedBackend
-        from .torch_naive import TorchNaiveBackend
-
-        found += [TorchNaiveBackend(), TorchChunkedBackend()]
+        found += [
+            LazyBackend("torch-naive", TORCH, f"{__name__}.torch_naive:TorchNaiveBackend"),
+            LazyBackend("torch-chunked", TORCH, f"{__name__}.torch_chunked:TorchChunkedBackend"),
+        ]
     else:
         found += [MissingPackageBackend(name, "torch", "torch") for name in ("torch-naive", "torch-chunked")]
     if importlib.util.find_spec("jax") is not None:
-        from .jax_reference import JaxReferenceBackend
-
-        found.append(JaxReferenceBackend())
+        found.append(LazyBackend("jax-reference", JAX, f"{__name__}.jax_reference:JaxReferenceBackend"))
     else:
         found.append(MissingPackageBackend("jax-reference", "jax", "jax"))
     return found

@@ -321,6 +321,8 @@ class JaxReferenceBackend(BaseBackend):
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
         reasons = super().supports(spec, problem)
+        if problem.framework is not Framework.JAX:
+            return reasons  # the one reason (capability_reasons)
         if problem.dtype == "float64" and _JAX_ERROR is None and not jax.config.read("jax_enable_x64"):
             reasons.append("dtype=float64 needs jax_enable_x64 (jax.config.update('jax_enable_x64', True))")
         return reasons

@@ -7,9 +7,11 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
+import sys
 
-from attnkit.backend import Backend, MissingPackageBackend
+from attnkit.backend import Backend, Framework, LazyBackend, MissingPackageBackend
 
 from .versions import SUPPORTED_TRITON, SUPPORTED_TRITON_TEXT, minor_version, unsupported_triton
 
@@ -29,13 +31,25 @@ class UnsupportedTritonBackend(MissingPackageBackend):
         return unsupported_triton(self.version)
 
 
-def backends() -> list[Backend]:
-    if importlib.util.find_spec("triton") is not None and importlib.util.find_spec("torch") is not None:
+def installed_version() -> str:
+    """The Triton version: the module's where it is imported already, else its distribution's metadata (importing
+    triton takes a fifth of a second), else the module's (a source tree on the path has no metadata)."""
+    if "triton" in sys.modules:
+        return str(sys.modules["triton"].__version__)
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
         import triton
 
-        if unsupported_triton(triton.__version__):
-            return [UnsupportedTritonBackend(triton.__version__)]
-        from .backend import TritonBackend
+        return str(triton.__version__)
 
-        return [TritonBackend()]
+
+def backends() -> list[Backend | LazyBackend]:
+    """The kernels' module (which imports triton) is imported at the backend's first use (attnkit.backend.LazyBackend):
+    a torch call on the CPU never imports triton, and TRITON_INTERPRET may be set up to then."""
+    if importlib.util.find_spec("triton") is not None and importlib.util.find_spec("torch") is not None:
+        version = installed_version()
+        if unsupported_triton(version):
+            return [UnsupportedTritonBackend(version)]
+        return [LazyBackend("triton", frozenset({Framework.TORCH}), f"{__name__}.backend:TritonBackend")]
     return [MissingPackageBackend("triton", "triton", "triton")]

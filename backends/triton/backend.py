@@ -82,8 +82,8 @@ class TritonBackend(KernelBackend):
             return interpreter_refusals(triton.__version__, numpy.__version__)
         if not torch.cuda.is_available():
             return [
-                "no CUDA device (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 before attnkit "
-                "loads its backends to run the kernels in the Triton interpreter on CPU tensors"
+                "no CUDA device (torch.cuda.is_available() is False); set TRITON_INTERPRET=1 before the triton "
+                "backend's first use to run the kernels in the Triton interpreter on CPU tensors"
             ]
         return []
 
