@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from attnkit import autotune, config, cost, registry
-from attnkit.backend import Backend, Delegation, Problem, routing_features
+from attnkit.backend import Backend, Delegation, LazyBackend, Problem, routing_features
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputTypeError
 from attnkit.spec import AttentionSpec
@@ -212,7 +212,15 @@ def select(
 
 
 def _length_generic(names: Iterable[str], all_backends: dict[str, Backend]) -> bool:
-    return all(all_backends[name].capabilities.length_generic for name in names)
+    """Whether every one of these backends answers alike across a length class. One still unloaded answered from
+    its frameworks alone (LazyBackend), which no length changes: its capabilities are not read (they would load it)."""
+    for name in names:
+        backend = all_backends[name]
+        if isinstance(backend, LazyBackend) and backend.loaded() is None:
+            continue
+        if not backend.capabilities.length_generic:
+            return False
+    return True
 
 
 def select_call(
