@@ -8,12 +8,18 @@
   here such rows are found from the visibility mask and set to 0, which also zeroes their cotangent.
 * Segment ids: jax.nn.dot_product_attention has none; ``q_ids == kv_ids >= 0`` joins the same boolean mask, so a
   packed row costs its whole (Lq, Lk) scores, (Σ Lᵢ)², with nothing skipped.
-* Padding beyond lengths and at negative segment ids is zeroed first (0·NaN would otherwise reach visible rows).
+* Padding beyond lengths and at negative segment ids is zeroed first (0·NaN would otherwise reach visible rows). On
+  CPU, when there are fewer queries than keys (a KV cache's decode or chunk step), that pass sits in a ``lax.cond``
+  on whether there is any padding, which XLA does not fuse through: fused, the select joins the transposing copy of
+  k and v that feeds each dot, an elementwise loop reading the cache with a stride, about 6x the select and the copy
+  apart (a jitted decode step over a 2048-key cache took 4x jax.nn.dot_product_attention's time). With Lq >= Lk the
+  dots dominate, and the conditional measured slower at Lq = Lk = 768 and 1024 (15%), so the select stays fused.
 * Differentiated by JAX itself (``differentiable_forward``): jax.grad of attend is jax.grad of the library call.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -68,6 +74,36 @@ def _visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k:
     return conjoin(band, length_visibility(i, j, q_len, kv_len), inputs.mask, segments)
 
 
+def _without_padding(inputs: AttentionInputs, q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+    """q, k, v (bshd) with their padding zeroed (§5). Zeroed in both passes: V's garbage would reach out through
+    0·NaN, and K's the gradient of q (dq = dS·K, whose dS is 0 there).
+
+    On CPU with Lq < Lk the zeroing is a branch of a ``lax.cond`` taken when any position is padding (see the module
+    docstring); the predicate is a tracer, so XLA keeps the conditional, and its backward (JAX transposes the cond)
+    too. Other platforms fuse the select well and get it plain."""
+    q_lengths, kv_lengths = inputs.q_lengths, inputs.kv_lengths
+    q_ids, kv_ids = inputs.q_segment_ids, inputs.kv_segment_ids
+    if all(x is None for x in (q_lengths, kv_lengths, q_ids, kv_ids)):
+        return q, k, v
+
+    def zero(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+        q = zero_padding(q, q_lengths, axis=1, segment_ids=q_ids)
+        k, v = (zero_padding(x, kv_lengths, axis=1, segment_ids=kv_ids) for x in (k, v))
+        return q, k, v
+
+    if q.shape[1] >= k.shape[1]:
+        return zero(q, k, v)
+
+    def apart(q: Any, k: Any, v: Any) -> tuple[Any, Any, Any]:
+        short = [jnp.any(n < x.shape[1]) for n, x in ((q_lengths, q), (kv_lengths, k)) if n is not None]
+        padded = functools.reduce(
+            jnp.logical_or, short + [jnp.any(ids < 0) for ids in (q_ids, kv_ids) if ids is not None]
+        )
+        return jax.lax.cond(padded, zero, lambda *x: x, q, k, v)
+
+    return jax.lax.platform_dependent(q, k, v, cpu=apart, default=zero)
+
+
 def _native_causal(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, len_k: int) -> bool:
     """Whether is_causal=True expresses all of the visibility but the user mask."""
     if spec.window is not None or any(
@@ -120,8 +156,7 @@ def _xla_attention_traced(spec: AttentionSpec, inputs: AttentionInputs, need_lse
         out = jnp.zeros((batch, len_q, heads_q, dim_v), q.dtype)
         empty_lse = jnp.full((batch, heads_q, len_q), -jnp.inf, jnp.float32)
         return (out if spec.layout is Layout.BSHD else jnp.swapaxes(out, 1, 2)), empty_lse
-    q = zero_padding(q, inputs.q_lengths, axis=1, segment_ids=inputs.q_segment_ids)
-    k, v = (zero_padding(x, inputs.kv_lengths, axis=1, segment_ids=inputs.kv_segment_ids) for x in (k, v))
+    q, k, v = _without_padding(inputs, q, k, v)
     dtype = q.dtype
     if spec.variant is Variant.COSINE:
         q, k = _unit_rows(q), _unit_rows(k)
