@@ -143,6 +143,9 @@ def _add_explain(commands: Any) -> argparse.ArgumentParser:
     return explain
 
 
+BENCH_WHATS = "dispatch spec chunked memory targets compiled masks packed paged context-parallel clauses decode".split()
+
+
 def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
@@ -153,20 +156,7 @@ def _add_bench(commands: Any) -> None:
     )
     bench.add_argument(
         "--what",
-        choices=(
-            "dispatch",
-            "spec",
-            "chunked",
-            "memory",
-            "targets",
-            "compiled",
-            "masks",
-            "packed",
-            "paged",
-            "context-parallel",
-            "clauses",
-            "decode",
-        ),  # fmt: skip
+        choices=BENCH_WHATS,
         default="dispatch",
     )
     bench.add_argument(
