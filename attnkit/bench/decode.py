@@ -294,11 +294,14 @@ def bench_transformers(
     rng = random.Random(seed if seed is not None else time.time_ns())
 
     def generate(name: str, prompt: int, tokens: int) -> Any:
-        ids = torch.randint(0, vocab, (1, prompt), generator=torch.Generator().manual_seed(prompt))
+        # Ids from 1: generate() takes every pad id (0) in the prompt for padding, which would make this a padded
+        # batch (segment ids on attnkit's side, a mask on SDPA's) instead of the plain prompt it is meant to be.
+        ids = torch.randint(1, vocab, (1, prompt), generator=torch.Generator().manual_seed(prompt))
         with torch.no_grad():
             out = models[name].generate(
-                ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0
-            )
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+                do_sample=False, pad_token_id=0,
+            )  # fmt: skip
         return out[0, prompt:]
 
     warm_prompt = PROMPT_RANGE[0] // 2  # a warm-up turn below every timed length
