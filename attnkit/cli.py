@@ -249,7 +249,7 @@ def _add_build(commands: Any) -> None:
     commands.add_parser(
         "build",
         help="build what attnkit compiles at run time, once per machine, torch and Python: cpu-flash's kernel "
-        "(~16 s), the C++ signature that keys attend's cache for torch calls (~15 s; a cached call ~1 us cheaper)",
+        "(~16 s), the C++ signature that keys attend's cache for torch calls (~15 s; a cached call 3-5 us cheaper)",
     )
 
 
