@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import attnkit
-from attnkit.backend import Framework, Problem, length_bucket, length_class
+from attnkit.backend import Framework, Problem, length_bucket, length_class, own_forward, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError
 from attnkit.frontends.torch_frontend import OPS
@@ -137,15 +137,19 @@ def test_measured_decisions_are_kept_per_class(tmp_path: Any) -> None:
 
 @pytest.mark.parametrize("backend", backend_params(Framework.TORCH))
 def test_a_forced_backends_runner_serves_every_length_of_its_class(backend: str) -> None:
-    """Each registered backend that declares ``length_generic``: a runner made for one length of a class gives what
-    the runner of another length gives, forward and dq (lengths inside one class, and across classes)."""
-    if not attnkit.registered_backends()[backend].capabilities.length_generic:
+    """Each registered backend that declares ``length_generic`` and gives its own runner (``differentiable_forward``,
+    ``plain_call``): a runner made for one length of a class gives what the runner of another length gives, forward
+    and dq (lengths inside one class, and across classes). The other backends run the frontend's runner, which reads
+    nothing but the call's own tensors."""
+    served = attnkit.registry.get_backend(backend)
+    if not served.capabilities.length_generic:
         pytest.skip(f"{backend} does not declare length_generic: its calls are kept per exact shape")
     causal, window = attnkit.AttentionSpec(causal=True), attnkit.AttentionSpec(causal=True, window=(40, 0))
+    problem = Problem(Framework.TORCH, "cpu", "float32", 1, 4, 2, 1, 64, 16, 16, needs_grad=True)
+    if own_forward(served, causal, problem) is None and own_plain_call(served, causal, problem) is None:
+        pytest.skip(f"{backend} runs the frontend's runner (its forward and backward on the call's tensors)")
     calls = ((causal, _decode), (causal, _prefill), (causal, _documents), (window, _chunk))
     lengths = (63, 64, 65, 100)  # a class's last length, a power of two, two lengths of the class after it
-    if attnkit.backend.runs_interpreted(attnkit.registered_backends()[backend], "cpu"):  # seconds a call
-        calls, lengths = calls[2:3], (33, 40)
     for spec, call in calls:
         try:
             attnkit.attend(spec, **call(lengths[0]), backend=backend)
