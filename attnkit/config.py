@@ -64,8 +64,6 @@ class Refinement(BaseModel):
     ``when_any`` (if given) is used."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    #: (epoch, use_costs, costs, table) of the last cost_table() read.
-    _table: tuple[int, bool, str | None, CostTable | None] | None = PrivateAttr(default=None)
 
     when: frozenset[StrictStr] = frozenset()
     when_any: frozenset[StrictStr] = frozenset()
