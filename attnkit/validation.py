@@ -239,10 +239,7 @@ def _check_range(ops: FrameworkOps, name: str, lengths: Any, limit: int) -> None
 
 
 def check_length_values(ops: FrameworkOps, problem: Problem, q_lengths: Any, kv_lengths: Any) -> None:
-    if q_lengths is not None:
-        _check_range(ops, "q_lengths", q_lengths, problem.len_q)
-    if kv_lengths is not None:
-        _check_range(ops, "kv_lengths", kv_lengths, problem.len_k)
+    _check_lengths(ops, q_lengths, kv_lengths, problem.len_q, problem.len_k)
 
 
 def check_lengths_against_shapes(
@@ -250,10 +247,14 @@ def check_lengths_against_shapes(
 ) -> None:
     """:func:`check_length_values` of a 4-D call whose Problem was made for another length of its class."""
     seq_axis = 1 if spec.layout is Layout.BSHD else 2
+    _check_lengths(ops, q_lengths, kv_lengths, q.shape[seq_axis], k.shape[seq_axis])
+
+
+def _check_lengths(ops: FrameworkOps, q_lengths: Any, kv_lengths: Any, len_q: int, len_k: int) -> None:
     if q_lengths is not None:
-        _check_range(ops, "q_lengths", q_lengths, q.shape[seq_axis])
+        _check_range(ops, "q_lengths", q_lengths, len_q)
     if kv_lengths is not None:
-        _check_range(ops, "kv_lengths", kv_lengths, k.shape[seq_axis])
+        _check_range(ops, "kv_lengths", kv_lengths, len_k)
 
 
 def _to_4d(ops: FrameworkOps, argument: str, tensor: Any, full: tuple[int, ...], was_3d: bool) -> Any:

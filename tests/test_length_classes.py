@@ -194,3 +194,15 @@ def test_the_frontends_signature_groups_lengths_by_class() -> None:
         keys.setdefault(problem.length_class(), set()).add(key)
     assert all(len(group) == 1 for group in keys.values())
     assert len({next(iter(group)) for group in keys.values()}) == len(keys)
+
+
+def test_a_class_hit_still_checks_the_lengths_against_its_own_shapes() -> None:
+    """The cached class entry was made for another length: kv_lengths are checked against this call's Lk."""
+    spec = attnkit.AttentionSpec(causal=True)
+    with attnkit.use_config({}), torch.no_grad():
+        attnkit.attend(spec, **_static_cache(100))  # Lk = 105: the class (64, 128)
+        full_paths = CACHE.full_paths
+        attnkit.attend(spec, **{**_static_cache(110), "kv_lengths": torch.tensor([115])})  # Lk = 115, at its end
+        with pytest.raises(attnkit.InvalidInputError, match=r"kv_lengths values must lie in \[0, 115\], got .*116"):
+            attnkit.attend(spec, **{**_static_cache(110), "kv_lengths": torch.tensor([116])})
+        assert CACHE.full_paths == full_paths  # both served by the class entry, the check included
