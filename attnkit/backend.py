@@ -154,6 +154,8 @@ class Problem:
     paged_block_size: int | None = None
     #: ALiBi slopes given (docs/semantics.md §16).
     has_alibi: bool = False
+    #: A mask program given (mask_mod, docs/semantics.md §17).
+    has_mask_program: bool = False
 
     def is_plain(self) -> bool:
         """q, k and v alone (no mask, bias, lengths or segment ids), and no lse wanted: a library's plain attention
@@ -167,6 +169,7 @@ class Problem:
             or self.has_segment_ids
             or self.paged_block_size is not None
             or self.has_alibi
+            or self.has_mask_program
         )
 
     def length_class(self) -> tuple[int, int, int]:
@@ -191,6 +194,7 @@ class Problem:
             (self.has_segment_ids, Feature.SEGMENT_IDS),
             (self.paged_block_size is not None, Feature.PAGED),
             (self.has_alibi, Feature.ALIBI),
+            (self.has_mask_program, Feature.MASK_PROGRAM),
         )
         return frozenset(feature for used, feature in flags if used)
 
@@ -227,6 +231,8 @@ class AttentionInputs(NamedTuple):
     kv_segment_ids: Any = None
     #: ALiBi slopes (docs/semantics.md §16), float32 (B|1, Hq); no gradient.
     alibi_slopes: Any = None
+    #: A bound mask program (attnkit.programs, docs/semantics.md), None without one.
+    mask_program: Any = None
 
 
 class PagedInputs(NamedTuple):
@@ -362,6 +368,10 @@ class Capabilities:
     #: seen (a KV cache growing one key a step) with the decision and runner it made before. False (the default)
     #: for a backend that has not said so: calls that consult it are validated and dispatched per exact shape.
     length_generic: bool = False
+    #: Where it declares Feature.MASK_PROGRAM: whether it serves a program only by materialising it as a dense
+    #: (Lq, Lk) mask (torch-sdpa, jax-xla, the oracle) rather than evaluating it in its tiles. ``auto`` prefers a
+    #: backend that evaluates it; ``explain`` says which each does.
+    materialises_mask_programs: bool = False
 
     def on(self, device: str) -> Capabilities:
         """These capabilities as they stand on ``device``: its :class:`DeviceLimits` applied, none left."""

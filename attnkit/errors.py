@@ -37,3 +37,9 @@ class ConfigError(AttnkitError, ValueError):
 class BuildError(AttnkitError, RuntimeError):
     """Code compiled at run time (attnkit/build.py) could not be built or may not be loaded; the message says why,
     with the compiler's first error lines for a failed compile."""
+
+
+class MaskProgramError(InvalidInputError):
+    """A ``mask_mod`` that is not a mask program (docs/semantics.md §17): an operation a program cannot contain, a
+    captured tensor of the wrong dtype, device or framework, or a function of the wrong arity. The message names
+    ``mask_mod`` and the operation."""

@@ -27,6 +27,8 @@ class Feature(enum.StrEnum):
     GRAD = "grad"
     DBIAS = "dbias"
     SEGMENT_IDS = "segment_ids"
+    # A mask program (mask_mod, docs/semantics.md §17).
+    MASK_PROGRAM = "mask_program"
     # ALiBi's per-head slopes (docs/semantics.md §16), a bias the backend computes from positions.
     ALIBI = "alibi"
     # Of attend_paged (docs/semantics.md §13): the backend reads a paged KV cache where its blocks lie.
@@ -49,6 +51,7 @@ CALL_FEATURES = frozenset(
         Feature.GRAD,
         Feature.DBIAS,
         Feature.SEGMENT_IDS,
+        Feature.MASK_PROGRAM,
         Feature.PAGED,
         Feature.ALIBI,
     }
