@@ -211,7 +211,7 @@ def length_class(length: int) -> int:
 
 
 class AttentionInputs(NamedTuple):
-    """The tensors of one call, in one framework. Optional ones are None.
+    """The tensors of one call, in one framework, and its bound mask program. Optional ones are None.
 
     A NamedTuple: built on every call (a frozen dataclass costs twice as much), and a JAX pytree as is.
     """
@@ -227,6 +227,8 @@ class AttentionInputs(NamedTuple):
     kv_segment_ids: Any = None
     #: ALiBi slopes (docs/semantics.md §16), float32 (B|1, Hq); no gradient.
     alibi_slopes: Any = None
+    #: A bound mask program (attnkit.programs, docs/semantics.md), None without one.
+    mask_program: Any = None
 
 
 class PagedInputs(NamedTuple):

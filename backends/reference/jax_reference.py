@@ -71,7 +71,7 @@ class _Operands(NamedTuple):
 
 def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> _Operands:
     """All the plumbing: layout, upcast, GQA grouping, cosine normalisation, lengths, segment ids, key padding."""
-    q, k, v, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids, slopes = inputs
+    q, k, v, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids, slopes, _mask_program = inputs
     dtype = _compute_dtype(q.dtype)
     q, k, v = (_bhsd(spec, x).astype(dtype) for x in (q, k, v))
     heads_kv, len_q, len_k = k.shape[1], q.shape[2], k.shape[2]
