@@ -125,7 +125,7 @@ _FLOAT32_POINTERS = ("Lse", "Delta", "DLse", "DBias")
 _SEGMENT_POINTERS = ("QSegmentIds", "KvSegmentIds", "QSegmentRanges", "KvSegmentRanges")
 _DESCRIPTORS = ("KTiles", "VTiles", "QTiles", "DOutTiles")
 #: A mask program's tensors, None without one (launch.program_arguments): the variants here have none.
-_PROGRAM_ARGUMENTS = ("TileClasses", "Captured", "captured_layout")
+_PROGRAM_ARGUMENTS = ("TileClasses", "class_strides", "Captured", "captured_layout")
 _DENSE_STRIDE = re.compile(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]$")
 _FEATURE_STRIDE = re.compile(r"stride_(bias|mask)_([bhmn])$")
 _TRITON_TYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}

@@ -174,21 +174,18 @@ def _tile_class(
     head,
     row_start,
     key_start,
-    stride_class_b,
-    stride_class_h,
-    stride_class_m,
-    stride_class_n,
+    class_strides,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HAS_PROGRAM: tl.constexpr,
 ):
     """The mask program's class of the (query tile, key tile) pair at row_start, key_start of one (batch, query
-    head), from the uint8 (B|1, Hq|1, query tiles, key tiles) classes (stride 0 on an axis of size 1); full without a
-    program."""
+    head), from the uint8 (B|1, Hq|1, query tiles, key tiles) classes and their strides (0 on an axis of size 1);
+    full without a program."""
     tile_class = _FULL_TILE
     if HAS_PROGRAM:
-        place = batch * stride_class_b + head * stride_class_h
-        place += (row_start // BLOCK_M) * stride_class_m + (key_start // BLOCK_N) * stride_class_n
+        place = batch * class_strides[0] + head * class_strides[1]
+        place += (row_start // BLOCK_M) * class_strides[2] + (key_start // BLOCK_N) * class_strides[3]
         tile_class = tl.load(TileClasses + place).to(tl.int32)
     return tile_class
 
@@ -658,10 +655,7 @@ def _fwd_kernel(
     KTiles,
     VTiles,
     TileClasses,
-    stride_class_b,
-    stride_class_h,
-    stride_class_m,
-    stride_class_n,
+    class_strides,
     Captured,
     captured_layout,
     HEAD_DIM: tl.constexpr,
@@ -781,8 +775,9 @@ def _fwd_kernel(
         if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
             k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
             meets = (q_low <= k_high) & (k_low <= q_high)
-        tile_class = _tile_class(TileClasses, batch, head, row_start, key_start, stride_class_b, stride_class_h,
-                                 stride_class_m, stride_class_n, BLOCK_M, BLOCK_N, HAS_PROGRAM)  # fmt: skip
+        tile_class = _tile_class(
+            TileClasses, batch, head, row_start, key_start, class_strides, BLOCK_M, BLOCK_N, HAS_PROGRAM
+        )
         if HAS_PROGRAM:  # a key tile the program hides from every row is skipped
             meets = meets & (tile_class != _EMPTY_TILE)
         if meets:
@@ -1059,10 +1054,7 @@ def _bwd_dq_kernel(
     KTiles,
     VTiles,
     TileClasses,
-    stride_class_b,
-    stride_class_h,
-    stride_class_m,
-    stride_class_n,
+    class_strides,
     Captured,
     captured_layout,
     HEAD_DIM: tl.constexpr,
@@ -1168,8 +1160,9 @@ def _bwd_dq_kernel(
         if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
             k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
             meets = (q_low <= k_high) & (k_low <= q_high)
-        tile_class = _tile_class(TileClasses, batch, head, row_start, key_start, stride_class_b, stride_class_h,
-                                 stride_class_m, stride_class_n, BLOCK_M, BLOCK_N, HAS_PROGRAM)  # fmt: skip
+        tile_class = _tile_class(
+            TileClasses, batch, head, row_start, key_start, class_strides, BLOCK_M, BLOCK_N, HAS_PROGRAM
+        )
         if HAS_PROGRAM:  # a key tile the program hides from every row is skipped
             meets = meets & (tile_class != _EMPTY_TILE)
         if meets:
@@ -1388,10 +1381,7 @@ def _bwd_dkdv_kernel(
     QTiles,
     DOutTiles,
     TileClasses,
-    stride_class_b,
-    stride_class_h,
-    stride_class_m,
-    stride_class_n,
+    class_strides,
     Captured,
     captured_layout,
     HEAD_DIM: tl.constexpr,
@@ -1478,8 +1468,9 @@ def _bwd_dkdv_kernel(
             if HAS_SEGMENT_IDS:  # a query tile sharing no segment id with the key tile is skipped
                 q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
                 meets = (q_low <= k_high) & (k_low <= q_high)
-            tile_class = _tile_class(TileClasses, batch, head, row_start, key_start, stride_class_b, stride_class_h,
-                                     stride_class_m, stride_class_n, BLOCK_M, BLOCK_N, HAS_PROGRAM)  # fmt: skip
+            tile_class = _tile_class(
+                TileClasses, batch, head, row_start, key_start, class_strides, BLOCK_M, BLOCK_N, HAS_PROGRAM
+            )
             if HAS_PROGRAM:  # a query tile the program hides from every key is skipped
                 meets = meets & (tile_class != _EMPTY_TILE)
             if meets:

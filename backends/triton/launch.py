@@ -394,14 +394,14 @@ def warp_specialization_serves(
 def program_arguments(call: KernelCall, config: TileConfig) -> tuple[Any, ...]:
     """The kernels' mask-program arguments after their others: the tile classes at ``config``'s tiles (uint8, stride
     0 on a batch or head axis of size 1) with their strides, the captured tensors and their layout
-    (programs.arguments); without a program, None and zeros (never read)."""
+    (programs.arguments); without a program, None (never read)."""
     if call.program is None:
-        return None, 0, 0, 0, 0, None, None
+        return None, None, None, None
     batch, heads_q, len_q, _, len_k = call.shape
     classes = cached_tile_classes(call.program, batch, heads_q, len_q, len_k, config.block_m, config.block_n, call.q)
     strides = [stride if size > 1 else 0 for size, stride in zip(classes.shape, classes.stride())]
     captured, layout = programs.arguments(call.program, call.q.device)
-    return classes, *strides, captured, layout
+    return classes, tuple(strides), captured, layout
 
 
 def tile_constants(kernel: Kernel, config: TileConfig) -> dict[str, Any]:

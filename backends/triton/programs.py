@@ -26,13 +26,22 @@ import torch
 
 from attnkit.contract.programs import BOOL_BINARY, COMPARISONS, BoundProgram, CapturedSpec, Expr, MaskProgram, nodes
 
-#: The Python spelling of the operations written as operators in the generated source.
-_OPERATORS = {"add": "+", "sub": "-", "mul": "*", **COMPARISONS, **BOOL_BINARY}
-
-
-def layout_length(program: MaskProgram) -> int:
-    """How many integers ``layout`` holds: each captured tensor's sizes, then its strides."""
-    return sum(2 * len(spec.shape) for spec in program.captured)
+#: How each operation is written, from its operands' temporaries ({0}, {1}, {2}). Triton's // and % on integers
+#: round as C's (toward zero; the remainder takes the dividend's sign): tdiv and trem are theirs.
+_FORMS = {
+    **{name: f"{{0}} {symbol} {{1}}" for name, symbol in {"add": "+", "sub": "-", "mul": "*"}.items()},
+    **{name: f"{{0}} {symbol} {{1}}" for name, symbol in {**COMPARISONS, **BOOL_BINARY}.items()},
+    "tdiv": "{0} // {1}",
+    "trem": "{0} % {1}",
+    "min": "tl.minimum({0}, {1})",
+    "max": "tl.maximum({0}, {1})",
+    "neg": "-{0}",
+    "abs": "tl.abs({0})",
+    "not": "{0} == 0",
+    "int": "{0}.to(tl.int32)",
+    "bool": "{0} != 0",
+    "where": "tl.where({0}, {1}, {2})",
+}
 
 
 def source(program: MaskProgram) -> str:
@@ -82,28 +91,9 @@ def _expression(node: Expr, args: list[str], program: MaskProgram) -> str:
         )
         value = f"tl.load(c{slot} + {offsets})" if args else f"tl.load(c{slot})"
         return f"{value} != 0" if node.kind == "bool" else f"{value}.to(tl.int32)"
-    if op == "where":
-        return f"tl.where({args[0]}, {args[1]}, {args[2]})"
-    if op == "neg":
-        return f"-{args[0]}"
-    if op == "abs":
-        return f"tl.abs({args[0]})"
-    if op == "not":
-        return f"{args[0]} == 0"
-    if op == "int":
-        return f"{args[0]}.to(tl.int32)"
-    if op == "bool":
-        return f"{args[0]} != 0"
+    if op in _FORMS:
+        return _FORMS[op].format(*args)
     a, b = args
-    if op in _OPERATORS:
-        return f"{a} {_OPERATORS[op]} {b}"
-    if op in ("min", "max"):
-        return f"tl.{op}imum({a}, {b})"
-    # Triton's // and % on integers round as C's (toward zero; the remainder takes the dividend's sign).
-    if op == "tdiv":
-        return f"{a} // {b}"
-    if op == "trem":
-        return f"{a} % {b}"
     # Python's rounding from C's: a nonzero remainder whose sign differs from the divisor's moves the quotient down
     # by one and the remainder by one divisor.
     off = f"(({a} % {b} != 0) & (({a} % {b} < 0) != ({b} < 0)))"
