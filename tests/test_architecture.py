@@ -20,6 +20,7 @@ BACKEND_MAY_IMPORT = frozenset(
         "attnkit.contract.torch",
         "attnkit.contract.jax",
         "attnkit.contract.kernels",
+        "attnkit.contract.programs",
         "attnkit.contract.kernel_checks",
         "attnkit.contract.sass",
     }
