@@ -83,7 +83,12 @@ PROGRAMS: dict[str, Callable[..., Any]] = {
         (jnp.take(DOC[b], q - 2) == DOC.at[b, kv + 3].get(mode="fill", fill_value=-1))
         | (DOC.at[b, kv * 2].get(mode="clip") == 1)
     ),
-    "nested jit and custom_jvp": lambda b, h, q, kv: _chunk(q, kv) & _jitted_band(q, kv) & (jax.nn.relu(q - kv) < 3),
+    "slices and windows": lambda b, h, q, kv: (
+        (DOC[b, 1:4][q] == kv % 4)
+        | (lax.dynamic_slice(DOC[b], (q,), (3,))[kv % 3] == 2)
+        | (DOC[b, jnp.arange(L)[kv - 1]] == 1)
+    ),
+    "nested calls": lambda b, h, q, kv: jax.checkpoint(_chunk)(q, kv) & _jitted_band(q, kv) & (jax.nn.relu(q - kv) < 3),
 }
 
 

@@ -156,7 +156,7 @@ def _subjaxpr(eqn: Any) -> tuple[Any, Sequence[Any]] | None:
 
 _CALLS = frozenset(
     {"jit", "pjit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-     "checkpoint", "remat", "named_call"}
+     "checkpoint", "remat", "remat2", "named_call"}
 )  # fmt: skip
 #: jnp functions on integers whose jaxpr spells an operation of the program at length (sign tests, selects).
 _FUSED = {"floor_divide": ("floordiv", jnp.floor_divide), "remainder": ("mod", jnp.remainder)}
@@ -323,7 +323,8 @@ def _constant_index(expr: Expr, what: str) -> int:
 
 
 def _clamped(expr: Expr, low: int, high: int) -> Expr:
-    return build("min", build("max", expr, const(low)), const(high))
+    floor = expr if low <= 0 and _nonnegative(expr) else build("max", expr, const(low))
+    return build("min", floor, const(high))
 
 
 def _window(parent: _Lazy, starts: Sequence[Expr], sizes: Sequence[int]) -> Callable[[tuple[Expr, ...]], Expr]:
