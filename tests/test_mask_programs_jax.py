@@ -17,7 +17,7 @@ import pytest
 from jax import lax
 
 import attnkit.programs
-from attnkit.contract.programs import dense, replace_captured
+from attnkit.contract.programs import EMPTY, FULL, dense, replace_captured, tile_classes
 from attnkit.errors import MaskProgramError
 from attnkit.frontends import jax_programs, ops_for
 
@@ -35,15 +35,16 @@ TABLE = jnp.asarray(rng.integers(-3, 4, (H, 4)), dtype=jnp.int8)
 def _visible(mask_mod: Callable[..., Any]) -> np.ndarray:
     """The function's own answer at every (b, h, q_idx, kv_idx) of the grid."""
     b, h, q, kv = (g.ravel() for g in jnp.meshgrid(*(jnp.arange(n) for n in (B, H, L, L)), indexing="ij"))
-    return np.asarray(jax.jit(jax.vmap(mask_mod))(b, h, q, kv)).reshape(B, H, L, L)
+    visible = np.asarray(jax.jit(jax.vmap(mask_mod))(b, h, q, kv))
+    return visible.reshape(B, H, L, L, *visible.shape[1:])
 
 
 def _dense(mask_mod: Callable[..., Any]) -> np.ndarray:
-    """The bound program materialised under jit (eager jnp would compile each node's operation on its own)."""
+    """The program bound as a call binds it, materialised in NumPy (int64: exact where JAX's int32 is)."""
     q = jnp.zeros((B, L, H, 8), jnp.float32)
     bound = attnkit.programs.bind(mask_mod, ops_for(q), q, B, H, L, L)
-    materialise = jax.jit(lambda captured: dense(replace_captured(bound, captured), B, H, L, L, like=q))
-    return np.broadcast_to(np.asarray(materialise(bound.captured)), (B, H, L, L))
+    on_host = replace_captured(bound, [np.asarray(array) for array in bound.captured])
+    return np.broadcast_to(dense(on_host, B, H, L, L, like=np.zeros(())), (B, H, L, L))
 
 
 def _chunk(q: Any, kv: Any) -> Any:
@@ -92,10 +93,11 @@ PROGRAMS: dict[str, Callable[..., Any]] = {
 }
 
 
-@pytest.mark.parametrize("name", PROGRAMS)
-def test_a_program_is_its_function_over_the_grid(name: str) -> None:
-    mask_mod = PROGRAMS[name]
-    np.testing.assert_array_equal(_dense(mask_mod), _visible(mask_mod))
+def test_programs_are_their_functions_over_the_grid() -> None:
+    names = list(PROGRAMS)
+    expected = _visible(lambda *indices: jnp.stack([PROGRAMS[name](*indices) for name in names]))  # one compile
+    for number, name in enumerate(names):
+        np.testing.assert_array_equal(_dense(PROGRAMS[name]), expected[..., number], err_msg=name)
 
 
 def test_jnp_floor_division_and_remainder_are_one_node_each_and_python_ints_fold() -> None:
@@ -183,3 +185,73 @@ def test_the_trace_is_reused_until_what_the_function_closes_over_changes(monkeyp
     chunk = 3  # another Python int: traced again, the new constant folded in
     program, _ = attnkit.programs.trace(closure, framework)
     assert "// 3" in str(program) and len(traced) == 3
+
+
+def _random_program(seed: int) -> Callable[..., Any]:
+    """A random mask_mod of jnp operations on the indices, constants and reads of DOC and WINDOW (constant nonzero
+    divisors of both signs)."""
+    draw = np.random.default_rng(seed)
+
+    def integer(depth: int) -> Callable[..., Any]:
+        if depth == 0 or draw.random() < 0.25:
+            leaf = int(draw.integers(0, 6))
+            if leaf < 4:
+                return lambda *indices: indices[leaf]
+            if leaf == 4:
+                constant = int(draw.integers(-5, 6))
+                return lambda *indices: jnp.int32(constant)
+            row, column = integer(0), integer(0)
+            return lambda *indices: DOC[row(*indices) % B, column(*indices)]
+        a, b = integer(depth - 1), integer(depth - 1)
+        divisor = int(draw.choice([-3, -2, 2, 3, 5]))
+        choice = int(draw.integers(0, 10))
+        condition = boolean(depth - 1) if choice == 8 else None
+        operations: list[Callable[..., Any]] = [
+            lambda *i: a(*i) + b(*i),
+            lambda *i: a(*i) - b(*i),
+            lambda *i: a(*i) * b(*i),
+            lambda *i: a(*i) // divisor,
+            lambda *i: a(*i) % divisor,
+            lambda *i: lax.div(a(*i), divisor) - lax.rem(b(*i), divisor),
+            lambda *i: jnp.minimum(a(*i), b(*i)) - jnp.maximum(a(*i), 1),
+            lambda *i: jnp.abs(a(*i)) * jnp.sign(b(*i)),
+            lambda *i: jnp.where(condition(*i), a(*i), b(*i)),  # type: ignore[misc]
+            lambda *i: jnp.clip(a(*i), -2, WINDOW[i[1]]),
+        ]
+        return operations[choice]
+
+    def boolean(depth: int) -> Callable[..., Any]:
+        a, b = integer(depth), integer(depth)
+        comparison = [jnp.equal, jnp.not_equal, jnp.less, jnp.less_equal, jnp.greater, jnp.greater_equal]
+        compare = comparison[int(draw.integers(0, 6))]
+        if depth == 0 or draw.random() < 0.4:
+            return lambda *i: compare(a(*i), b(*i))
+        left, right = boolean(depth - 1), boolean(depth - 1)
+        joins = [jnp.logical_and, jnp.logical_or, jnp.logical_xor, lambda x, y: ~x | y]
+        join = joins[int(draw.integers(0, 4))]
+        return lambda *i: join(left(*i), right(*i))
+
+    return boolean(3)
+
+
+def test_random_programs_are_their_functions_over_the_grid() -> None:
+    mask_mods = [_random_program(seed) for seed in range(16)]
+    expected = _visible(lambda *indices: jnp.stack([mask_mod(*indices) for mask_mod in mask_mods]))
+    for number, mask_mod in enumerate(mask_mods):
+        np.testing.assert_array_equal(
+            _dense(mask_mod), expected[..., number], err_msg=str(jax_programs.trace(mask_mod)[0])
+        )
+
+
+def test_tile_classes_in_jnp_are_sound_for_a_traced_program() -> None:
+    # jnp computes value ranges in int32: a division's "unbounded" must fit it.
+    mask_mod = PROGRAMS["chunked causal"]
+    q = jnp.zeros((B, L, H, 8), jnp.float32)
+    bound = attnkit.programs.bind(mask_mod, ops_for(q), q, B, H, L, L)
+    block_q, block_k = 4, 3
+    classes = np.asarray(jax.jit(lambda: tile_classes(bound, B, H, L, L, block_q, block_k, like=q))())
+    visible = _visible(mask_mod)[0, 0]
+    assert classes.shape == (1, 1, 4, 5) and (classes == FULL).any() and (classes == EMPTY).any()
+    for tile_q, tile_k in np.ndindex(4, 5):
+        tile = visible[tile_q * block_q : (tile_q + 1) * block_q, tile_k * block_k : (tile_k + 1) * block_k]
+        assert {FULL: tile.all(), EMPTY: not tile.any()}.get(int(classes[0, 0, tile_q, tile_k]), True)

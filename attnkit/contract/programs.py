@@ -206,6 +206,11 @@ class ArrayOps:
         ranges past int32 stay exact, so that :func:`whole_range` sees them), JAX's int32 otherwise."""
         return self.xp.int32 if self.name == "jax" else self.xp.int64
 
+    @property
+    def unbounded(self) -> int:
+        """A bound standing for "no bound" in value ranges, representable in :attr:`integer`."""
+        return INT32_MAX if self.name == "jax" else _UNBOUNDED
+
     def where(self, c: Any, a: Any, b: Any) -> Any:
         if self.name == "torch":
             return self.xp.where(self.xp.as_tensor(c), self.xp.as_tensor(a), self.xp.as_tensor(b))
@@ -354,7 +359,7 @@ def _axis(ops: ArrayOps, size: int, axis: int, like: Any) -> Any:
 
 # --- Value ranges and tile classes ------------------------------------------------------------------------------
 
-_UNBOUNDED = 2**62
+_UNBOUNDED = 2**62  # past int32 either way; JAX's int32 ranges take its largest value (:meth:`ArrayOps.unbounded`)
 
 
 class _Range:
@@ -430,7 +435,7 @@ def _range_of(
         )
         if op != "mul":  # a divisor range holding 0 (or both signs) bounds nothing
             straddles = (b.lo <= 0) & (b.hi >= 0)
-            lo, hi = where(straddles, -_UNBOUNDED, lo), where(straddles, _UNBOUNDED, hi)
+            lo, hi = where(straddles, -ops.unbounded, lo), where(straddles, ops.unbounded, hi)
         return _Range(lo, hi)
     if op in ("mod", "trem"):
         return _remainder_range(op, a, b, ops)
