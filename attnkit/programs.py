@@ -58,7 +58,7 @@ def trace(mask_mod: Callable[..., Any], framework: Framework) -> tuple[MaskProgr
     if framework is Framework.TORCH:
         from attnkit.frontends import torch_programs as tracer
     else:
-        from attnkit.frontends import jax_programs as tracer  # type: ignore[no-redef,attr-defined]
+        from attnkit.frontends import jax_programs as tracer  # type: ignore[no-redef]
     try:
         expr, captured = tracer.trace(mask_mod)
     except MaskProgramError:

@@ -136,7 +136,7 @@ def _branches(b: Any, h: Any, q: Any, kv: Any) -> Any:
         (lambda q, kv: q >= kv, "four positional arguments"),
         (lambda b, h, q, kv: DOC[b, q] * 1_000_000_000 > kv, "32-bit integer range"),
     ],
-    ids=lambda value: value if isinstance(value, str) else "",
+    ids=lambda value: value if isinstance(value, str) else None,
 )
 def test_what_a_program_cannot_contain_is_refused_naming_mask_mod(mask_mod: Any, message: str) -> None:
     with pytest.raises(MaskProgramError, match="mask_mod") as raised:
@@ -178,7 +178,7 @@ def test_the_trace_is_reused_until_what_the_function_closes_over_changes(monkeyp
     framework = ops_for(DOC).framework
     first, captured = attnkit.programs.trace(closure, framework)
     again, captured_again = attnkit.programs.trace(closure, framework)
-    assert (again, captured_again[0]) == (first, captured[0]) and len(traced) == 1
+    assert again is first and captured_again[0] is captured[0] and len(traced) == 1
     doc = DOC + 1  # another array: traced again, the new array captured
     program, captured = attnkit.programs.trace(closure, framework)
     assert captured[0] is doc and len(traced) == 2
