@@ -34,7 +34,9 @@ TABLE = jnp.asarray(rng.integers(-3, 4, (H, 4)), dtype=jnp.int8)
 
 def _visible(mask_mod: Callable[..., Any]) -> np.ndarray:
     """The function's own answer at every (b, h, q_idx, kv_idx) of the grid."""
-    b, h, q, kv = (g.ravel() for g in jnp.meshgrid(*(jnp.arange(n) for n in (B, H, L, L)), indexing="ij"))
+    b, h, q, kv = (
+        g.ravel() for g in jnp.meshgrid(*(jnp.arange(n, dtype=jnp.int32) for n in (B, H, L, L)), indexing="ij")
+    )
     visible = np.asarray(jax.jit(jax.vmap(mask_mod))(b, h, q, kv))
     return visible.reshape(B, H, L, L, *visible.shape[1:])
 
@@ -69,7 +71,7 @@ PROGRAMS: dict[str, Callable[..., Any]] = {
     "per-head window": lambda b, h, q, kv: jnp.abs(q - kv) <= WINDOW[h],
     "floor and C rounding": lambda b, h, q, kv: (
         ((q - 6) // 4 == (kv - 6) // 4)
-        ^ (lax.div(q - 6, 4) == lax.rem(kv - 7, 3))
+        ^ (lax.div(q - 6, jnp.int32(4)) == lax.rem(kv - 7, jnp.int32(3)))
         ^ (jnp.fmod(kv - 5, 3) == (q - 9) % -4)
     ),
     "clip sign power": lambda b, h, q, kv: (jnp.clip(q - kv, -2, 3) == jnp.sign(kv - 5) * 2) | (q**2 < kv * 5),
@@ -123,7 +125,7 @@ def _branches(b: Any, h: Any, q: Any, kv: Any) -> Any:
 @pytest.mark.parametrize(
     ("mask_mod", "message"),
     [
-        (lambda b, h, q, kv: FLOATS[b, q] > 0, "captured an array of dtype float32"),
+        (lambda b, h, q, kv: FLOATS[b, q] > 0, "captured an array of dtype float"),
         (_branches, "branched on a traced index in Python"),
         (lambda b, h, q, kv: jnp.sin(q) > 0, "primitive sin"),
         (lambda b, h, q, kv: jnp.left_shift(q, 1) > kv, "primitive shift_left"),
@@ -212,7 +214,7 @@ def _random_program(seed: int) -> Callable[..., Any]:
             lambda *i: a(*i) * b(*i),
             lambda *i: a(*i) // divisor,
             lambda *i: a(*i) % divisor,
-            lambda *i: lax.div(a(*i), divisor) - lax.rem(b(*i), divisor),
+            lambda *i: lax.div(a(*i), jnp.int32(divisor)) - lax.rem(b(*i), jnp.int32(divisor)),
             lambda *i: jnp.minimum(a(*i), b(*i)) - jnp.maximum(a(*i), 1),
             lambda *i: jnp.abs(a(*i)) * jnp.sign(b(*i)),
             lambda *i: jnp.where(condition(*i), a(*i), b(*i)),  # type: ignore[misc]
