@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnkit.backend import Framework
-from attnkit.contract.programs import BoundProgram, CapturedSpec, MaskProgram, whole_range
+from attnkit.contract.programs import BoundProgram, CapturedSpec, MaskProgram, replace_captured, whole_range
 from attnkit.errors import MaskProgramError
 
 _traces: weakref.WeakKeyDictionary[Any, tuple[Any, MaskProgram, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
@@ -58,7 +58,7 @@ def trace(mask_mod: Callable[..., Any], framework: Framework) -> tuple[MaskProgr
     if framework is Framework.TORCH:
         from attnkit.frontends import torch_programs as tracer
     else:
-        from attnkit.frontends import jax_programs as tracer  # type: ignore[no-redef,attr-defined]
+        from attnkit.frontends import jax_programs as tracer  # type: ignore[no-redef]
     try:
         expr, captured = tracer.trace(mask_mod)
     except MaskProgramError:
@@ -96,14 +96,30 @@ def bind(mask_mod: Any, ops: Any, q: Any, batch: int, heads: int, len_q: int, le
     bound = BoundProgram(program, captured)
     shapes = (batch, heads, len_q, len_k)
     if not _checked.get((program, shapes)) and not ops.symbolic(q):
-        wide = next(whole_range(bound, *shapes, like=q), None)
-        if wide is not None:
-            raise MaskProgramError(
-                f"mask_mod's value {wide} may leave the 32-bit integer range over this call's indices "
-                f"(B={batch}, H={heads}, Lq={len_q}, Lk={len_k}); a mask program's integers are int32"
-            )
-        _checked[(program, shapes)] = True
+        checked = _on_host(bound) if ops.framework is Framework.JAX else (bound, q)
+        if checked is not None:
+            wide = next(whole_range(checked[0], *shapes, like=checked[1]), None)
+            if wide is not None:
+                raise MaskProgramError(
+                    f"mask_mod's value {wide} may leave the 32-bit integer range over this call's indices "
+                    f"(B={batch}, H={heads}, Lq={len_q}, Lk={len_k}); a mask program's integers are int32"
+                )
+            _checked[(program, shapes)] = True
     return bound
+
+
+def _on_host(bound: BoundProgram) -> tuple[BoundProgram, Any] | None:
+    """A JAX program's captured arrays as NumPy (value ranges in int64, and nothing staged into an enclosing jit),
+    or None where one is a tracer of an enclosing jit: its values are unknown, and the range check waits for a call
+    that has them."""
+    import numpy as np
+
+    from attnkit.frontends import jax_frontend
+
+    host = [jax_frontend.OPS.host_values(array) for array in bound.captured]
+    if any(values is None for values in host):
+        return None
+    return replace_captured(bound, host), np.zeros(())
 
 
 def _fingerprint(function: Any, framework: Framework) -> tuple[Any, ...]:

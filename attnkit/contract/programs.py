@@ -23,6 +23,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from attnkit.errors import MaskProgramError
+
 INDICES = ("b", "h", "q", "kv")
 #: Integer operations of two operands, and their spelling in Python (for messages and generated code).
 INT_BINARY = {
@@ -106,6 +108,49 @@ def nodes(expr: Expr) -> list[Expr]:
     return list(order)
 
 
+def build(op: str, *args: Expr) -> Expr:
+    """The node ``op(*args)`` with its operands' kinds checked (:class:`attnkit.MaskProgramError` naming mask_mod
+    and the operation otherwise) and constants folded: what a tracer builds a program with."""
+    kinds = [a.kind for a in args]
+    if op in INT_BINARY or op in ("neg", "abs"):
+        if "bool" in kinds:
+            raise MaskProgramError(
+                f"mask_mod applied {op} to a boolean; convert it to an integer (.int(), .astype(int)) or use where"
+            )
+        kind = "int"
+    elif op in COMPARISONS:
+        if len(set(kinds)) > 1:
+            raise MaskProgramError(f"mask_mod compared an integer with a boolean ({op})")
+        kind = "bool"
+    elif op in BOOL_BINARY or op == "not":
+        if "int" in kinds:
+            raise MaskProgramError(
+                f"mask_mod applied {'~' if op == 'not' else BOOL_BINARY[op]} to an integer; a mask program's "
+                f"& | ~ ^ take booleans (bitwise integer operations are not in it)"
+            )
+        kind = "bool"
+    elif op == "where":
+        condition, a, b = args
+        if condition.kind != "bool" or a.kind != b.kind:
+            raise MaskProgramError("mask_mod called where with a non-boolean condition or mixed branches")
+        if condition.op == "const" or a == b:  # the branch taken is known
+            return a if a == b or condition.value else b
+        kind = a.kind
+    else:  # int, bool casts
+        kind = "bool" if op == "bool" else "int"
+    node = Expr(op, args, None, kind)
+    constants = [a for a in args if a.op == "const"]
+    if op in ("and", "or") and len(constants) == 1:  # True & x is x, False | x is x; False & x, True | x constant
+        other = args[1] if args[0].op == "const" else args[0]
+        return other if bool(constants[0].value) == (op == "and") else constants[0]
+    if all(a.op == "const" for a in args):
+        import numpy as np
+
+        value = evaluate(node, array_ops(np.zeros(())), {}, ())
+        return const(bool(value) if kind == "bool" else int(value))
+    return node
+
+
 @dataclass(frozen=True)
 class CapturedSpec:
     """What a program knows of a captured tensor when traced: its shape and dtype (new values never re-trace)."""
@@ -153,7 +198,18 @@ class ArrayOps:
     def arange(self, n: int, like: Any = None) -> Any:
         if self.name == "torch":
             return self.xp.arange(n, dtype=self.xp.int64, device=None if like is None else like.device)
-        return self.xp.arange(n, dtype=self.xp.int32)
+        return self.xp.arange(n, dtype=self.integer)
+
+    @property
+    def integer(self) -> Any:
+        """The integer dtype values are computed in: int64 where the framework always has it (torch, NumPy: value
+        ranges past int32 stay exact, so that :func:`whole_range` sees them), JAX's int32 otherwise."""
+        return self.xp.int32 if self.name == "jax" else self.xp.int64
+
+    @property
+    def unbounded(self) -> int:
+        """A bound standing for "no bound" in value ranges, representable in :attr:`integer`."""
+        return INT32_MAX if self.name == "jax" else _UNBOUNDED
 
     def where(self, c: Any, a: Any, b: Any) -> Any:
         if self.name == "torch":
@@ -183,7 +239,7 @@ class ArrayOps:
             return int(x)
         if self.name == "torch":
             return x.to(self.xp.int64)
-        return x.astype(self.xp.int32)
+        return x.astype(self.integer)
 
     def broadcast(self, value: Any, shape: tuple[int, ...], like: Any) -> Any:
         """``value`` (an array, or a Python int or bool) as an array of ``shape`` in ``like``'s framework, device."""
@@ -303,7 +359,7 @@ def _axis(ops: ArrayOps, size: int, axis: int, like: Any) -> Any:
 
 # --- Value ranges and tile classes ------------------------------------------------------------------------------
 
-_UNBOUNDED = 2**62
+_UNBOUNDED = 2**62  # past int32 either way; JAX's int32 ranges take its largest value (:meth:`ArrayOps.unbounded`)
 
 
 class _Range:
@@ -379,7 +435,7 @@ def _range_of(
         )
         if op != "mul":  # a divisor range holding 0 (or both signs) bounds nothing
             straddles = (b.lo <= 0) & (b.hi >= 0)
-            lo, hi = where(straddles, -_UNBOUNDED, lo), where(straddles, _UNBOUNDED, hi)
+            lo, hi = where(straddles, -ops.unbounded, lo), where(straddles, ops.unbounded, hi)
         return _Range(lo, hi)
     if op in ("mod", "trem"):
         return _remainder_range(op, a, b, ops)

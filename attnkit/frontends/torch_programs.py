@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from attnkit.contract.programs import Expr, const, index
+from attnkit.contract.programs import Expr, build, const, index
 from attnkit.errors import MaskProgramError
 
 
@@ -85,7 +85,7 @@ class _Symbol:
 
     def _binary(self, op: str, other: Any, reflected: bool = False) -> _Symbol:
         a, b = self._expr(), self._operand(other)
-        return self._wrap(_build(op, b, a) if reflected else _build(op, a, b))
+        return self._wrap(build(op, b, a) if reflected else build(op, a, b))
 
     __add__ = _operator("add")
     __radd__ = _operator("add", reflected=True)
@@ -112,16 +112,16 @@ class _Symbol:
     __hash__ = object.__hash__
 
     def __neg__(self) -> _Symbol:
-        return self._wrap(_build("neg", self._expr()))
+        return self._wrap(build("neg", self._expr()))
 
     def __pos__(self) -> _Symbol:
         return self
 
     def __abs__(self) -> _Symbol:
-        return self._wrap(_build("abs", self._expr()))
+        return self._wrap(build("abs", self._expr()))
 
     def __invert__(self) -> _Symbol:
-        return self._wrap(_build("not", self._expr()))
+        return self._wrap(build("not", self._expr()))
 
     def __bool__(self) -> bool:
         raise MaskProgramError(
@@ -259,46 +259,6 @@ def _index_operand(tracer: _Tracer, value: Any) -> Expr:
     return expr
 
 
-def _build(op: str, *args: Expr) -> Expr:
-    """A node with its kind checked, constants folded."""
-    from attnkit.contract.programs import BOOL_BINARY, COMPARISONS, INT_BINARY, array_ops, evaluate
-
-    kinds = [a.kind for a in args]
-    if op in INT_BINARY or op in ("neg", "abs"):
-        if "bool" in kinds:
-            raise MaskProgramError(f"mask_mod applied {op} to a boolean; convert it with .int() or torch.where first")
-        kind = "int"
-    elif op in COMPARISONS:
-        if len(set(kinds)) > 1:
-            raise MaskProgramError(f"mask_mod compared an integer with a boolean ({op})")
-        kind = "bool"
-    elif op in BOOL_BINARY or op == "not":
-        if "int" in kinds:
-            raise MaskProgramError(
-                f"mask_mod applied {'~' if op == 'not' else BOOL_BINARY[op]} to an integer; a mask program's "
-                f"& | ~ ^ take booleans (bitwise integer operations are not in it)"
-            )
-        kind = "bool"
-    elif op == "where":
-        condition, a, b = args
-        if condition.kind != "bool" or a.kind != b.kind:
-            raise MaskProgramError("mask_mod called torch.where with a non-boolean condition or mixed branches")
-        kind = a.kind
-    else:  # int, bool casts
-        kind = "bool" if op == "bool" else "int"
-    node = Expr(op, args, None, kind)
-    constants = [a for a in args if a.op == "const"]
-    if op in ("and", "or") and len(constants) == 1:  # True & x is x, False | x is x; False & x, True | x constant
-        other = args[1] if args[0].op == "const" else args[0]
-        return other if bool(constants[0].value) == (op == "and") else constants[0]
-    if all(a.op == "const" for a in args):
-        import numpy as np
-
-        value = evaluate(node, array_ops(np.zeros(())), {}, ())
-        return const(bool(value) if kind == "bool" else int(value))
-    return node
-
-
 def _constant_of(dtype: Any, value: Any) -> Expr:
     return const(bool(value)) if dtype is torch.bool else const(int(value))
 
@@ -308,7 +268,7 @@ def _cast(symbol: _Symbol, dtype: torch.dtype) -> _Symbol:
     if dtype.is_floating_point or dtype.is_complex:
         raise MaskProgramError(f"mask_mod converted a traced value to {dtype}; a mask program's values are integers")
     want = "bool" if dtype is torch.bool else "int"
-    return symbol if expr.kind == want else symbol._wrap(_build(want, expr))
+    return symbol if expr.kind == want else symbol._wrap(build(want, expr))
 
 
 def _clamp(value: Any, low: Any, high: Any) -> _Symbol:
@@ -321,26 +281,26 @@ def _clamp(value: Any, low: Any, high: Any) -> _Symbol:
 
 
 def _minmax(tracer: _Tracer, op: str, a: Any, b: Any) -> _Symbol:
-    return _Symbol(_build(op, _operand(tracer, a), _operand(tracer, b)), tracer)
+    return _Symbol(build(op, _operand(tracer, a), _operand(tracer, b)), tracer)
 
 
 def _where(tracer: _Tracer, condition: Any, a: Any = None, b: Any = None) -> _Symbol:
     if a is None or b is None:
         raise MaskProgramError("mask_mod called torch.where with one argument (nonzero); give it three")
-    return _Symbol(_build("where", *(_operand(tracer, x) for x in (condition, a, b))), tracer)
+    return _Symbol(build("where", *(_operand(tracer, x) for x in (condition, a, b))), tracer)
 
 
 def _div(tracer: _Tracer, a: Any, b: Any, rounding_mode: str | None = None) -> _Symbol:
     if rounding_mode is None:
         raise MaskProgramError("mask_mod called torch.div without rounding_mode (a float); use // or rounding_mode")
     op = "floordiv" if rounding_mode == "floor" else "tdiv"
-    return _Symbol(_build(op, _operand(tracer, a), _operand(tracer, b)), tracer)
+    return _Symbol(build(op, _operand(tracer, a), _operand(tracer, b)), tracer)
 
 
 def _op(op: str, unary: bool = False, reflected: bool = False) -> Callable[..., _Symbol]:
     def apply(tracer: _Tracer, *args: Any, **kwargs: Any) -> _Symbol:
         operands = [_operand(tracer, a) for a in (*args, *kwargs.values())][: 1 if unary else 2]
-        return _Symbol(_build(op, *(operands[::-1] if reflected else operands)), tracer)
+        return _Symbol(build(op, *(operands[::-1] if reflected else operands)), tracer)
 
     return apply
 
