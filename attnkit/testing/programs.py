@@ -167,12 +167,11 @@ def _bools(depth: int, tables: tuple[Table, ...]) -> st.SearchStrategy[Expr]:
     )
 
 
-def program_function(program: ProgramCase, tables: Sequence[Any]) -> Callable[..., Any]:
-    """The program as a user writes a ``mask_mod``: torch operations where the tables are torch tensors, jax.numpy
-    ones where they are JAX arrays. Called with traced indices (attnkit's tracer) or real broadcast index arrays
+def program_function(program: ProgramCase, tables: Sequence[Any], framework: str = "torch") -> Callable[..., Any]:
+    """The program as a user writes a ``mask_mod``: torch operations, or jax.numpy ones for ``framework="jax"``
+    (the tables then JAX arrays). Called with traced indices (attnkit's tracer) or real broadcast index arrays
     (:func:`dense_by_calling`)."""
-    jax_tables = bool(tables) and not type(tables[0]).__module__.startswith("torch")
-    fns = _JaxFunctions() if jax_tables else _TorchFunctions()
+    fns = _JaxFunctions() if framework == "jax" else _TorchFunctions()
 
     def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         env = {"b": b, "h": h, "q": q_idx, "kv": kv_idx}

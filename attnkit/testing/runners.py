@@ -53,7 +53,9 @@ def mask_mod_of(case: Case, arrays: dict[str, Any]) -> Callable[..., Any] | None
     """The case's program as the mask_mod a user passes, closing over its tables in the call's framework."""
     if case.program is None:
         return None
-    return program_function(case.program, [arrays[program_table(slot)] for slot in range(len(case.program.tables))])
+    tables = [arrays[program_table(slot)] for slot in range(len(case.program.tables))]
+    framework = "torch" if type(arrays["q"]).__module__.startswith("torch") else "jax"
+    return program_function(case.program, tables, framework)
 
 
 def _offsets(lengths: tuple[int, ...]) -> np.ndarray:
