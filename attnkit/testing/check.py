@@ -26,6 +26,7 @@ from hypothesis.errors import InvalidArgument
 from attnkit import registry
 from attnkit.backend import SPEC_FEATURES, Backend, Delegation, Feature, PendingHardware, recording_delegations
 from attnkit.capability_matrix import FEATURE_MEANINGS, FEATURE_ORDER
+from attnkit.contract.programs import Expr, const, index
 from attnkit.environment import torch_threads
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 from attnkit.tables import format_table
@@ -33,6 +34,7 @@ from attnkit.testing import strategies
 from attnkit.testing.agreement import Comparison, backends_for, check_backend
 from attnkit.testing.cases import SINKS, VARLEN, Case, make_arrays, paged_case, shuffled_table, varlen_case
 from attnkit.testing.profiles import register_profiles
+from attnkit.testing.programs import ProgramCase, Table
 from attnkit.testing.runners import drawable_dtypes, dtype_scope, harness_capabilities
 
 CHECK_DTYPES: tuple[str, ...] = ("float32", "float16", "bfloat16", "float64")
@@ -127,6 +129,16 @@ def backend_edge_cases(backend: Backend) -> list[tuple[str, Case]]:
     return cases
 
 
+def _program(name: str, length: int = 0) -> ProgramCase:
+    q, kv = index("q"), index("kv")
+    if name == "nothing":
+        return ProgramCase(Expr("lt", (kv, const(0)), kind="bool"), ())
+    ids = (Expr("read", (index("b"), q), 0), Expr("read", (index("b"), kv), 0))
+    causal = Expr("ge", (q, kv), kind="bool")
+    return ProgramCase(Expr("and", (Expr("eq", ids, kind="bool"), causal), kind="bool"),
+                       (Table((2, length), "documents"),))  # fmt: skip
+
+
 def _edge_shapes() -> list[tuple[str, Case]]:
     spec = AttentionSpec
     return [
@@ -153,6 +165,12 @@ def _edge_shapes() -> list[tuple[str, Case]]:
         ("bshd", Case(spec(causal=True, layout=Layout.BSHD), heads_q=4, heads_kv=2, len_q=6, len_k=10)),
         ("3-D inputs", Case(spec(causal=True), heads_q=1, heads_kv=1, len_q=6, len_k=8, three_d=True)),
         ("head dim 80", Case(spec(causal=True), len_q=7, len_k=7, head_dim=80, head_dim_v=80)),
+        # §17: a program that hides every pair (every tile empty: out 0, lse −∞), and documents across tile edges.
+        ("mask program hiding all", Case(spec(), len_q=9, len_k=13, program=_program("nothing"))),
+        (
+            "mask program: document causal",
+            Case(spec(), batch=2, heads_q=4, heads_kv=2, len_q=70, len_k=70, program=_program("documents", 70)),
+        ),
         ("head dim 256", Case(spec(), len_q=5, len_k=9, head_dim=256, head_dim_v=256)),
         # §4.5: three documents packed in one row, one of a single token, and a pad position; then left padding.
         (
