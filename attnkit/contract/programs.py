@@ -625,3 +625,45 @@ def cached_tile_classes(
 
 def replace_captured(bound: BoundProgram, captured: Sequence[Any]) -> BoundProgram:
     return dataclasses.replace(bound, captured=tuple(captured))
+
+
+def substitute(expr: Expr, replacements: dict[str, Expr]) -> Expr:
+    """``expr`` with its index leaves named in ``replacements`` replaced by those expressions (which are taken as
+    they are, not substituted in)."""
+    done: dict[Expr, Expr] = {}
+
+    def visit(node: Expr) -> Expr:
+        if node not in done:
+            if node.op == "index" and str(node.value) in replacements:
+                done[node] = replacements[str(node.value)]
+            elif node.args:
+                done[node] = dataclasses.replace(node, args=tuple(visit(arg) for arg in node.args))
+            else:
+                done[node] = node
+        return done[node]
+
+    return visit(expr)
+
+
+def packed(bound: BoundProgram, sequence_q: Any, start_q: Any, sequence_k: Any, start_k: Any) -> BoundProgram:
+    """A program of attend_varlen (§12), where b is the sequence and q_idx, kv_idx positions within it, as the
+    program of the one packed row that runs it (b = 0, positions packed, the sequence index as segment id):
+    ``sequence_q`` (total_q,) the sequence of each packed query, ``start_q`` (n,) each sequence's first packed query
+    (cu_seqlens_q[:-1]), and alike for keys; integer arrays of the call's framework. b becomes the query's sequence,
+    q_idx and kv_idx their positions in their own sequences: exact wherever both lie in one sequence, the only pairs
+    the segment ids let through."""
+    first = len(bound.captured)
+
+    def read(slot: int, position: Expr) -> Expr:
+        return Expr("read", (position,), first + slot, "int")
+
+    query_sequence = read(0, index("q"))
+    replacements = {
+        "b": query_sequence,
+        "q": Expr("sub", (index("q"), read(1, query_sequence))),
+        "kv": Expr("sub", (index("kv"), read(3, read(2, index("kv"))))),
+    }
+    added = (sequence_q, start_q, sequence_k, start_k)
+    specs = tuple(CapturedSpec(tuple(x.shape), str(x.dtype).removeprefix("torch.")) for x in added)
+    program = MaskProgram(substitute(bound.expr, replacements), (*bound.program.captured, *specs), bound.program.name)
+    return BoundProgram(program, (*bound.captured, *added))
