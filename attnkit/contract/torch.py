@@ -20,6 +20,7 @@ from attnkit.contract import (
     alignment_offset,
     conjoin,
     diagonal_band,
+    programs,
     tile_visibility,
     within_band,
 )
@@ -346,9 +347,14 @@ def visibility(
     rows: slice | None = None,
     cols: slice | None = None,
 ) -> torch.Tensor | None:
-    """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §4): the :class:`Band` and the
-    user mask. None = all visible."""
-    return Band(spec, inputs, len_q, len_k).visible(rows, cols, inputs.mask)
+    """Boolean (B|1, Hq|1, rows, cols): may query i see key j (docs/semantics.md §4): the :class:`Band`, the
+    user mask and a mask program, materialised (§17). None = all visible."""
+    visible = Band(spec, inputs, len_q, len_k).visible(rows, cols, inputs.mask)
+    if inputs.mask_program is None:
+        return visible
+    heads = inputs.q.shape[2 if spec.layout is Layout.BSHD else 1]
+    program = programs.dense(inputs.mask_program, inputs.q.shape[0], heads, len_q, len_k, inputs.q)
+    return conjoin(visible, program[:, :, rows or slice(None), cols or slice(None)])
 
 
 def scores(

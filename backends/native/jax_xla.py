@@ -6,6 +6,8 @@
   ANDed with the user's: the XLA path materialises the (Lq, Lk) scores anyway.
 * Fully masked rows: jax fills hidden scores with a large *finite* negative, so an empty row outputs the mean of V;
   here such rows are found from the visibility mask and set to 0, which also zeroes their cotangent.
+* Mask programs (§17): materialised by :func:`attnkit.contract.programs.dense` in jnp (outside the jitted lowering,
+  whose arguments are arrays) and ANDed into the user's mask.
 * Segment ids: jax.nn.dot_product_attention has none; ``q_ids == kv_ids >= 0`` joins the same boolean mask, so a
   packed row costs its whole (Lq, Lk) scores, (Σ Lᵢ)², with nothing skipped.
 * Padding beyond lengths and at negative segment ids is zeroed first (0·NaN would otherwise reach visible rows). On
@@ -48,6 +50,7 @@ from attnkit.contract.jax import (
     segment_visibility,
     zero_padding,
 )
+from attnkit.contract.programs import dense
 
 
 def _bshd(spec: AttentionSpec, x: Any) -> Any:
@@ -132,10 +135,21 @@ def _lse(spec: AttentionSpec, inputs: AttentionInputs, q: Any, k: Any, bias: Any
     return jnp.where(empty, -jnp.inf, jax.nn.logsumexp(safe, axis=-1))
 
 
+def _program_as_mask(spec: AttentionSpec, inputs: AttentionInputs) -> AttentionInputs:
+    """A mask program materialised, (B|1, Hq|1, Lq, Lk), and ANDed into the mask; the inputs then hold no program."""
+    bound = inputs.mask_program
+    if bound is None:
+        return inputs
+    q, k = _bshd(spec, inputs.q), _bshd(spec, inputs.k)
+    visible = dense(bound, q.shape[0], q.shape[2], q.shape[1], k.shape[1], q)
+    return inputs._replace(mask=conjoin(visible, inputs.mask), mask_program=None)
+
+
 def xla_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool = False) -> tuple[Any, Any]:
     """(out, lse | None). Jitted as a whole (eager JAX compiles each primitive of the lowering apart), except
     float16: jax's CPU dot_general rejects the F16_F16_F32 dot that the jitted backward of
     jax.nn.dot_product_attention contains (eager dispatch avoids it; under a user's jax.jit it is jax's limit)."""
+    inputs = _program_as_mask(spec, inputs)
     if inputs.q.dtype == jnp.float16:
         return _xla_attention(spec, inputs, need_lse)
     return _jitted(spec, inputs, need_lse)
@@ -199,13 +213,16 @@ class JaxXlaBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.PAGED, Feature.ALIBI, Feature.MASK_PROGRAM},
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.PAGED, Feature.ALIBI},
+        materialises_mask_programs=True,
         description="jax.nn.dot_product_attention (XLA; materialises the (Lq, Lk) scores), differentiated by JAX",
         notes=(
             "lse: jax.nn.dot_product_attention does not return it; computed from the scores once more when asked",
             "softcap: no score modifier in jax.nn.dot_product_attention",
             "float64: its XLA path computes logits in float32",
             "fully masked rows: set to 0 from the visibility mask (jax itself gives the mean of V)",
+            "mask programs: no mask_mod in jax.nn.dot_product_attention; the program is materialised as a boolean "
+            "(B|1, Hq|1, Lq, Lk) mask and ANDed into the call's",
             "segment ids: no such argument in jax.nn.dot_product_attention; passed as a dense (B, 1, Lq, Lk) mask, "
             "so a packed row costs (Σ Lᵢ)² scores and memory, not Σ Lᵢ²",
             "paged KV cache: not declared; jax.nn.dot_product_attention takes no block table, so it could only run "

@@ -17,6 +17,13 @@ The lowering:
 * Visibility: ``mask_mod`` is §4 (causal and window aligned per batch, lengths); a user mask is folded into one
   dense visibility tensor it reads (the user mask is (Lq, Lk) already). The :class:`BlockMask` is built from
   per-row key ranges, block by block, never from a dense (Lq, Lk) grid, so memory stays linear in L.
+* Mask programs (§17): flex's own idea. The program becomes Python source, one temporary per node
+  (:func:`program_source`), that the ``mask_mod`` calls on flex's index tensors, ANDed with the clauses above. The
+  BlockMask takes the program's tile classes (:func:`attnkit.contract.programs.cached_tile_classes`, from value
+  ranges: linear in the blocks, no (Lq, Lk) grid) through ``BlockMask.from_kv_blocks`` as it takes the band's:
+  blocks the program hides are skipped, blocks it shows whole (and the band too) run without the mask_mod, rather
+  than ``create_block_mask``'s evaluation of every pair. Rows the program leaves empty are found by evaluating it a
+  block of rows at a time.
 * Segment ids (§4.5), FlexAttention's document masking: a ``mask_mod`` clause, and blocks kept only where the
   blocks' id ranges meet (:class:`SegmentTiles`); q, k, v are zeroed at negative ids before the kernel and any
   hand-over, so padding is never input.
@@ -38,6 +45,7 @@ The lowering:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import sys
@@ -66,10 +74,22 @@ from attnkit.backend import (
     delegated,
     peer_backend,
 )
-from attnkit.contract import within_band
+from attnkit.contract import conjoin, within_band
+from attnkit.contract.programs import (
+    FULL,
+    PARTIAL,
+    ArrayOps,
+    BoundProgram,
+    MaskProgram,
+    array_ops,
+    cached_tile_classes,
+    evaluate,
+    nodes,
+)
 from attnkit.contract.torch import (
     Band,
     SegmentTiles,
+    block_of,
     cosine_normalize,
     from_bhsd,
     to_bhsd,
@@ -275,6 +295,114 @@ def _dense_blocks(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return seen, torch.zeros_like(seen)
 
 
+_PROGRAM_OPERATORS = {
+    "add": "({0} + {1})",
+    "sub": "({0} - {1})",
+    "mul": "({0} * {1})",
+    "floordiv": "({0} // {1})",
+    "mod": "({0} % {1})",
+    "tdiv": "ops.tdiv({0}, {1})",
+    "trem": "ops.trem({0}, {1})",
+    "min": "ops.minimum({0}, {1})",
+    "max": "ops.maximum({0}, {1})",
+    "eq": "({0} == {1})",
+    "ne": "({0} != {1})",
+    "lt": "({0} < {1})",
+    "le": "({0} <= {1})",
+    "gt": "({0} > {1})",
+    "ge": "({0} >= {1})",
+    "and": "({0} & {1})",
+    "or": "({0} | {1})",
+    "xor": "({0} ^ {1})",
+    "neg": "(-{0})",
+    "abs": "abs({0})",
+    "not": "ops.logical_not({0})",
+    "int": "ops.to_int({0})",
+    "bool": "({0} != 0)",
+    "where": "ops.where({0}, {1}, {2})",
+}
+_INDEX_NAMES = {"b": "b", "h": "h", "q": "q_idx", "kv": "kv_idx"}
+
+
+def program_source(program: MaskProgram) -> str:
+    """``program`` as the source of ``program(b, h, q_idx, kv_idx, captured, ops)``: one temporary per node in
+    dependency order (:func:`attnkit.contract.programs.nodes`), plain torch operators on flex's index tensors, so
+    that dynamo traces straight code (no tree walk, no hashing of nodes). Reads clamp as the contract's evaluation
+    does (``ops.read``)."""
+    order = nodes(program.expr)
+    number = {node: n for n, node in enumerate(order)}
+    lines = ["def program(b, h, q_idx, kv_idx, captured, ops):"]
+    for n, node in enumerate(order):
+        args = [f"t{number[arg]}" for arg in node.args]
+        if node.op == "index":
+            value = _INDEX_NAMES[str(node.value)]
+        elif node.op == "const":
+            value = repr(node.value)
+        elif node.op == "read":
+            read = f"ops.read(captured[{node.value}], ({''.join(a + ', ' for a in args)}))"
+            value = read if node.kind == "bool" else f"ops.to_int({read})"
+        else:
+            value = _PROGRAM_OPERATORS[node.op].format(*args)
+        lines.append(f"    t{n} = {value}")
+    lines.append(f"    return t{len(order) - 1}")
+    return "\n".join(lines) + "\n"
+
+
+class _ProgramOps(ArrayOps):
+    """The contract's torch array operations, and a ``not`` that keeps a Python bool a bool."""
+
+    def logical_not(self, x: Any) -> Any:
+        return not x if isinstance(x, bool) else ~x
+
+
+_PROGRAM_OPS = _ProgramOps(torch, "torch")
+
+
+@functools.lru_cache(maxsize=256)
+def compiled_program(program: MaskProgram) -> Callable[..., Any]:
+    """The function :func:`program_source` writes, once per program (programs are hashable)."""
+    namespace: dict[str, Any] = {}
+    exec(compile(program_source(program), f"<mask program {program.name}>", "exec"), namespace)  # noqa: S102
+    return namespace["program"]  # type: ignore[no-any-return]
+
+
+def _program_blocks(
+    bound: BoundProgram, batch: int, heads: int, len_q: int, len_k: int, kernel_len_q: int, kernel_len_k: int,
+    like: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(B|1, H|1, nQ, nK) partial and full blocks of the program over the kernel's block grid (``kernel_len_*``:
+    the padded lengths; blocks past the call's lengths are neither), from its tile classes."""
+    classes = cached_tile_classes(bound, batch, heads, len_q, len_k, BLOCK_SIZE, BLOCK_SIZE, like)
+    n_q, n_k = -(-kernel_len_q // BLOCK_SIZE), -(-kernel_len_k // BLOCK_SIZE)
+    pads = (0, n_k - classes.shape[3], 0, n_q - classes.shape[2])
+    partial, full = (F.pad(classes == kind, pads, value=False) for kind in (PARTIAL, FULL))
+    return partial, full
+
+
+def _program_empty_rows(
+    bound: BoundProgram, visible_rows: Callable[[int, int], torch.Tensor | None], batch: int, heads: int,
+    len_q: int, len_k: int, like: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """(B, H|1, Lq) bool: the rows that see no key through ``visible_rows(r0, r1)`` (the call's other clauses,
+    (B|1, H|1, rows, Lk) or None) and the program, a block of rows at a time (memory B·H·block·Lk)."""
+    device = like.device
+    env = {
+        "b": torch.arange(batch, device=device).view(-1, 1, 1, 1),
+        "h": torch.arange(heads, device=device).view(1, -1, 1, 1),
+        "kv": torch.arange(len_k, device=device).view(1, 1, 1, -1),
+    }
+    used, ops = bound.expr.indices(), array_ops(like)
+    sizes = (batch if "b" in used else 1, heads if "h" in used else 1)
+    empty = []
+    for r0 in range(0, len_q, BLOCK_SIZE):
+        r1 = min(r0 + BLOCK_SIZE, len_q)
+        env["q"] = torch.arange(r0, r1, device=device).view(1, 1, -1, 1)
+        program = ops.broadcast(evaluate(bound.expr, ops, env, bound.captured), (*sizes, r1 - r0, len_k), like)
+        seen = conjoin(visible_rows(r0, r1), program).any(dim=-1)
+        empty.append(~seen.expand(batch, seen.shape[1], r1 - r0))
+    return torch.cat(empty, dim=-1)
+
+
 def _index(tensor_shape: torch.Size, b: Any, h: Any, i: Any, j: Any) -> tuple[Any, Any, Any, Any]:
     """Indices into a (B|1, H|1, Lq|1, Lk|1) tensor: 0 along a broadcast axis."""
     return tuple(index if size > 1 else 0 for index, size in zip((b, h, i, j), tensor_shape))  # type: ignore[return-value]
@@ -291,12 +419,13 @@ def _mods(
     sink: tuple[int, torch.Tensor] | None,
     device: torch.device,
     slopes: torch.Tensor | None = None,
+    program: BoundProgram | None = None,
 ) -> tuple[Any, Any, tuple[Any, ...]]:
     """(score_mod, mask_mod, structure): the mods for this call, and what of them changes the compiled graph.
 
     ``lengths`` is (offset, q_len, kv_len), each (B,); ``band_sides`` is :class:`Band`'s (lower, upper) on
     j − i − offset; ``segments`` is (q ids (B, Lq), kv ids (B, Lk)), or None; ``sink`` is (its key index,
-    (B, Hq, Lq) scores); ``slopes`` ALiBi's (B, Hq) float32 (§16), or None.
+    (B, Hq, Lq) scores); ``slopes`` ALiBi's (B, Hq) float32 (§16), or None; ``program`` a mask program, ANDed.
     Every number is a tensor the mods capture, so new values reuse the compiled kernel.
     """
     scale_t = torch.tensor(scale, dtype=torch.float32, device=device)
@@ -304,6 +433,8 @@ def _mods(
     offset, q_len, kv_len = lengths
     lower, upper = (torch.tensor(side, device=device) if side is not None else None for side in band_sides)
     sink_index, sink_scores = sink if sink is not None else (-1, None)
+    program_function = compiled_program(program.program) if program is not None else None
+    captured = program.captured if program is not None else ()
 
     def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         score = score * scale_t
@@ -327,6 +458,8 @@ def _mods(
             if segments is not None:  # §4.5: the same document, not padding
                 query_id = segments[0][b, q_idx]
                 allowed = allowed & (query_id == segments[1][b, kv_idx]) & (query_id >= 0)
+        if program_function is not None:  # §17: the program's clause, on the same indices
+            allowed = allowed & program_function(b, h, q_idx, kv_idx, captured, _PROGRAM_OPS)
         if sink_scores is not None:
             allowed = allowed | (kv_idx == sink_index)
         return allowed
@@ -341,6 +474,7 @@ def _mods(
         lower is not None,
         upper is not None,
         slopes is not None,
+        program.program if program is not None else None,  # its captured shapes are the program's
     )
     return score_mod, mask_mod, structure
 
@@ -406,7 +540,16 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     band = Band(spec, inputs, len_q, len_k)
     key_ranges = band.key_ranges()
     dense = band.visible(mask=inputs.mask) if inputs.mask is not None else None
-    empty = ~dense.any(dim=-1) if dense is not None else band.empty_rows().unsqueeze(1)  # (B|1, H|1, Lq)
+    program = inputs.mask_program
+    if program is not None:  # the rows it empties, beyond those of the other clauses
+
+        def visible_rows(r0: int, r1: int) -> torch.Tensor | None:
+            rows = slice(r0, r1)
+            return block_of(dense, rows, slice(None)) if dense is not None else band.visible(rows)
+
+        empty = _program_empty_rows(program, visible_rows, batch, heads_q, len_q, len_k, q)
+    else:
+        empty = ~dense.any(dim=-1) if dense is not None else band.empty_rows().unsqueeze(1)  # (B|1, H|1, Lq)
     bias = inputs.bias.float() if inputs.bias is not None else None
 
     # The compiled shapes (bucket_*): padded queries are dropped, padded keys are hidden, zero dims add nothing.
@@ -442,11 +585,21 @@ def flex_forward(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -
     if inputs.alibi_slopes is not None:  # ALiBi only lowers scores: the sink's bound above still holds
         slopes = _padded(inputs.alibi_slopes.expand(batch, heads_q), (batch_p, heads_q))
     lengths, sides = (offset, q_len, kv_len), (band.lower, band.upper)
-    score_mod, mask_mod, structure = _mods(spec, lengths, sides, segments, dense, bias, scale, sink, q.device, slopes)
+    score_mod, mask_mod, structure = _mods(
+        spec, lengths, sides, segments, dense, bias, scale, sink, q.device, slopes, program
+    )
     if dense is not None:
         partial, full = _dense_blocks(dense)
     else:
         partial, full = _row_blocks(key_ranges, batch_p, kernel_len_k, segments)
+    if program is not None:  # a block runs where both see a pair, unmasked where both see every pair
+        program_partial, program_full = _program_blocks(program, batch, heads_q, len_q, len_k, len_q_p, kernel_len_k, q)
+        if program_full.shape[0] > 1:  # padded batch elements: nothing
+            past = (0, 0, 0, 0, 0, 0, 0, batch_p - batch)
+            program_partial, program_full = (F.pad(x, past, value=False) for x in (program_partial, program_full))
+        seen = (partial | full) & (program_partial | program_full)
+        full = full & program_full
+        partial = seen & ~full
     if need_lse:  # the sink's block is read by every query block
         partial[..., len_k_p // BLOCK_SIZE] |= ~full[..., len_k_p // BLOCK_SIZE]
     block_mask = _dense_blocks_to_mask(partial, full, len_q_p, kernel_len_k, mask_mod)

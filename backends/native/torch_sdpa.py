@@ -59,6 +59,7 @@ from attnkit.backend import (
     pending_hardware,
 )
 from attnkit.contract import alignment_offset
+from attnkit.contract.programs import dense
 from attnkit.contract.torch import (
     Band,
     RecomputingBackend,
@@ -541,9 +542,22 @@ def _segments_as_mask(spec: AttentionSpec, inputs: AttentionInputs) -> Attention
     return without_segment_padding(spec, inputs)._replace(mask=mask, q_segment_ids=None, kv_segment_ids=None)
 
 
+def _program_as_mask(spec: AttentionSpec, inputs: AttentionInputs) -> AttentionInputs:
+    """A mask program (§17) as SDPA can take it: materialised, (B|1, Hq|1, Lq, Lk), and ANDed into the boolean mask,
+    so the masked paths serve it as any mask (O(Lq·Lk) memory, no key block skipped for it)."""
+    bound = inputs.mask_program
+    if bound is None:
+        return inputs
+    q, k = inputs.q, inputs.k
+    seq, heads = (1, 2) if spec.layout is Layout.BSHD else (2, 1)
+    visible = dense(bound, q.shape[0], q.shape[heads], q.shape[seq], k.shape[seq], q)
+    mask = visible if inputs.mask is None else visible & inputs.mask
+    return inputs._replace(mask=mask, mask_program=None)
+
+
 def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[torch.Tensor, Any]:
     """(out, lse or None) per the contract; differentiable by torch autograd wherever grad is enabled."""
-    inputs = _segments_as_mask(spec, inputs)
+    inputs = _segments_as_mask(spec, _program_as_mask(spec, inputs))
     q, k, v = inputs.q, inputs.k, inputs.v
     if spec.layout is Layout.BSHD:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -587,9 +601,10 @@ def _flash_attention(
 
 
 def _problem_native_path(spec: AttentionSpec, problem: Problem) -> Runner | None:
-    """:func:`_native_path` for a call's signature; segment ids run as a mask (:func:`_segments_as_mask`)."""
-    masked = problem.has_mask or problem.has_segment_ids
-    others_plain = replace(problem, has_mask=False, has_segment_ids=False).is_plain()
+    """:func:`_native_path` for a call's signature; segment ids and a mask program run as a mask
+    (:func:`_segments_as_mask`, :func:`_program_as_mask`)."""
+    masked = problem.has_mask or problem.has_segment_ids or problem.has_mask_program
+    others_plain = replace(problem, has_mask=False, has_segment_ids=False, has_mask_program=False).is_plain()
     return _native_path(
         spec, problem.heads_q, problem.heads_kv, problem.len_q, problem.len_k, problem.head_dim, problem.head_dim_v,
         problem.device, masked, others_plain,
@@ -614,7 +629,8 @@ class TorchSdpaBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS, Feature.PAGED, Feature.ALIBI, Feature.MASK_PROGRAM},
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS, Feature.PAGED, Feature.ALIBI},
+        materialises_mask_programs=True,
         per_device=(("cuda", DeviceLimits(dtypes=CUDA_DTYPES, head_dims=(1, MAX_CUDA_HEAD_DIM))),),
         unverified=(
             Unverified(
@@ -634,6 +650,8 @@ class TorchSdpaBackend(RecomputingBackend):
             f"float32; head dims up to {MAX_CUDA_HEAD_DIM}; GQA by repeating k and v); float64: not on cuda",
             f"bottom-right causal with Lq != Lk, window, lengths: blocks of {BLOCK_Q} queries over the key span their "
             "band reaches, with a (block, span) mask; memory linear in L",
+            "mask programs: SDPA takes no mask_mod; the program is materialised as a boolean (B|1, Hq|1, Lq, Lk) mask "
+            "and ANDed into the call's (O(L²) memory, no key block skipped for it)",
             "segment ids: SDPA has no document clause; they become a boolean (B, 1, Lq, Lk) mask (O(L²) memory, "
             "no key block skipped for the documents), with q, k, v zeroed at negative ids; the shipped order puts "
             "the backends that skip the tiles documents hide first",
@@ -664,8 +682,8 @@ class TorchSdpaBackend(RecomputingBackend):
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         runner = _problem_native_path(spec, problem)
-        if runner is not None and problem.has_segment_ids:
-            return lambda inputs: runner(_segments_as_mask(spec, inputs))
+        if runner is not None and (problem.has_segment_ids or problem.has_mask_program):
+            return lambda inputs: runner(_segments_as_mask(spec, _program_as_mask(spec, inputs)))
         if runner is not None:
             return runner
         return functools.partial(sdpa_attention, spec, need_lse=problem.return_lse)

@@ -3,7 +3,9 @@
 The forward keeps a running max, running sum and rescaled accumulator per query row and saves only
 (out, lse); the backward recomputes the probabilities of each key block from lse. Neither pass holds
 more than one (Lq, block) slab of scores. Everything is pure jax, so the backend runs under jit, under
-the frontend's custom_vjp (grad) and under vmap, with mask, bias, lengths and segment ids as tracers.
+the frontend's custom_vjp (grad) and under vmap, with mask, bias, lengths and segment ids as tracers. A mask program
+(§17) is evaluated on each key block by broadcasting its index ranges (its captured arrays are arguments of the
+jitted passes, the program itself a static one: programs are hashable).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ try:
         segment_visibility,
         zero_padding,
     )
+    from attnkit.contract.programs import BoundProgram, MaskProgram, array_ops, evaluate
 except Exception as error:  # missing or broken (e.g. a jaxlib mismatch): available() reports it
     _JAX_ERROR: str | None = f"jax cannot be imported ({type(error).__name__}: {error})"
 else:
@@ -68,9 +71,10 @@ class _Operands(NamedTuple):
     q_normalization: Normalization | None  # for the cosine backward
     k_normalization: Normalization | None
     alibi: Any  # minus the ALiBi slopes (§16), (B|1, Hkv, G, 1, 1) in the compute dtype, or None
+    program: Any  # a BoundProgram of jnp arrays, or None
 
 
-def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> _Operands:
+def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs, program: Any = None) -> _Operands:
     """All the plumbing: layout, upcast, GQA grouping, cosine normalisation, lengths, segment ids, key padding."""
     q, k, v, mask, bias, q_lengths, kv_lengths, q_ids, kv_ids, slopes = inputs[:10]
     dtype = _compute_dtype(q.dtype)
@@ -103,7 +107,7 @@ def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> _Oper
     )
     q_ids = None if q_ids is None else q_ids.reshape(len(q_ids), 1, 1, len_q, 1)  # B, Lq or Lk may be 0
     alibi = None if slopes is None else -_group(slopes.astype(dtype).reshape(*slopes.shape, 1, 1), heads_kv)
-    return _Operands(q, keys, q_ids, q_limit, kv_limit, scale, q_normalization, k_normalization, alibi)
+    return _Operands(q, keys, q_ids, q_limit, kv_limit, scale, q_normalization, k_normalization, alibi, program)
 
 
 def _bhsd(spec: AttentionSpec, x: Any) -> Any:
@@ -180,8 +184,23 @@ def _block_scores(spec: AttentionSpec, ops: _Operands, keys: tuple[Any, ...]) ->
         band_visibility(spec, i, j, ops.q_limit, ops.kv_limit),
         mask,
         segment_visibility(ops.q_segment_ids, kv_ids),
+        None if ops.program is None else _program_visibility(ops, start, k.shape[2]),
     )
     return jnp.where(visible, s, -jnp.inf), tanh
+
+
+def _program_visibility(ops: _Operands, start: Any, width: int) -> Any:
+    """The mask program over one key block, broadcasting to (B, Hkv, G, Lq, blk): query head h = kv head · G + g
+    (§2); the block's keys past Lk are evaluated too (reads clamp) and hidden by the key limit."""
+    batch, heads_kv, group, len_q = ops.q.shape[:4]
+    heads = jnp.arange(heads_kv, dtype=jnp.int32)[:, None] * group + jnp.arange(group, dtype=jnp.int32)
+    env = {
+        "b": jnp.arange(batch, dtype=jnp.int32).reshape(-1, 1, 1, 1, 1),
+        "h": heads.reshape(1, heads_kv, group, 1, 1),
+        "q": jnp.arange(len_q, dtype=jnp.int32).reshape(1, 1, 1, -1, 1),
+        "kv": (start + jnp.arange(width, dtype=jnp.int32)).reshape(1, 1, 1, 1, -1),
+    }
+    return jnp.asarray(evaluate(ops.program.expr, array_ops(ops.q), env, ops.program.captured))
 
 
 def _forward_block(spec: AttentionSpec, ops: _Operands, carry: tuple[Any, Any, Any], keys: tuple[Any, ...]) -> Any:
@@ -217,8 +236,14 @@ def _online_softmax(spec: AttentionSpec, ops: _Operands) -> tuple[Any, Any]:
     return out, lse
 
 
-def _forward(spec: AttentionSpec, block: int, inputs: AttentionInputs) -> tuple[Any, Any]:
-    out, lse = _online_softmax(spec, _operands(spec, block, inputs))
+def _bound(program: MaskProgram | None, captured: tuple[Any, ...]) -> Any:
+    return None if program is None else BoundProgram(program, captured)
+
+
+def _forward(
+    spec: AttentionSpec, block: int, program: MaskProgram | None, inputs: AttentionInputs, captured: tuple[Any, ...]
+) -> tuple[Any, Any]:
+    out, lse = _online_softmax(spec, _operands(spec, block, inputs, _bound(program, captured)))
     # lse in the compute dtype: float64 for float64 calls (§6).
     return _bhsd(spec, _ungroup(out)).astype(inputs.q.dtype), _ungroup(lse).astype(_compute_dtype(inputs.q.dtype))
 
@@ -252,14 +277,16 @@ def _backward(
     spec: AttentionSpec,
     block: int,
     need_dbias: bool,
+    program: MaskProgram | None,
     inputs: AttentionInputs,
+    captured: tuple[Any, ...],
     out: Any,
     lse: Any,
     dout: Any,
     dlse: Any,
 ) -> tuple[Any, Any, Any, Any]:
     q, k, bias = inputs.q, inputs.k, inputs.bias
-    ops = _operands(spec, block, inputs)
+    ops = _operands(spec, block, inputs, _bound(program, captured))
     need_dbias = need_dbias and bias is not None
     heads_kv, len_k = _bhsd(spec, k).shape[1:3]
     dtype = ops.q.dtype
@@ -292,8 +319,17 @@ def _backward(
 @functools.cache
 def _compiled() -> tuple[Any, Any]:
     # jit for eager callers (one XLA program instead of op-by-op dispatch); nested under a caller's jit
-    # it is inlined. spec, block and need_dbias are static: spec is a frozen, hashable pydantic model.
-    return jax.jit(_forward, static_argnums=(0, 1)), jax.jit(_backward, static_argnums=(0, 1, 2))
+    # it is inlined. spec, block, need_dbias and the mask program are static: spec is a frozen, hashable pydantic
+    # model, a MaskProgram a hashable expression (its captured arrays are arguments).
+    return jax.jit(_forward, static_argnums=(0, 1, 2)), jax.jit(_backward, static_argnums=(0, 1, 2, 3))
+
+
+def _program_apart(inputs: AttentionInputs) -> tuple[MaskProgram | None, tuple[Any, ...], AttentionInputs]:
+    """(the static program, its captured arrays, the inputs without it): a BoundProgram is no pytree."""
+    bound = inputs.mask_program
+    if bound is None:
+        return None, (), inputs
+    return bound.program, tuple(bound.captured), inputs._replace(mask_program=None)
 
 
 class JaxReferenceBackend(BaseBackend):
@@ -336,7 +372,8 @@ class JaxReferenceBackend(BaseBackend):
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         # lse is always computed: the online softmax has it for free.
         forward, _ = _compiled()
-        return forward(spec, self._block(spec, inputs), inputs)
+        program, captured, inputs = _program_apart(inputs)
+        return forward(spec, self._block(spec, inputs), program, inputs, captured)
 
     def forward_paged(self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool) -> tuple[Any, Any]:
         """§13 literally: the blocks gathered into contiguous (bshd) keys, then this backend's forward with
@@ -345,7 +382,12 @@ class JaxReferenceBackend(BaseBackend):
         if spec.layout is Layout.BHSD:
             keys, values = jnp.swapaxes(keys, 1, 2), jnp.swapaxes(values, 1, 2)
         gathered = AttentionInputs(
-            inputs.q, keys, values, kv_lengths=inputs.kv_lengths, alibi_slopes=inputs.alibi_slopes
+            inputs.q,
+            keys,
+            values,
+            kv_lengths=inputs.kv_lengths,
+            alibi_slopes=inputs.alibi_slopes,
+            mask_program=inputs.mask_program,  # its kv_idx: the key's place in the gathered keys (§13)
         )
         return self.forward(spec, gathered, need_lse)
 
@@ -361,5 +403,7 @@ class JaxReferenceBackend(BaseBackend):
         need_dbias: bool,
     ) -> Gradients:
         _, backward = _compiled()
-        dq, dk, dv, dbias = backward(spec, self._block(spec, inputs), need_dbias, inputs, out, lse, dout, dlse)
+        program, captured, inputs = _program_apart(inputs)
+        block = self._block(spec, inputs)
+        dq, dk, dv, dbias = backward(spec, block, need_dbias, program, inputs, captured, out, lse, dout, dlse)
         return Gradients(dq=dq, dk=dk, dv=dv, dbias=dbias)

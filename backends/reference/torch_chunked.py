@@ -2,8 +2,10 @@
 
 Queries and keys are cut into tiles; the forward keeps a running max and sum per row (online softmax) and
 saves only ``out`` and ``lse``; the backward recomputes each probability tile from ``lse``. Tiles that the
-causal/window/length geometry or the segment ids hide entirely (in every batch element) are never computed, and
-tiles they show entirely are never masked.
+causal/window/length geometry, the segment ids or a mask program hide entirely (in every batch element and head)
+are never computed, and tiles they show entirely are never masked. A mask program (§17) is read through its tile
+classes (:func:`attnkit.contract.programs.cached_tile_classes`) for the plan and evaluated by broadcasting over the
+index ranges of each tile that needs a mask.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from attnkit.backend import (
     PagedInputs,
     Variant,
 )
+from attnkit.contract import conjoin
+from attnkit.contract.programs import EMPTY, FULL, BoundProgram, array_ops, cached_tile_classes, evaluate
 from attnkit.contract.torch import (
     Band,
     compute_dtype,
@@ -90,27 +94,54 @@ def _rows(x: torch.Tensor, r0: int, r1: int) -> torch.Tensor:
 
 
 class _Geometry:
-    """Which (query, key) pairs the band (:class:`attnkit.contract.torch.Band`) and the user mask allow, per tile in
-    the internal layouts, and which tiles need no mask."""
+    """Which (query, key) pairs the band (:class:`attnkit.contract.torch.Band`), the user mask and a mask program
+    allow, per tile in the internal layouts, and which tiles need no mask."""
 
     def __init__(self, spec: AttentionSpec, inputs: AttentionInputs, heads_kv: int, len_q: int, len_k: int) -> None:
         self.band = Band(spec, inputs, len_q, len_k)
         self.mask = _grouped(inputs.mask, heads_kv) if inputs.mask is not None else None
+        self.program: BoundProgram | None = inputs.mask_program
+        self.heads_q = inputs.q.shape[2 if spec.layout is Layout.BSHD else 1]
+        self.heads_kv = heads_kv
+        self.like = inputs.q  # the device the program's tile classes are built on
 
-    def is_full(self, rows: range, cols: range, segments_whole: bool) -> bool:
+    def program_tiles(self, block_q: int, block_k: int) -> tuple[list[list[bool]], list[list[bool]]] | None:
+        """Host-side (empty, full) per (query tile, key tile): the program hides (shows) every pair of the tile in
+        every batch element and query head. None without a program."""
+        if self.program is None:
+            return None
+        batch, len_q, len_k = self.band.batch, self.band.len_q, self.band.len_k
+        classes = cached_tile_classes(self.program, batch, self.heads_q, len_q, len_k, block_q, block_k, self.like)
+        return (classes == EMPTY).all(1).all(0).tolist(), (classes == FULL).all(1).all(0).tolist()
+
+    def is_full(self, rows: range, cols: range, segments_whole: bool, program_whole: bool = True) -> bool:
         """True when every pair in the tile is visible for every batch element, so it needs no masking
-        (``segments_whole``: the segment ids, if any, show the whole tile)."""
-        return self.mask is None and segments_whole and self.band.band_wholly_visible(rows, cols)
+        (``segments_whole``, ``program_whole``: the segment ids and the mask program, if any, show the whole tile)."""
+        whole = self.mask is None and segments_whole and program_whole
+        return whole and self.band.band_wholly_visible(rows, cols)
 
     def visible(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         """Boolean (B|1, Hkv|1, tile_q, G|1, tile_k): may query i see key j."""
         band = self.band.visible(slice(r0, r1), slice(c0, c1))
         tile = _tile(self.mask, r0, r1, c0, c1) if self.mask is not None else None
-        if band is None:
-            assert tile is not None, "a tile needs a mask only where the band or a user mask hides something"
-            return tile
-        band = band.unsqueeze(3)
-        return band if tile is None else band & tile
+        program = self._program_tile(r0, r1, c0, c1) if self.program is not None else None
+        visible = conjoin(band.unsqueeze(3) if band is not None else None, tile, program)
+        assert visible is not None, "a tile needs a mask only where the band, a mask or a program hides something"
+        return visible
+
+    def _program_tile(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """The program over the tile, (B|1, Hkv|1, tile_q, G|1, tile_k): query head h = kv head · G + g (§2)."""
+        assert self.program is not None
+        device, group = self.band.device, self.heads_q // max(self.heads_kv, 1)
+        heads = torch.arange(self.heads_q, device=device).view(1, self.heads_kv, 1, group, 1)
+        env = {
+            "b": torch.arange(self.band.batch, device=device).view(-1, 1, 1, 1, 1),
+            "h": heads,
+            "q": torch.arange(r0, r1, device=device).view(1, 1, -1, 1, 1),
+            "kv": torch.arange(c0, c1, device=device).view(1, 1, 1, 1, -1),
+        }
+        ops = array_ops(heads)
+        return torch.as_tensor(evaluate(self.program.expr, ops, env, self.program.captured), device=device)
 
     def distance(self, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
         """(B, 1, tile_q, 1, tile_k) int64: ALiBi's |i + off_b − j| (§16)."""
@@ -124,6 +155,7 @@ Plan = list[tuple[int, int, list[tuple[int, int, bool]]]]
 def _plan(geometry: _Geometry, len_q: int, len_k: int, block_q: int, block_k: int) -> Plan:
     plan: Plan = []
     segments = geometry.band.segment_pairs(block_q, block_k)
+    program = geometry.program_tiles(block_q, block_k)
     for r0 in range(0, len_q, block_q):
         r1 = min(r0 + block_q, len_q)
         keys = geometry.band.key_span(range(r0, r1))
@@ -133,8 +165,11 @@ def _plan(geometry: _Geometry, len_q: int, len_k: int, block_q: int, block_k: in
             row, column = r0 // block_q, c0 // block_k
             if segments is not None and not segments.meet[row][column]:
                 continue  # no query of the tile shares a segment with a key of it, in any batch element
+            if program is not None and program[0][row][column]:
+                continue  # the mask program hides every pair of the tile, in every batch element and head
             whole = segments is None or segments.whole[row][column]
-            key_tiles.append((c0, c1, not geometry.is_full(range(r0, r1), range(c0, c1), whole)))
+            program_whole = program is None or program[1][row][column]
+            key_tiles.append((c0, c1, not geometry.is_full(range(r0, r1), range(c0, c1), whole, program_whole)))
         if key_tiles:
             plan.append((r0, r1, key_tiles))
     return plan
@@ -394,7 +429,8 @@ class TorchChunkedBackend(BaseBackend):
         len_q, len_k = q.shape[2], inputs.block_table.shape[1] * block_size
         scale = spec.resolved_scale(q.shape[-1])
         q_scale = scale / spec.softcap if spec.softcap is not None else scale
-        lengths = AttentionInputs(inputs.q, None, None, kv_lengths=inputs.kv_lengths)
+        # A mask program's kv_idx is the key's logical position (§13): the tiles' key positions.
+        lengths = AttentionInputs(inputs.q, None, None, kv_lengths=inputs.kv_lengths, mask_program=inputs.mask_program)
         geometry = _Geometry(spec, lengths, heads_kv, len_q, len_k)
         pages = _Pages(inputs.block_table, inputs.kv_lengths, spec, dtype)
         alibi = _alibi(inputs.alibi_slopes, heads_kv, dtype)

@@ -20,6 +20,7 @@ from attnkit.backend import (
     Layout,
     PagedInputs,
 )
+from attnkit.contract.programs import dense
 from attnkit.contract.torch import RecomputingBackend, compute_dtype, gather_pages, literal_attention
 
 
@@ -27,7 +28,8 @@ def oracle_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, 
     """Boolean (B, Hq|1, Lq, Lk): may query i see key j, docs/semantics.md §4 clause by clause, one batch element at
     a time. Causal and window are bands of the (Lq, Lk) matrix cut along its diagonals (j − i ≤ off is ``tril_(off)``),
     lengths blank whole rows and columns; written apart from ``attnkit.contract.torch.Band`` (index comparisons) so
-    that tests/test_oracle.py can hold each against the other and a per-pair loop."""
+    that tests/test_oracle.py can hold each against the other and a per-pair loop. A mask program (§17) is
+    materialised, (B|1, Hq|1, Lq, Lk), and ANDed in."""
     batch = inputs.q.shape[0]
     q_lens = inputs.q_lengths.tolist() if inputs.q_lengths is not None else [len_q] * batch
     kv_lens = inputs.kv_lengths.tolist() if inputs.kv_lengths is not None else [len_k] * batch
@@ -50,6 +52,9 @@ def oracle_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, 
             rows = torch.tensor(q_ids, dtype=torch.long, device=element.device).unsqueeze(1)
             cols = torch.tensor(kv_ids, dtype=torch.long, device=element.device).unsqueeze(0)
             element &= (rows == cols) & (rows >= 0)
+    if inputs.mask_program is not None:
+        heads = inputs.q.shape[2 if spec.layout is Layout.BSHD else 1]
+        visible = visible & dense(inputs.mask_program, batch, heads, len_q, len_k, inputs.q)
     return visible if inputs.mask is None else visible & inputs.mask
 
 
@@ -68,7 +73,8 @@ class TorchNaiveBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.MASK_PROGRAM},
+        features=ALL_FEATURES,
+        materialises_mask_programs=True,
         description="the contract written literally; materialises (Lq, Lk) scores; the float64 oracle",
     )
 
@@ -88,7 +94,8 @@ class TorchNaiveBackend(RecomputingBackend):
     def forward_paged(
         self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """§13 literally: the blocks gathered into contiguous (bshd) keys, then the oracle with kv_lengths."""
+        """§13 literally: the blocks gathered into contiguous (bshd) keys, then the oracle with kv_lengths (a mask
+        program's kv_idx is the key's logical position, its place in the gathered keys)."""
         keys, values = (
             gather_pages(inputs.k_cache, inputs.block_table),
             gather_pages(inputs.v_cache, inputs.block_table),
@@ -96,6 +103,11 @@ class TorchNaiveBackend(RecomputingBackend):
         if spec.layout is Layout.BHSD:
             keys, values = keys.transpose(1, 2), values.transpose(1, 2)
         gathered = AttentionInputs(
-            inputs.q, keys, values, kv_lengths=inputs.kv_lengths, alibi_slopes=inputs.alibi_slopes
+            inputs.q,
+            keys,
+            values,
+            kv_lengths=inputs.kv_lengths,
+            alibi_slopes=inputs.alibi_slopes,
+            mask_program=inputs.mask_program,
         )
         return self.forward(spec, gathered, need_lse)
