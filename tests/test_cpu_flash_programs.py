@@ -69,7 +69,8 @@ def check_program(
     oracle_inputs = inputs._replace(mask=visible if inputs.mask is None else inputs.mask & visible, mask_program=None)
     exact = _oracle(spec, oracle_inputs, torch.float64, dout.double())
     baseline = _oracle(spec, oracle_inputs, dtype, dout)
-    failures = [str(c) for c in compare_outputs(str(dtype).removeprefix("torch."), results, exact, baseline) if not c.ok]
+    comparisons = compare_outputs(str(dtype).removeprefix("torch."), results, exact, baseline)
+    failures = [str(c) for c in comparisons if not c.ok]
     assert not failures, failures
     return results
 

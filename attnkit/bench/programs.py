@@ -30,7 +30,7 @@ PROGRAM_DTYPES = ("float32", "bfloat16")
 PASSES = ("fwd", "fwd+bwd")
 DOCUMENTS, CHUNK, WINDOW, GLOBAL_TOKENS = 8, 1024, 128, 4
 #: Visible fractions of the sweep (a bidirectional window of about fraction · L keys per row).
-FRACTIONS = (0.05, 0.1, 0.2, 0.35, 0.5, 0.75, 1.0)
+FRACTIONS = (0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 def program(kind: str, seq_len: int) -> tuple[Callable[..., Any], Any, dict[str, Any]]:

@@ -115,8 +115,8 @@ class _Band:
         return self.low is not None, self.low or 0, self.high is not None, self.high or 0, self.bottom_right
 
     def tile(self, default: tuple[int, int], program: _Program | None = None) -> tuple[int, int]:
-        """(query rows, key columns) per tile: one tile per row block for a band bounded on both sides, unless a mask
-        program's classes need key tiles on a fixed grid (the band's tile starts off it, so each would be cut in two)."""
+        """(query rows, key columns) per tile: one tile per row block for a band bounded on both sides, unless a
+        mask program's classes need key tiles on a fixed grid (the band's tile starts off it: each cut in two)."""
         if self.low is None or self.high is None or program is not None:
             return default
         width = WINDOW_ROWS + max(self.high - self.low, 0)
@@ -150,7 +150,8 @@ def program_code(program: MaskProgram) -> tuple[torch.Tensor, torch.Tensor]:
     for node, level in zip(order, levels):
         for arg in node.args:
             spread[position[arg]] |= level >= COLUMN and levels[position[arg]] < COLUMN
-    code, operands = [], []
+    code: list[list[int]] = []
+    operands: list[int] = []
     for n, node in enumerate(order):
         op = str(node.value) if node.op == "index" else node.op
         value = int(node.value) if node.op in ("const", "read") else 0  # type: ignore[arg-type]
@@ -351,6 +352,8 @@ class CpuFlashBackend(RecomputingBackend):
             "every head, in address order; more rows one GEMM per block piece of a tile); split-K over the keys "
             "when a decode call has fewer rows than threads",
             "half types: widened to float32 exactly, results rounded back once",
+            "mask programs: one int32 interpreter compiled with the kernel runs them on tiles the program's tile "
+            "classes call partial; empty tiles are never read, full ones never evaluated (docs/cpu_flash.md)",
             "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "
             "it unavailable with the reason (docs/cpu_flash.md)",
         ),
