@@ -14,6 +14,7 @@ program reaches it as ``AttentionInputs.mask_program``.
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 from collections.abc import Callable
@@ -219,13 +220,10 @@ def bench_programs(
     """Paired ratios per (program, L, dtype, pass); the fraction sweep at ``sweep_len`` and the classification's
     share at ``share_len`` where given."""
     cells = []
-    for seq_len in seq_lens:
-        for kind in kinds:
-            for dtype in dtypes:
-                for pass_name in passes:
-                    if progress:
-                        progress(f"{kind} L={seq_len} {dtype} {pass_name}")
-                    cells.append(_cell(kind, seq_len, dtype, pass_name, repeats, warmup))
+    for seq_len, kind, dtype, pass_name in itertools.product(seq_lens, kinds, dtypes, passes):
+        if progress:
+            progress(f"{kind} L={seq_len} {dtype} {pass_name}")
+        cells.append(_cell(kind, seq_len, dtype, pass_name, repeats, warmup))
     result: dict[str, Any] = {
         "what": "masks --programs",
         "environment": environment("cpu"),
