@@ -199,7 +199,7 @@ def _add_bench(commands: Any) -> None:
         "--what compiled fwd or fwd+bwd (default: fwd+bwd)",
     )
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
-    bench.add_argument("--dtypes", metavar="A,B", help="targets, --calibrate: dtypes (default float32,bfloat16)")
+    bench.add_argument("--dtypes", metavar="A,B", help="targets, --programs, --calibrate: default float32,bfloat16")
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bench.add_argument("--rounds", type=int, help="dispatch, spec, targets' decode: interleaved rounds (default 20)")
     bench.add_argument("--calls", type=int, help="dispatch, spec, targets' decode: calls per round (default 2000)")
@@ -231,7 +231,8 @@ def _add_bench(commands: Any) -> None:
         "(flags given still win; attnkit/bench/command.py's QUICK lists them)",
     )
     bench.add_argument("--no-memory", action="store_true", help="targets, masks, packed: skip the peak-memory runs")
-    bench.add_argument("--plot", metavar="PATH", help="targets: also plot GFLOP/s against L to this PNG (matplotlib)")
+    bench.add_argument("--programs", action="store_true", help="masks: cpu-flash's mask_mod (bench/programs.py)")
+    bench.add_argument("--plot", metavar="PATH", help="targets, --programs: plot to this PNG")
     bench.add_argument(
         "--repeats",
         type=int,

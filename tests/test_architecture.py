@@ -18,6 +18,7 @@ BACKEND_MAY_IMPORT = frozenset(
         "attnkit.backend",
         "attnkit.contract",
         "attnkit.contract.torch",
+        "attnkit.contract.programs",
         "attnkit.contract.jax",
         "attnkit.contract.kernels",
         "attnkit.contract.programs",

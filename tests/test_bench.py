@@ -235,6 +235,34 @@ def test_masks_bench_pairs_attend_with_sdpa_in_every_cell(
             assert full[b, 0, i].tolist() == [j <= i and not bool(padded[b, j]) for j in range(6)]
 
 
+def test_programs_bench_pairs_cpu_flash_with_sdpa_and_its_native_clauses(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--what masks --programs` on one tiny length: a cell per (program, pass) with its ratios (against the native
+    clause where one exists), a sweep row per fraction, a classification row per program; the programs' visible
+    fractions are the masks they name."""
+    from attnkit.bench import programs, timing
+
+    monkeypatch.setattr(timing, "MIN_SAMPLE_S", 0.001)  # one call per sample: this checks the plumbing, not speed
+    target = tmp_path / "programs.json"
+    argv = ["bench", "--what", "masks", "--programs", "--seq-lens", "64", "--dtypes", "float32", "--repeats", "1"]
+    code, out = run(capsys, *argv, "--warmup", "0", "--threads", "1", "--json", str(target))
+    assert code == 0 and "program / sdpa" in out
+    result = json.loads(target.read_text())
+    cells = result["cells"]
+    expected = {(kind, pass_name) for kind in programs.PROGRAM_KINDS for pass_name in programs.PASSES}
+    assert {(c["program"], c["pass"]) for c in cells} == expected
+    assert all(math.isfinite(c["program_over_sdpa"]) and c["program_over_sdpa"] > 0 for c in cells)
+    assert {c["program"] for c in cells if "program_over_native" in c} == {
+        "document-causal", "chunked-causal", "local+global"
+    }  # fmt: skip
+    visible = {c["program"]: c["visible"] for c in cells}
+    # 8 causal documents of 8: 8 · 36 pairs; prefix 16 seen by all, causal after: 64·16 + Σ_{i≥16} (i − 15)
+    assert visible["document-causal"] == pytest.approx(8 * 36 / 64**2)
+    assert visible["prefix-lm"] == pytest.approx((64 * 16 + sum(i - 15 for i in range(16, 64))) / 64**2)
+    assert len(result["sweep"]["rows"]) == len(programs.FRACTIONS) and len(result["classification"]) == 4
+
+
 def test_clauses_bench_pairs_each_clause_with_the_plain_call(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,6 +20,7 @@ from attnkit.bench import (
     overhead,
     packed,
     paged,
+    programs,
     spec_cost,
     targets,
     tflops,
@@ -236,6 +237,8 @@ def run_masks(args: argparse.Namespace, out: TextIO) -> int:
     if args.device != "cpu":
         print("attnkit bench: --what masks measures torch's CPU SDPA (--device cpu)", file=sys.stderr)
         return 2
+    if args.programs:
+        return run_programs(args, out)
     seq_lens = _csv(args.seq_lens, int) or masks.MASK_SEQ_LENS
     repeats = args.repeats if args.repeats is not None else 5
     with torch_threads(args.threads):
@@ -243,6 +246,28 @@ def run_masks(args: argparse.Namespace, out: TextIO) -> int:
             seq_lens=seq_lens, repeats=repeats, warmup=args.warmup, memory=not args.no_memory, progress=_progress
         )
     print(masks.format_masks(result), file=out)
+    _write_json(args, result, out)
+    return 0
+
+
+def run_programs(args: argparse.Namespace, out: TextIO) -> int:
+    """--what masks --programs: cpu-flash's mask programs; the fraction sweep and the classification's share at the
+    shortest and longest L."""
+    seq_lens = _csv(args.seq_lens, int) or programs.PROGRAM_SEQ_LENS
+    with torch_threads(args.threads):
+        result = programs.bench_programs(
+            seq_lens=seq_lens,
+            dtypes=_csv(args.dtypes) or programs.PROGRAM_DTYPES,
+            passes=_csv(args.passes) or programs.PASSES,
+            repeats=args.repeats if args.repeats is not None else 3,
+            warmup=args.warmup,
+            sweep_len=min(seq_lens),
+            share_len=max(seq_lens),
+            progress=_progress,
+        )
+    print(programs.format_programs(result), file=out)
+    if args.plot:
+        print(programs.plot_sweep(result, args.plot), file=out)
     _write_json(args, result, out)
     return 0
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ from attnkit.backend import (
     Variant,
 )
 from attnkit.contract import COSINE_EPS, diagonal_band
+from attnkit.contract.programs import BoundProgram, MaskProgram, cached_tile_classes, nodes
 from attnkit.contract.torch import (
     Band,
     RecomputingBackend,
@@ -114,12 +115,81 @@ class _Band:
     def arguments(self) -> tuple[bool, int, bool, int, bool]:
         return self.low is not None, self.low or 0, self.high is not None, self.high or 0, self.bottom_right
 
-    def tile(self, default: tuple[int, int]) -> tuple[int, int]:
-        """(query rows, key columns) per tile: one tile per row block for a band bounded on both sides."""
-        if self.low is None or self.high is None:
+    def tile(self, default: tuple[int, int], program: _Program | None = None) -> tuple[int, int]:
+        """(query rows, key columns) per tile: one tile per row block for a band bounded on both sides, unless a
+        mask program's classes need key tiles on a fixed grid (the band's tile starts off it: each cut in two)."""
+        if self.low is None or self.high is None or program is not None:
             return default
         width = WINDOW_ROWS + max(self.high - self.low, 0)
         return (WINDOW_ROWS, width) if width <= WINDOW_MAX_KEYS else default
+
+
+# Mask programs: kernel.cpp's interpreter reads a program as instructions, one per node of
+# attnkit.contract.programs.nodes(expr) in that order: these columns, the op codes in ProgramOp's order.
+PROGRAM_OPS = (
+    "b", "h", "q", "kv", "const", "read",
+    "add", "sub", "mul", "floordiv", "mod", "tdiv", "trem", "min", "max",
+    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "xor",
+    "neg", "abs", "not", "bool", "int", "where",
+)  # fmt: skip
+_OP_CODES = {name: code for code, name in enumerate(PROGRAM_OPS)}
+# The level a node's value varies at: neither index (once per tile), q_idx alone (a scalar per row), kv_idx alone
+# (lanes once per tile), both (lanes per row).
+FIXED, ROW, COLUMN, PAIR = 0, 1, 2, 3
+
+
+@functools.lru_cache(maxsize=256)
+def program_code(program: MaskProgram) -> tuple[torch.Tensor, torch.Tensor]:
+    """(code, operands) int32 as kernel.cpp's ProgramRows runs them: per node (op, level, value, first operand,
+    operand count, spread), spread where a scalar node's value is read as lanes (by a lane node, or as the root);
+    operands are node indices. Made once per program: a new length or captured value reuses it."""
+    order = nodes(program.expr)
+    position = {node: n for n, node in enumerate(order)}
+    levels = [int("q" in node.indices()) + 2 * int("kv" in node.indices()) for node in order]
+    spread = [False] * len(order)
+    spread[-1] = levels[-1] < COLUMN  # the root, last in dependency order
+    for node, level in zip(order, levels):
+        for arg in node.args:
+            spread[position[arg]] |= level >= COLUMN and levels[position[arg]] < COLUMN
+    code: list[list[int]] = []
+    operands: list[int] = []
+    for n, node in enumerate(order):
+        op = str(node.value) if node.op == "index" else node.op
+        value = int(node.value) if node.op in ("const", "read") else 0  # type: ignore[arg-type]
+        code.append([_OP_CODES[op], levels[n], value, len(operands), len(node.args), int(spread[n])])
+        operands.extend(position[arg] for arg in node.args)
+    return torch.tensor(code, dtype=torch.int32), torch.tensor(operands or [0], dtype=torch.int32)
+
+
+@dataclass
+class _Program:
+    """One call's program as the kernel takes it: code, the captured tensors as int32 (bool as 0/1, converted once
+    per call) and the tile classes of each pass's tiles (attnkit.contract.programs' class cache)."""
+
+    bound: BoundProgram
+    shape: tuple[int, int, int, int]  # B, Hq, Lq, Lk
+    like: torch.Tensor
+    captured: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, bound: BoundProgram | None, q: torch.Tensor, len_k: int) -> _Program | None:
+        if bound is None:
+            return None
+        captured = [t.to(torch.int32).contiguous() for t in bound.captured]
+        return cls(bound, (q.shape[0], q.shape[1], q.shape[2], len_k), q, captured)
+
+    def arguments(self, tile: tuple[int, int]) -> tuple[Any, ...]:
+        """The kernel's program arguments for a pass over tiles of ``tile`` (query rows, key columns)."""
+        code, operands = program_code(self.bound.program)
+        classes = cached_tile_classes(self.bound, *self.shape, *tile, self.like)
+        return code, operands, self.captured, classes.contiguous()
+
+
+_NO_PROGRAM: tuple[Any, ...] = (None, None, [], None)
+
+
+def _program_arguments(program: _Program | None, tile: tuple[int, int]) -> tuple[Any, ...]:
+    return _NO_PROGRAM if program is None else program.arguments(tile)
 
 
 class _CpuFlash(torch.autograd.Function):
@@ -144,13 +214,15 @@ class _CpuFlash(torch.autograd.Function):
         softcap: float,
         q_scale: float,
         slopes: torch.Tensor | None,
+        program: _Program | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        tile = band.tile(FORWARD_TILE, program)
         out, lse = _kernel().forward(
             q, k, v, q_lens, kv_lens, mask, bias, slopes, *segments, SEGMENT_GRANULE, *band.arguments(), softcap,
-            q_scale, *band.tile(FORWARD_TILE),
+            q_scale, *tile, *_program_arguments(program, tile),
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens, mask, bias, slopes)
-        ctx.segments, ctx.band, ctx.softcap, ctx.q_scale = segments, band, softcap, q_scale
+        ctx.segments, ctx.band, ctx.softcap, ctx.q_scale, ctx.program = segments, band, softcap, q_scale, program
         return out, lse
 
     @staticmethod
@@ -161,15 +233,16 @@ class _CpuFlash(torch.autograd.Function):
         delta = (dout * out).sum(dim=-1)
         if dlse is not None:
             delta = delta - dlse
-        tile = ctx.band.tile(WINDOW_BACKWARD_TILE if ctx.band.low is not None else BACKWARD_TILE)
+        tile = ctx.band.tile(WINDOW_BACKWARD_TILE if ctx.band.low is not None else BACKWARD_TILE, ctx.program)
         dq, dk, dv, dbias = _kernel().backward(
             q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, mask, bias, slopes, *ctx.segments,
             SEGMENT_GRANULE, need_dbias, *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile,
+            *_program_arguments(ctx.program, tile),
         )  # fmt: skip
         if need_dbias:  # the kernel's (B, Hq, …) planes, summed over the batch and heads the bias broadcasts along
             broadcast = [axis for axis in (0, 1) if bias.shape[axis] == 1]
             dbias = dbias.sum(dim=broadcast, keepdim=True) if broadcast else dbias
-        return dq, dk, dv, None, dbias if need_dbias else None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, dbias if need_dbias else None, None, None, None, None, None, None, None, None
 
 
 # The kernel's segment arguments: q_ids (B, Lq) and kv_ids (B, Lk) int64, and their summaries (B, granules, 3) per
@@ -218,6 +291,7 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
         q.contiguous(), k.contiguous(), v.contiguous(), mask, bias,
         geometry.q_len.contiguous(), geometry.kv_len.contiguous(), _segments(geometry),
         _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale, slopes,
+        _Program.of(inputs.mask_program, q, k.shape[2]),
     )  # fmt: skip
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse
 
@@ -269,7 +343,7 @@ class CpuFlashBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES - {Feature.MASK_PROGRAM},
+        features=ALL_FEATURES,
         description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
         notes=(
             "mask, bias: read per tile through their strides (broadcast axes never expanded); dbias per batch "
@@ -279,6 +353,8 @@ class CpuFlashBackend(RecomputingBackend):
             "every head, in address order; more rows one GEMM per block piece of a tile); split-K over the keys "
             "when a decode call has fewer rows than threads",
             "half types: widened to float32 exactly, results rounded back once",
+            "mask programs: one int32 interpreter compiled with the kernel runs them on tiles the program's tile "
+            "classes call partial; empty tiles are never read, full ones never evaluated (docs/cpu_flash.md)",
             "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "
             "it unavailable with the reason (docs/cpu_flash.md)",
         ),

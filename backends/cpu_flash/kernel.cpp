@@ -187,18 +187,23 @@ struct Segments {
   }
 };
 
-// The next key tile of a query block from c0 on, before last: [c0, c1) of at most block_k keys. With segment ids it
-// starts at the first key granule whose ids meet the block's and ends before the next one that does not, so no
-// granule the ids hide is ever read. False when no tile remains.
-bool next_key_tile(const Segments& segments, const IdRange& rows, int64_t block_k, int64_t last, int64_t& c0,
-                   int64_t& c1) {
+// The next key tile of a query block from c0 on, before last: [c0, c1) of at most block_k keys, not crossing a
+// multiple of grid (> 0: a mask program's tile classes). With segment ids it starts at the first key granule whose
+// ids meet the block's and ends before the next one that does not, so no granule the ids hide is ever read. False
+// when no tile remains.
+bool next_key_tile(const Segments& segments, const IdRange& rows, int64_t block_k, int64_t grid, int64_t last,
+                   int64_t& c0, int64_t& c1) {
+  const auto limit_of = [&](int64_t from) {
+    const int64_t end = std::min(from + block_k, last);
+    return grid > 0 ? std::min(end, (from / grid + 1) * grid) : end;
+  };
   if (!segments.active()) {
-    c1 = std::min(c0 + block_k, last);
+    c1 = limit_of(c0);
     return c0 < last;
   }
   const int64_t g = segments.granule;
   while (c0 < last && !segments.meets(rows, c0)) c0 = (c0 / g + 1) * g;
-  const int64_t limit = std::min(c0 + block_k, last);
+  const int64_t limit = limit_of(c0);
   c1 = c0;
   while (c1 < limit && segments.meets(rows, c1)) c1 = std::min((c1 / g + 1) * g, limit);
   return c0 < last;
@@ -216,11 +221,235 @@ bool needs_mask(const Band& band, const Rows& rows, int64_t r0, int64_t r1, int6
          (band.has_high && (c1 - 1) - r0 - rows.offset > band.high);
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// Mask programs (section 17): a traced mask_mod(b, h, q_idx, kv_idx) -> bool, run by one interpreter compiled once,
+// so a new program, sequence length or captured value never rebuilds the kernel (docs/cpu_flash.md, "Mask
+// programs"). backend.py lists the program's nodes in dependency order, one register each, with the level a node
+// varies at: kFixed (b, h, constants: once per tile), kRow (q_idx without kv_idx: one scalar per row), kColumn
+// (kv_idx without q_idx: lanes once per tile), kPair (both: lanes per row). Lanes are a tile row's int32 values, one
+// per key; a scalar node that a lane node reads is broadcast into its lanes when computed (`spread`), so every lane
+// operation reads lanes only and its loop vectorises. Integers are int32 (bind refuses programs leaving that range);
+// arithmetic wraps rather than trapping, and a zero divisor (the program's error) gives 0.
+enum ProgramOp : int32_t {
+  kIndexB, kIndexH, kIndexQ, kIndexKv, kConst, kRead,
+  kAdd, kSub, kMul, kFloorDiv, kMod, kTruncDiv, kTruncRem, kMin, kMax,
+  kEq, kNe, kLt, kLe, kGt, kGe, kAnd, kOr, kXor,
+  kNeg, kAbs, kNot, kToBool, kToInt, kWhere,
+};
+enum ProgramLevel : int32_t { kFixed = 0, kRow = 1, kColumn = 2, kPair = 3 };
+// An instruction's columns (backend.py's _instructions writes them).
+enum ProgramField : int32_t { kOp, kLevel, kValue, kFirstOperand, kOperandCount, kSpread, kFields };
+
+int32_t wrap(int64_t x) { return static_cast<int32_t>(static_cast<uint32_t>(x)); }
+
+// Python's // and % (rounding toward -inf) and C's / and % (toward zero), total: 0 for a zero divisor, and
+// INT32_MIN / -1 wraps.
+int32_t floor_div(int32_t a, int32_t b) {
+  if (b == 0) return 0;
+  const int64_t q = static_cast<int64_t>(a) / b;
+  return wrap(q - ((static_cast<int64_t>(a) % b != 0) && ((a < 0) != (b < 0))));
+}
+int32_t floor_mod(int32_t a, int32_t b) {
+  if (b == 0) return 0;
+  const int64_t r = static_cast<int64_t>(a) % b;
+  return wrap(r != 0 && ((r < 0) != (b < 0)) ? r + b : r);
+}
+int32_t trunc_div(int32_t a, int32_t b) { return b == 0 ? 0 : wrap(static_cast<int64_t>(a) / b); }
+int32_t trunc_rem(int32_t a, int32_t b) { return b == 0 ? 0 : wrap(static_cast<int64_t>(a) % b); }
+
+// fn(f) with f the scalar function of a two-operand op; false if `op` has two operands of another kind (none here).
+template <typename Fn>
+bool with_binary(int32_t op, Fn fn) {
+  switch (op) {
+    case kAdd: fn([](int32_t a, int32_t b) { return wrap(int64_t{a} + b); }); return true;
+    case kSub: fn([](int32_t a, int32_t b) { return wrap(int64_t{a} - b); }); return true;
+    case kMul: fn([](int32_t a, int32_t b) { return wrap(int64_t{a} * b); }); return true;
+    case kFloorDiv: fn([](int32_t a, int32_t b) { return floor_div(a, b); }); return true;
+    case kMod: fn([](int32_t a, int32_t b) { return floor_mod(a, b); }); return true;
+    case kTruncDiv: fn([](int32_t a, int32_t b) { return trunc_div(a, b); }); return true;
+    case kTruncRem: fn([](int32_t a, int32_t b) { return trunc_rem(a, b); }); return true;
+    case kMin: fn([](int32_t a, int32_t b) { return std::min(a, b); }); return true;
+    case kMax: fn([](int32_t a, int32_t b) { return std::max(a, b); }); return true;
+    case kEq: fn([](int32_t a, int32_t b) { return int32_t{a == b}; }); return true;
+    case kNe: fn([](int32_t a, int32_t b) { return int32_t{a != b}; }); return true;
+    case kLt: fn([](int32_t a, int32_t b) { return int32_t{a < b}; }); return true;
+    case kLe: fn([](int32_t a, int32_t b) { return int32_t{a <= b}; }); return true;
+    case kGt: fn([](int32_t a, int32_t b) { return int32_t{a > b}; }); return true;
+    case kGe: fn([](int32_t a, int32_t b) { return int32_t{a >= b}; }); return true;
+    case kAnd: fn([](int32_t a, int32_t b) { return a & b; }); return true;  // booleans are 0/1
+    case kOr: fn([](int32_t a, int32_t b) { return a | b; }); return true;
+    case kXor: fn([](int32_t a, int32_t b) { return a ^ b; }); return true;
+    default: return false;
+  }
+}
+
+template <typename Fn>
+bool with_unary(int32_t op, Fn fn) {
+  switch (op) {
+    case kNeg: fn([](int32_t a) { return wrap(-int64_t{a}); }); return true;
+    case kAbs: fn([](int32_t a) { return wrap(a < 0 ? -int64_t{a} : int64_t{a}); }); return true;
+    case kNot: fn([](int32_t a) { return a ^ 1; }); return true;  // of a boolean (the tracer refuses others)
+    case kToBool: fn([](int32_t a) { return int32_t{a != 0}; }); return true;
+    case kToInt: fn([](int32_t a) { return a; }); return true;
+    default: return false;
+  }
+}
+
+// A captured tensor as the kernel reads it: int32, contiguous, with its shape for the clamp.
+struct Captured {
+  const int32_t* data = nullptr;
+  int32_t sizes[8] = {}, strides[8] = {};
+  int32_t dims = 0;
+};
+
+struct Program {
+  const int32_t* code = nullptr;  // (nodes, kFields)
+  const int32_t* operands = nullptr;  // the nodes' operands, node indices, kFirstOperand/kOperandCount into it
+  int64_t count = 0;  // nodes; the last is the root
+  std::vector<Captured> captured;
+  bool active() const { return code != nullptr; }
+  const int32_t* node(int64_t n) const { return code + n * kFields; }
+};
+
+// One thread's registers for a program over tiles of up to block_k keys. begin_tile(b, h, c0, cols) computes what
+// the tile's rows share; row(i) returns the visibility of (i, c0 .. c0 + cols) as 0/1 lanes.
+class ProgramRows {
+ public:
+  ProgramRows(const Program* program, int64_t block_k)
+      : program_(program), block_k_(block_k),
+        scalars_(program ? program->count : 0), lanes_(program ? program->count * block_k : 0) {}
+
+  void begin_tile(int64_t b, int64_t h, int64_t c0, int64_t cols) {
+    b_ = static_cast<int32_t>(b), h_ = static_cast<int32_t>(h), c0_ = static_cast<int32_t>(c0), cols_ = cols;
+    run_level(kFixed);
+    run_level(kColumn);
+  }
+
+  const int32_t* row(int64_t i) {
+    q_ = static_cast<int32_t>(i);
+    run_level(kRow);
+    run_level(kPair);
+    return lanes(program_->count - 1);
+  }
+
+ private:
+  int32_t* lanes(int64_t n) { return lanes_.data() + n * block_k_; }
+  const int32_t* operand(const int32_t* node, int32_t k) const { return program_->operands + node[kFirstOperand] + k; }
+
+  void run_level(int32_t level) {
+    for (int64_t n = 0; n < program_->count; ++n) {
+      const int32_t* node = program_->node(n);
+      if (node[kLevel] != level) continue;
+      if (level == kFixed || level == kRow) {
+        scalars_[n] = scalar(node);
+        if (node[kSpread]) std::fill(lanes(n), lanes(n) + cols_, scalars_[n]);
+      } else {
+        vector(node, lanes(n));
+      }
+    }
+  }
+
+  int32_t scalar(const int32_t* node) const {
+    const int32_t op = node[kOp];
+    const auto arg = [&](int32_t k) { return scalars_[*operand(node, k)]; };
+    switch (op) {
+      case kIndexB: return b_;
+      case kIndexH: return h_;
+      case kIndexQ: return q_;
+      case kConst: return node[kValue];
+      case kWhere: return arg(0) ? arg(1) : arg(2);
+      case kRead: {
+        const Captured& t = program_->captured[node[kValue]];
+        int64_t at = 0;
+        for (int32_t d = 0; d < t.dims; ++d) at += int64_t{std::clamp(arg(d), 0, t.sizes[d] - 1)} * t.strides[d];
+        return t.data[at];
+      }
+      default: break;
+    }
+    int32_t result = 0;
+    if (!with_binary(op, [&](auto f) { result = f(arg(0), arg(1)); })) with_unary(op, [&](auto f) { result = f(arg(0)); });
+    return result;
+  }
+
+  void vector(const int32_t* node, int32_t* out) {
+    const int32_t op = node[kOp];
+    const int64_t cols = cols_;
+    const auto arg = [&](int32_t k) -> const int32_t* { return lanes(*operand(node, k)); };
+    switch (op) {
+      case kIndexKv:
+        for (int64_t c = 0; c < cols; ++c) out[c] = c0_ + static_cast<int32_t>(c);
+        return;
+      case kWhere: {
+        const int32_t *cond = arg(0), *a = arg(1), *b = arg(2);
+        for (int64_t c = 0; c < cols; ++c) out[c] = cond[c] ? a[c] : b[c];
+        return;
+      }
+      case kRead: {  // flat offsets first, then the gather
+        const Captured& t = program_->captured[node[kValue]];
+        std::fill(out, out + cols, 0);
+        for (int32_t d = 0; d < t.dims; ++d) {
+          const int32_t* index = arg(d);
+          const int32_t high = t.sizes[d] - 1, stride = t.strides[d];
+          for (int64_t c = 0; c < cols; ++c) out[c] += std::clamp(index[c], 0, high) * stride;
+        }
+        for (int64_t c = 0; c < cols; ++c) out[c] = t.data[out[c]];
+        return;
+      }
+      default: break;
+    }
+    if (with_binary(op, [&](auto f) {
+          const int32_t *a = arg(0), *b = arg(1);
+          for (int64_t c = 0; c < cols; ++c) out[c] = f(a[c], b[c]);
+        }))
+      return;
+    with_unary(op, [&](auto f) {
+      const int32_t* a = arg(0);
+      for (int64_t c = 0; c < cols; ++c) out[c] = f(a[c]);
+    });
+  }
+
+  const Program* program_;
+  int64_t block_k_;
+  std::vector<int32_t> scalars_, lanes_;
+  int32_t b_ = 0, h_ = 0, q_ = 0, c0_ = 0;
+  int64_t cols_ = 0;
+};
+
+// A program's tile classes (attnkit.contract.programs.tile_classes: EMPTY 0, PARTIAL 1, FULL 2) for one (batch,
+// query head), on the grid of the pass's own tiles; no data: no program, every tile FULL.
+constexpr uint8_t kEmptyTile = 0, kPartialTile = 1, kFullTile = 2;
+
+struct TileClasses {
+  const uint8_t* data = nullptr;  // (B|1, Hq|1, tiles_q, tiles_k)
+  int64_t batch = 1, heads = 1, tiles_q = 0, tiles_k = 0, block_q = 1, block_k = 1;
+
+  // The class of the tile holding query r0 and key c0 of batch element b, query head h.
+  uint8_t of(int64_t b, int64_t h, int64_t r0, int64_t c0) const {
+    if (!data) return kFullTile;
+    const int64_t plane = (batch == 1 ? 0 : b) * heads + (heads == 1 ? 0 : h);
+    return data[(plane * tiles_q + r0 / block_q) * tiles_k + c0 / block_k];
+  }
+};
+
 // The caller's mask and bias for one (batch, head), and its ALiBi slope (0: none, §16).
+// With a mask program: its registers (null on tiles it need not be evaluated on), and its tile classes.
 struct UserTerms {
   Plane<const uint8_t> mask;
   Plane<const float> bias;
   float slope = 0.0f;
+  ProgramRows* program = nullptr;
+  const TileClasses* classes = nullptr;
+  int64_t b = 0, h = 0;  // the batch element and query head, which the program reads
+
+  uint8_t tile_class(int64_t r0, int64_t c0) const { return classes ? classes->of(b, h, r0, c0) : kFullTile; }
+  // The terms of a tile of class `tile`: the program is evaluated on PARTIAL tiles only.
+  UserTerms on_tile(uint8_t tile) const {
+    UserTerms terms = *this;
+    if (tile != kPartialTile) terms.program = nullptr;
+    return terms;
+  }
+  // Key tiles end on the classes' grid, so that each lies in one classified tile.
+  int64_t grid(int64_t block_k) const { return classes ? block_k : 0; }
 };
 
 // ALiBi's slope of (batch b, query head h) from the (B, Hq) float32 slopes, 0 without them.
@@ -239,10 +468,12 @@ TileIds tile_ids(const Segments& segments, const IdRange& rows, int64_t r0, int6
 }
 
 // U -> S in place for one tile (rows x cols, ld cols): S = cap tanh U when softcapped (tanh kept in `tanh_out` when
-// given), + bias, - slope |i + offset - j| (ALiBi), hidden pairs -inf (the band's when masked, then the user mask's).
+// given), + bias, - slope |i + offset - j| (ALiBi), hidden pairs -inf (the band's when masked, then the user mask's,
+// the segment ids' and the mask program's).
 void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap, bool masked, const Band& band,
             const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user, const TileIds& ids) {
   const int64_t step = Vec::size();
+  if (user.program) user.program->begin_tile(user.b, user.h, c0, cols);
   for (int64_t r = 0; r < rows; ++r) {
     float* row = s + r * cols;
     if (softcap > 0) {
@@ -294,6 +525,10 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
       const int64_t id = ids.rows[r];
       for (int64_t c = 0; c < cols; ++c)
         if (id < 0 || ids.keys[c] != id) row[c] = kNegInf;
+    }
+    if (user.program) {
+      const int32_t* visible = user.program->row(r0 + r);
+      for (int64_t c = 0; c < cols; ++c) row[c] = visible[c] ? row[c] : kNegInf;
     }
   }
 }
@@ -360,11 +595,13 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
   int64_t first, last, c1;
   key_range(band, geometry, r0, r1, &first, &last);
   const IdRange ids = segments.active() ? segments.queries(r0, r1) : IdRange{};
-  for (int64_t c0 = first; next_key_tile(segments, ids, n.block_k, last, c0, c1); c0 = c1) {
+  for (int64_t c0 = first; next_key_tile(segments, ids, n.block_k, user.grid(n.block_k), last, c0, c1); c0 = c1) {
+    const uint8_t tile = user.tile_class(r0, c0);
+    if (tile == kEmptyTile) continue;  // the program hides all of it: never read
     const int64_t cols = c1 - c0;
     gemm(false, true, rows, cols, n.dim, n.q_scale, q + r0 * n.dim, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
     scores(s.data(), nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0,
-           user, tile_ids(segments, ids, r0, c0, c1));
+           user.on_tile(tile), tile_ids(segments, ids, r0, c0, c1));
     softmax_step(s.data(), rows, cols, n.dim_v, row_max.data(), row_sum.data(), acc.data());
     gemm(false, false, rows, n.dim_v, cols, 1.0f, s.data(), cols, v + c0 * n.dim_v, n.dim_v, 1.0f, acc.data(), n.dim_v);
   }
@@ -383,6 +620,8 @@ struct BackwardTerms {
   Strided<const float> bias;
   Strided<float> dbias;
   const float* slopes = nullptr;  // ALiBi's (B, Hq), or null
+  const Program* program = nullptr;  // a mask program, or null
+  TileClasses classes;  // its classes on the backward's tiles
 };
 
 // dbias[c .. c + lanes) += dS's lanes, for a dbias row whose keys are contiguous (col 1), broadcast (0) or strided.
@@ -402,11 +641,13 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
                  int64_t first_head) {
   std::vector<float> s = scratch(n.block_q * n.block_k), t = scratch(n.block_q * n.block_k),
                      dp = scratch(n.block_q * n.block_k);
+  ProgramRows program(terms.program, n.block_k);
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head_rows = g * n.len_q;  // offset of this query head's rows within the group
     const UserTerms user{terms.mask.plane(b, first_head + g), terms.bias.plane(b, first_head + g),
-                         slope_of(terms.slopes, n.heads_q, b, first_head + g)};
+                         slope_of(terms.slopes, n.heads_q, b, first_head + g), terms.program ? &program : nullptr,
+                         terms.program ? &terms.classes : nullptr, b, first_head + g};
     const Plane<float> dbias = terms.dbias.plane(b, first_head + g);
     for (int64_t r0 = 0; r0 < q_rows; r0 += n.block_q) {
       const int64_t r1 = std::min(r0 + n.block_q, q_rows), rows = r1 - r0;
@@ -416,11 +657,14 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
       int64_t first, last, c1;
       key_range(band, geometry, r0, r1, &first, &last);
       const IdRange ids = segments.active() ? segments.queries(r0, r1) : IdRange{};
-      for (int64_t c0 = first; next_key_tile(segments, ids, n.block_k, last, c0, c1); c0 = c1) {
+      for (int64_t c0 = first; next_key_tile(segments, ids, n.block_k, user.grid(n.block_k), last, c0, c1);
+           c0 = c1) {
+        const uint8_t tile = user.tile_class(r0, c0);
+        if (tile == kEmptyTile) continue;  // the program hides all of it: never read
         const int64_t cols = c1 - c0;
         const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
         gemm(false, true, rows, cols, n.dim, n.q_scale, q_block, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
-        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0, user,
+        scores(s.data(), t.data(), rows, cols, softcap, masked, band, geometry, r0, c0, user.on_tile(tile),
                tile_ids(segments, ids, r0, c0, c1));
         for (int64_t r = 0; r < rows; ++r) {
           const float row_lse = lse[head_rows + r0 + r];
@@ -775,12 +1019,69 @@ SegmentArgs segment_args(const std::optional<at::Tensor>& q_ids, const std::opti
   return args;
 }
 
+// A mask program's arguments: code (nodes, kFields) and operands int32, captured tensors int32 contiguous (at most
+// 8-D, fewer than 2^31 elements), classes uint8 (B|1, Hq|1, tiles_q, tiles_k) on the pass's tiles; no code: none.
+Program program_args(const std::optional<at::Tensor>& code, const std::optional<at::Tensor>& operands,
+                     const std::vector<at::Tensor>& captured) {
+  Program program;
+  if (!code.has_value()) return program;
+  TORCH_CHECK(operands.has_value(), "a mask program needs its operands");
+  for (const auto* x : {&*code, &*operands})
+    TORCH_CHECK(x->scalar_type() == at::kInt && x->is_contiguous() && x->device().is_cpu(),
+                "a mask program's code and operands must be contiguous int32 CPU tensors");
+  TORCH_CHECK(code->dim() == 2 && code->size(1) == kFields && code->size(0) >= 1, "a mask program's code must be (n, ",
+              int(kFields), "), got ", code->sizes());
+  program.code = code->data_ptr<int32_t>(), program.operands = operands->data_ptr<int32_t>();
+  program.count = code->size(0);
+  for (const auto& x : captured) {
+    TORCH_CHECK(x.scalar_type() == at::kInt && x.is_contiguous() && x.device().is_cpu() && x.dim() <= 8 &&
+                    x.numel() >= 1 && x.numel() < (int64_t{1} << 31),
+                "captured tensors must be non-empty contiguous int32 CPU tensors of at most 8 dimensions, got ",
+                x.sizes());
+    Captured view;
+    view.data = x.data_ptr<int32_t>(), view.dims = static_cast<int32_t>(x.dim());
+    for (int64_t d = 0; d < x.dim(); ++d)
+      view.sizes[d] = static_cast<int32_t>(x.size(d)), view.strides[d] = static_cast<int32_t>(x.stride(d));
+    program.captured.push_back(view);
+  }
+  const int64_t operand_count = operands->numel();
+  for (int64_t n = 0; n < program.count; ++n) {  // every operand an earlier node, every read a captured slot
+    const int32_t* node = program.node(n);
+    TORCH_CHECK(node[kFirstOperand] >= 0 && node[kOperandCount] >= 0 &&
+                    node[kFirstOperand] + node[kOperandCount] <= operand_count,
+                "mask program node ", n, ": operands out of range");
+    for (int32_t k = 0; k < node[kOperandCount]; ++k) {
+      const int32_t arg = program.operands[node[kFirstOperand] + k];
+      TORCH_CHECK(arg >= 0 && arg < n, "mask program node ", n, " reads node ", arg);
+    }
+    TORCH_CHECK(node[kOp] != kRead || (node[kValue] >= 0 && node[kValue] < (int64_t)captured.size() &&
+                                       node[kOperandCount] == program.captured[node[kValue]].dims),
+                "mask program node ", n, ": a read of a missing slot or with the wrong number of indices");
+  }
+  return program;
+}
+
+TileClasses tile_classes_of(const std::optional<at::Tensor>& classes, const Sizes& n) {
+  TileClasses view;
+  if (!classes.has_value()) return view;
+  const auto& x = *classes;
+  const int64_t tiles_q = (n.len_q + n.block_q - 1) / n.block_q, tiles_k = (n.len_k + n.block_k - 1) / n.block_k;
+  TORCH_CHECK(x.scalar_type() == at::kByte && x.is_contiguous() && x.device().is_cpu() && x.dim() == 4 &&
+                  (x.size(0) == 1 || x.size(0) == n.batch) && (x.size(1) == 1 || x.size(1) == n.heads_q) &&
+                  x.size(2) == tiles_q && x.size(3) == tiles_k,
+              "tile classes must be contiguous uint8 (B|1, Hq|1, ", tiles_q, ", ", tiles_k, "), got ", x.sizes());
+  view.data = x.data_ptr<uint8_t>(), view.batch = x.size(0), view.heads = x.size(1);
+  view.tiles_q = tiles_q, view.tiles_k = tiles_k, view.block_q = n.block_q, view.block_k = n.block_k;
+  return view;
+}
+
 }  // namespace
 
 // q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq).
 // mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None. ALiBi slopes: float32
 // (B, Hq) contiguous, or None. Segment ids: q_ids (B, Lq), kv_ids (B, Lk) int64 and their summaries per granule of
-// positions (B, granules, 3), or all None.
+// positions (B, granules, 3), or all None. A mask program: its code, operands and captured tensors (program_args),
+// and its classes on the tiles (block_q, block_k), or None, None, [], None.
 std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_lens,
                                    at::Tensor kv_lens, std::optional<at::Tensor> mask,
                                    std::optional<at::Tensor> bias, std::optional<at::Tensor> slopes,
@@ -788,7 +1089,9 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
                                    std::optional<at::Tensor> kv_ids, std::optional<at::Tensor> q_tiles,
                                    std::optional<at::Tensor> kv_tiles, int64_t granule, bool has_low, int64_t low,
                                    bool has_high, int64_t high, bool bottom_right, double softcap, double q_scale,
-                                   int64_t block_q, int64_t block_k) {
+                                   int64_t block_q, int64_t block_k, std::optional<at::Tensor> program_code,
+                                   std::optional<at::Tensor> program_operands, std::vector<at::Tensor> captured,
+                                   std::optional<at::Tensor> classes) {
   check(q, "q"), check(k, "k"), check(v, "v"), check_terms(mask, bias, q, k);
   const float* slope_values = checked_slopes(slopes, q);
   const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
@@ -796,6 +1099,9 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
   const Strided<const float> bias_view = strided<const float>(bias);
   const Sizes n = sizes_of(q, k, v, block_q, block_k, q_scale);
   const Band band = band_of(has_low, low, has_high, high, bottom_right);
+  const Program program = program_args(program_code, program_operands, captured);
+  const TileClasses tile_classes = tile_classes_of(classes, n);
+  TORCH_CHECK(program.active() == (tile_classes.data != nullptr), "a mask program comes with its tile classes");
   auto out = at::zeros({n.batch, n.heads_q, n.len_q, n.dim_v}, q.options());
   auto lse = at::full({n.batch, n.heads_q, n.len_q}, kNegInf, q.options());
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
@@ -806,6 +1112,7 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
   at::parallel_for(0, n.batch * n.heads_q * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s = scratch(n.block_q * n.block_k), acc = scratch(n.block_q * n.dim_v),
                        row_max = scratch(n.block_q), row_sum = scratch(n.block_q);
+    ProgramRows program_rows(program.active() ? &program : nullptr, n.block_k);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % blocks, head = (task / blocks) % n.heads_q, b = task / blocks / n.heads_q;
       const Rows geometry = rows_of(band, q_len, kv_len, b);
@@ -813,7 +1120,8 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
       if (r0 >= r1) continue;
       const int64_t kv_head = b * n.heads_kv + head / group, q_head = b * n.heads_q + head;
       const UserTerms user{mask_view.plane(b, head), bias_view.plane(b, head),
-                           slope_of(slope_values, n.heads_q, b, head)};
+                           slope_of(slope_values, n.heads_q, b, head), program.active() ? &program_rows : nullptr,
+                           program.active() ? &tile_classes : nullptr, b, head};
       fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
                 op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, segments.of(b),
                 (float)softcap, r0, r1, s, acc, row_max, row_sum);
@@ -833,7 +1141,9 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                                     std::optional<at::Tensor> q_tiles, std::optional<at::Tensor> kv_tiles,
                                     int64_t granule, bool need_dbias, bool has_low, int64_t low, bool has_high,
                                     int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
-                                    int64_t block_k) {
+                                    int64_t block_k, std::optional<at::Tensor> program_code,
+                                    std::optional<at::Tensor> program_operands, std::vector<at::Tensor> captured,
+                                    std::optional<at::Tensor> classes) {
   check(q, "q"), check(k, "k"), check(v, "v"), check(dout, "dout"), check(lse, "lse"), check(delta, "delta");
   check_terms(mask, bias, q, k);
   const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
@@ -843,8 +1153,11 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   auto dq = at::zeros_like(q), dk = at::zeros_like(k), dv = at::zeros_like(v);
   auto dbias = need_dbias ? at::zeros({n.batch, n.heads_q, bias->size(2), bias->size(3)}, q.options())
                           : at::empty({0}, q.options());
+  const Program program = program_args(program_code, program_operands, captured);
   const BackwardTerms terms{strided<const uint8_t>(mask), strided<const float>(bias),
-                            need_dbias ? strided<float>(dbias) : Strided<float>{}, checked_slopes(slopes, q)};
+                            need_dbias ? strided<float>(dbias) : Strided<float>{}, checked_slopes(slopes, q),
+                            program.active() ? &program : nullptr, tile_classes_of(classes, n)};
+  TORCH_CHECK(program.active() == (terms.classes.data != nullptr), "a mask program comes with its tile classes");
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
   const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
   const int64_t group = n.heads_q / n.heads_kv;
