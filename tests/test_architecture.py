@@ -21,7 +21,6 @@ BACKEND_MAY_IMPORT = frozenset(
         "attnkit.contract.programs",
         "attnkit.contract.jax",
         "attnkit.contract.kernels",
-        "attnkit.contract.programs",
         "attnkit.contract.kernel_checks",
         "attnkit.contract.sass",
     }

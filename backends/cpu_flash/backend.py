@@ -31,7 +31,6 @@ from attnkit.backend import (
     BuildError,
     Capabilities,
     CausalAlignment,
-    Feature,
     Framework,
     PagedInputs,
     Problem,

@@ -15,7 +15,6 @@ from attnkit.backend import (
     AttentionSpec,
     Capabilities,
     CausalAlignment,
-    Feature,
     Framework,
     Layout,
     PagedInputs,
