@@ -49,6 +49,7 @@ from attnkit.backend import (
     BaseBackend,
     Capabilities,
     CausalAlignment,
+    Feature,
     Framework,
     Gradients,
     Layout,
@@ -142,6 +143,7 @@ class KernelSwitches:
     paged: bool = False  # forward: keys through a block table (attend_paged)
     split_k: bool = False  # forward: one of several key ranges per program, float32 partials for merge_splits
     atomic_dq: bool = False  # dK/dV kernel: also add each tile's dS K into a float32 dq sum (one-pass backward)
+    has_program: bool = False  # a mask program (KernelCall.program), whose arguments the launcher appends
 
     @classmethod
     def all(cls) -> KernelSwitches:
@@ -198,6 +200,11 @@ class KernelCall:
     types: ArgumentTypes
     block_table: torch.Tensor  # int32 (B, max_blocks) of a paged cache; q where contiguous
     paging: tuple[Any, Any]  # block_size, max_blocks (1, 0 where contiguous)
+    # The call's mask program (attnkit.contract.programs.BoundProgram) and its captured tensors as contiguous int32
+    # (the contract's integers): a launcher that serves programs appends them, and the tile classes at each kernel's
+    # own tiles, to the arguments (the launch arguments above carry none of it).
+    program: Any = None
+    captured: tuple[torch.Tensor, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -317,6 +324,10 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
     feature_strides.append(types.int64(slopes.stride(0) if slopes is not None else 0))
     lower, upper = diagonal_band(spec)
     scale = spec.resolved_scale(head_dim)
+    program = getattr(inputs, "mask_program", None)  # PagedInputs have none
+    captured = tuple(
+        t.to(device=q.device, dtype=torch.int32).contiguous() for t in (program.captured if program is not None else ())
+    )
     switches = KernelSwitches(
         has_lower=lower is not None,
         has_upper=upper is not None,
@@ -330,6 +341,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         has_segment_ids=has_segment_ids,
         has_alibi=slopes is not None,
         paged=table is not None,
+        has_program=program is not None,
     )
     return KernelCall(
         spec=spec,
@@ -348,6 +360,8 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         types=types,
         block_table=table if table is not None else q,
         paging=(types.int32(block_size), types.int32(table.shape[1] if table is not None else 0)),
+        program=program,
+        captured=captured,
     )
 
 
@@ -551,14 +565,16 @@ def kernel_capabilities(
     how_to_run: tuple[str, ...] = (),
     options: tuple[tuple[str, bool | int | float | str], ...] = (),
     unverified: tuple[Unverified, ...] = (),
+    mask_programs: bool = False,
 ) -> Capabilities:
     """A kernel backend's declaration: the whole contract on torch tensors of one device, in the three float dtypes
-    the kernels are written for. Its own ``notes`` come before the shared ones, ``how_to_run`` after."""
+    the kernels are written for, mask programs where its launcher evaluates them (``mask_programs``: it appends
+    KernelCall.program's arguments). Its own ``notes`` come before the shared ones, ``how_to_run`` after."""
     return Capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({device}),
-        features=ALL_FEATURES,
+        features=ALL_FEATURES if mask_programs else ALL_FEATURES - {Feature.MASK_PROGRAM},
         head_dims=(1, max_head_dim),
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),
