@@ -83,3 +83,59 @@ def test_cupy_arrays_in_and_out() -> None:
     assert isinstance(out, cupy.ndarray) and out.shape == (2, 4, 130, 64) and lse.dtype == cupy.float32
     expected = attnkit.attend(spec, *(torch.from_dlpack(x) for x in (q, k, v)), backend="cupy")
     torch.testing.assert_close(torch.from_dlpack(out), expected, rtol=0, atol=0)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("program", ["document-causal", "chunked-prefix"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_mask_program_agrees_with_the_oracle(dtype: str, program: str, head_dim: int) -> None:
+    """The mask-program path on hardware (unverified until this passes; docs/gpu.md): the generated mask_program and
+    the tile classes at the GPU tiles, forward and backward through the backend (its refusal on CUDA is the
+    dispatcher's), 4 query heads on 2 kv heads, a ragged cache, against torch-naive in float64 given the program as
+    a dense mask."""
+    import torch
+
+    from attnkit.backend import AttentionInputs
+    from attnkit.contract.programs import dense
+    from attnkit.frontends import ops_for
+    from attnkit.programs import bind
+
+    torch.manual_seed(0)
+    torch_dtype = getattr(torch, dtype)
+    batch, heads_q, len_q, len_k = 2, 4, 300, 333
+    q = torch.randn(batch, heads_q, len_q, head_dim, device="cuda").to(torch_dtype)
+    k, v = (torch.randn(batch, 2, len_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    lengths = torch.tensor([333, 170], device="cuda")
+    doc = torch.cat([torch.full((len_k // 3,), i) for i in range(3)] + [torch.full((len_k % 3,), -1)]).cuda()
+    doc = torch.stack([doc, doc.roll(37)])
+    chunk, prefix = torch.tensor([64, 50], device="cuda"), torch.tensor([0, 128, 7, 0], device="cuda")
+
+    def document_causal(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (doc[b, q_idx] >= 0) & (q_idx >= kv_idx)
+
+    def chunked_prefix(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (q_idx // chunk[b] == kv_idx // chunk[b]) | (kv_idx < prefix[h])
+
+    mask_mod = document_causal if program == "document-causal" else chunked_prefix
+    bound = bind(mask_mod, ops_for(q, "q"), q, batch, heads_q, len_q, len_k)
+    spec = AttentionSpec()
+    backend = attnkit.get_backend("cupy")
+    inputs = AttentionInputs(q, k, v, kv_lengths=lengths, mask_program=bound)
+    out, lse = backend.forward(spec, inputs, True)
+    grads = backend.backward(spec, inputs, out, lse, dout, None, need_dbias=False)
+    mask = dense(bound, batch, heads_q, len_q, len_k, q).cpu()
+    leaves = [x.detach().double().cpu().requires_grad_(True) for x in (q, k, v)]
+    want_out, want_lse = attnkit.attend(
+        spec, *leaves, mask=mask, kv_lengths=lengths.cpu(), return_lse=True, backend="torch-naive"
+    )
+    want = [want_out, want_lse, *torch.autograd.grad(want_out, leaves, dout.double().cpu())]
+    bound_of = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
+    for name, got, expected in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, grads.dq, grads.dk, grads.dv), want):
+        got, expected = got.detach().double().cpu(), expected.detach()
+        assert torch.equal(got == -torch.inf, expected == -torch.inf), f"{name}: −inf entries differ"
+        finite = expected != -torch.inf
+        error = (got[finite] - expected[finite]).abs().max().item()
+        scale = max(1.0, expected[finite].abs().max().item())
+        assert error <= bound_of * scale, f"{name}: max error {error:.3g} > {bound_of * scale:.3g}"
