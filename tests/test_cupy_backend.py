@@ -4,6 +4,8 @@ everything else by the conformance suite."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 import attnkit
@@ -58,10 +60,18 @@ def test_cuda_agrees_with_the_oracle(dtype: str, spec: AttentionSpec, head_dim: 
         out, lse = attnkit.attend(spec, **inputs, kv_lengths=lengths.to(device), return_lse=True, backend=backend)
         grads = torch.autograd.grad((out.float().square().sum() + lse.sum()), list(inputs.values()))
         results[backend] = [out, lse, *grads]
+    # rows that see no key (the second batch element's first queries, bottom-right): lse −inf in both, exactly
+    _assert_near_the_oracle(results["cupy"], results["torch-naive"], dtype)
+
+
+def _assert_near_the_oracle(got_all: list[Any], want_all: list[Any], dtype: str) -> None:
+    """out, lse, dq, dk, dv within a bound per dtype of the float64 oracle's, relative to its largest entry; −inf
+    (rows that see nothing) exactly where the oracle has it."""
+    import torch
+
     bound = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
-    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), results["cupy"], results["torch-naive"]):
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), got_all, want_all):
         got, want = got.detach().double().cpu(), want.detach()
-        # rows that see no key (the second batch element's first queries, bottom-right): lse −inf in both, exactly
         assert torch.equal(got == -torch.inf, want == -torch.inf), f"{name}: −inf entries differ"
         finite = want != -torch.inf
         error = (got[finite] - want[finite]).abs().max().item()
@@ -83,3 +93,52 @@ def test_cupy_arrays_in_and_out() -> None:
     assert isinstance(out, cupy.ndarray) and out.shape == (2, 4, 130, 64) and lse.dtype == cupy.float32
     expected = attnkit.attend(spec, *(torch.from_dlpack(x) for x in (q, k, v)), backend="cupy")
     torch.testing.assert_close(torch.from_dlpack(out), expected, rtol=0, atol=0)
+
+
+@on_cuda
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("program", ["document-causal", "chunked-prefix"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_cuda_mask_program_agrees_with_the_oracle(dtype: str, program: str, head_dim: int) -> None:
+    """The mask-program path on hardware (unverified until this passes; docs/gpu.md): the generated mask_program and
+    the tile classes at the GPU tiles, forward and backward through the backend (its refusal on CUDA is the
+    dispatcher's), 4 query heads on 2 kv heads, a ragged cache, against torch-naive in float64 given the program as
+    a dense mask."""
+    import torch
+
+    from attnkit.backend import AttentionInputs
+    from attnkit.contract.programs import dense
+    from attnkit.frontends import ops_for
+    from attnkit.programs import bind
+
+    torch.manual_seed(0)
+    torch_dtype = getattr(torch, dtype)
+    batch, heads_q, len_q, len_k = 2, 4, 300, 333
+    q = torch.randn(batch, heads_q, len_q, head_dim, device="cuda").to(torch_dtype)
+    k, v = (torch.randn(batch, 2, len_k, head_dim, device="cuda").to(torch_dtype) for _ in range(2))
+    dout = torch.randn_like(q)
+    lengths = torch.tensor([333, 170], device="cuda")
+    doc = torch.cat([torch.full((len_k // 3,), i) for i in range(3)] + [torch.full((len_k % 3,), -1)]).cuda()
+    doc = torch.stack([doc, doc.roll(37)])
+    chunk, prefix = torch.tensor([64, 50], device="cuda"), torch.tensor([0, 128, 7, 0], device="cuda")
+
+    def document_causal(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (doc[b, q_idx] == doc[b, kv_idx]) & (doc[b, q_idx] >= 0) & (q_idx >= kv_idx)
+
+    def chunked_prefix(b, h, q_idx, kv_idx):  # type: ignore[no-untyped-def]
+        return (q_idx // chunk[b] == kv_idx // chunk[b]) | (kv_idx < prefix[h])
+
+    mask_mod = document_causal if program == "document-causal" else chunked_prefix
+    bound = bind(mask_mod, ops_for(q, "q"), q, batch, heads_q, len_q, len_k)
+    spec = AttentionSpec()
+    backend = attnkit.get_backend("cupy")
+    inputs = AttentionInputs(q, k, v, kv_lengths=lengths, mask_program=bound)
+    out, lse = backend.forward(spec, inputs, True)
+    grads = backend.backward(spec, inputs, out, lse, dout, None, need_dbias=False)
+    mask = dense(bound, batch, heads_q, len_q, len_k, q).cpu()
+    leaves = [x.detach().double().cpu().requires_grad_(True) for x in (q, k, v)]
+    want_out, want_lse = attnkit.attend(
+        spec, *leaves, mask=mask, kv_lengths=lengths.cpu(), return_lse=True, backend="torch-naive"
+    )
+    want = [want_out, want_lse, *torch.autograd.grad(want_out, leaves, dout.double().cpu())]
+    _assert_near_the_oracle([out, lse, grads.dq, grads.dk, grads.dv], want, dtype)

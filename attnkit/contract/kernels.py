@@ -200,9 +200,11 @@ class KernelCall:
     types: ArgumentTypes
     block_table: torch.Tensor  # int32 (B, max_blocks) of a paged cache; q where contiguous
     paging: tuple[Any, Any]  # block_size, max_blocks (1, 0 where contiguous)
-    #: The call's bound mask program (attnkit.contract.programs.BoundProgram), None without one: a kernel set that
-    #: serves programs passes it to its kernels itself (the shared arguments above do not hold it).
+    # The call's mask program (attnkit.contract.programs.BoundProgram) and its captured tensors as contiguous int32
+    # (the contract's integers): a launcher that serves programs appends them, and the tile classes at each kernel's
+    # own tiles, to the arguments (the launch arguments above carry none of it).
     program: Any = None
+    captured: tuple[torch.Tensor, ...] = ()
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -322,6 +324,10 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
     feature_strides.append(types.int64(slopes.stride(0) if slopes is not None else 0))
     lower, upper = diagonal_band(spec)
     scale = spec.resolved_scale(head_dim)
+    program = getattr(inputs, "mask_program", None)  # PagedInputs have none
+    captured = tuple(
+        t.to(device=q.device, dtype=torch.int32).contiguous() for t in (program.captured if program is not None else ())
+    )
     switches = KernelSwitches(
         has_lower=lower is not None,
         has_upper=upper is not None,
@@ -335,7 +341,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         has_segment_ids=has_segment_ids,
         has_alibi=slopes is not None,
         paged=table is not None,
-        has_mask_program=inputs.mask_program is not None,
+        has_mask_program=program is not None,
     )
     return KernelCall(
         spec=spec,
@@ -354,7 +360,8 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         types=types,
         block_table=table if table is not None else q,
         paging=(types.int32(block_size), types.int32(table.shape[1] if table is not None else 0)),
-        program=inputs.mask_program,
+        program=program,
+        captured=captured,
     )
 
 

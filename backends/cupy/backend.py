@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from attnkit.backend import Capabilities
+from attnkit.backend import AttentionSpec, Capabilities, Problem, Unverified, pending_hardware
 from attnkit.contract.kernels import DETERMINISTIC_OPTION, KernelBackend, KernelLauncher, kernel_capabilities
 
 from . import launch
@@ -12,6 +12,14 @@ EMULATED_NAME = "cupy-emulated"
 TEST_ONLY_REASON = (
     "test-only path: the CPU emulation harness in tests/cupy_emulator (host C++ compiler) attaches its launcher "
     "when the test suite starts (tests/conftest.py); it is not a way to run attention"
+)
+
+
+#: The path refused on CUDA until a hardware run passes it (Capabilities.unverified, docs/gpu.md).
+PROGRAM_PATH = "mask programs (generated mask_program, tile classes)"
+PROGRAM_HISTORY = (
+    "never run on a GPU: written and checked on the CPU emulation harness, and compiled by nvcc for sm_80 / sm_90, "
+    "without a device"
 )
 
 
@@ -26,9 +34,13 @@ def capabilities(device: str, description: str) -> Capabilities:
             "float32 in IEEE float32 FMA loops (no TF32)",
             "compile-time -D options (head dim, tiles, feature switches) from launch.compile_options, shared by "
             "NVRTC, nvcc and the emulator",
+            "mask programs: a generated __device__ mask_program spliced into the source, compiled once per program "
+            "(captured tensors and lengths are kernel arguments); EMPTY tiles skipped, FULL ones unevaluated",
         ),
         # Off: the backward adds dq atomically in one pass where dK/dV runs its register body, last bits varying by run.
         options=(DETERMINISTIC_OPTION,),
+        unverified=(Unverified("cuda", PROGRAM_PATH, PROGRAM_HISTORY),) if device == "cuda" else (),
+        mask_programs=True,
     )
 
 
@@ -60,6 +72,12 @@ class CupyBackend(KernelBackend):
             "test-only: the cupy backend's CUDA C kernels compiled by the host C++ compiler and run on CPU "
             "tensors by the emulation harness of tests/cupy_emulator (slow; conformance, not performance)",
         )
+
+    def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        reasons = super().supports(spec, problem)
+        if problem.device == "cuda" and problem.has_mask_program:
+            reasons += pending_hardware(self, "cuda", PROGRAM_PATH)
+        return reasons
 
     def available(self) -> list[str]:
         if self.launcher is None:

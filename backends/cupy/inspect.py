@@ -41,7 +41,7 @@ from attnkit.contract.kernel_checks import report_check, results_table, static_c
 from attnkit.contract.kernels import KernelSwitches
 from attnkit.contract.sass import LoopMix, flops_per_score, innermost_loops, loop_mix
 
-from . import launch
+from . import launch, programs
 
 ARCHS = ("sm_80", "sm_90")
 #: Dynamic shared memory per block with the opt-in attribute (CUDA C Programming Guide, compute capabilities).
@@ -165,6 +165,13 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def source_text(options: tuple[str, ...]) -> str:
+    """The kernel source a variant compiles: with -DHAS_PROGRAM=1, the program of every operation spliced in
+    (programs.every_operation), as the launcher splices a call's program."""
+    code = programs.program_code(programs.every_operation()) if "-DHAS_PROGRAM=1" in options else ""
+    return programs.splice(launch.SOURCE.read_text(), code)
+
+
 def compile_module(options: tuple[str, ...]) -> dict[str, Any]:
     """nvcc's report and, per arch, the SASS of one compiled module (every kernel of the source, sm_80 and sm_90 in
     one fatbin), cached by content."""
@@ -172,7 +179,7 @@ def compile_module(options: tuple[str, ...]) -> dict[str, Any]:
     if nvcc is None or cuobjdump is None:
         raise RuntimeError("nvcc and cuobjdump are needed for the static check")
     targets = [f"-gencode=arch=compute_{arch[3:]},code={arch}" for arch in ARCHS]
-    key = hashlib.sha256("\0".join([launch.SOURCE.read_text(), *targets, *options, *NVCC_FLAGS]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([source_text(options), *targets, *options, *NVCC_FLAGS]).encode()).hexdigest()
     cached = cache_dir() / f"{key[:24]}.json"
     cached.parent.mkdir(parents=True, exist_ok=True)
     with open(cached.with_name(cached.name + ".lock"), "w") as lock:  # one compile per module across processes
@@ -185,8 +192,9 @@ def compile_module(options: tuple[str, ...]) -> dict[str, Any]:
 
 def _compile_module(nvcc: Path, cuobjdump: Path, targets: list[str], options: tuple[str, ...], cached: Path) -> None:
     with tempfile.TemporaryDirectory() as scratch:
-        fatbin = Path(scratch) / "attention.fatbin"
-        command = [str(nvcc), *NVCC_FLAGS, *targets, *options, str(launch.SOURCE), "-o", str(fatbin)]
+        fatbin, source = Path(scratch) / "attention.fatbin", Path(scratch) / launch.SOURCE.name
+        source.write_text(source_text(options))
+        command = [str(nvcc), *NVCC_FLAGS, *targets, *options, str(source), "-o", str(fatbin)]
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr}")
@@ -242,7 +250,8 @@ def nvrtc_compile(arch: str, options: tuple[str, ...]) -> tuple[int, str, int]:
         raise RuntimeError("libnvrtc and the CUDA headers are needed")
     nvrtc = ctypes.CDLL(str(library))
     program = ctypes.c_void_p()
-    nvrtc.nvrtcCreateProgram(ctypes.byref(program), launch.SOURCE.read_bytes(), b"attention.cu", 0, None, None)
+    text = source_text(options).encode()
+    nvrtc.nvrtcCreateProgram(ctypes.byref(program), text, b"attention.cu", 0, None, None)
     flags = [flag.encode() for flag in ("--std=c++17", f"-arch={arch}", f"-I{include}", *options)]
     status = nvrtc.nvrtcCompileProgram(program, len(flags), (ctypes.c_char_p * len(flags))(*flags))
     size = ctypes.c_size_t()

@@ -32,6 +32,9 @@ from attnkit.contract.kernels import (
     KernelSwitches,
     rows_on_16_bytes,
 )
+from attnkit.contract.programs import cached_tile_classes
+
+from . import programs
 
 #: The kernel source: one file, compiled by NVRTC, nvcc and the emulator's host compiler alike.
 SOURCE = Path(__file__).parent / "kernels" / "attention.cu"
@@ -177,9 +180,9 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 #: Where the one-pass backward runs (CudaKernels.one_pass_backward): the register-resident dK/dV with atomic dq keeps
 #: every value in registers up to this padded head dim and without these switches; at D = 128 (causal on sm_80, a
 #: window on sm_90), with a bias and dbias (sm_80) and with ALiBi beside every other switch (sm_90) ptxas spills
-#: (docs/cupy.md, "The one-pass backward").
+#: (docs/cupy.md, "The one-pass backward"). A mask program's registers depend on the program: the two-pass backward.
 ONE_PASS_MAX_HEAD_DIM = 64
-ONE_PASS_EXCLUDED = ("cosine", "has_bias", "has_alibi")
+ONE_PASS_EXCLUDED = ("cosine", "has_bias", "has_alibi", "has_mask_program")
 
 #: The kernels with a register-resident body (-DREGISTER_<KERNEL>); Δ has only its one-row-per-thread body.
 REGISTER_KERNELS = (Kernel.FORWARD, Kernel.DQ, Kernel.DKDV)
@@ -292,7 +295,8 @@ Argument: TypeAlias = torch.Tensor | np.int32 | np.int64 | np.float32
 
 
 class Launcher(Protocol):
-    """Compiles attention.cu with a set of -D options and launches one of its kernels."""
+    """Compiles attention.cu with a set of -D options (and a mask program's code spliced in: ``program``, the text of
+    :func:`programs.program_code`, empty without one) and launches one of its kernels."""
 
     name: str
     device: str  # the torch device type of the tensors it takes: "cuda" or "cpu"
@@ -311,6 +315,7 @@ class Launcher(Protocol):
         block: tuple[int, int, int],
         shared_bytes: int,
         args: list[Argument],
+        program: str = "",
     ) -> None: ...
 
 
@@ -346,7 +351,7 @@ class CupyLauncher:
     device = "cuda"
 
     def __init__(self) -> None:
-        self._modules: dict[tuple[str, ...], Any] = {}
+        self._modules: dict[tuple[tuple[str, ...], str], Any] = {}
         self._lock = threading.Lock()
 
     def unavailable(self) -> list[str]:
@@ -367,16 +372,17 @@ class CupyLauncher:
     def tile(self, kernel: str, head_dim: int, dtype: str) -> TileConfig:
         return gpu_tile(kernel, head_dim, dtype)
 
-    def _module(self, options: tuple[str, ...]) -> Any:
+    def _module(self, options: tuple[str, ...], program: str) -> Any:
         import cupy
 
+        key = (options, program)  # the program's code: once per program, whatever its captured values and shapes
         with self._lock:
-            if options not in self._modules:
+            if key not in self._modules:
                 include = f"-I{cuda_headers()}"
-                self._modules[options] = cupy.RawModule(
-                    code=SOURCE.read_text(), options=("-std=c++17", include, *options)
+                self._modules[key] = cupy.RawModule(
+                    code=programs.splice(SOURCE.read_text(), program), options=("-std=c++17", include, *options)
                 )
-            return self._modules[options]
+            return self._modules[key]
 
     def launch(
         self,
@@ -386,10 +392,11 @@ class CupyLauncher:
         block: tuple[int, int, int],
         shared_bytes: int,
         args: list[Argument],
+        program: str = "",
     ) -> None:
         import cupy
 
-        function = self._module(options).get_function(f"attention_{kernel}")
+        function = self._module(options, program).get_function(f"attention_{kernel}")
         if shared_bytes > 48 * 1024:
             function.max_dynamic_shared_size_bytes = shared_bytes
         tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
@@ -450,4 +457,22 @@ class CudaKernels:
         options = compile_options(dtype, head_dim, head_dim_v, tile, switches, kernel if registers else None)
         shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, registers, switches.atomic_dq)
         blocks = grid.blocks(tile.block_m, tile.block_n)
-        self.launcher.launch(kernel, options, blocks, (tile.num_warps * 32, 1, 1), shared, args)
+        code = ""
+        if switches.has_mask_program:
+            args = [*args, *self.program_arguments(call, tile)]
+            code = programs.program_code(call.program.program)
+        self.launcher.launch(kernel, options, blocks, (tile.num_warps * 32, 1, 1), shared, args, code)
+
+    def program_arguments(self, call: KernelCall, tile: TileConfig) -> list[Any]:
+        """PROGRAM_PARAMETERS of attention.cu: the program's tile classes at this kernel's tile (cached per program,
+        captured tensors and shapes), their batch, head and query-tile strides (0 on a size-1 axis), then each
+        captured int32 tensor and its sizes."""
+        batch, heads_q, len_q, _, len_k = call.shape
+        classes = cached_tile_classes(call.program, batch, heads_q, len_q, len_k, tile.block_m, tile.block_n, call.q)
+        classes = classes.contiguous()
+        int32, int64 = self.types.int32, self.types.int64
+        strides = [int64(stride if size > 1 else 0) for size, stride in zip(classes.shape[:3], classes.stride()[:3])]
+        arguments: list[Any] = [classes, *strides]
+        for tensor in call.captured:
+            arguments += [tensor, *map(int32, tensor.shape)]
+        return arguments

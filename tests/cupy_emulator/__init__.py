@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from attnkit.backends.cupy import launch
+from attnkit.backends.cupy import launch, programs
 
 import attnkit
 from attnkit.build import build_timeout, cached, run_bounded
@@ -66,12 +66,14 @@ def wrapper_source(source: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build(options: tuple[str, ...], source: Path = launch.SOURCE) -> Path:
-    """The shared library of one variant, compiled on first use and cached by content (attnkit/build.py: a lock
-    between pytest-xdist workers, a time bound, owner-only directories)."""
+def build(options: tuple[str, ...], source: Path = launch.SOURCE, program: str = "") -> Path:
+    """The shared library of one variant (with a mask program's code spliced in), compiled on first use and cached
+    by content (attnkit/build.py: a lock between pytest-xdist workers, a time bound, owner-only directories)."""
     cxx = compiler()
     if cxx is None:
         raise BuildError("no host C++ compiler (g++ or $CXX) for the CUDA emulation harness")
+    if program:
+        source = spliced_source(source, program)
     wrapper = wrapper_source(source)
     header = precompiled_header(cxx)
     digest = _digest(wrapper, source.read_text(), HEADER.read_text(), *options, *COMPILER_FLAGS, cxx)
@@ -83,6 +85,17 @@ def build(options: tuple[str, ...], source: Path = launch.SOURCE) -> Path:
         return _compile(command, scratch / "library.so", log, f"{source.name} with {' '.join(options)}")
 
     return cached(cache_dir() / f"attention-{digest}.so", f"{source.name} for the emulator", make)
+
+
+def spliced_source(source: Path, program: str) -> Path:
+    """``source`` with a program's code spliced in, as a file in the cache (named by its content)."""
+    text = programs.splice(source.read_text(), program)
+
+    def write(scratch: Path, log: Path) -> Path:
+        (scratch / source.name).write_text(text)
+        return scratch / source.name
+
+    return cached(cache_dir() / f"attention-{_digest(text)}.cu", f"{source.name} with a mask program", write)
 
 
 def _digest(*parts: str) -> str:
@@ -130,7 +143,7 @@ class EmulatorLauncher:
 
     def __init__(self, source: Path = launch.SOURCE) -> None:
         self.source = source
-        self._libraries: dict[tuple[str, ...], ctypes.CDLL] = {}
+        self._libraries: dict[tuple[tuple[str, ...], str], ctypes.CDLL] = {}
         self._lock = threading.Lock()  # the emulator runs one launch at a time (shared state in the library)
 
     def unavailable(self) -> list[str]:
@@ -142,10 +155,10 @@ class EmulatorLauncher:
         register_shaped = kernel in ("forward", "backward_dq") and dtype != "float32"  # 16 query rows per warp
         return launch.EMULATOR_FORWARD_TILE if register_shaped else launch.EMULATOR_TILE
 
-    def library(self, options: tuple[str, ...]) -> ctypes.CDLL:
-        if options not in self._libraries:
-            self._libraries[options] = ctypes.CDLL(str(build(options, self.source)))
-        return self._libraries[options]
+    def library(self, options: tuple[str, ...], program: str = "") -> ctypes.CDLL:
+        if (options, program) not in self._libraries:
+            self._libraries[(options, program)] = ctypes.CDLL(str(build(options, self.source, program)))
+        return self._libraries[(options, program)]
 
     def launch(
         self,
@@ -155,11 +168,12 @@ class EmulatorLauncher:
         block: tuple[int, int, int],
         shared_bytes: int,
         args: list[launch.Argument],
+        program: str = "",
     ) -> None:
         values = [_c_argument(arg) for arg in args]
         params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(value) for value in values))
         with self._lock:
-            library = self.library(options)
+            library = self.library(options, program)
             function = getattr(library, f"emu_launch_attention_{kernel}")
             function.restype = ctypes.c_int
             failed = function(

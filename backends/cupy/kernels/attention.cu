@@ -8,7 +8,7 @@
 // NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_FORWARD / REGISTER_DQ / REGISTER_DKDV (which
 // body that kernel compiles), and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS,
 // HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32,
-// PAGED, SPLIT_K, ATOMIC_DQ (0 or 1): a call without a feature compiles without its code.
+// PAGED, SPLIT_K, ATOMIC_DQ, HAS_PROGRAM (0 or 1): a call without a feature compiles without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -23,6 +23,13 @@
 // loaded (its row is read as 0). A tile's ids lie in [low, high], read from the granule ranges of
 // attnkit.contract.kernels.segment_ranges; a (query tile, key tile) pair whose ranges do not overlap shares no id
 // and is skipped inside the band's loop, before any of its operands is loaded.
+//
+// A mask program (HAS_PROGRAM, §17) adds mask_program(b, h, i, j) with h the query head: a __device__ function that
+// backends/cupy/programs.py generates from the traced mask_mod and splices in at the marker below, reading its
+// captured tensors (int32, contiguous, sizes as arguments) with every index clamped into the shape. Block sparsity
+// comes from the program's tile classes (attnkit.contract.programs.tile_classes, one byte per (b, h, query tile, key
+// tile) at this kernel's tiles): an EMPTY tile is skipped where segment ranges skip theirs, before any operand is
+// loaded; a FULL one runs without evaluating the program; only a PARTIAL one evaluates it per element.
 //
 // A paged KV cache (PAGED, §13) changes only where the forward finds a key: key j of batch row b is slot
 // j % block_size of block block_table[b, j / block_size] (PagedRows), the cache's block stride in the batch stride's
@@ -400,6 +407,59 @@ __device__ __forceinline__ void load_tile_async(elem_t* tile, const elem_t* src,
 
 #endif
 
+// ------------------------------------------------------------------------------------------------ mask programs
+
+// Python's // and % from C's truncating / and % (rounding toward −inf, the remainder taking the divisor's sign),
+// and C's own; a zero divisor, the program's error, gives 0 rather than a trap.
+__device__ __forceinline__ int trunc_div(int a, int b) { return b == 0 ? 0 : a / b; }
+__device__ __forceinline__ int trunc_rem(int a, int b) { return b == 0 ? 0 : a % b; }
+__device__ __forceinline__ int floor_div(int a, int b) {
+    const int quotient = trunc_div(a, b);
+    return quotient - (trunc_rem(a, b) != 0 && (a < 0) != (b < 0));
+}
+__device__ __forceinline__ int floor_mod(int a, int b) {
+    const int remainder = trunc_rem(a, b);
+    return remainder != 0 && (remainder < 0) != (b < 0) ? remainder + b : remainder;
+}
+
+// Tile classes of attnkit.contract.programs (EMPTY: no pair visible under the program; FULL: every pair).
+#define TILE_EMPTY 0
+#define TILE_PARTIAL 1
+#define TILE_FULL 2
+
+#if HAS_PROGRAM
+// MASK_PROGRAM: backends/cupy/programs.py splices the generated program here
+#ifndef MASK_PROGRAM_SPLICED
+#error "HAS_PROGRAM compiles a source with a program spliced in (backends/cupy/programs.splice)"
+#endif
+// The program's kernel arguments, last in every kernel's list: the tile classes (B|1, Hq|1, query tiles, key
+// tiles) with their strides (0 on a size-1 axis; key tiles contiguous), then each captured tensor and its sizes.
+#define PROGRAM_PARAMETERS                                                                                 \
+    , const unsigned char* __restrict__ tile_classes, index_t classes_b, index_t classes_h, index_t classes_q \
+        CAPTURED_PARAMETERS
+#define PROGRAM_ARGUMENTS {tile_classes, classes_b, classes_h, classes_q, PROGRAM_CAPTURED}
+struct Program {
+    const unsigned char* classes;
+    index_t classes_b, classes_h, classes_q;
+    ProgramCaptured captured;
+};
+#else
+#define PROGRAM_PARAMETERS
+#define PROGRAM_ARGUMENTS {}
+struct Program {};
+#endif
+
+// The class of the tile at (row_start, key_start) for one (batch, query head); FULL without a program.
+__device__ __forceinline__ int program_tile_class(const Program& program, int batch, int head, int row_start,
+                                                  int key_start) {
+#if HAS_PROGRAM
+    return program.classes[batch * program.classes_b + head * program.classes_h +
+                           (row_start / BLOCK_M) * program.classes_q + key_start / BLOCK_N];
+#else
+    return TILE_FULL;
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ geometry
 
 struct Geometry {
@@ -446,11 +506,13 @@ __device__ __forceinline__ bool ranges_meet(SegmentRange a, SegmentRange b) {
 }
 
 // The first tile of BLOCK positions at or after start (before end) whose segment range meets the other operand's tile
-// range; start itself without segment ids.
-template <int BLOCK>
+// range and that the mask program does not leave empty (empty(start): its class is EMPTY); start itself without
+// segment ids and program.
+template <int BLOCK, class Empty>
 __device__ __forceinline__ int meeting_tile_from(int start, int end, SegmentRange other, const index_t* ranges,
-                                                 int batch, int length) {
-    while (start < end && !ranges_meet(other, segment_range<BLOCK>(ranges, batch, start, length))) start += BLOCK;
+                                                 int batch, int length, Empty empty) {
+    while (start < end && (!ranges_meet(other, segment_range<BLOCK>(ranges, batch, start, length)) || empty(start)))
+        start += BLOCK;
     return start;
 }
 
@@ -492,13 +554,14 @@ __device__ __forceinline__ void query_span(int key_start, Geometry g, int lower,
 }
 
 // The register-resident kernels apply the mask only to the tiles that need it: the tiles the band cuts, the last
-// partial one, every tile of a row (column) tile that runs past its length, every tile with a mask or segment ids.
+// partial one, every tile of a row (column) tile that runs past its length, every tile with a mask, segment ids or a
+// program (whose FULL tiles then skip only its evaluation).
 // The interior tiles [interior_first, interior_end) of the span [first, end) between them run unmasked.
 // Key tiles of the query tile at row_start (the forward, dQ):
 __device__ __forceinline__ void interior_key_tiles(int row_start, Geometry g, int lower, int upper, int first, int end,
                                                    int& interior_first, int& interior_end) {
     interior_first = interior_end = end;
-    if (HAS_MASK || HAS_SEGMENT_IDS || row_start + BLOCK_M > g.q_len) return;
+    if (HAS_MASK || HAS_SEGMENT_IDS || HAS_PROGRAM || row_start + BLOCK_M > g.q_len) return;
     interior_first = first;
     if (HAS_LOWER)
         interior_first =
@@ -514,7 +577,7 @@ __device__ __forceinline__ void interior_key_tiles(int row_start, Geometry g, in
 __device__ __forceinline__ void interior_query_tiles(int key_start, Geometry g, int lower, int upper, int first,
                                                      int end, int& interior_first, int& interior_end) {
     interior_first = interior_end = end;
-    if (HAS_MASK || HAS_SEGMENT_IDS || key_start + BLOCK_N > g.kv_len) return;
+    if (HAS_MASK || HAS_SEGMENT_IDS || HAS_PROGRAM || key_start + BLOCK_N > g.kv_len) return;
     interior_first = first;
     if (HAS_UPPER)
         interior_first =
@@ -525,23 +588,32 @@ __device__ __forceinline__ void interior_query_tiles(int key_start, Geometry g, 
     interior_end = max(interior_first, min(limit / BLOCK_M * BLOCK_M, end));
 }
 
-// The optional per-(batch, query head) terms: the mask and bias planes, broadcast by stride 0, and ALiBi's slope with
-// the batch element's offset off_b.
+// The optional per-(batch, query head) terms: the mask and bias planes, broadcast by stride 0, ALiBi's slope with
+// the batch element's offset off_b, and the mask program with the (batch, query head) it is evaluated at.
 struct Planes {
     const unsigned char* mask;
     const float* bias;
     index_t mask_m, mask_n, bias_m, bias_n;
     float alibi_slope;
     int offset;
+    Program program;
+    int batch, head;
 };
 
-__device__ __forceinline__ bool visible(int row, int col, Geometry g, int lower, int upper, const Planes& planes) {
+// Whether query row i sees key j. program_tile: the program's class of the tile holding (row, col); the program is
+// evaluated only in a PARTIAL tile (an EMPTY one is never reached, a FULL one admits every pair).
+__device__ __forceinline__ bool visible(int row, int col, Geometry g, int lower, int upper, const Planes& planes,
+                                        int program_tile) {
     if (row >= g.q_len || col >= g.kv_len) return false;
     const int rel = col - row - g.offset;
     if (HAS_LOWER && rel < lower) return false;
     if (HAS_UPPER && rel > upper) return false;
     if (HAS_MASK && planes.mask[row * planes.mask_m + col * planes.mask_n] == 0) return false;
     if (HAS_SEGMENT_IDS && (g.q_ids[row] < 0 || g.q_ids[row] != g.kv_ids[col])) return false;
+#if HAS_PROGRAM
+    if (program_tile != TILE_FULL && !mask_program(planes.batch, planes.head, row, col, planes.program.captured))
+        return false;
+#endif
     return true;
 }
 
@@ -576,8 +648,12 @@ struct PlaneStrides {
 };
 
 __device__ __forceinline__ Planes planes_of(const unsigned char* mask, const float* bias, const float* alibi_slopes,
-                                            const PlaneStrides& st, const Geometry& g, int batch, int head) {
+                                            const PlaneStrides& st, const Geometry& g, const Program& program,
+                                            int batch, int head) {
     Planes planes;
+    planes.program = program;
+    planes.batch = batch;
+    planes.head = head;
     planes.alibi_slope = HAS_ALIBI ? alibi_slopes[batch * st.alibi_b + head] : 0.0f;
     planes.offset = g.offset;
     planes.mask = mask + batch * st.mask_b + head * st.mask_h;
@@ -606,11 +682,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                       index_t o_m, index_t o_s, index_t lse_s, index_t bias_b, index_t bias_h, index_t bias_m,
                       index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n, index_t alibi_b,
                       int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap, int lower, int upper,
-                      int block_size, int max_blocks, int splits) {
+                      int block_size, int max_blocks, int splits PROGRAM_PARAMETERS) {
     const int row_start = query_tile(len_q) * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
+    const Program program = PROGRAM_ARGUMENTS;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
-    const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, batch, head);
+    const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, program, batch, head);
     // A paged cache's keys go through the block table (key_rows): no batch offset in the head's base.
     const elem_t* k_head = k + (PAGED ? 0 : batch * k_b) + (head / group) * k_h;
     const elem_t* v_head = v + (PAGED ? 0 : batch * v_b) + (head / group) * v_h;
@@ -639,7 +716,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     // The key tile at or after key_start that shares a segment id with the query tile (every tile without ids).
     auto meeting_tile = [&](int key_start) {
-        return meeting_tile_from<BLOCK_N>(key_start, end, q_range, kv_segment_ranges, batch, len_k);
+        return meeting_tile_from<BLOCK_N>(key_start, end, q_range, kv_segment_ranges, batch, len_k, [&](int start) {
+            return program_tile_class(program, batch, head, row_start, start) == TILE_EMPTY;
+        });
     };
     auto load_keys = [&](int key_start, int stage) {
         const KeyRows k_rows = key_rows(block_table, batch, max_blocks, block_size, k_b, k_n);
@@ -679,6 +758,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         cp_async_wait<0>();
         __syncthreads();  // the tile has landed for every thread, and every warp is done with the other stage
         const int next = meeting_tile(key_start + BLOCK_N);
+        const int program_tile = program_tile_class(program, batch, head, row_start, key_start);
         if (next < end) load_keys(next, stage ^ 1);
         cp_async_commit();
         const elem_t* k_tile = k_stages + stage * BLOCK_N * BLOCK_D;
@@ -701,7 +781,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
 #pragma unroll
             for (int i = 0; i < 4; ++i) {
                 const int row = row_start + 16 * warp + lane_row + 8 * (i / 2), col = key_start + 8 * j + pair + i % 2;
-                if (masked && !visible(row, col, g, lower, upper, planes)) {
+                if (masked && !visible(row, col, g, lower, upper, planes, program_tile)) {
                     s[j][i] = negative_infinity();
                 } else if (SCORE_TERMS) {
                     s[j][i] = score(s[j][i], 1.0f, 1.0f, qk_scale, softcap, row, col, planes).s * LOG2E;
@@ -799,8 +879,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     // and once at the end: out = acc / l, lse = m + log l. A row that has seen no visible key keeps m = −inf;
     // its shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
     for (int key_start = first; key_start < end; key_start += BLOCK_N) {
-        // A key tile sharing no segment id with the query tile is skipped.
+        // A key tile sharing no segment id with the query tile, or empty under the program, is skipped.
         if (!ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k))) continue;
+        const int program_tile = program_tile_class(program, batch, head, row_start, key_start);
+        if (program_tile == TILE_EMPTY) continue;
         const KeyRows k_rows = key_rows(block_table, batch, max_blocks, block_size, k_b, k_n);
         const KeyRows v_rows = key_rows(block_table, batch, max_blocks, block_size, v_b, v_n);
         load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_rows, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
@@ -814,7 +896,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         for (int c = lane; c < BLOCK_N; c += THREADS_PER_ROW) {
             const int col = key_start + c;
             float s = negative_infinity();
-            if (visible(row, col, g, lower, upper, planes))
+            if (visible(row, col, g, lower, upper, planes, program_tile))
                 s = score(s_tile[r * BLOCK_N + c], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes).s;
             s_tile[r * BLOCK_N + c] = s;
             tile_max = fmaxf(tile_max, s);
@@ -905,11 +987,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                           index_t dq_h, index_t dq_m, index_t bias_b, index_t bias_h, index_t bias_m, index_t bias_n,
                           index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n, index_t alibi_b, int heads_q,
                           int group, int len_q, int len_k, float qk_scale, float softcap, float grad_scale, int lower,
-                          int upper) {
+                          int upper PROGRAM_PARAMETERS) {
     const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
+    const Program program = PROGRAM_ARGUMENTS;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
-    const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, batch, head);
+    const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, program, batch, head);
     const elem_t* k_head = k + batch * k_b + (head / group) * k_h;
     const elem_t* v_head = v + batch * v_b + (head / group) * v_h;
     const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
@@ -938,7 +1021,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     key_span(row_start, g, lower, upper, first, end);
     const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     auto meeting_tile = [&](int key_start) {
-        return meeting_tile_from<BLOCK_N>(key_start, end, q_range, kv_segment_ranges, batch, len_k);
+        return meeting_tile_from<BLOCK_N>(key_start, end, q_range, kv_segment_ranges, batch, len_k, [&](int start) {
+            return program_tile_class(program, batch, head, row_start, start) == TILE_EMPTY;
+        });
     };
     auto load_keys = [&](int key_start, int stage) {
         load_tile_async<BLOCK_N, BLOCK_D>(k_stages + stage * BLOCK_N * BLOCK_D, k_head, k_n, key_start, g.kv_len,
@@ -981,6 +1066,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         cp_async_wait<0>();
         __syncthreads();  // the key tile has landed for every thread; every warp is done with the other stage
         const int next = meeting_tile(key_start + BLOCK_N);
+        const int program_tile = program_tile_class(program, batch, head, row_start, key_start);
         if (next < end) load_keys(next, stage ^ 1);
         cp_async_commit();
         const elem_t* k_tile = k_stages + stage * BLOCK_N * BLOCK_D;
@@ -1013,7 +1099,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
             for (int i = 0; i < 4; ++i) {  // dp becomes dU
                 const int row = row_start + 16 * warp + lane_row + 8 * (i / 2), col = key_start + 8 * j + pair + i % 2;
                 float ds = 0.0f;
-                if (!masked || visible(row, col, g, lower, upper, planes)) {
+                if (!masked || visible(row, col, g, lower, upper, planes, program_tile)) {
                     float t = s[j][i], tanh_u = 0.0f;
                     if (SCORE_TERMS) {
                         const Score sc = score(t, 1.0f, 1.0f, qk_scale, softcap, row, col, planes);
@@ -1084,8 +1170,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
     // P = exp(S − lse);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K
     for (int key_start = first; key_start < end; key_start += BLOCK_N) {
-        // A key tile sharing no segment id with the query tile is skipped.
+        // A key tile sharing no segment id with the query tile, or empty under the program, is skipped.
         if (!ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k))) continue;
+        const int program_tile = program_tile_class(program, batch, head, row_start, key_start);
+        if (program_tile == TILE_EMPTY) continue;
         load_tile<BLOCK_N, BLOCK_D>(k_tile, k_head, k_n, key_start, g.kv_len, HEAD_DIM, g.kv_ids);
         load_tile<BLOCK_N, BLOCK_DV>(v_tile, v_head, v_n, key_start, g.kv_len, HEAD_DIM_V, g.kv_ids);
         __syncthreads();
@@ -1097,7 +1185,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += NUM_THREADS) {
             const int r = idx / BLOCK_N, c = idx % BLOCK_N, row = row_start + r, col = key_start + c;
             float ds = 0.0f;
-            if (visible(row, col, g, lower, upper, planes)) {
+            if (visible(row, col, g, lower, upper, planes, program_tile)) {
                 const Score sc = score(s_tile[idx], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes);
                 ds = expf(sc.s - lse_tile[r]) * (dp_tile[idx] - delta_tile[r]);
                 if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;
@@ -1140,8 +1228,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                             index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h,
                             index_t mask_m, index_t mask_n, index_t alibi_b, int heads_q, int group, int len_q,
                             int len_k, float qk_scale, float softcap, float grad_scale, int lower,
-                            int upper DQ_SUM_PARAMETERS) {
+                            int upper DQ_SUM_PARAMETERS PROGRAM_PARAMETERS) {
     const int key_start = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
+    const Program program = PROGRAM_ARGUMENTS;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
 
@@ -1194,9 +1283,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     int first, end;
     query_span(key_start, g, lower, upper, first, end);
     const SegmentRange k_range = segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k);
-    // The query tile at or after row_start that shares a segment id with the key tile (every tile without ids).
-    auto meeting_tile = [&](int row_start) {
-        return meeting_tile_from<BLOCK_M>(row_start, end, k_range, q_segment_ranges, batch, len_q);
+    // The query tile of one head at or after row_start that shares a segment id with the key tile and that the
+    // program does not leave empty (every tile without ids and program).
+    auto meeting_tile = [&](int head, int row_start) {
+        return meeting_tile_from<BLOCK_M>(row_start, end, k_range, q_segment_ranges, batch, len_q, [&](int start) {
+            return program_tile_class(program, batch, head, start, key_start) == TILE_EMPTY;
+        });
     };
     auto load_queries = [&](int head, int row_start, int stage) {
         load_tile_async<BLOCK_M, BLOCK_D>(q_stages + stage * BLOCK_M * BLOCK_D, q + batch * q_b + head * q_h, q_m,
@@ -1206,8 +1298,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         load_row_statistics(lse_stages + stage * BLOCK_M, delta_stages + stage * BLOCK_M, lse, delta,
                             ((index_t)batch * heads_q + head) * len_q, row_start, g, LOG2E);
     };
-    const int row_first = meeting_tile(first), head_end = head_kv * group + group;
+    const int row_first = meeting_tile(head_kv * group, first), head_end = head_kv * group + group;
     int head = head_kv * group, row_start = row_first, stage = 0;
+#if HAS_PROGRAM  // the classes differ by head: the first head with a live query tile
+    while (row_start >= end && ++head < head_end) row_start = meeting_tile(head, first);
+#endif
     load_tile_async<BLOCK_N, BLOCK_D>(k_tile, k + batch * k_b + head_kv * k_h, k_n, key_start, g.kv_len, HEAD_DIM,
                                       g.kv_ids);
     load_tile_async<BLOCK_N, BLOCK_DV>(v_tile, v + batch * v_b + head_kv * v_h, v_n, key_start, g.kv_len,
@@ -1232,8 +1327,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     auto tile = [&](bool masked) {
         cp_async_wait<0>();
         __syncthreads();  // the query tile has landed for every thread; every warp is done with the other stage
-        int next_head = head, next_row = meeting_tile(row_start + BLOCK_M);
+        int next_head = head, next_row = meeting_tile(head, row_start + BLOCK_M);
+#if HAS_PROGRAM  // each head's first live query tile, the classes differing by head
+        while (next_row >= end && ++next_head < head_end) next_row = meeting_tile(next_head, first);
+#else
         if (next_row >= end) next_head += 1, next_row = row_first;
+#endif
+        const int program_tile = program_tile_class(program, batch, head, row_start, key_start);
         if (next_head < head_end) load_queries(next_head, next_row, stage ^ 1);
         cp_async_commit();
         const elem_t* q_tile = q_stages + stage * BLOCK_M * BLOCK_D;
@@ -1266,7 +1366,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                 mma_m16n8k16<elem_t>(dp[j + 1], a, {b[2], b[3]});
             }
         }
-        const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, batch, head);
+        const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, program, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
 #pragma unroll
         for (int j = 0; j < QUERY_BLOCKS; ++j)
@@ -1275,7 +1375,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                 const int r = 8 * j + pair + i % 2, row = row_start + r;
                 const int col = key_start + 16 * warp + lane_row + 8 * (i / 2);
                 float p = 0.0f, ds = 0.0f;
-                if (!masked || visible(row, col, g, lower, upper, planes)) {
+                if (!masked || visible(row, col, g, lower, upper, planes, program_tile)) {
                     float t = s[j][i], tanh_u = 0.0f;
                     if (SCORE_TERMS) {
                         const Score sc = score(t, 1.0f, 1.0f, qk_scale, softcap, row, col, planes);
@@ -1413,11 +1513,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     //   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
     //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q;  ATOMIC_DQ: dq_sum += dU K, atomically
     for (int head = head_kv * group; head < head_kv * group + group; ++head) {
-        const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, batch, head);
+        const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, program, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
         for (int row_start = first; row_start < end; row_start += BLOCK_M) {
-            // A query tile sharing no segment id with the key tile is skipped.
+            // A query tile sharing no segment id with the key tile, or empty under the program, is skipped.
             if (!ranges_meet(segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q), k_range)) continue;
+            const int program_tile = program_tile_class(program, batch, head, row_start, key_start);
+            if (program_tile == TILE_EMPTY) continue;
             load_tile<BLOCK_M, BLOCK_D>(q_tile, q + batch * q_b + head * q_h, q_m, row_start, g.q_len, HEAD_DIM,
                                         g.q_ids);
             load_tile<BLOCK_M, BLOCK_DV>(do_tile, dout + batch * do_b + head * do_h, do_m, row_start, g.q_len,
@@ -1432,7 +1534,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
             for (int idx = threadIdx.x; idx < BLOCK_M * BLOCK_N; idx += NUM_THREADS) {
                 const int r = idx / BLOCK_N, c = idx % BLOCK_N, row = row_start + r, col = key_start + c;
                 float p = 0.0f, ds = 0.0f, ds_q = 0.0f;
-                if (visible(row, col, g, lower, upper, planes)) {
+                if (visible(row, col, g, lower, upper, planes, program_tile)) {
                     const Score sc =
                         score(s_tile[idx], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes);
                     p = expf(sc.s - lse_tile[r]);
