@@ -62,6 +62,7 @@ GPU_TESTS = (
     "tests/test_cuda_routing.py",
     "tests/test_cupy_static.py",
     "tests/test_conformance.py::test_harness_runs_a_backend_on_the_gpu_where_it_declares_one",
+    "tests/test_pallas.py::test_mask_programs_on_the_gpu",
 )
 
 

@@ -379,7 +379,9 @@ def _range_of(
         )
         if op != "mul":  # a divisor range holding 0 (or both signs) bounds nothing
             straddles = (b.lo <= 0) & (b.hi >= 0)
-            lo, hi = where(straddles, -_UNBOUNDED, lo), where(straddles, _UNBOUNDED, hi)
+            # JAX computes in int32 (without x64): its widest bounds are int32's, which a bound program never leaves
+            unbounded = INT32_MAX if ops.name == "jax" else _UNBOUNDED
+            lo, hi = where(straddles, -unbounded, lo), where(straddles, unbounded, hi)
         return _Range(lo, hi)
     if op in ("mod", "trem"):
         return _remainder_range(op, a, b, ops)
