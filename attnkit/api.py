@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from attnkit import autotune, config, dispatch, op_calls
-from attnkit.backend import Backend, Problem, Runner, own_plain_call
+from attnkit.backend import AttentionInputs, Backend, Problem, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import ops_by_type, ops_for
@@ -18,27 +18,6 @@ from attnkit.validation import check_length_values, check_lengths_against_shapes
 _cached_class = CACHE.length_classes.get
 _cached_call = CACHE.calls.get
 _scope_serial = CACHE.scope_serial
-
-
-def _run(
-    run: Runner,
-    q: Any,
-    k: Any,
-    v: Any,
-    mask: Any,
-    bias: Any,
-    q_lengths: Any,
-    kv_lengths: Any,
-    q_segment_ids: Any,
-    kv_segment_ids: Any,
-    return_lse: bool,
-) -> Any:
-    """A cached runner on a call (a backend that does not declare segment ids has a runner of seven)."""
-    if q_segment_ids is None:
-        out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths)
-    else:
-        out, lse = run(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
-    return (out, lse) if return_lse else out
 
 
 def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
@@ -111,7 +90,9 @@ def attend(
                     return plain_call(q, k, v)
                 if q_lengths is not None or kv_lengths is not None:
                     check_lengths_against_shapes(ops, spec, q, k, q_lengths, kv_lengths)
-                return _run(runs, q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse)
+                inputs = AttentionInputs(q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+                out, lse = runs(inputs)
+                return (out, lse) if return_lse else out
     # A call with ALiBi slopes takes the validating path every time (their values are checked, §16), as does one with a
     # mask program (its captured tensors are bound to each call).
     signature = (
@@ -131,7 +112,9 @@ def attend(
                 return plain(q, k, v)
             if q_lengths is not None or kv_lengths is not None:
                 check_length_values(ops, problem, q_lengths, kv_lengths)
-            return _run(run, q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse)
+            inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+            out, lse = run(inputs)
+            return (out, lse) if return_lse else out
     if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
         from attnkit.frontends import torch_graph
 
@@ -150,14 +133,12 @@ def attend(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes,
         mask_mod=mask_mod,
     )  # fmt: skip
-    # A runner takes the tensors its backend declares: seven, nine with segment ids, ten with ALiBi slopes.
-    given = 10 if inputs.alibi_slopes is not None else 9 if inputs.q_segment_ids is not None else 7
     # An eager call with values: where the cost table cannot decide, auto may time the contenders on it.
-    trial = autotune.Trial(ops, spec, problem, inputs[:given]) if backend == config.AUTO else None
+    trial = autotune.Trial(ops, spec, problem, inputs) if backend == config.AUTO else None
     chosen, per_class = dispatch.select_call(spec, problem, backend, trial)
     run = ops.runner(chosen, spec, problem)
     try:
-        out, lse = run(*inputs[:given])
+        out, lse = run(inputs)
     except BackendUnavailableError:
         if not _routes_elsewhere(chosen, backend):
             raise

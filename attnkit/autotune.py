@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attnkit import cost, notices
-from attnkit.backend import Backend, Framework, Problem, length_bucket, routing_features
+from attnkit.backend import AttentionInputs, Backend, Framework, Problem, length_bucket, routing_features
 from attnkit.build import digest
 from attnkit.call_cache import CACHE
 from attnkit.environment import accelerator_name, cpu_fingerprint
@@ -251,12 +251,17 @@ class Trial:
     """Times one backend on the inputs of the call being dispatched (eager torch calls only: :meth:`skip_reason`)."""
 
     def __init__(
-        self, ops: FrameworkOps, spec: AttentionSpec, problem: Problem, inputs: Sequence[Any], dry_run: bool = False
+        self,
+        ops: FrameworkOps,
+        spec: AttentionSpec,
+        problem: Problem,
+        inputs: AttentionInputs,
+        dry_run: bool = False,
     ) -> None:
         self.ops = ops
         self.spec = spec
         self.problem = problem
-        self.inputs = tuple(inputs)  # positionally, as the runners take them
+        self.inputs = inputs
         #: explain's: says whether the call would be measured, never times anything.
         self.dry_run = dry_run
 
@@ -266,7 +271,7 @@ class Trial:
             return "not measured: a JAX call (jit traces attend, where its arrays have no values)"
         import torch
 
-        q = self.inputs[0]
+        q = self.inputs.q
         if torch.compiler.is_compiling() or self.ops.symbolic(q):
             return "not measured: inside a torch.compile trace, or meta/fake tensors"
         problem = self.problem
@@ -284,18 +289,20 @@ class Trial:
         import torch
 
         run = self.ops.runner(backend, self.spec, self.problem)
-        args = list(self.inputs)
+        inputs = self.inputs
         leaves: list[torch.Tensor] = []
         if self.problem.needs_grad:  # detached views: the backward reaches none of the caller's tensors
-            for index, tensor in enumerate(args):
+            fields = list(inputs)
+            for index, tensor in enumerate(fields):
                 if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                    args[index] = tensor.detach().requires_grad_(True)
-                    leaves.append(args[index])
+                    fields[index] = tensor.detach().requires_grad_(True)
+                    leaves.append(fields[index])
+            inputs = AttentionInputs(*fields)
         synchronize = torch.cuda.synchronize if self.problem.device == "cuda" else None
         if synchronize is not None:
             synchronize()
         start = clock()
-        out, _ = run(*args)
+        out, _ = run(inputs)
         if leaves:
             torch.autograd.grad(out, leaves, grad_outputs=torch.ones_like(out))
         if synchronize is not None:

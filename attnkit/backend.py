@@ -19,10 +19,12 @@ A backend is an object with
 :class:`BaseBackend` gives the defaults (``available()``: nothing missing; ``supports()``: what the capabilities
 say; ``backward``: refused where the capabilities declare no grad) and the optional hooks, one spelling each:
 
-* ``differentiable_forward(spec, problem)``: a :data:`Runner` for a backend built on a library call its framework
-  already differentiates (the native backends). The frontend calls it with grad recording as the caller has it,
-  instead of wrapping ``forward`` in its own autograd.Function / custom_vjp; ``backward`` then serves callers of the
-  protocol itself (attnkit.testing). Made once per (spec, problem), so it may be specialised for it.
+* ``differentiable_forward(spec, problem)``: a :data:`Runner` ``(inputs) -> (out, lse)``, taking one
+  :class:`AttentionInputs`, for a backend built on a library call its framework already differentiates (the native
+  backends). The frontend calls it with grad recording as the caller has it, instead of wrapping ``forward`` in its
+  own autograd.Function / custom_vjp; ``backward`` then serves callers of the protocol itself (attnkit.testing). Made
+  once per (spec, problem), so it may be specialised for it. A third-party backend's runner takes the same one
+  argument.
 * ``plain_call(spec, problem)``: for a problem with q, k, v alone that wants no lse (``problem.is_plain()``), a
   :data:`PlainCall` ``(q, k, v) -> out`` computing what the differentiable forward does; ``attend`` then makes that
   call with nothing around it (at decode sizes a wrapper's frame and tuple are a tenth of the dispatch cost).
@@ -215,7 +217,7 @@ def length_class(length: int) -> int:
 
 
 class AttentionInputs(NamedTuple):
-    """The tensors of one call, in one framework. Optional ones are None.
+    """The tensors of one call, in one framework, and its bound mask program. Optional ones are None.
 
     A NamedTuple: built on every call (a frozen dataclass costs twice as much), and a JAX pytree as is.
     """
@@ -445,11 +447,8 @@ def routing_features(spec: AttentionSpec, problem: Problem) -> frozenset[Feature
     return used
 
 
-#: What a frontend calls for one attention call: the fields of AttentionInputs as positional arguments
-#: -> (out, lse or None). Positional, not the named tuple: building one cost a sixth of a decode call's dispatch. The
-#: two segment-id fields are passed only when the call has them, so a backend that does not declare segment_ids may
-#: write a runner of the first seven.
-Runner = Callable[..., tuple[Any, Any]]
+#: What a frontend calls for one attention call: the call's :class:`AttentionInputs` -> (out, lse or None).
+Runner = Callable[[AttentionInputs], tuple[Any, Any]]
 #: ``(q, k, v) -> out``, for a call with no mask, bias or lengths that wants no lse.
 PlainCall = Callable[[Any, Any, Any], Any]
 

@@ -36,6 +36,8 @@ FEATURE_MEANINGS: dict[str, str] = {
     "segment_ids": "`q_segment_ids`/`kv_segment_ids`: packed documents and left padding (§4.5)",
     "paged": "`attend_paged`: a paged KV cache read where its blocks lie (§13; forward only)",
     "alibi": "`alibi_slopes`: ALiBi's −slope·|i + off − j| on every score, computed from positions (§16)",
+    "mask_program": "`mask_mod`: a mask program evaluated in the backend's tiles, empty tiles skipped; "
+    "\"materialised\": served as a dense (Lq, Lk) mask (§17)",
 }
 # Spec features first (what is computed), then call features (what is passed), each alphabetical.
 FEATURE_ORDER: tuple[str, ...] = (*sorted(SPEC_FEATURES), *sorted(CALL_FEATURES))
@@ -61,6 +63,12 @@ def _per_device(capabilities: Capabilities, text: Callable[[Capabilities], str])
     return f"{general} ({extra})" if extra else general
 
 
+def _served(capabilities: Capabilities, feature: str) -> str:
+    if feature not in capabilities.features:
+        return "no"
+    return "materialised" if feature == "mask_program" and capabilities.materialises_mask_programs else "yes"
+
+
 def capability_matrix(registered: Mapping[str, Backend]) -> tuple[list[str], list[list[str]]]:
     """(header, rows) of the capability matrix: one row per property or feature, one column per backend.
 
@@ -76,7 +84,7 @@ def capability_matrix(registered: Mapping[str, Backend]) -> tuple[list[str], lis
         ["head dims", *(_per_device(c, lambda on: _head_dims_text(on.head_dims)) for c in caps)],
     ]
     for feature in FEATURE_ORDER:
-        rows.append([feature, *("yes" if feature in c.features else "no" for c in caps)])
+        rows.append([feature, *(_served(c, feature) for c in caps)])
     return ["capability", *names], rows
 
 

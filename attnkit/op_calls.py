@@ -52,7 +52,9 @@ def decide(
         check_length_values(ops, problem, given.q_lengths, given.kv_lengths)
         return Call(ops, problem, given, False, chosen)
     epoch = CACHE.epoch
-    ops, problem, inputs, was_3d = prepare(spec, *given[:7], return_lse, *given[7:10])
+    ops, problem, inputs, was_3d = prepare(
+        spec, *given[:7], return_lse, given.q_segment_ids, given.kv_segment_ids, given.alibi_slopes
+    )
     problem = dataclasses.replace(problem, needs_grad=needs_grad, needs_bias_grad=needs_bias_grad)
     chosen = dispatch.select(spec, problem, backend)
     if signature is not None and all(a is b for a, b in zip(inputs, given)):  # nothing reshaped: reusable as given
@@ -63,7 +65,9 @@ def decide(
 def output_shapes(spec: AttentionSpec, given: AttentionInputs) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """(out's shape, lse's shape) as attend() returns them, from metadata alone (meta and fake tensors, whose sizes
     may be symbolic): no value is read and no backend chosen."""
-    _, problem, _, was_3d = prepare(spec, *given[:7], True, *given[7:10], check_values=False)
+    _, problem, _, was_3d = prepare(
+        spec, *given[:7], True, given.q_segment_ids, given.kv_segment_ids, given.alibi_slopes, check_values=False
+    )
     out_shape = (*given.q.shape[:-1], problem.head_dim_v)
     if was_3d:
         return out_shape, (problem.batch, problem.len_q)

@@ -11,7 +11,7 @@ import numpy as np
 
 from attnkit import dispatch
 from attnkit.api import attend
-from attnkit.backend import AttentionInputs, PagedInputs, Problem
+from attnkit.backend import AttentionInputs, Framework, PagedInputs, Problem
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_for
 from attnkit.sinks import check_sinks, with_sinks
@@ -85,11 +85,13 @@ def attend_varlen(
     backend: str = "auto",
     sinks: Any = None,
     alibi_slopes: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Attention over packed sequences (docs/semantics.md §12): q (total_q, Hq, D), k and v (total_k, Hkv, D|Dv),
     ``cu_seqlens_q``/``cu_seqlens_k`` (n + 1,) cumulative offsets. Sequence s is attended as its own call, with
     ``sinks`` (Hq,) as attend takes them (§15) and ``alibi_slopes`` float32 (Hq,) or (n, Hq), one row per sequence
-    (§16, as flash-attn's varlen call takes them).
+    (§16, as flash-attn's varlen call takes them). ``mask_mod`` (§17) sees ``b`` as the sequence and positions within
+    it.
 
     Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) as attend's (§6). Differentiable as attend."""
     if type(spec) is not AttentionSpec:
@@ -143,20 +145,34 @@ def attend_varlen(
     xp = _array_namespace(ops)
     if self_packed:  # one packed row, the sequence index its segment id (§12: the same contract, no copy)
         ids = xp.sequence_of(cu_seqlens_q, total_q)[None]
+        if mask_mod is not None:
+            mask_mod = _within_sequences(mask_mod, ids[0], cu_seqlens_q)
         result = attend(packed, q[None], k[None], v[None], q_segment_ids=ids, kv_segment_ids=ids,
-                        return_lse=return_lse, backend=backend, sinks=sinks, alibi_slopes=alibi_slopes)  # fmt: skip
+                        return_lse=return_lse, backend=backend, sinks=sinks, alibi_slopes=alibi_slopes,
+                        mask_mod=mask_mod)  # fmt: skip
         if not return_lse:
             return result[0]
         return result[0][0], result[1][0]
     return _as_padded_batch(
         xp, packed, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), return_lse, backend,
-        sinks, alibi_slopes,
+        sinks, alibi_slopes, mask_mod,
     )  # fmt: skip
+
+
+def _within_sequences(mask_mod: Any, sequence: Any, offsets: Any) -> Any:
+    """``mask_mod`` over one packed row: b the query's sequence, and both positions within their sequence (segment
+    ids keep a query to keys of its own sequence, so the key's sequence is the query's wherever the pair is seen)."""
+
+    def within(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        own = sequence[q_idx]
+        return mask_mod(own, h, q_idx - offsets[own], kv_idx - offsets[sequence[kv_idx]])
+
+    return within
 
 
 def _as_padded_batch(
     xp: Any, spec: AttentionSpec, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int,
-    return_lse: bool, backend: str, sinks: Any, alibi_slopes: Any,
+    return_lse: bool, backend: str, sinks: Any, alibi_slopes: Any, mask_mod: Any = None,
 ) -> Any:  # fmt: skip
     """§12 as a batch of right-padded sequences with q_lengths and kv_lengths (§4.3)."""
     count = cu_q.shape[0] - 1
@@ -164,7 +180,8 @@ def _as_padded_batch(
     k_pad, kv_lengths = xp.pad_sequences(k, cu_k, max(max_k, 1))
     v_pad, _ = xp.pad_sequences(v, cu_k, max(max_k, 1))
     out_pad, lse_pad = attend(spec, q_pad, k_pad, v_pad, q_lengths=q_lengths, kv_lengths=kv_lengths,
-                              return_lse=True, backend=backend, sinks=sinks, alibi_slopes=alibi_slopes)  # fmt: skip
+                              return_lse=True, backend=backend, sinks=sinks, alibi_slopes=alibi_slopes,
+                              mask_mod=mask_mod)  # fmt: skip
     # Token t of sequence s sits at (s, t − cu_q[s]) of the padded batch.
     flat = xp.padded_position(cu_q, q.shape[0], max(max_q, 1))
     out = xp.take_rows(out_pad.reshape(count * max(max_q, 1), *out_pad.shape[2:]), flat)
@@ -333,11 +350,16 @@ def attend_paged(
     backend: str = "auto",
     sinks: Any = None,
     alibi_slopes: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Attention of new queries against a paged KV cache (docs/semantics.md §13): exactly attend(spec, q, K_b, V_b,
     kv_lengths=kv_lengths) on the keys the block table gathers, which backends declaring ``paged`` read where the
     blocks lie, with ``sinks`` and ``alibi_slopes`` as attend takes them (§15, §16). Forward only. Returns out, or
-    (out, lse), as attend does for q."""
+    (out, lse), as attend does for q. ``mask_mod`` (§17) sees kv_idx as the key's logical position; a call with one
+    gathers the blocks it names (a copy of the sequences' keys, never an (Lq, Lk) mask) and runs attend on them."""
+    if mask_mod is not None:
+        return _paged_with_program(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse, backend, sinks,
+                                   alibi_slopes, mask_mod)  # fmt: skip
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     need_lse = return_lse or sinks is not None
@@ -349,6 +371,25 @@ def attend_paged(
     if sinks is not None:
         out, lse = with_sinks(spec, out, lse, sinks)
     return (out, lse) if return_lse else out
+
+
+def _paged_with_program(
+    spec: AttentionSpec, q: Any, k_cache: Any, v_cache: Any, block_table: Any, kv_lengths: Any, return_lse: bool,
+    backend: str, sinks: Any, alibi_slopes: Any, mask_mod: Any,
+) -> Any:  # fmt: skip
+    """attend_paged with a mask program: every argument checked as attend_paged checks it, then attend on the keys in
+    logical order (no backend reads a program from paged blocks yet)."""
+    ops = ops_for(q, "q")
+    prepare_paged(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse, alibi_slopes)
+    if ops.framework is Framework.TORCH:
+        from attnkit.contract.torch import gather_pages
+    else:
+        from attnkit.contract.jax import gather_pages  # type: ignore[assignment]
+    keys, values = (gather_pages(cache, block_table) for cache in (k_cache, v_cache))  # (B, capacity, Hkv, D)
+    if spec.layout is Layout.BHSD:
+        keys, values = (x.swapaxes(1, 2) for x in (keys, values))
+    return attend(spec, q, keys, values, kv_lengths=kv_lengths, return_lse=return_lse, backend=backend,
+                  sinks=sinks, alibi_slopes=alibi_slopes, mask_mod=mask_mod)  # fmt: skip
 
 
 def explain_paged(

@@ -60,6 +60,10 @@ GPU_TESTS = (
     "tests/test_cupy_backend.py",
     "tests/test_triton_warp_specialized.py",
     "tests/test_cuda_routing.py",
+    # Mask programs in the compiled triton kernels (unverified on hardware until these pass): the document-causal
+    # case forward and backward, and the generated helper for every operation.
+    "tests/test_triton_programs.py::test_document_causal_agrees_with_the_oracle",
+    "tests/test_triton_programs.py::test_the_generated_helper_agrees_with_the_contract",
     "tests/test_cupy_static.py",
     "tests/test_conformance.py::test_harness_runs_a_backend_on_the_gpu_where_it_declares_one",
     "tests/test_pallas.py::test_mask_programs_on_the_gpu",

@@ -20,9 +20,9 @@ BACKEND_MAY_IMPORT = frozenset(
         "attnkit.contract.torch",
         "attnkit.contract.jax",
         "attnkit.contract.kernels",
+        "attnkit.contract.programs",
         "attnkit.contract.kernel_checks",
         "attnkit.contract.sass",
-        "attnkit.contract.programs",
     }
 )
 #: The core modules the door and the contract helpers stand on (none of them imports api, config, dispatch, registry).

@@ -358,9 +358,9 @@ class PlainCallBackend(CountingBackend):
         self.plain_calls = 0
 
     def differentiable_forward(self, spec, problem):
-        def run(*tensors):
+        def run(inputs):
             self.runner_calls += 1
-            out, lse = self.forward(spec, AttentionInputs(*tensors), True)
+            out, lse = self.forward(spec, inputs, True)
             return out, lse if problem.return_lse else None
 
         return run

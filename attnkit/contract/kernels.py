@@ -143,6 +143,7 @@ class KernelSwitches:
     paged: bool = False  # forward: keys through a block table (attend_paged)
     split_k: bool = False  # forward: one of several key ranges per program, float32 partials for merge_splits
     atomic_dq: bool = False  # dK/dV kernel: also add each tile's dS K into a float32 dq sum (one-pass backward)
+    has_mask_program: bool = False  # a mask program (KernelCall.program) evaluated in the tiles, where it serves
 
     @classmethod
     def all(cls) -> KernelSwitches:
@@ -199,6 +200,9 @@ class KernelCall:
     types: ArgumentTypes
     block_table: torch.Tensor  # int32 (B, max_blocks) of a paged cache; q where contiguous
     paging: tuple[Any, Any]  # block_size, max_blocks (1, 0 where contiguous)
+    #: The call's bound mask program (attnkit.contract.programs.BoundProgram), None without one: a kernel set that
+    #: serves programs passes it to its kernels itself (the shared arguments above do not hold it).
+    program: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -331,6 +335,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         has_segment_ids=has_segment_ids,
         has_alibi=slopes is not None,
         paged=table is not None,
+        has_mask_program=inputs.mask_program is not None,
     )
     return KernelCall(
         spec=spec,
@@ -349,6 +354,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         types=types,
         block_table=table if table is not None else q,
         paging=(types.int32(block_size), types.int32(table.shape[1] if table is not None else 0)),
+        program=inputs.mask_program,
     )
 
 
@@ -552,14 +558,16 @@ def kernel_capabilities(
     how_to_run: tuple[str, ...] = (),
     options: tuple[tuple[str, bool | int | float | str], ...] = (),
     unverified: tuple[Unverified, ...] = (),
+    mask_programs: bool = False,
 ) -> Capabilities:
     """A kernel backend's declaration: the whole contract on torch tensors of one device, in the three float dtypes
-    the kernels are written for. Its own ``notes`` come before the shared ones, ``how_to_run`` after."""
+    the kernels are written for, mask programs where ``mask_programs`` says its kernels evaluate them. Its own
+    ``notes`` come before the shared ones, ``how_to_run`` after."""
     return Capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({device}),
-        features=ALL_FEATURES - {Feature.MASK_PROGRAM},
+        features=ALL_FEATURES if mask_programs else ALL_FEATURES - {Feature.MASK_PROGRAM},
         head_dims=(1, max_head_dim),
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),

@@ -143,7 +143,7 @@ class JaxOps:
         own = own_forward(backend, spec, problem)
         if own is not None:
             return own
-        return lambda *tensors: _attend(backend, spec, AttentionInputs(*tensors))
+        return partial(_attend, backend, spec)
 
 
 OPS = JaxOps()

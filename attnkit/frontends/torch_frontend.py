@@ -30,53 +30,41 @@ def sum_to_shape(gradient: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 
 class _AttendFunction(torch.autograd.Function):
+    """``apply(backend, spec, return_lse, *inputs)``: the fields of an AttentionInputs as arguments of their own, so
+    that autograd sees the tensors among them."""
+
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any,
-        backend: Backend,
-        spec: AttentionSpec,
-        return_lse: bool,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        bias: torch.Tensor | None,
-        mask: torch.Tensor | None,
-        q_lengths: torch.Tensor | None,
-        kv_lengths: torch.Tensor | None,
-        q_segment_ids: torch.Tensor | None,
-        kv_segment_ids: torch.Tensor | None,
-        alibi_slopes: torch.Tensor | None,
+        ctx: Any, backend: Backend, spec: AttentionSpec, return_lse: bool, *fields: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        inputs = AttentionInputs(
-            q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes
-        )
+        inputs = AttentionInputs(*fields)
         out, lse = backend.forward(spec, inputs, need_lse=True)
         ctx.backend, ctx.spec, ctx.return_lse = backend, spec, return_lse
         # The caller's context (attnkit.use_config scopes are context variables): autograd runs a CUDA backward on
         # its device thread, where they are unset, so the backward reads its options inside this copy.
         ctx.context = contextvars.copy_context()
-        ctx.save_for_backward(
-            q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, out, lse
-        )
+        *tensors, ctx.mask_program = inputs  # the mask program, the last field, is no tensor: ctx keeps it
+        ctx.save_for_backward(*tensors, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
-        q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, out, lse = (
-            ctx.saved_tensors
-        )
-        inputs = AttentionInputs(
-            q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes
-        )
-        need_dbias = bias is not None and ctx.needs_input_grad[6]
+        *tensors, out, lse = ctx.saved_tensors
+        inputs = AttentionInputs._make((*tensors, ctx.mask_program))
+        need_dbias = inputs.bias is not None and ctx.needs_input_grad[_BIAS_ARGUMENT]
         grads = ctx.context.run(
             functools.partial(ctx.backend.backward, need_dbias=need_dbias),
             ctx.spec, inputs, out, lse, dout, dlse if ctx.return_lse else None,
         )  # fmt: skip
         dbias = None
         if need_dbias:
-            dbias = sum_to_shape(grads.dbias, bias.shape).to(bias.dtype)
-        return None, None, None, grads.dq, grads.dk, grads.dv, dbias, None, None, None, None, None, None
+            dbias = sum_to_shape(grads.dbias, inputs.bias.shape).to(inputs.bias.dtype)
+        # One gradient per argument of forward: none for backend, spec and return_lse, then one per field.
+        return None, None, None, *AttentionInputs(grads.dq, grads.dk, grads.dv, bias=dbias)
+
+
+#: Where bias sits among _AttendFunction.apply's arguments (after backend, spec and return_lse).
+_BIAS_ARGUMENT = 3 + AttentionInputs._fields.index("bias")
 
 
 # Read on every attend call: module globals, not attribute lookups on torch.
@@ -221,24 +209,10 @@ class TorchOps:
             return own
         return_lse = problem.return_lse
         if not problem.needs_grad:
-            return lambda *tensors: backend.forward(spec, AttentionInputs(*tensors), need_lse=return_lse)
+            return lambda inputs: backend.forward(spec, inputs, need_lse=return_lse)
 
-        def through_autograd(
-            q: Any,
-            k: Any,
-            v: Any,
-            mask: Any,
-            bias: Any,
-            q_lengths: Any,
-            kv_lengths: Any,
-            q_segment_ids: Any = None,
-            kv_segment_ids: Any = None,
-            alibi_slopes: Any = None,
-        ) -> tuple[Any, Any]:
-            out, lse = _AttendFunction.apply(
-                backend, spec, return_lse, q, k, v, bias, mask, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
-                alibi_slopes,
-            )  # fmt: skip
+        def through_autograd(inputs: AttentionInputs) -> tuple[Any, Any]:
+            out, lse = _AttendFunction.apply(backend, spec, return_lse, *inputs)
             return out, lse
 
         return through_autograd

@@ -16,6 +16,7 @@ contract's float32 accumulation asks, §7); float64 is left to the reference bac
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -304,7 +305,7 @@ class CpuFlashBackend(RecomputingBackend):
             return paged_attention(spec, inputs)
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
-        return lambda *tensors: flash_attention(spec, AttentionInputs(*tensors))
+        return functools.partial(flash_attention, spec)
 
     def recompute(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """For callers of the protocol's backward: the forward again under torch autograd."""

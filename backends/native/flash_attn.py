@@ -19,6 +19,7 @@ Not run on this project's CPU CI: available() says why.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from typing import Any
 
@@ -83,7 +84,7 @@ class FlashAttnBackend(RecomputingBackend):
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         """flash-attn's own autograd function records the backward; the frontend does not wrap it."""
-        return lambda *tensors: self.forward(spec, AttentionInputs(*tensors), need_lse=False)
+        return functools.partial(self.forward, spec, need_lse=False)
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         from flash_attn import flash_attn_func

@@ -218,8 +218,7 @@ class JaxXlaBackend(BaseBackend):
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         """JAX differentiates the lowering itself; the frontend does not wrap it in its custom_vjp."""
-        need_lse = problem.return_lse
-        return lambda *tensors: xla_attention(spec, AttentionInputs(*tensors), need_lse)
+        return functools.partial(xla_attention, spec, need_lse=problem.return_lse)
 
     def backward(
         self,

@@ -442,13 +442,11 @@ def _masked_runner(
             return sdpa(q, k, v, attn_mask=mask & band, **options)
 
     if spec.variant is not Variant.COSINE and spec.layout is Layout.BHSD:
-        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
-            attention(q, k, v, mask),
-            None,
-        )
+        return lambda inputs: (attention(inputs.q, inputs.k, inputs.v, inputs.mask), None)
     bshd = spec.layout is Layout.BSHD
 
-    def masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *_: None) -> tuple[Any, None]:
+    def masked(inputs: AttentionInputs) -> tuple[Any, None]:
+        q, k, v, mask = inputs.q, inputs.k, inputs.v, inputs.mask
         dtype = v.dtype
         if bshd:
             q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -472,7 +470,8 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
     sdpa = F.scaled_dot_product_attention
     if spec.variant is Variant.COSINE:
 
-        def cosine(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *_: None) -> tuple[torch.Tensor, None]:
+        def cosine(inputs: AttentionInputs) -> tuple[torch.Tensor, None]:
+            q, k, v = inputs.q, inputs.k, inputs.v
             if bshd:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             wide = compute_dtype(v.dtype)
@@ -482,16 +481,15 @@ def _native_runner(spec: AttentionSpec, is_causal: bool, grouped: bool, head_dim
 
         return cosine
     options = _sdpa_options(spec, is_causal, grouped, scale)
-    # The other tensors are always None here (a plain call): named, not collected into a tuple per call.
+    # The other fields are always None here (a plain call).
     if bshd:
-        return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
-            sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), **options).transpose(1, 2),
-            None,
-        )
-    return lambda q, k, v, mask, bias, q_lengths, kv_lengths: (
-        sdpa(q, k, v, **options),
-        None,
-    )
+
+        def transposed(inputs: AttentionInputs) -> tuple[torch.Tensor, None]:
+            q, k, v = inputs.q.transpose(1, 2), inputs.k.transpose(1, 2), inputs.v.transpose(1, 2)
+            return sdpa(q, k, v, **options).transpose(1, 2), None
+
+        return transposed
+    return lambda inputs: (sdpa(inputs.q, inputs.k, inputs.v, **options), None)
 
 
 def _sdpa_options(spec: AttentionSpec, is_causal: bool, grouped: bool, scale: float) -> dict[str, Any]:
@@ -555,7 +553,7 @@ def sdpa_attention(spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool)
         inputs.mask is not None, others_plain,
     )  # fmt: skip
     if runner is not None:
-        return runner(*inputs[:7])  # the native runners take no segment ids (they became the mask)
+        return runner(inputs)
     return _flash_attention(spec, inputs, q, k, v, spec.resolved_scale(q.shape[3]))
 
 
@@ -667,11 +665,10 @@ class TorchSdpaBackend(RecomputingBackend):
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner:
         runner = _problem_native_path(spec, problem)
         if runner is not None and problem.has_segment_ids:
-            return lambda *tensors: runner(*_segments_as_mask(spec, AttentionInputs(*tensors))[:7])
+            return lambda inputs: runner(_segments_as_mask(spec, inputs))
         if runner is not None:
             return runner
-        need_lse = problem.return_lse
-        return lambda *tensors: sdpa_attention(spec, AttentionInputs(*tensors), need_lse)
+        return functools.partial(sdpa_attention, spec, need_lse=problem.return_lse)
 
     def plain_call(self, spec: AttentionSpec, problem: Problem) -> PlainCall | None:
         """SDPA itself (or a partial of it) where the native path is the public call on bhsd tensors."""

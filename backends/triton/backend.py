@@ -18,6 +18,8 @@ MAX_HEAD_DIM = 256
 WARP_SPECIALIZE_OPTION = ("warp_specialize", False)
 #: The path refused on CUDA until a GPU run has passed it (Capabilities.unverified).
 COMPILED_BACKWARD = "the compiled backward"
+#: Mask programs evaluated in the compiled kernels' tiles: refused on CUDA until a GPU run has passed them.
+COMPILED_MASK_PROGRAMS = "mask programs in the compiled kernels"
 
 
 def interpreter_refusals(triton_version: str, numpy_version: str) -> list[str]:
@@ -57,6 +59,7 @@ class TritonBackend(KernelBackend):
             ),
             # Off: at head dims up to 128 on Hopper the backward adds dq atomically, its last bits varying by run.
             options=(DETERMINISTIC_OPTION, WARP_SPECIALIZE_OPTION),
+            mask_programs=True,
             unverified=(
                 Unverified(
                     "cuda",
@@ -65,6 +68,12 @@ class TritonBackend(KernelBackend):
                     "Kernel.DELTA in launch.descriptors_pay, and dq was wrong on the first call of each autotune key "
                     "(the autotuner's timing runs of the one-pass dK/dV kernel added into the dq sum); both fixed",
                 ),
+                Unverified(
+                    "cuda",
+                    COMPILED_MASK_PROGRAMS,
+                    "written and tested in the Triton interpreter, and compiled for sm_80 and sm_90 without a GPU; "
+                    "never run on one",
+                ),
             ),
         )
 
@@ -72,6 +81,8 @@ class TritonBackend(KernelBackend):
         reasons = super().supports(spec, problem)
         if problem.device == "cuda" and problem.needs_grad:
             reasons += pending_hardware(self, "cuda", COMPILED_BACKWARD)
+        if problem.device == "cuda" and problem.has_mask_program:
+            reasons += pending_hardware(self, "cuda", COMPILED_MASK_PROGRAMS)
         return reasons
 
     def available(self) -> list[str]:

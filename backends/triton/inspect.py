@@ -124,6 +124,8 @@ _FLOAT_ARGS = ("qk_scale", "softcap", "grad_scale")
 _FLOAT32_POINTERS = ("Lse", "Delta", "DLse", "DBias")
 _SEGMENT_POINTERS = ("QSegmentIds", "KvSegmentIds", "QSegmentRanges", "KvSegmentRanges")
 _DESCRIPTORS = ("KTiles", "VTiles", "QTiles", "DOutTiles")
+#: A mask program's tensors, None without one (launch.program_arguments): the variants here have none.
+_PROGRAM_ARGUMENTS = ("TileClasses", "class_strides", "Captured", "captured_layout")
 _DENSE_STRIDE = re.compile(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]$")
 _FEATURE_STRIDE = re.compile(r"stride_(bias|mask)_([bhmn])$")
 _TRITON_TYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
@@ -256,6 +258,9 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         feature = _FEATURE_STRIDE.match(name)
         if param.is_constexpr:
             signature[name] = "constexpr"
+        elif name in _PROGRAM_ARGUMENTS:
+            signature[name] = "constexpr"
+            constexprs[name] = None
         elif name in _DESCRIPTORS:  # TMA descriptors of one tile (launch.descriptors), or None (constexpr) without
             if constants.get("TMA", False):
                 along_keys = launch.DESCRIBED[KERNEL_OF[variant.kernel]].along_keys

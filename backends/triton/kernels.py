@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from attnkit.contract.programs import EMPTY, FULL, PARTIAL
+
 
 @triton.jit
 def _dot(a, b, INTERPRETER_BF16: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -159,6 +161,35 @@ def _segment_range(Ranges, batch64, start, length, BLOCK: tl.constexpr, GRANULE:
     return low, high
 
 
+#: The tile classes of a mask program (attnkit.contract.programs): nothing visible, some pairs, every pair.
+_EMPTY_TILE = tl.constexpr(EMPTY)
+_PARTIAL_TILE = tl.constexpr(PARTIAL)
+_FULL_TILE = tl.constexpr(FULL)
+
+
+@triton.jit
+def _tile_class(
+    TileClasses,
+    batch,
+    head,
+    row_start,
+    key_start,
+    class_strides,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_PROGRAM: tl.constexpr,
+):
+    """The mask program's class of the (query tile, key tile) pair at row_start, key_start of one (batch, query
+    head), from the uint8 (B|1, Hq|1, query tiles, key tiles) classes and their strides (0 on an axis of size 1);
+    full without a program."""
+    tile_class = _FULL_TILE
+    if HAS_PROGRAM:
+        place = batch * class_strides[0] + head * class_strides[1]
+        place += (row_start // BLOCK_M) * class_strides[2] + (key_start // BLOCK_N) * class_strides[3]
+        tile_class = tl.load(TileClasses + place).to(tl.int32)
+    return tile_class
+
+
 @triton.jit
 def _key_span(
     row_start,
@@ -270,6 +301,11 @@ def _score_tile(
     qk_scale,
     softcap,
     alibi_slope,
+    batch,
+    head,
+    tile_class,
+    Captured,
+    captured_layout,
     HAS_LOWER: tl.constexpr,
     HAS_UPPER: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -278,6 +314,8 @@ def _score_tile(
     COSINE: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_PROGRAM: tl.constexpr,
+    MASK_PROGRAM: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr = True,
@@ -321,6 +359,9 @@ def _score_tile(
             visible = visible & (allowed != 0)
         if HAS_SEGMENT_IDS:
             visible = visible & (q_ids[:, None] == kv_ids[None, :]) & (q_ids[:, None] >= 0)
+        if HAS_PROGRAM:  # evaluated on a partial tile only: on a full one it shows every pair
+            if tile_class == _PARTIAL_TILE:
+                visible = visible & MASK_PROGRAM(batch, head, rows, cols, Captured, captured_layout)
         scores = tl.where(visible, scores, float("-inf"))
     elif HAS_BIAS:
         scores += tl.load(BiasTile + rows[:, None] * stride_bias_m + cols[None, :] * stride_bias_n).to(tl.float32)
@@ -461,6 +502,11 @@ def _fwd_tile(
     softcap,
     alibi_slope,
     fold,
+    batch,
+    head,
+    tile_class,
+    Captured,
+    captured_layout,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -474,6 +520,8 @@ def _fwd_tile(
     COSINE: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_PROGRAM: tl.constexpr,
+    MASK_PROGRAM: tl.constexpr,
     PAGED: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -522,6 +570,11 @@ def _fwd_tile(
         qk_scale,
         softcap,
         alibi_slope,
+        batch,
+        head,
+        tile_class,
+        Captured,
+        captured_layout,
         HAS_LOWER,
         HAS_UPPER,
         HAS_MASK,
@@ -530,6 +583,8 @@ def _fwd_tile(
         COSINE,
         HAS_SEGMENT_IDS,
         HAS_ALIBI,
+        HAS_PROGRAM,
+        MASK_PROGRAM,
         INTERPRETER_BF16,
         DOT_PRECISION,
         EDGE,
@@ -599,6 +654,10 @@ def _fwd_kernel(
     splits,
     KTiles,
     VTiles,
+    TileClasses,
+    class_strides,
+    Captured,
+    captured_layout,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -624,6 +683,8 @@ def _fwd_kernel(
     COMPILED: tl.constexpr,
     TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    HAS_PROGRAM: tl.constexpr,
+    MASK_PROGRAM: tl.constexpr,
 ):
     """One query tile of one (batch, query head): out and lse, or with SPLIT_K one key range's partial out and lse
     (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major. With TMA
@@ -637,7 +698,8 @@ def _fwd_kernel(
     host descriptor of BLOCK_M rows), and it handles one loop only: the edge loops are compiled out."""
     tl.static_assert(not (TMA and (PAGED or HAS_KV_LENGTHS or HAS_SEGMENT_IDS)), "descriptors mask only past Lk")
     tl.static_assert(
-        not WARP_SPECIALIZE or (TMA and not (HAS_LOWER or HAS_UPPER or HAS_MASK or HAS_Q_LENGTHS or SPLIT_K)),
+        not WARP_SPECIALIZE
+        or (TMA and not (HAS_LOWER or HAS_UPPER or HAS_MASK or HAS_Q_LENGTHS or SPLIT_K or HAS_PROGRAM)),
         "warp specialisation runs only where every tile is interior",
     )
     tile = tl.program_id(0)
@@ -691,7 +753,7 @@ def _fwd_kernel(
     fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
     interior_low = end
     interior_high = end
-    if not HAS_MASK and not HAS_SEGMENT_IDS:
+    if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
         interior_low, interior_high = _interior_keys(
             first, end, row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
         )
@@ -700,9 +762,10 @@ def _fwd_kernel(
                 acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
                 KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
                 offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS,
-                HAS_ALIBI, PAGED, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, head, _FULL_TILE, Captured,
+                captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK,
+                HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, False, TMA,
             )  # fmt: skip
     # The edge tiles: [first, interior_low), then [interior_high, end) where interior tiles split them: two affine
     # loops (one loop over a remapped index left ptxas at 128 registers and spilling kilobytes with every feature on).
@@ -712,24 +775,31 @@ def _fwd_kernel(
         if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
             k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
             meets = (q_low <= k_high) & (k_low <= q_high)
+        tile_class = _tile_class(
+            TileClasses, batch, head, row_start, key_start, class_strides, BLOCK_M, BLOCK_N, HAS_PROGRAM
+        )
+        if HAS_PROGRAM:  # a key tile the program hides from every row is skipped
+            meets = meets & (tile_class != _EMPTY_TILE)
         if meets:
             acc, row_max, row_sum = _fwd_tile(
                 acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
                 KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
                 offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS,
-                HAS_ALIBI, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, head, tile_class, Captured,
+                captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK,
+                HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
-    if not HAS_MASK and not HAS_SEGMENT_IDS and not WARP_SPECIALIZE:
+    if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM) and not WARP_SPECIALIZE:
         for key_start in range(interior_high, end, BLOCK_N):
             acc, row_max, row_sum = _fwd_tile(
                 acc, row_max, row_sum, q, q_inv_norm, rows, q_ids, key_start, KHead, VHead, KTiles, VTiles, head_kv,
                 KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
                 offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS,
-                HAS_ALIBI, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, head, _FULL_TILE, Captured,
+                captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK,
+                HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, PAGED,
+                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
@@ -875,6 +945,11 @@ def _dq_tile(
     softcap,
     alibi_slope,
     fold,
+    batch,
+    head,
+    tile_class,
+    Captured,
+    captured_layout,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -888,6 +963,8 @@ def _dq_tile(
     COSINE: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_PROGRAM: tl.constexpr,
+    MASK_PROGRAM: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr,
@@ -909,9 +986,9 @@ def _dq_tile(
     k_inv_norm = _inverse_norms(k, COSINE)
     scores, tanh_u = _score_tile(
         q, k, q_inv_norm, k_inv_norm, rows, cols, q_ids, kv_ids, q_len, kv_len, offset, lower, upper, BiasTile,
-        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, HAS_LOWER,
-        HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION,
-        EDGE, True,
+        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, batch,
+        head, tile_class, Captured, captured_layout, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+        HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, EDGE, True,
     )  # fmt: skip
     p = tl.math.exp2(tl.fma(scores, fold, -lse2[:, None]))
     dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
@@ -976,6 +1053,10 @@ def _bwd_dq_kernel(
     upper,
     KTiles,
     VTiles,
+    TileClasses,
+    class_strides,
+    Captured,
+    captured_layout,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -998,13 +1079,15 @@ def _bwd_dq_kernel(
     DOT_PRECISION: tl.constexpr,
     TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
+    HAS_PROGRAM: tl.constexpr,
+    MASK_PROGRAM: tl.constexpr,
 ):
     """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B).
     With TMA the key tiles come through the descriptors KTiles, VTiles, as in the forward. WARP_SPECIALIZE as the
     forward's: q, dO, lse and Δ, which the pass splits between the consumers, through descriptors made here."""
     tl.static_assert(not (TMA and (HAS_KV_LENGTHS or HAS_SEGMENT_IDS)), "descriptors mask only past Lk")
     tl.static_assert(
-        not WARP_SPECIALIZE or (TMA and not (HAS_LOWER or HAS_UPPER or HAS_MASK or HAS_Q_LENGTHS)),
+        not WARP_SPECIALIZE or (TMA and not (HAS_LOWER or HAS_UPPER or HAS_MASK or HAS_Q_LENGTHS or HAS_PROGRAM)),
         "warp specialisation runs only where every tile is interior",
     )
     row_start = _longest_first(tl.program_id(0), tl.cdiv(len_q, BLOCK_M), HAS_UPPER) * BLOCK_M
@@ -1059,7 +1142,7 @@ def _bwd_dq_kernel(
     # As the forward: the interior key tiles unmasked, then the edge tiles (_dq_tile).
     interior_low = end
     interior_high = end
-    if not HAS_MASK and not HAS_SEGMENT_IDS:
+    if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
         interior_low, interior_high = _interior_keys(
             first, end, row_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
         )
@@ -1068,30 +1151,38 @@ def _bwd_dq_kernel(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
                 KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
                 stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
-                fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
-                HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
+                fold, batch, head, _FULL_TILE, Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI,
+                HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
             )  # fmt: skip
     for key_start in range(first, first if WARP_SPECIALIZE else interior_low, BLOCK_N):  # as the forward's
         meets = True
         if HAS_SEGMENT_IDS:  # a key tile sharing no segment id with the query tile is skipped
             k_low, k_high = _segment_range(KvSegmentRanges, batch64, key_start, len_k, BLOCK_N, SEGMENT_GRANULE)
             meets = (q_low <= k_high) & (k_low <= q_high)
+        tile_class = _tile_class(
+            TileClasses, batch, head, row_start, key_start, class_strides, BLOCK_M, BLOCK_N, HAS_PROGRAM
+        )
+        if HAS_PROGRAM:  # a key tile the program hides from every row is skipped
+            meets = meets & (tile_class != _EMPTY_TILE)
         if meets:
             dq = _dq_tile(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
                 KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
                 stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
-                fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
-                HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                fold, batch, head, tile_class, Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI,
+                HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
-    if not HAS_MASK and not HAS_SEGMENT_IDS and not WARP_SPECIALIZE:
+    if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM) and not WARP_SPECIALIZE:
         for key_start in range(interior_high, end, BLOCK_N):
             dq = _dq_tile(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
                 KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
                 stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
-                fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS,
-                HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                fold, batch, head, _FULL_TILE, Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
+                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI,
+                HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     dq = dq * grad_scale
     tl.store(
@@ -1143,6 +1234,10 @@ def _dkdv_tile(
     softcap,
     alibi_slope,
     fold,
+    batch,
+    tile_class,
+    Captured,
+    captured_layout,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -1157,6 +1252,8 @@ def _dkdv_tile(
     HAS_DBIAS: tl.constexpr,
     HAS_SEGMENT_IDS: tl.constexpr,
     HAS_ALIBI: tl.constexpr,
+    HAS_PROGRAM: tl.constexpr,
+    MASK_PROGRAM: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
@@ -1187,9 +1284,9 @@ def _dkdv_tile(
         delta = tl.load(Delta + row_base + rows)
     scores, tanh_u = _score_tile(
         q, k, q_inv_norm, k_inv_norm, rows, cols, q_ids, kv_ids, q_len, kv_len, offset, lower, upper, BiasTile,
-        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, HAS_LOWER,
-        HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION,
-        EDGE, True,
+        stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, batch,
+        head, tile_class, Captured, captured_layout, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+        HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, EDGE, True,
     )  # fmt: skip
     p = tl.math.exp2(tl.fma(scores, fold, -lse2[:, None]))
     dv += _dot(tl.trans(_rounded(p, dout.dtype, INTERPRETER_BF16)), dout, INTERPRETER_BF16, DOT_PRECISION)
@@ -1283,6 +1380,10 @@ def _bwd_dkdv_kernel(
     stride_dqm,
     QTiles,
     DOutTiles,
+    TileClasses,
+    class_strides,
+    Captured,
+    captured_layout,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -1306,6 +1407,8 @@ def _bwd_dkdv_kernel(
     DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
     TMA: tl.constexpr,
+    HAS_PROGRAM: tl.constexpr,
+    MASK_PROGRAM: tl.constexpr,
 ):
     """dk, dv (and dS into the full-shape dbias) for one key tile of one (batch, kv head); with ATOMIC_DQ also each
     tile's dS K, added into the float32 dq sum DQSum (the one-pass backward: no dQ kernel recomputing S and dP).
@@ -1346,7 +1449,7 @@ def _bwd_dkdv_kernel(
     fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
     interior_low = end
     interior_high = end
-    if not HAS_MASK and not HAS_SEGMENT_IDS:
+    if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
         interior_low, interior_high = _interior_queries(
             first, end, key_start, q_len, kv_len, offset, lower, upper, BLOCK_M, BLOCK_N, HAS_LOWER, HAS_UPPER
         )
@@ -1365,34 +1468,42 @@ def _bwd_dkdv_kernel(
             if HAS_SEGMENT_IDS:  # a query tile sharing no segment id with the key tile is skipped
                 q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
                 meets = (q_low <= k_high) & (k_low <= q_high)
+            tile_class = _tile_class(
+                TileClasses, batch, head, row_start, key_start, class_strides, BLOCK_M, BLOCK_N, HAS_PROGRAM
+            )
+            if HAS_PROGRAM:  # a query tile the program hides from every key is skipped
+                meets = meets & (tile_class != _EMPTY_TILE)
             if meets:
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
                     Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
                     len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                    BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS,
-                    HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True, TMA,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, tile_class,
+                    Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER,
+                    HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
+                    MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True, TMA,
                 )  # fmt: skip
-        if not HAS_MASK and not HAS_SEGMENT_IDS:
+        if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
             for row_start in range(interior_low, interior_high, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
                     Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
                     len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                    BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS,
-                    HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, False, TMA,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, _FULL_TILE,
+                    Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER,
+                    HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
+                    MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, False, TMA,
                 )  # fmt: skip
-        if not HAS_MASK and not HAS_SEGMENT_IDS:
+        if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
             for row_start in range(interior_high, end, BLOCK_M):
                 dk, dv = _dkdv_tile(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
                     Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
                     len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, HEAD_DIM, HEAD_DIM_V, BLOCK_D,
-                    BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS,
-                    HAS_SEGMENT_IDS, HAS_ALIBI, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True, TMA,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, _FULL_TILE,
+                    Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER,
+                    HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
+                    MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True, TMA,
                 )  # fmt: skip
     dk = dk * grad_scale
     in_keys = cols[:, None] < len_k

@@ -44,8 +44,9 @@ from attnkit.contract.kernels import (
     KernelSwitches,
     rows_on_16_bytes,
 )
+from attnkit.contract.programs import cached_tile_classes
 
-from . import kernels
+from . import kernels, programs
 
 _log = logging.getLogger("attnkit")
 
@@ -178,7 +179,8 @@ WARP_SPECIALIZED_KERNELS = (Kernel.FORWARD, Kernel.DQ)
 #: The switches under which some tile is not interior: a band, a mask or bias, softcap, cosine and ALiBi (kept off
 #: the warp-specialised loop: the static check has not found them lean there), lengths, segment ids, paging, split-K.
 _EDGE_SWITCHES = ("has_lower", "has_upper", "has_mask", "has_bias", "has_softcap", "cosine", "has_alibi",
-                  "has_q_lengths", "has_kv_lengths", "has_segment_ids", "paged", "split_k")  # fmt: skip
+                  "has_q_lengths", "has_kv_lengths", "has_segment_ids", "paged", "split_k",
+                  "has_mask_program")  # fmt: skip
 
 
 def gpu_configs(
@@ -187,7 +189,8 @@ def gpu_configs(
     """The candidates for a kernel at a padded head dim, dtype, arch ("sm_80": Ampere and anything older than
     Hopper, "sm_90": Hopper and newer) and switches, the default first."""
     bucket = 64 if block_d <= 64 else 128 if block_d <= 128 else 256
-    heavy = (switches.has_mask, switches.has_bias, switches.has_segment_ids, switches.paged, switches.split_k)
+    heavy = (switches.has_mask, switches.has_bias, switches.has_segment_ids, switches.paged, switches.split_k,
+             switches.has_mask_program)  # fmt: skip
     hopper = dtype != torch.float32 and arch == "sm_90" and not any(heavy)
     if hopper and bucket in SM90_GPU_CONFIGS.get(kernel, {}):
         return SM90_GPU_CONFIGS[kernel][bucket]
@@ -287,7 +290,8 @@ def kernel_constants(
         # rule for float32 (docs/testing.md) by three orders of magnitude.
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
     )
-    constants.update(TMA=tensor_descriptors)
+    # MASK_PROGRAM: the program's helper (programs.helper), set per call by TritonLauncher.run.
+    constants.update(TMA=tensor_descriptors, HAS_PROGRAM=switches.has_mask_program, MASK_PROGRAM=None)
     if kernel is Kernel.FORWARD:
         # COMPILED: the epilogue's inline assembly, which the interpreter cannot run (kernels._epilogue_rows).
         constants.update(PAGED=switches.paged, SPLIT_K=switches.split_k, COMPILED=not interpreted)
@@ -385,6 +389,19 @@ def warp_specialization_serves(
         and all(describable(x) for x in rows)
         and all(x.is_contiguous() and x.data_ptr() % 16 == 0 for x in rows_statistics)
     )
+
+
+def program_arguments(call: KernelCall, config: TileConfig) -> tuple[Any, ...]:
+    """The kernels' mask-program arguments after their others: the tile classes at ``config``'s tiles (uint8, stride
+    0 on a batch or head axis of size 1) with their strides, the captured tensors and their layout
+    (programs.arguments); without a program, None (never read)."""
+    if call.program is None:
+        return None, None, None, None
+    batch, heads_q, len_q, _, len_k = call.shape
+    classes = cached_tile_classes(call.program, batch, heads_q, len_q, len_k, config.block_m, config.block_n, call.q)
+    strides = [stride if size > 1 else 0 for size, stride in zip(classes.shape, classes.stride())]
+    captured, layout = programs.arguments(call.program, call.q.device)
+    return classes, tuple(strides), captured, layout
 
 
 def tile_constants(kernel: Kernel, config: TileConfig) -> dict[str, Any]:
@@ -720,6 +737,9 @@ class TritonLauncher:
             executor.launch(kernel, grid.blocks(rows, rows), args, {**constants, "BLOCK_M": rows}, {})
             return
 
+        if call.program is not None:
+            constants["MASK_PROGRAM"] = programs.helper(call.program.program)
+
         def launch(config: TileConfig) -> None:
             tiles = descriptors(kernel, args, config, constants["BLOCK_D"]) if described else (None, None)
             if config.warp_specialize and not executor.interpreted:
@@ -727,7 +747,7 @@ class TritonLauncher:
             executor.launch(
                 kernel,
                 grid.blocks(config.block_m, config.block_n),
-                [*args, *tiles],
+                [*args, *tiles, *program_arguments(call, config)],
                 {**constants, **tile_constants(kernel, config)},
                 dict(num_warps=config.num_warps, num_stages=config.num_stages),
             )
