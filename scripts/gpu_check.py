@@ -66,6 +66,7 @@ GPU_TESTS = (
     "tests/test_triton_programs.py::test_the_generated_helper_agrees_with_the_contract",
     "tests/test_cupy_static.py",
     "tests/test_conformance.py::test_harness_runs_a_backend_on_the_gpu_where_it_declares_one",
+    "tests/test_pallas.py::test_mask_programs_on_the_gpu",
 )
 
 

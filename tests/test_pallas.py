@@ -4,12 +4,14 @@ skipped (that they are never read is tests/test_kernel_backends.py's), and lengt
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
 import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import numpy as np
 import pytest
@@ -403,3 +405,185 @@ def test_operands_reach_the_kernels_unpadded() -> None:
     out, lse, dbias, geometry, params, slopes_shape = (2, 4, 37, 24), (2, 4, 37), (2, 4, 37, 29), (2, 5), (4,), (1, 4)
     own_shapes = {q.shape, k.shape, v.shape, bias.shape, out, lse, dbias, geometry, params, slopes_shape}
     assert kernel_shapes <= own_shapes, kernel_shapes - own_shapes
+
+
+# ------------------------------------------------------------------------------------------------ mask programs
+
+
+def _document_causal(documents: Any) -> Any:
+    def document_causal(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (documents[b, q_idx] == documents[b, kv_idx]) & (q_idx >= kv_idx)
+
+    return document_causal
+
+
+def _chunked_prefix(prefix: Any, alive: Any) -> Any:
+    """Chunks of 24 (off every tile edge), or a per-batch prefix widened by the query head (h under GQA), on rows
+    ``alive`` keeps (a row it drops sees nothing)."""
+
+    def chunked_prefix(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return ((q_idx // 24 == kv_idx // 24) | (kv_idx < prefix[b] + h)) & alive[b, q_idx]
+
+    return chunked_prefix
+
+
+def _document_ids(lengths: tuple[int, ...]) -> list[int]:
+    return [document for document, length in enumerate(lengths) for _ in range(length)]
+
+
+def _program_cases() -> dict[str, tuple[Case, Any]]:
+    """(case, its mask_mod) by name. Document-causal: documents ending on a tile edge of every kernel (32, 64) and
+    off one (40), the causal band the program's own. Chunked/prefix: prefixes 32 (on an edge) and 21 (off one),
+    composed with causal bottom-right, kv_lengths and GQA, and a row that sees nothing."""
+    import torch
+
+    documents = torch.tensor([_document_ids((40, 56)), _document_ids((32, 32, 32))])
+    alive = torch.ones(2, 50, dtype=torch.bool)
+    alive[0, 7] = False
+    chunked = _chunked_prefix(torch.tensor([32, 21]), alive)
+    return {
+        "document causal": (
+            Case(spec=AttentionSpec(), heads_q=4, heads_kv=2, len_q=96, len_k=96, seed=3),
+            _document_causal(documents),
+        ),
+        "chunked prefix": (
+            Case(spec=AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=50, len_k=80, kv_lengths=(80, 61)),
+            chunked,
+        ),
+    }
+
+
+def _bound(case: Case, arrays: dict[str, np.ndarray], mask_mod: Any) -> tuple[Any, np.ndarray]:
+    """The torch-bound program of the call and its visibility (B, Hq, Lq, Lk) as the oracle's mask."""
+    import torch
+
+    from attnkit.contract.programs import dense
+    from attnkit.frontends import ops_for
+    from attnkit.programs import bind
+
+    q = torch.tensor(arrays["q"])
+    shape = (case.batch, case.heads_q, case.len_q, case.len_k)
+    bound = bind(mask_mod, ops_for(q, "q"), q, *shape)
+    return bound, np.broadcast_to(dense(bound, *shape, like=q).numpy(), shape)
+
+
+def _run_program(
+    backend: Any, case: Case, arrays: dict[str, np.ndarray], bound: Any, framework: str = "jax"
+) -> dict[str, np.ndarray]:
+    """out, lse, dq, dk, dv of ``backend`` called directly with the program (float32), in ``framework``."""
+    from attnkit.backend import AttentionInputs
+
+    if framework == "torch":
+        import torch
+
+        def convert(value: np.ndarray, floating: bool) -> Any:
+            return torch.tensor(value, dtype=torch.float32 if floating else None)
+
+        program = bound
+    else:  # committed to the device, as arrays from DLPack are: the torch bridge then reuses the compiled kernels
+        import jax
+        import jax.numpy as jnp
+
+        from attnkit.contract.programs import BoundProgram
+
+        def convert(value: np.ndarray, floating: bool) -> Any:
+            return jax.device_put(jnp.asarray(value, jnp.float32 if floating else None), jax.devices()[0])
+
+        program = BoundProgram(bound.program, tuple(convert(t.numpy(), False) for t in bound.captured))
+    q, k, v, dout, dlse = (convert(arrays[name], True) for name in ("q", "k", "v", "dout", "dlse"))
+    lengths = {name: convert(arrays[name], False) for name in ("q_lengths", "kv_lengths") if name in arrays}
+    inputs = AttentionInputs(q, k, v, **lengths, mask_program=program)
+    out, lse = backend.forward(case.spec, inputs, True)
+    grads = backend.backward(case.spec, inputs, out, lse, dout, dlse, need_dbias=False)
+    results = {"out": out, "lse": lse, "dq": grads.dq, "dk": grads.dk, "dv": grads.dv}
+    return {name: np.asarray(value, dtype=np.float64) for name, value in results.items()}
+
+
+def _program_comparisons(
+    backend: Any, name: str, framework: str = "jax", poisoned: tuple[int, int] | None = None
+) -> list[str]:
+    """Failures of ``backend`` on the named program case against the oracle given the program's dense mask.
+    ``poisoned`` = (batch element, first position): q, k, v NaN from there on in that element; out, lse, dq, dk
+    and dv of those positions are not compared (they are NaN by right), the rest must be as without NaN."""
+    case, mask_mod = _program_cases()[name]
+    arrays = rounded(case, make_arrays(case))
+    bound, visible = _bound(case, arrays, mask_mod)
+    exact, baseline = oracle_results(case.with_(mask_shape=visible.shape), {**arrays, "mask": visible})
+    given = {name: value.copy() for name, value in arrays.items()}
+    if poisoned is not None:
+        element, start = poisoned
+        for name in ("q", "k", "v"):
+            given[name][element, :, start:] = np.nan
+    results = _run_program(backend, case, given, bound, framework)
+    if poisoned is not None:  # bhsd: the sequence is axis 2 of every result
+        for outputs in (results, exact, baseline):
+            for value in outputs.values():
+                value[element, :, start:] = 0.0
+    return [str(c) for c in compare(case, results, exact, baseline) if not c.ok]
+
+
+def test_document_causal_program_in_the_kernels() -> None:
+    """out, lse, dq, dk, dv against the float64 oracle, the program evaluated in the tiles of every kernel. The
+    third document of element 1 is NaN: its tiles with the other documents are EMPTY, so a kernel that loaded one
+    (0·NaN in P·V, dP or dS) would leave NaN in theirs. Then torch tensors, with torch-captured tensors, through
+    the bridge (the same compiled kernels)."""
+    from attnkit.backends.pallas.backend import PallasBackend
+
+    backend = PallasBackend(interpret=True)
+    failures = _program_comparisons(backend, "document causal", poisoned=(1, 64))
+    failures += ["torch: " + failure for failure in _program_comparisons(backend, "document causal", "torch")]
+    assert not failures, "\n".join(failures)
+
+
+def test_chunked_prefix_program_in_the_kernels() -> None:
+    """As above: chunks and a head-dependent prefix with causal bottom-right, kv_lengths, GQA and an empty row."""
+    from attnkit.backends.pallas.backend import PallasBackend
+
+    failures = _program_comparisons(PallasBackend(interpret=True), "chunked prefix")
+    assert not failures, "\n".join(failures)
+
+
+def _classes_in_jnp(program: Any, shape: tuple[int, ...], captured: tuple[Any, ...]) -> Any:
+    import jax.numpy as jnp
+
+    from attnkit.contract.programs import BoundProgram, tile_classes
+
+    return tile_classes(BoundProgram(program, captured), *shape, like=jnp.zeros(1))
+
+
+def test_program_cases_meet_every_tile_class() -> None:
+    """The cases above cross EMPTY tiles (skipped), FULL tiles (not evaluated) and PARTIAL ones in every kernel's
+    blocks, and the chunked case (the last) has a row that sees nothing. The classes the backend computes under jit
+    in jnp (int32) are those torch computes (unrefined) from the same program."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from attnkit.backends.pallas.backend import INTERPRET_BLOCKS
+
+    from attnkit.contract.programs import EMPTY, FULL, PARTIAL, tile_classes
+
+    met: dict[tuple[int, int], set[int]] = {blocks: set() for blocks in INTERPRET_BLOCKS}
+    for case, mask_mod in _program_cases().values():
+        arrays = make_arrays(case)
+        bound, visible = _bound(case, arrays, mask_mod)
+        captured = tuple(jnp.asarray(t.numpy(), jnp.int32) for t in bound.captured)
+        for block_q, block_k in INTERPRET_BLOCKS:
+            shape = (case.batch, case.heads_q, case.len_q, case.len_k, block_q, block_k)
+            classes = tile_classes(bound, *shape, like=torch.tensor(arrays["q"]), refine=False)
+            met[block_q, block_k] |= set(classes.flatten().tolist())
+        in_jnp = functools.partial(_classes_in_jnp, bound.program, shape)  # the last blocks: one compile a case
+        np.testing.assert_array_equal(np.asarray(jax.jit(in_jnp)(captured)), classes.numpy())
+    assert all(classes == {EMPTY, PARTIAL, FULL} for classes in met.values()), met
+    assert not visible[0, :, 7].any()
+
+
+def test_mask_programs_on_the_gpu() -> None:
+    """The program cases on the compiled kernels (scripts/gpu_check.py runs this on a GPU; it skips elsewhere)."""
+    import jax
+    from attnkit.backends.pallas.backend import PallasBackend
+
+    if jax.default_backend() not in ("gpu", "cuda"):
+        pytest.skip("no GPU in JAX's default backend")
+    failures = [f"{name}: {failure}" for name in _program_cases()
+                for failure in _program_comparisons(PallasBackend(interpret=False), name)]  # fmt: skip
+    assert not failures, "\n".join(failures)

@@ -15,6 +15,7 @@ On a GPU the kernels lower through Pallas' Triton path; elsewhere they run with 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, NamedTuple
 
@@ -25,16 +26,18 @@ from attnkit.backend import (
     BaseBackend,
     Capabilities,
     DeviceLimits,
-    Feature,
     Framework,
     Gradients,
     Layout,
     PagedInputs,
     Problem,
     Sizes,
+    Unverified,
     Variant,
+    pending_hardware,
 )
 from attnkit.contract import alignment_offset, diagonal_band
+from attnkit.contract.programs import BoundProgram, MaskProgram, tile_classes
 
 try:
     import jax
@@ -129,7 +132,7 @@ def _config(
 ) -> _Config:
     tiles = _blocks(interpret, len_q, len_k, dim)
     fwd, bwd = tiles.forward, tiles.dkdv
-    common = {
+    common: dict[str, Any] = {
         "bshd": spec.layout is Layout.BSHD,
         "softcap": spec.softcap is not None,
         "cosine": spec.variant is Variant.COSINE,
@@ -221,9 +224,27 @@ def _segments(config: _Config, sizes: _Sizes, inputs: AttentionInputs) -> tuple[
     return kernels.segments_for(config.kernel, q_ids, kv_ids), kernels.segments_for(config.kernel_dkdv, q_ids, kv_ids)
 
 
+def _program(config: _Config, sizes: _Sizes, q: Any, captured: tuple[Any, ...] | None) -> tuple[Any, Any]:
+    """The program operands of the forward/dQ kernels and of the dK/dV kernel (None, None without a program): the
+    tile classes for each kernel's blocks, computed here in jnp from the captured arrays (int32; values, so new ones
+    never recompile), and the captured arrays."""
+    program = config.kernel.program
+    if program is None or captured is None:
+        return None, None
+    bound = BoundProgram(program, captured)
+    heads = q.shape[_axes(config)[1]]
+
+    def operands(static: Any) -> Any:
+        classes = tile_classes(bound, sizes.batch, heads, sizes.len_q, sizes.len_k, static.block_q, static.block_k, q)
+        return kernels.program_for(static, classes, captured)
+
+    return operands(config.kernel), operands(config.kernel_dkdv)
+
+
 def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, Any]:
     """Kernel operands: q, k, v as given (raw for cosine too; zero at negative segment ids), int8 mask, float32
-    bias, ALiBi's float32 slopes (B|1, Hq) as given, geometry, segment ids."""
+    bias, ALiBi's float32 slopes (B|1, Hq) as given, geometry, segment ids, a program's tile classes and captured
+    arrays (``inputs.mask_program``: the captured arrays alone, the program itself is in ``config``)."""
     sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     seq_axis, _ = _axes(config)
     q = zero_padding(inputs.q, None, seq_axis, inputs.q_segment_ids)
@@ -235,6 +256,7 @@ def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, A
     prepared["mask"] = None if inputs.mask is None else _pairwise(inputs.mask, sizes, jnp.int8)
     prepared["bias"] = None if inputs.bias is None else _pairwise(inputs.bias, sizes, jnp.float32)
     prepared["slopes"] = inputs.alibi_slopes
+    prepared["program"], prepared["program_dkdv"] = _program(config, sizes, inputs.q, inputs.mask_program)
     return prepared
 
 
@@ -269,7 +291,7 @@ def _forward(stages: _Stages, config: _Config, params: Any, band: Any, inputs: A
         return _empty_forward(inputs, config)
     p = stages.prepare(config, band, inputs)
     operands = (p["geom"], params, p["q"], p["k"], p["v"], p["mask"], p["bias"], p["slopes"], p["segments"])
-    return stages.forward_kernel(config.kernel, *operands)
+    return stages.forward_kernel(config.kernel, *operands, p["program"])
 
 
 def _backward_rows(config: _Config, out: Any, lse: Any, dout: Any, dlse: Any) -> tuple[Any, Any]:
@@ -319,8 +341,8 @@ def _backward(
     p = stages.prepare(config, band, inputs)
     lse, delta = stages.backward_rows(config, out, lse, dout, dlse)
     operands = (p["geom"], params, p["q"], p["k"], p["v"], dout, lse, delta, p["mask"], p["bias"], p["slopes"])
-    dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands, p["segments_dkdv"])
-    dq, dbias = stages.dq_kernel(config.kernel, *operands, p["segments"], need_dbias)
+    dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands, p["segments_dkdv"], p["program_dkdv"])
+    dq, dbias = stages.dq_kernel(config.kernel, *operands, p["segments"], p["program"], need_dbias)
     return stages.finish_backward(config, inputs, (dq, dk, dv, dbias))
 
 
@@ -348,7 +370,7 @@ def _compiled() -> tuple[Any, Any, Any, Any]:
         jax.jit(kernels.forward_call, static_argnums=(0,), compiler_options=fast),
         jax.jit(_backward_rows, static_argnums=(0,)),
         jax.jit(kernels.dkdv_call, static_argnums=(0,), compiler_options=fast),
-        jax.jit(kernels.dq_call, static_argnums=(0, 13), compiler_options=fast),
+        jax.jit(kernels.dq_call, static_argnums=(0, 14), compiler_options=fast),
         jax.jit(_finish_backward, static_argnums=(0,)),
     )
     whole_forward = jax.jit(functools.partial(_forward, _PLAIN), static_argnums=(0,))
@@ -438,6 +460,30 @@ def _to_jax(x: Any) -> Any:
     return jax.dlpack.from_dlpack(x.contiguous())
 
 
+def _program_to_jax(bound: BoundProgram | None) -> BoundProgram | None:
+    """A torch call's program with its captured tensors bridged as q, k, v are (bool as int8, integers as int32)."""
+    return None if bound is None else BoundProgram(bound.program, tuple(_to_jax(t) for t in bound.captured))
+
+
+def _inputs_to_jax(inputs: AttentionInputs) -> AttentionInputs:
+    tensors = AttentionInputs(*(_to_jax(x) for x in inputs._replace(mask_program=None)))
+    return _mask_from_int8(tensors._replace(mask_program=_program_to_jax(inputs.mask_program)))
+
+
+def _split_program(config: _Config, inputs: AttentionInputs) -> tuple[_Config, AttentionInputs]:
+    """The program's code into the kernels' static configuration, its captured arrays (int32) into the inputs, in
+    place of the BoundProgram: jit specialises on the one and takes the other as array arguments."""
+    bound = inputs.mask_program
+    if bound is None:
+        return config, inputs
+    program: MaskProgram = bound.program
+    config = _Config(
+        dataclasses.replace(config.kernel, program=program), dataclasses.replace(config.kernel_dkdv, program=program)
+    )
+    captured = tuple(t if t.dtype == jnp.int32 else jnp.asarray(t).astype(jnp.int32) for t in bound.captured)
+    return config, inputs._replace(mask_program=captured)
+
+
 def _to_torch(x: Any) -> Any:
     import torch
 
@@ -452,6 +498,10 @@ def _mask_from_int8(inputs: AttentionInputs) -> AttentionInputs:
     return inputs if inputs.mask is None else inputs._replace(mask=inputs.mask != 0)
 
 
+#: The Unverified path of mask programs on a GPU.
+MASK_PROGRAMS = "mask programs (mask_mod)"
+
+
 class PallasBackend(BaseBackend):
     name = "pallas"
     capabilities = Capabilities(
@@ -459,10 +509,19 @@ class PallasBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.MASK_PROGRAM},
+        features=ALL_FEATURES,
         native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
         per_device=(("cuda", GPU_PAGED_LIMITS),),
+        unverified=(
+            Unverified(
+                "cuda",
+                MASK_PROGRAMS,
+                "never run on a GPU: the kernels evaluate the program on each partial tile with gathers from the "
+                "captured arrays, which Pallas' Triton lowering accepts (tests/test_pallas.py -k lower_for_gpu) but "
+                "no GPU has compiled or run",
+            ),
+        ),
         description=(
             "FlashAttention-2 in jax.experimental.pallas kernels (Triton path on GPU); "
             "torch tensors bridged through DLPack"
@@ -483,6 +542,9 @@ class PallasBackend(BaseBackend):
             "split-K decode on a GPU: one query tile per (batch, head) and few of those: the keys are cut into up "
             "to 16 ranges (at least 4 key tiles each) until about 128 grid cells, merged by lse; the backward is "
             "not split",
+            "mask programs (mask_mod): evaluated in the kernels on each tile's indices with jnp, captured tensors read "
+            "by gathers from whole int32 kernel operands (new values never recompile); tiles classified EMPTY are "
+            "skipped and FULL ones not evaluated, forward and backward; on a GPU not yet run on hardware",
         ),
     )
 
@@ -509,30 +571,34 @@ class PallasBackend(BaseBackend):
         if problem.device == "cuda" and problem.framework is Framework.TORCH and _JAX_ERROR is None:
             if jax.default_backend() not in ("gpu", "cuda"):
                 reasons.append("device=cuda torch tensors need JAX with CUDA (pip install 'jax[cuda13]')")
+        if problem.device == "cuda" and problem.has_mask_program:
+            reasons += pending_hardware(self, "cuda", MASK_PROGRAMS)
         return reasons
 
-    def _call(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, Any, _Config, Any, Any]:
+    def _call(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, Any, _Config, Any, Any, Any]:
+        """(forward, backward, config, params, band, inputs): the functions to run and their arguments, a program's
+        code moved into the config (``_split_program``)."""
         seq_axis = 1 if spec.layout is Layout.BSHD else 2
         len_q, len_k, dim = inputs.q.shape[seq_axis], inputs.k.shape[seq_axis], inputs.q.shape[-1]
         interpret = self.interpret()
         cells = inputs.q.shape[0] * inputs.q.shape[3 - seq_axis]  # B·Hq
         config = _config(spec, len_q, len_k, max(dim, inputs.v.shape[-1]), interpret, cells, self._decode_splits)
+        config, inputs = _split_program(config, inputs)
         params, band = _scalars(spec, dim)
-        if any(isinstance(x, jax.core.Tracer) for x in inputs):  # under the caller's jit/vmap/grad: inline
-            return functools.partial(_forward, _PLAIN), functools.partial(_backward, _PLAIN), config, params, band
+        if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(inputs)):  # the caller's jit: inline
+            forward, backward = functools.partial(_forward, _PLAIN), functools.partial(_backward, _PLAIN)
+            return forward, backward, config, params, band, inputs
         forward, backward, staged_forward, staged_backward = _compiled()
         if interpret:
             forward, backward = staged_forward, staged_backward
-        return forward, backward, config, params, band
+        return forward, backward, config, params, band, inputs
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
         if _is_torch(inputs.q):
-            jax_inputs = _mask_from_int8(AttentionInputs(*(_to_jax(x) for x in inputs)))
-            forward, _, *call = self._call(spec, jax_inputs)
-            out, lse = forward(*call, jax_inputs)
+            out, lse = self.forward(spec, _inputs_to_jax(inputs), need_lse)
             return _to_torch(out), _to_torch(lse)
-        forward, _, *call = self._call(spec, inputs)
-        return forward(*call, inputs)
+        forward, _, config, params, band, inputs = self._call(spec, inputs)
+        return forward(config, params, band, inputs)
 
     def forward_paged(self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool) -> tuple[Any, Any]:
         if _is_torch(inputs.q):
@@ -561,10 +627,8 @@ class PallasBackend(BaseBackend):
     ) -> Gradients:
         need_dbias = need_dbias and inputs.bias is not None
         if _is_torch(inputs.q):
-            jax_inputs = _mask_from_int8(AttentionInputs(*(_to_jax(x) for x in inputs)))
-            _, backward, config, params, band = self._call(spec, jax_inputs)
             cotangents = (_to_jax(x) for x in (out, lse, dout, dlse))
-            grads = backward(config, need_dbias, params, band, jax_inputs, *cotangents)
-            return Gradients(*(_to_torch(x) for x in grads))
-        _, backward, config, params, band = self._call(spec, inputs)
+            grads = self.backward(spec, _inputs_to_jax(inputs), *cotangents, need_dbias=need_dbias)
+            return Gradients(*(_to_torch(x) for x in (grads.dq, grads.dk, grads.dv, grads.dbias)))
+        _, backward, config, params, band, inputs = self._call(spec, inputs)
         return Gradients(*backward(config, need_dbias, params, band, inputs, out, lse, dout, dlse))

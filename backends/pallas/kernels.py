@@ -31,6 +31,13 @@ Segment ids (§4.5), when given, arrive as :class:`Segments`: the ids of the pad
 non-negative id. A (query tile, key tile) pair whose ranges cannot meet is skipped inside the loop, never loaded:
 a packed row of documents costs Σ Lᵢ², not (Σ Lᵢ)², when each document's positions are contiguous.
 
+A mask program (docs/semantics.md §17), when given, arrives as :class:`ProgramTiles`: per tile pair of the kernel's
+blocks its class (EMPTY, PARTIAL, FULL from ``attnkit.contract.programs.tile_classes``) and the captured arrays,
+whole; its code is ``Static.program``. EMPTY pairs are skipped like segment ids' (``_where_tiles_meet``), never
+loaded; a FULL tile takes every pair as visible without evaluating the program; a PARTIAL one evaluates it with
+``programs.evaluate`` in jnp on the tile's row and key positions, b the cell's batch element and h its query head,
+reading a captured array by a gather at clamped indices (``_CapturedRef``; ``_program_visibility``).
+
 GQA/MQA: query head ``h`` reads kv head ``h // G`` through the K/V index maps; the dK/dV kernel runs per kv head
 and loops over its G query heads, so nothing is repeated and nothing is written twice (no atomics).
 
@@ -67,7 +74,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from attnkit.contract import COSINE_EPS, conjoin, within_band
+from attnkit.contract import COSINE_EPS, conjoin, programs, within_band
 from attnkit.contract.jax import length_visibility, merge_partials, segment_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
@@ -89,6 +96,7 @@ class Static:
     num_stages: int = 2
     splits: int = 1  # forward only: key ranges on a fourth grid axis, merged by lse (split-K decode)
     cosine: bool = False  # scores scaled by the rows' float32 inverse norms (the raw q, k are multiplied)
+    program: programs.MaskProgram | None = None  # a mask program evaluated on each partial tile (its code)
 
     def compiler_params(self) -> Any:
         # Triton, not Mosaic GPU: the Mosaic GPU path does not take these dot_general shapes.
@@ -108,6 +116,33 @@ class Segments(NamedTuple):
 def segments_for(static: Static, q_ids: Any, kv_ids: Any) -> Segments:
     """The operands for a kernel with ``static``'s blocks, from padded ids (B, Lq_pad) and (B, Lk_pad)."""
     return Segments(q_ids, kv_ids, _tile_ranges(q_ids, static.block_q), _tile_ranges(kv_ids, static.block_k))
+
+
+class ProgramTiles(NamedTuple):
+    """The mask-program operands (arrays outside the kernels, refs inside): the tile classes (B|1, H|1, query tiles,
+    key tiles) int32 for the kernel's blocks (programs.EMPTY, PARTIAL, FULL), and the captured arrays, whole, int32
+    (a 0-d one as (1,))."""
+
+    classes: Any
+    captured: tuple[Any, ...]
+
+
+def program_for(static: Static, classes: Any, captured: tuple[Any, ...]) -> ProgramTiles:
+    """The operands for a kernel with ``static``'s program: its tile classes and the captured arrays, 0-d ones as
+    (1,) (a kernel operand has an axis)."""
+    return ProgramTiles(classes.astype(jnp.int32), tuple(c.reshape(1) if c.ndim == 0 else c for c in captured))
+
+
+class _CapturedRef:
+    """A captured array's ref as ``programs.evaluate`` reads it: ``shape`` as the program knows it and indexing
+    at broadcast (clamped) positions, a gather from the whole array; a boolean tensor reads as bool."""
+
+    def __init__(self, ref: Any, spec: programs.CapturedSpec) -> None:
+        self.ref, self.shape, self.boolean = ref, spec.shape, spec.dtype == "bool"
+
+    def __getitem__(self, at: tuple) -> Any:
+        value = self.ref[at if self.shape else (0,)]
+        return value != 0 if self.boolean else value
 
 
 def _tile_ranges(ids: Any, block: int) -> Any:
@@ -251,9 +286,9 @@ def _ragged(length: int, block: int, body: Any) -> tuple[int, Any] | None:
     return (length // block, body) if length % block else None
 
 
-def _all_edge(mask_ref: Any, segments: Segments | None) -> bool:
-    """A mask or segment ids may hide any pair: no tile is known visible without reading them."""
-    return mask_ref is not None or segments is not None
+def _all_edge(hiders: _Hiders) -> bool:
+    """A mask, segment ids or a program may hide any pair: no tile is known visible without reading them."""
+    return any(hider is not None for hider in hiders)
 
 
 def width(dim: int) -> int:
@@ -371,16 +406,68 @@ def _scores(
     return jnp.where(visible, s, -jnp.inf), tanh
 
 
-def _tile_visibility(
-    geom: Any, mask_ref: Any, segments: Segments | None, i0: Any, j0: Any, static: Static, rows: Any = None
-) -> Any:
+class _Program(NamedTuple):
+    """A mask program inside a kernel: its expression, the cell's tile classes ((query tiles, key tiles), or the
+    dK/dV kernel's (G, …) of its query heads), the captured arrays' refs, the cell's batch element and its first
+    query head (the program's h is the query head under GQA)."""
+
+    expr: programs.Expr
+    classes: Any
+    captured: list[_CapturedRef]
+    batch: Any
+    first_head: Any
+
+
+def _program(static: Static, operands: ProgramTiles | None, group: int = 1) -> _Program | None:
+    if operands is None:
+        return None
+    assert static.program is not None
+    captured = [_CapturedRef(ref, spec) for ref, spec in zip(operands.captured, static.program.captured)]
+    return _Program(static.program.expr, operands.classes, captured, pl.program_id(0), pl.program_id(1) * group)
+
+
+def _tile_class(program: _Program, head: Any, q_tile: Any, kv_tile: Any) -> Any:
+    """The class of a tile pair; ``head``: the cell's query head within its group (0 but in the dK/dV kernel)."""
+    at = (q_tile, kv_tile) if len(program.classes.shape) == 2 else (head, q_tile, kv_tile)
+    return program.classes[at]
+
+
+def _program_visibility(program: _Program, head: Any, i0: Any, j0: Any, static: Static) -> Any:
+    """The program on the tile of rows i0.. and keys j0..: evaluated with the tile's indices on a PARTIAL tile,
+    all visible on a FULL one without evaluating it (EMPTY tiles never get here: ``_where_tiles_meet``)."""
+    shape = (static.block_q, static.block_k)
+    q_tile, kv_tile = lax.div(i0, jnp.int32(static.block_q)), lax.div(j0, jnp.int32(static.block_k))
+    tile_class = _tile_class(program, head, q_tile, kv_tile)
+
+    def evaluate() -> Any:
+        rows, columns = i0 + _iota(shape, 0), j0 + _iota(shape, 1)
+        env = {"b": program.batch, "h": program.first_head + head, "q": rows, "kv": columns}
+        value = programs.evaluate(program.expr, programs.array_ops(rows), env, program.captured)
+        return jnp.broadcast_to(jnp.asarray(value, jnp.bool_), shape)
+
+    return lax.cond(tile_class == programs.FULL, lambda: jnp.ones(shape, jnp.bool_), evaluate)
+
+
+class _Hiders(NamedTuple):
+    """What may hide any pair of a tile, beyond the band and lengths: a dense mask's ref, segment ids, a program."""
+
+    mask: Any
+    segments: Segments | None
+    program: _Program | None
+
+
+def _tile_visibility(geom: Any, hiders: _Hiders, i0: Any, j0: Any, static: Static, head: Any = None) -> Any:
+    """The tile's visible pairs: band and lengths, the mask (of query head ``head`` of the cell's group where it has
+    a head axis), segment ids and the program, ANDed."""
     visible = _visible(geom, i0, j0, static.block_q, static.block_k)
-    if mask_ref is not None:
-        visible = visible & (_read(mask_ref, rows, i0, j0, static, geom) != 0)
-    if segments is not None:
-        q_ids = segments.q_ids[pl.ds(i0, static.block_q)]
-        kv_ids = segments.kv_ids[pl.ds(j0, static.block_k)]
+    if hiders.mask is not None:
+        visible = visible & (_read(hiders.mask, head, i0, j0, static, geom) != 0)
+    if hiders.segments is not None:
+        q_ids = hiders.segments.q_ids[pl.ds(i0, static.block_q)]
+        kv_ids = hiders.segments.kv_ids[pl.ds(j0, static.block_k)]
         visible = visible & segment_visibility(q_ids[:, None], kv_ids[None, :])
+    if hiders.program is not None:
+        visible = visible & _program_visibility(hiders.program, 0 if head is None else head, i0, j0, static)
     return visible
 
 
@@ -388,17 +475,25 @@ def _keep(tile: Any, carry: Any) -> Any:
     return carry
 
 
-def _where_ids_meet(segments: Segments | None, pair: Any, visit: Any, skip: Any = _keep) -> Any:
+def _where_tiles_meet(hiders: _Hiders, pair: Any, visit: Any, skip: Any = _keep, head: Any = None) -> Any:
     """A loop body that runs ``visit(tile, carry)`` only where the tile pair ``pair(tile)`` = (query tile, key
-    tile) can hold a query and a key of one segment, else ``skip``: the other tiles are never loaded."""
-    if segments is None:
+    tile) can hold a visible pair, else ``skip``: the query and key tiles' segment-id ranges meet and the program's
+    class of the pair (for the group's query head ``head(carry)``) is not EMPTY. The other tiles are never loaded."""
+    segments, program = hiders.segments, hiders.program
+    if segments is None and program is None:
         return visit
 
     def body(tile: Any, carry: Any) -> Any:
         q_tile, kv_tile = pair(tile)
-        q_low, q_high = segments.q_ranges[0, q_tile], segments.q_ranges[1, q_tile]
-        kv_low, kv_high = segments.kv_ranges[0, kv_tile], segments.kv_ranges[1, kv_tile]
-        return lax.cond((q_low <= kv_high) & (kv_low <= q_high), visit, skip, tile, carry)
+        meet = None
+        if segments is not None:
+            q_low, q_high = segments.q_ranges[0, q_tile], segments.q_ranges[1, q_tile]
+            kv_low, kv_high = segments.kv_ranges[0, kv_tile], segments.kv_ranges[1, kv_tile]
+            meet = (q_low <= kv_high) & (kv_low <= q_high)
+        if program is not None:
+            tile_class = _tile_class(program, 0 if head is None else head(carry), q_tile, kv_tile)
+            meet = conjoin(meet, tile_class != programs.EMPTY)
+        return lax.cond(meet, visit, skip, tile, carry)
 
     return body
 
@@ -412,16 +507,21 @@ def _read(ref: Any, head: Any, i0: Any, j0: Any, static: Static, geom: Any = Non
     return _load(ref, at, () if geom is None else (geom[0], geom[1]))
 
 
-def _split(refs: tuple[Any, ...], present: tuple[bool, ...]) -> list[Any]:
+def _split(refs: tuple[Any, ...], present: tuple[Any, ...]) -> list[Any]:
     """Pop the optional refs in order: mask, bias, ALiBi's slopes, then the four of :class:`Segments` (one entry),
-    then the outputs; ``present[n]`` says whether the n-th optional operand was passed."""
+    then :class:`ProgramTiles` (one entry), then the outputs; ``present[n]`` says whether the n-th optional operand
+    was passed (for the program: the number of its captured arrays, or None)."""
     refs_list = list(refs)
-    mask_present, bias_present, slopes_present, segments_present = present
+    mask_present, bias_present, slopes_present, segments_present, captured_count = present
     mask = refs_list.pop(0) if mask_present else None
     bias = refs_list.pop(0) if bias_present else None
     slopes = refs_list.pop(0) if slopes_present else None
     segments = Segments(*(refs_list.pop(0) for _ in Segments._fields)) if segments_present else None
-    return [mask, bias, slopes, segments, *refs_list]
+    program = None
+    if captured_count is not None:
+        classes = refs_list.pop(0)
+        program = ProgramTiles(classes, tuple(refs_list.pop(0) for _ in range(captured_count)))
+    return [mask, bias, slopes, segments, program, *refs_list]
 
 
 def _optional_operands(
@@ -432,10 +532,12 @@ def _optional_operands(
     bias: Any,
     slopes: Any,
     segments: Segments | None,
+    program: ProgramTiles | None,
     group: int = 1,
-) -> tuple[bool, bool, bool, bool]:
-    """Append mask, bias (each with ``pair_spec(shape)``), ALiBi's slopes (``group`` query heads a grid cell) and
-    the segment operands (whole rows of the batch element) to a call's specs and operands; the kernel's ``has``."""
+) -> tuple[Any, ...]:
+    """Append mask, bias (each with ``pair_spec(shape)``), ALiBi's slopes (``group`` query heads a grid cell), the
+    segment operands (whole rows of the batch element) and the program's (its tile classes with ``pair_spec``, the
+    captured arrays whole) to a call's specs and operands; the kernel's ``has``."""
     for extra in (mask, bias):
         if extra is not None:
             in_specs.append(pair_spec(extra.shape))
@@ -447,12 +549,19 @@ def _optional_operands(
         for array in segments:
             in_specs.append(pl.BlockSpec((None, *array.shape[1:]), lambda b, *_, n=array.ndim: (b,) + (0,) * (n - 1)))
             operands.append(array)
-    return mask is not None, bias is not None, slopes is not None, segments is not None
+    if program is not None:
+        in_specs.append(pair_spec(program.classes.shape))
+        operands.append(program.classes)
+        for array in program.captured:
+            in_specs.append(pl.BlockSpec(array.shape, lambda *_, n=array.ndim: (0,) * n))
+            operands.append(array)
+    captured_count = None if program is None else len(program.captured)
+    return mask is not None, bias is not None, slopes is not None, segments is not None, captured_count
 
 
 def _key_tile(
-    k_ref: Any, v_ref: Any, bias_ref: Any, mask_ref: Any, segments: Segments | None, geom: Any, i0: Any, tile: Any,
-    static: Static, kind: tuple[bool, bool],
+    k_ref: Any, v_ref: Any, bias_ref: Any, hiders: _Hiders, geom: Any, i0: Any, tile: Any, static: Static,
+    kind: tuple[bool, bool],
 ) -> tuple[Any, Any, Any, Any]:  # fmt: skip
     """K, V, bias and visible pairs of key tile ``tile`` for the query tile at row i0 (forward and dQ kernels).
     ``kind`` = (edge, ragged): an interior tile lies inside kv_len (so inside the array) with every pair visible,
@@ -464,7 +573,7 @@ def _key_tile(
     limits: tuple = ()
     visible = None
     if edge:
-        limits, visible = (geom[1],), _tile_visibility(geom, mask_ref, segments, i0, j0, static)
+        limits, visible = (geom[1],), _tile_visibility(geom, hiders, i0, j0, static)
     k = _load(k_ref, (keys, _columns(k_ref)), limits, overrun=ragged)
     v = _load(v_ref, (keys, _columns(v_ref)), limits, overrun=ragged)
     bias = None if bias_ref is None else _read(bias_ref, None, i0, j0, static, geom if edge else None)
@@ -477,7 +586,8 @@ def _key_tile(
 def _fwd_tile(
     geom_ref: Any, params_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, static: Static, has: tuple
 ) -> None:
-    mask_ref, bias_ref, slopes_ref, segments, o_ref, lse_ref = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, program, o_ref, lse_ref = _split(refs, has)
+    hiders = _Hiders(mask_ref, segments, _program(static, program))
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
     alibi = _alibi(slopes_ref, geom_ref)
@@ -490,14 +600,14 @@ def _fwd_tile(
 
     def scores(tile: Any, edge: bool, ragged: bool) -> tuple[Any, Any]:
         kind = (edge, ragged)
-        k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, mask_ref, segments, geom, i0, tile, static, kind)
+        k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, hiders, geom, i0, tile, static, kind)
         norms = (q_inverse, _inverse_norms(k, static))
         term = _alibi_term(alibi, 0, i0, tile * block_k, block_q, block_k)
         return _scores(q, k, params_ref, static, bias, visible, norms, term)[0], v
 
     first, end = _split_range(static, k_ref.shape[0], *_kv_range(geom, i0, block_q, block_k))
-    interior = None if _all_edge(mask_ref, segments) else _interior_keys(geom, i0, first, end, block_q, block_k)
-    guard = functools.partial(_where_ids_meet, segments, lambda tile: (q_tile, tile))
+    interior = None if _all_edge(hiders) else _interior_keys(geom, i0, first, end, block_q, block_k)
+    guard = functools.partial(_where_tiles_meet, hiders, lambda tile: (q_tile, tile))
     fold = _score_fold(params_ref, static, bias_ref is not None or alibi is not None)
     tiles = (k_ref.shape[0], block_k)
     state = _softmax_over_tiles(
@@ -521,7 +631,7 @@ def _softmax_over_tiles(
     """(row max in log₂ units, row sum, accumulator) over key tiles [first, end) of ``tiles`` = (keys, block_k),
     the ``interior`` run (or None) without masks; ``scores(tile, edge, ragged)`` gives S (−inf where hidden on an
     edge tile) and the tile's V (``ragged``: the keys' last, partial tile), ``fold`` turns S into log₂ units, and
-    ``guard(visit)`` may wrap the edge tiles' bodies (segment ids skip tiles).
+    ``guard(visit)`` may wrap the edge tiles' bodies (segment ids and programs skip tiles).
     ``may_be_empty``: a bias may hide a whole row of an interior tile (−inf), so its shift keeps the select."""
 
     # Online softmax (FlashAttention-2) in base 2, S₂ = S·fold: m' = max(m, rowmax S₂), α = 2^(m − m'),
@@ -623,6 +733,7 @@ def forward_call(
     bias: Any,
     slopes: Any,
     segments: Segments | None,
+    program: ProgramTiles | None = None,
 ) -> tuple[Any, Any]:
     """out (q's layout) and lse (B, Hq, Lq) float32; grid (B, Hq, query tiles[, key ranges])."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
@@ -635,7 +746,7 @@ def forward_call(
         _seq_spec(static, len_k, dim_v, lambda h: h // group),
     ]
     operands = [geom, params, q, k, v]
-    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments)
+    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments, program)
     kernel = functools.partial(_fwd_tile, static=static, has=has)
     return _launch_forward(static, kernel, in_specs, operands, q, dim_v, "attnkit_pallas_fwd")
 
@@ -759,7 +870,8 @@ def _bwd_dkdv(
     has: tuple,
     group: int,
 ) -> None:
-    mask_ref, bias_ref, slopes_ref, segments, dk_ref, dv_ref = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, program, dk_ref, dv_ref = _split(refs, has)
+    hiders = _Hiders(mask_ref, segments, _program(static, program, group))
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
     alibi = _alibi(slopes_ref, geom_ref)
@@ -794,7 +906,7 @@ def _bwd_dkdv(
             q, do, lse, delta = q_tile(g, pl.ds(i0, block_q), (q_len,) if edge else (), edge)
             visible = None  # an interior tile has every row inside q_len
             if edge:
-                visible = _tile_visibility(geom, mask_ref, segments, i0, j0, static, rows=g)
+                visible = _tile_visibility(geom, hiders, i0, j0, static, head=g)
             bias = None if bias_ref is None else _read(bias_ref, g, i0, j0, static, geom if edge else None)
             term = _alibi_term(alibi, g, i0, j0, block_q, block_k)
             q_inverse = _inverse_norms(q, static)
@@ -811,11 +923,11 @@ def _bwd_dkdv(
 
         return body
 
-    edge = _where_ids_meet(segments, lambda tile: (tile, kv_tile), visit(True))
+    edge = _where_tiles_meet(hiders, lambda tile: (tile, kv_tile), visit(True), head=lambda carry: carry[0])
 
     def head(g: Any, carry: tuple[Any, Any]) -> tuple[Any, Any]:
         first, end = _q_range(geom, j0, block_q, block_k)
-        interior = None if _all_edge(mask_ref, segments) else _interior_queries(geom, j0, first, end, block_q, block_k)
+        interior = None if _all_edge(hiders) else _interior_queries(geom, j0, first, end, block_q, block_k)
         # The array's last, partial query tile is an edge tile like any other: its loads are masked already.
         _, dk, dv = _edge_interior_edge(first, end, interior, edge, visit(False), (g, *carry))
         return dk, dv
@@ -839,7 +951,8 @@ def _bwd_dq(
     static: Static,
     has: tuple,
 ) -> None:
-    mask_ref, bias_ref, slopes_ref, segments, dq_ref, *dbias = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, program, dq_ref, *dbias = _split(refs, has)
+    hiders = _Hiders(mask_ref, segments, _program(static, program))
     dbias_ref = dbias[0] if dbias else None
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
@@ -861,7 +974,7 @@ def _bwd_dq(
     def visit(edge: bool, ragged: bool = False) -> Any:
         def body(tile: Any, dq: Any) -> Any:
             kind = (edge, ragged)
-            k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, mask_ref, segments, geom, i0, tile, static, kind)
+            k, v, bias, visible = _key_tile(k_ref, v_ref, bias_ref, hiders, geom, i0, tile, static, kind)
             keys = pl.ds(tile * block_k, block_k)
             k_inverse = _inverse_norms(k, static)
             term = _alibi_term(alibi, 0, i0, tile * block_k, block_q, block_k)
@@ -889,9 +1002,9 @@ def _bwd_dq(
 
         lax.fori_loop(0, first, skip, 0)
         lax.fori_loop(end, pl.cdiv(dbias_ref.shape[-1], block_k), skip, 0)
-    guard = functools.partial(_where_ids_meet, segments, lambda tile: (q_tile, tile), skip=skip)
+    guard = functools.partial(_where_tiles_meet, hiders, lambda tile: (q_tile, tile), skip=skip)
     ragged = _ragged(k_ref.shape[0], block_k, guard(visit(True, ragged=True)))
-    interior = None if _all_edge(mask_ref, segments) else _interior_keys(geom, i0, first, end, block_q, block_k)
+    interior = None if _all_edge(hiders) else _interior_keys(geom, i0, first, end, block_q, block_k)
     init = jnp.zeros((block_q, q.shape[-1]), jnp.float32)
     dq = _edge_interior_edge(first, end, interior, guard(visit(True)), visit(False), init, ragged)
     _store(dq_ref, (rows, _columns(dq_ref)), (dq * params_ref[0]).astype(dq_ref.dtype))
@@ -911,6 +1024,7 @@ def dkdv_call(
     bias: Any,
     slopes: Any,
     segments: Segments | None,
+    program: ProgramTiles | None = None,
 ) -> tuple[Any, Any]:
     """dk, dv float32 in k's layout; grid (B, Hkv, key tiles), each looping over its G query heads."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
@@ -926,7 +1040,7 @@ def dkdv_call(
     in_specs = [*_geom_specs(), grouped[0], keys, keys_v, grouped[1], rows, rows]
     operands = [geom, params, q, k, v, do, lse, delta]
     pair_spec = lambda shape: _pair_spec(shape, group)  # noqa: E731
-    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, slopes, segments, group)
+    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, slopes, segments, program, group)
     kernel = functools.partial(_bwd_dkdv, static=static, has=has, group=group)
     return pl.pallas_call(
         kernel,
@@ -957,6 +1071,7 @@ def dq_call(
     bias: Any,
     slopes: Any,
     segments: Segments | None,
+    program: ProgramTiles | None,
     need_dbias: bool,
 ) -> tuple[Any, Any]:
     """dq float32 in q's layout and, when asked, dS as dbias (B, Hq, Lq, Lk); grid (B, Hq, query tiles)."""
@@ -975,7 +1090,7 @@ def dq_call(
         rows,
     ]
     operands = [geom, params, q, k, v, do, lse, delta]
-    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments)
+    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments, program)
     out_specs = [_seq_spec(static, len_q, dim)]
     out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
     if need_dbias:

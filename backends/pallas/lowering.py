@@ -6,7 +6,9 @@ cannot express: shapes, dtypes, ops) and yields ``__gpu$xla.gpu.triton`` custom 
 ``JAX_PLATFORMS=cpu``. What it does not run is Triton's own compile to PTX, which happens on the GPU.
 
 Paged variants (``"paged": block_size``) lower the paged forward only (attend_paged has no backward); the decode
-variants with long keys lower the split-K forward (a fourth grid axis).
+variants with long keys lower the split-K forward (a fourth grid axis). Mask-program variants (``"program"``, a
+name of :func:`mask_programs`) lower the kernels that evaluate it on their tiles, reading its captured arrays by
+gathers.
 
 ``python -m attnkit.backends.pallas.lowering`` prints one JSON line per variant and pass:
 ``{"variant": ..., "pass": "forward"|"backward", "ok": bool, "targets": [...], "error": ...}``.
@@ -21,6 +23,7 @@ import sys
 from typing import Any
 
 from attnkit.backend import AttentionInputs, AttentionSpec, PagedInputs
+from attnkit.contract.programs import CapturedSpec, Expr, MaskProgram, const, index
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
 
@@ -78,12 +81,67 @@ def variants() -> dict[str, dict[str, Any]]:
             "heads_kv": 1,
             "paged": 32,
         },
+        "mask program, document causal, GQA": {"spec": AttentionSpec(), "program": "document causal"},
+        "mask program, every operation, bias dbias, lengths, bshd": {
+            "spec": AttentionSpec(causal=True, layout="bshd"),
+            "program": "every operation",
+            "bias": (1, 4, 200, 300),
+            "lengths": True,
+        },
+        "mask program, segment ids, mask, decode split-K": {
+            "spec": AttentionSpec(),
+            "program": "document causal",
+            "segment_ids": True,
+            "mask": (2, 1, 1, 2048),
+            "len_q": 1,
+            "len_k": 2048,
+        },
         "paged decode split-K alibi, block 16": {
             "spec": AttentionSpec(causal=True, layout="bshd"),
             "len_q": 1,
             "paged": 16,
             "alibi": (2, 4),
         },
+    }
+
+
+def mask_programs() -> dict[str, MaskProgram]:
+    """Programs for the lowering: document-causal (a 2-D read at (b, q) and (b, kv)), and one that uses every
+    operation of the IR, reads at h, at b alone, at a 0-d tensor and of a boolean tensor."""
+    b, h, q, kv = (index(name) for name in ("b", "h", "q", "kv"))
+
+    def node(op: str, *args: Expr, kind: str = "int") -> Expr:
+        return Expr(op, args, kind=kind)
+
+    def read(slot: int, *at: Expr, kind: str = "int") -> Expr:
+        return Expr("read", at, value=slot, kind=kind)
+
+    same_document = node("eq", read(0, b, q), read(0, b, kv), kind="bool")
+    document_causal = node("and", same_document, node("ge", q, kv, kind="bool"), kind="bool")
+    chunk = const(24)
+    same_chunk = node("eq", node("floordiv", q, chunk), node("floordiv", kv, chunk), kind="bool")
+    prefix = node("lt", kv, read(1, b), kind="bool")
+    distance = node("abs", node("sub", q, kv))
+    pattern = node("ne", node("mod", distance, const(7)), node("trem", node("neg", q), const(5)), kind="bool")
+    spread = node("sub", node("max", q, kv), node("min", q, kv))
+    near = node("le", spread, node("add", node("tdiv", read(2), const(3)), node("mul", h, const(2))), kind="bool")
+    choice = node("where", node("gt", read(3, h), const(0), kind="bool"), node("or", same_chunk, prefix, kind="bool"),
+                  node("xor", pattern, near, kind="bool"), kind="bool")  # fmt: skip
+    alive = node("not", read(4, b, q, kind="bool"), kind="bool")
+    everything = node("and", node("and", choice, alive, kind="bool"), node("bool", node("int", alive)), kind="bool")
+    documents = CapturedSpec((2, 300), "int32")
+    return {
+        "document causal": MaskProgram(document_causal, (documents,)),
+        "every operation": MaskProgram(
+            everything,
+            (
+                documents,
+                CapturedSpec((2,), "int32"),
+                CapturedSpec((), "int32"),
+                CapturedSpec((4,), "int32"),
+                CapturedSpec((2, 300), "bool"),
+            ),
+        ),
     }
 
 
@@ -109,10 +167,11 @@ def lower(
     segment_ids: bool = False,
     alibi: tuple[int, ...] | None = None,
     paged: int | None = None,
+    program: str | None = None,
 ) -> dict[str, list[str]]:
     """Custom-call targets of the forward and backward programs lowered for CUDA, by pass; with ``paged`` (a block
     size), of attend_paged's forward over a cache of ``len_k`` keys per sequence. ``alibi``: the shape of ALiBi's
-    slopes, (B|1, Hq)."""
+    slopes, (B|1, Hq); ``program``: a name of :func:`mask_programs` (its captured arrays sized for these shapes)."""
     import jax
     import jax.numpy as jnp
 
@@ -140,8 +199,9 @@ def lower(
         array((batch, len_q), jnp.int32) if segment_ids else None,
         array((batch, len_k), jnp.int32) if segment_ids else None,
         None if alibi is None else array(alibi, jnp.float32),
+        None if program is None else _bound_program(program, batch, len_k),
     )
-    forward, backward, config, params, band = PallasBackend(interpret=False)._call(spec, inputs)
+    forward, backward, config, params, band, inputs = PallasBackend(interpret=False)._call(spec, inputs)
     out = array((*q.shape[:-1], dim_v), q.dtype)
     lse = array((batch, heads_q, len_q), jnp.float32)
     programs = {
@@ -149,6 +209,21 @@ def lower(
         "backward": backward.trace(config, bias is not None, params, band, inputs, out, lse, out, lse),
     }
     return {name: _targets(traced) for name, traced in programs.items()}
+
+
+def _bound_program(name: str, batch: int, len_k: int) -> Any:
+    """The named program bound to int32 arrays as shapes: a captured (2, 300) one becomes (batch, len_k)."""
+    import jax
+    import jax.numpy as jnp
+
+    from attnkit.contract.programs import BoundProgram
+
+    program = mask_programs()[name]
+    wide = (2, 300)
+    shapes = [(batch, len_k) if spec.shape == wide else spec.shape for spec in program.captured]
+    specs = tuple(CapturedSpec(shape, spec.dtype) for shape, spec in zip(shapes, program.captured))
+    program = MaskProgram(program.expr, specs, name)
+    return BoundProgram(program, tuple(jax.ShapeDtypeStruct(shape, jnp.int32) for shape in shapes))
 
 
 def _targets(traced: Any) -> list[str]:
