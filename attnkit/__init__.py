@@ -24,6 +24,7 @@ from attnkit.errors import (
     InvalidInputError,
     InvalidInputTypeError,
     InvalidSpecError,
+    MaskProgramError,
     UnknownBackendError,
 )
 from attnkit.ragged import attend_paged, attend_varlen
@@ -51,6 +52,7 @@ __all__ = [
     "InvalidInputTypeError",
     "InvalidSpecError",
     "Layout",
+    "MaskProgramError",
     "MissingPackageBackend",
     "Problem",
     "UnknownBackendError",

@@ -64,6 +64,7 @@ def attend(
     backend: str = "auto",
     sinks: Any = None,
     alibi_slopes: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """Attention as ``spec`` defines it (docs/semantics.md), on torch tensors or JAX arrays.
 
@@ -74,6 +75,9 @@ def attend(
     logit per query head joining every row's softmax (§15), differentiable; lse then includes it.
     ``alibi_slopes``: float32 (Hq,) or (B, Hq), ALiBi's bias ``−slope · |i + off − j|`` on every score (§16), computed
     by the backend from positions; no gradient.
+    ``mask_mod``: a mask program (§17), ``fn(b, h, q_idx, kv_idx) -> bool`` as FlexAttention's mask_mod (JAX
+    operations in a JAX call), ANDed with every other clause; traced once per function, evaluated by the backend in
+    its tiles (or materialised, where ``explain`` says so), with empty tiles skipped.
     """
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
@@ -81,7 +85,7 @@ def attend(
         check_sinks(ops_for(q, "q"), spec, q, sinks)
         out, lse = attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=True,
-                          backend=backend, alibi_slopes=alibi_slopes)  # fmt: skip
+                          backend=backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod)  # fmt: skip
         out, lse = with_sinks(spec, out, lse, sinks, q_lengths, q_segment_ids)
         return (out, lse) if return_lse else out
     # Fast path: a call whose metadata (types, shapes, dtypes, devices, grad flags) was validated and
@@ -93,7 +97,7 @@ def attend(
     # First by length class, where the sequence lengths enter the key only by their class: a new length of a class
     # seen before (a KV cache growing one key a step, a new prompt length) is served as the first one was.
     class_key = None
-    if mask is None and bias is None and alibi_slopes is None:
+    if mask is None and bias is None and alibi_slopes is None and mask_mod is None:
         signature = ops.length_class_signature(spec, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
         if signature is not None:
             class_key = (spec, signature, return_lse, backend, _scope_serial())
@@ -108,8 +112,11 @@ def attend(
                 if q_lengths is not None or kv_lengths is not None:
                     check_lengths_against_shapes(ops, spec, q, k, q_lengths, kv_lengths)
                 return _run(runs, q, k, v, None, None, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse)
-    # A call with ALiBi slopes takes the validating path every time (their values are checked, §16).
-    signature = ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths) if alibi_slopes is None else None
+    # A call with ALiBi slopes takes the validating path every time (their values are checked, §16), as does one with a
+    # mask program (its captured tensors are bound to each call).
+    signature = (
+        ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths) if alibi_slopes is None and mask_mod is None else None
+    )
     if q_segment_ids is not None or kv_segment_ids is not None:
         signature = ops.segment_signature(signature, q_segment_ids, kv_segment_ids)
     if signature is not None:
@@ -128,10 +135,11 @@ def attend(
     if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
         from attnkit.frontends import torch_graph
 
-        if alibi_slopes is not None:
-            raise InvalidInputError(
-                "alibi_slopes is not yet taken under torch.compile or on meta/fake tensors (§16): call attend eagerly"
-            )
+        for name, given in (("alibi_slopes", alibi_slopes), ("mask_mod", mask_mod)):
+            if given is not None:
+                raise InvalidInputError(
+                    f"{name} is not yet taken under torch.compile or on meta/fake tensors: call attend eagerly"
+                )
 
         return torch_graph.attend(
             spec, q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse, backend
@@ -139,8 +147,9 @@ def attend(
     epoch = CACHE.epoch  # before dispatch reads the config and registry: a clear after it stores nothing
     CACHE.full_paths += 1
     ops, problem, inputs, was_3d = prepare(
-        spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes
-    )
+        spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes,
+        mask_mod=mask_mod,
+    )  # fmt: skip
     # A runner takes the tensors its backend declares: seven, nine with segment ids, ten with ALiBi slopes.
     given = 10 if inputs.alibi_slopes is not None else 9 if inputs.q_segment_ids is not None else 7
     # An eager call with values: where the cost table cannot decide, auto may time the contenders on it.
@@ -154,7 +163,7 @@ def attend(
             raise
         return attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=return_lse,
-                      backend=backend, alibi_slopes=alibi_slopes)  # fmt: skip
+                      backend=backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod)  # fmt: skip
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
     # never sits there. By length class where the decision and the runner hold for the class, else by exact shape.
     if not was_3d:
@@ -182,6 +191,7 @@ def explain(
     return_lse: bool = False,
     sinks: Any = None,
     alibi_slopes: Any = None,
+    mask_mod: Any = None,
 ) -> str:
     """The dispatch table for a call, without running it: each backend, the one that would run, and why not. With
     ``sinks``, the call that runs without them and returns lse (§15's composition runs after it)."""
@@ -189,7 +199,7 @@ def explain(
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     ops, problem, inputs, _ = prepare(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse or sinks is not None, q_segment_ids,
-        kv_segment_ids, alibi_slopes,
+        kv_segment_ids, alibi_slopes, mask_mod=mask_mod,
     )  # fmt: skip
     # A dry run: what measuring attend's call would do (or why it would not), never timing anything.
     return explain_problem(spec, problem, autotune.Trial(ops, spec, problem, inputs, dry_run=True))

@@ -27,12 +27,16 @@ class Candidate:
     in_priority: bool = True
     predicted_us: float | None = None  # from the cost table, for backends that can serve
     delegations: tuple[Delegation, ...] = ()  # what of its work runs another backend's code (its capabilities)
+    program: str = ""  # for a call with a mask program: how the backend serves it ("evaluates" or "materialises")
 
     def __str__(self) -> str:
         marker = "->" if self.selected else "  "
         why = "ok" if not self.reasons else "; ".join(self.reasons)
         if self.predicted_us is not None:
             why += f" (predicted {self.predicted_us:.4g} us)"
+        if not self.reasons and self.program:
+            how = "in its tiles" if self.program == "evaluates" else "as a dense (Lq, Lk) mask"
+            why += f"; {self.program} the mask program {how}"
         if not self.reasons:  # one line per backend: what of its work would run another backend's code, after it
             for other in dict.fromkeys(delegation.backend for delegation in self.delegations):
                 parts = "; ".join(d.part for d in self.delegations if d.backend == other)
@@ -71,6 +75,20 @@ def _priority_rows(
             registry.get_backend(name)  # raises UnknownBackendError naming the registered ones
         rows.append(Candidate(name, _reasons(all_backends[name], spec, problem)))
     return rows
+
+
+def _servable(rows: list[Candidate], problem: Problem, all_backends: dict[str, Backend]) -> list[str]:
+    """The rows' backends that can serve the call, in priority order; for a call with a mask program, only those that
+    evaluate it in their tiles where any can (one that materialises it builds the (Lq, Lk) mask a program avoids)."""
+    servable = [row.name for row in rows if not row.reasons]
+    if problem.has_mask_program:
+        evaluating = [name for name in servable if not _materialises(all_backends[name])]
+        return evaluating or servable
+    return servable
+
+
+def _materialises(backend: Backend) -> bool:
+    return backend.capabilities.materialises_mask_programs
 
 
 @dataclass(frozen=True)
@@ -160,8 +178,9 @@ def decision(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None
     forced = config.forced_backend()
     if forced is not None:
         return f"{forced} is forced (configuration or ATTNKIT_BACKEND)"
-    rows = _priority_rows(spec, problem, _order(spec, problem, None), registry.backends())
-    servable = [row.name for row in rows if not row.reasons]
+    all_backends = registry.backends()
+    rows = _priority_rows(spec, problem, _order(spec, problem, None), all_backends)
+    servable = _servable(rows, problem, all_backends)
     if not servable:
         return "no backend in the priority list can serve the call"
     choice = _choose(spec, problem, servable, None, trial)
@@ -171,8 +190,9 @@ def decision(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | None
 def auto_choice(spec: AttentionSpec, problem: Problem) -> Choice | None:
     """What ``auto`` picks for this call with nothing forced, and what decided it, without measuring (a record
     decides where there is one); None when no backend in the priority list can serve it."""
-    rows = _priority_rows(spec, problem, _order(spec, problem, None), registry.backends())
-    servable = [row.name for row in rows if not row.reasons]
+    all_backends = registry.backends()
+    rows = _priority_rows(spec, problem, _order(spec, problem, None), all_backends)
+    servable = _servable(rows, problem, all_backends)
     return _choose(spec, problem, servable, None) if servable else None
 
 
@@ -189,7 +209,7 @@ def candidates(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | No
     forced = config.forced_backend()
     order = _order(spec, problem, forced)
     rows = _priority_rows(spec, problem, order, all_backends)
-    servable = [row.name for row in rows if not row.reasons]
+    servable = _servable(rows, problem, all_backends)
     if servable:
         choice = _choose(spec, problem, servable, forced, trial)
         chosen, predicted = choice.backend, choice.predicted
@@ -200,7 +220,20 @@ def candidates(spec: AttentionSpec, problem: Problem, trial: autotune.Trial | No
     for name in sorted(set(all_backends) - set(order)):
         why = "forced backend is " + forced if forced else f"not in the priority list for device={problem.device}"
         rows.append(Candidate(name, _reasons(all_backends[name], spec, problem) + (why,), in_priority=False))
-    return [dataclasses.replace(row, delegations=all_backends[row.name].capabilities.delegations) for row in rows]
+    return [
+        dataclasses.replace(
+            row,
+            delegations=all_backends[row.name].capabilities.delegations,
+            program=_program_service(all_backends[row.name], problem) if not row.reasons else "",
+        )
+        for row in rows
+    ]
+
+
+def _program_service(backend: Backend, problem: Problem) -> str:
+    if not problem.has_mask_program:
+        return ""
+    return "materialises" if _materialises(backend) else "evaluates"
 
 
 def select(
@@ -253,7 +286,7 @@ def select_call(
         # Only the priority list's rows: the full table (candidates) is for explain() and the error below.
         all_backends = registry.backends()
         rows = _priority_rows(spec, problem, _order(spec, problem, None), all_backends)
-        servable = [row.name for row in rows if not row.reasons]
+        servable = _servable(rows, problem, all_backends)
         if not servable:
             table = "\n".join(str(row) for row in candidates(spec, problem))
             raise BackendUnavailableError(f"no backend can serve this call:\n{table}")

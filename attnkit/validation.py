@@ -35,8 +35,10 @@ def prepare(
     alibi_slopes: Any = None,
     *,
     check_values: bool = True,
+    mask_mod: Any = None,
 ) -> tuple[FrameworkOps, Problem, AttentionInputs, bool]:
-    """Check every argument, and bring 3-D calls to 4-D. Returns (ops, problem, inputs, was_3d).
+    """Check every argument, and bring 3-D calls to 4-D. Returns (ops, problem, inputs, was_3d). ``mask_mod`` is
+    traced (or its trace reused) and bound to the call (attnkit/programs.py).
 
     ``check_values=False`` reads metadata only, for tensors that have no values (meta and fake tensors, a
     compiler's trace): the length ranges are then checked where the call runs."""
@@ -119,7 +121,14 @@ def prepare(
     if alibi_slopes is not None:
         alibi_slopes = checked_slopes(ops, alibi_slopes, batch, heads_q, device, check_values)
 
-    inputs = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes)
+    program = None
+    if mask_mod is not None:
+        from attnkit import programs  # a call without a program never imports the tracers
+
+        program = programs.bind(mask_mod, ops, q, batch, heads_q, len_q, len_k)
+    inputs = AttentionInputs(
+        q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, program
+    )
     needs_grad, needs_bias_grad = ops.needs_grad(inputs)
     problem = Problem(
         framework=ops.framework,
@@ -141,6 +150,7 @@ def prepare(
         return_lse=return_lse,
         has_segment_ids=q_segment_ids is not None,
         has_alibi=alibi_slopes is not None,
+        has_mask_program=program is not None,
     )
     return ops, problem, inputs, was_3d
 

@@ -196,9 +196,10 @@ class _Symbol:
             return _read(tracer, tensor, item, ())
         handler = _TORCH_FUNCTIONS.get(func)
         if handler is None:
-            name = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
+            name = getattr(func, "__name__", repr(func))
+            owner = "Tensor" if "Tensor" in getattr(func, "__qualname__", "") else "torch"
             raise MaskProgramError(
-                f"mask_mod called torch.{name}, which a mask program cannot contain (it takes integer + - * // %, "
+                f"mask_mod called {owner}.{name}, which a mask program cannot contain (it takes integer + - * // %, "
                 f"comparisons, & | ~, torch.where, minimum/maximum, abs, clamp, and reads of captured integer or "
                 f"boolean tensors)"
             )

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from attnkit import registry
-from attnkit.testing.cases import Case, make_arrays
+from attnkit.testing.cases import Case, make_arrays, program_table
+from attnkit.testing.programs import dense_by_calling, program_function
 from attnkit.testing.runners import FLOATING_INPUTS, Results, harness_device, native_framework, run_backend, run_torch
 
 FLOOR_ULPS = 32
@@ -74,7 +75,11 @@ def rounded(case: Case, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 def oracle_results(case: Case, arrays: dict[str, np.ndarray]) -> tuple[Results, Results]:
     """(oracle64, oracle at the input's own dtype) for rounded inputs. A case with sinks gets both from the oracle's
-    literal function (the sink as a logit column, §15), not through attend, which composes sinks for every backend."""
+    literal function (the sink as a logit column, §15), not through attend, which composes sinks for every backend.
+    A case with a mask program gives the oracle the mask the program's function gives when called on index tensors
+    (ANDed with the case's own mask), not the program."""
+    if case.program is not None:
+        case, arrays = _program_as_mask(case, arrays)
     if case.sinks:
         exact = _literal(case.with_(dtype="float64"), arrays)
     else:
@@ -82,6 +87,20 @@ def oracle_results(case: Case, arrays: dict[str, np.ndarray]) -> tuple[Results, 
     if case.dtype == "float64":
         return exact, exact
     return exact, _literal(case, arrays)
+
+
+def _program_as_mask(case: Case, arrays: dict[str, np.ndarray]) -> tuple[Case, dict[str, np.ndarray]]:
+    import torch
+
+    assert case.program is not None
+    tables = [torch.as_tensor(arrays[program_table(slot)]) for slot in range(len(case.program.tables))]
+    heads = 1 if case.three_d else case.heads_q
+    visible = dense_by_calling(program_function(case.program, tables), case.batch, heads, case.len_q, case.len_k)
+    if case.three_d:
+        visible = visible[:, 0]
+    if "mask" in arrays:
+        visible = visible & arrays["mask"]
+    return case.with_(program=None, mask_shape=visible.shape), {**arrays, "mask": visible}
 
 
 def _literal(case: Case, arrays: dict[str, np.ndarray]) -> Results:

@@ -13,6 +13,7 @@ import numpy as np
 
 from attnkit.backend import Framework, Problem
 from attnkit.spec import AttentionSpec, Layout
+from attnkit.testing.programs import ProgramCase, table_values
 
 #: Table columns that are call forms rather than backend features: an attend_varlen call runs as an attend call.
 VARLEN = "varlen"
@@ -75,6 +76,8 @@ class Case:
     sinks: bool = False  # one logit per query head joins every row's softmax (§15); make_arrays draws them
     # ALiBi slopes (§16): None, or the slopes' shape, (Hq,) or (B, Hq); make_arrays draws them, float32.
     alibi_shape: tuple[int, ...] | None = None
+    # A mask program (§17) over the call, given as mask_mod; make_arrays draws its tables' values.
+    program: ProgramCase | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def problem(self, framework: Framework, device: str = "cpu") -> Problem:
@@ -99,6 +102,7 @@ class Case:
             has_segment_ids=self.q_segment_ids is not None,
             paged_block_size=self.paged.block_size if self.paged is not None else None,
             has_alibi=self.alibi_shape is not None,
+            has_mask_program=self.program is not None,
         )
 
     def features(self) -> frozenset[str]:
@@ -133,6 +137,8 @@ class Case:
             parts.append("3-D")
         if self.sinks:
             parts.append("sinks")
+        if self.program is not None:
+            parts.append(str(self.program))
         if self.varlen is not None:
             parts.append(
                 f"attend_varlen: sequences' q lengths {self.varlen.q_lengths} kv lengths {self.varlen.kv_lengths}"
@@ -233,7 +239,15 @@ def make_arrays(case: Case) -> dict[str, np.ndarray]:
     if case.alibi_shape is not None:  # around ALiBi's 2^(−8h/H), some 0, some steep enough to hide far keys
         slopes = np.exp2(-8.0 * rng.random(case.alibi_shape)) * rng.choice([0.0, 1.0, 4.0], size=case.alibi_shape)
         arrays["alibi_slopes"] = slopes.astype(np.float32)
+    if case.program is not None:
+        for slot, table in enumerate(case.program.tables):
+            arrays[program_table(slot)] = table_values(table, rng)
     return arrays
+
+
+def program_table(slot: int) -> str:
+    """The name of a case's program table in make_arrays' dict."""
+    return f"program_table_{slot}"
 
 
 def _paged_cache(

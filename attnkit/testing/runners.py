@@ -11,7 +11,8 @@ import numpy as np
 
 from attnkit import api, ragged, registry
 from attnkit.backend import Capabilities, Framework
-from attnkit.testing.cases import Case
+from attnkit.testing.cases import Case, program_table
+from attnkit.testing.programs import program_function
 
 Results = dict[str, np.ndarray]
 DIFFERENTIABLE = ("q", "k", "v", "bias", "sinks")
@@ -43,8 +44,16 @@ def _attend(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool =
     ``return_lse``."""
     optional = {name: arrays.get(name) for name in OPTIONAL}
     return api.attend(
-        case.spec, arrays["q"], arrays["k"], arrays["v"], **optional, return_lse=return_lse, backend=backend
-    )
+        case.spec, arrays["q"], arrays["k"], arrays["v"], **optional, return_lse=return_lse, backend=backend,
+        mask_mod=mask_mod_of(case, arrays),
+    )  # fmt: skip
+
+
+def mask_mod_of(case: Case, arrays: dict[str, Any]) -> Callable[..., Any] | None:
+    """The case's program as the mask_mod a user passes, closing over its tables in the call's framework."""
+    if case.program is None:
+        return None
+    return program_function(case.program, [arrays[program_table(slot)] for slot in range(len(case.program.tables))])
 
 
 def _offsets(lengths: tuple[int, ...]) -> np.ndarray:

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from attnkit.backend import ALL_FEATURES, Capabilities, Feature, Sizes
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 from attnkit.testing.cases import SINKS, VARLEN, Case, blocks_needed, paged_case, varlen_case
+from attnkit.testing.programs import programs
 
 SMALL_HEAD_DIMS = (16, 24, 32, 40)
 FLOATING_DTYPES = ("float32", "float16", "bfloat16", "float64")  # float32 first: hypothesis shrinks towards it
@@ -174,7 +175,9 @@ def cases(
         grad=Feature.GRAD in features,
         sinks=draw(sinks_drawn()),
         alibi_shape=draw(alibi_drawn(features, batch, heads_q)),
-    )
+        program=draw(programs(batch, heads_q, len_q, len_k)) if Feature.MASK_PROGRAM in features and
+        draw(st.integers(0, 2)) == 0 else None,
+    )  # fmt: skip
 
 
 def sinks_drawn() -> st.SearchStrategy[bool]:

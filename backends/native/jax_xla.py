@@ -199,7 +199,7 @@ class JaxXlaBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.PAGED, Feature.ALIBI},
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.PAGED, Feature.ALIBI, Feature.MASK_PROGRAM},
         description="jax.nn.dot_product_attention (XLA; materialises the (Lq, Lk) scores), differentiated by JAX",
         notes=(
             "lse: jax.nn.dot_product_attention does not return it; computed from the scores once more when asked",

@@ -18,6 +18,7 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
+    Feature,
     Framework,
     Gradients,
     Layout,
@@ -319,7 +320,7 @@ class TorchChunkedBackend(BaseBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES,
+        features=ALL_FEATURES - {Feature.MASK_PROGRAM},
         description="FlashAttention-2 in torch ops: tiled online softmax, memory linear in sequence length",
     )
 

@@ -15,6 +15,7 @@ from attnkit.backend import (
     AttentionSpec,
     Capabilities,
     CausalAlignment,
+    Feature,
     Framework,
     Layout,
     PagedInputs,
@@ -67,7 +68,7 @@ class TorchNaiveBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES,
+        features=ALL_FEATURES - {Feature.MASK_PROGRAM},
         description="the contract written literally; materialises (Lq, Lk) scores; the float64 oracle",
     )
 
