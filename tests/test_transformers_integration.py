@@ -30,7 +30,10 @@ from attnkit.backends.reference.torch_naive import oracle_visibility  # noqa: E4
 from transformers import AttentionInterface, AttentionMaskInterface, masking_utils  # noqa: E402
 
 import attnkit  # noqa: E402
+import attnkit.programs  # noqa: E402
 from attnkit.backend import AttentionInputs  # noqa: E402
+from attnkit.contract.programs import dense  # noqa: E402
+from attnkit.frontends import ops_for  # noqa: E402
 from attnkit.integrations import transformers as attnkit_hf  # noqa: E402
 from attnkit.testing.agreement import compare_outputs  # noqa: E402
 
@@ -253,12 +256,17 @@ TWO_D_PADDINGS = {
 
 
 def visibility(made: attnkit_hf.AttnkitMask, batch: int) -> torch.Tensor:
-    """What attnkit sees (docs/semantics.md §4, the oracle's visibility, segment ids included) of a mask made."""
+    """What attnkit sees (docs/semantics.md §4, the oracle's visibility, segment ids included) of a mask made, its
+    mask program (§17) ANDed in."""
     q = torch.empty(batch, 1, made.q_length, 1)
     k = torch.empty(batch, 1, made.kv_length, 1)
     inputs = AttentionInputs(q, k, k, kv_lengths=made.kv_lengths, q_segment_ids=made.q_segment_ids,
                              kv_segment_ids=made.kv_segment_ids)  # fmt: skip
-    return oracle_visibility(made.spec(None, None), inputs, made.q_length, made.kv_length)
+    seen = oracle_visibility(made.spec(None, None), inputs, made.q_length, made.kv_length)
+    if made.mask_mod is None:
+        return seen
+    bound = attnkit.programs.bind(made.mask_mod, ops_for(q, "q"), q, batch, 1, made.q_length, made.kv_length)
+    return seen & dense(bound, batch, 1, made.q_length, made.kv_length, q)
 
 
 @pytest.mark.parametrize("padding", sorted(TWO_D_PADDINGS))
@@ -310,20 +318,6 @@ def test_packed_sequences_are_segment_ids_standing_for_transformers_mask(packing
     made = attnkit_hf.make_mask(**facts)
     assert isinstance(made, attnkit_hf.AttnkitMask) and made.kv_segment_ids is ids
     assert torch.equal(visibility(made, 2), masking_utils.sdpa_mask(**facts, allow_is_causal_skip=False))
-
-
-def test_patterns_attnkit_cannot_express_get_transformers_mask() -> None:
-    """Chunked attention, and sequence ids that are not the runs of the positions the pattern is computed on (no
-    longer the same pattern on the indices): transformers' own (B, 1, Lq, Lk) mask."""
-    chunks_of_3 = masking_utils.chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long))
-    positions = torch.tensor([[0, 1, 2, 0, 1, 2]] * 2)
-    foreign_ids = torch.zeros(2, 6, dtype=torch.long)  # two runs of positions read as one sequence: q3 sees k0
-    foreign_packing = packed_mask_function(masking_utils.causal_mask_function, positions, foreign_ids)
-    for mask_function in (chunks_of_3, foreign_packing):
-        facts = dict(batch_size=2, q_length=6, kv_length=6, attention_mask=torch.ones(2, 6, dtype=torch.bool),
-                     mask_function=mask_function)  # fmt: skip
-        made = attnkit_hf.make_mask(**facts)
-        assert torch.equal(made, masking_utils.sdpa_mask(**facts, allow_is_causal_skip=False))
 
 
 def test_packed_sequences_agree_with_transformers() -> None:

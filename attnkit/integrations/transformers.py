@@ -25,8 +25,10 @@ from typing import Any, ClassVar
 import torch
 from transformers import AttentionInterface, AttentionMaskInterface, masking_utils
 
+from attnkit import programs
 from attnkit.api import attend
-from attnkit.errors import InvalidInputError
+from attnkit.backend import Framework
+from attnkit.errors import InvalidInputError, MaskProgramError
 from attnkit.frontends import register_imported_frameworks
 from attnkit.registry import get_backend
 from attnkit.spec import AttentionSpec, CausalAlignment
@@ -69,7 +71,9 @@ class AttnkitMask:
     diagonal (docs/semantics.md §4.3: ``off_b = kv_lengths[b] − Lq``); with ``top_left`` (right padding, queries
     at the start) it is the padding itself. ``q_segment_ids`` (B, Lq) and ``kv_segment_ids`` (B, Lk) (§4.5) carry
     what no length expresses: padding anywhere else (key ids −1 on the pad positions) and packed sequences (one id
-    per sequence of the row); both None otherwise.
+    per sequence of the row); both None otherwise. ``mask_mod``: transformers' own mask function as a mask program
+    on attnkit's raw indices (§17), padding included, for the patterns no spec field expresses; the spec is then
+    neither causal nor windowed, and ``kv_lengths`` only clips a static cache's unwritten slots.
     """
 
     causal: bool
@@ -80,6 +84,7 @@ class AttnkitMask:
     kv_segment_ids: torch.Tensor | None
     q_length: int
     kv_length: int
+    mask_mod: Callable[..., Any] | None = None
 
     # transformers' mask preparation reads .ndim (2 would mark a raw padding mask to convert), and generate()
     # calls .contiguous() on the masks it prepares for static caches.
@@ -289,6 +294,13 @@ def make_mask(
     if pattern is not None and pattern.packed is not None:
         expressible = expressible and _packed_as_indexed(pattern, q_length, kv_length, diagonal)
     if pattern is None or not expressible:
+        # attend takes no mask program inside a compiled graph yet (q_start may be a tensor there), and foreign code
+        # that no program can trace gets none: transformers' own mask is then the truth.
+        if not torch.compiler.is_compiling() and isinstance(q_start, int):
+            program = _program_mask(batch_size, q_length, kv_length, q_start, kv_offset, mask_function,
+                                    attention_mask, device)  # fmt: skip
+            if program is not None:
+                return program
         materialised = masking_utils.sdpa_mask(
             batch_size=batch_size,
             q_length=q_length,
@@ -341,6 +353,42 @@ def make_mask(
         # would need q_lengths = kv_lengths, which empties the padded query rows that transformers computes.)
         return described(top_left=True, kv_lengths=real, q_segment_ids=None, kv_segment_ids=None)
     return by_segments()  # left padding (or holes, or right padding behind a cache)
+
+
+def _program_mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int,
+    kv_offset: int,
+    mask_function: Callable[..., Any],
+    attention_mask: torch.Tensor | None,
+    device: torch.device | str,
+) -> AttnkitMask | None:
+    """transformers' mask function as attnkit's mask program (docs/semantics.md §17), for patterns that no spec field
+    expresses (chunked attention, the overlays of vision-language models, packed sequences on other geometries):
+    the visibility ``sdpa_mask`` would materialise, with nothing materialised. None where the function does what a
+    program cannot (foreign code): transformers' own mask is then the truth.
+
+    The function takes absolute positions; attnkit's program its raw indices 0..Lq−1, 0..Lk−1. Query i sits at
+    ``q_offset + i`` and key j at ``kv_offset + j``, so the program is transformers' function behind its own
+    ``add_offsets_to_mask_function`` (what its flex_attention mask does), and the padding its own
+    ``padding_mask_function`` ANDed in, as ``sdpa_mask`` does. With neither, the program is the very function object
+    transformers built, shared by every layer of the forward (attnkit traces a function once)."""
+    padding = masking_utils.prepare_padding_mask(attention_mask, kv_length, kv_offset)
+    if padding is not None and not bool(padding[:, kv_offset : kv_offset + kv_length].all()):
+        padding_function = masking_utils.padding_mask_function(padding.bool())
+        mask_function = masking_utils.and_masks(mask_function, padding_function)
+    if q_offset or kv_offset:
+        mask_function = masking_utils.add_offsets_to_mask_function(mask_function, q_offset, kv_offset)
+    try:
+        programs.trace(mask_function, Framework.TORCH)  # cached by the function: attend's bind takes it from there
+    except MaskProgramError:
+        return None
+    # Keys from `written` on are later than every query: a static cache's unwritten slots, never read (§5).
+    written = q_offset - kv_offset + q_length
+    clip = torch.full((batch_size,), written, device=device) if q_length <= written < kv_length else None
+    return AttnkitMask(False, None, False, clip, None, None, q_length, kv_length, mask_mod=mask_function)
 
 
 def _padding_ids(keys: torch.Tensor, q_length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -419,7 +467,7 @@ def attention(
     for name, meaning in _INEXPRESSIBLE.items():
         if kwargs.get(name) is not None:
             raise InvalidInputError(f"{name} is given, but attnkit cannot express {meaning}; expected None")
-    mask = bias = kv_lengths = q_segment_ids = kv_segment_ids = None
+    mask = bias = kv_lengths = q_segment_ids = kv_segment_ids = mask_mod = None
     if isinstance(attention_mask, AttnkitMask):
         if (query.shape[2], key.shape[2]) != (attention_mask.q_length, attention_mask.kv_length):
             raise InvalidInputError(
@@ -429,6 +477,7 @@ def attention(
         spec = attention_mask.spec(scaling, softcap)
         kv_lengths = attention_mask.kv_lengths
         q_segment_ids, kv_segment_ids = attention_mask.q_segment_ids, attention_mask.kv_segment_ids
+        mask_mod = attention_mask.mask_mod
     elif attention_mask is None:  # no mask made (a module called on its own): the call's own arguments
         causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
         if sliding_window is not None and not causal:
@@ -456,6 +505,7 @@ def attention(
         kv_segment_ids=kv_segment_ids,
         backend=_backend,
         sinks=kwargs.get("s_aux"),  # gpt-oss: one learned logit per query head in every softmax (§15)
+        mask_mod=mask_mod,
     )
     return out.transpose(1, 2).contiguous(), None
 
