@@ -16,7 +16,8 @@ from attnkit.contract.programs import EMPTY, FULL, BoundProgram, array_ops, eval
 from attnkit.errors import MaskProgramError
 from attnkit.frontends import ops_for
 from attnkit.programs import bind, trace
-from attnkit.testing.programs import dense_by_calling, program_function, programs, table_values
+from attnkit.testing.programs import dense_by_calling, program_function, table_values
+from attnkit.testing.strategies import programs
 
 
 @st.composite

@@ -19,7 +19,6 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
-    Feature,
     Framework,
     Gradients,
     Layout,
@@ -339,7 +338,7 @@ class JaxReferenceBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.MASK_PROGRAM},
+        features=ALL_FEATURES,
         description="FlashAttention-2 in jax.numpy: key blocks under lax.scan, online softmax; jit/grad/vmap",
         notes=(
             "float64 needs jax_enable_x64",

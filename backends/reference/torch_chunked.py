@@ -20,7 +20,6 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
-    Feature,
     Framework,
     Gradients,
     Layout,
@@ -355,7 +354,7 @@ class TorchChunkedBackend(BaseBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.MASK_PROGRAM},
+        features=ALL_FEATURES,
         description="FlashAttention-2 in torch ops: tiled online softmax, memory linear in sequence length",
     )
 
