@@ -176,6 +176,8 @@ def _as_padded_batch(
 ) -> Any:  # fmt: skip
     """§12 as a batch of right-padded sequences with q_lengths and kv_lengths (§4.3)."""
     count = cu_q.shape[0] - 1
+    if alibi_slopes is not None and alibi_slopes.shape[0] == 1:  # checked_slopes' (1, Hq): every sequence's
+        alibi_slopes = alibi_slopes[0]
     q_pad, q_lengths = xp.pad_sequences(q, cu_q, max(max_q, 1))
     k_pad, kv_lengths = xp.pad_sequences(k, cu_k, max(max_k, 1))
     v_pad, _ = xp.pad_sequences(v, cu_k, max(max_k, 1))

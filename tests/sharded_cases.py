@@ -10,7 +10,9 @@ from typing import TypeVar
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from attnkit.contract.programs import Expr, const, index
 from attnkit.testing.cases import Case
+from attnkit.testing.programs import ProgramCase, Table
 from attnkit.testing.strategies import cases, segment_ids
 
 T = TypeVar("T")
@@ -21,6 +23,23 @@ T = TypeVar("T")
 SHARDED_DTYPES = ("float32", "float16", "bfloat16")
 #: Drawn cases per test: a few under the ``ci`` profile (CI's budget), more the more examples the profile runs.
 DRAWN = max(2, settings().max_examples // 8)
+
+
+def document_causal(batch: int, length: int) -> ProgramCase:
+    """Packed documents (drawn ids per batch row), causal within each: mask_mod reads the ids at global positions."""
+    same = Expr(
+        "eq", (Expr("read", (index("b"), index("q")), 0), Expr("read", (index("b"), index("kv")), 0)), kind="bool"
+    )
+    causal = Expr("ge", (index("q"), index("kv")), kind="bool")
+    return ProgramCase(Expr("and", (same, causal), kind="bool"), (Table((batch, length), "documents"),))
+
+
+def chunked_per_head() -> ProgramCase:
+    """Chunked attention with chunks of h + 2 positions (Ulysses hands each rank its own heads): chunk edges fall
+    inside shards and across them."""
+    size = Expr("add", (index("h"), const(2)))
+    chunk_q, chunk_kv = Expr("floordiv", (index("q"), size)), Expr("floordiv", (index("kv"), size))
+    return ProgramCase(Expr("eq", (chunk_q, chunk_kv), kind="bool"), ())
 
 
 @st.composite

@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 from attnkit import AttentionSpec
 from attnkit.testing import Case, make_arrays
 from attnkit.testing.agreement import compare_outputs, oracle_results, rounded
-from tests.sharded_cases import DRAWN, examples, shardable_cases
+from attnkit.testing.cases import program_table
+from attnkit.testing.programs import program_function
+from tests.sharded_cases import DRAWN, chunked_per_head, document_causal, examples, shardable_cases
 
 WORLD = 4
 AXIS = "cp"
@@ -96,6 +98,12 @@ RUNS = [
     Run("allgather-zigzag-gqa-lengths-sinks-inside-own-shard-map",
         _case(CAUSAL, heads_q=4, heads_kv=2, q_lengths=(13,), sinks=True, alibi_shape=(1, 4)), "allgather", "zigzag",
         inside=True),
+    # Mask programs (§17) on global positions: documents read from a captured table across shards; per-head chunks
+    # under Ulysses, where a device's heads are the r-th group of the global ones.
+    Run("ring-zigzag-program-documents-gqa", _case(AttentionSpec(), heads_q=4, heads_kv=2, batch=2,
+                                                   program=document_causal(2, 16)), "ring", "zigzag"),
+    Run("ulysses-contiguous-program-chunked-per-head",
+        _case(CAUSAL, heads_q=4, heads_kv=4, program=chunked_per_head()), "ulysses", "contiguous"),
 ]
 # fmt: on
 # Drawn runs: JAX takes no mask or bias; float16 is left out as above, float64 needs x64 (and a block's lse is float32).
@@ -174,6 +182,9 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
     optional = {name: jnp.asarray(arrays[name], jnp.int32) for name in OPTIONAL if name in arrays}
     if "alibi_slopes" in arrays:  # replicated, float32, taking no gradient
         optional["alibi_slopes"] = jnp.asarray(arrays["alibi_slopes"], jnp.float32)
+    if case.program is not None:  # global tables, closed over (replicated): not an operand of the jitted call
+        tables = [jnp.asarray(arrays[program_table(slot)]) for slot in range(len(case.program.tables))]
+        options["mask_mod"] = program_function(case.program, tables, "jax")
     results = jax.jit(forward_backward)(floats, optional)
     return {name: np.asarray(x, np.float64) for name, x in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), results)}
 

@@ -31,11 +31,13 @@ from attnkit import distributed  # noqa: E402
 from attnkit.bench.context_parallel import analytic_sent_bytes  # noqa: E402
 from attnkit.distributed import torch_cp  # noqa: E402
 from attnkit.errors import AttnkitError  # noqa: E402
+from attnkit.features import Feature  # noqa: E402
 from attnkit.spec import AttentionSpec  # noqa: E402
 from attnkit.testing.agreement import compare_outputs, oracle_results, rounded  # noqa: E402
-from attnkit.testing.cases import Case, make_arrays  # noqa: E402
+from attnkit.testing.cases import Case, make_arrays, program_table  # noqa: E402
+from attnkit.testing.programs import program_function  # noqa: E402
 from attnkit.testing.runners import FLOATING_INPUTS  # noqa: E402
-from tests.sharded_cases import SHARDED_DTYPES, examples, shardable_cases  # noqa: E402
+from tests.sharded_cases import SHARDED_DTYPES, chunked_per_head, document_causal, examples, shardable_cases  # noqa: E402
 
 STRATEGIES = ("ring", "allgather", "ulysses")
 SHARDINGS = ("contiguous", "zigzag")
@@ -87,6 +89,13 @@ CASES = {
     "mask and bias float16": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=16, len_k=16,
                                   mask_shape=(2, 1, 16, 16), masked_rows=(3,), bias_shape=(1, 4, 16, 16),
                                   bias_grad=True, dtype="float16", seed=8, alibi_shape=(2, 4)),
+    # Mask programs (§17) on global positions: document-causal with the spec's causal off; chunked under causal.
+    "mask program documents GQA": Case(AttentionSpec(), heads_q=4, heads_kv=2, len_q=16, len_k=16, seed=12,
+                                       program=document_causal(2, 16)),
+    "mask program chunked per head causal bshd": Case(
+        AttentionSpec(causal=True, layout="bshd"), batch=1, heads_q=4, heads_kv=4, len_q=16, len_k=16, seed=13,
+        program=chunked_per_head(),
+    ),
     # Three ranks: lengths multiples of 2P = 6, heads of P = 3 (Ulysses serves it).
     "three ranks causal GQA Lq<Lk lengths": Case(AttentionSpec(causal=True), heads_q=6, heads_kv=3, len_q=6,
                                                  len_k=12, kv_lengths=(12, 7), seed=9, alibi_shape=(6,)),
@@ -118,6 +127,15 @@ def _runs(case: Case, world: int) -> list[tuple[str, str]]:
             if strategy != "ulysses" or (ulysses and case.bias_shape is None)]  # fmt: skip
 
 
+def _program_backend() -> str:
+    """A CPU backend that evaluates mask programs (triton runs interpreted without a GPU, tests/conftest.py)."""
+    backends = attnkit.registered_backends()
+    for name in ("torch-chunked", "triton"):
+        if Feature.MASK_PROGRAM in backends[name].capabilities.features:
+            return name
+    raise AssertionError("no CPU backend evaluates mask programs")
+
+
 def _seq_axis(case: Case) -> int:
     return 1 if case.spec.layout.value == "bshd" else 2
 
@@ -144,10 +162,14 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
     lengths = {name: torch.tensor(arrays[name]) for name in ("q_lengths", "kv_lengths") if name in arrays}
     sinks = torch.tensor(arrays["sinks"], dtype=getattr(torch, case.dtype), requires_grad=True) if case.sinks else None
     slopes = torch.tensor(arrays["alibi_slopes"]) if "alibi_slopes" in arrays else None  # float32, no gradient
+    program: dict[str, Any] = {}
+    if case.program is not None:  # the same global tables on every rank
+        tables = [torch.tensor(arrays[program_table(slot)]) for slot in range(len(case.program.tables))]
+        program = {"mask_mod": program_function(case.program, tables), "backend": _program_backend()}
     out, lse = distributed.attend(
         case.spec, q, k, v, strategy=strategy, sharding=sharding, mask=local("mask"), bias=bias,
         q_segment_ids=local("q_segment_ids", 1), kv_segment_ids=local("kv_segment_ids", 1), return_lse=True,
-        sinks=sinks, alibi_slopes=slopes, **lengths,
+        sinks=sinks, alibi_slopes=slopes, **lengths, **program,
     )  # fmt: skip
     assert out.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, lse.dtype)  # §14: as attend's
     finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -191,6 +213,9 @@ def _bad_inputs(world: int, rank: int) -> dict[str, str]:
         "strategy on one rank": lambda: distributed.attend(spec, *tensors(4), strategy="ring" if rank else "rings"),
         "negative slope on one rank": lambda: distributed.attend(
             spec, *tensors(4), alibi_slopes=torch.tensor([0.5, 0.25, -1.0 if rank == world - 1 else 0.0, 0.125])
+        ),
+        "mask program on one rank": lambda: distributed.attend(
+            spec, *tensors(4), mask_mod=(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if rank == 0 else None
         ),
     }
     raised = {}
@@ -237,7 +262,15 @@ def _traffic(world: int) -> dict[str, Any]:
     ids = distributed.shard(torch.tensor([_packed(TRAFFIC["documents"], length)]), sharding="zigzag", seq_axis=1)
     with torch.no_grad(), torch_cp.recording() as traffic:
         distributed.attend(spec, *local, q_segment_ids=ids, kv_segment_ids=ids)
-    return {"sent": sent, "blocks": traffic.blocks}
+    # The same documents as a mask program over global positions: the blocks it hides are skipped alike.
+    documents = torch.tensor([_packed(TRAFFIC["documents"], length)])
+
+    def same_document(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return (documents[b, q_idx] == documents[b, kv_idx]) & (documents[b, q_idx] >= 0)
+
+    with torch.no_grad(), torch_cp.recording() as program_traffic:
+        distributed.attend(spec, *local, mask_mod=same_document, backend=_program_backend())
+    return {"sent": sent, "blocks": traffic.blocks, "program blocks": program_traffic.blocks}
 
 
 def _child(rank: int, world: int, directory: str, cases: dict[str, tuple[Case, dict[str, np.ndarray]]]) -> None:
@@ -334,6 +367,7 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank(group: Any) -> None:
         "k dtype on one rank": "InvalidInputTypeError: k dtype differs across ranks",
         "strategy on one rank": "InvalidInputError: ",
         "negative slope on one rank": "InvalidInputError: ",
+        "mask program on one rank": "InvalidInputError: mask_mod differs across ranks",
     }
     for rank, report in enumerate(reports):
         for name, start in expected.items():
@@ -347,7 +381,8 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank(group: Any) -> None:
 def test_each_rank_sends_the_analytic_volume_and_skips_blocks_of_other_documents(group: Any) -> None:
     """Bytes sent per rank equal the analytic count of each strategy (K/V sized by Hkv; a windowed ring carries K/V
     only as far as some rank still sees them); the ring computes exactly the blocks with a visible pair, causal and
-    the same document, counted here by brute force on global positions."""
+    the same document (given as segment ids, or as a mask program), counted here by brute force on global
+    positions."""
     world, _, reports = group
     length = TRAFFIC["chunk"] * 2 * world
     position = np.arange(length)
@@ -372,6 +407,7 @@ def test_each_rank_sends_the_analytic_volume_and_skips_blocks_of_other_documents
         seen = sum(bool(visible[i * chunk : (i + 1) * chunk, j * chunk : (j + 1) * chunk].any())
                    for i in query_chunks for j in range(2 * world))  # fmt: skip
         assert report["traffic"]["blocks"] == seen, rank
+        assert report["traffic"]["program blocks"] == seen, rank
 
 
 def test_refuses_other_arrays_and_a_missing_group() -> None:

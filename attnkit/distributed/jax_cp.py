@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 
-from attnkit import api
+from attnkit import api, programs
 from attnkit.contract import alignment_offset, conjoin
 from attnkit.contract.jax import band_visibility, merge_partials
 from attnkit.distributed.sharding import (
@@ -41,6 +41,7 @@ from attnkit.distributed.sharding import (
     Strategy,
     alibi_plan,
     alibi_sides,
+    at_global_positions,
     block_plan,
     chunk_size,
     gather_order,
@@ -113,10 +114,12 @@ def attend_jax(
     backend: str = "auto",
     sinks: Any = None,
     alibi_slopes: Any = None,
+    mask_mod: Any = None,
 ) -> Any:
     """``attnkit.attend`` on a sequence sharded along mesh axis ``axis_name`` (§14), equal to the single-device call
     on the whole arrays in outputs and gradients; ``sinks`` (Hq,), replicated, join each row once after its blocks
-    are merged (§15); ``alibi_slopes`` (Hq,) or (B, Hq), replicated, are ALiBi's at global distances (§16).
+    are merged (§15); ``alibi_slopes`` (Hq,) or (B, Hq), replicated, are ALiBi's at global distances (§16);
+    ``mask_mod`` (§17) sees global positions (and under ulysses global heads), its captured arrays replicated.
 
     With ``mesh``: q, k, v (and segment ids) are whole arrays laid out by :func:`shard_jax`; out and lse come back
     so laid out (:func:`unshard_jax` restores global order). Without: called inside the caller's shard_map over
@@ -127,7 +130,9 @@ def attend_jax(
                 f"{name} is not taken by attnkit.distributed.attend on JAX arrays yet (got one of shape "
                 f"{tuple(value.shape)}); express the visibility with lengths or segment ids"
             )
-    config = _Config.make(spec, strategy, sharding, axis_name, backend)
+    if mask_mod is not None:
+        programs.check_arity(mask_mod)
+    config = _Config.make(spec, strategy, sharding, axis_name, backend, mask_mod)
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     optional = {"q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_ids": q_segment_ids, "kv_ids": kv_segment_ids,
@@ -148,19 +153,27 @@ def attend_jax(
 
 @dataclass(frozen=True)
 class _Config:
-    """What every device computes with: the spec, strategy, sharding, axis and backend."""
+    """What every device computes with: the spec, strategy, sharding, axis, backend and mask program (§17)."""
 
     spec: AttentionSpec
     strategy: Strategy
     sharding: Sharding
     axis_name: str
     backend: str
+    mask_mod: Any = None
 
     @classmethod
-    def make(cls, spec: AttentionSpec, strategy: str, sharding: str, axis_name: str, backend: str) -> _Config:
-        return cls(
-            spec, _choice(Strategy, "strategy", strategy), _choice(Sharding, "sharding", sharding), axis_name, backend
-        )
+    def make(
+        cls, spec: AttentionSpec, strategy: str, sharding: str, axis_name: str, backend: str, mask_mod: Any = None
+    ) -> _Config:
+        strategy_, sharding_ = _choice(Strategy, "strategy", strategy), _choice(Sharding, "sharding", sharding)
+        return cls(spec, strategy_, sharding_, axis_name, backend, mask_mod)
+
+    def block_program(self, q_start: Any = None, k_start: Any = None, h_start: Any = None) -> Any:
+        """The mask program of one local call: global positions from the (traced) starts on."""
+        if self.mask_mod is None:
+            return None
+        return at_global_positions(self.mask_mod, q_start, k_start, h_start)
 
     @property
     def seq_axis(self) -> int:
@@ -379,7 +392,7 @@ class _Geometry:
                 q_lengths=self._local_lengths(self.q_lengths, q_start, q.shape[seq_axis]),
                 kv_lengths=self._local_lengths(self.kv_lengths, k_start, k.shape[seq_axis]),
                 q_segment_ids=q_ids, kv_segment_ids=kv_ids, return_lse=True, backend=self.config.backend,
-                alibi_slopes=alibi_slopes,
+                alibi_slopes=alibi_slopes, mask_mod=self.config.block_program(q_start, k_start),
             )  # fmt: skip
 
         if side is None or side is AlibiSide.NATIVE:
@@ -456,14 +469,14 @@ def _ulysses(geometry: _Geometry, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
     q_ids = whole_ids(geometry.optional["q_ids"], to_global)
     kv_ids = whole_ids(geometry.optional["kv_ids"], kv_to_global)
     slopes = geometry.slopes
-    if slopes is not None:  # this device's query heads, as the all-to-all hands them out: the r-th of P equal groups
-        heads_here = slopes.shape[-1] // world
-        start = lax.axis_index(axis_name) * heads_here
-        slopes = lax.dynamic_slice_in_dim(slopes, start, heads_here, axis=slopes.ndim - 1)
+    heads_here = q.shape[head_axis] // world  # this device's query heads after the all-to-all: the r-th of P groups
+    first_head = lax.axis_index(axis_name) * heads_here
+    if slopes is not None:
+        slopes = lax.dynamic_slice_in_dim(slopes, first_head, heads_here, axis=slopes.ndim - 1)
     out, lse = api.attend(
         config.spec, heads_sharded(q, to_global), heads_sharded(k, kv_to_global), heads_sharded(v, kv_to_global),
         q_lengths=geometry.q_lengths, kv_lengths=geometry.kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-        return_lse=True, backend=config.backend, alibi_slopes=slopes,
+        return_lse=True, backend=config.backend, alibi_slopes=slopes, mask_mod=config.block_program(h_start=first_head),
     )  # fmt: skip
     out = lax.all_to_all(jnp.take(out, q_order, axis=seq_axis), axis_name, seq_axis, head_axis, tiled=True)
     lse = lax.all_to_all(jnp.take(lse, q_order, axis=2), axis_name, 2, 1, tiled=True)

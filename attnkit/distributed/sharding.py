@@ -10,6 +10,7 @@ A rank's local tensor is its chunks concatenated along the sequence axis.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -157,6 +158,24 @@ def alibi_sides(side: AlibiSide, slope: Any, rows: Any, cols: Any, offset: Any) 
         return [ahead]
     at_or_behind = rows + offset - cols >= 0  # (B|1, 1, chunk q, chunk k)
     return [(at_or_behind, *behind[1:]), (~at_or_behind, *ahead[1:])]
+
+
+def at_global_positions(
+    mask_mod: Callable[..., Any], q_start: Any = None, k_start: Any = None, h_start: Any = None
+) -> Callable[..., Any]:
+    """``mask_mod`` (§17) as one local call of a sharded one runs it: its queries and keys are the contiguous global
+    positions from ``q_start`` and ``k_start`` on (a block is one chunk of each, zigzag too), its query heads from
+    ``h_start`` (Ulysses' head shard); None leaves an index as the local call's. The starts are 0-d integer tensors
+    or arrays the wrapper captures: every block shares one program (and a kernel's cache of it), its place being a
+    captured value, never a constant of the program."""
+
+    def shifted(index: Any, start: Any) -> Any:
+        return index if start is None else index + start
+
+    def at_global(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return mask_mod(b, shifted(h, h_start), shifted(q_idx, q_start), shifted(kv_idx, k_start))
+
+    return at_global
 
 
 def ring_hops(spec: AttentionSpec, len_q: int, len_k: int, world: int, sharding: Sharding, has_lengths: bool) -> int:

@@ -23,9 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from attnkit import errors
+from attnkit import errors, programs
 from attnkit.api import attend as local_attend
 from attnkit.contract import conjoin, within_band
+from attnkit.contract.programs import EMPTY, tile_classes
 from attnkit.contract.torch import block_of, compute_dtype
 from attnkit.distributed.sharding import (
     AlibiSide,
@@ -34,6 +35,7 @@ from attnkit.distributed.sharding import (
     Strategy,
     alibi_plan,
     alibi_sides,
+    at_global_positions,
     block_plan,
     chunk_size,
     gather_order,
@@ -268,6 +270,7 @@ class _Call:
     bias: torch.Tensor | None
     backend: str
     alibi_slopes: torch.Tensor | None  # as given: (Hq,) or (B, Hq), float32, the same on every rank
+    mask_mod: Callable[..., Any] | None = None  # §17, on global positions: the same program on every rank
 
     @property
     def chunk_q(self) -> int:
@@ -299,6 +302,7 @@ def _validated(
     backend: str,
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> _Call:
     world, rank = _world(group)
 
@@ -319,6 +323,7 @@ def _validated(
         if alibi_slopes is not None:  # its values too: a negative slope on one rank raises on every rank
             heads_q = q.shape[2 if spec.layout is Layout.BSHD else 1]
             checked_slopes(ops_for(q), alibi_slopes, q.shape[0], heads_q, ops_for(q).device(q), check_values=True)
+        facts["mask_mod"] = None if mask_mod is None else _global_program(spec, q, k, world, mask_mod)
         return facts
 
     facts = _agree(group, world, rank, describe)
@@ -348,7 +353,17 @@ def _validated(
             tensors = {**tensors, name: x[(None,) * (4 - x.ndim)]}
     _check_global_call(spec, tensors, seq_axis, len_q, len_k, facts)
     return _Call(spec, group, world, rank, sharding, seq_axis, len_q, len_k, tensors["q_lengths"],
-                 tensors["kv_lengths"], tensors["mask"], tensors["bias"], backend, alibi_slopes)  # fmt: skip
+                 tensors["kv_lengths"], tensors["mask"], tensors["bias"], backend, alibi_slopes, mask_mod)  # fmt: skip
+
+
+def _global_program(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, world: int, mask_mod: Any) -> str:
+    """``mask_mod`` bound to the global call (traced, its captured tensors checked, its integers within int32 over
+    every global position), as the ranks compare it: the program and its captured tensors' shapes and dtypes."""
+    seq_axis = 1 if spec.layout is Layout.BSHD else 2
+    heads_q = q.shape[3 - seq_axis]
+    bound = programs.bind(mask_mod, ops_for(q), q, q.shape[0], heads_q, q.shape[seq_axis] * world,
+                          k.shape[seq_axis] * world)  # fmt: skip
+    return f"{bound.program} over {[(c.shape, c.dtype) for c in bound.program.captured]}"
 
 
 def _check_global_call(
@@ -451,6 +466,29 @@ def _segments_meet(q_ids: torch.Tensor, kv_ids: Any) -> bool:
     return bool(((q_lo <= k_hi) & (k_lo <= q_hi)).any())
 
 
+def _HIDDEN(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+    """What :func:`_block_program` gives for a block the program hides whole (never called)."""
+    raise AssertionError("a hidden block is not computed")
+
+
+def _block_program(call: _Call, q: torch.Tensor, q_span: range, k_span: range) -> Callable[..., Any] | None:
+    """The call's program at the block's global positions (0-d offsets it captures), :func:`_HIDDEN` where it sees
+    no pair of the block (its tile classes, the block one tile), None without a program."""
+    if call.mask_mod is None:
+        return None
+    device = q.device
+    mask_mod = at_global_positions(
+        call.mask_mod,
+        torch.tensor(q_span.start, dtype=torch.int32, device=device),
+        torch.tensor(k_span.start, dtype=torch.int32, device=device),
+    )
+    batch, heads = q.shape[0], q.shape[3 - call.seq_axis]
+    rows, cols = len(q_span), len(k_span)
+    bound = programs.bind(mask_mod, ops_for(q), q, batch, heads, rows, cols)
+    classes = tile_classes(bound, batch, heads, rows, cols, rows, cols, q)
+    return _HIDDEN if bool((classes == EMPTY).all()) else mask_mod
+
+
 def _block(
     call: _Call, q: torch.Tensor, q_span: range, q_rows: slice, q_ids: torch.Tensor | None, keys: _KeyShard,
     k_span: range, k_cols: slice, bias: torch.Tensor | None,
@@ -463,6 +501,9 @@ def _block(
     plan = block_plan(spec, q_span, k_span, call.len_q, call.len_k, has_lengths)
     kv_ids = keys.segment_ids[:, k_cols] if keys.segment_ids is not None else None
     if plan.kind is BlockKind.HIDDEN or (q_ids is not None and not _segments_meet(q_ids, kv_ids)):
+        return None
+    mask_mod = _block_program(call, q, q_span, k_span)
+    if mask_mod is _HIDDEN:
         return None
     if _traffic is not None:
         _traffic.blocks += 1
@@ -481,7 +522,7 @@ def _block(
         return local_attend(  # type: ignore[no-any-return]
             plan.spec, q, k, v, mask=mask, bias=bias, q_lengths=_clipped(call.q_lengths, q_span),
             kv_lengths=_clipped(call.kv_lengths, k_span), q_segment_ids=q_ids, kv_segment_ids=kv_ids,
-            return_lse=True, backend=call.backend, alibi_slopes=alibi_slopes,
+            return_lse=True, backend=call.backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
         )  # fmt: skip
 
     if side is None or side is AlibiSide.NATIVE:
@@ -609,11 +650,15 @@ def _ulysses(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Pa
     if slopes is not None:  # this rank's query heads, as the all-to-all hands them out: the r-th of P equal groups
         heads_here = slopes.shape[-1] // world
         slopes = slopes[..., call.rank * heads_here : (call.rank + 1) * heads_here]
+    mask_mod = call.mask_mod
+    if mask_mod is not None:  # the whole sequence in global order; this rank's query heads the r-th of P groups
+        first_head = torch.tensor(q.shape[heads] // world * call.rank, dtype=torch.int32, device=q.device)
+        mask_mod = at_global_positions(mask_mod, h_start=first_head)
     out, lse = local_attend(
         call.spec, heads_of(q), heads_of(k), heads_of(v),
         q_lengths=call.q_lengths, kv_lengths=call.kv_lengths,
         q_segment_ids=everywhere(q_ids), kv_segment_ids=everywhere(kv_ids),
-        return_lse=True, backend=call.backend, alibi_slopes=slopes,
+        return_lse=True, backend=call.backend, alibi_slopes=slopes, mask_mod=mask_mod,
     )  # fmt: skip
     order = gather_order(call.len_q, world, call.sharding)
     out = _AllToAll.apply(_reordered(out, seq, order), group, seq, heads)
@@ -836,13 +881,15 @@ def attend_torch(
     backend: str = "auto",
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    mask_mod: Callable[..., Any] | None = None,
 ) -> Any:
     """§14 on torch tensors: this rank's shards in, this rank's shard of out (and lse) back. A collective: every rank
     of ``group`` calls it; a bad input on any rank raises a typed error on every rank. ``sinks`` join each local row
-    once, after its blocks are merged (§15); ``alibi_slopes`` (§16) enter each block at its global distances."""
+    once, after its blocks are merged (§15); ``alibi_slopes`` (§16) enter each block at its global distances;
+    ``mask_mod`` (§17) sees global positions, and blocks it hides whole are not computed."""
     tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_segment_ids": q_segment_ids,
                "kv_segment_ids": kv_segment_ids, "mask": mask, "bias": bias}  # fmt: skip
-    call = _validated(spec, tensors, group, strategy, sharding, backend, sinks, alibi_slopes)
+    call = _validated(spec, tensors, group, strategy, sharding, backend, sinks, alibi_slopes, mask_mod)
     out, lse = _STRATEGIES[_strategy(strategy)](call, q, k, v, q_segment_ids, kv_segment_ids)
     if sinks is not None:  # the local rows' global positions count q_lengths
         positions = torch.cat([torch.arange(span.start, span.stop, device=q.device) for span in call.q_spans()])

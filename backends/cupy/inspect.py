@@ -166,9 +166,9 @@ def cache_dir() -> Path:
 
 
 def source_text(options: tuple[str, ...]) -> str:
-    """The kernel source a variant compiles: with -DHAS_PROGRAM=1, the program of every operation spliced in
+    """The kernel source a variant compiles: with -DHAS_MASK_PROGRAM=1, the program of every operation spliced in
     (programs.every_operation), as the launcher splices a call's program."""
-    code = programs.program_code(programs.every_operation()) if "-DHAS_PROGRAM=1" in options else ""
+    code = programs.program_code(programs.every_operation()) if "-DHAS_MASK_PROGRAM=1" in options else ""
     return programs.splice(launch.SOURCE.read_text(), code)
 
 

@@ -8,7 +8,7 @@
 // NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_FORWARD / REGISTER_DQ / REGISTER_DKDV (which
 // body that kernel compiles), and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS,
 // HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32,
-// PAGED, SPLIT_K, ATOMIC_DQ, HAS_PROGRAM (0 or 1): a call without a feature compiles without its code.
+// PAGED, SPLIT_K, ATOMIC_DQ, HAS_MASK_PROGRAM (0 or 1): a call without a feature compiles without its code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -24,7 +24,7 @@
 // attnkit.contract.kernels.segment_ranges; a (query tile, key tile) pair whose ranges do not overlap shares no id
 // and is skipped inside the band's loop, before any of its operands is loaded.
 //
-// A mask program (HAS_PROGRAM, §17) adds mask_program(b, h, i, j) with h the query head: a __device__ function that
+// A mask program (HAS_MASK_PROGRAM, §17) adds mask_program(b, h, i, j) with h the query head: a __device__ function that
 // backends/cupy/programs.py generates from the traced mask_mod and splices in at the marker below, reading its
 // captured tensors (int32, contiguous, sizes as arguments) with every index clamped into the shape. Block sparsity
 // comes from the program's tile classes (attnkit.contract.programs.tile_classes, one byte per (b, h, query tile, key
@@ -427,10 +427,10 @@ __device__ __forceinline__ int floor_mod(int a, int b) {
 #define TILE_PARTIAL 1
 #define TILE_FULL 2
 
-#if HAS_PROGRAM
+#if HAS_MASK_PROGRAM
 // MASK_PROGRAM: backends/cupy/programs.py splices the generated program here
 #ifndef MASK_PROGRAM_SPLICED
-#error "HAS_PROGRAM compiles a source with a program spliced in (backends/cupy/programs.splice)"
+#error "HAS_MASK_PROGRAM compiles a source with a program spliced in (backends/cupy/programs.splice)"
 #endif
 // The program's kernel arguments, last in every kernel's list: the tile classes (B|1, Hq|1, query tiles, key
 // tiles) with their strides (0 on a size-1 axis; key tiles contiguous), then each captured tensor and its sizes.
@@ -452,7 +452,7 @@ struct Program {};
 // The class of the tile at (row_start, key_start) for one (batch, query head); FULL without a program.
 __device__ __forceinline__ int program_tile_class(const Program& program, int batch, int head, int row_start,
                                                   int key_start) {
-#if HAS_PROGRAM
+#if HAS_MASK_PROGRAM
     return program.classes[batch * program.classes_b + head * program.classes_h +
                            (row_start / BLOCK_M) * program.classes_q + key_start / BLOCK_N];
 #else
@@ -561,7 +561,7 @@ __device__ __forceinline__ void query_span(int key_start, Geometry g, int lower,
 __device__ __forceinline__ void interior_key_tiles(int row_start, Geometry g, int lower, int upper, int first, int end,
                                                    int& interior_first, int& interior_end) {
     interior_first = interior_end = end;
-    if (HAS_MASK || HAS_SEGMENT_IDS || HAS_PROGRAM || row_start + BLOCK_M > g.q_len) return;
+    if (HAS_MASK || HAS_SEGMENT_IDS || HAS_MASK_PROGRAM || row_start + BLOCK_M > g.q_len) return;
     interior_first = first;
     if (HAS_LOWER)
         interior_first =
@@ -577,7 +577,7 @@ __device__ __forceinline__ void interior_key_tiles(int row_start, Geometry g, in
 __device__ __forceinline__ void interior_query_tiles(int key_start, Geometry g, int lower, int upper, int first,
                                                      int end, int& interior_first, int& interior_end) {
     interior_first = interior_end = end;
-    if (HAS_MASK || HAS_SEGMENT_IDS || HAS_PROGRAM || key_start + BLOCK_N > g.kv_len) return;
+    if (HAS_MASK || HAS_SEGMENT_IDS || HAS_MASK_PROGRAM || key_start + BLOCK_N > g.kv_len) return;
     interior_first = first;
     if (HAS_UPPER)
         interior_first =
@@ -610,7 +610,7 @@ __device__ __forceinline__ bool visible(int row, int col, Geometry g, int lower,
     if (HAS_UPPER && rel > upper) return false;
     if (HAS_MASK && planes.mask[row * planes.mask_m + col * planes.mask_n] == 0) return false;
     if (HAS_SEGMENT_IDS && (g.q_ids[row] < 0 || g.q_ids[row] != g.kv_ids[col])) return false;
-#if HAS_PROGRAM
+#if HAS_MASK_PROGRAM
     if (program_tile != TILE_FULL && !mask_program(planes.batch, planes.head, row, col, planes.program.captured))
         return false;
 #endif
@@ -1300,7 +1300,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     };
     const int row_first = meeting_tile(head_kv * group, first), head_end = head_kv * group + group;
     int head = head_kv * group, row_start = row_first, stage = 0;
-#if HAS_PROGRAM  // the classes differ by head: the first head with a live query tile
+#if HAS_MASK_PROGRAM  // the classes differ by head: the first head with a live query tile
     while (row_start >= end && ++head < head_end) row_start = meeting_tile(head, first);
 #endif
     load_tile_async<BLOCK_N, BLOCK_D>(k_tile, k + batch * k_b + head_kv * k_h, k_n, key_start, g.kv_len, HEAD_DIM,
@@ -1328,7 +1328,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
         cp_async_wait<0>();
         __syncthreads();  // the query tile has landed for every thread; every warp is done with the other stage
         int next_head = head, next_row = meeting_tile(head, row_start + BLOCK_M);
-#if HAS_PROGRAM  // each head's first live query tile, the classes differing by head
+#if HAS_MASK_PROGRAM  // each head's first live query tile, the classes differing by head
         while (next_row >= end && ++next_head < head_end) next_row = meeting_tile(next_head, first);
 #else
         if (next_row >= end) next_head += 1, next_row = row_first;
