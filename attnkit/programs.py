@@ -46,7 +46,8 @@ def check_arity(mask_mod: Any) -> None:
 
 def trace(mask_mod: Callable[..., Any], framework: Framework) -> tuple[MaskProgram, tuple[Any, ...]]:
     """``mask_mod``'s program and the tensors it captured, traced again only where its fingerprint changed."""
-    check_arity(mask_mod)
+    if not callable(mask_mod):
+        check_arity(mask_mod)
     fingerprint = _fingerprint(mask_mod, framework)
     try:
         with _lock:
@@ -55,6 +56,7 @@ def trace(mask_mod: Callable[..., Any], framework: Framework) -> tuple[MaskProgr
         hit = None
     if hit is not None and hit[0] == fingerprint:
         return hit[1], hit[2]
+    check_arity(mask_mod)
     if framework is Framework.TORCH:
         from attnkit.frontends import torch_programs as tracer
     else:

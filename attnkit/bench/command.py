@@ -254,6 +254,11 @@ def run_programs(args: argparse.Namespace, out: TextIO) -> int:
     """--what masks --programs: cpu-flash's mask programs; the fraction sweep and the classification's share at the
     shortest and longest L."""
     seq_lens = _csv(args.seq_lens, int) or programs.PROGRAM_SEQ_LENS
+    peers = _csv(args.peer) or ()
+    if any(peer != "flex" for peer in peers):
+        print(f"attnkit bench: --what masks --programs takes --peer flex (SDPA is always timed), got {args.peer}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     with torch_threads(args.threads):
         result = programs.bench_programs(
             seq_lens=seq_lens,
@@ -264,6 +269,7 @@ def run_programs(args: argparse.Namespace, out: TextIO) -> int:
             sweep_len=min(seq_lens),
             share_len=max(seq_lens),
             progress=_progress,
+            flex="flex" in peers,
         )
     print(programs.format_programs(result), file=out)
     if args.plot:

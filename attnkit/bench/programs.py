@@ -8,8 +8,10 @@ The programs: ``document-causal`` (8 equal documents, causal within each; native
 each; natively segment ids = the chunk + causal), ``local+global`` (bidirectional window of 128 plus 4 global tokens
 seen by and seeing everyone; natively only the window, without the global tokens: close, not the same mask).
 
-cpu-flash is called through the backend protocol (``forward``; ``recompute`` under autograd for fwd+bwd): the
-program reaches it as ``AttentionInputs.mask_program``.
+Every timed call is a public call: ``attnkit.attend(spec, q, k, v, mask_mod=..., backend="cpu-flash")`` (tracing
+cached, the classes cached: what a training loop's later calls pay), torch's SDPA with the mask built before timing,
+and torch's FlexAttention, compiled, with its block mask built before timing (``--peer flex``; its compile is not
+timed).
 """
 
 from __future__ import annotations
@@ -97,40 +99,54 @@ def _timed(
     return interleaved(functions, repeats, warmup)
 
 
-def _implementations(mask_mod: Callable[..., Any], native: Any, fields: dict[str, Any], q: Any, len_k: int,
-                     with_native: bool = True) -> tuple[dict[str, Callable[..., Any]], float]:  # fmt: skip
-    """The timed calls (cpu-flash with the program, SDPA with its dense mask, cpu-flash's native clause) and the
-    program's visible fraction."""
+def _implementations(
+    mask_mod: Callable[..., Any],
+    native: Any,
+    fields: dict[str, Any],
+    q: Any,
+    len_k: int,
+    with_native: bool = True,
+    flex: bool = False,
+) -> tuple[dict[str, Callable[..., Any]], float]:
+    """The timed calls (cpu-flash with the program, SDPA with its dense mask, cpu-flash's native clause, FlexAttention
+    with its block mask) and the program's visible fraction."""
     import torch.nn.functional as F
 
     import attnkit
-    from attnkit.backend import AttentionInputs
     from attnkit.contract.programs import dense
-    from attnkit.registry import get_backend
 
-    cpu_flash: Any = get_backend("cpu-flash")  # a RecomputingBackend: recompute is the forward under autograd
-    bound = _bound(mask_mod, q, len_k)
-    dense_mask = dense(bound, q.shape[0], q.shape[1], q.shape[2], len_k, q)  # (B|1, 1, L, L): built before timing
+    dense_mask = dense(_bound(mask_mod, q, len_k), q.shape[0], q.shape[1], q.shape[2], len_k, q)  # before timing
     plain = attnkit.AttentionSpec()
-
-    def with_program(q: Any, k: Any, v: Any) -> Any:
-        return cpu_flash.recompute(plain, AttentionInputs(q, k, v, mask_program=bound))[0]
-
     implementations = {
-        "program": with_program,
+        "program": lambda q, k, v: attnkit.attend(plain, q, k, v, mask_mod=mask_mod, backend="cpu-flash"),
         "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask),
     }
     if native is not None and with_native:
-        implementations["native"] = lambda q, k, v: cpu_flash.recompute(native, AttentionInputs(q, k, v, **fields))[0]
+        implementations["native"] = lambda q, k, v: attnkit.attend(native, q, k, v, backend="cpu-flash", **fields)
+    if flex:
+        implementations["flex"] = _flex(mask_mod, q, len_k)
     return implementations, float(dense_mask.float().mean())
 
 
-def _cell(kind: str, seq_len: int, dtype: str, pass_name: str, repeats: int, warmup: int) -> dict[str, Any]:
+def _flex(mask_mod: Callable[..., Any], q: Any, len_k: int) -> Callable[..., Any]:
+    """torch's FlexAttention with ``mask_mod``: the block mask built, and the kernel compiled, here."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    block_mask = create_block_mask(mask_mod, q.shape[0], q.shape[1], q.shape[2], len_k, device="cpu")
+    compiled = torch.compile(flex_attention)
+    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+
+
+def _cell(
+    kind: str, seq_len: int, dtype: str, pass_name: str, repeats: int, warmup: int, flex: bool = False
+) -> dict[str, Any]:
     batch, heads, head_dim = PROGRAM_SHAPE["batch"], PROGRAM_SHAPE["heads"], PROGRAM_SHAPE["head_dim"]
     shape = (batch, heads, seq_len, head_dim)
     q, k, v, dout = random_inputs("torch", shape, shape, dtype)
     mask_mod, native, fields = program(kind, seq_len)
-    implementations, fraction = _implementations(mask_mod, native, fields, q, seq_len)
+    # FlexAttention has no backward on CPU ("does not support backward on CPU"): a forward peer only.
+    implementations, fraction = _implementations(mask_mod, native, fields, q, seq_len, flex=flex and pass_name == "fwd")
     samples = _timed(implementations, q, k, v, dout, pass_name, repeats, warmup)
     cell = {
         "program": kind,
@@ -142,8 +158,9 @@ def _cell(kind: str, seq_len: int, dtype: str, pass_name: str, repeats: int, war
         "sdpa_ms": statistics.median(samples["sdpa"]) / 1e6,
         "program_over_sdpa": paired_ratio(samples, "program", "sdpa"),
     }
-    if "native" in samples:
-        cell["program_over_native"] = paired_ratio(samples, "program", "native")
+    for peer in ("native", "flex"):
+        if peer in samples:
+            cell[f"program_over_{peer}"] = paired_ratio(samples, "program", peer)
     return cell
 
 
@@ -216,6 +233,7 @@ def bench_programs(
     sweep_len: int | None = None,
     share_len: int | None = None,
     progress: Callable[[str], None] | None = None,
+    flex: bool = False,
 ) -> dict[str, Any]:
     """Paired ratios per (program, L, dtype, pass); the fraction sweep at ``sweep_len`` and the classification's
     share at ``share_len`` where given."""
@@ -223,7 +241,7 @@ def bench_programs(
     for seq_len, kind, dtype, pass_name in itertools.product(seq_lens, kinds, dtypes, passes):
         if progress:
             progress(f"{kind} L={seq_len} {dtype} {pass_name}")
-        cells.append(_cell(kind, seq_len, dtype, pass_name, repeats, warmup))
+        cells.append(_cell(kind, seq_len, dtype, pass_name, repeats, warmup, flex))
     result: dict[str, Any] = {
         "what": "masks --programs",
         "environment": environment("cpu"),
@@ -247,17 +265,18 @@ def format_programs(result: dict[str, Any]) -> str:
     shape = result["shape"]
     lines = [
         device_banner(result),
-        "cpu-flash with mask_mod / SDPA with the dense bool mask, and / cpu-flash's native clause: "
+        "cpu-flash with mask_mod / SDPA with the dense bool mask, / cpu-flash's native clause, / FlexAttention: "
         f"B={shape['batch']}, H={shape['heads']}, D={shape['head_dim']}; paired ratio = median over "
         f"{result['repeats']} interleaved repeats (native: segment ids + causal for document-causal and "
         "chunked-causal, window(128, 128) without the global tokens for local+global)",
     ]
-    header = ["program", "L", "dtype", "pass", "visible", "program ms", "sdpa ms", "program / sdpa", "program / native"]
+    header = ["program", "L", "dtype", "pass", "visible", "program ms", "sdpa ms", "program / sdpa", "program / native",
+              "program / flex"]  # fmt: skip
     rows = [
         [
             c["program"], str(c["len"]), c["dtype"], c["pass"], f"{c['visible']:.3f}", f"{c['program_ms']:.4g}",
             f"{c['sdpa_ms']:.4g}", f"{c['program_over_sdpa']:.3f}",
-            f"{c['program_over_native']:.3f}" if "program_over_native" in c else "-",
+            *(f"{c[f'program_over_{p}']:.3f}" if f"program_over_{p}" in c else "-" for p in ("native", "flex")),
         ]
         for c in result["cells"]
     ]  # fmt: skip

@@ -172,6 +172,15 @@ class MaskProgram:
     def __str__(self) -> str:
         return str(self.expr)
 
+    def __hash__(self) -> int:
+        # Computed once: a program keys the per-call caches (class cache, range checks), and hashing the expression
+        # walks every node.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.expr, self.captured, self.name))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
 
 @dataclass(frozen=True, eq=False)
 class BoundProgram:
