@@ -248,8 +248,6 @@ class PagedInputs(NamedTuple):
     kv_lengths: Any
     #: ALiBi slopes (docs/semantics.md §16), float32 (B|1, Hq); no gradient.
     alibi_slopes: Any = None
-    #: A bound mask program (as AttentionInputs'), its kv_idx a key's logical position in the sequence; or None.
-    mask_program: Any = None
 
 
 @dataclass(frozen=True, slots=True)

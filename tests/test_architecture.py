@@ -22,7 +22,6 @@ BACKEND_MAY_IMPORT = frozenset(
         "attnkit.contract.jax",
         "attnkit.contract.kernels",
         "attnkit.contract.kernel_checks",
-        "attnkit.contract.programs",
         "attnkit.contract.sass",
     }
 )

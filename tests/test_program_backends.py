@@ -14,9 +14,8 @@ import torch
 from attnkit.backends.reference.torch_naive import TorchNaiveBackend, oracle_attention
 
 from attnkit import AttentionSpec
-from attnkit.backend import AttentionInputs, PagedInputs
+from attnkit.backend import AttentionInputs
 from attnkit.contract.programs import EMPTY, BoundProgram, cached_tile_classes, dense
-from attnkit.contract.torch import gather_pages
 from attnkit.frontends import ops_for
 from attnkit.programs import bind
 from attnkit.testing.agreement import compare_outputs
@@ -301,31 +300,3 @@ def test_flex_block_mask_follows_the_program_tile_classes() -> None:
     assert torch.equal(full[0, 0], torch.eye(4, dtype=torch.bool))
     assert not partial.any()
     assert torch.equal(classes[0, 0] == EMPTY, ~torch.eye(4, dtype=torch.bool))
-
-
-def test_paged_program_reads_logical_key_positions() -> None:
-    """attend_paged's program sees kv_idx as the key's place in the sequence, wherever its block lies: torch-naive
-    and torch-chunked over a shuffled block table equal the oracle on the gathered keys."""
-    from attnkit.backends.reference.torch_chunked import TorchChunkedBackend
-
-    generator = torch.Generator().manual_seed(5)
-    block_size, blocks = 4, 12
-    k_cache = torch.randn(blocks, block_size, HEADS_KV, DIM, generator=generator)
-    v_cache = torch.randn(blocks, block_size, HEADS_KV, DIM, generator=generator)
-    table = torch.randperm(blocks, generator=generator).view(BATCH, blocks // BATCH).to(torch.int32)
-    kv_lengths = torch.tensor([21, 13])
-    q = torch.randn(BATCH, 3, HEADS_Q, DIM, generator=generator)
-    len_k = table.shape[1] * block_size
-    fn = _prefix_lm(3, len_k, generator)
-    bound = bind(fn, ops_for(q, "q"), q, BATCH, HEADS_Q, 3, len_k)
-    spec = AttentionSpec(causal=True, layout="bshd")
-    paged = PagedInputs(q, k_cache, v_cache, table, kv_lengths, mask_program=bound)
-    keys, values = gather_pages(k_cache, table), gather_pages(v_cache, table)
-    visible = dense(bound, BATCH, HEADS_Q, 3, len_k, q)
-    gathered = AttentionInputs(q.double(), keys.double(), values.double(), visible, kv_lengths=kv_lengths)
-    expected_out, expected_lse = oracle_attention(spec, gathered, torch.float64)
-    for backend in (TorchNaiveBackend(), TorchChunkedBackend(block_q=2, block_k=4)):
-        out, lse = backend.forward_paged(spec, paged, True)
-        torch.testing.assert_close(out.double(), expected_out, atol=2e-6, rtol=1e-5)
-        torch.testing.assert_close(lse.double(), expected_lse, atol=2e-6, rtol=1e-5)
-

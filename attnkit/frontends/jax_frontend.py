@@ -11,6 +11,7 @@ import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
 from attnkit.backend import AttentionInputs, Backend, Feature, Framework, Problem, Runner, own_forward
+from attnkit.contract.programs import BoundProgram
 from attnkit.errors import BackendUnavailableError, InvalidInputError
 from attnkit.spec import AttentionSpec
 
@@ -24,6 +25,15 @@ def sum_to_shape(gradient: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         gradient = gradient.sum(axis=tuple(range(leading)))
     axes = tuple(axis for axis, size in enumerate(shape) if size == 1 and gradient.shape[axis] != 1)
     return gradient.sum(axis=axes, keepdims=True) if axes else gradient
+
+
+# A call's mask program travels inside AttentionInputs through jit and custom_vjp: its captured arrays are the
+# leaves, the program (hashable) the static part.
+jax.tree_util.register_pytree_node(
+    BoundProgram,
+    lambda bound: (bound.captured, bound.program),
+    lambda program, captured: BoundProgram(program, tuple(captured)),
+)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(0, 1))

@@ -386,7 +386,6 @@ class JaxReferenceBackend(BaseBackend):
             values,
             kv_lengths=inputs.kv_lengths,
             alibi_slopes=inputs.alibi_slopes,
-            mask_program=inputs.mask_program,  # its kv_idx: the key's place in the gathered keys (§13)
         )
         return self.forward(spec, gathered, need_lse)
 

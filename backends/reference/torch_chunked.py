@@ -428,8 +428,7 @@ class TorchChunkedBackend(BaseBackend):
         len_q, len_k = q.shape[2], inputs.block_table.shape[1] * block_size
         scale = spec.resolved_scale(q.shape[-1])
         q_scale = scale / spec.softcap if spec.softcap is not None else scale
-        # A mask program's kv_idx is the key's logical position (§13): the tiles' key positions.
-        lengths = AttentionInputs(inputs.q, None, None, kv_lengths=inputs.kv_lengths, mask_program=inputs.mask_program)
+        lengths = AttentionInputs(inputs.q, None, None, kv_lengths=inputs.kv_lengths)
         geometry = _Geometry(spec, lengths, heads_kv, len_q, len_k)
         pages = _Pages(inputs.block_table, inputs.kv_lengths, spec, dtype)
         alibi = _alibi(inputs.alibi_slopes, heads_kv, dtype)

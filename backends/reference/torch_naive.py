@@ -93,8 +93,7 @@ class TorchNaiveBackend(RecomputingBackend):
     def forward_paged(
         self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """§13 literally: the blocks gathered into contiguous (bshd) keys, then the oracle with kv_lengths (a mask
-        program's kv_idx is the key's logical position, its place in the gathered keys)."""
+        """§13 literally: the blocks gathered into contiguous (bshd) keys, then the oracle with kv_lengths."""
         keys, values = (
             gather_pages(inputs.k_cache, inputs.block_table),
             gather_pages(inputs.v_cache, inputs.block_table),
@@ -107,6 +106,5 @@ class TorchNaiveBackend(RecomputingBackend):
             values,
             kv_lengths=inputs.kv_lengths,
             alibi_slopes=inputs.alibi_slopes,
-            mask_program=inputs.mask_program,
         )
         return self.forward(spec, gathered, need_lse)
