@@ -366,6 +366,12 @@ def compiled_program(program: MaskProgram) -> Callable[..., Any]:
     return namespace["program"]  # type: ignore[no-any-return]
 
 
+def _static_view(tensor: torch.Tensor) -> torch.Tensor:
+    view = tensor.view(tensor.shape)
+    torch._dynamo.mark_static(view)
+    return view
+
+
 def _program_blocks(
     bound: BoundProgram, batch: int, heads: int, len_q: int, len_k: int, kernel_len_q: int, kernel_len_k: int,
     like: torch.Tensor,
@@ -434,7 +440,9 @@ def _mods(
     lower, upper = (torch.tensor(side, device=device) if side is not None else None for side in band_sides)
     sink_index, sink_scores = sink if sink is not None else (-1, None)
     program_function = compiled_program(program.program) if program is not None else None
-    captured = program.captured if program is not None else ()
+    # Views of the captured tables marked static: dynamo would make a table dynamic once its shape changes between
+    # calls, and a data-dependent read of a dynamic table cannot be traced. Views: the user's tensors stay unmarked.
+    captured = [_static_view(t) for t in program.captured] if program is not None else []
 
     def score_mod(score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         score = score * scale_t
