@@ -186,7 +186,8 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
             whole["dbias"] = dbias
         else:
             whole["dbias"] = distributed.unshard(dbias, sharding=sharding, seq_axis=bias_rows)
-    if dsinks is not None:  # each rank's rows' share
+    if dsinks is not None:  # each rank's rows' share, summed in float32 (docs/distributed.md)
+        dsinks = dsinks.float()
         dist.all_reduce(dsinks)
         whole["dsinks"] = dsinks
     return {name: x.double().numpy() for name, x in whole.items()}

@@ -302,6 +302,9 @@ _ELEMENTWISE: dict[str, Callable[..., Expr]] = {
     "convert_element_type": _convert,
     "copy": lambda params, dtypes, dtype, x: x,
     "copy_p": lambda params, dtypes, dtype, x: x,
+    # shard_map's marking of a value as varying over a mesh axis (a program called on a device's block): its type
+    # changes, not its value.
+    "pvary": lambda params, dtypes, dtype, x: x,
 }
 _ARITHMETIC = frozenset({"add", "sub", "mul", "div", "rem", "neg", "abs", "integer_pow"})
 
