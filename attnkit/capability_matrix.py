@@ -37,7 +37,7 @@ FEATURE_MEANINGS: dict[str, str] = {
     "paged": "`attend_paged`: a paged KV cache read where its blocks lie (§13; forward only)",
     "alibi": "`alibi_slopes`: ALiBi's −slope·|i + off − j| on every score, computed from positions (§16)",
     "mask_program": "`mask_mod`: a mask program evaluated in the backend's tiles, empty tiles skipped; "
-    "\"materialised\": served as a dense (Lq, Lk) mask (§17)",
+    '"materialised": served as a dense (Lq, Lk) mask (§17)',
 }
 # Spec features first (what is computed), then call features (what is passed), each alphabetical.
 FEATURE_ORDER: tuple[str, ...] = (*sorted(SPEC_FEATURES), *sorted(CALL_FEATURES))

@@ -690,4 +690,3 @@ def cached_tile_classes(
 
 def replace_captured(bound: BoundProgram, captured: Sequence[Any]) -> BoundProgram:
     return dataclasses.replace(bound, captured=tuple(captured))
-
