@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnkit import autotune, config, dispatch, op_calls
+from attnkit import autotune, config, dispatch, op_calls, programs
 from attnkit.backend import AttentionInputs, Backend, Problem, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
@@ -133,6 +133,8 @@ def attend(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes,
         mask_mod=mask_mod,
     )  # fmt: skip
+    if mask_mod is not None:
+        spec, inputs, problem = programs.band_apart(spec, inputs, problem)
     # An eager call with values: where the cost table cannot decide, auto may time the contenders on it.
     trial = autotune.Trial(ops, spec, problem, inputs) if backend == config.AUTO else None
     chosen, per_class = dispatch.select_call(spec, problem, backend, trial)
@@ -182,6 +184,8 @@ def explain(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse or sinks is not None, q_segment_ids,
         kv_segment_ids, alibi_slopes, mask_mod=mask_mod,
     )  # fmt: skip
+    if mask_mod is not None:
+        spec, inputs, problem = programs.band_apart(spec, inputs, problem)
     # A dry run: what measuring attend's call would do (or why it would not), never timing anything.
     return explain_problem(spec, problem, autotune.Trial(ops, spec, problem, inputs, dry_run=True))
 

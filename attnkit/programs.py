@@ -9,6 +9,7 @@ fingerprint); new values in the same tensors never re-trace.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import threading
@@ -18,7 +19,14 @@ from collections.abc import Callable
 from typing import Any
 
 from attnkit.backend import Framework
-from attnkit.contract.programs import BoundProgram, CapturedSpec, MaskProgram, replace_captured, whole_range
+from attnkit.contract.programs import (
+    BoundProgram,
+    CapturedSpec,
+    MaskProgram,
+    band_of,
+    replace_captured,
+    whole_range,
+)
 from attnkit.errors import MaskProgramError
 
 _traces: weakref.WeakKeyDictionary[Any, tuple[Any, MaskProgram, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
@@ -166,3 +174,33 @@ def _fingerprint(function: Any, framework: Framework) -> tuple[Any, ...]:
 
     visit(function, 0)
     return tuple(parts)
+
+
+def band_apart(spec: Any, inputs: Any, problem: Any) -> tuple[Any, Any, Any]:
+    """(spec, inputs, problem) with the program's band moved into the spec (docs/semantics.md §17, "Bands"): where
+    the spec has neither causal nor window nor ALiBi (whose distances the alignment would move), the conjuncts that
+    bound kv_idx − q_idx become a top-left causal clause or window, and the program keeps the rest (none: the call
+    has no program). The same visibility; the backends' band machinery then trims each query block's keys."""
+    bound = inputs.mask_program
+    if bound is None or spec.causal or spec.window is not None or inputs.alibi_slopes is not None:
+        return spec, inputs, problem
+    split = _band_split(spec, bound.program)
+    if split is None:
+        return spec, inputs, problem
+    banded, rest = split
+    if rest is None:
+        return banded, inputs._replace(mask_program=None), dataclasses.replace(problem, has_mask_program=False)
+    return banded, inputs._replace(mask_program=BoundProgram(rest, bound.captured)), problem
+
+
+@functools.lru_cache(maxsize=256)
+def _band_split(spec: Any, program: MaskProgram) -> tuple[Any, MaskProgram | None] | None:
+    found = band_of(program.expr)
+    if found is None:
+        return None
+    (lo, hi), rest = found
+    left = None if lo == -float("inf") else int(-lo)
+    right = None if hi in (0, float("inf")) else int(hi)
+    window = None if left is None and right is None else (left, right)
+    banded = type(spec)(**{**dict(spec), "causal": hi == 0, "window": window, "causal_alignment": "top_left"})
+    return banded, None if rest is None else MaskProgram(rest, program.captured, program.name)

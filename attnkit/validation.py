@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from attnkit import programs
 from attnkit.backend import AttentionInputs, Problem
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_for
@@ -122,9 +123,7 @@ def prepare(
         alibi_slopes = checked_slopes(ops, alibi_slopes, batch, heads_q, device, check_values)
 
     program = None
-    if mask_mod is not None:
-        from attnkit import programs  # a call without a program never imports the tracers
-
+    if mask_mod is not None:  # (the tracers are imported by the first trace)
         program = programs.bind(mask_mod, ops, q, batch, heads_q, len_q, len_k)
     inputs = AttentionInputs(
         q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, program

@@ -11,8 +11,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import attnkit
 from attnkit.backend import Framework
-from attnkit.contract.programs import EMPTY, FULL, BoundProgram, array_ops, evaluate, tile_classes
+from attnkit.contract.programs import EMPTY, FULL, BoundProgram, array_ops, band_of, evaluate, tile_classes
 from attnkit.errors import MaskProgramError
 from attnkit.frontends import ops_for
 from attnkit.programs import bind, trace
@@ -70,6 +71,46 @@ def test_tile_classes_are_sound(drawn: tuple, block_q: int, block_k: int, refine
                         assert not tile[b, h].any(), f"tile ({tq}, {tk}) of {bound.expr} is visible but EMPTY"
                     if classes[b, h, tq, tk] == FULL:
                         assert tile[b, h].all(), f"tile ({tq}, {tk}) of {bound.expr} is hidden in part but FULL"
+
+
+@settings(max_examples=60, deadline=None)
+@given(_drawn())
+def test_a_band_moved_into_the_spec_keeps_the_visibility(drawn: tuple) -> None:
+    """Where band_of splits a drawn program, lo <= kv_idx - q_idx <= hi AND the rest is the function's visibility."""
+    bound, expected, shape = drawn
+    found = band_of(bound.expr)
+    if found is None:
+        return
+    (lo, hi), rest = found
+    grid = _grid(*shape)
+    band = (grid["kv"] - grid["q"] >= lo) & (grid["kv"] - grid["q"] <= hi)
+    if rest is not None:
+        band = band & torch.as_tensor(evaluate(rest, array_ops(torch.zeros(())), grid, bound.captured))
+    assert (torch.broadcast_to(band, shape).numpy() == expected).all(), f"{bound.expr} -> {(lo, hi)}, {rest}"
+
+
+def test_a_band_conjunct_reaches_the_spec_only_where_it_can() -> None:
+    """A causal or windowed conjunct becomes the spec's top-left band (explain shows it; the program keeps the rest,
+    or the call has none); a strict or shifted band, a band inside an OR, a spec with its own band or ALiBi, keep
+    the program whole."""
+    q = torch.randn(1, 2, 6, 8)
+    documents = torch.tensor([[0, 0, 1, 1, 1, 2]])
+
+    def explained(spec: attnkit.AttentionSpec, mask_mod, **options) -> str:  # type: ignore[no-untyped-def]
+        return attnkit.explain(spec, q, q, q, mask_mod=mask_mod, **options).splitlines()[0]
+
+    plain = attnkit.AttentionSpec()
+    document_causal = lambda b, h, q_idx, kv_idx: (documents[b, q_idx] == documents[b, kv_idx]) & (kv_idx <= q_idx)  # noqa: E731
+    assert '"causal":true' in explained(plain, document_causal) and "top_left" in explained(plain, document_causal)
+    assert '"window":[2,2]' in explained(plain, lambda b, h, q_idx, kv_idx: abs(q_idx - kv_idx) <= 2)
+    assert "mask_program=False" in attnkit.explain(plain, q, q, q, mask_mod=lambda b, h, i, j: j <= i)
+    for spec, mask_mod, options in (
+        (plain, lambda b, h, q_idx, kv_idx: q_idx > kv_idx, {}),
+        (plain, lambda b, h, q_idx, kv_idx: (kv_idx <= q_idx) | (kv_idx < 2), {}),
+        (attnkit.AttentionSpec(window=(3, 3)), document_causal, {}),
+        (plain, document_causal, {"alibi_slopes": torch.tensor([0.5, 0.25])}),
+    ):
+        assert '"causal":true' not in explained(spec, mask_mod, **options), (spec, options)
 
 
 def test_a_flex_attention_mask_mod_runs_unchanged() -> None:

@@ -690,3 +690,97 @@ def cached_tile_classes(
 
 def replace_captured(bound: BoundProgram, captured: Sequence[Any]) -> BoundProgram:
     return dataclasses.replace(bound, captured=tuple(captured))
+
+
+# --- Bands in a program -----------------------------------------------------------------------------------------
+# A conjunct that bounds t = kv_idx − q_idx is a band: causal, or a window, in raw positions (top-left alignment).
+# Moved into the spec, a backend's own band machinery trims each query block's keys, where the program could only
+# classify whole tiles.
+
+_Linear = tuple[int, int, int]  # (coefficient of q_idx, of kv_idx, constant)
+
+
+def _linear(expr: Expr) -> _Linear | None:
+    """``expr`` as a·q_idx + c·kv_idx + k, or None where it is not one (reads, b, h, products of indices)."""
+    if expr.op == "index":
+        return {"q": (1, 0, 0), "kv": (0, 1, 0)}.get(str(expr.value))
+    if expr.op == "const" and expr.kind == "int":
+        return 0, 0, int(expr.value)  # type: ignore[arg-type]
+    parts = [_linear(arg) for arg in expr.args]
+    if any(part is None for part in parts):
+        return None
+    if expr.op == "neg":
+        ((a, c, k),) = parts  # type: ignore[misc]
+        return -a, -c, -k
+    if expr.op in ("add", "sub"):
+        (a1, c1, k1), (a2, c2, k2) = parts  # type: ignore[misc]
+        sign = 1 if expr.op == "add" else -1
+        return a1 + sign * a2, c1 + sign * c2, k1 + sign * k2
+    if expr.op == "mul":
+        (a1, c1, k1), (a2, c2, k2) = parts  # type: ignore[misc]
+        if a1 == c1 == 0:
+            return k1 * a2, k1 * c2, k1 * k2
+        if a2 == c2 == 0:
+            return k2 * a1, k2 * c1, k2 * k1
+    return None
+
+
+_FLIPPED = {"lt": "gt", "le": "ge", "gt": "lt", "ge": "le", "eq": "eq"}
+
+
+def _band_bounds(expr: Expr) -> tuple[float, float] | None:
+    """(lo, hi): the conjunct is exactly lo ≤ kv_idx − q_idx ≤ hi (an infinite side unbounded); None otherwise."""
+    if expr.op not in _FLIPPED or len(expr.args) != 2:
+        return None
+    left, right = expr.args
+    if right.op == "abs" and left.op != "abs":  # w >= |t| as |t| <= w
+        left, right, op = right, left, _FLIPPED[expr.op]
+    else:
+        op = expr.op
+    if left.op == "abs":  # |±t| <= w (or < w)
+        inner, bound = _linear(left.args[0]), _linear(right)
+        if inner is None or bound is None or inner[2] != 0 or abs(inner[0]) != 1 or inner[0] != -inner[1]:
+            return None
+        if bound[0] or bound[1] or op not in ("le", "lt"):
+            return None
+        width = bound[2] - (op == "lt")
+        return -width, width
+    a, b = _linear(left), _linear(right)
+    if a is None or b is None:
+        return None
+    cq, ckv, k = a[0] - b[0], a[1] - b[1], a[2] - b[2]  # cq·q + ckv·kv + k (op) 0
+    if (cq, ckv) == (-1, 1):  # t + k (op) 0: t (op) −k
+        bound = -k
+    elif (cq, ckv) == (1, -1):  # −t + k (op) 0: t (flipped op) k
+        bound, op = k, _FLIPPED[op]
+    else:
+        return None
+    inf = float("inf")
+    return {
+        "le": (-inf, bound), "lt": (-inf, bound - 1), "ge": (bound, inf), "gt": (bound + 1, inf), "eq": (bound, bound)
+    }[op]  # fmt: skip
+
+
+def conjuncts(expr: Expr) -> list[Expr]:
+    """The terms of ``expr``'s top-level AND (``expr`` itself when it is no AND)."""
+    if expr.op == "and" and expr.kind == "bool":
+        return [term for arg in expr.args for term in conjuncts(arg)]
+    return [expr]
+
+
+def band_of(expr: Expr) -> tuple[tuple[float, float], Expr | None] | None:
+    """((lo, hi), the rest): ``expr`` is lo ≤ kv_idx − q_idx ≤ hi AND the rest (None: nothing else), with lo ≤ 0 ≤ hi
+    so that a top-left causal clause or window expresses the band; None where no conjunct is such a band."""
+    lo, hi, rest = -float("inf"), float("inf"), []
+    for term in conjuncts(expr):
+        bounds = _band_bounds(term)
+        if bounds is None:
+            rest.append(term)
+        else:
+            lo, hi = max(lo, bounds[0]), min(hi, bounds[1])
+    if len(rest) == len(conjuncts(expr)) or not lo <= 0 <= hi:
+        return None
+    remaining = None
+    for term in rest:
+        remaining = term if remaining is None else build("and", remaining, term)
+    return (lo, hi), remaining
