@@ -245,7 +245,8 @@ def test_programs_bench_pairs_cpu_flash_with_sdpa_and_its_native_clauses(
 
     monkeypatch.setattr(timing, "MIN_SAMPLE_S", 0.001)  # one call per sample: this checks the plumbing, not speed
     target = tmp_path / "programs.json"
-    argv = ["bench", "--what", "masks", "--programs", "--seq-lens", "64", "--dtypes", "float32", "--repeats", "1"]
+    argv = ["bench", "--what", "masks", "--programs", "--seq-lens", "64", "--dtypes", "float32", "--repeats", "1",
+            "--no-memory"]  # fmt: skip
     code, out = run(capsys, *argv, "--warmup", "0", "--threads", "1", "--json", str(target))
     assert code == 0 and "program / sdpa" in out
     result = json.loads(target.read_text())

@@ -270,6 +270,7 @@ def run_programs(args: argparse.Namespace, out: TextIO) -> int:
             share_len=max(seq_lens),
             progress=_progress,
             flex="flex" in peers,
+            memory=not args.no_memory,
         )
     print(programs.format_programs(result), file=out)
     if args.plot:

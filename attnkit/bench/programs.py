@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from attnkit.bench.calls import random_inputs
+from attnkit.bench.peak_memory import print_peak, run_child
 from attnkit.bench.timing import device_banner, environment, interleaved, paired_ratio
 from attnkit.tables import format_table
 
@@ -217,6 +218,39 @@ def classification_share(seq_len: int) -> list[dict[str, Any]]:
     return rows
 
 
+_MEMORY_CHILD = "import sys; from attnkit.bench.programs import _memory_child as m; m(sys.argv[1], int(sys.argv[2]))"
+MEMORY_KINDS = ("document-causal", "local+global")
+
+
+def _memory_child(kind: str, seq_len: int) -> None:
+    """In a fresh process: print the peak RSS growth of one forward+backward of ``kind`` through cpu-flash."""
+    import torch
+
+    import attnkit
+
+    torch.set_num_threads(1)
+    shape = (PROGRAM_SHAPE["batch"], PROGRAM_SHAPE["heads"], seq_len, PROGRAM_SHAPE["head_dim"])
+
+    def run(length: int) -> Callable[[], None]:
+        q, k, v, dout = random_inputs("torch", shape[:2] + (length, shape[3]), shape[:2] + (length, shape[3]))
+        leaves = [t.requires_grad_(True) for t in (q, k, v)]
+        mask_mod = program(kind, length)[0]
+        spec = attnkit.AttentionSpec()
+        return lambda: attnkit.attend(spec, *leaves, mask_mod=mask_mod, backend="cpu-flash").backward(dout)
+
+    run(64)()  # load modules and the kernel before measuring
+    print_peak(run(seq_len))
+
+
+def program_memory(seq_lens: tuple[int, ...]) -> list[dict[str, Any]]:
+    """Peak extra host memory of a program's forward+backward on cpu-flash, per program and L (fresh processes)."""
+    return [
+        {"program": kind, "len": seq_len, **run_child(_MEMORY_CHILD, [kind, str(seq_len)], f"{kind} L={seq_len}")}
+        for kind in MEMORY_KINDS
+        for seq_len in seq_lens
+    ]
+
+
 def cpu_flash_spec() -> Any:
     import attnkit
 
@@ -234,6 +268,7 @@ def bench_programs(
     share_len: int | None = None,
     progress: Callable[[str], None] | None = None,
     flex: bool = False,
+    memory: bool = True,
 ) -> dict[str, Any]:
     """Paired ratios per (program, L, dtype, pass); the fraction sweep at ``sweep_len`` and the classification's
     share at ``share_len`` where given."""
@@ -258,6 +293,10 @@ def bench_programs(
         if progress:
             progress(f"classification share L={share_len}")
         result["classification"] = classification_share(share_len)
+    if memory:
+        if progress:
+            progress("peak memory")
+        result["memory"] = program_memory(seq_lens)
     return result
 
 
@@ -307,6 +346,22 @@ def format_programs(result: dict[str, Any]) -> str:
                         f"{r['classify_ms'] / (r['classify_ms'] + r['cached_call_ms']):.3f}",
                     ]
                     for r in result["classification"]
+                ],
+            )  # fmt: skip
+        )
+    if "memory" in result:
+        lines.append("\npeak extra memory of one forward+backward on cpu-flash, float32 (fresh process each)")
+        lines.append(
+            format_table(
+                ["program", "L", "peak extra MiB", "MiB per 1k positions"],
+                [
+                    [
+                        m["program"],
+                        str(m["len"]),
+                        f"{m['peak_extra_bytes'] / 2**20:.1f}",
+                        f"{m['peak_extra_bytes'] / 2**20 / (m['len'] / 1024):.2f}",
+                    ]
+                    for m in result["memory"]
                 ],
             )  # fmt: skip
         )
