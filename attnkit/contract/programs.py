@@ -600,8 +600,10 @@ def tile_classes(
     return classes
 
 
-#: At most this share of a call's tile pairs is evaluated element by element to refine its classes.
+#: At most this share of a call's tile pairs is evaluated element by element to refine its classes, this many
+#: elements at a time.
 REFINE_SHARE = 8
+REFINE_ELEMENTS = 1 << 20
 
 
 def _refine(
@@ -614,17 +616,21 @@ def _refine(
     count = partial.shape[0]
     if count == 0 or count > 16 + classes.numel() // REFINE_SHARE:
         return classes
-    b, h, tq, tk = (partial[:, axis].reshape(-1, 1, 1) for axis in range(4))
-    rows = torch.arange(block_q, device=classes.device).reshape(1, -1, 1) + tq * block_q
-    cols = torch.arange(block_k, device=classes.device).reshape(1, 1, -1) + tk * block_k
-    visible = evaluate(bound.expr, ops, {"b": b, "h": h, "q": rows, "kv": cols}, bound.captured)
-    visible = torch.broadcast_to(torch.as_tensor(visible, device=classes.device), (count, block_q, block_k))
-    in_range = (rows < len_q) & (cols < len_k)
-    any_visible = (visible & in_range).flatten(1).any(1)
-    all_visible = (visible | ~in_range).flatten(1).all(1)
-    refined = torch.where(all_visible, FULL, torch.where(any_visible, PARTIAL, EMPTY)).to(torch.uint8)
     classes = classes.clone()
-    classes[partial[:, 0], partial[:, 1], partial[:, 2], partial[:, 3]] = refined
+    # A bounded number of tiles at a time: the evaluation's temporaries stay O(REFINE_ELEMENTS), never O(Lq·Lk).
+    step = max(1, REFINE_ELEMENTS // (block_q * block_k))
+    for start in range(0, count, step):
+        chunk = partial[start : start + step]
+        b, h, tq, tk = (chunk[:, axis].reshape(-1, 1, 1) for axis in range(4))
+        rows = torch.arange(block_q, device=classes.device).reshape(1, -1, 1) + tq * block_q
+        cols = torch.arange(block_k, device=classes.device).reshape(1, 1, -1) + tk * block_k
+        visible = evaluate(bound.expr, ops, {"b": b, "h": h, "q": rows, "kv": cols}, bound.captured)
+        visible = torch.broadcast_to(torch.as_tensor(visible, device=classes.device), (len(chunk), block_q, block_k))
+        in_range = (rows < len_q) & (cols < len_k)
+        any_visible = (visible & in_range).flatten(1).any(1)
+        all_visible = (visible | ~in_range).flatten(1).all(1)
+        refined = torch.where(all_visible, FULL, torch.where(any_visible, PARTIAL, EMPTY)).to(torch.uint8)
+        classes[chunk[:, 0], chunk[:, 1], chunk[:, 2], chunk[:, 3]] = refined
     return classes
 
 
