@@ -92,7 +92,9 @@ def recording_cupy() -> tuple[Any, list[str]]:
         def tile(self, kernel: str, head_dim: int, dtype: str) -> Any:
             return launch.gpu_tile(kernel, head_dim, dtype)
 
-        def launch(self, kernel: Any, options: Any, grid: Any, block: Any, shared: int, args: Any) -> None:
+        def launch(
+            self, kernel: Any, options: Any, grid: Any, block: Any, shared: int, args: Any, program: str = ""
+        ) -> None:
             launched.append(str(kernel))
 
     return launch.CudaKernels(Recording()), launched

@@ -744,26 +744,26 @@ def _band_bounds(expr: Expr) -> tuple[float, float] | None:
     else:
         op = expr.op
     if left.op == "abs":  # |±t| <= w (or < w)
-        inner, bound = _linear(left.args[0]), _linear(right)
-        if inner is None or bound is None or inner[2] != 0 or abs(inner[0]) != 1 or inner[0] != -inner[1]:
+        inner, limit = _linear(left.args[0]), _linear(right)
+        if inner is None or limit is None or inner[2] != 0 or abs(inner[0]) != 1 or inner[0] != -inner[1]:
             return None
-        if bound[0] or bound[1] or op not in ("le", "lt"):
+        if limit[0] or limit[1] or op not in ("le", "lt"):
             return None
-        width = bound[2] - (op == "lt")
+        width = limit[2] - (op == "lt")
         return -width, width
     a, b = _linear(left), _linear(right)
     if a is None or b is None:
         return None
     cq, ckv, k = a[0] - b[0], a[1] - b[1], a[2] - b[2]  # cq·q + ckv·kv + k (op) 0
     if (cq, ckv) == (-1, 1):  # t + k (op) 0: t (op) −k
-        bound = -k
+        edge = -k
     elif (cq, ckv) == (1, -1):  # −t + k (op) 0: t (flipped op) k
-        bound, op = k, _FLIPPED[op]
+        edge, op = k, _FLIPPED[op]
     else:
         return None
     inf = float("inf")
     return {
-        "le": (-inf, bound), "lt": (-inf, bound - 1), "ge": (bound, inf), "gt": (bound + 1, inf), "eq": (bound, bound)
+        "le": (-inf, edge), "lt": (-inf, edge - 1), "ge": (edge, inf), "gt": (edge + 1, inf), "eq": (edge, edge)
     }[op]  # fmt: skip
 
 
