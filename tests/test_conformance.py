@@ -36,7 +36,10 @@ def _assert_agrees(backend: str, case: Case) -> None:
 
 def _agrees_on_a_drawn_call(backend: str, data: st.DataObject) -> None:
     capabilities = harness_capabilities(backend)
-    _assert_agrees(backend, data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend)), label="case"))
+    _assert_agrees(
+        backend,
+        data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend), programs_drawn=True), label="case"),
+    )
 
 
 @pytest.mark.parametrize("backend", backend_params(Framework.TORCH))
@@ -96,7 +99,9 @@ def test_jax_backend_agrees_with_the_oracle_under_x64(backend: str, data: st.Dat
 
     capabilities = attnkit.get_backend(backend).capabilities
     with jax.enable_x64(True):
-        case: Case = data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend)), label="case")
+        case: Case = data.draw(
+            cases(capabilities=capabilities, dtypes=drawable_dtypes(backend), programs_drawn=True), label="case"
+        )
         note(case.describe())
         failures = [str(c) for c in check_backend(case, backend) if not c.ok]
     assert not failures, f"{backend} under x64 disagrees on {case.describe()}:\n" + "\n".join(failures)
