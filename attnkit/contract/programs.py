@@ -258,8 +258,8 @@ class ArrayOps:
 
     def read(self, tensor: Any, indices: Sequence[Any]) -> Any:
         """``tensor`` at the broadcast ``indices`` (one per dimension), each clamped into the tensor's shape."""
-        if not indices:  # a 0-d tensor (a closure read at a Python int index before tracing saw it)
-            return tensor
+        if not indices:  # a 0-d tensor (a closure read at a Python int index before tracing saw it): a torch tensor
+            return tensor if self.name == "torch" else tensor[()]  # as it is (dynamo refuses t[()]); a ref loads
         clamped = []
         for size, position in zip(tensor.shape, indices):
             if isinstance(position, int):
