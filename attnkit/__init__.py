@@ -17,6 +17,7 @@ from attnkit.backend import (
     capability_reasons,
 )
 from attnkit.config import configure, current_config, use_backend, use_config
+from attnkit.dropout import dropout_keep_mask
 from attnkit.errors import (
     AttnkitError,
     BackendUnavailableError,
@@ -64,6 +65,7 @@ __all__ = [
     "capability_reasons",
     "configure",
     "current_config",
+    "dropout_keep_mask",
     "explain",
     "get_backend",
     "register_backend",

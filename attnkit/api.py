@@ -18,6 +18,7 @@ from attnkit.validation import check_length_values, check_lengths_against_shapes
 _cached_class = CACHE.length_classes.get
 _cached_call = CACHE.calls.get
 _scope_serial = CACHE.scope_serial
+_ZERO_TYPES = (float, int)
 
 
 def _routes_elsewhere(chosen: Backend, backend: str) -> bool:
@@ -44,6 +45,9 @@ def attend(
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
+    dropout_key: Any = None,
 ) -> Any:
     """Attention as ``spec`` defines it (docs/semantics.md), on torch tensors or JAX arrays.
 
@@ -57,6 +61,11 @@ def attend(
     ``mask_mod``: a mask program (§17), ``fn(b, h, q_idx, kv_idx) -> bool`` as FlexAttention's mask_mod (JAX
     operations in a JAX call), ANDed with every other clause; traced once per function, evaluated by the backend in
     its tiles (or materialised, where ``explain`` says so), with empty tiles skipped.
+    ``dropout_p``: attention dropout (§18), 0 ≤ p < 1: each normalised probability is kept or dropped by a counter-based
+    keep-mask of (batch row, query head, query, key) and the seed, the same on every backend, device and sharding, and
+    kept ones are scaled by 1 / (1 − p); lse is the scores' before dropout. ``dropout_seed``: an int in [0, 2**64)
+    (torch: also a 0-d int64 tensor; JAX: also a uint64 scalar or (2,) uint32 words); ``None`` draws one from torch's
+    generator for q's device. ``dropout_key``: a JAX PRNG key instead of a seed. The backward regenerates the mask.
     """
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
@@ -64,7 +73,8 @@ def attend(
         check_sinks(ops_for(q, "q"), spec, q, sinks)
         out, lse = attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
                           q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=True,
-                          backend=backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod)  # fmt: skip
+                          backend=backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod, dropout_p=dropout_p,
+                          dropout_seed=dropout_seed, dropout_key=dropout_key)  # fmt: skip
         out, lse = with_sinks(spec, out, lse, sinks, q_lengths, q_segment_ids)
         return (out, lse) if return_lse else out
     # Fast path: a call whose metadata (types, shapes, dtypes, devices, grad flags) was validated and
@@ -76,7 +86,11 @@ def attend(
     # First by length class, where the sequence lengths enter the key only by their class: a new length of a class
     # seen before (a KV cache growing one key a step, a new prompt length) is served as the first one was.
     class_key = None
-    if mask is None and bias is None and alibi_slopes is None and mask_mod is None:
+    # A call with dropout takes the validating path every time: its seed is drawn or read per call.
+    without_dropout = (
+        dropout_p.__class__ in _ZERO_TYPES and not dropout_p and dropout_seed is None and dropout_key is None
+    )
+    if mask is None and bias is None and alibi_slopes is None and mask_mod is None and without_dropout:
         signature = ops.length_class_signature(spec, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
         if signature is not None:
             class_key = (spec, signature, return_lse, backend, _scope_serial())
@@ -96,7 +110,9 @@ def attend(
     # A call with ALiBi slopes takes the validating path every time (their values are checked, §16), as does one with a
     # mask program (its captured tensors are bound to each call).
     signature = (
-        ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths) if alibi_slopes is None and mask_mod is None else None
+        ops.signature(q, k, v, mask, bias, q_lengths, kv_lengths)
+        if alibi_slopes is None and mask_mod is None and without_dropout
+        else None
     )
     if q_segment_ids is not None or kv_segment_ids is not None:
         signature = ops.segment_signature(signature, q_segment_ids, kv_segment_ids)
@@ -118,7 +134,11 @@ def attend(
     if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
         from attnkit.frontends import torch_graph
 
-        for name, given in (("alibi_slopes", alibi_slopes), ("mask_mod", mask_mod)):
+        for name, given in (
+            ("alibi_slopes", alibi_slopes),
+            ("mask_mod", mask_mod),
+            ("dropout_p", None if without_dropout else dropout_p),
+        ):
             if given is not None:
                 raise InvalidInputError(
                     f"{name} is not yet taken under torch.compile or on meta/fake tensors: call attend eagerly"
@@ -131,7 +151,7 @@ def attend(
     CACHE.full_paths += 1
     ops, problem, inputs, was_3d = prepare(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes,
-        mask_mod=mask_mod,
+        mask_mod=mask_mod, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_key=dropout_key,
     )  # fmt: skip
     if mask_mod is not None:
         spec, inputs, problem = programs.band_apart(spec, inputs, problem)
@@ -144,9 +164,11 @@ def attend(
     except BackendUnavailableError:
         if not _routes_elsewhere(chosen, backend):
             raise
+        # (with the seed of this call, not a new one)
         return attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=return_lse,
-                      backend=backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod)  # fmt: skip
+                      backend=backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod, dropout_p=dropout_p,
+                      dropout_seed=None if inputs.dropout is None else inputs.dropout.seed)  # fmt: skip
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
     # never sits there. By length class where the decision and the runner hold for the class, else by exact shape.
     if not was_3d:
@@ -175,6 +197,9 @@ def explain(
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
+    dropout_key: Any = None,
 ) -> str:
     """The dispatch table for a call, without running it: each backend, the one that would run, and why not. With
     ``sinks``, the call that runs without them and returns lse (§15's composition runs after it)."""
@@ -182,7 +207,8 @@ def explain(
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     ops, problem, inputs, _ = prepare(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse or sinks is not None, q_segment_ids,
-        kv_segment_ids, alibi_slopes, mask_mod=mask_mod,
+        kv_segment_ids, alibi_slopes, mask_mod=mask_mod, dropout_p=dropout_p, dropout_seed=dropout_seed,
+        dropout_key=dropout_key,
     )  # fmt: skip
     if mask_mod is not None:
         spec, inputs, problem = programs.band_apart(spec, inputs, problem)

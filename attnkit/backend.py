@@ -54,6 +54,7 @@ import enum
 import functools
 import importlib
 import os
+import struct
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -82,6 +83,7 @@ __all__ = [
     "Capabilities",
     "CausalAlignment",
     "Delegation",
+    "Dropout",
     "DeviceLimits",
     "Feature",
     "Framework",
@@ -158,6 +160,8 @@ class Problem:
     has_alibi: bool = False
     #: A mask program given (mask_mod, docs/semantics.md §17).
     has_mask_program: bool = False
+    #: Attention dropout with p > 0 (docs/semantics.md §18).
+    has_dropout: bool = False
 
     def is_plain(self) -> bool:
         """q, k and v alone (no mask, bias, lengths or segment ids), and no lse wanted: a library's plain attention
@@ -172,6 +176,7 @@ class Problem:
             or self.paged_block_size is not None
             or self.has_alibi
             or self.has_mask_program
+            or self.has_dropout
         )
 
     def length_class(self) -> tuple[int, int, int]:
@@ -197,6 +202,7 @@ class Problem:
             (self.paged_block_size is not None, Feature.PAGED),
             (self.has_alibi, Feature.ALIBI),
             (self.has_mask_program, Feature.MASK_PROGRAM),
+            (self.has_dropout, Feature.DROPOUT),
         )
         return frozenset(feature for used, feature in flags if used)
 
@@ -235,6 +241,53 @@ class AttentionInputs(NamedTuple):
     alibi_slopes: Any = None
     #: A bound mask program (attnkit.programs, docs/semantics.md), None without one.
     mask_program: Any = None
+    #: Attention dropout (docs/semantics.md §18), None without it (or with p = 0).
+    dropout: Dropout | None = None
+
+
+class Dropout(NamedTuple):
+    """A call's attention dropout (docs/semantics.md §18): probability ``p`` (0 < p < 1) and the 64-bit ``seed``,
+    read unsigned. In torch calls ``seed`` is a 0-d int64 tensor on q's device (or the CPU); in JAX calls a (2,) uint32
+    array holding the (low, high) words. Element (b, h, i, j) is kept where word ``j & 3`` of Philox4x32-10 with key
+    (low, high) and counter (j >> 2, i, h, b) is at least :attr:`threshold`; kept probabilities are multiplied by
+    :meth:`scale`. The backward regenerates the keep-mask from the seed.
+
+    The indices are those of the unsharded call: where a call computes part of a larger one (a shard of context
+    parallelism, a head group of Ulysses), its query heads, queries and keys are ``head_start``, ``query_start`` and
+    ``key_start`` onwards there (ints, or 0-d integer arrays where a JAX rank's offset is traced); batch row b is the
+    call's own. Every backend that declares Feature.DROPOUT adds them."""
+
+    p: float
+    seed: Any
+    head_start: Any = 0
+    query_start: Any = 0
+    key_start: Any = 0
+
+    @property
+    def threshold(self) -> int:
+        """round(p · 2³²) (half to even), below 2³²: a word is kept where it is at least this."""
+        return dropout_threshold(self.p)
+
+    def scale(self, float64: bool) -> float:
+        """1 / (1 − p), rounded to float32 (float64 for float64 inputs)."""
+        return dropout_scale(self.p, float64)
+
+    def shifted(self, heads: Any = 0, queries: Any = 0, keys: Any = 0) -> Dropout:
+        """This dropout for a part of the call starting ``heads``, ``queries`` and ``keys`` further on."""
+        return self._replace(
+            head_start=self.head_start + heads, query_start=self.query_start + queries, key_start=self.key_start + keys
+        )
+
+
+def dropout_threshold(p: float) -> int:
+    """The integer threshold of §18 for probability ``p``."""
+    return round(p * 4294967296.0)
+
+
+def dropout_scale(p: float, float64: bool) -> float:
+    """§18's scale of kept probabilities, 1 / (1 − p): float64 for float64 inputs, else rounded to float32."""
+    scale = 1.0 / (1.0 - p)
+    return scale if float64 else float(struct.unpack("f", struct.pack("f", scale))[0])
 
 
 class PagedInputs(NamedTuple):
@@ -374,6 +427,9 @@ class Capabilities:
     #: (Lq, Lk) mask (torch-sdpa, jax-xla, the oracle) rather than evaluating it in its tiles. ``auto`` prefers a
     #: backend that evaluates it; ``explain`` says which each does.
     materialises_mask_programs: bool = False
+    #: Why it does not serve a feature it leaves out, where there is more to say than "not supported" (feature ->
+    #: reason): torch-sdpa's dropout draws from its own generator, which cannot give the contract's keep-mask.
+    unsupported_because: tuple[tuple[Feature, str], ...] = ()
 
     def on(self, device: str) -> Capabilities:
         """These capabilities as they stand on ``device``: its :class:`DeviceLimits` applied, none left."""
@@ -426,8 +482,9 @@ def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem
     for name, value in (("head_dim", problem.head_dim), ("head_dim_v", problem.head_dim_v)):
         if not low <= value <= high:
             reasons.append(f"{name}={value} (supported{where}: {low}..{high})")
+    because = dict(caps.unsupported_because)
     for feature in sorted((spec.features() | problem.features()) - caps.features):
-        reasons.append(f"{feature} is not supported")
+        reasons.append(f"{feature} is not supported" + (f" ({because[feature]})" if feature in because else ""))
     if problem.paged_block_size is not None:
         if caps.paged_block_sizes is not None and problem.paged_block_size not in caps.paged_block_sizes:
             reasons.append(f"paged block_size={problem.paged_block_size} (supported{where}: {caps.paged_block_sizes})")

@@ -33,6 +33,8 @@ class Feature(enum.StrEnum):
     ALIBI = "alibi"
     # Of attend_paged (docs/semantics.md §13): the backend reads a paged KV cache where its blocks lie.
     PAGED = "paged"
+    # Attention dropout with the contract's counter-based keep-mask (docs/semantics.md §18).
+    DROPOUT = "dropout"
     # Of the call's geometry, read by routing only (config ``[[refine]]``), never a capability: causal aligned
     # bottom-right with 1 < Lq != Lk, a diagonal SDPA's ``is_causal`` (top-left) cannot place.
     BOTTOM_RIGHT_OFFSET = "bottom_right_offset"
@@ -54,6 +56,7 @@ CALL_FEATURES = frozenset(
         Feature.MASK_PROGRAM,
         Feature.PAGED,
         Feature.ALIBI,
+        Feature.DROPOUT,
     }
 )
 #: What a backend can declare: every feature but the routing ones.

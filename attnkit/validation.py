@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any
 
 import numpy as np
 
 from attnkit import programs
-from attnkit.backend import AttentionInputs, Problem
+from attnkit.backend import AttentionInputs, Dropout, Problem, dropout_threshold
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_for
 from attnkit.spec import AttentionSpec, Layout
@@ -37,6 +39,9 @@ def prepare(
     *,
     check_values: bool = True,
     mask_mod: Any = None,
+    dropout_p: Any = 0.0,
+    dropout_seed: Any = None,
+    dropout_key: Any = None,
 ) -> tuple[FrameworkOps, Problem, AttentionInputs, bool]:
     """Check every argument, and bring 3-D calls to 4-D. Returns (ops, problem, inputs, was_3d). ``mask_mod`` is
     traced (or its trace reused) and bound to the call (attnkit/programs.py).
@@ -125,8 +130,9 @@ def prepare(
     program = None
     if mask_mod is not None:  # (the tracers are imported by the first trace)
         program = programs.bind(mask_mod, ops, q, batch, heads_q, len_q, len_k)
+    dropout = checked_dropout(ops, dropout_p, dropout_seed, dropout_key, q)
     inputs = AttentionInputs(
-        q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, program
+        q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, alibi_slopes, program, dropout
     )
     needs_grad, needs_bias_grad = ops.needs_grad(inputs)
     problem = Problem(
@@ -150,6 +156,7 @@ def prepare(
         has_segment_ids=q_segment_ids is not None,
         has_alibi=alibi_slopes is not None,
         has_mask_program=program is not None,
+        has_dropout=dropout is not None,
     )
     return ops, problem, inputs, was_3d
 
@@ -239,6 +246,27 @@ def checked_slopes(ops: FrameworkOps, slopes: Any, batch: int, heads_q: int, dev
         if len(wrong):
             raise InvalidInputError(f"alibi_slopes must be finite and >= 0, got {np.unique(wrong)[:4].tolist()}")
     return ops.reshape(slopes, (1, heads_q)) if slopes.ndim == 1 else slopes
+
+
+def checked_probability(p: Any) -> float:
+    """§18's dropout_p: a real number in [0, 1) whose threshold round(p · 2³²) stays below 2³², as a float."""
+    if not isinstance(p, numbers.Real) or isinstance(p, bool):
+        raise InvalidInputTypeError(f"dropout_p must be a Python float in [0, 1), got {type(p).__name__}")
+    p = float(p)
+    if not (math.isfinite(p) and 0 <= p < 1 and dropout_threshold(p) < 1 << 32):
+        raise InvalidInputError(f"dropout_p={p} is outside [0, 1) (at 32 bits: below 1 − 2**-33)")
+    return p
+
+
+def checked_dropout(ops: FrameworkOps, p: Any, seed: Any, key: Any, q: Any) -> Dropout | None:
+    """§18: ``p`` a Python float in [0, 1) whose threshold round(p · 2³²) stays below 2³², and the seed (or JAX key)
+    in the framework's form (:meth:`FrameworkOps.dropout_seed`). None where p = 0: no dropout, and no seed drawn."""
+    p = checked_probability(p)
+    if p == 0:
+        if seed is not None or key is not None:  # checked all the same: a wrong seed is wrong at any p
+            ops.dropout_seed(seed, key, q)
+        return None
+    return Dropout(p, ops.dropout_seed(seed, key, q))
 
 
 def _check_range(ops: FrameworkOps, name: str, lengths: Any, limit: int) -> None:

@@ -38,7 +38,7 @@ def _agrees_on_a_drawn_call(backend: str, data: st.DataObject) -> None:
     capabilities = harness_capabilities(backend)
     _assert_agrees(
         backend,
-        data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend), programs_drawn=True), label="case"),
+        data.draw(cases(capabilities=capabilities, dtypes=drawable_dtypes(backend), every_clause=True), label="case"),
     )
 
 
@@ -100,7 +100,7 @@ def test_jax_backend_agrees_with_the_oracle_under_x64(backend: str, data: st.Dat
     capabilities = attnkit.get_backend(backend).capabilities
     with jax.enable_x64(True):
         case: Case = data.draw(
-            cases(capabilities=capabilities, dtypes=drawable_dtypes(backend), programs_drawn=True), label="case"
+            cases(capabilities=capabilities, dtypes=drawable_dtypes(backend), every_clause=True), label="case"
         )
         note(case.describe())
         failures = [str(c) for c in check_backend(case, backend) if not c.ok]

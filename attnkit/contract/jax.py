@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from attnkit.backend import AttentionSpec
 from attnkit.contract import COSINE_EPS, alignment_offset, conjoin, diagonal_band, within_band
+from attnkit.contract.philox import MULTIPLIERS, ROUNDS, WEYL
 
 # The visibility helpers return a boolean array, or None where they hide nothing (typed Any, as jnp results are);
 # attnkit.contract.conjoin joins them.
@@ -117,3 +118,37 @@ def merge_partials(out: Any, lse: Any, seq_axis: int) -> tuple[Any, Any]:
     if seq_axis == 1:  # (S, B, H, L) -> (S, B, L, H), along bshd rows
         weights = jnp.swapaxes(weights, 2, 3)
     return jnp.sum(weights[..., None] * out.astype(jnp.float32), axis=0), total
+
+
+def _mulhilo(multiplier: int, word: Any) -> tuple[Any, Any]:
+    """(high, low) uint32 words of multiplier · word from 16-bit halves: no 64-bit type is needed (JAX without x64,
+    Pallas)."""
+    a_hi, a_lo = jnp.uint32(multiplier >> 16), jnp.uint32(multiplier & 0xFFFF)
+    b_hi, b_lo = word >> 16, word & jnp.uint32(0xFFFF)
+    low_low, low_high, high_low = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo
+    carry = (low_low >> 16) + (low_high & jnp.uint32(0xFFFF)) + (high_low & jnp.uint32(0xFFFF))
+    return a_hi * b_hi + (low_high >> 16) + (high_low >> 16) + (carry >> 16), word * jnp.uint32(multiplier)
+
+
+def philox4x32(counter: tuple[Any, Any, Any, Any], key: tuple[Any, Any]) -> tuple[Any, Any, Any, Any]:
+    """Philox4x32-10 (attnkit.contract.philox, the reference) on uint32 arrays that broadcast together."""
+    c0, c1, c2, c3 = (jnp.asarray(word).astype(jnp.uint32) for word in counter)
+    k0, k1 = (jnp.asarray(word).astype(jnp.uint32) for word in key)
+    for round_ in range(ROUNDS):
+        if round_:
+            k0, k1 = k0 + jnp.uint32(WEYL[0]), k1 + jnp.uint32(WEYL[1])
+        hi0, lo0 = _mulhilo(MULTIPLIERS[0], c0)
+        hi1, lo1 = _mulhilo(MULTIPLIERS[1], c2)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def dropout_keep(seed_low: Any, seed_high: Any, threshold: int, b: Any, h: Any, i: Any, j: Any) -> Any:
+    """§18's keep decision for batch rows ``b``, query heads ``h``, queries ``i`` and keys ``j`` (integer arrays that
+    broadcast together, indices into the unsharded sequence); the seed as its two uint32 words. Each element
+    computes its own counter's four words and takes word j & 3 (no reshapes: Pallas kernels call it too)."""
+    j = jnp.asarray(j).astype(jnp.uint32)
+    words = philox4x32((j >> 2, i, h, b), (seed_low, seed_high))
+    lane = j & jnp.uint32(3)
+    word = jnp.where(lane == 0, words[0], jnp.where(lane == 1, words[1], jnp.where(lane == 2, words[2], words[3])))
+    return word >= jnp.uint32(threshold)

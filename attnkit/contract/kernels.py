@@ -574,7 +574,7 @@ def kernel_capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({device}),
-        features=ALL_FEATURES if mask_programs else ALL_FEATURES - {Feature.MASK_PROGRAM},
+        features=(ALL_FEATURES if mask_programs else ALL_FEATURES - {Feature.MASK_PROGRAM}) - {Feature.DROPOUT},
         head_dims=(1, max_head_dim),
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),

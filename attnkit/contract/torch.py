@@ -13,7 +13,16 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from attnkit.backend import AttentionInputs, AttentionSpec, BaseBackend, CausalAlignment, Gradients, Layout, Variant
+from attnkit.backend import (
+    AttentionInputs,
+    AttentionSpec,
+    BaseBackend,
+    CausalAlignment,
+    Dropout,
+    Gradients,
+    Layout,
+    Variant,
+)
 from attnkit.contract import (
     COSINE_EPS,
     TileVisibility,
@@ -337,6 +346,8 @@ class Band:
 
 #: (spec, inputs, Lq, Lk) -> boolean visibility broadcastable to (B, Hq, Lq, Lk), or None when every pair is visible.
 VisibilityRule = Callable[[AttentionSpec, AttentionInputs, int, int], torch.Tensor | None]
+#: (dropout, batch, heads, len_q, len_k, device) -> the bool keep-mask (batch, heads, len_q, len_k) of §18.
+KeepRule = Callable[[Dropout, int, int, int, int, torch.device], torch.Tensor]
 
 
 def visibility(
@@ -409,12 +420,19 @@ def literal_alibi(
     return -slopes.view(*slopes.shape, 1, 1) * distance
 
 
+def _keep_mask(dropout: Dropout, batch: int, heads: int, len_q: int, len_k: int, device: torch.device) -> torch.Tensor:
+    from attnkit.contract.dropout import keep_mask
+
+    return keep_mask(dropout, batch, heads, len_q, len_k, device)
+
+
 def literal_attention(
     spec: AttentionSpec,
     inputs: AttentionInputs,
     dtype: torch.dtype,
     visibility_rule: VisibilityRule | None = None,
     sinks: torch.Tensor | None = None,
+    keep_rule: KeepRule | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) computed in ``dtype`` throughout; differentiable by torch autograd.
 
@@ -423,6 +441,10 @@ def literal_attention(
 
     ``sinks`` (Hq,): §15 as gpt-oss writes it, one more logit column per row (−∞ in padding rows), softmaxed with the
     scores and dropped before the values (attend composes it from lse instead: this is the oracle's way).
+
+    With ``inputs.dropout`` (§18), the normalised probabilities are multiplied by the keep-mask ``keep_rule`` gives
+    (default: :func:`attnkit.contract.dropout.keep_mask`; the oracle passes the reference's) and by 1 / (1 − p), after
+    lse and before the values.
 
     out is bhsd/bshd per the spec in ``dtype``; lse is (B, Hq, Lq) in ``dtype``. Rows with no visible
     key give out 0 and lse -inf, and (because every -inf and 0/0 is kept out of the graph with
@@ -454,7 +476,13 @@ def literal_attention(
     has_keys = total != 0  # NaN counts as having keys: NaN in gives NaN lse, never a quiet -inf (§5)
     safe_total = torch.where(has_keys, total, torch.ones_like(total))
     lse = torch.where(has_keys, row_max + torch.log(safe_total), torch.full_like(total, float("-inf")))
-    out = weighted_values(weights[..., :len_k] / safe_total, v)  # the sink's column carries no value
+    probabilities = weights[..., :len_k] / safe_total  # the sink's column carries no value
+    if inputs.dropout is not None:
+        batch, heads, len_q, len_k = probabilities.shape
+        keep = (keep_rule or _keep_mask)(inputs.dropout, batch, heads, len_q, len_k, probabilities.device)
+        scale = inputs.dropout.scale(inputs.q.dtype == torch.float64)
+        probabilities = probabilities * keep * scale  # a float32 value (float64 for float64 inputs), exact in dtype
+    out = weighted_values(probabilities, v)
     return from_bhsd(spec, out), lse.squeeze(-1)
 
 

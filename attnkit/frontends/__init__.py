@@ -61,6 +61,12 @@ class FrameworkOps(Protocol):
 
     def reshape(self, x: Any, shape: tuple[int, ...]) -> Any: ...
 
+    def dropout_seed(self, seed: Any, key: Any, q: Any) -> Any:
+        """§18's 64-bit seed from ``dropout_seed`` or ``dropout_key`` (at most one given; a seed drawn from the
+        framework's generator where it has one and neither is), in the form :class:`attnkit.backend.Dropout`
+        holds for this framework; InvalidInputTypeError naming the argument for anything else."""
+        ...
+
     def forward_only(self, what: str, run: Any, arrays: Any) -> Any:
         """``run(arrays)``, a call with no gradient (``what`` names it): differentiating it raises InvalidInputError
         where the framework decides differentiation after the call (JAX); torch refuses grad before it."""

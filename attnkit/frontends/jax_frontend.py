@@ -10,9 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.custom_derivatives import CustomVJPPrimal, SymbolicZero
 
-from attnkit.backend import AttentionInputs, Backend, Feature, Framework, Problem, Runner, own_forward
+from attnkit.backend import AttentionInputs, Backend, Dropout, Feature, Framework, Problem, Runner, own_forward
 from attnkit.contract.programs import BoundProgram
-from attnkit.errors import BackendUnavailableError, InvalidInputError
+from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
+from attnkit.frontends.seeds import unsigned_seed
 from attnkit.spec import AttentionSpec
 
 
@@ -33,6 +34,15 @@ jax.tree_util.register_pytree_node(
     BoundProgram,
     lambda bound: (bound.captured, bound.program),
     lambda program, captured: BoundProgram(program, tuple(captured)),
+)
+
+
+# A call's dropout: the seed's words and the offsets are leaves (traced under jit: a new seed never recompiles; a
+# rank's offset may be traced), p the static part.
+jax.tree_util.register_pytree_node(
+    Dropout,
+    lambda dropout: ((dropout.seed, dropout.head_start, dropout.query_start, dropout.key_start), dropout.p),
+    lambda p, leaves: Dropout(p, *leaves),
 )
 
 
@@ -145,6 +155,43 @@ class JaxOps:
     def reshape(self, x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
         return x.reshape(shape)
 
+    def dropout_seed(self, seed: Any, key: Any, q: Any) -> jax.Array:
+        """The seed's (low, high) words, a (2,) uint32 array: from ``dropout_key`` the two words
+        ``jax.random.bits(key, (2,), jnp.uint32)`` draws; from ``dropout_seed`` a Python int, a uint64 scalar
+        (under x64) or the (2,) uint32 words themselves, traced or not."""
+        if seed is not None and key is not None:
+            raise InvalidInputError("dropout_seed and dropout_key were both given: pass one")
+        if key is not None:
+            if not isinstance(key, jax.Array | np.ndarray) or not (
+                jnp.issubdtype(key.dtype, jax.dtypes.prng_key) or (key.dtype == jnp.uint32 and key.shape == (2,))
+            ):
+                raise InvalidInputTypeError(
+                    f"dropout_key must be a PRNG key (jax.random.key(...)), got {_described(key)}; an integer seed "
+                    "goes in dropout_seed"
+                )
+            if key.shape not in ((), (2,)) or (key.shape == (2,) and jnp.issubdtype(key.dtype, jax.dtypes.prng_key)):
+                raise InvalidInputError(f"dropout_key must be a single PRNG key, got an array of {key.shape} keys")
+            return jax.random.bits(key, (2,), jnp.uint32)
+        if seed is None:
+            raise InvalidInputError(
+                "dropout_p > 0 in a JAX call needs dropout_key (a PRNG key) or dropout_seed (JAX has no global "
+                "generator)"
+            )
+        if isinstance(seed, jax.Array | np.ndarray | np.generic) and not isinstance(seed, np.integer):
+            if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key):
+                raise InvalidInputTypeError("dropout_seed was given a PRNG key: pass it as dropout_key")
+            if seed.dtype == jnp.uint64 and seed.shape == ():
+                words = jnp.asarray(seed)
+                return jnp.stack([(words & 0xFFFFFFFF).astype(jnp.uint32), (words >> 32).astype(jnp.uint32)])
+            if seed.dtype == jnp.uint32 and seed.shape == (2,):
+                return jnp.asarray(seed)
+            raise InvalidInputTypeError(
+                f"dropout_seed is {_described(seed)}, expected a Python int in [0, 2**64), a uint64 scalar, or a (2,) "
+                "uint32 array of (low, high) words"
+            )
+        value = unsigned_seed(seed)
+        return jnp.array([value & 0xFFFFFFFF, value >> 32], dtype=jnp.uint32)
+
     def forward_only(self, what: str, run: Any, arrays: Any) -> Any:
         # JAX differentiates after the call: the refusal can only come from the backward.
         return _forward_only(what, run, arrays)
@@ -157,3 +204,8 @@ class JaxOps:
 
 
 OPS = JaxOps()
+
+
+def _described(x: Any) -> str:
+    dtype, shape = getattr(x, "dtype", None), getattr(x, "shape", None)
+    return f"an array of dtype {dtype} and shape {tuple(shape)}" if shape is not None else type(x).__name__

@@ -15,6 +15,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from attnkit.backend import AttentionInputs, Backend, Framework, Problem, Runner, own_forward
+from attnkit.errors import InvalidInputTypeError
+from attnkit.frontends.seeds import unsigned_seed
 from attnkit.spec import AttentionSpec, Layout
 
 
@@ -43,14 +45,15 @@ class _AttendFunction(torch.autograd.Function):
         # The caller's context (attnkit.use_config scopes are context variables): autograd runs a CUDA backward on
         # its device thread, where they are unset, so the backward reads its options inside this copy.
         ctx.context = contextvars.copy_context()
-        *tensors, ctx.mask_program = inputs  # the mask program, the last field, is no tensor: ctx keeps it
+        # The mask program and dropout, the last fields, are no tensors to differentiate: ctx keeps them.
+        *tensors, ctx.mask_program, ctx.dropout = inputs
         ctx.save_for_backward(*tensors, out, lse)
         return out, lse
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor, dlse: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         *tensors, out, lse = ctx.saved_tensors
-        inputs = AttentionInputs._make((*tensors, ctx.mask_program))
+        inputs = AttentionInputs._make((*tensors, ctx.mask_program, ctx.dropout))
         need_dbias = inputs.bias is not None and ctx.needs_input_grad[_BIAS_ARGUMENT]
         grads = ctx.context.run(
             functools.partial(ctx.backend.backward, need_dbias=need_dbias),
@@ -202,6 +205,29 @@ class TorchOps:
 
     def reshape(self, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
         return x.reshape(shape)
+
+    def dropout_seed(self, seed: Any, key: Any, q: torch.Tensor) -> torch.Tensor:
+        """A 0-d int64 tensor whose bits are the seed read unsigned: ``seed`` as given (a tensor on q's device or the
+        CPU) or from a Python int, or drawn from torch's default generator for q's device."""
+        if key is not None:
+            raise InvalidInputTypeError(
+                f"dropout_key is taken by JAX calls (a PRNG key), got {type(key).__name__} in a torch call: pass "
+                "dropout_seed, an int in [0, 2**64) or a 0-d int64 tensor"
+            )
+        if seed is None:  # two 32-bit draws: torch.manual_seed makes the run repeat
+            words = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=q.device)
+            return words[0] | (words[1] << 32)
+        if isinstance(seed, torch.Tensor):
+            if seed.dtype != torch.int64 or seed.dim() != 0:
+                raise InvalidInputTypeError(
+                    f"dropout_seed is a tensor of dtype {seed.dtype} and shape {tuple(seed.shape)}, expected a 0-d "
+                    "int64 tensor (its 64 bits read unsigned)"
+                )
+            if seed.device != q.device and seed.device.type != "cpu":
+                raise InvalidInputTypeError(f"dropout_seed is on device {seed.device}, expected q's {q.device} or cpu")
+            return seed
+        value = unsigned_seed(seed)
+        return torch.tensor(value - (1 << 64) if value >= 1 << 63 else value, dtype=torch.int64, device=q.device)
 
     def runner(self, backend: Backend, spec: AttentionSpec, problem: Problem) -> Runner:
         own = own_forward(backend, spec, problem)

@@ -78,6 +78,8 @@ class Case:
     alibi_shape: tuple[int, ...] | None = None
     # A mask program (§17) over the call, given as mask_mod; make_arrays draws its tables' values.
     program: ProgramCase | None = None
+    # Attention dropout (§18): (p, seed), or None.
+    dropout: tuple[float, int] | None = None
     notes: tuple[str, ...] = field(default=(), compare=False)
 
     def problem(self, framework: Framework, device: str = "cpu") -> Problem:
@@ -103,6 +105,7 @@ class Case:
             paged_block_size=self.paged.block_size if self.paged is not None else None,
             has_alibi=self.alibi_shape is not None,
             has_mask_program=self.program is not None,
+            has_dropout=self.dropout is not None,
         )
 
     def features(self) -> frozenset[str]:
@@ -139,6 +142,8 @@ class Case:
             parts.append("sinks")
         if self.program is not None:
             parts.append(str(self.program))
+        if self.dropout is not None:
+            parts.append(f"dropout_p={self.dropout[0]} dropout_seed={self.dropout[1]}")
         if self.varlen is not None:
             parts.append(
                 f"attend_varlen: sequences' q lengths {self.varlen.q_lengths} kv lengths {self.varlen.kv_lengths}"

@@ -42,11 +42,19 @@ def harness_device(backend: str) -> str:
 def _attend(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
     """attend() on the case's arrays (q, k, v and whichever optional ones it has), with the log-sum-exp unless not
     ``return_lse``."""
-    optional = {name: arrays.get(name) for name in OPTIONAL}
+    optional: dict[str, Any] = {name: arrays.get(name) for name in OPTIONAL}
     return api.attend(
         case.spec, arrays["q"], arrays["k"], arrays["v"], **optional, return_lse=return_lse, backend=backend,
-        mask_mod=mask_mod_of(case, arrays),
+        mask_mod=mask_mod_of(case, arrays), **dropout_of(case),
     )  # fmt: skip
+
+
+def dropout_of(case: Case) -> dict[str, Any]:
+    """The case's dropout as attend's keyword arguments (none without it)."""
+    if case.dropout is None:
+        return {}
+    p, seed = case.dropout
+    return {"dropout_p": p, "dropout_seed": seed}
 
 
 def mask_mod_of(case: Case, arrays: dict[str, Any]) -> Callable[..., Any] | None:

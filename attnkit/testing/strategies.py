@@ -117,11 +117,13 @@ def cases(
     dtypes: Iterable[str] | None = None,
     max_len: int = 24,
     head_dims: Iterable[int] = SMALL_HEAD_DIMS,
-    programs_drawn: bool = False,
+    every_clause: bool = False,
 ) -> Case:
     """Valid cases: Lq ≠ Lk both ways, Lq = 1 decode, GQA/MQA, non-power-of-two head dims, masks with fully
     masked rows, bias (with and without its gradient), lengths including 0, both layouts, 3-D inputs; with
-    ``programs_drawn`` (the conformance harness and ``attnkit check``), mask programs where declared.
+    ``every_clause`` (the conformance harness and ``attnkit check``), mask programs and dropout where declared too
+    (a program is a compile where a backend specialises on one, and dropout's mask moves under the index
+    permutations of the metamorphic relations).
 
     With ``capabilities``, only the features, dtypes and head dims that backend declares are drawn; ``dtypes``
     (default: every declared one, or all four floating dtypes) narrows the dtypes.
@@ -181,9 +183,19 @@ def cases(
         grad=Feature.GRAD in features,
         sinks=draw(sinks_drawn()),
         alibi_shape=draw(alibi_drawn(features, batch, heads_q)),
-        program=draw(programs(batch, heads_q, len_q, len_k)) if programs_drawn and Feature.MASK_PROGRAM in features
+        program=draw(programs(batch, heads_q, len_q, len_k)) if every_clause and Feature.MASK_PROGRAM in features
         and draw(st.integers(1, PROGRAM_ODDS)) == 1 else None,
+        dropout=draw(dropout_drawn(features)) if every_clause else None,
     )  # fmt: skip
+
+
+def dropout_drawn(features: frozenset[Feature]) -> st.SearchStrategy[tuple[float, int] | None]:
+    """(p, seed) of §18's dropout in a third of the calls where declared, else None: p from the probabilities models
+    train with and the extremes, the seed anywhere in [0, 2⁶⁴)."""
+    if Feature.DROPOUT not in features:
+        return st.none()
+    drawn = st.tuples(st.sampled_from([0.05, 0.1, 0.3, 0.5, 0.9]), st.integers(0, 2**64 - 1))
+    return st.integers(0, 2).flatmap(lambda third: drawn if third == 0 else st.none())
 
 
 def sinks_drawn() -> st.SearchStrategy[bool]:
@@ -309,7 +321,7 @@ def calls(draw: st.DrawFn, capabilities: Capabilities | None = None, dtypes: Ite
     ragged += [paged_cases] if serves_paged(capabilities) else []
     attend_only = not ragged or draw(st.booleans())
     if attend_only:
-        return draw(cases(capabilities=capabilities, dtypes=dtypes, programs_drawn=True))
+        return draw(cases(capabilities=capabilities, dtypes=dtypes, every_clause=True))
     return draw(draw(st.sampled_from(ragged))(capabilities=capabilities, dtypes=dtypes))
 
 

@@ -31,6 +31,7 @@ from attnkit.backend import (
     BuildError,
     Capabilities,
     CausalAlignment,
+    Feature,
     Framework,
     PagedInputs,
     Problem,
@@ -342,7 +343,7 @@ class CpuFlashBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES,
+        features=ALL_FEATURES - {Feature.DROPOUT},
         description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
         notes=(
             "mask, bias: read per tile through their strides (broadcast axes never expanded); dbias per batch "

@@ -50,6 +50,9 @@ class FlashAttnBackend(RecomputingBackend):
         dtypes=frozenset({"float16", "bfloat16"}),
         devices=frozenset({"cuda"}),
         features=SPEC_FEATURES | {Feature.GRAD},
+        unsupported_because=(
+            (Feature.DROPOUT, "flash-attn keys its dropout by warp lane and MMA tile, not the contract's keep-mask"),
+        ),
         head_dims=(1, MAX_HEAD_DIM),
         description="flash-attn 2 flash_attn_func (CUDA), its own forward and backward",
         notes=(

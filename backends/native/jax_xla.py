@@ -213,7 +213,8 @@ class JaxXlaBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.PAGED, Feature.ALIBI},
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.PAGED, Feature.ALIBI, Feature.DROPOUT},
+        unsupported_because=((Feature.DROPOUT, "jax.nn.dot_product_attention has no dropout"),),
         materialises_mask_programs=True,
         description="jax.nn.dot_product_attention (XLA; materialises the (Lq, Lk) scores), differentiated by JAX",
         notes=(

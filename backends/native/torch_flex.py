@@ -638,7 +638,8 @@ class TorchFlexBackend(BaseBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES - {Feature.PAGED},
+        features=ALL_FEATURES - {Feature.PAGED, Feature.DROPOUT},
+        unsupported_because=((Feature.DROPOUT, "FlexAttention has no dropout"),),
         head_dims=(1, MAX_TESTED_HEAD_DIM),
         description="torch flex_attention compiled by inductor (CPU C++ template, block-sparse); lse via a sink key",
         notes=(

@@ -629,7 +629,10 @@ class TorchSdpaBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS, Feature.PAGED, Feature.ALIBI},
+        features=ALL_FEATURES - {Feature.SOFTCAP, Feature.DBIAS, Feature.PAGED, Feature.ALIBI, Feature.DROPOUT},
+        unsupported_because=(
+            (Feature.DROPOUT, "SDPA draws dropout from its own generator, which cannot give the contract's keep-mask"),
+        ),
         materialises_mask_programs=True,
         per_device=(("cuda", DeviceLimits(dtypes=CUDA_DTYPES, head_dims=(1, MAX_CUDA_HEAD_DIM))),),
         unverified=(

@@ -26,6 +26,7 @@ from attnkit.backend import (
     BaseBackend,
     Capabilities,
     DeviceLimits,
+    Feature,
     Framework,
     Gradients,
     Layout,
@@ -509,7 +510,7 @@ class PallasBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES,
+        features=ALL_FEATURES - {Feature.DROPOUT},
         native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
         per_device=(("cuda", GPU_PAGED_LIMITS),),

@@ -19,6 +19,7 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
+    Feature,
     Framework,
     Gradients,
     Layout,
@@ -338,7 +339,7 @@ class JaxReferenceBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES,
+        features=ALL_FEATURES - {Feature.DROPOUT},
         description="FlashAttention-2 in jax.numpy: key blocks under lax.scan, online softmax; jit/grad/vmap",
         notes=(
             "float64 needs jax_enable_x64",

@@ -20,6 +20,7 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
+    Dropout,
     Framework,
     Gradients,
     Layout,
@@ -27,6 +28,7 @@ from attnkit.backend import (
     Variant,
 )
 from attnkit.contract import conjoin
+from attnkit.contract.dropout import keep_tile
 from attnkit.contract.programs import EMPTY, FULL, BoundProgram, array_ops, cached_tile_classes, evaluate
 from attnkit.contract.torch import (
     Band,
@@ -220,10 +222,31 @@ class _Operands:
     geometry: _Geometry
     pages: _Pages | None = None
     alibi: torch.Tensor | None = None
+    dropout: Dropout | None = None
 
     @property
     def group(self) -> int:
         return self.q.shape[3]
+
+    def dropped(self, p: torch.Tensor, r0: int, r1: int, c0: int, c1: int) -> torch.Tensor:
+        """P ⊙ M for a (B, Hkv, tile_q * G, tile_k) tile, M §18's keep-mask (query head h = kv head · G + g, §2);
+        P itself without dropout. The scale 1 / (1 − p) is applied once, to out (forward) and dP (backward)."""
+        if self.dropout is None:
+            return p
+        batch, heads_kv, _, group, _ = self.q.shape
+        device, dropout = p.device, self.dropout
+        keep = keep_tile(
+            dropout,
+            torch.arange(batch, device=device).view(-1, 1, 1, 1, 1),
+            (torch.arange(heads_kv * group, device=device) + dropout.head_start).view(1, heads_kv, 1, group, 1),
+            (torch.arange(r0, r1, device=device) + dropout.query_start).view(1, 1, -1, 1, 1),
+            c0 + int(dropout.key_start),
+            c1 + int(dropout.key_start),
+        )
+        return p * keep.view(p.shape)
+
+    def dropout_scale(self) -> float:
+        return 1.0 if self.dropout is None else self.dropout.scale(self.q.dtype == torch.float64)
 
     def keys(self, c0: int, c1: int) -> torch.Tensor:
         return self.k[:, :, c0:c1] if self.pages is None else self.pages.tile(self.k, c0, c1, is_key=True)
@@ -263,8 +286,8 @@ def _forward_tiles(ops: _Operands, plan: Plan) -> tuple[torch.Tensor, torch.Tens
     lse = ops.q.new_full((batch, heads_kv, len_q, group), NEG_INF)
     # Per query tile, over its key tiles (online softmax):
     #   m' = max(m, rowmax S);  α = exp(m − m');  P = exp(S − m')
-    #   l' = α·l + rowsum P;    acc' = α·acc + P V
-    # then out = acc / l and lse = m + log l once at the end. A row that has seen no key keeps m = −inf: its
+    #   l' = α·l + rowsum P;    acc' = α·acc + (P ⊙ M) V   (M: dropout's keep-mask, §18; all ones without)
+    # then out = acc / l · 1/(1 − p) and lse = m + log l once at the end. A row that has seen no key keeps m = −inf: its
     # shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
     for r0, r1, key_tiles in plan:
         q = _rows(ops.q, r0, r1)
@@ -278,11 +301,11 @@ def _forward_tiles(ops: _Operands, plan: Plan) -> tuple[torch.Tensor, torch.Tens
             p = s.sub_(shift).exp_()
             alpha = row_max.sub_(shift).exp_()
             row_sum.mul_(alpha).add_(p.sum(dim=-1, keepdim=True))
-            acc.mul_(alpha).add_(torch.matmul(p, ops.values(c0, c1)))
+            acc.mul_(alpha).add_(torch.matmul(ops.dropped(p, r0, r1, c0, c1), ops.values(c0, c1)))
             row_max = new_max
         has_keys = ~torch.isneginf(row_max)
         safe_sum = torch.where(has_keys, row_sum, 1.0)
-        _rows(out, r0, r1).copy_(torch.where(has_keys, acc / safe_sum, 0.0))
+        _rows(out, r0, r1).copy_(torch.where(has_keys, acc / safe_sum * ops.dropout_scale(), 0.0))
         _rows(lse, r0, r1).copy_(torch.where(has_keys, row_max + torch.log(safe_sum), NEG_INF).squeeze(-1))
     return out, lse
 
@@ -320,8 +343,9 @@ def _backward_tiles(
     dbias_grouped = _grouped(dbias, ops.k.shape[1]) if dbias is not None else None
     # A row with no visible key has lse = −inf; shifting it by +inf makes its P exactly 0.
     lse_shift = torch.where(torch.isneginf(lse), float("inf"), lse)
+    scale = ops.dropout_scale()
     # Per key tile, over the query tiles that see it (U = q kᵀ, the tanh argument when softcapped):
-    #   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse
+    #   P = exp(S − lse);  dV += (P ⊙ M/(1−p))ᵀ dO;  dP = dO Vᵀ ⊙ M/(1−p);  dS = P ⊙ (dP − Δ), Δ = rowsum(dO ⊙ O) − dlse
     #   dbias += dS;  dU = dS ⊙ c(1 − tanh²U) (softcap) or dS;  dq += dU K;  dK += dUᵀ q
     for c0, c1, query_tiles in _by_key_tile(plan):
         k, v = ops.k[:, :, c0:c1], ops.v[:, :, c0:c1]
@@ -330,8 +354,14 @@ def _backward_tiles(
             q, do = _rows(ops.q, r0, r1), _rows(dout, r0, r1)
             s, softcap_derivative = _score_tile(ops, q, r0, r1, c0, c1, needs_mask, softcap_grad=True)
             p = s.sub_(_rows(lse_shift, r0, r1).unsqueeze(-1)).exp_()
-            dv_tile.add_(torch.matmul(p.transpose(-1, -2), do))
-            ds = torch.matmul(do, v.transpose(-1, -2)).sub_(_rows(delta, r0, r1).unsqueeze(-1)).mul_(p)
+            dp = torch.matmul(do, v.transpose(-1, -2))
+            if ops.dropout is not None:
+                kept = ops.dropped(p, r0, r1, c0, c1).mul_(scale)
+                dv_tile.add_(torch.matmul(kept.transpose(-1, -2), do))
+                dp = ops.dropped(dp, r0, r1, c0, c1).mul_(scale)
+            else:
+                dv_tile.add_(torch.matmul(p.transpose(-1, -2), do))
+            ds = dp.sub_(_rows(delta, r0, r1).unsqueeze(-1)).mul_(p)
             if dbias_grouped is not None:
                 _accumulate_dbias(_tile(dbias_grouped, r0, r1, c0, c1), ds.view(*ds.shape[:2], r1 - r0, -1, c1 - c0))
             if softcap_derivative is not None:
@@ -404,7 +434,7 @@ class TorchChunkedBackend(BaseBackend):
         # q is a fresh copy here except when it is the detached normalised value autograd still holds.
         q = q * q_scale if tracked is not None else q.mul_(q_scale)
         alibi = _alibi(inputs.alibi_slopes, heads_kv, dtype)
-        ops = _Operands(q, k, v, bias, q_scale, spec.softcap, geometry, alibi=alibi)
+        ops = _Operands(q, k, v, bias, q_scale, spec.softcap, geometry, alibi=alibi, dropout=inputs.dropout)
         return ops, _plan(geometry, len_q, len_k, self.block_q, self.block_k), tracked
 
     def forward(

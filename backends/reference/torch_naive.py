@@ -15,10 +15,12 @@ from attnkit.backend import (
     AttentionSpec,
     Capabilities,
     CausalAlignment,
+    Dropout,
     Framework,
     Layout,
     PagedInputs,
 )
+from attnkit.contract.philox import keep_mask
 from attnkit.contract.programs import dense
 from attnkit.contract.torch import RecomputingBackend, compute_dtype, gather_pages, literal_attention
 
@@ -57,12 +59,22 @@ def oracle_visibility(spec: AttentionSpec, inputs: AttentionInputs, len_q: int, 
     return visible if inputs.mask is None else visible & inputs.mask
 
 
+def oracle_keep(dropout: Dropout, batch: int, heads: int, len_q: int, len_k: int, device: torch.device) -> torch.Tensor:
+    """§18's keep-mask from the reference Philox (NumPy, attnkit.contract.philox), not the torch one the other torch
+    backends use."""
+    seed = int(dropout.seed) % (1 << 64)
+    starts = [int(start) for start in (dropout.head_start, dropout.query_start, dropout.key_start)]
+    whole = keep_mask(seed, dropout.p, batch, starts[0] + heads, starts[1] + len_q, starts[2] + len_k)
+    return torch.from_numpy(whole[:, starts[0] :, starts[1] :, starts[2] :].copy()).to(device)
+
+
 def oracle_attention(
     spec: AttentionSpec, inputs: AttentionInputs, dtype: torch.dtype, sinks: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle's (out, lse) in ``dtype``, differentiable: the literal contract with the oracle's own visibility,
-    and §15's sinks as a logit column (never the lse composition that attend applies to every backend)."""
-    return literal_attention(spec, inputs, dtype, oracle_visibility, sinks)
+    and §15's sinks as a logit column (never the lse composition that attend applies to every backend), and §18's
+    keep-mask from the reference Philox."""
+    return literal_attention(spec, inputs, dtype, oracle_visibility, sinks, oracle_keep)
 
 
 class TorchNaiveBackend(RecomputingBackend):
