@@ -38,6 +38,8 @@ FEATURE_MEANINGS: dict[str, str] = {
     "alibi": "`alibi_slopes`: ALiBi's −slope·|i + off − j| on every score, computed from positions (§16)",
     "mask_program": "`mask_mod`: a mask program evaluated in the backend's tiles, empty tiles skipped; "
     '"materialised": served as a dense (Lq, Lk) mask (§17)',
+    "dropout": "`dropout_p`: attention dropout with the contract's counter-based keep-mask, the same on every "
+    "backend, device and sharding (§18)",
 }
 # Spec features first (what is computed), then call features (what is passed), each alphabetical.
 FEATURE_ORDER: tuple[str, ...] = (*sorted(SPEC_FEATURES), *sorted(CALL_FEATURES))

@@ -18,6 +18,8 @@ BACKEND_MAY_IMPORT = frozenset(
         "attnkit.backend",
         "attnkit.contract",
         "attnkit.contract.torch",
+        "attnkit.contract.dropout",
+        "attnkit.contract.philox",
         "attnkit.contract.programs",
         "attnkit.contract.jax",
         "attnkit.contract.kernels",

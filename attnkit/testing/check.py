@@ -208,6 +208,21 @@ def _edge_shapes() -> list[tuple[str, Case]]:
                 sinks=True,
             ),
         ),  # fmt: skip
+        # §18: dropout at a high p, each query head its own mask (GQA), a row with no key and one off a key tile edge,
+        # the seed's top bit set (read unsigned).
+        (
+            "dropout p=0.9, GQA, sinks, an empty row",
+            Case(
+                spec(causal=True),
+                heads_q=4,
+                heads_kv=2,
+                len_q=9,
+                len_k=65,
+                kv_lengths=(65, 0),
+                sinks=True,
+                dropout=(0.9, 2**64 - 2026),
+            ),
+        ),  # fmt: skip
         *ragged_edge_shapes(),
     ]
 
