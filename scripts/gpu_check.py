@@ -57,7 +57,10 @@ BENCH_SHAPES = ("2x16x8192x8192x128", "1x32x1x8192x128")
 CPU_BENCH_SHAPES = ("1x2x128x128x64", "1x2x1x128x64")
 #: The tests that need a GPU to do more than skip (grep tests/ for cuda.is_available and available_backends).
 GPU_TESTS = (
-    "tests/test_cupy_backend.py",  # with cupy's mask-program cases, unverified on hardware until they pass
+    # With cupy's mask-program and dropout cases, unverified on hardware until they pass.
+    "tests/test_cupy_backend.py",
+    # Each CUDA backend's dropout keep-mask bit for bit against the reference (cupy: unverified until it passes).
+    "tests/test_dropout.py::test_backend_keep_mask_is_the_references",
     "tests/test_triton_warp_specialized.py",
     "tests/test_cuda_routing.py",
     # Mask programs in the compiled triton kernels (unverified on hardware until these pass): the document-causal

@@ -93,8 +93,8 @@ BACKWARD_DEFECTS = {
     # dS = P ⊙ (dP + Δ) in the dQ kernel.
     "wrong sign of Δ in dQ": (
         "backward_dq",
-        "ds = expf(sc.s - lse_tile[r]) * (dp_tile[idx] - delta_tile[r]);",
-        "ds = expf(sc.s - lse_tile[r]) * (dp_tile[idx] + delta_tile[r]);",
+        "ds = expf(sc.s - lse_tile[r]) * (dp - delta_tile[r]);",
+        "ds = expf(sc.s - lse_tile[r]) * (dp + delta_tile[r]);",
     ),
     # dK without the softcap's derivative 1 − tanh²(U/c).
     "missing softcap factor in dK/dV": (

@@ -15,9 +15,10 @@ TEST_ONLY_REASON = (
 )
 
 
-#: The path refused on CUDA until a hardware run passes it (Capabilities.unverified, docs/gpu.md).
+#: The paths refused on CUDA until a hardware run passes them (Capabilities.unverified, docs/gpu.md).
 PROGRAM_PATH = "mask programs (generated mask_program, tile classes)"
-PROGRAM_HISTORY = (
+DROPOUT_PATH = "attention dropout (the kernels' Philox4x32-10 keep-mask)"
+UNRUN_HISTORY = (
     "never run on a GPU: written and checked on the CPU emulation harness, and compiled by nvcc for sm_80 / sm_90, "
     "without a device"
 )
@@ -36,11 +37,16 @@ def capabilities(device: str, description: str) -> Capabilities:
             "NVRTC, nvcc and the emulator",
             "mask programs: a generated __device__ mask_program spliced into the source, compiled once per program "
             "(captured tensors and lengths are kernel arguments); EMPTY tiles skipped, FULL ones unevaluated",
+            "dropout: one -DHAS_DROPOUT switch; the seed (read by the kernel from its tensor), threshold, scale and "
+            "offsets are kernel arguments, so a new seed or p compiles nothing; the backward regenerates the mask",
         ),
         # Off: the backward adds dq atomically in one pass where dK/dV runs its register body, last bits varying by run.
         options=(DETERMINISTIC_OPTION,),
-        unverified=(Unverified("cuda", PROGRAM_PATH, PROGRAM_HISTORY),) if device == "cuda" else (),
+        unverified=tuple(Unverified("cuda", path, UNRUN_HISTORY) for path in (PROGRAM_PATH, DROPOUT_PATH))
+        if device == "cuda"
+        else (),
         mask_programs=True,
+        dropout=True,
     )
 
 
@@ -77,6 +83,8 @@ class CupyBackend(KernelBackend):
         reasons = super().supports(spec, problem)
         if problem.device == "cuda" and problem.has_mask_program:
             reasons += pending_hardware(self, "cuda", PROGRAM_PATH)
+        if problem.device == "cuda" and problem.has_dropout:
+            reasons += pending_hardware(self, "cuda", DROPOUT_PATH)
         return reasons
 
     def available(self) -> list[str]:

@@ -291,7 +291,7 @@ def compile_options(
 
 
 #: A kernel argument: a tensor (its data pointer) or a typed scalar.
-Argument: TypeAlias = torch.Tensor | np.int32 | np.int64 | np.float32
+Argument: TypeAlias = torch.Tensor | np.int32 | np.uint32 | np.int64 | np.float32
 
 
 class Launcher(Protocol):
@@ -458,10 +458,25 @@ class CudaKernels:
         shared = shared_memory_bytes(kernel, tile, head_dim, head_dim_v, dtype, registers, switches.atomic_dq)
         blocks = grid.blocks(tile.block_m, tile.block_n)
         code = ""
+        if switches.has_dropout:
+            args = [*args, *self.dropout_arguments(call)]
         if switches.has_mask_program:
             args = [*args, *self.program_arguments(call, tile)]
             code = programs.program_code(call.program.program)
         self.launcher.launch(kernel, options, blocks, (tile.num_warps * 32, 1, 1), shared, args, code)
+
+    def dropout_arguments(self, call: KernelCall) -> list[Any]:
+        """DROPOUT_PARAMETERS of attention.cu: the seed as a pointer to its 0-d int64 tensor on the kernels' device
+        (the kernel reads its words: no host read of a device seed, so no synchronisation), the threshold as uint32,
+        the scale as float32, then the query-head, query and key offsets."""
+        dropout = call.dropout
+        int32 = self.types.int32
+        return [
+            dropout.seed.to(call.q.device),
+            np.uint32(dropout.threshold),
+            self.types.float32(dropout.scale(False)),
+            *(int32(int(offset)) for offset in (dropout.head_start, dropout.query_start, dropout.key_start)),
+        ]
 
     def program_arguments(self, call: KernelCall, tile: TileConfig) -> list[Any]:
         """PROGRAM_PARAMETERS of attention.cu: the program's tile classes at this kernel's tile (cached per program,

@@ -89,13 +89,18 @@ def build(options: tuple[str, ...], source: Path = launch.SOURCE, program: str =
 
 def spliced_source(source: Path, program: str) -> Path:
     """``source`` with a program's code spliced in, as a file in the cache (named by its content)."""
-    text = programs.splice(source.read_text(), program)
+    return cached_source(programs.splice(source.read_text(), program), f"{source.name} with a mask program")
+
+
+def cached_source(text: str, what: str) -> Path:
+    """A kernel source as a file in the cache, named by its content, so the libraries built from it are cached too
+    (a library's key holds the path it includes the source by)."""
 
     def write(scratch: Path, log: Path) -> Path:
-        (scratch / source.name).write_text(text)
-        return scratch / source.name
+        (scratch / launch.SOURCE.name).write_text(text)
+        return scratch / launch.SOURCE.name
 
-    return cached(cache_dir() / f"attention-{_digest(text)}.cu", f"{source.name} with a mask program", write)
+    return cached(cache_dir() / f"attention-{_digest(text)}.cu", what, write)
 
 
 def _digest(*parts: str) -> str:
@@ -128,6 +133,8 @@ def _c_argument(value: launch.Argument) -> ctypes._SimpleCData:
         return ctypes.c_void_p(value.data_ptr())
     if isinstance(value, np.int32):
         return ctypes.c_int32(int(value))
+    if isinstance(value, np.uint32):
+        return ctypes.c_uint32(int(value))
     if isinstance(value, np.int64):
         return ctypes.c_int64(int(value))
     if isinstance(value, np.float32):

@@ -146,6 +146,10 @@ inline float __int_as_float(int bits) {
     return value;
 }
 inline float __int_as_float(unsigned bits) { return __int_as_float(static_cast<int>(bits)); }
+// The high 32 bits of the 64-bit product of two unsigned 32-bit words.
+inline unsigned __umulhi(unsigned a, unsigned b) {
+    return static_cast<unsigned>((static_cast<std::uint64_t>(a) * b) >> 32);
+}
 inline int __float_as_int(float value) {
     int bits;
     std::memcpy(&bits, &value, 4);

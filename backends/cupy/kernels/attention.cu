@@ -8,7 +8,8 @@
 // NUM_WARPS, SEGMENT_GRANULE (positions per segment range), REGISTER_FORWARD / REGISTER_DQ / REGISTER_DKDV (which
 // body that kernel compiles), and the feature switches HAS_LOWER, HAS_UPPER, BOTTOM_RIGHT, HAS_MASK, HAS_BIAS,
 // HAS_SOFTCAP, COSINE, HAS_Q_LENGTHS, HAS_KV_LENGTHS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_DLSE, HAS_DBIAS, GRAD_FLOAT32,
-// PAGED, SPLIT_K, ATOMIC_DQ, HAS_MASK_PROGRAM (0 or 1): a call without a feature compiles without its code.
+// PAGED, SPLIT_K, ATOMIC_DQ, HAS_MASK_PROGRAM, HAS_DROPOUT (0 or 1): a call without a feature compiles without its
+// code.
 //
 // Visibility (docs/semantics.md §4) is one band on rel = j − i − off_b: LOWER ≤ rel ≤ UPPER, where the window's
 // left side gives LOWER = −left and causal and the window's right side give UPPER = min(0, right); off_b is the
@@ -30,6 +31,12 @@
 // comes from the program's tile classes (attnkit.contract.programs.tile_classes, one byte per (b, h, query tile, key
 // tile) at this kernel's tiles): an EMPTY tile is skipped where segment ranges skip theirs, before any operand is
 // loaded; a FULL one runs without evaluating the program; only a PARTIAL one evaluates it per element.
+//
+// Dropout (HAS_DROPOUT, §18) multiplies each normalised probability by M · 1/(1 − p), M the keep-mask of dropout_keep
+// (Philox4x32-10 of the element's (b, query head, i, j), i and j raw positions plus the call's offsets); the row sums
+// and lse are the undropped ones. The forward feeds P ⊙ M/(1 − p) to P V; the backward regenerates M from the seed
+// (nothing of it is saved) for dV += (P ⊙ M/(1 − p))ᵀ dO and dS = P ⊙ (dP ⊙ M/(1 − p) − Δ). The seed, threshold,
+// scale and offsets are kernel arguments: one compiled variant serves every seed and p.
 //
 // A paged KV cache (PAGED, §13) changes only where the forward finds a key: key j of batch row b is slot
 // j % block_size of block block_table[b, j / block_size] (PagedRows), the cache's block stride in the batch stride's
@@ -460,6 +467,77 @@ __device__ __forceinline__ int program_tile_class(const Program& program, int ba
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------ dropout
+
+// A call's dropout (HAS_DROPOUT): the seed's words, the threshold, the scale 1/(1 − p), and the offsets of this call's
+// query heads, queries and keys in the unsharded call. The seed arrives as a pointer to its int64 (read unsigned), so
+// a seed drawn on the device is never read back by the host.
+#if HAS_DROPOUT
+#define DROPOUT_PARAMETERS                                                                \
+    , const long long* __restrict__ dropout_seed, unsigned dropout_threshold, float dropout_scale, \
+        int dropout_head_start, int dropout_query_start, int dropout_key_start
+#define DROPOUT_ARGUMENTS                                                                              \
+    dropout_of(dropout_seed, dropout_threshold, dropout_scale, dropout_head_start, dropout_query_start, \
+               dropout_key_start)
+#else
+#define DROPOUT_PARAMETERS
+#define DROPOUT_ARGUMENTS {}
+#endif
+struct Dropout {
+    unsigned seed_low, seed_high, threshold;
+    float scale;
+    int head_start, query_start, key_start;
+};
+
+__device__ __forceinline__ Dropout dropout_of(const long long* seed, unsigned threshold, float scale, int head_start,
+                                              int query_start, int key_start) {
+    const unsigned long long bits = static_cast<unsigned long long>(*seed);
+    return Dropout{static_cast<unsigned>(bits), static_cast<unsigned>(bits >> 32), threshold, scale, head_start,
+                   query_start, key_start};
+}
+
+// Philox4x32-10 (Random123's philox4x32): ten rounds of
+//   (hi0, lo0) = mulhilo(0xD2511F53, c0);  (hi1, lo1) = mulhilo(0xCD9E8D57, c2);  c = (hi1^c1^k0, lo1, hi0^c3^k1, lo0)
+// with the key bumped by (0x9E3779B9, 0xBB67AE85) between rounds.
+__device__ __forceinline__ void philox4x32(unsigned (&c)[4], unsigned k0, unsigned k1) {
+#pragma unroll
+    for (int round = 0; round < 10; ++round) {
+        if (round > 0) {
+            k0 += 0x9E3779B9u;
+            k1 += 0xBB67AE85u;
+        }
+        const unsigned hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        const unsigned hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        c[0] = hi1 ^ c[1] ^ k0;
+        c[1] = lo1;
+        c[2] = hi0 ^ c[3] ^ k1;
+        c[3] = lo0;
+    }
+}
+
+// The keep step, which the forward, dQ and dK/dV kernels all call: element (b, h, i, j) of the unsharded call (h the
+// query head, i = query_start + row, j = key_start + col) is kept iff word j & 3 of Philox4x32-10(counter
+// (j >> 2, i, h, b), key (seed_low, seed_high)) is at least the threshold (unsigned). The word is picked by selects,
+// not by indexing, so the counter stays in registers.
+__device__ __forceinline__ bool dropout_keep(const Dropout& dropout, int batch, int head, int row, int col) {
+    const unsigned i = static_cast<unsigned>(dropout.query_start) + row;
+    const unsigned j = static_cast<unsigned>(dropout.key_start) + col;
+    unsigned c[4] = {j >> 2, i, static_cast<unsigned>(dropout.head_start) + head, static_cast<unsigned>(batch)};
+    philox4x32(c, dropout.seed_low, dropout.seed_high);
+    const unsigned word = j & 2 ? (j & 1 ? c[3] : c[2]) : (j & 1 ? c[1] : c[0]);
+    return word >= dropout.threshold;
+}
+
+// What a normalised probability of (b, h, row, col) is multiplied by: 1/(1 − p) where kept, 0 where dropped; 1
+// without HAS_DROPOUT, so that code compiles away.
+__device__ __forceinline__ float dropout_factor(const Dropout& dropout, int batch, int head, int row, int col) {
+#if HAS_DROPOUT
+    return dropout_keep(dropout, batch, head, row, col) ? dropout.scale : 0.0f;
+#else
+    return 1.0f;
+#endif
+}
+
 // ------------------------------------------------------------------------------------------------ geometry
 
 struct Geometry {
@@ -682,9 +760,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                       index_t o_m, index_t o_s, index_t lse_s, index_t bias_b, index_t bias_h, index_t bias_m,
                       index_t bias_n, index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n, index_t alibi_b,
                       int heads_q, int group, int len_q, int len_k, float qk_scale, float softcap, int lower, int upper,
-                      int block_size, int max_blocks, int splits PROGRAM_PARAMETERS) {
+                      int block_size, int max_blocks, int splits DROPOUT_PARAMETERS PROGRAM_PARAMETERS) {
     const int row_start = query_tile(len_q) * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
     const Program program = PROGRAM_ARGUMENTS;
+    const Dropout dropout = DROPOUT_ARGUMENTS;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
     const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, program, batch, head);
@@ -752,7 +831,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     //   S = Q Kᵀ (t per score);  m' = max(m, fold · rowmax t);  P = 2^(fold · t − m');  α = 2^(m − m')
     //   l' = α·l + rowsum P;  O' = α·O + P V  (P rounded to the input type, reused from registers as the A operand)
     // and at the end out = O / l, lse = ln 2 · m + ln l. A row with no visible key yet has m = −inf; its shift is
-    // taken as 0 so that P and α are 2^(−inf) = 0, never NaN.
+    // taken as 0 so that P and α are 2^(−inf) = 0, never NaN. With dropout, P V takes P ⊙ M/(1 − p); l sums P.
     // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
     auto tile = [&](bool masked) {
         cp_async_wait<0>();
@@ -812,6 +891,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
                 for (int i = 0; i < 4; ++i) {
                     p[half][i] = exp2_approx(fmaf(s[2 * kk + half][i], fold, -shift[i / 2]));
                     row_sum[i / 2] += p[half][i];
+                    p[half][i] *= dropout_factor(dropout, batch, head, row_start + 16 * warp + lane_row + 8 * (i / 2),
+                                                 key_start + 16 * kk + 8 * half + pair + i % 2);
                 }
             const unsigned a[4] = {pack_pair(p[0][0], p[0][1]),  // rows g, g+8 × keys 2t.. | 2t+8..
                                    pack_pair(p[0][2], p[0][3]), pack_pair(p[1][0], p[1][1]),
@@ -875,9 +956,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
     const int r = threadIdx.x / THREADS_PER_ROW, lane = threadIdx.x % THREADS_PER_ROW, row = row_start + r;
     float row_max = negative_infinity(), row_sum = 0.0f;
     // Online softmax over the key tiles (FlashAttention-2):
-    //   m' = max(m, rowmax S);  α = exp(m − m');  P = exp(S − m');  l' = α·l + rowsum P;  acc' = α·acc + P V
-    // and once at the end: out = acc / l, lse = m + log l. A row that has seen no visible key keeps m = −inf;
-    // its shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf) = NaN.
+    //   m' = max(m, rowmax S);  α = exp(m − m');  P = exp(S − m');  l' = α·l + rowsum P;  acc' = α·acc + (P ⊙ D) V
+    // (D = M/(1 − p) with dropout, else 1) and once at the end: out = acc / l, lse = m + log l. A row that has seen
+    // no visible key keeps m = −inf; its shift is taken as 0 so that P and α are exp(−inf) = 0, never exp(−inf + inf)
+    // = NaN.
     for (int key_start = first; key_start < end; key_start += BLOCK_N) {
         // A key tile sharing no segment id with the query tile, or empty under the program, is skipped.
         if (!ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k))) continue;
@@ -907,7 +989,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1)
         float tile_sum = 0.0f;
         for (int c = lane; c < BLOCK_N; c += THREADS_PER_ROW) {
             const float p = expf(s_tile[r * BLOCK_N + c] - shift);
-            assign(p_tile[r * BLOCK_N + c], p);
+            assign(p_tile[r * BLOCK_N + c], p * dropout_factor(dropout, batch, head, row, key_start + c));
             tile_sum += p;
         }
         row_sum = row_sum * alpha + row_sum_reduce(tile_sum);
@@ -987,9 +1069,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                           index_t dq_h, index_t dq_m, index_t bias_b, index_t bias_h, index_t bias_m, index_t bias_n,
                           index_t mask_b, index_t mask_h, index_t mask_m, index_t mask_n, index_t alibi_b, int heads_q,
                           int group, int len_q, int len_k, float qk_scale, float softcap, float grad_scale, int lower,
-                          int upper PROGRAM_PARAMETERS) {
+                          int upper DROPOUT_PARAMETERS PROGRAM_PARAMETERS) {
     const int row_start = blockIdx.x * BLOCK_M, head = blockIdx.y, batch = blockIdx.z;
     const Program program = PROGRAM_ARGUMENTS;
+    const Dropout dropout = DROPOUT_ARGUMENTS;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
     const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, program, batch, head);
@@ -1059,8 +1142,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     const float fold = SCORE_TERMS ? 1.0f : qk_scale * LOG2E;
     float dq_acc[D_BLOCKS][4] = {};
     // Over the key tiles the query tile sees (dS rounded to the input type, reused from registers as the A operand):
-    //   S = Q Kᵀ;  P = 2^(fold · S − lse₂);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped
-    //   dQ += dU K
+    //   S = Q Kᵀ;  P = 2^(fold · S − lse₂);  dP = dO Vᵀ ⊙ D (D = M/(1 − p) with dropout, else 1);  dS = P ⊙ (dP − Δ)
+    //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dQ += dU K
     // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
     auto tile = [&](bool masked) {
         cp_async_wait<0>();
@@ -1106,7 +1189,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                         t = sc.s * LOG2E;
                         tanh_u = sc.tanh_u;
                     }
-                    ds = exp2_approx(fmaf(t, fold, -row_lse[i / 2])) * (dp[j][i] - row_delta[i / 2]);
+                    const float dp_kept = dp[j][i] * dropout_factor(dropout, batch, head, row, col);
+                    ds = exp2_approx(fmaf(t, fold, -row_lse[i / 2])) * (dp_kept - row_delta[i / 2]);
                     if (HAS_SOFTCAP) ds *= 1.0f - tanh_u * tanh_u;
                 }
                 dp[j][i] = ds;
@@ -1168,7 +1252,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     int first, end;
     key_span(row_start, g, lower, upper, first, end);
     const SegmentRange q_range = segment_range<BLOCK_M>(q_segment_ranges, batch, row_start, len_q);
-    // P = exp(S − lse);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K
+    // P = exp(S − lse);  dP = dO Vᵀ ⊙ D;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K
+    // (D = M/(1 − p) with dropout, else 1)
     for (int key_start = first; key_start < end; key_start += BLOCK_N) {
         // A key tile sharing no segment id with the query tile, or empty under the program, is skipped.
         if (!ranges_meet(q_range, segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k))) continue;
@@ -1187,7 +1272,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
             float ds = 0.0f;
             if (visible(row, col, g, lower, upper, planes, program_tile)) {
                 const Score sc = score(s_tile[idx], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes);
-                ds = expf(sc.s - lse_tile[r]) * (dp_tile[idx] - delta_tile[r]);
+                const float dp = dp_tile[idx] * dropout_factor(dropout, batch, head, row, col);
+                ds = expf(sc.s - lse_tile[r]) * (dp - delta_tile[r]);
                 if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;
                 if (COSINE) ds *= k_inverse[c];  // dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
             }
@@ -1228,9 +1314,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                             index_t bias_h, index_t bias_m, index_t bias_n, index_t mask_b, index_t mask_h,
                             index_t mask_m, index_t mask_n, index_t alibi_b, int heads_q, int group, int len_q,
                             int len_k, float qk_scale, float softcap, float grad_scale, int lower,
-                            int upper DQ_SUM_PARAMETERS PROGRAM_PARAMETERS) {
+                            int upper DQ_SUM_PARAMETERS DROPOUT_PARAMETERS PROGRAM_PARAMETERS) {
     const int key_start = blockIdx.x * BLOCK_N, head_kv = blockIdx.y, batch = blockIdx.z;
     const Program program = PROGRAM_ARGUMENTS;
+    const Dropout dropout = DROPOUT_ARGUMENTS;
     const Geometry g = batch_geometry(q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, batch, len_q, len_k);
     const PlaneStrides strides = {mask_b, mask_h, mask_m, mask_n, bias_b, bias_h, bias_m, bias_n, alibi_b};
 
@@ -1320,8 +1407,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     float dk_acc[D_BLOCKS][4] = {}, dv_acc[DV_BLOCKS][4] = {};
     // Over the G query heads of this kv head and the query tiles that see this key tile (Sᵀ and dPᵀ 16 keys × BLOCK_M
     // queries per warp; Pᵀ and dSᵀ rounded to the input type, reused from registers as A operands):
-    //   Sᵀ = K Qᵀ;  Pᵀ = 2^(fold · Sᵀ − lse₂);  dV += Pᵀ dO;  dPᵀ = V dOᵀ;  dSᵀ = Pᵀ ⊙ (dPᵀ − Δ);  dbias = dS
-    //   dUᵀ = dSᵀ ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ Q
+    //   Sᵀ = K Qᵀ;  Pᵀ = 2^(fold · Sᵀ − lse₂);  dV += (Pᵀ ⊙ Dᵀ) dO;  dPᵀ = V dOᵀ ⊙ Dᵀ;  dSᵀ = Pᵀ ⊙ (dPᵀ − Δ)
+    //   dbias = dS;  dUᵀ = dSᵀ ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ Q  (D = M/(1 − p) with dropout, else 1)
     //   ATOMIC_DQ: dq_sum += dU K, atomically, once per block (the warps' dUᵀ gathered in shared memory)
     // masked: a constant at each call, so the interior loop's inlined copy compiles without the masks.
     auto tile = [&](bool masked) {
@@ -1383,7 +1470,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                         tanh_u = sc.tanh_u;
                     }
                     p = exp2_approx(fmaf(t, fold, -lse_tile[r]));
-                    ds = p * (dp[j][i] - delta_tile[r]);
+                    const float factor = dropout_factor(dropout, batch, head, row, col);
+                    ds = p * (dp[j][i] * factor - delta_tile[r]);
+                    p *= factor;
                     if (HAS_DBIAS) dbias[(row_base + row) * len_k + col] = ds;
                     if (HAS_SOFTCAP) ds *= 1.0f - tanh_u * tanh_u;
                 }
@@ -1510,8 +1599,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
     query_span(key_start, g, lower, upper, first, end);
     const SegmentRange k_range = segment_range<BLOCK_N>(kv_segment_ranges, batch, key_start, len_k);
     // Over the G query heads of this kv head and the query tiles that see this key tile:
-    //   P = exp(S − lse);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS
+    //   P = exp(S − lse);  dV += (P ⊙ D)ᵀ dO;  dP = dO Vᵀ ⊙ D;  dS = P ⊙ (dP − Δ);  dbias = dS
     //   dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q;  ATOMIC_DQ: dq_sum += dU K, atomically
+    //   (D = M/(1 − p) with dropout, else 1)
     for (int head = head_kv * group; head < head_kv * group + group; ++head) {
         const Planes planes = planes_of(mask, bias, alibi_slopes, strides, g, program, batch, head);
         const index_t row_base = ((index_t)batch * heads_q + head) * len_q;
@@ -1538,7 +1628,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS)
                     const Score sc =
                         score(s_tile[idx], q_inverse[r], k_inverse[c], qk_scale, softcap, row, col, planes);
                     p = expf(sc.s - lse_tile[r]);
-                    ds = p * (dp_tile[idx] - delta_tile[r]);
+                    const float factor = dropout_factor(dropout, batch, head, row, col);
+                    ds = p * (dp_tile[idx] * factor - delta_tile[r]);
+                    p *= factor;
                     if (HAS_DBIAS) dbias[(row_base + row) * len_k + col] = ds;
                     if (HAS_SOFTCAP) ds *= 1.0f - sc.tanh_u * sc.tanh_u;
                     ds_q = COSINE ? ds * k_inverse[c] : ds;  // dq̂ = scale · dU k̂ = scale · (dU / ‖k‖) k
