@@ -144,6 +144,7 @@ class KernelSwitches:
     split_k: bool = False  # forward: one of several key ranges per program, float32 partials for merge_splits
     atomic_dq: bool = False  # dK/dV kernel: also add each tile's dS K into a float32 dq sum (one-pass backward)
     has_mask_program: bool = False  # a mask program (KernelCall.program) evaluated in the tiles, where it serves
+    has_dropout: bool = False  # §18's keep-mask on P (KernelCall.dropout), regenerated in every pass
 
     @classmethod
     def all(cls) -> KernelSwitches:
@@ -205,6 +206,8 @@ class KernelCall:
     # own tiles, to the arguments (the launch arguments above carry none of it).
     program: Any = None
     captured: tuple[torch.Tensor, ...] = ()
+    # The call's dropout (attnkit.backend.Dropout), None without: a launcher that serves it appends its arguments.
+    dropout: Any = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -325,6 +328,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
     lower, upper = diagonal_band(spec)
     scale = spec.resolved_scale(head_dim)
     program = getattr(inputs, "mask_program", None)  # PagedInputs have none
+    dropout = getattr(inputs, "dropout", None)  # nor this
     captured = tuple(
         t.to(device=q.device, dtype=torch.int32).contiguous() for t in (program.captured if program is not None else ())
     )
@@ -342,6 +346,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         has_alibi=slopes is not None,
         paged=table is not None,
         has_mask_program=program is not None,
+        has_dropout=dropout is not None,
     )
     return KernelCall(
         spec=spec,
@@ -362,6 +367,7 @@ def prepare(launcher: KernelLauncher, spec: AttentionSpec, inputs: AttentionInpu
         paging=(types.int32(block_size), types.int32(table.shape[1] if table is not None else 0)),
         program=program,
         captured=captured,
+        dropout=dropout,
     )
 
 
@@ -566,15 +572,18 @@ def kernel_capabilities(
     options: tuple[tuple[str, bool | int | float | str], ...] = (),
     unverified: tuple[Unverified, ...] = (),
     mask_programs: bool = False,
+    dropout: bool = False,
 ) -> Capabilities:
     """A kernel backend's declaration: the whole contract on torch tensors of one device, in the three float dtypes
-    the kernels are written for, mask programs where ``mask_programs`` says its kernels evaluate them. Its own
-    ``notes`` come before the shared ones, ``how_to_run`` after."""
+    the kernels are written for, mask programs and dropout where ``mask_programs`` and ``dropout`` say its kernels
+    serve them. Its own ``notes`` come before the shared ones, ``how_to_run`` after."""
+    left_out = {feature for feature, served in ((Feature.MASK_PROGRAM, mask_programs), (Feature.DROPOUT, dropout))
+                if not served}  # fmt: skip
     return Capabilities(
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({device}),
-        features=(ALL_FEATURES if mask_programs else ALL_FEATURES - {Feature.MASK_PROGRAM}) - {Feature.DROPOUT},
+        features=ALL_FEATURES - left_out,
         head_dims=(1, max_head_dim),
         description=description,
         notes=(*notes, *KERNEL_NOTES, *how_to_run),
