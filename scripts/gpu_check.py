@@ -67,6 +67,12 @@ GPU_TESTS = (
     # case forward and backward, and the generated helper for every operation.
     "tests/test_triton_programs.py::test_document_causal_agrees_with_the_oracle",
     "tests/test_triton_programs.py::test_the_generated_helper_agrees_with_the_contract",
+    # Dropout in the compiled triton kernels (unverified on hardware until these pass): the generator's known answers,
+    # the keep step, and the keep-mask read through attend.
+    "tests/test_dropout.py::test_triton_generator_gives_known_answers",
+    "tests/test_dropout.py::test_triton_keep_step_is_the_references",
+    "tests/test_dropout.py::test_backend_keep_mask_is_the_references[triton-64]",
+    "tests/test_dropout.py::test_backend_keep_mask_is_the_references[triton-65]",
     "tests/test_cupy_static.py",
     "tests/test_conformance.py::test_harness_runs_a_backend_on_the_gpu_where_it_declares_one",
     "tests/test_pallas.py::test_mask_programs_on_the_gpu",

@@ -18,7 +18,7 @@ from attnkit.contract import philox
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.testing import Case
 from attnkit.testing.runners import harness_capabilities, run_backend
-from tests.conftest import backend_params
+from tests.conftest import available_backends, backend_params
 
 SEED = 0xF00D_CAFE_1234_5678  # high word's top bit set: the seed is read unsigned
 
@@ -49,6 +49,42 @@ def test_jax_generator_gives_known_answers(counter: Any, key: Any, expected: Any
 
     words = jax_contract.philox4x32(tuple(jnp.uint32(w) for w in counter), tuple(jnp.uint32(w) for w in key))
     assert tuple(int(word) for word in words) == expected
+
+
+def _triton_kernels() -> tuple[Any, Any]:
+    """The triton backend's launch module and the test kernels of its dropout helpers; skips where it cannot run."""
+    if "triton" not in available_backends():
+        pytest.skip("triton is unavailable here")
+    from attnkit.backends.triton import launch
+
+    from tests import triton_dropout_kernel
+
+    return launch, triton_dropout_kernel
+
+
+@pytest.mark.parametrize("counter, key, expected", philox.KNOWN_ANSWERS)
+def test_triton_generator_gives_known_answers(counter: Any, key: Any, expected: Any) -> None:
+    """The Triton kernels' generator (interpreted here; compiled on a GPU), a 4-word counter and the seed as its key."""
+    launch, test_kernels = _triton_kernels()
+    device = launch.KERNEL_DEVICE
+    words = torch.zeros(4, dtype=torch.int32, device=device)
+    counter_bits = torch.tensor([word - (1 << 32) if word >> 31 else word for word in counter], dtype=torch.int32)
+    test_kernels.philox_words[(1,)](words, counter_bits.to(device), _torch_seed(key[0] | key[1] << 32).to(device))
+    assert tuple(int(word) & 0xFFFFFFFF for word in words.cpu()) == expected
+
+
+def test_triton_keep_step_is_the_references() -> None:
+    """The Triton kernels' keep step on a tile of a shard, with the launcher's arguments: offsets added (a key offset
+    off a counter's four keys), p above 1/2 (the threshold's top bit set, passed as a negative int32, compared
+    unsigned), the seed's top bit set."""
+    launch, test_kernels = _triton_kernels()
+    device = torch.device(launch.KERNEL_DEVICE)
+    dropout = Dropout(0.7, _torch_seed(SEED), head_start=2, query_start=3, key_start=5)
+    tile = torch.zeros(16, 32, dtype=torch.int8, device=device)
+    arguments = launch.dropout_arguments(dropout, device)
+    test_kernels.keep_tile[(1,)](tile, 1, 1, *arguments, BLOCK_M=16, BLOCK_N=32)
+    expected = philox.keep_mask(SEED, 0.7, 2, 4, 3 + 16, 5 + 32)[1, 1 + 2, 3:, 5:]
+    np.testing.assert_array_equal(tile.cpu().numpy().astype(bool), expected)
 
 
 def test_reference_rounds_are_random123s() -> None:

@@ -20,11 +20,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 from attnkit import AttentionSpec
-from attnkit.backend import AttentionInputs, PagedInputs
+from attnkit.backend import AttentionInputs, Dropout, PagedInputs
 from attnkit.contract import diagonal_band
 from attnkit.spec import CausalAlignment, Variant
 from tests.conftest import available_backends
@@ -35,6 +36,8 @@ ARCHS = ("sm_80", "sm_90")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 #: A fake GPU's SM count, so that decode calls plan split-K (contract.kernels.decode_splits).
 PROCESSORS = 132
+#: The dropout of the DROPOUT scenarios: the threshold round(0.7 · 2³²) has its top bit set, so does the seed.
+DROPOUT = Dropout(0.7, torch.tensor(-(1 << 63) + 12345, dtype=torch.int64), head_start=1, query_start=2, key_start=3)
 #: The descriptor parameters of each kernel that has them, and the operand each describes.
 DESCRIPTOR_OPERANDS = {"forward": {"KTiles": "K", "VTiles": "V"}, "backward_dq": {"KTiles": "K", "VTiles": "V"},
                        "backward_dkdv": {"QTiles": "Q", "DOutTiles": "DOut"}}  # fmt: skip
@@ -142,6 +145,7 @@ class Scenario:
     dlse: bool = False
     alibi: bool = False  # per (batch, query head) slopes
     paged: bool = False  # attend_paged: forward only
+    dropout: bool = False  # DROPOUT: p above 1/2, the seed's top bit set, a shard's offsets
     deterministic: bool = False  # the two-kernel backward wherever one pass would run
     warp_specialize: bool = False  # the backend's option: the launcher offers the warp-specialised tile
     aligned: bool = True  # q, k, v, dout rows on 16 bytes (descriptors need them)
@@ -180,6 +184,9 @@ def _scenarios() -> list[Scenario]:
         Scenario("dlse", dlse=True),
         Scenario("alibi, warp_specialize on", alibi=True, warp_specialize=True, **whole),
         Scenario("alibi causal, deterministic", spec=AttentionSpec(causal=True), alibi=True, deterministic=True),
+        Scenario("dropout", dropout=True),
+        Scenario("dropout, warp_specialize on", dropout=True, warp_specialize=True, **whole),
+        Scenario("dropout causal, deterministic", spec=AttentionSpec(causal=True), dropout=True, deterministic=True),
         Scenario("paged decode", spec=AttentionSpec(causal=True), len_q=1, len_k=300, paged=True),
         Scenario("split-K decode", len_q=1, len_k=2048, batch=1, heads_q=2, heads_kv=1),
         Scenario("paged split-K decode", len_q=1, len_k=2048, batch=1, heads_q=2, heads_kv=1, paged=True),
@@ -250,6 +257,8 @@ def plan(scenario: Scenario, arch: str, dtype: torch.dtype, *, triton_version: s
         optional["kv_lengths"] = torch.tensor([s.len_k, s.len_k // 3][: s.batch], dtype=torch.int32)
     if s.alibi:
         optional["alibi_slopes"] = torch.rand(s.batch, s.heads_q, generator=generator)
+    if s.dropout:
+        optional["dropout"] = DROPOUT
     if s.segments:
         optional["q_segment_ids"] = (torch.arange(s.len_q) * 3 // s.len_q).expand(s.batch, -1)
         optional["kv_segment_ids"] = (torch.arange(s.len_k) * 3 // s.len_k).expand(s.batch, -1)
@@ -331,12 +340,13 @@ def expect_descriptors(kernel: str, scenario: Scenario, arch: str, dtype: torch.
 
 def expect_warp_specialized(kernel: str, scenario: Scenario, arch: str, dtype: torch.dtype, offered: bool) -> bool:
     """docs/triton.md, "Warp specialisation": offered, on Hopper, for the forward and dQ, where every tile is interior
-    (no band, mask, bias, softcap, cosine, ALiBi, lengths, segment ids, paging or split-K; whole 128-row tiles), at
+    (no band, mask, bias, softcap, cosine, ALiBi, dropout, lengths, segment ids, paging or split-K; whole 128-row
+    tiles), at
     padded head dims 64 and 128, with K and V through descriptors."""
     spec = scenario.spec
     edges = (spec.causal or spec.window is not None or scenario.mask or scenario.bias or spec.softcap is not None
              or spec.variant is Variant.COSINE or scenario.alibi or scenario.q_lengths or scenario.kv_lengths
-             or scenario.segments or scenario.paged)  # fmt: skip
+             or scenario.segments or scenario.paged or scenario.dropout)  # fmt: skip
     return (
         offered
         and kernel in ("forward", "backward_dq")
@@ -369,12 +379,28 @@ def check_constants(launch_: Launch, scenario: Scenario, dtype: torch.dtype, spl
                     HAS_BIAS=scenario.bias, HAS_SOFTCAP=spec.softcap is not None,
                     COSINE=spec.variant is Variant.COSINE, HAS_Q_LENGTHS=scenario.q_lengths,
                     HAS_KV_LENGTHS=scenario.kv_lengths or scenario.paged, HAS_SEGMENT_IDS=scenario.segments,
-                    HAS_ALIBI=scenario.alibi,
+                    HAS_ALIBI=scenario.alibi, HAS_DROPOUT=scenario.dropout,
                     PAGED=scenario.paged, SPLIT_K=split_k, HAS_DBIAS=scenario.bias, ATOMIC_DQ=one_pass,
                     HAS_DLSE=scenario.dlse, DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",
                     COMPILED=True, INTERPRETER_BF16=False)  # fmt: skip
     wrong = {name: (c[name], value) for name, value in expected.items() if name in c and c[name] != value}
     assert not wrong, f"{kernel}: (planned, expected) {wrong}"
+
+
+def check_dropout(launch_: Launch, scenario: Scenario) -> None:
+    """§18's arguments after the program's: the seed tensor itself, 0-d int64 (the kernels read it: no host read);
+    the threshold round(p · 2³²) as the int32 of its bits; 1 / (1 − p) rounded to float32; the offsets.
+    None without dropout."""
+    runtime = signature(launch_.kernel)[0]
+    names = ("Seed", "dropout_threshold", "dropout_scale", "dropout_offsets")
+    seed, threshold, scale, offsets = (launch_.args[runtime.index(name)] for name in names)
+    if not scenario.dropout:
+        assert (seed, threshold, scale, offsets) == (None,) * 4
+        return
+    assert isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.shape == ()
+    assert seed.data_ptr() == DROPOUT.seed.data_ptr()  # no copy: a CUDA graph would replay a stale one
+    assert isinstance(threshold, int) and threshold == round(DROPOUT.p * 2**32) - 2**32 and -(2**31) <= threshold
+    assert scale == float(np.float32(1 / (1 - DROPOUT.p))) and offsets == (1, 2, 3)
 
 
 def check_grid(launch_: Launch, scenario: Scenario, rows: int, splits: int) -> None:
@@ -456,6 +482,7 @@ def check_plan(scenario: Scenario, arch: str, dtype: torch.dtype, planned: Plann
             rows = launch_.constants["BLOCK_N" if kernel == "backward_dkdv" else "BLOCK_M"]
             check_grid(launch_, scenario, rows, splits if kernel == "forward" else 1)
             check_descriptors(launch_, scenario, arch, dtype)
+            check_dropout(launch_, scenario)
         if kernel == "forward":
             assert launches[-1].args[signature(launches[-1].kernel)[0].index("splits")] == splits
     # In-kernel descriptors of the warp-specialised tile need an allocator: set where it ran, as on the GPU.
@@ -538,10 +565,11 @@ def _cases() -> list[Any]:
     for arch, dtype in itertools.product(ARCHS, ("float16", "bfloat16", "float32")):
         cases.append(pytest.param(arch, Case(spec=AttentionSpec(), batch=1, heads_q=1, heads_kv=1, len_q=1, len_k=1,
                                                  dtype=dtype), id=f"{arch}-{dtype}-smallest"))  # fmt: skip
-        if dtype == "bfloat16":  # GQA's head mapping and a padded head dim, causal, on both archs
+        if dtype == "bfloat16":  # GQA's head mapping and a padded head dim, causal, with dropout, on both archs
             cases.append(pytest.param(arch, Case(spec=AttentionSpec(causal=True), batch=1, heads_q=2, heads_kv=1,
-                                                     len_q=20, len_k=24, head_dim=24, head_dim_v=24, dtype=dtype),
-                                      id=f"{arch}-{dtype}-causal-gqa"))  # fmt: skip
+                                                     len_q=20, len_k=24, head_dim=24, head_dim_v=24, dtype=dtype,
+                                                     dropout=(0.3, 0xF00D_CAFE_1234_5678)),
+                                      id=f"{arch}-{dtype}-causal-gqa-dropout"))  # fmt: skip
     return cases
 
 

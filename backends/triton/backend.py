@@ -20,6 +20,8 @@ WARP_SPECIALIZE_OPTION = ("warp_specialize", False)
 COMPILED_BACKWARD = "the compiled backward"
 #: Mask programs evaluated in the compiled kernels' tiles: refused on CUDA until a GPU run has passed them.
 COMPILED_MASK_PROGRAMS = "mask programs in the compiled kernels"
+#: Dropout (§18) in the compiled kernels: refused on CUDA until a GPU run has passed it.
+COMPILED_DROPOUT = "dropout in the compiled kernels"
 
 
 def interpreter_refusals(triton_version: str, numpy_version: str) -> list[str]:
@@ -60,6 +62,7 @@ class TritonBackend(KernelBackend):
             # Off: at head dims up to 128 on Hopper the backward adds dq atomically, its last bits varying by run.
             options=(DETERMINISTIC_OPTION, WARP_SPECIALIZE_OPTION),
             mask_programs=True,
+            dropout=True,
             unverified=(
                 Unverified(
                     "cuda",
@@ -74,6 +77,12 @@ class TritonBackend(KernelBackend):
                     "written and tested in the Triton interpreter, and compiled for sm_80 and sm_90 without a GPU; "
                     "never run on one",
                 ),
+                Unverified(
+                    "cuda",
+                    COMPILED_DROPOUT,
+                    "written and tested in the Triton interpreter (the keep-mask bit for bit, out, lse and gradients "
+                    "against the oracle), and compiled for sm_80 and sm_90 without a GPU; never run on one",
+                ),
             ),
         )
 
@@ -83,6 +92,8 @@ class TritonBackend(KernelBackend):
             reasons += pending_hardware(self, "cuda", COMPILED_BACKWARD)
         if problem.device == "cuda" and problem.has_mask_program:
             reasons += pending_hardware(self, "cuda", COMPILED_MASK_PROGRAMS)
+        if problem.device == "cuda" and problem.has_dropout:
+            reasons += pending_hardware(self, "cuda", COMPILED_DROPOUT)
         return reasons
 
     def available(self) -> list[str]:

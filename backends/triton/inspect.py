@@ -79,6 +79,7 @@ FEATURES: dict[str, dict[str, bool]] = {
     "segments": {"has_segment_ids": True},
     "cosine": {"cosine": True},
     "alibi": {"has_alibi": True, "bottom_right": True},
+    "dropout": {"has_dropout": True},
     "dbias": {"has_dbias": True},  # dkdv only
     "one-pass": {"atomic_dq": True},  # dkdv only: dq added atomically (the GPU default unless deterministic)
     "dlse": {"has_dlse": True},  # delta only
@@ -101,6 +102,7 @@ FEATURES: dict[str, dict[str, bool]] = {
         "has_segment_ids": True,
         "cosine": True,
         "has_alibi": True,
+        "has_dropout": True,
         "has_dbias": True,
         "has_dlse": True,
     },
@@ -111,7 +113,7 @@ FEATURE_TILES = {"warp-specialized": (launch.WARP_SPECIALIZED, ("sm_90",))}
 #: The feature variants of ``--scope required``: attend's switches all at once, the paged decode and the
 #: warp-specialised forward and dQ.
 REQUIRED_FEATURES = ("all", "paged-split", "warp-specialized")
-_SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "alibi")
+_SWITCHES_ALONE = ("upper", "lower", "mask", "bias", "softcap", "lengths", "segments", "cosine", "alibi", "dropout")
 _FEATURES_OF = {
     "fwd": (*_SWITCHES_ALONE, "paged", "split", "paged-split", "warp-specialized", "all"),
     "dq": (*_SWITCHES_ALONE, "warp-specialized", "all"),
@@ -126,6 +128,10 @@ _SEGMENT_POINTERS = ("QSegmentIds", "KvSegmentIds", "QSegmentRanges", "KvSegment
 _DESCRIPTORS = ("KTiles", "VTiles", "QTiles", "DOutTiles")
 #: A mask program's tensors, None without one (launch.program_arguments): the variants here have none.
 _PROGRAM_ARGUMENTS = ("TileClasses", "class_strides", "Captured", "captured_layout")
+#: Dropout's arguments (launch.dropout_arguments) and their types with it: the int64 seed tensor, the threshold's bits
+#: as an int32, the float32 scale, the offsets; None without.
+_DROPOUT_ARGUMENTS = {"Seed": "*i64", "dropout_threshold": "i32", "dropout_scale": "fp32",
+                      "dropout_offsets": ("i32", "i32", "i32")}  # fmt: skip
 _DENSE_STRIDE = re.compile(r"stride_(q|k|v|o|do|dq|dk|dv)[bhmn]$")
 _FEATURE_STRIDE = re.compile(r"stride_(bias|mask)_([bhmn])$")
 _TRITON_TYPE = {"fp16": "fp16", "bf16": "bf16", "fp32": "fp32"}
@@ -224,7 +230,7 @@ def _constants(variant: Variant, tile: launch.TileConfig | None = None) -> tuple
     return {**constants, **launch.tile_constants(kernel, tile)}, tile
 
 
-def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[dict[str, str], dict, dict[str, Any]]:
+def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[dict[str, Any], dict, dict[str, Any]]:
     """The ASTSource signature, attributes and constexprs of one variant: the types, alignment and
     specialisation a launch would give (see the module's docstring)."""
     element = _TRITON_TYPE[variant.dtype]
@@ -250,7 +256,7 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
     # Split-K's partial outputs are float32 whatever the inputs' dtype.
     float32_pointers = (*_FLOAT32_POINTERS, "Out") if constants.get("SPLIT_K", False) else _FLOAT32_POINTERS
     divisible = [["tt.divisibility", 16]]
-    signature: dict[str, str] = {}
+    signature: dict[str, Any] = {}
     attrs: dict[tuple[int, ...], list] = {}
     constexprs = dict(constants)
     for index, param in enumerate(fn.params):
@@ -258,9 +264,11 @@ def _signature(fn: Any, variant: Variant, constants: dict[str, Any]) -> tuple[di
         feature = _FEATURE_STRIDE.match(name)
         if param.is_constexpr:
             signature[name] = "constexpr"
-        elif name in _PROGRAM_ARGUMENTS:
+        elif name in _PROGRAM_ARGUMENTS or (name in _DROPOUT_ARGUMENTS and not constants.get("HAS_DROPOUT")):
             signature[name] = "constexpr"
             constexprs[name] = None
+        elif name in _DROPOUT_ARGUMENTS:
+            signature[name] = _DROPOUT_ARGUMENTS[name]
         elif name in _DESCRIPTORS:  # TMA descriptors of one tile (launch.descriptors), or None (constexpr) without
             if constants.get("TMA", False):
                 along_keys = launch.DESCRIBED[KERNEL_OF[variant.kernel]].along_keys

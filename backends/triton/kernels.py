@@ -25,6 +25,10 @@ A paged KV cache (``PAGED``, §13) changes only where the forward finds a key: k
 batch stride's place; any block size works, smaller or larger than BLOCK_N, and table entries past kv_len_b are never
 read. Split-K (``SPLIT_K``, flash-decoding) runs one of ``splits`` ranges of a query tile's key tiles per program
 and writes that range's out and lse to float32 partials, which ``attnkit.contract.kernels.merge_splits`` combines.
+
+Dropout (``HAS_DROPOUT``, §18) drops entries of P where it meets V, and the gradient reaching P through them: the
+forward and both backward passes regenerate a tile's keep-mask from the seed (``_dropout_keep``), nothing is saved.
+l sums P undropped, so lse is the softmax's; 1 / (1 − p) scales out and dV once, dP per tile.
 """
 
 from __future__ import annotations
@@ -278,6 +282,43 @@ def _split_range(first, end, split, splits, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def _dropout_state(Seed, threshold, offsets, HAS_DROPOUT: tl.constexpr):
+    """What _dropout_keep reads of a call's dropout: (seed, threshold, head_start, query_start, key_start), the int64
+    seed loaded from its tensor, the threshold's 32 bits (passed as an int32) as uint32, the offsets of §18's indices;
+    without dropout, ``offsets`` (None), never read."""
+    if HAS_DROPOUT:
+        head_start, query_start, key_start = offsets
+        return tl.load(Seed), tl.cast(threshold, tl.uint32, bitcast=True), head_start, query_start, key_start
+    else:
+        return offsets
+
+
+@triton.jit
+def _philox(seed, c0, c1, c2, c3):
+    """Philox4x32-10 (Random123's philox4x32) of uint32 counter words with key (seed mod 2³², seed >> 32): Triton's
+    tl.philox is exactly it for 32-bit counters (its key grows after the tenth round as well, which changes no output
+    word), held to Random123's known answers by tests/test_dropout.py."""
+    return tl.philox(seed, c0, c1, c2, c3)
+
+
+@triton.jit
+def _dropout_keep(dropout, batch, head, rows, cols):
+    """§18's keep-mask of one tile, bool (rows, cols): (b, h, i, j) is kept where word j & 3 of Philox4x32-10 at
+    counter (j >> 2, i, h, b) is at least the threshold, compared unsigned. ``dropout``: _dropout_state's; ``head``,
+    ``rows``, ``cols``: the call's query head, query rows and keys, whose offsets in the unsharded call are added here
+    (batch row b is the call's own). Each key computes its counter's four words and keeps one."""
+    seed, threshold, head_start, query_start, key_start = dropout
+    i = (rows + query_start).to(tl.uint32)[:, None]  # counter words wrap at 2³², as uint32 (and int64 offsets) do
+    j = (cols + key_start).to(tl.uint32)[None, :]
+    zero = i * 0 + j * 0  # every counter word as a whole tile
+    h = tl.cast(head + head_start, tl.uint32)  # a cast, not .to: a scalar here may be a constexpr (an int of 1)
+    words = _philox(seed, (j >> 2) + zero, i + zero, h + zero, tl.cast(batch, tl.uint32) + zero)
+    lane = j & 3
+    word = tl.where(lane == 0, words[0], tl.where(lane == 1, words[1], tl.where(lane == 2, words[2], words[3])))
+    return word >= threshold  # both uint32: an unsigned compare
+
+
+@triton.jit
 def _score_tile(
     q,
     k,
@@ -507,6 +548,7 @@ def _fwd_tile(
     tile_class,
     Captured,
     captured_layout,
+    dropout,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -522,6 +564,7 @@ def _fwd_tile(
     HAS_ALIBI: tl.constexpr,
     HAS_PROGRAM: tl.constexpr,
     MASK_PROGRAM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     PAGED: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -529,7 +572,8 @@ def _fwd_tile(
     TMA: tl.constexpr,
 ):
     """One key tile of the online softmax, in base 2 (``fold`` turns the score tile into log₂-units, row_max is in
-    them):  m' = max(m, rowmax S₂);  α = 2^(m − m');  P = 2^(S₂ − m');  l' = α·l + rowsum P;  acc' = α·acc + P V.
+    them):  m' = max(m, rowmax S₂);  α = 2^(m − m');  P = 2^(S₂ − m');  l' = α·l + rowsum P;  acc' = α·acc + (P ⊙ M) V,
+    M dropout's keep-mask (_dropout_keep; all ones without): l sums P undropped, so lse stays the softmax's.
     An edge tile may leave a row with no visible key yet (m' = −inf): its shift is taken as 0 so that P and α are
     2^−inf = 0, never NaN; an interior tile makes every m' finite and needs no such select. TMA: K and V come
     through the descriptors KTiles, VTiles (kv head ``head_kv``), not the pointers."""
@@ -597,6 +641,8 @@ def _fwd_tile(
     p = tl.math.exp2(tl.fma(scores, fold, -shift[:, None]))
     alpha = tl.math.exp2(row_max - shift)
     row_sum = row_sum * alpha + tl.sum(p, 1)
+    if HAS_DROPOUT:
+        p = tl.where(_dropout_keep(dropout, batch, head, rows, cols), p, 0.0)
     acc = acc * alpha[:, None] + _dot(_rounded(p, v.dtype, INTERPRETER_BF16), v, INTERPRETER_BF16, DOT_PRECISION)
     return acc, new_max, row_sum
 
@@ -658,6 +704,10 @@ def _fwd_kernel(
     class_strides,
     Captured,
     captured_layout,
+    Seed,
+    dropout_threshold,
+    dropout_scale,
+    dropout_offsets,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -685,6 +735,7 @@ def _fwd_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     HAS_PROGRAM: tl.constexpr,
     MASK_PROGRAM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """One query tile of one (batch, query head): out and lse, or with SPLIT_K one key range's partial out and lse
     (Out and Lse offset by split · stride_os, stride_ls). Grid (query tiles × splits, Hq, B), split-major. With TMA
@@ -747,10 +798,11 @@ def _fwd_kernel(
     row_sum = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
     # Online softmax over the key tiles (FlashAttention-2) in base 2, the scale folded into the exponent's FMA (S₂ =
-    # log₂e · S; _fwd_tile); once at the end: out = acc / l, lse = ln 2 · (m + log₂ l). The interior tiles, every
-    # pair visible, run first and without masks; then the edge tiles (bounds, the band's diagonal), masked. With a
-    # mask or segment ids any tile may hide pairs: all are edge tiles.
+    # log₂e · S; _fwd_tile); once at the end: out = acc / l (times 1 / (1 − p) with dropout), lse = ln 2 · (m + log₂ l).
+    # The interior tiles, every pair visible, run first and without masks; then the edge tiles (bounds, the band's
+    # diagonal), masked. With a mask or segment ids any tile may hide pairs: all are edge tiles.
     fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
+    dropout = _dropout_state(Seed, dropout_threshold, dropout_offsets, HAS_DROPOUT)
     interior_low = end
     interior_high = end
     if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
@@ -763,9 +815,9 @@ def _fwd_kernel(
                 KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
                 offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
                 stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, head, _FULL_TILE, Captured,
-                captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK,
-                HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, PAGED,
-                INTERPRETER_BF16, DOT_PRECISION, False, TMA,
+                captured_layout, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
+                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
+                MASK_PROGRAM, HAS_DROPOUT, PAGED, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
             )  # fmt: skip
     # The edge tiles: [first, interior_low), then [interior_high, end) where interior tiles split them: two affine
     # loops (one loop over a remapped index left ptxas at 128 registers and spilling kilobytes with every feature on).
@@ -786,9 +838,9 @@ def _fwd_kernel(
                 KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
                 offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
                 stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, head, tile_class, Captured,
-                captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK,
-                HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, PAGED,
-                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                captured_layout, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
+                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
+                MASK_PROGRAM, HAS_DROPOUT, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
     if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM) and not WARP_SPECIALIZE:
         for key_start in range(interior_high, end, BLOCK_N):
@@ -797,9 +849,9 @@ def _fwd_kernel(
                 KvSegmentIds, BlockTable, batch64, stride_kb, stride_kn, stride_vb, stride_vn, len_k, q_len, kv_len,
                 offset, lower, upper, block_size, max_blocks, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
                 stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, head, _FULL_TILE, Captured,
-                captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK,
-                HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, PAGED,
-                INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                captured_layout, dropout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER,
+                HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
+                MASK_PROGRAM, HAS_DROPOUT, PAGED, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
             )  # fmt: skip
 
     # Empty means no weight at all: a NaN score is skipped by the max (fmax) yet makes the sum NaN, and must
@@ -807,6 +859,8 @@ def _fwd_kernel(
     empty = row_sum == 0.0
     safe_sum = tl.where(empty, 1.0, row_sum)
     out = tl.where(empty[:, None], 0.0, acc / safe_sum[:, None])
+    if HAS_DROPOUT:
+        out = out * dropout_scale
     lse = tl.where(empty, float("-inf"), (row_max + tl.math.log2(safe_sum)) * 0.6931471805599453)  # ln 2
     rows = _epilogue_rows(row_start, BLOCK_M, COMPILED)
     tl.store(
@@ -950,6 +1004,8 @@ def _dq_tile(
     tile_class,
     Captured,
     captured_layout,
+    dropout,
+    dropout_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -965,13 +1021,15 @@ def _dq_tile(
     HAS_ALIBI: tl.constexpr,
     HAS_PROGRAM: tl.constexpr,
     MASK_PROGRAM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     EDGE: tl.constexpr,
     TMA: tl.constexpr,
 ):
     """One key tile of dq, in base 2 (lse2 = log₂e · lse):
-    P = 2^(S₂ − lse2);  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K."""
+    P = 2^(S₂ − lse2);  dP = dO Vᵀ (⊙ M / (1 − p) with dropout's keep-mask M);  dS = P ⊙ (dP − Δ);
+    dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dq += dU K."""
     cols = key_start + tl.arange(0, BLOCK_N)
     dims = tl.arange(0, BLOCK_D)
     dims_v = tl.arange(0, BLOCK_DV)
@@ -992,6 +1050,8 @@ def _dq_tile(
     )  # fmt: skip
     p = tl.math.exp2(tl.fma(scores, fold, -lse2[:, None]))
     dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
+    if HAS_DROPOUT:
+        dp = tl.where(_dropout_keep(dropout, batch, head, rows, cols), dp * dropout_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if HAS_SOFTCAP:
         ds = ds * (1.0 - tanh_u * tanh_u)
@@ -1057,6 +1117,10 @@ def _bwd_dq_kernel(
     class_strides,
     Captured,
     captured_layout,
+    Seed,
+    dropout_threshold,
+    dropout_scale,
+    dropout_offsets,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -1081,6 +1145,7 @@ def _bwd_dq_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     HAS_PROGRAM: tl.constexpr,
     MASK_PROGRAM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """dq for one query tile of one (batch, query head), over the key tiles it sees. Grid (query tiles, Hq, B).
     With TMA the key tiles come through the descriptors KTiles, VTiles, as in the forward. WARP_SPECIALIZE as the
@@ -1139,6 +1204,7 @@ def _bwd_dq_kernel(
         q_low, q_high = _segment_range(QSegmentRanges, batch64, row_start, len_q, BLOCK_M, SEGMENT_GRANULE)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
+    dropout = _dropout_state(Seed, dropout_threshold, dropout_offsets, HAS_DROPOUT)
     # As the forward: the interior key tiles unmasked, then the edge tiles (_dq_tile).
     interior_low = end
     interior_high = end
@@ -1151,9 +1217,10 @@ def _bwd_dq_kernel(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
                 KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
                 stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
-                fold, batch, head, _FULL_TILE, Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI,
-                HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, False, TMA,
+                fold, batch, head, _FULL_TILE, Captured, captured_layout, dropout, dropout_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+                HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, HAS_DROPOUT, INTERPRETER_BF16, DOT_PRECISION,
+                False, TMA,
             )  # fmt: skip
     for key_start in range(first, first if WARP_SPECIALIZE else interior_low, BLOCK_N):  # as the forward's
         meets = True
@@ -1170,9 +1237,10 @@ def _bwd_dq_kernel(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
                 KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
                 stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
-                fold, batch, head, tile_class, Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI,
-                HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                fold, batch, head, tile_class, Captured, captured_layout, dropout, dropout_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+                HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, HAS_DROPOUT, INTERPRETER_BF16, DOT_PRECISION,
+                True, TMA,
             )  # fmt: skip
     if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM) and not WARP_SPECIALIZE:
         for key_start in range(interior_high, end, BLOCK_N):
@@ -1180,9 +1248,10 @@ def _bwd_dq_kernel(
                 dq, q, q_inv_norm, dout, lse2, delta, rows, q_ids, key_start, KTile, VTile, KTiles, VTiles, head_kv,
                 KvSegmentIds, batch64, stride_kn, stride_vn, len_k, q_len, kv_len, offset, lower, upper, BiasTile,
                 stride_bias_m, stride_bias_n, MaskTile, stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope,
-                fold, batch, head, _FULL_TILE, Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV,
-                BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_SEGMENT_IDS, HAS_ALIBI,
-                HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, True, TMA,
+                fold, batch, head, _FULL_TILE, Captured, captured_layout, dropout, dropout_scale, HEAD_DIM, HEAD_DIM_V,
+                BLOCK_D, BLOCK_DV, BLOCK_N, HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE,
+                HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, HAS_DROPOUT, INTERPRETER_BF16, DOT_PRECISION,
+                True, TMA,
             )  # fmt: skip
     dq = dq * grad_scale
     tl.store(
@@ -1238,6 +1307,8 @@ def _dkdv_tile(
     tile_class,
     Captured,
     captured_layout,
+    dropout,
+    dropout_scale,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -1254,14 +1325,16 @@ def _dkdv_tile(
     HAS_ALIBI: tl.constexpr,
     HAS_PROGRAM: tl.constexpr,
     MASK_PROGRAM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
     INTERPRETER_BF16: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ATOMIC_DQ: tl.constexpr,
     EDGE: tl.constexpr,
     TMA: tl.constexpr,
 ):
-    """One query tile of dk and dv, in base 2 (lse2 = log₂e · lse):
-    P = 2^(S₂ − lse2);  dV += Pᵀ dO;  dP = dO Vᵀ;  dS = P ⊙ (dP − Δ);  dbias = dS;
+    """One query tile of dk and dv, in base 2 (lse2 = log₂e · lse), M dropout's keep-mask (all ones without):
+    P = 2^(S₂ − lse2);  dV += (P ⊙ M)ᵀ dO (times 1 / (1 − p) once, at the end);  dP = dO Vᵀ ⊙ M / (1 − p);
+    dS = P ⊙ (dP − Δ);  dbias = dS;
     dU = dS ⊙ (1 − tanh²(U/c)) if softcapped;  dK += dUᵀ q;  with ATOMIC_DQ, dq_sum += dU K (atomically)."""
     rows = row_start + tl.arange(0, BLOCK_M)
     dims = tl.arange(0, BLOCK_D)
@@ -1289,8 +1362,14 @@ def _dkdv_tile(
         HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, EDGE, True,
     )  # fmt: skip
     p = tl.math.exp2(tl.fma(scores, fold, -lse2[:, None]))
-    dv += _dot(tl.trans(_rounded(p, dout.dtype, INTERPRETER_BF16)), dout, INTERPRETER_BF16, DOT_PRECISION)
+    kept = p
+    if HAS_DROPOUT:
+        keep = _dropout_keep(dropout, batch, head, rows, cols)
+        kept = tl.where(keep, p, 0.0)
+    dv += _dot(tl.trans(_rounded(kept, dout.dtype, INTERPRETER_BF16)), dout, INTERPRETER_BF16, DOT_PRECISION)
     dp = _dot(dout, tl.trans(v), INTERPRETER_BF16, DOT_PRECISION)
+    if HAS_DROPOUT:
+        dp = tl.where(keep, dp * dropout_scale, 0.0)
     ds = p * (dp - delta[:, None])
     if HAS_DBIAS:
         dbias_places = DBias + row_base * len_k + rows[:, None] * len_k + cols[None, :]
@@ -1384,6 +1463,10 @@ def _bwd_dkdv_kernel(
     class_strides,
     Captured,
     captured_layout,
+    Seed,
+    dropout_threshold,
+    dropout_scale,
+    dropout_offsets,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_V: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -1409,6 +1492,7 @@ def _bwd_dkdv_kernel(
     TMA: tl.constexpr,
     HAS_PROGRAM: tl.constexpr,
     MASK_PROGRAM: tl.constexpr,
+    HAS_DROPOUT: tl.constexpr,
 ):
     """dk, dv (and dS into the full-shape dbias) for one key tile of one (batch, kv head); with ATOMIC_DQ also each
     tile's dS K, added into the float32 dq sum DQSum (the one-pass backward: no dQ kernel recomputing S and dP).
@@ -1447,6 +1531,7 @@ def _bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     fold = _score_fold(qk_scale, HAS_SOFTCAP, HAS_BIAS)
+    dropout = _dropout_state(Seed, dropout_threshold, dropout_offsets, HAS_DROPOUT)
     interior_low = end
     interior_high = end
     if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
@@ -1478,10 +1563,11 @@ def _bwd_dkdv_kernel(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
                     Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
                     len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, tile_class,
-                    Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER,
-                    HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
-                    MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True, TMA,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, tile_class, Captured,
+                    captured_layout, dropout, dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS,
+                    HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, HAS_DROPOUT, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True,
+                    TMA,
                 )  # fmt: skip
         if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
             for row_start in range(interior_low, interior_high, BLOCK_M):
@@ -1489,10 +1575,11 @@ def _bwd_dkdv_kernel(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
                     Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
                     len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, _FULL_TILE,
-                    Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER,
-                    HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
-                    MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, False, TMA,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, _FULL_TILE, Captured,
+                    captured_layout, dropout, dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS,
+                    HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, HAS_DROPOUT, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ,
+                    False, TMA,
                 )  # fmt: skip
         if not (HAS_MASK or HAS_SEGMENT_IDS or HAS_PROGRAM):
             for row_start in range(interior_high, end, BLOCK_M):
@@ -1500,12 +1587,15 @@ def _bwd_dkdv_kernel(
                     dk, dv, k, v, k_inv_norm, cols, kv_ids, row_start, QHead, DOutHead, QTiles, DOutTiles, head, Lse,
                     Delta, DBias, row_base, DQHead, QSegmentIds, batch64, stride_qm, stride_dom, stride_dqm, len_q,
                     len_k, q_len, kv_len, offset, lower, upper, BiasTile, stride_bias_m, stride_bias_n, MaskTile,
-                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, _FULL_TILE,
-                    Captured, captured_layout, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M, HAS_LOWER, HAS_UPPER,
-                    HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS, HAS_ALIBI, HAS_PROGRAM,
-                    MASK_PROGRAM, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True, TMA,
+                    stride_mask_m, stride_mask_n, qk_scale, softcap, alibi_slope, fold, batch, _FULL_TILE, Captured,
+                    captured_layout, dropout, dropout_scale, HEAD_DIM, HEAD_DIM_V, BLOCK_D, BLOCK_DV, BLOCK_M,
+                    HAS_LOWER, HAS_UPPER, HAS_MASK, HAS_BIAS, HAS_SOFTCAP, COSINE, HAS_DBIAS, HAS_SEGMENT_IDS,
+                    HAS_ALIBI, HAS_PROGRAM, MASK_PROGRAM, HAS_DROPOUT, INTERPRETER_BF16, DOT_PRECISION, ATOMIC_DQ, True,
+                    TMA,
                 )  # fmt: skip
     dk = dk * grad_scale
+    if HAS_DROPOUT:
+        dv = dv * dropout_scale
     in_keys = cols[:, None] < len_k
     tl.store(
         DK + batch64 * stride_dkb + head_kv * stride_dkh + cols[:, None] * stride_dkn + dims[None, :],

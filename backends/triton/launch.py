@@ -34,7 +34,14 @@ import triton
 from triton.runtime.interpreter import InterpretedFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from attnkit.backend import RecordDirectory, RecordsRefusedError, attnkit_version, default_directory, lasting_records
+from attnkit.backend import (
+    Dropout,
+    RecordDirectory,
+    RecordsRefusedError,
+    attnkit_version,
+    default_directory,
+    lasting_records,
+)
 from attnkit.contract.kernels import (
     SEGMENT_GRANULE,
     ArgumentTypes,
@@ -176,10 +183,11 @@ SM90_GPU_CONFIGS: dict[str, dict[int, tuple[TileConfig, ...]]] = {
 WARP_SPECIALIZED = TileConfig(128, 128, 4, 2, warp_specialize=True)
 WARP_SPECIALIZED_KERNELS = (Kernel.FORWARD, Kernel.DQ)
 
-#: The switches under which some tile is not interior: a band, a mask or bias, softcap, cosine and ALiBi (kept off
-#: the warp-specialised loop: the static check has not found them lean there), lengths, segment ids, paging, split-K.
+#: The switches under which some tile is not interior: a band, a mask or bias, softcap, cosine, ALiBi and dropout
+#: (kept off the warp-specialised loop: the static check has not found them lean there), lengths, segment ids,
+#: paging, split-K.
 _EDGE_SWITCHES = ("has_lower", "has_upper", "has_mask", "has_bias", "has_softcap", "cosine", "has_alibi",
-                  "has_q_lengths", "has_kv_lengths", "has_segment_ids", "paged", "split_k",
+                  "has_dropout", "has_q_lengths", "has_kv_lengths", "has_segment_ids", "paged", "split_k",
                   "has_mask_program")  # fmt: skip
 
 
@@ -283,6 +291,7 @@ def kernel_constants(
         HAS_KV_LENGTHS=switches.has_kv_lengths,
         HAS_SEGMENT_IDS=switches.has_segment_ids,
         HAS_ALIBI=switches.has_alibi,
+        HAS_DROPOUT=switches.has_dropout,
         SEGMENT_GRANULE=SEGMENT_GRANULE,  # every tile above is a multiple of it
         # The one switch for the interpreter's bfloat16 bugs (kernels._dot, kernels._rounded).
         INTERPRETER_BF16=interpreted and dtype == torch.bfloat16,
@@ -402,6 +411,19 @@ def program_arguments(call: KernelCall, config: TileConfig) -> tuple[Any, ...]:
     strides = [stride if size > 1 else 0 for size, stride in zip(classes.shape, classes.stride())]
     captured, layout = programs.arguments(call.program, call.q.device)
     return classes, tuple(strides), captured, layout
+
+
+def dropout_arguments(dropout: Dropout | None, device: torch.device) -> tuple[Any, ...]:
+    """The kernels' dropout arguments after the mask program's: the seed as a 0-d int64 tensor on ``device``, which
+    the kernels read (no host read of its value: a CUDA graph replays whatever it holds then), the threshold's 32 bits
+    as an int32 (one kernel signature for every p), the scale 1 / (1 − p) rounded to float32 and the offsets
+    (head_start, query_start, key_start) of §18's indices; without dropout, None (never read)."""
+    if dropout is None:
+        return None, None, None, None
+    seed = torch.as_tensor(dropout.seed, dtype=torch.int64).to(device).reshape(())
+    threshold = dropout.threshold - (1 << 32) if dropout.threshold >= 1 << 31 else dropout.threshold
+    offsets = tuple(int(offset) for offset in (dropout.head_start, dropout.query_start, dropout.key_start))
+    return seed, threshold, dropout.scale(False), offsets
 
 
 def tile_constants(kernel: Kernel, config: TileConfig) -> dict[str, Any]:
@@ -739,6 +761,7 @@ class TritonLauncher:
 
         if call.program is not None:
             constants["MASK_PROGRAM"] = programs.helper(call.program.program)
+        dropout = dropout_arguments(call.dropout, call.q.device)
 
         def launch(config: TileConfig) -> None:
             tiles = descriptors(kernel, args, config, constants["BLOCK_D"]) if described else (None, None)
@@ -747,7 +770,7 @@ class TritonLauncher:
             executor.launch(
                 kernel,
                 grid.blocks(config.block_m, config.block_n),
-                [*args, *tiles, *program_arguments(call, config)],
+                [*args, *tiles, *program_arguments(call, config), *dropout],
                 {**constants, **tile_constants(kernel, config)},
                 dict(num_warps=config.num_warps, num_stages=config.num_stages),
             )
@@ -760,7 +783,7 @@ class TritonLauncher:
         configs = self.candidates(kernel, call, args, switches, described, target)
         spec, (_, _, len_q, len_k) = call.spec, call.geometry
         key = (NAMES[kernel], configs, call.q.dtype, target.arch, spec.causal, spec.window is not None, switches.paged,
-               switches.split_k, length_bucket(max(len_q, len_k)))  # fmt: skip
+               switches.split_k, switches.has_dropout, length_bucket(max(len_q, len_k)))  # fmt: skip
         restore = accumulated_arguments(kernel, args, switches)
         lasting = functools.partial(self.lasting_key, key, call.q.device)
         launch(self.autotuner.choose(key, configs, launch, restore=restore, lasting_key=lasting))
