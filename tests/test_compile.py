@@ -2,9 +2,10 @@
 
 Every backend that takes torch tensors runs compiled, forward and backward, against the float64 oracle under the
 tolerance rule; one trace serves repeated calls and dynamic lengths; the backend that ran is the one explain names;
-meta and fake tensors get outputs of the right shapes with no backend chosen. Compilation uses the aot_eager
-backend (AOTAutograd's forward and backward graphs, no code generation: seconds of inductor per test buy nothing
-here), except one inductor test.
+meta and fake tensors get outputs of the right shapes with no backend chosen. With dropout (§18) the seed is a graph
+input or drawn in the graph: compiled equals eager bit for bit, and a new seed is no new trace. Compilation uses the
+aot_eager backend (AOTAutograd's forward and backward graphs, no code generation: seconds of inductor per test buy
+nothing here), except one inductor test.
 """
 
 from __future__ import annotations

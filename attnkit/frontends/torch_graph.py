@@ -97,6 +97,7 @@ def _attend(
     return_lse: bool,
     needs_grad: bool,
     needs_bias_grad: bool,
+    # No defaults: inductor's C++ wrapper leaves an argument equal to its default out of the call's stack (torch 2.13)
     dropout_seed: Tensor | None,
     dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
@@ -215,9 +216,9 @@ def attend(
     kv_segment_ids: Tensor | None,
     return_lse: bool,
     backend: str,
-    dropout_p: Any = 0.0,
-    dropout_seed: Any = None,
-    dropout_key: Any = None,
+    dropout_p: Any,
+    dropout_seed: Any,
+    dropout_key: Any,
 ) -> Any:
     """attnkit.attend through the operator. Outside a trace (meta tensors) the arguments are checked here first,
     so bad input gets attend's typed errors rather than the operator schema's. A dropout seed not given is drawn
