@@ -45,7 +45,7 @@ def attend(
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0,  # not 0.0: torch.compile(dynamic=True) traces a float default symbolically, then again
     dropout_seed: Any = None,
     dropout_key: Any = None,
 ) -> Any:
@@ -87,9 +87,7 @@ def attend(
     # seen before (a KV cache growing one key a step, a new prompt length) is served as the first one was.
     class_key = None
     # A call with dropout takes the validating path every time: its seed is drawn or read per call.
-    without_dropout = (
-        dropout_p.__class__ in _ZERO_TYPES and not dropout_p and dropout_seed is None and dropout_key is None
-    )
+    without_dropout = type(dropout_p) in _ZERO_TYPES and not dropout_p and dropout_seed is None and dropout_key is None
     if mask is None and bias is None and alibi_slopes is None and mask_mod is None and without_dropout:
         signature = ops.length_class_signature(spec, q, k, v, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
         if signature is not None:
@@ -137,7 +135,6 @@ def attend(
         for name, given in (
             ("alibi_slopes", alibi_slopes),
             ("mask_mod", mask_mod),
-            ("dropout_p", None if without_dropout else dropout_p),
         ):
             if given is not None:
                 raise InvalidInputError(
@@ -145,8 +142,9 @@ def attend(
                 )
 
         return torch_graph.attend(
-            spec, q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse, backend
-        )
+            spec, q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids, return_lse, backend,
+            dropout_p, dropout_seed, dropout_key,
+        )  # fmt: skip
     epoch = CACHE.epoch  # before dispatch reads the config and registry: a clear after it stores nothing
     CACHE.full_paths += 1
     ops, problem, inputs, was_3d = prepare(

@@ -45,7 +45,8 @@ def decide(
     signature = ops.signature(*given[:7])
     if given.q_segment_ids is not None or given.kv_segment_ids is not None:
         signature = ops.segment_signature(signature, given.q_segment_ids, given.kv_segment_ids)
-    key = (spec, signature, backend, return_lse, needs_grad, needs_bias_grad, CACHE.scope_serial())
+    dropout = given.dropout
+    key = (spec, signature, backend, return_lse, needs_grad, needs_bias_grad, dropout is None, CACHE.scope_serial())
     hit = CACHE.operator_calls.get(key) if signature is not None else None
     if hit is not None:
         problem, chosen = hit
@@ -53,8 +54,10 @@ def decide(
         return Call(ops, problem, given, False, chosen)
     epoch = CACHE.epoch
     ops, problem, inputs, was_3d = prepare(
-        spec, *given[:7], return_lse, given.q_segment_ids, given.kv_segment_ids, given.alibi_slopes
-    )
+        spec, *given[:7], return_lse, given.q_segment_ids, given.kv_segment_ids, given.alibi_slopes,
+        dropout_p=0.0 if dropout is None else dropout.p, dropout_seed=None if dropout is None else dropout.seed,
+    )  # fmt: skip
+    inputs = inputs._replace(dropout=dropout)  # prepare checked it and made an equal one: keep the call's own
     problem = dataclasses.replace(problem, needs_grad=needs_grad, needs_bias_grad=needs_bias_grad)
     chosen = dispatch.select(spec, problem, backend)
     if signature is not None and all(a is b for a, b in zip(inputs, given)):  # nothing reshaped: reusable as given

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from typing import Any
 
@@ -253,7 +252,8 @@ def checked_probability(p: Any) -> float:
     if not isinstance(p, numbers.Real) or isinstance(p, bool):
         raise InvalidInputTypeError(f"dropout_p must be a Python float in [0, 1), got {type(p).__name__}")
     p = float(p)
-    if not (math.isfinite(p) and 0 <= p < 1 and dropout_threshold(p) < 1 << 32):
+    # NaN and ±inf fail the comparisons (no math.isfinite: it cannot take a float torch.compile traces symbolically)
+    if not (0 <= p < 1 and dropout_threshold(p) < 1 << 32):
         raise InvalidInputError(f"dropout_p={p} is outside [0, 1) (at 32 bits: below 1 − 2**-33)")
     return p
 

@@ -2,9 +2,10 @@
 
 Every backend that takes torch tensors runs compiled, forward and backward, against the float64 oracle under the
 tolerance rule; one trace serves repeated calls and dynamic lengths; the backend that ran is the one explain names;
-meta and fake tensors get outputs of the right shapes with no backend chosen. Compilation uses the aot_eager
-backend (AOTAutograd's forward and backward graphs, no code generation: seconds of inductor per test buy nothing
-here), except one inductor test.
+meta and fake tensors get outputs of the right shapes with no backend chosen. With dropout (§18) the seed is a graph
+input or drawn in the graph: compiled equals eager bit for bit, and a new seed is no new trace. Compilation uses the
+aot_eager backend (AOTAutograd's forward and backward graphs, no code generation: seconds of inductor per test buy
+nothing here), except one inductor test.
 """
 
 from __future__ import annotations
@@ -108,6 +109,78 @@ def test_dynamic_lengths_are_traced_once_and_dispatched_per_length() -> None:
     assert counter.frame_count == 1, f"traced {counter.frame_count} times for three lengths"
 
 
+def _dropout_leaves() -> tuple[torch.Tensor, ...]:
+    """q (4 heads) on k, v (2 heads), and a cotangent for out: GQA, so query heads index the keep-mask (§18)."""
+    generator = torch.Generator().manual_seed(5)
+    shapes = ((2, 4, 6, 8), (2, 2, 7, 8), (2, 2, 7, 8), (2, 4, 6, 8))
+    return tuple(torch.randn(shape, generator=generator, requires_grad=n < 3) for n, shape in enumerate(shapes))
+
+
+def _out_and_grads(out: torch.Tensor, leaves: tuple[torch.Tensor, ...], dout: torch.Tensor) -> list[torch.Tensor]:
+    return [out.detach(), *torch.autograd.grad(out, leaves, dout)]
+
+
+def test_dropout_compiled_equals_eager_for_the_seed_and_a_new_seed_runs_the_same_trace() -> None:
+    """§18 under torch.compile(fullgraph=True): the seed is a tensor input of the graph, never a constant, so a new
+    seed reuses the trace; out and every gradient (the backward regenerating the mask from the seed) are bit-equal
+    to the eager call with that seed."""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+        return attnkit.attend(CAUSAL, q, k, v, dropout_p=0.3, dropout_seed=seed, backend="torch-chunked")
+
+    *leaves, dout = _dropout_leaves()
+    by_seed = {}
+    for seed in (1, 2, (1 << 63) + 5):  # the last one's bits read unsigned: a negative int64
+        seed_tensor = torch.tensor(seed - (1 << 64) if seed >= 1 << 63 else seed)
+        got = _out_and_grads(compiled(*leaves, seed_tensor), leaves, dout)
+        eager = attnkit.attend(CAUSAL, *leaves, dropout_p=0.3, dropout_seed=seed, backend="torch-chunked")
+        for name, a, b in zip(("out", "dq", "dk", "dv"), got, _out_and_grads(eager, leaves, dout)):
+            assert torch.equal(a, b), f"seed {seed}: compiled {name} differs from eager"
+        by_seed[seed] = got[0]
+    assert not torch.equal(by_seed[1], by_seed[2]), "two seeds gave the same output"
+    assert counter.frame_count == 1, f"traced {counter.frame_count} times for three seeds"
+
+
+def test_dropout_without_a_seed_draws_one_per_compiled_call_from_torchs_generator() -> None:
+    """dropout_seed=None: the seed is drawn inside the graph, so every call of the compiled function drops anew,
+    torch.manual_seed repeats a run, and the backward reads the seed its forward drew. (aot_eager runs the graph's
+    draw on torch's generator as eager attend does, so here the compiled call is the eager one too.)"""
+    counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+
+    @torch.compile(fullgraph=True, backend=counter)
+    def compiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return attnkit.attend(CAUSAL, q, k, v, dropout_p=0.3, backend="torch-chunked")
+
+    *leaves, dout = _dropout_leaves()
+    torch.manual_seed(11)
+    first = _out_and_grads(compiled(*leaves), leaves, dout)
+    second = compiled(*leaves)
+    torch.manual_seed(11)
+    again = _out_and_grads(compiled(*leaves), leaves, dout)
+    torch.manual_seed(11)
+    eager = _out_and_grads(attnkit.attend(CAUSAL, *leaves, dropout_p=0.3, backend="torch-chunked"), leaves, dout)
+    assert not torch.equal(first[0], second), "two calls drew the same mask"
+    for name, a, b, c in zip(("out", "dq", "dk", "dv"), first, again, eager):
+        assert torch.equal(a, b) and torch.equal(a, c), f"{name} differs under the same torch.manual_seed"
+    assert counter.frame_count == 1, f"traced {counter.frame_count} times"
+
+
+def test_dropout_p_given_to_a_compiled_function_is_a_constant_of_its_trace() -> None:
+    """A float argument of a compiled function is traced symbolically once it changes: attend takes it as the
+    trace's constant (a new p traces again) rather than failing on it."""
+    compiled = torch.compile(
+        lambda q, k, v, p: attnkit.attend(CAUSAL, q, k, v, dropout_p=p, dropout_seed=3, backend="torch-chunked"),
+        fullgraph=True, backend="aot_eager",
+    )  # fmt: skip
+    *leaves, _ = _dropout_leaves()
+    with torch.no_grad():
+        for p in (0.1, 0.2, 0.0):
+            eager = attnkit.attend(CAUSAL, *leaves, dropout_p=p, dropout_seed=3, backend="torch-chunked")
+            assert torch.equal(compiled(*leaves, p), eager), f"dropout_p={p}"
+
+
 def test_length_values_are_still_checked_where_the_compiled_call_runs() -> None:
     compiled = torch.compile(lambda q, k, v, n: attnkit.attend(CAUSAL, q, k, v, kv_lengths=n), fullgraph=True,
                              backend="aot_eager")  # fmt: skip
@@ -143,7 +216,7 @@ def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tens
 
 def test_the_operator_passes_torchs_own_checks() -> None:
     """torch.library.opcheck: schema, autograd registration, fake against real outputs, AOT dispatch with dynamic
-    shapes, on a call with every optional tensor and one with none."""
+    shapes, on a call with every optional tensor, one with none, and one with dropout (its seed a tensor argument)."""
     from attnkit.frontends import torch_graph  # registers the operators
 
     spec = attnkit.AttentionSpec(causal=True, window=(2, 0))
@@ -154,7 +227,10 @@ def test_the_operator_passes_torchs_own_checks() -> None:
     no_ids = (None, None)  # q_segment_ids, kv_segment_ids
     for args in ((q, k, v, None, None, None, None, *no_ids, key, "auto", False, True, False),
                  (q, k, v, mask, bias, None, kv_lengths, *no_ids, key, "torch-naive", True, True, True)):  # fmt: skip
-        torch.library.opcheck(torch.ops.attnkit.attend.default, args)
+        torch.library.opcheck(torch.ops.attnkit.attend.default, (*args, None, 0.0))  # no dropout: no seed, p = 0
+    dropout = (torch.tensor(7), 0.25)  # the seed, a tensor argument, and p
+    args = (q, k, v, None, None, None, kv_lengths, *no_ids, key, "torch-naive", True, True, False, *dropout)
+    torch.library.opcheck(torch.ops.attnkit.attend.default, args)
 
 
 def test_an_eager_call_imports_no_compiler_and_one_compiled_later_is_still_traced_to_the_operator() -> None:
@@ -189,16 +265,19 @@ assert counter.frame_count == 1 and "attnkit.attend" in graph, (counter.frame_co
 @pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python-wrapper", "cpp-wrapper"])
 def test_compiled_by_inductor_equals_eager(cpp_wrapper: bool) -> None:
     """Inductor's Python wrapper, and its C++ wrapper, which writes the operator's string arguments into C++
-    source (unescaped in torch 2.13: the spec's JSON once failed to compile there)."""
+    source (unescaped in torch 2.13: the spec's JSON once failed to compile there) and leaves out of its call the
+    arguments equal to their defaults (torch 2.13: the operator has none), with and without dropout."""
     import torch._inductor.config
 
     spec = attnkit.AttentionSpec(causal=True, softcap=20.0)
     q, k, v = (torch.randn(2, 8, 4, 16, requires_grad=True) for _ in range(3))
+    seed = torch.tensor(17)
 
     def step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # Transposed views, as a model's projections give them: the operator's outputs keep their own strides.
         q, k, v = (t.transpose(1, 2) for t in (q * 2, k, v))
-        return attnkit.attend(spec, q, k, v).square().sum()
+        dropped = attnkit.attend(spec, q, k, v, dropout_p=0.25, dropout_seed=seed, backend="torch-chunked")
+        return attnkit.attend(spec, q, k, v).square().sum() + dropped.square().sum()
 
     leaves = (q, k, v)
     eager = torch.autograd.grad(step(*leaves), leaves)
@@ -226,7 +305,7 @@ def test_meta_tensors_get_shapes_forward_and_backward_without_a_backend(
     q, k, v = (torch.empty(shape[name], device="meta", dtype=torch.bfloat16, requires_grad=True) for name in "qkv")
     bias = torch.empty(1, lq, lk, device="meta", requires_grad=True, dtype=torch.bfloat16)
     out, lse = attnkit.attend(spec, q, k, v, bias=bias, kv_lengths=torch.empty(b, dtype=torch.int64, device="meta"),
-                              return_lse=True)  # fmt: skip
+                              return_lse=True, dropout_p=0.1)  # fmt: skip
     assert (out.device.type, out.dtype, tuple(out.shape)) == ("meta", torch.bfloat16, (*shape["q"][:-1], dv))
     assert (lse.dtype, tuple(lse.shape)) == (torch.float32, (b, lq) if three_d else (b, hq, lq))
     (out.float().sum() + lse.sum()).backward()

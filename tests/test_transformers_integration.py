@@ -364,18 +364,36 @@ def test_without_a_mask_is_causal_and_sliding_window_decide(sliding_window: int 
     assert_agree("float64", got, expected, expected, f"no mask, sliding_window={sliding_window}")
 
 
-def test_attention_dropout_is_refused() -> None:
-    """attnkit has no dropout: a training call with dropout > 0 is a typed error naming it (dropout 0.0 in train
-    mode is what the gradient tests run)."""
+def test_attention_dropout_trains_repeatably_under_torch_manual_seed() -> None:
+    """attention_dropout = 0.1 in training is attnkit's dropout (§18), its seeds drawn from torch's generator: a
+    training step repeats bit for bit under the same torch.manual_seed (loss and every parameter gradient), differs
+    under another, and drops something (its loss is not dropout 0's); in eval transformers passes dropout 0."""
     _, model, _ = build("llama")
     model.set_attn_implementation("attnkit")
     layers = [layer.self_attn for layer in model.model.layers]
-    for layer in layers:
-        layer.attention_dropout = 0.1
+    ids = token_ids(9)
+
+    def run(seed: int, dropout: float) -> list[torch.Tensor]:
+        for layer in layers:
+            layer.attention_dropout = dropout
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(seed)
+        if not model.training:
+            with torch.no_grad():
+                return [model(ids).logits]
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        return [loss.detach(), *(parameter.grad for parameter in model.parameters())]
+
     try:
-        with pytest.raises(attnkit.InvalidInputError, match=r"dropout=0\.1: attnkit has no attention dropout"):
-            model(token_ids(9))
+        first, again, other, undropped = run(1, 0.1), run(1, 0.1), run(2, 0.1), run(1, 0.0)
+        assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True)), "a training step did not repeat"
+        assert not torch.equal(first[0], other[0]), "another seed gave the same loss"
+        assert not torch.equal(first[0], undropped[0]), "dropout 0.1 gave dropout 0's loss"
+        model.eval()
+        assert torch.equal(run(1, 0.1)[0], run(2, 0.1)[0]), "eval mode dropped"
     finally:
+        model.train()
         for layer in layers:
             layer.attention_dropout = 0.0
 

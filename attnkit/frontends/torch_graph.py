@@ -9,7 +9,8 @@ the dispatcher runs the fake implementation, forward and backward: outputs of th
 backend chosen.
 
 The spec crosses the operator boundary as its JSON (a constant of the traced graph, ' for "), read back once per
-process.
+process. Dropout's seed (§18) crosses it as a tensor, an input of the graph or drawn inside it from torch's
+generator, never a constant: a new seed runs the same graph. Its backward regenerates the keep-mask from that seed.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from attnkit import op_calls
-from attnkit.backend import AttentionInputs
-from attnkit.frontends.torch_frontend import sum_to_shape
+from attnkit.backend import AttentionInputs, Dropout
+from attnkit.frontends.torch_frontend import OPS, sum_to_shape
 from attnkit.spec import AttentionSpec
-from attnkit.validation import prepare
+from attnkit.validation import checked_dropout, prepare
 
 Tensor: TypeAlias = torch.Tensor
 _specs: dict[str, AttentionSpec] = {}
@@ -96,9 +97,13 @@ def _attend(
     return_lse: bool,
     needs_grad: bool,
     needs_bias_grad: bool,
+    # No defaults: inductor's C++ wrapper leaves an argument equal to its default out of the call's stack (torch 2.13)
+    dropout_seed: Tensor | None,
+    dropout_p: float,
 ) -> tuple[Tensor, Tensor]:
     spec = _spec(spec_json)
     given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+    given = given._replace(dropout=_dropout(dropout_seed, dropout_p))
     call = op_calls.decide(spec, backend, given, return_lse, needs_grad, needs_bias_grad)
     with _as_eager():
         out, lse = op_calls.forward(call, spec, need_lse=return_lse or needs_grad)
@@ -122,8 +127,8 @@ def _attend_shapes(*args: Any) -> tuple[Tensor, Tensor]:
         _,
         return_lse,
         needs_grad,
-        _,
-    ) = args  # as _attend has them
+        *_,
+    ) = args  # as _attend has them (the dropout's seed and p change no shape)
     given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
     out_shape, lse_shape = op_calls.output_shapes(_spec(spec_json), given)
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32  # §6
@@ -150,9 +155,12 @@ def _attend_backward(
     backend: str,
     return_lse: bool,
     needs_bias_grad: bool,
+    dropout_seed: Tensor | None,
+    dropout_p: float,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     spec = _spec(spec_json)
     given = AttentionInputs(q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids)
+    given = given._replace(dropout=_dropout(dropout_seed, dropout_p))
     call = op_calls.decide(spec, backend, given, return_lse, True, needs_bias_grad)
     with _as_eager():
         grads = op_calls.backward(call, spec, out, lse, dout, dlse, needs_bias_grad)
@@ -165,27 +173,30 @@ def _attend_backward(
 
 @_attend_backward.register_fake
 def _attend_backward_shapes(*args: Any) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    q, k, v, _, bias, *_, needs_bias_grad = args  # as _attend_backward takes them
+    q, k, v, _, bias, *_, needs_bias_grad, _, _ = args  # as _attend_backward takes them
     # Contiguous whatever the inputs' strides, as the implementation returns them.
     dbias = bias.new_empty(bias.shape) if needs_bias_grad and bias is not None else _absent(q)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dbias
 
 
 def _save(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    *tensors, spec_json, backend, return_lse, _, needs_bias_grad = inputs  # q, k, v, mask, ... kv_segment_ids
-    ctx.save_for_backward(*tensors, *output)
+    # q, k, v, mask, ... kv_segment_ids, then the constants, the seed and p
+    *tensors, spec_json, backend, return_lse, _, needs_bias_grad, seed, p = inputs
+    ctx.save_for_backward(*tensors, seed, *output)
     ctx.spec_json, ctx.backend, ctx.return_lse, ctx.needs_bias_grad = spec_json, backend, return_lse, needs_bias_grad
+    ctx.dropout_p = p
 
 
 def _gradients(ctx: Any, dout: Tensor | None, dlse: Tensor | None) -> tuple[Tensor | None, ...]:
-    *tensors, out, lse = ctx.saved_tensors  # q, k, v, mask, bias, lengths and segment ids as _attend takes them
+    # q, k, v, mask, bias, lengths and segment ids as _attend takes them, and the dropout's seed
+    *tensors, seed, out, lse = ctx.saved_tensors
     if dout is None:
         dout = torch.zeros_like(out)
     dq, dk, dv, dbias = torch.ops.attnkit.attend_backward(
         *tensors, out, lse, dout, dlse if ctx.return_lse else None,
-        ctx.spec_json, ctx.backend, ctx.return_lse, ctx.needs_bias_grad,
+        ctx.spec_json, ctx.backend, ctx.return_lse, ctx.needs_bias_grad, seed, ctx.dropout_p,
     )  # fmt: skip
-    no_gradient = (None,) * 9  # mask, lengths, segment ids, and the operator's five constants
+    no_gradient = (None,) * 11  # mask, lengths, segment ids, the operator's five constants, the seed and p
     return dq, dk, dv, None, dbias if ctx.needs_bias_grad else None, *no_gradient
 
 
@@ -205,19 +216,30 @@ def attend(
     kv_segment_ids: Tensor | None,
     return_lse: bool,
     backend: str,
+    dropout_p: Any,
+    dropout_seed: Any,
+    dropout_key: Any,
 ) -> Any:
     """attnkit.attend through the operator. Outside a trace (meta tensors) the arguments are checked here first,
-    so bad input gets attend's typed errors rather than the operator schema's."""
-    if not torch.compiler.is_compiling():
-        prepare(
+    so bad input gets attend's typed errors rather than the operator schema's. A dropout seed not given is drawn
+    here, inside the trace, from torch's generator: each run of the compiled graph draws its own."""
+    if torch.compiler.is_compiling():
+        dropout = checked_dropout(OPS, dropout_p, dropout_seed, dropout_key, q)
+    else:
+        dropout = prepare(
             spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids,
-            check_values=False,
-        )  # fmt: skip
+            check_values=False, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_key=dropout_key,
+        )[2].dropout  # fmt: skip
     grad_on = torch.is_grad_enabled()
     needs_bias_grad = grad_on and bias is not None and bias.requires_grad
     needs_grad = needs_bias_grad or (grad_on and (q.requires_grad or k.requires_grad or v.requires_grad))
     out, lse = torch.ops.attnkit.attend(
         q, k, v, mask, bias, q_lengths, kv_lengths, q_segment_ids, kv_segment_ids,
         _spec_key(spec), backend, return_lse, needs_grad, needs_bias_grad,
+        None if dropout is None else dropout.seed, 0.0 if dropout is None else dropout.p,
     )  # fmt: skip
     return (out, lse) if return_lse else out
+
+
+def _dropout(seed: Tensor | None, p: float) -> Dropout | None:
+    return None if seed is None or p == 0 else Dropout(p, seed)

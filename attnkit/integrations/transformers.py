@@ -458,12 +458,9 @@ def attention(
     is_causal: bool | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention hook: (B, H, L, D) inputs, kv heads not repeated; returns ((B, Lq, Hq, Dv), None)."""
-    if dropout:
-        raise InvalidInputError(
-            f"dropout={dropout}: attnkit has no attention dropout, expected 0.0 "
-            "(set the model config's attention_dropout to 0, or call model.eval())"
-        )
+    """transformers' attention hook: (B, H, L, D) inputs, kv heads not repeated; returns ((B, Lq, Hq, Dv), None).
+    ``dropout`` (the models pass their attention_dropout in training, 0.0 in eval) is attnkit's (§18), its seed
+    drawn from torch's generator: torch.manual_seed repeats a training step."""
     for name, meaning in _INEXPRESSIBLE.items():
         if kwargs.get(name) is not None:
             raise InvalidInputError(f"{name} is given, but attnkit cannot express {meaning}; expected None")
@@ -506,6 +503,7 @@ def attention(
         backend=_backend,
         sinks=kwargs.get("s_aux"),  # gpt-oss: one learned logit per query head in every softmax (§15)
         mask_mod=mask_mod,
+        dropout_p=dropout,
     )
     return out.transpose(1, 2).contiguous(), None
 
