@@ -448,6 +448,9 @@ constexpr uint32_t kPhiloxMultiplier0 = 0xD2511F53u, kPhiloxMultiplier1 = 0xCD9E
 constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
 constexpr int kPhiloxRounds = 10;
 
+// Besides the round's operations, each PhiloxLanes stores a block's outputs key by key (four words per counter, word w
+// of counter n at 4 n + w): as words (store), or as keep factors (store_factors: `value` where the word is at least
+// the threshold, else 0), compared while they are in registers.
 #if defined(__AVX512F__)
 struct PhiloxLanes {
   using V = __m512i;
@@ -457,12 +460,25 @@ struct PhiloxLanes {
   static V product(V a, uint32_t m) { return _mm512_mul_epu32(a, broadcast(m)); }
   static V high(V product) { return _mm512_shuffle_epi32(product, _MM_PERM_DDBB); }
   static V xor3(V a, V b, V c) { return _mm512_ternarylogic_epi64(a, b, c, 0x96); }
-  // out[4 l + w] = word w of lane l: (w0, w1) and (w2, w3) paired in 64-bit lanes, then the pairs interleaved.
-  static void store(V w0, V w1, V w2, V w3, uint32_t* out) {
+  // Lanes 0-3 and 4-7's 16 words each, key by key: (w0, w1) and (w2, w3) paired in 64-bit lanes, then interleaved.
+  static void words(V w0, V w1, V w2, V w3, V (&halves)[2]) {
     const V w01 = _mm512_mask_blend_epi32(0xAAAA, w0, _mm512_slli_epi64(w1, 32));
     const V w23 = _mm512_mask_blend_epi32(0xAAAA, w2, _mm512_slli_epi64(w3, 32));
-    _mm512_storeu_si512(out, _mm512_permutex2var_epi64(w01, _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), w23));
-    _mm512_storeu_si512(out + 16, _mm512_permutex2var_epi64(w01, _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15), w23));
+    halves[0] = _mm512_permutex2var_epi64(w01, _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), w23);
+    halves[1] = _mm512_permutex2var_epi64(w01, _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15), w23);
+  }
+  static void store(V w0, V w1, V w2, V w3, uint32_t* out) {
+    V halves[2];
+    words(w0, w1, w2, w3, halves);
+    _mm512_storeu_si512(out, halves[0]), _mm512_storeu_si512(out + 16, halves[1]);
+  }
+  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+    V halves[2];
+    words(w0, w1, w2, w3, halves);
+    for (int half = 0; half < 2; ++half) {
+      const __mmask16 kept = _mm512_cmpge_epu32_mask(halves[half], _mm512_set1_epi32(static_cast<int>(threshold)));
+      _mm512_storeu_ps(out + 16 * half, _mm512_maskz_mov_ps(kept, _mm512_set1_ps(value)));
+    }
   }
 };
 #elif defined(__AVX2__)
@@ -474,12 +490,25 @@ struct PhiloxLanes {
   static V product(V a, uint32_t m) { return _mm256_mul_epu32(a, broadcast(m)); }
   static V high(V product) { return _mm256_shuffle_epi32(product, 0xF5); }
   static V xor3(V a, V b, V c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
-  static void store(V w0, V w1, V w2, V w3, uint32_t* out) {
+  static void words(V w0, V w1, V w2, V w3, V (&halves)[2]) {
     const V w01 = _mm256_blend_epi32(w0, _mm256_slli_epi64(w1, 32), 0xAA);
     const V w23 = _mm256_blend_epi32(w2, _mm256_slli_epi64(w3, 32), 0xAA);
     const V even = _mm256_unpacklo_epi64(w01, w23), odd = _mm256_unpackhi_epi64(w01, w23);  // lanes 0, 2 | 1, 3
-    _mm256_storeu_si256(reinterpret_cast<V*>(out), _mm256_permute2x128_si256(even, odd, 0x20));
-    _mm256_storeu_si256(reinterpret_cast<V*>(out + 8), _mm256_permute2x128_si256(even, odd, 0x31));
+    halves[0] = _mm256_permute2x128_si256(even, odd, 0x20), halves[1] = _mm256_permute2x128_si256(even, odd, 0x31);
+  }
+  static void store(V w0, V w1, V w2, V w3, uint32_t* out) {
+    V halves[2];
+    words(w0, w1, w2, w3, halves);
+    _mm256_storeu_si256(reinterpret_cast<V*>(out), halves[0]);
+    _mm256_storeu_si256(reinterpret_cast<V*>(out + 8), halves[1]);
+  }
+  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+    V halves[2];
+    words(w0, w1, w2, w3, halves);
+    for (int half = 0; half < 2; ++half) {  // unsigned x >= t as max(x, t) == x
+      const V x = halves[half], kept = _mm256_cmpeq_epi32(_mm256_max_epu32(x, _mm256_set1_epi32(threshold)), x);
+      _mm256_storeu_ps(out + 8 * half, _mm256_and_ps(_mm256_castsi256_ps(kept), _mm256_set1_ps(value)));
+    }
   }
 };
 #else
@@ -494,6 +523,10 @@ struct PhiloxLanes {
   static void store(V w0, V w1, V w2, V w3, uint32_t* out) {
     out[0] = static_cast<uint32_t>(w0), out[1] = static_cast<uint32_t>(w1);
     out[2] = static_cast<uint32_t>(w2), out[3] = static_cast<uint32_t>(w3);
+  }
+  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+    const V words[4] = {w0, w1, w2, w3};
+    for (int w = 0; w < 4; ++w) out[w] = static_cast<uint32_t>(words[w]) >= threshold ? value : 0.0f;
   }
 };
 #endif
@@ -515,18 +548,17 @@ void philox_rounds(PhiloxLanes::V (&c)[4][n], uint32_t k0, uint32_t k1) {
 }
 
 constexpr int kPhiloxVectors = 4;
-constexpr int64_t kPhiloxCounters = kPhiloxVectors * PhiloxLanes::kCount;  // counters per philox_block
+constexpr int64_t kPhiloxCounters = kPhiloxVectors * PhiloxLanes::kCount;  // counters per block
+using PhiloxBlock = PhiloxLanes::V[4][kPhiloxVectors];
 
-// The words of kPhiloxCounters consecutive counters (first + n, row, head, batch), out[4 n + w] = word w of the n-th.
+// Philox4x32-10 of kPhiloxCounters consecutive counters (first + n, row, head, batch) into c.
 void philox_block(uint32_t first, uint32_t row, uint32_t head, uint32_t batch, uint32_t k0, uint32_t k1,
-                  uint32_t* out) {
+                  PhiloxBlock& c) {
   using L = PhiloxLanes;
-  L::V c[4][kPhiloxVectors];
   for (int v = 0; v < kPhiloxVectors; ++v)
     c[0][v] = L::counters(first + v * L::kCount), c[1][v] = L::broadcast(row), c[2][v] = L::broadcast(head),
     c[3][v] = L::broadcast(batch);
   philox_rounds(c, k0, k1);
-  for (int v = 0; v < kPhiloxVectors; ++v) L::store(c[0][v], c[1][v], c[2][v], c[3][v], out + 4 * v * L::kCount);
 }
 
 struct Dropout {
@@ -537,17 +569,23 @@ struct Dropout {
 
   // The keep step, which every pass calls: factors[c] = `kept` where key c0 + c of row (b, h, i) (the pass's local
   // query head and query) is kept, else 0, for c in [from, to) (the columns the row can see: one counter's words
-  // serve its four keys, and nothing is generated for hidden columns).
+  // serve its four keys, and nothing is generated for hidden columns). Blocks inside the range are written in place,
+  // one the range cuts through `part`.
   void keep(int64_t b, int64_t h, int64_t i, int64_t c0, int64_t from, int64_t to, float kept, float* factors) const {
+    using L = PhiloxLanes;
+    constexpr int64_t kKeys = 4 * kPhiloxCounters, kVectorKeys = 4 * L::kCount;
     const int64_t first = key_start + c0 + from, last = key_start + c0 + to;  // the keys j of section 18
     const uint32_t row = static_cast<uint32_t>(query_start + i), head = static_cast<uint32_t>(head_start + h);
-    uint32_t words[4 * kPhiloxCounters];
+    float part[kKeys];
+    PhiloxBlock c;
     for (int64_t counter = first >> 2; 4 * counter < last; counter += kPhiloxCounters) {
-      philox_block(static_cast<uint32_t>(counter), row, head, static_cast<uint32_t>(b), seed_low, seed_high, words);
-      const int64_t base = 4 * counter, start = std::max(first, base), stop = std::min(last, base + 4 * kPhiloxCounters);
-      const uint32_t* word = words + (start - base);
-      float* out = factors + (start - key_start - c0);
-      for (int64_t n = 0; n < stop - start; ++n) out[n] = word[n] >= threshold ? kept : 0.0f;
+      philox_block(static_cast<uint32_t>(counter), row, head, static_cast<uint32_t>(b), seed_low, seed_high, c);
+      const int64_t base = 4 * counter, start = std::max(first, base), stop = std::min(last, base + kKeys);
+      const bool whole = start == base && stop == base + kKeys;
+      float* out = whole ? factors + (base - key_start - c0) : part;
+      for (int v = 0; v < kPhiloxVectors; ++v)
+        L::store_factors(c[0][v], c[1][v], c[2][v], c[3][v], threshold, kept, out + v * kVectorKeys);
+      if (!whole) std::copy(part + (start - base), part + (stop - base), factors + (start - key_start - c0));
     }
   }
 };
@@ -854,19 +892,15 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
         for (int64_t r = 0; r < rows; ++r) {
           const float row_delta = delta[head_rows + r0 + r];
           float* p = s.data() + r * cols;  // becomes dU in place
-          float* dp_row = dp.data() + r * cols;
+          const float* dp_row = dp.data() + r * cols;
           const float* t_row = t.data() + r * cols;
-          if (terms.dropout) {  // dP ⊙ F
-            const float* f = factors.data() + r * cols;
-            int64_t c = 0;
-            for (; c + step <= cols; c += step) (Vec::loadu(dp_row + c) * Vec::loadu(f + c)).store(dp_row + c);
-            for (; c < cols; ++c) dp_row[c] *= f[c];
-          }
+          const float* f_row = terms.dropout ? factors.data() + r * cols : nullptr;  // dP ⊙ F
           // dbias takes dS before the softcap's chain rule: the bias is added after the tanh.
           float* dbias_row = dbias.base ? dbias.at(r0 + r, c0) : nullptr;
           int64_t c = 0;
           for (; c + step <= cols; c += step) {
-            Vec ds = Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - Vec(row_delta));
+            const Vec dp_value = f_row ? Vec::loadu(dp_row + c) * Vec::loadu(f_row + c) : Vec::loadu(dp_row + c);
+            Vec ds = Vec::loadu(p + c) * (dp_value - Vec(row_delta));
             if (dbias_row) accumulate_dbias(dbias_row, dbias.col, c, ds);
             if (softcap > 0) {
               Vec th = Vec::loadu(t_row + c);
@@ -875,7 +909,7 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
             ds.store(p + c);
           }
           for (; c < cols; ++c) {
-            float ds = p[c] * (dp_row[c] - row_delta);
+            float ds = p[c] * ((f_row ? dp_row[c] * f_row[c] : dp_row[c]) - row_delta);
             if (dbias_row) dbias_row[c * dbias.col] += ds;
             if (softcap > 0) ds *= softcap * (1.0f - t_row[c] * t_row[c]);
             p[c] = ds;
@@ -1468,9 +1502,12 @@ std::vector<at::Tensor> forward_paged(at::Tensor q, at::Tensor k_cache, at::Tens
 std::vector<int64_t> philox4x32(std::array<int64_t, 4> counter, std::array<int64_t, 2> key) {
   for (const int64_t word : {counter[0], counter[1], counter[2], counter[3], key[0], key[1]})
     TORCH_CHECK(word >= 0 && word <= 0xFFFFFFFFll, "Philox words must lie in [0, 2**32), got ", word);
-  uint32_t words[4 * kPhiloxCounters];
+  PhiloxBlock c;
   philox_block(static_cast<uint32_t>(counter[0]), static_cast<uint32_t>(counter[1]), static_cast<uint32_t>(counter[2]),
-               static_cast<uint32_t>(counter[3]), static_cast<uint32_t>(key[0]), static_cast<uint32_t>(key[1]), words);
+               static_cast<uint32_t>(counter[3]), static_cast<uint32_t>(key[0]), static_cast<uint32_t>(key[1]), c);
+  uint32_t words[4 * kPhiloxCounters];
+  for (int v = 0; v < kPhiloxVectors; ++v)
+    PhiloxLanes::store(c[0][v], c[1][v], c[2][v], c[3][v], words + 4 * v * PhiloxLanes::kCount);
   return std::vector<int64_t>(words, words + 4 * kPhiloxCounters);
 }
 
