@@ -199,7 +199,9 @@ def _add_bench(commands: Any) -> None:
         "--what compiled fwd or fwd+bwd (default: fwd+bwd)",
     )
     bench.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"), help="--backend")
-    bench.add_argument("--dtypes", metavar="A,B", help="targets, --programs, --calibrate: default float32,bfloat16")
+    bench.add_argument(
+        "--dtypes", metavar="A,B", help="targets, --programs, --calibrate: default float32,bfloat16; clauses: float32"
+    )
     bench.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     bench.add_argument("--rounds", type=int, help="dispatch, spec, targets' decode: interleaved rounds (default 20)")
     bench.add_argument("--calls", type=int, help="dispatch, spec, targets' decode: calls per round (default 2000)")

@@ -267,7 +267,8 @@ def test_programs_bench_pairs_cpu_flash_with_sdpa_and_its_native_clauses(
 def test_clauses_bench_pairs_each_clause_with_the_plain_call(
     capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`--what clauses` on one tiny length: a finite sinks/plain and alibi/plain ratio per (causal, pass)."""
+    """`--what clauses` on one tiny length: a finite sinks/plain, alibi/plain and dropout/plain ratio per (causal,
+    pass)."""
     from attnkit.bench import clauses, timing
 
     monkeypatch.setattr(timing, "MIN_SAMPLE_S", 0.001)  # one call per sample: this checks the plumbing, not speed

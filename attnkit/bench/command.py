@@ -288,8 +288,8 @@ def run_clauses(args: argparse.Namespace, out: TextIO) -> int:
     repeats = args.repeats if args.repeats is not None else 7
     with torch_threads(args.threads):
         result = clauses.bench_clauses(
-            backend=backends[0], seq_lens=seq_lens, repeats=repeats, warmup=args.warmup,
-            memory=not args.no_memory, progress=_progress,
+            backend=backends[0], seq_lens=seq_lens, dtypes=_csv(args.dtypes) or clauses.DTYPES, repeats=repeats,
+            warmup=args.warmup, memory=not args.no_memory, progress=_progress,
         )  # fmt: skip
     print(clauses.format_clauses(result), file=out)
     _write_json(args, result, out)

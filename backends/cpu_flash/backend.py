@@ -31,7 +31,7 @@ from attnkit.backend import (
     BuildError,
     Capabilities,
     CausalAlignment,
-    Feature,
+    Dropout,
     Framework,
     PagedInputs,
     Problem,
@@ -192,12 +192,28 @@ def _program_arguments(program: _Program | None, tile: tuple[int, int]) -> tuple
     return _NO_PROGRAM if program is None else program.arguments(tile)
 
 
+_DropoutArguments = tuple[bool, int, int, int, float, int, int, int]
+_NO_DROPOUT: _DropoutArguments = (False, 0, 0, 0, 1.0, 0, 0, 0)
+
+
+def _dropout_arguments(dropout: Dropout | None) -> _DropoutArguments:
+    """The kernel's dropout arguments (§18): active, the seed's (low, high) words (its bits read unsigned), the
+    threshold, the float32 scale 1 / (1 − p) and the (head, query, key) offsets; read once per call, so the backward
+    regenerates the forward's mask from the same words."""
+    if dropout is None:
+        return _NO_DROPOUT
+    seed = int(dropout.seed.item()) & 0xFFFF_FFFF_FFFF_FFFF
+    return (True, seed & 0xFFFF_FFFF, seed >> 32, dropout.threshold, dropout.scale(False),
+            int(dropout.head_start), int(dropout.query_start), int(dropout.key_start))  # fmt: skip
+
+
 class _CpuFlash(torch.autograd.Function):
     """(out, lse) for float32 contiguous bhsd q, k, v; U = q_scale q kᵀ is the score (or the tanh argument).
 
     ``mask`` (uint8, 0 = hidden) and ``bias`` (float32) are 4-D and broadcastable to (B, Hq, Lq, Lk), passed as they
     are: the kernel reads them through their strides, so nothing of size Lq × Lk is made that the caller did not
-    pass. dbias comes back in the bias's own shape."""
+    pass. dbias comes back in the bias's own shape. Dropout's keep-mask is regenerated per tile from its seed in both
+    passes (nothing of it is saved)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -215,14 +231,16 @@ class _CpuFlash(torch.autograd.Function):
         q_scale: float,
         slopes: torch.Tensor | None,
         program: _Program | None,
+        dropout: _DropoutArguments,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         tile = band.tile(FORWARD_TILE, program)
         out, lse = _kernel().forward(
             q, k, v, q_lens, kv_lens, mask, bias, slopes, *segments, SEGMENT_GRANULE, *band.arguments(), softcap,
-            q_scale, *tile, *_program_arguments(program, tile),
+            q_scale, *tile, *_program_arguments(program, tile), *dropout,
         )  # fmt: skip
         ctx.save_for_backward(q, k, v, out, lse, q_lens, kv_lens, mask, bias, slopes)
         ctx.segments, ctx.band, ctx.softcap, ctx.q_scale, ctx.program = segments, band, softcap, q_scale, program
+        ctx.dropout = dropout
         return out, lse
 
     @staticmethod
@@ -237,12 +255,12 @@ class _CpuFlash(torch.autograd.Function):
         dq, dk, dv, dbias = _kernel().backward(
             q, k, v, dout, lse, delta.contiguous(), q_lens, kv_lens, mask, bias, slopes, *ctx.segments,
             SEGMENT_GRANULE, need_dbias, *ctx.band.arguments(), ctx.softcap, ctx.q_scale, *tile,
-            *_program_arguments(ctx.program, tile),
+            *_program_arguments(ctx.program, tile), *ctx.dropout,
         )  # fmt: skip
         if need_dbias:  # the kernel's (B, Hq, …) planes, summed over the batch and heads the bias broadcasts along
             broadcast = [axis for axis in (0, 1) if bias.shape[axis] == 1]
             dbias = dbias.sum(dim=broadcast, keepdim=True) if broadcast else dbias
-        return dq, dk, dv, None, dbias if need_dbias else None, None, None, None, None, None, None, None, None
+        return dq, dk, dv, None, dbias if need_dbias else None, *[None] * 9
 
 
 # The kernel's segment arguments: q_ids (B, Lq) and kv_ids (B, Lk) int64, and their summaries (B, granules, 3) per
@@ -291,7 +309,7 @@ def flash_attention(spec: AttentionSpec, inputs: AttentionInputs) -> tuple[torch
         q.contiguous(), k.contiguous(), v.contiguous(), mask, bias,
         geometry.q_len.contiguous(), geometry.kv_len.contiguous(), _segments(geometry),
         _Band.of(spec), spec.softcap or 0.0, scale / spec.softcap if spec.softcap is not None else scale, slopes,
-        _Program.of(inputs.mask_program, q, k.shape[2]),
+        _Program.of(inputs.mask_program, q, k.shape[2]), _dropout_arguments(inputs.dropout),
     )  # fmt: skip
     return from_bhsd(spec, out.to(inputs.q.dtype)), lse
 
@@ -343,7 +361,7 @@ class CpuFlashBackend(RecomputingBackend):
         frameworks=frozenset({Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu"}),
-        features=ALL_FEATURES - {Feature.DROPOUT},
+        features=ALL_FEATURES,
         description="attnkit's FlashAttention-2 CPU kernel in C++ (MKL sgemm + vectorised softmax), built on first use",
         notes=(
             "mask, bias: read per tile through their strides (broadcast axes never expanded); dbias per batch "
@@ -355,6 +373,8 @@ class CpuFlashBackend(RecomputingBackend):
             "half types: widened to float32 exactly, results rounded back once",
             "mask programs: one int32 interpreter compiled with the kernel runs them on tiles the program's tile "
             "classes call partial; empty tiles are never read, full ones never evaluated (docs/cpu_flash.md)",
+            "dropout: Philox4x32-10 vectorised over counters, one counter's words for four keys, generated per tile "
+            "row on the keys the band lets it see and regenerated in the backward (no mask is stored)",
             "first call builds kernel.cpp (tens of seconds, cached under TORCH_EXTENSIONS_DIR); a failed build makes "
             "it unavailable with the reason (docs/cpu_flash.md)",
         ),

@@ -23,8 +23,12 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <limits>
 #include <optional>
@@ -431,6 +435,161 @@ struct TileClasses {
   }
 };
 
+// ---------------------------------------------------------------------------------------------------------------
+// Dropout (section 18): element (b, h, i, j) of the call (h its query head, i and j rows of q and k as given, each
+// offset by the call's head_start, query_start and key_start) is kept iff word j & 3 of Philox4x32-10 with counter
+// (j >> 2, i, h, b) and key (seed_low, seed_high) is at least `threshold`. One round of Philox4x32 (Random123):
+//   (hi0, lo0) = mulhilo(0xD2511F53, c0);  (hi1, lo1) = mulhilo(0xCD9E8D57, c2)
+//   c = (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0);  then the key grows by (0x9E3779B9, 0xBB67AE85)
+// It is written once (philox_rounds) over PhiloxLanes: one counter per 64-bit lane, its 32-bit word in the lane's low
+// half; the high half is never read (the widening product takes the low halves), so a round is two widening
+// products, two moves of their high halves down and two three-way XORs per vector, with no masking.
+constexpr uint32_t kPhiloxMultiplier0 = 0xD2511F53u, kPhiloxMultiplier1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
+constexpr int kPhiloxRounds = 10;
+
+// Besides the round's operations, each PhiloxLanes stores a block's outputs key by key (four words per counter, word w
+// of counter n at 4 n + w): as words (store), or as keep factors (store_factors: `value` where the word is at least
+// the threshold, else 0), compared while they are in registers.
+#if defined(__AVX512F__)
+struct PhiloxLanes {
+  using V = __m512i;
+  static constexpr int kCount = 8;
+  static V broadcast(uint32_t x) { return _mm512_set1_epi64(x); }
+  static V counters(uint32_t first) { return _mm512_add_epi64(broadcast(first), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7)); }
+  static V product(V a, uint32_t m) { return _mm512_mul_epu32(a, broadcast(m)); }
+  static V high(V product) { return _mm512_shuffle_epi32(product, _MM_PERM_DDBB); }
+  static V xor3(V a, V b, V c) { return _mm512_ternarylogic_epi64(a, b, c, 0x96); }
+  // Lanes 0-3 and 4-7's 16 words each, key by key: (w0, w1) and (w2, w3) paired in 64-bit lanes, then interleaved.
+  static void words(V w0, V w1, V w2, V w3, V (&halves)[2]) {
+    const V w01 = _mm512_mask_blend_epi32(0xAAAA, w0, _mm512_slli_epi64(w1, 32));
+    const V w23 = _mm512_mask_blend_epi32(0xAAAA, w2, _mm512_slli_epi64(w3, 32));
+    halves[0] = _mm512_permutex2var_epi64(w01, _mm512_setr_epi64(0, 8, 1, 9, 2, 10, 3, 11), w23);
+    halves[1] = _mm512_permutex2var_epi64(w01, _mm512_setr_epi64(4, 12, 5, 13, 6, 14, 7, 15), w23);
+  }
+  static void store(V w0, V w1, V w2, V w3, uint32_t* out) {
+    V halves[2];
+    words(w0, w1, w2, w3, halves);
+    _mm512_storeu_si512(out, halves[0]), _mm512_storeu_si512(out + 16, halves[1]);
+  }
+  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+    V halves[2];
+    words(w0, w1, w2, w3, halves);
+    for (int half = 0; half < 2; ++half) {
+      const __mmask16 kept = _mm512_cmpge_epu32_mask(halves[half], _mm512_set1_epi32(static_cast<int>(threshold)));
+      _mm512_storeu_ps(out + 16 * half, _mm512_maskz_mov_ps(kept, _mm512_set1_ps(value)));
+    }
+  }
+};
+#elif defined(__AVX2__)
+struct PhiloxLanes {
+  using V = __m256i;
+  static constexpr int kCount = 4;
+  static V broadcast(uint32_t x) { return _mm256_set1_epi64x(x); }
+  static V counters(uint32_t first) { return _mm256_add_epi64(broadcast(first), _mm256_setr_epi64x(0, 1, 2, 3)); }
+  static V product(V a, uint32_t m) { return _mm256_mul_epu32(a, broadcast(m)); }
+  static V high(V product) { return _mm256_shuffle_epi32(product, 0xF5); }
+  static V xor3(V a, V b, V c) { return _mm256_xor_si256(_mm256_xor_si256(a, b), c); }
+  static void words(V w0, V w1, V w2, V w3, V (&halves)[2]) {
+    const V w01 = _mm256_blend_epi32(w0, _mm256_slli_epi64(w1, 32), 0xAA);
+    const V w23 = _mm256_blend_epi32(w2, _mm256_slli_epi64(w3, 32), 0xAA);
+    const V even = _mm256_unpacklo_epi64(w01, w23), odd = _mm256_unpackhi_epi64(w01, w23);  // lanes 0, 2 | 1, 3
+    halves[0] = _mm256_permute2x128_si256(even, odd, 0x20), halves[1] = _mm256_permute2x128_si256(even, odd, 0x31);
+  }
+  static void store(V w0, V w1, V w2, V w3, uint32_t* out) {
+    V halves[2];
+    words(w0, w1, w2, w3, halves);
+    _mm256_storeu_si256(reinterpret_cast<V*>(out), halves[0]);
+    _mm256_storeu_si256(reinterpret_cast<V*>(out + 8), halves[1]);
+  }
+  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+    V halves[2];
+    words(w0, w1, w2, w3, halves);
+    for (int half = 0; half < 2; ++half) {  // unsigned x >= t as max(x, t) == x
+      const V x = halves[half], kept = _mm256_cmpeq_epi32(_mm256_max_epu32(x, _mm256_set1_epi32(threshold)), x);
+      _mm256_storeu_ps(out + 8 * half, _mm256_and_ps(_mm256_castsi256_ps(kept), _mm256_set1_ps(value)));
+    }
+  }
+};
+#else
+struct PhiloxLanes {
+  using V = uint64_t;
+  static constexpr int kCount = 1;
+  static V broadcast(uint32_t x) { return x; }
+  static V counters(uint32_t first) { return first; }
+  static V product(V a, uint32_t m) { return (a & 0xFFFFFFFFu) * m; }
+  static V high(V product) { return product >> 32; }
+  static V xor3(V a, V b, V c) { return a ^ b ^ c; }
+  static void store(V w0, V w1, V w2, V w3, uint32_t* out) {
+    out[0] = static_cast<uint32_t>(w0), out[1] = static_cast<uint32_t>(w1);
+    out[2] = static_cast<uint32_t>(w2), out[3] = static_cast<uint32_t>(w3);
+  }
+  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+    const V words[4] = {w0, w1, w2, w3};
+    for (int w = 0; w < 4; ++w) out[w] = static_cast<uint32_t>(words[w]) >= threshold ? value : 0.0f;
+  }
+};
+#endif
+
+// Philox4x32-10 on n vectors of counters c[word][vector] in place (n independent chains keep the multiplier busy).
+template <int n>
+void philox_rounds(PhiloxLanes::V (&c)[4][n], uint32_t k0, uint32_t k1) {
+  using L = PhiloxLanes;
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    if (round) k0 += kPhiloxWeyl0, k1 += kPhiloxWeyl1;
+    const L::V key0 = L::broadcast(k0), key1 = L::broadcast(k1);
+    for (int v = 0; v < n; ++v) {
+      const L::V product0 = L::product(c[0][v], kPhiloxMultiplier0), product1 = L::product(c[2][v], kPhiloxMultiplier1);
+      c[0][v] = L::xor3(L::high(product1), c[1][v], key0);
+      c[2][v] = L::xor3(L::high(product0), c[3][v], key1);
+      c[1][v] = product1, c[3][v] = product0;
+    }
+  }
+}
+
+constexpr int kPhiloxVectors = 4;
+constexpr int64_t kPhiloxCounters = kPhiloxVectors * PhiloxLanes::kCount;  // counters per block
+using PhiloxBlock = PhiloxLanes::V[4][kPhiloxVectors];
+
+// Philox4x32-10 of kPhiloxCounters consecutive counters (first + n, row, head, batch) into c.
+void philox_block(uint32_t first, uint32_t row, uint32_t head, uint32_t batch, uint32_t k0, uint32_t k1,
+                  PhiloxBlock& c) {
+  using L = PhiloxLanes;
+  for (int v = 0; v < kPhiloxVectors; ++v)
+    c[0][v] = L::counters(first + v * L::kCount), c[1][v] = L::broadcast(row), c[2][v] = L::broadcast(head),
+    c[3][v] = L::broadcast(batch);
+  philox_rounds(c, k0, k1);
+}
+
+struct Dropout {
+  bool active = false;
+  uint32_t seed_low = 0, seed_high = 0, threshold = 0;
+  float scale = 1.0f;  // 1 / (1 - p), rounded to float32
+  int64_t head_start = 0, query_start = 0, key_start = 0;
+
+  // The keep step, which every pass calls: factors[c] = `kept` where key c0 + c of row (b, h, i) (the pass's local
+  // query head and query) is kept, else 0, for c in [from, to) (the columns the row can see: one counter's words
+  // serve its four keys, and nothing is generated for hidden columns). Blocks inside the range are written in place,
+  // one the range cuts through `part`.
+  void keep(int64_t b, int64_t h, int64_t i, int64_t c0, int64_t from, int64_t to, float kept, float* factors) const {
+    using L = PhiloxLanes;
+    constexpr int64_t kKeys = 4 * kPhiloxCounters, kVectorKeys = 4 * L::kCount;
+    const int64_t first = key_start + c0 + from, last = key_start + c0 + to;  // the keys j of section 18
+    const uint32_t row = static_cast<uint32_t>(query_start + i), head = static_cast<uint32_t>(head_start + h);
+    float part[kKeys];
+    PhiloxBlock c;
+    for (int64_t counter = first >> 2; 4 * counter < last; counter += kPhiloxCounters) {
+      philox_block(static_cast<uint32_t>(counter), row, head, static_cast<uint32_t>(b), seed_low, seed_high, c);
+      const int64_t base = 4 * counter, start = std::max(first, base), stop = std::min(last, base + kKeys);
+      const bool whole = start == base && stop == base + kKeys;
+      float* out = whole ? factors + (base - key_start - c0) : part;
+      for (int v = 0; v < kPhiloxVectors; ++v)
+        L::store_factors(c[0][v], c[1][v], c[2][v], c[3][v], threshold, kept, out + v * kVectorKeys);
+      if (!whole) std::copy(part + (start - base), part + (stop - base), factors + (start - key_start - c0));
+    }
+  }
+};
+
 // The caller's mask and bias for one (batch, head), and its ALiBi slope (0: none, §16).
 // With a mask program: its registers (null on tiles it need not be evaluated on), and its tile classes.
 struct UserTerms {
@@ -439,7 +598,8 @@ struct UserTerms {
   float slope = 0.0f;
   ProgramRows* program = nullptr;
   const TileClasses* classes = nullptr;
-  int64_t b = 0, h = 0;  // the batch element and query head, which the program reads
+  int64_t b = 0, h = 0;  // the batch element and query head, which the program and dropout read
+  const Dropout* dropout = nullptr;  // null without dropout
 
   uint8_t tile_class(int64_t r0, int64_t c0) const { return classes ? classes->of(b, h, r0, c0) : kFullTile; }
   // The terms of a tile of class `tile`: the program is evaluated on PARTIAL tiles only.
@@ -465,6 +625,16 @@ struct TileIds {
 TileIds tile_ids(const Segments& segments, const IdRange& rows, int64_t r0, int64_t c0, int64_t c1) {
   if (!segments.active() || segments.whole(rows, c0, c1)) return {};
   return {segments.q_ids + r0, segments.kv_ids + c0};
+}
+
+// The columns [from, to) of tile row i (keys c0 .. c0 + cols) inside the band: all of them where the tile is not
+// masked (the band does not cross it).
+std::pair<int64_t, int64_t> band_columns(const Band& band, const Rows& geometry, bool masked, int64_t i, int64_t c0,
+                                         int64_t cols) {
+  if (!masked) return {0, cols};
+  const int64_t from = band.has_low ? std::clamp<int64_t>(i + geometry.offset + band.low - c0, 0, cols) : 0;
+  const int64_t to = band.has_high ? std::clamp<int64_t>(i + geometry.offset + band.high + 1 - c0, 0, cols) : cols;
+  return {from, std::max(from, to)};
 }
 
 // U -> S in place for one tile (rows x cols, ld cols): S = cap tanh U when softcapped (tanh kept in `tanh_out` when
@@ -506,15 +676,9 @@ void scores(float* s, float* tanh_out, int64_t rows, int64_t cols, float softcap
       for (; c < cols; ++c) row[c] -= user.slope * std::abs(aligned - static_cast<float>(c));
     }
     if (masked) {  // row i sees the key interval i + offset + [low, high]: fill what lies outside it
-      const int64_t i = r0 + r;
-      const int64_t from = band.has_low ? std::clamp<int64_t>(i + geometry.offset + band.low - c0, 0, cols) : 0;
-      const int64_t to = band.has_high ? std::clamp<int64_t>(i + geometry.offset + band.high + 1 - c0, 0, cols) : cols;
-      if (to <= from) {
-        std::fill(row, row + cols, kNegInf);
-      } else {
-        std::fill(row, row + from, kNegInf);
-        std::fill(row + to, row + cols, kNegInf);
-      }
+      const auto [from, to] = band_columns(band, geometry, masked, r0 + r, c0, cols);
+      std::fill(row, row + from, kNegInf);
+      std::fill(row + to, row + cols, kNegInf);
     }
     if (user.mask.base) {
       const uint8_t* visible = user.mask.at(r0 + r, c0);
@@ -570,26 +734,43 @@ void softmax_step(float* s, int64_t rows, int64_t cols, int64_t dim_v, float* ro
   }
 }
 
-// out = acc / l and lse = m + log l for `rows` rows; a row that saw no key (l = 0) gets 0 and -inf.
+// out = acc / l · scale (dropout's 1 / (1 - p), else 1) and lse = m + log l for `rows` rows; a row that saw no key
+// (l = 0) gets 0 and -inf.
 void finish_rows(float* out, float* lse, int64_t rows, int64_t dim_v, const float* row_max, const float* row_sum,
-                 const float* acc) {
+                 const float* acc, float scale = 1.0f) {
   for (int64_t r = 0; r < rows; ++r) {
     const bool empty = row_sum[r] == 0.0f;  // NaN is not empty
-    const float inverse = empty ? 0.0f : 1.0f / row_sum[r];
+    const float inverse = empty ? 0.0f : scale / row_sum[r];
     for (int64_t d = 0; d < dim_v; ++d) out[r * dim_v + d] = empty ? 0.0f : acc[r * dim_v + d] * inverse;
     lse[r] = empty ? kNegInf : row_max[r] + std::log(row_sum[r]);
   }
 }
 
+// Dropout's step on a forward tile: P <- P ⊙ M (M the keep-mask, section 18) on the columns each row can see (P is
+// 0 on the others); the scale 1 / (1 - p) is applied to out once, at the end. factors: block_k floats of scratch.
+void drop_probabilities(float* p, int64_t rows, int64_t cols, bool masked, const Band& band, const Rows& geometry,
+                        int64_t r0, int64_t c0, const UserTerms& user, float* factors) {
+  const int64_t step = Vec::size();
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto [from, to] = band_columns(band, geometry, masked, r0 + r, c0, cols);
+    user.dropout->keep(user.b, user.h, r0 + r, c0, from, to, 1.0f, factors);
+    float* row = p + r * cols;
+    int64_t c = from;
+    for (; c + step <= to; c += step) (Vec::loadu(row + c) * Vec::loadu(factors + c)).store(row + c);
+    for (; c < to; ++c) row[c] *= factors[c];
+  }
+}
+
 // ---------------------------------------------------------------------------------------------------------------
-// Forward. Per query block, over its key tiles (online softmax):
-//   m' = max(m, rowmax S);  alpha = exp(m - m');  P = exp(S - m');  l' = alpha l + rowsum P;  acc' = alpha acc + P V
-// then out = acc / l and lse = m + log l. A row that has seen no key keeps m = -inf: its shift is taken as 0 so that
+// Forward. Per query block, over its key tiles (online softmax; M dropout's keep-mask, all ones without):
+//   m' = max(m, rowmax S);  alpha = exp(m - m');  P = exp(S - m');  l' = alpha l + rowsum P
+//   acc' = alpha acc + (P ⊙ M) V
+// then out = acc / l · 1 / (1 - p) and lse = m + log l (the scores' lse: dropout leaves it). A row that has seen no key keeps m = -inf: its shift is taken as 0 so that
 // P and alpha are exp(-inf) = 0, never NaN. l = 0 at the end: no visible key, out 0 and lse -inf. NaN stays NaN.
 void fwd_block(const float* q, const float* k, const float* v, float* out, float* lse, const Sizes& n, const Band& band,
                const Rows& geometry, const UserTerms& user, const Segments& segments, float softcap, int64_t r0,
                int64_t r1, std::vector<float>& s, std::vector<float>& acc, std::vector<float>& row_max,
-               std::vector<float>& row_sum) {
+               std::vector<float>& row_sum, std::vector<float>& factors) {
   const int64_t rows = r1 - r0;
   start_rows(rows, n.dim_v, row_max.data(), row_sum.data(), acc.data());
   int64_t first, last, c1;
@@ -599,20 +780,24 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
     const uint8_t tile = user.tile_class(r0, c0);
     if (tile == kEmptyTile) continue;  // the program hides all of it: never read
     const int64_t cols = c1 - c0;
+    const bool masked = needs_mask(band, geometry, r0, r1, c0, c1);
     gemm(false, true, rows, cols, n.dim, n.q_scale, q + r0 * n.dim, n.dim, k + c0 * n.dim, n.dim, 0.0f, s.data(), cols);
-    scores(s.data(), nullptr, rows, cols, softcap, needs_mask(band, geometry, r0, r1, c0, c1), band, geometry, r0, c0,
-           user.on_tile(tile), tile_ids(segments, ids, r0, c0, c1));
+    scores(s.data(), nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, user.on_tile(tile),
+           tile_ids(segments, ids, r0, c0, c1));
     softmax_step(s.data(), rows, cols, n.dim_v, row_max.data(), row_sum.data(), acc.data());
+    if (user.dropout) drop_probabilities(s.data(), rows, cols, masked, band, geometry, r0, c0, user, factors.data());
     gemm(false, false, rows, n.dim_v, cols, 1.0f, s.data(), cols, v + c0 * n.dim_v, n.dim_v, 1.0f, acc.data(), n.dim_v);
   }
-  finish_rows(out + r0 * n.dim_v, lse + r0, rows, n.dim_v, row_max.data(), row_sum.data(), acc.data());
+  finish_rows(out + r0 * n.dim_v, lse + r0, rows, n.dim_v, row_max.data(), row_sum.data(), acc.data(),
+              user.dropout ? user.dropout->scale : 1.0f);
 }
 
 // ---------------------------------------------------------------------------------------------------------------
 // Backward. Per kv head, per query block of every head in its group, over the key tiles it sees (the forward's
-// tiles):  P = exp(S - lse) (lse +inf on empty rows, so P = 0);  dV += P^T dO;  dP = dO V^T;
-//   dS = P (dP - Delta), Delta = rowsum(dO out) - dlse;  dbias += dS;  dU = dS cap (1 - tanh^2 U) when softcapped;
-//   dq += q_scale dU K;  dK += q_scale dU^T q.
+// tiles), with F = M / (1 - p) (M dropout's keep-mask regenerated from the seed; F = 1 without dropout):
+//   P = exp(S - lse) (lse +inf on empty rows, so P = 0);  dV += (P ⊙ F)^T dO;  dP = (dO V^T) ⊙ F;
+//   dS = P (dP - Delta), Delta = rowsum(dO out) - dlse (out the dropped output);  dbias += dS;
+//   dU = dS cap (1 - tanh^2 U) when softcapped;  dq += q_scale dU K;  dK += q_scale dU^T q.
 // The task owns batch element b's kv head h_kv: its query heads' dbias planes are its alone (dbias is allocated per
 // batch element and query head), so accumulating over broadcast rows or keys needs no atomics.
 struct BackwardTerms {
@@ -622,6 +807,7 @@ struct BackwardTerms {
   const float* slopes = nullptr;  // ALiBi's (B, Hq), or null
   const Program* program = nullptr;  // a mask program, or null
   TileClasses classes;  // its classes on the backward's tiles
+  const Dropout* dropout = nullptr;  // null without dropout
 };
 
 // dbias[c .. c + lanes) += dS's lanes, for a dbias row whose keys are contiguous (col 1), broadcast (0) or strided.
@@ -635,19 +821,40 @@ void accumulate_dbias(float* dbias, int64_t col, int64_t c, const Vec& ds) {
   for (int64_t lane = 0; lane < Vec::size(); ++lane) dbias[(c + lane) * col] += lanes[lane];
 }
 
+// Dropout's step on a backward tile: factors = F = M / (1 - p) on the columns each row can see (0 on the others, and
+// on rows that see no key: P is 0 there), and kept = P ⊙ F; lse: the rows' from r0 on.
+void drop_gradient_rows(const float* p, float* kept, float* factors, int64_t rows, int64_t cols, bool masked,
+                        const Band& band, const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user,
+                        const float* lse) {
+  const int64_t step = Vec::size();
+  for (int64_t r = 0; r < rows; ++r) {
+    auto [from, to] = band_columns(band, geometry, masked, r0 + r, c0, cols);
+    if (lse[r0 + r] == kNegInf) from = to = 0;
+    float* f = factors + r * cols;
+    std::fill(f, f + from, 0.0f);
+    std::fill(f + to, f + cols, 0.0f);
+    user.dropout->keep(user.b, user.h, r0 + r, c0, from, to, user.dropout->scale, f);
+    const float* p_row = p + r * cols;
+    float* kept_row = kept + r * cols;
+    int64_t c = 0;
+    for (; c + step <= cols; c += step) (Vec::loadu(p_row + c) * Vec::loadu(f + c)).store(kept_row + c);
+    for (; c < cols; ++c) kept_row[c] = p_row[c] * f[c];
+  }
+}
+
 void bwd_kv_head(const float* q, const float* k, const float* v, const float* dout, const float* lse, const float* delta,
                  float* dq, float* dk, float* dv, const Sizes& n, const Band& band, const Rows& geometry,
                  const Segments& segments, float softcap, int64_t group, const BackwardTerms& terms, int64_t b,
                  int64_t first_head) {
   std::vector<float> s = scratch(n.block_q * n.block_k), t = scratch(n.block_q * n.block_k),
-                     dp = scratch(n.block_q * n.block_k);
+                     dp = scratch(n.block_q * n.block_k), factors = scratch(terms.dropout ? n.block_q * n.block_k : 0);
   ProgramRows program(terms.program, n.block_k);
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
   for (int64_t g = 0; g < group; ++g) {
     const int64_t head_rows = g * n.len_q;  // offset of this query head's rows within the group
     const UserTerms user{terms.mask.plane(b, first_head + g), terms.bias.plane(b, first_head + g),
                          slope_of(terms.slopes, n.heads_q, b, first_head + g), terms.program ? &program : nullptr,
-                         terms.program ? &terms.classes : nullptr, b, first_head + g};
+                         terms.program ? &terms.classes : nullptr, b, first_head + g, terms.dropout};
     const Plane<float> dbias = terms.dbias.plane(b, first_head + g);
     for (int64_t r0 = 0; r0 < q_rows; r0 += n.block_q) {
       const int64_t r1 = std::min(r0 + n.block_q, q_rows), rows = r1 - r0;
@@ -674,8 +881,12 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
           for (; c + step <= cols; c += step) (Vec::loadu(row + c) - Vec(shift)).exp_u20().store(row + c);
           for (; c < cols; ++c) row[c] = std::exp(row[c] - shift);
         }
-        gemm(true, false, cols, n.dim_v, rows, 1.0f, s.data(), cols, dout_block, n.dim_v, 1.0f, dv + c0 * n.dim_v,
-             n.dim_v);
+        // With dropout, dp holds P ⊙ F for dV's product until dP overwrites it.
+        if (terms.dropout)
+          drop_gradient_rows(s.data(), dp.data(), factors.data(), rows, cols, masked, band, geometry, r0, c0, user,
+                             lse + head_rows);
+        gemm(true, false, cols, n.dim_v, rows, 1.0f, terms.dropout ? dp.data() : s.data(), cols, dout_block, n.dim_v,
+             1.0f, dv + c0 * n.dim_v, n.dim_v);
         gemm(false, true, rows, cols, n.dim_v, 1.0f, dout_block, n.dim_v, v + c0 * n.dim_v, n.dim_v, 0.0f, dp.data(),
              cols);
         for (int64_t r = 0; r < rows; ++r) {
@@ -683,11 +894,13 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
           float* p = s.data() + r * cols;  // becomes dU in place
           const float* dp_row = dp.data() + r * cols;
           const float* t_row = t.data() + r * cols;
+          const float* f_row = terms.dropout ? factors.data() + r * cols : nullptr;  // dP ⊙ F
           // dbias takes dS before the softcap's chain rule: the bias is added after the tanh.
           float* dbias_row = dbias.base ? dbias.at(r0 + r, c0) : nullptr;
           int64_t c = 0;
           for (; c + step <= cols; c += step) {
-            Vec ds = Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - Vec(row_delta));
+            const Vec dp_value = f_row ? Vec::loadu(dp_row + c) * Vec::loadu(f_row + c) : Vec::loadu(dp_row + c);
+            Vec ds = Vec::loadu(p + c) * (dp_value - Vec(row_delta));
             if (dbias_row) accumulate_dbias(dbias_row, dbias.col, c, ds);
             if (softcap > 0) {
               Vec th = Vec::loadu(t_row + c);
@@ -696,7 +909,7 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
             ds.store(p + c);
           }
           for (; c < cols; ++c) {
-            float ds = p[c] * (dp_row[c] - row_delta);
+            float ds = p[c] * ((f_row ? dp_row[c] * f_row[c] : dp_row[c]) - row_delta);
             if (dbias_row) dbias_row[c * dbias.col] += ds;
             if (softcap > 0) ds *= softcap * (1.0f - t_row[c] * t_row[c]);
             p[c] = ds;
@@ -1077,11 +1290,23 @@ TileClasses tile_classes_of(const std::optional<at::Tensor>& classes, const Size
 
 }  // namespace
 
+// Dropout's arguments (section 18): the seed's 32-bit words, the threshold, the scale and the offsets; p = 0 (none) is
+// `active` false.
+Dropout dropout_of(bool active, int64_t seed_low, int64_t seed_high, int64_t threshold, double scale,
+                   int64_t head_start, int64_t query_start, int64_t key_start) {
+  if (!active) return {};
+  for (const int64_t word : {seed_low, seed_high, threshold})
+    TORCH_CHECK(word >= 0 && word <= 0xFFFFFFFFll, "dropout seed words and threshold must lie in [0, 2**32), got ",
+                word);
+  return {true, static_cast<uint32_t>(seed_low), static_cast<uint32_t>(seed_high), static_cast<uint32_t>(threshold),
+          static_cast<float>(scale), head_start, query_start, key_start};
+}
+
 // q (B, Hq, Lq, D), k (B, Hkv, Lk, D), v (B, Hkv, Lk, Dv), lengths (B,) int64 -> out (B, Hq, Lq, Dv), lse (B, Hq, Lq).
 // mask: uint8 (0 = hidden), bias: float32, each 4-D broadcastable to (B, Hq, Lq, Lk), or None. ALiBi slopes: float32
 // (B, Hq) contiguous, or None. Segment ids: q_ids (B, Lq), kv_ids (B, Lk) int64 and their summaries per granule of
 // positions (B, granules, 3), or all None. A mask program: its code, operands and captured tensors (program_args),
-// and its classes on the tiles (block_q, block_k), or None, None, [], None.
+// and its classes on the tiles (block_q, block_k), or None, None, [], None. Dropout: dropout_of's arguments.
 std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor q_lens,
                                    at::Tensor kv_lens, std::optional<at::Tensor> mask,
                                    std::optional<at::Tensor> bias, std::optional<at::Tensor> slopes,
@@ -1091,8 +1316,12 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
                                    bool has_high, int64_t high, bool bottom_right, double softcap, double q_scale,
                                    int64_t block_q, int64_t block_k, std::optional<at::Tensor> program_code,
                                    std::optional<at::Tensor> program_operands, std::vector<at::Tensor> captured,
-                                   std::optional<at::Tensor> classes) {
+                                   std::optional<at::Tensor> classes, bool dropout_active, int64_t seed_low,
+                                   int64_t seed_high, int64_t threshold, double dropout_scale, int64_t head_start,
+                                   int64_t query_start, int64_t key_start) {
   check(q, "q"), check(k, "k"), check(v, "v"), check_terms(mask, bias, q, k);
+  const Dropout dropout = dropout_of(dropout_active, seed_low, seed_high, threshold, dropout_scale, head_start,
+                                     query_start, key_start);
   const float* slope_values = checked_slopes(slopes, q);
   const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
   const Strided<const uint8_t> mask_view = strided<const uint8_t>(mask);
@@ -1111,7 +1340,8 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   at::parallel_for(0, n.batch * n.heads_q * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s = scratch(n.block_q * n.block_k), acc = scratch(n.block_q * n.dim_v),
-                       row_max = scratch(n.block_q), row_sum = scratch(n.block_q);
+                       row_max = scratch(n.block_q), row_sum = scratch(n.block_q),
+                       factors = scratch(dropout.active ? n.block_k : 0);
     ProgramRows program_rows(program.active() ? &program : nullptr, n.block_k);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % blocks, head = (task / blocks) % n.heads_q, b = task / blocks / n.heads_q;
@@ -1121,10 +1351,11 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
       const int64_t kv_head = b * n.heads_kv + head / group, q_head = b * n.heads_q + head;
       const UserTerms user{mask_view.plane(b, head), bias_view.plane(b, head),
                            slope_of(slope_values, n.heads_q, b, head), program.active() ? &program_rows : nullptr,
-                           program.active() ? &tile_classes : nullptr, b, head};
+                           program.active() ? &tile_classes : nullptr, b, head,
+                           dropout.active ? &dropout : nullptr};
       fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
                 op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, segments.of(b),
-                (float)softcap, r0, r1, s, acc, row_max, row_sum);
+                (float)softcap, r0, r1, s, acc, row_max, row_sum, factors);
     }
   });
   return {out, lse};
@@ -1143,8 +1374,12 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
                                     int64_t high, bool bottom_right, double softcap, double q_scale, int64_t block_q,
                                     int64_t block_k, std::optional<at::Tensor> program_code,
                                     std::optional<at::Tensor> program_operands, std::vector<at::Tensor> captured,
-                                    std::optional<at::Tensor> classes) {
+                                    std::optional<at::Tensor> classes, bool dropout_active, int64_t seed_low,
+                                    int64_t seed_high, int64_t threshold, double dropout_scale, int64_t head_start,
+                                    int64_t query_start, int64_t key_start) {
   check(q, "q"), check(k, "k"), check(v, "v"), check(dout, "dout"), check(lse, "lse"), check(delta, "delta");
+  const Dropout dropout = dropout_of(dropout_active, seed_low, seed_high, threshold, dropout_scale, head_start,
+                                     query_start, key_start);
   check_terms(mask, bias, q, k);
   const SegmentArgs segments = segment_args(q_ids, kv_ids, q_tiles, kv_tiles, granule, q, k);
   TORCH_CHECK(!need_dbias || bias.has_value(), "need_dbias without a bias");
@@ -1156,7 +1391,8 @@ std::vector<at::Tensor> backward(at::Tensor q, at::Tensor k, at::Tensor v, at::T
   const Program program = program_args(program_code, program_operands, captured);
   const BackwardTerms terms{strided<const uint8_t>(mask), strided<const float>(bias),
                             need_dbias ? strided<float>(dbias) : Strided<float>{}, checked_slopes(slopes, q),
-                            program.active() ? &program : nullptr, tile_classes_of(classes, n)};
+                            program.active() ? &program : nullptr, tile_classes_of(classes, n),
+                            dropout.active ? &dropout : nullptr};
   TORCH_CHECK(program.active() == (terms.classes.data != nullptr), "a mask program comes with its tile classes");
   const int64_t* q_len = q_lens.data_ptr<int64_t>();
   const int64_t* kv_len = kv_lens.data_ptr<int64_t>();
@@ -1261,8 +1497,23 @@ std::vector<at::Tensor> forward_paged(at::Tensor q, at::Tensor k_cache, at::Tens
   return {out, lse};
 }
 
+// Philox4x32-10's words for the counters (counter[0] + n, counter[1], counter[2], counter[3]), n < kPhiloxCounters,
+// words[4 n + w], through the vector code the keep step runs: for known-answer tests.
+std::vector<int64_t> philox4x32(std::array<int64_t, 4> counter, std::array<int64_t, 2> key) {
+  for (const int64_t word : {counter[0], counter[1], counter[2], counter[3], key[0], key[1]})
+    TORCH_CHECK(word >= 0 && word <= 0xFFFFFFFFll, "Philox words must lie in [0, 2**32), got ", word);
+  PhiloxBlock c;
+  philox_block(static_cast<uint32_t>(counter[0]), static_cast<uint32_t>(counter[1]), static_cast<uint32_t>(counter[2]),
+               static_cast<uint32_t>(counter[3]), static_cast<uint32_t>(key[0]), static_cast<uint32_t>(key[1]), c);
+  uint32_t words[4 * kPhiloxCounters];
+  for (int v = 0; v < kPhiloxVectors; ++v)
+    PhiloxLanes::store(c[0][v], c[1][v], c[2][v], c[3][v], words + 4 * v * PhiloxLanes::kCount);
+  return std::vector<int64_t>(words, words + 4 * kPhiloxCounters);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &forward, "cpu-flash forward: (out, lse)");
   m.def("backward", &backward, "cpu-flash backward: (dq, dk, dv)");
   m.def("forward_paged", &forward_paged, "cpu-flash forward over a paged KV cache: (out, lse)");
+  m.def("philox4x32", &philox4x32, "Philox4x32-10's words of a block of counters (known-answer tests)");
 }
