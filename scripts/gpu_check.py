@@ -76,6 +76,11 @@ GPU_TESTS = (
     "tests/test_cupy_static.py",
     "tests/test_conformance.py::test_harness_runs_a_backend_on_the_gpu_where_it_declares_one",
     "tests/test_pallas.py::test_mask_programs_on_the_gpu",
+    # Dropout in the pallas kernels (unverified on hardware until these pass): the keep-mask bit for bit, on a tile
+    # edge and off one, then out, lse and the gradients against the oracle.
+    "tests/test_dropout.py::test_backend_keep_mask_is_the_references[pallas-64]",
+    "tests/test_dropout.py::test_backend_keep_mask_is_the_references[pallas-65]",
+    "tests/test_pallas.py::test_dropout_on_the_gpu",
 )
 
 

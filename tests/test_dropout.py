@@ -291,6 +291,28 @@ def test_jax_seed_forms_agree() -> None:
         attnkit.attend(spec, q, k, v, dropout_p=0.4, dropout_key=key, dropout_seed=1, backend="jax-reference")
 
 
+def test_jax_seed_is_traced_under_jit() -> None:
+    """A jitted function taking the seed's (2,) uint32 words compiles once: new seeds are values, and each gives the
+    mask an eager call with that seed does."""
+    jax = pytest.importorskip("jax")
+    jnp = jax.numpy
+    q, k, v = (jnp.asarray(t.numpy()) for t in _small())
+    spec = AttentionSpec()
+
+    @jax.jit
+    def attend(seed: Any) -> Any:
+        return attnkit.attend(spec, q, k, v, dropout_p=0.4, dropout_seed=seed, backend="jax-reference")
+
+    outs = []
+    for seed in (SEED, SEED + 1):
+        words = jnp.array([seed & 0xFFFFFFFF, seed >> 32], dtype=jnp.uint32)
+        outs.append(attend(words))
+        eager = attnkit.attend(spec, q, k, v, dropout_p=0.4, dropout_seed=seed, backend="jax-reference")
+        np.testing.assert_array_equal(np.asarray(outs[-1]), np.asarray(eager))
+    assert attend._cache_size() == 1
+    assert not np.array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
+
+
 def test_native_backends_say_why_they_refuse() -> None:
     q, k, v = _small()
     text = attnkit.explain(AttentionSpec(), q, k, v, dropout_p=0.1, dropout_seed=1)

@@ -146,6 +146,7 @@ TORCH_CASES = [
         q_lengths=(9, 4),
         kv_lengths=(20, 7),
         alibi_shape=(2, 4),
+        dropout=(0.3, 0xF00D_CAFE_1234_5678),  # the torch seed's bits read unsigned, high word's top bit set
     ),
 ]
 
@@ -575,6 +576,33 @@ def test_program_cases_meet_every_tile_class() -> None:
         np.testing.assert_array_equal(np.asarray(jax.jit(in_jnp)(captured)), classes.numpy())
     assert all(classes == {EMPTY, PARTIAL, FULL} for classes in met.values()), met
     assert not visible[0, :, 7].any()
+
+
+DROPOUT_CASES = [
+    Case(spec=AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=200, len_k=300, head_dim=64, head_dim_v=64,
+         dtype="bfloat16", kv_lengths=(300, 123), dropout=(0.1, 0xF00D_CAFE_1234_5678)),
+    Case(spec=AttentionSpec(layout="bshd", softcap=20.0), len_q=130, len_k=70, head_dim=128, head_dim_v=128,
+         bias_shape=(1, 2, 130, 70), bias_grad=True, q_segment_ids=((0,) * 60 + (1,) * 70, (0,) * 130),
+         kv_segment_ids=((0,) * 30 + (1,) * 40, (0,) * 70), dropout=(0.5, 12345)),
+]  # fmt: skip
+
+
+def test_dropout_on_the_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Dropout in the compiled kernels against the oracle, forward and backward (unverified on hardware until this
+    passes: scripts/gpu_check.py runs it on a GPU; it skips elsewhere)."""
+    import jax
+
+    from attnkit.backend import ALLOW_UNVERIFIED_ENV
+
+    if jax.default_backend() not in ("gpu", "cuda"):
+        pytest.skip("no GPU in JAX's default backend")
+    monkeypatch.setenv(ALLOW_UNVERIFIED_ENV, "1")
+    failures = []
+    for case in DROPOUT_CASES:
+        arrays = rounded(case, make_arrays(case))
+        comparisons = compare(case, run_jax(case, arrays, "pallas"), *oracle_results(case, arrays))
+        failures += [f"{case}: {c}" for c in comparisons if not c.ok]
+    assert not failures, "\n".join(failures)
 
 
 def test_mask_programs_on_the_gpu() -> None:

@@ -26,7 +26,7 @@ from attnkit.backend import (
     BaseBackend,
     Capabilities,
     DeviceLimits,
-    Feature,
+    Dropout,
     Framework,
     Gradients,
     Layout,
@@ -245,7 +245,8 @@ def _program(config: _Config, sizes: _Sizes, q: Any, captured: tuple[Any, ...] |
 def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, Any]:
     """Kernel operands: q, k, v as given (raw for cosine too; zero at negative segment ids), int8 mask, float32
     bias, ALiBi's float32 slopes (B|1, Hq) as given, geometry, segment ids, a program's tile classes and captured
-    arrays (``inputs.mask_program``: the captured arrays alone, the program itself is in ``config``)."""
+    arrays (``inputs.mask_program``: the captured arrays alone, the program itself is in ``config``) and dropout's
+    words (its p is in ``config`` too)."""
     sizes = _sizes(config, inputs.q, inputs.k, inputs.v)
     seq_axis, _ = _axes(config)
     q = zero_padding(inputs.q, None, seq_axis, inputs.q_segment_ids)
@@ -258,7 +259,17 @@ def _prepare(config: _Config, band: Any, inputs: AttentionInputs) -> dict[str, A
     prepared["bias"] = None if inputs.bias is None else _pairwise(inputs.bias, sizes, jnp.float32)
     prepared["slopes"] = inputs.alibi_slopes
     prepared["program"], prepared["program_dkdv"] = _program(config, sizes, inputs.q, inputs.mask_program)
+    prepared["dropout"] = _dropout_words(inputs.dropout)
     return prepared
+
+
+def _dropout_words(dropout: Dropout | None) -> Any:
+    """The kernels' dropout operand: the seed's words and the offsets as one (5,) uint32 array (kernels.DropoutWords),
+    so that a new seed or offset is a value, never a recompile."""
+    if dropout is None:
+        return None
+    offsets = [jnp.asarray(x).astype(jnp.uint32) for x in (dropout.head_start, dropout.query_start, dropout.key_start)]
+    return kernels.DropoutWords(jnp.concatenate([dropout.seed, jnp.stack(offsets)]))
 
 
 def _empty(inputs: AttentionInputs, config: _Config) -> bool:
@@ -292,7 +303,7 @@ def _forward(stages: _Stages, config: _Config, params: Any, band: Any, inputs: A
         return _empty_forward(inputs, config)
     p = stages.prepare(config, band, inputs)
     operands = (p["geom"], params, p["q"], p["k"], p["v"], p["mask"], p["bias"], p["slopes"], p["segments"])
-    return stages.forward_kernel(config.kernel, *operands, p["program"])
+    return stages.forward_kernel(config.kernel, *operands, p["program"], p["dropout"])
 
 
 def _backward_rows(config: _Config, out: Any, lse: Any, dout: Any, dlse: Any) -> tuple[Any, Any]:
@@ -342,8 +353,8 @@ def _backward(
     p = stages.prepare(config, band, inputs)
     lse, delta = stages.backward_rows(config, out, lse, dout, dlse)
     operands = (p["geom"], params, p["q"], p["k"], p["v"], dout, lse, delta, p["mask"], p["bias"], p["slopes"])
-    dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands, p["segments_dkdv"], p["program_dkdv"])
-    dq, dbias = stages.dq_kernel(config.kernel, *operands, p["segments"], p["program"], need_dbias)
+    dk, dv = stages.dkdv_kernel(config.kernel_dkdv, *operands, p["segments_dkdv"], p["program_dkdv"], p["dropout"])
+    dq, dbias = stages.dq_kernel(config.kernel, *operands, p["segments"], p["program"], p["dropout"], need_dbias)
     return stages.finish_backward(config, inputs, (dq, dk, dv, dbias))
 
 
@@ -371,7 +382,7 @@ def _compiled() -> tuple[Any, Any, Any, Any]:
         jax.jit(kernels.forward_call, static_argnums=(0,), compiler_options=fast),
         jax.jit(_backward_rows, static_argnums=(0,)),
         jax.jit(kernels.dkdv_call, static_argnums=(0,), compiler_options=fast),
-        jax.jit(kernels.dq_call, static_argnums=(0, 14), compiler_options=fast),
+        jax.jit(kernels.dq_call, static_argnums=(0, 15), compiler_options=fast),
         jax.jit(_finish_backward, static_argnums=(0,)),
     )
     whole_forward = jax.jit(functools.partial(_forward, _PLAIN), static_argnums=(0,))
@@ -467,8 +478,9 @@ def _program_to_jax(bound: BoundProgram | None) -> BoundProgram | None:
 
 
 def _inputs_to_jax(inputs: AttentionInputs) -> AttentionInputs:
-    tensors = AttentionInputs(*(_to_jax(x) for x in inputs._replace(mask_program=None)))
-    return _mask_from_int8(tensors._replace(mask_program=_program_to_jax(inputs.mask_program)))
+    tensors = AttentionInputs(*(_to_jax(x) for x in inputs._replace(mask_program=None, dropout=None)))
+    dropout = _dropout_to_jax(inputs.dropout, inputs.q.device)
+    return _mask_from_int8(tensors._replace(mask_program=_program_to_jax(inputs.mask_program), dropout=dropout))
 
 
 def _split_program(config: _Config, inputs: AttentionInputs) -> tuple[_Config, AttentionInputs]:
@@ -485,6 +497,26 @@ def _split_program(config: _Config, inputs: AttentionInputs) -> tuple[_Config, A
     return config, inputs._replace(mask_program=captured)
 
 
+def _with_dropout(config: _Config, dropout: Dropout | None) -> _Config:
+    """Dropout's p in the kernels' static configuration (its seed and offsets are an operand: ``_dropout_words``)."""
+    if dropout is None:
+        return config
+    return _Config(*(dataclasses.replace(static, dropout_p=dropout.p) for static in config))
+
+
+def _dropout_to_jax(dropout: Dropout | None, device: Any) -> Dropout | None:
+    """A torch call's dropout with its seed (a 0-d int64 tensor, its bits read unsigned) as JAX's (2,) uint32
+    (low, high) words, computed on ``device`` without reading the seed on the host; the offsets as they are."""
+    if dropout is None:
+        return None
+    import torch
+
+    seed = dropout.seed.to(device)
+    words = torch.stack([seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF])
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # the same bits, as int32
+    return dropout._replace(seed=jax.lax.bitcast_convert_type(jax.dlpack.from_dlpack(words), jnp.uint32))
+
+
 def _to_torch(x: Any) -> Any:
     import torch
 
@@ -499,8 +531,9 @@ def _mask_from_int8(inputs: AttentionInputs) -> AttentionInputs:
     return inputs if inputs.mask is None else inputs._replace(mask=inputs.mask != 0)
 
 
-#: The Unverified path of mask programs on a GPU.
+#: The Unverified paths of mask programs and dropout on a GPU.
 MASK_PROGRAMS = "mask programs (mask_mod)"
+DROPOUT = "attention dropout (dropout_p)"
 
 
 class PallasBackend(BaseBackend):
@@ -510,7 +543,7 @@ class PallasBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX, Framework.TORCH}),
         dtypes=frozenset({"float16", "bfloat16", "float32"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.DROPOUT},
+        features=ALL_FEATURES,
         native_framework=Framework.JAX,  # the harness drives it through JAX; the torch bridge has its own tests
         head_dims=(1, MAX_HEAD_DIM),
         per_device=(("cuda", GPU_PAGED_LIMITS),),
@@ -521,6 +554,13 @@ class PallasBackend(BaseBackend):
                 "never run on a GPU: the kernels evaluate the program on each partial tile with gathers from the "
                 "captured arrays, which Pallas' Triton lowering accepts (tests/test_pallas.py -k lower_for_gpu) but "
                 "no GPU has compiled or run",
+            ),
+            Unverified(
+                "cuda",
+                DROPOUT,
+                "never run on a GPU: the kernels regenerate the keep-mask per tile with Philox4x32-10 in uint32 "
+                "(shifts, xor, multiplies, unsigned compares), which Pallas' Triton lowering accepts "
+                "(tests/test_pallas.py -k lower_for_gpu) but no GPU has compiled or run",
             ),
         ),
         description=(
@@ -546,6 +586,9 @@ class PallasBackend(BaseBackend):
             "mask programs (mask_mod): evaluated in the kernels on each tile's indices with jnp, captured tensors read "
             "by gathers from whole int32 kernel operands (new values never recompile); tiles classified EMPTY are "
             "skipped and FULL ones not evaluated, forward and backward; on a GPU not yet run on hardware",
+            "dropout (§18): each kernel regenerates its tiles' keep-mask from the seed (an operand with the offsets: "
+            "new seeds never recompile; p is compiled in); nothing (Lq, Lk) is saved; on a GPU not yet run on "
+            "hardware",
         ),
     )
 
@@ -574,17 +617,20 @@ class PallasBackend(BaseBackend):
                 reasons.append("device=cuda torch tensors need JAX with CUDA (pip install 'jax[cuda13]')")
         if problem.device == "cuda" and problem.has_mask_program:
             reasons += pending_hardware(self, "cuda", MASK_PROGRAMS)
+        if problem.device == "cuda" and problem.has_dropout:
+            reasons += pending_hardware(self, "cuda", DROPOUT)
         return reasons
 
     def _call(self, spec: AttentionSpec, inputs: AttentionInputs) -> tuple[Any, Any, _Config, Any, Any, Any]:
         """(forward, backward, config, params, band, inputs): the functions to run and their arguments, a program's
-        code moved into the config (``_split_program``)."""
+        code moved into the config (``_split_program``) and dropout's p copied there."""
         seq_axis = 1 if spec.layout is Layout.BSHD else 2
         len_q, len_k, dim = inputs.q.shape[seq_axis], inputs.k.shape[seq_axis], inputs.q.shape[-1]
         interpret = self.interpret()
         cells = inputs.q.shape[0] * inputs.q.shape[3 - seq_axis]  # B·Hq
         config = _config(spec, len_q, len_k, max(dim, inputs.v.shape[-1]), interpret, cells, self._decode_splits)
         config, inputs = _split_program(config, inputs)
+        config = _with_dropout(config, inputs.dropout)
         params, band = _scalars(spec, dim)
         if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(inputs)):  # the caller's jit: inline
             forward, backward = functools.partial(_forward, _PLAIN), functools.partial(_backward, _PLAIN)

@@ -38,6 +38,13 @@ loaded; a FULL tile takes every pair as visible without evaluating the program; 
 ``programs.evaluate`` in jnp on the tile's row and key positions, b the cell's batch element and h its query head,
 reading a captured array by a gather at clamped indices (``_CapturedRef``; ``_program_visibility``).
 
+Dropout (docs/semantics.md §18), when given, arrives as :class:`DropoutWords`, one (5,) uint32 operand ``[seed low,
+seed high, head_start, query_start, key_start]`` (new seeds and a rank's offsets never recompile); p is
+``Static.dropout_p``. Every kernel regenerates a tile's keep-mask with ``attnkit.contract.jax.dropout_keep`` on the
+tile's own indices (``_dropout_step``): b the cell's batch element, h its query head, i and j its rows and keys, each
+plus its offset. The forward multiplies P·V's P by it, the dK/dV kernel dV's P and dP, the dQ kernel dP; row sums
+and lse stay those before dropout, and nothing (Lq, Lk) is saved.
+
 GQA/MQA: query head ``h`` reads kv head ``h // G`` through the K/V index maps; the dK/dV kernel runs per kv head
 and loops over its G query heads, so nothing is repeated and nothing is written twice (no atomics).
 
@@ -74,8 +81,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from attnkit.backend import dropout_scale, dropout_threshold
 from attnkit.contract import COSINE_EPS, conjoin, programs, within_band
-from attnkit.contract.jax import length_visibility, merge_partials, segment_visibility
+from attnkit.contract.jax import dropout_keep, length_visibility, merge_partials, segment_visibility
 
 FAR = 1 << 30  # an unbounded window side; |i + off| stays far below it, so i + lo never overflows int32
 NO_ID = (1 << 31) - 1  # the smallest id of a tile of padding only: above every largest id, so it meets nothing
@@ -97,6 +105,7 @@ class Static:
     splits: int = 1  # forward only: key ranges on a fourth grid axis, merged by lse (split-K decode)
     cosine: bool = False  # scores scaled by the rows' float32 inverse norms (the raw q, k are multiplied)
     program: programs.MaskProgram | None = None  # a mask program evaluated on each partial tile (its code)
+    dropout_p: float | None = None  # attention dropout's p (§18): the seed and offsets are an operand
 
     def compiler_params(self) -> Any:
         # Triton, not Mosaic GPU: the Mosaic GPU path does not take these dot_general shapes.
@@ -143,6 +152,13 @@ class _CapturedRef:
     def __getitem__(self, at: tuple) -> Any:
         value = self.ref[at if self.shape else (0,)]
         return value != 0 if self.boolean else value
+
+
+class DropoutWords(NamedTuple):
+    """The dropout operand (an array outside the kernels, a ref inside): (5,) uint32 ``[seed low, seed high,
+    head_start, query_start, key_start]``."""
+
+    words: Any
 
 
 def _tile_ranges(ids: Any, block: int) -> Any:
@@ -199,6 +215,48 @@ def _alibi_term(alibi: Alibi | None, head: Any, i0: Any, j0: Any, block_q: int, 
     rows = (i0 + alibi.offset - j0 + _iota(shape, 0)).astype(jnp.float32)
     columns = _iota(shape, 1).astype(jnp.float32)
     return -alibi.slopes[head] * jnp.abs(rows - columns)
+
+
+class _Dropout(NamedTuple):
+    """Dropout inside a kernel (§18): the seed's words, the cell's batch element and the offsets of its first query
+    head, first query and first key (uint32 scalars), and p's threshold and scale (constants)."""
+
+    seed_low: Any
+    seed_high: Any
+    batch: Any
+    first_head: Any
+    query_start: Any
+    key_start: Any
+    threshold: int
+    scale: float
+
+
+def _dropout(static: Static, words: DropoutWords | None, group: int = 1) -> _Dropout | None:
+    """The cell's dropout: its batch element is grid axis 0, its first query head axis 1 times ``group`` (the dK/dV
+    kernel's G query heads a cell)."""
+    if words is None:
+        return None
+    assert static.dropout_p is not None
+    ref = words.words
+    head = ref[2] + (pl.program_id(1) * group).astype(jnp.uint32)
+    batch = pl.program_id(0).astype(jnp.uint32)
+    p = static.dropout_p
+    return _Dropout(ref[0], ref[1], batch, head, ref[3], ref[4], dropout_threshold(p), dropout_scale(p, False))
+
+
+def _dropout_step(dropout: _Dropout | None, head: Any, i0: Any, j0: Any, static: Static) -> Any:
+    """The tile of rows i0.. and keys j0.. of query head ``head`` (within the cell's group) as a function
+    x ↦ x ⊙ M / (1 − p), M §18's keep-mask at the call's offsets; x itself without dropout. The mask is computed
+    once per tile, for the tile's every use."""
+    if dropout is None:
+        return lambda x: x
+    shape = (static.block_q, static.block_k)
+    rows = dropout.query_start + (i0 + _iota(shape, 0)).astype(jnp.uint32)
+    keys = dropout.key_start + (j0 + _iota(shape, 1)).astype(jnp.uint32)
+    head = dropout.first_head + jnp.asarray(head).astype(jnp.uint32)
+    threshold = dropout.threshold
+    keep = dropout_keep(dropout.seed_low, dropout.seed_high, threshold, dropout.batch, head, rows, keys)
+    return lambda x: jnp.where(keep, x * dropout.scale, 0.0)
 
 
 def _kv_range(geom: tuple[Any, ...], i0: Any, block_q: int, block_k: int) -> tuple[Any, Any]:
@@ -509,10 +567,11 @@ def _read(ref: Any, head: Any, i0: Any, j0: Any, static: Static, geom: Any = Non
 
 def _split(refs: tuple[Any, ...], present: tuple[Any, ...]) -> list[Any]:
     """Pop the optional refs in order: mask, bias, ALiBi's slopes, then the four of :class:`Segments` (one entry),
-    then :class:`ProgramTiles` (one entry), then the outputs; ``present[n]`` says whether the n-th optional operand
-    was passed (for the program: the number of its captured arrays, or None)."""
+    then :class:`ProgramTiles` (one entry), then :class:`DropoutWords` (one entry), then the outputs;
+    ``present[n]`` says whether the n-th optional operand was passed (for the program: the number of its captured
+    arrays, or None)."""
     refs_list = list(refs)
-    mask_present, bias_present, slopes_present, segments_present, captured_count = present
+    mask_present, bias_present, slopes_present, segments_present, captured_count, dropout_present = present
     mask = refs_list.pop(0) if mask_present else None
     bias = refs_list.pop(0) if bias_present else None
     slopes = refs_list.pop(0) if slopes_present else None
@@ -521,7 +580,8 @@ def _split(refs: tuple[Any, ...], present: tuple[Any, ...]) -> list[Any]:
     if captured_count is not None:
         classes = refs_list.pop(0)
         program = ProgramTiles(classes, tuple(refs_list.pop(0) for _ in range(captured_count)))
-    return [mask, bias, slopes, segments, program, *refs_list]
+    dropout = DropoutWords(refs_list.pop(0)) if dropout_present else None
+    return [mask, bias, slopes, segments, program, dropout, *refs_list]
 
 
 def _optional_operands(
@@ -533,11 +593,12 @@ def _optional_operands(
     slopes: Any,
     segments: Segments | None,
     program: ProgramTiles | None,
+    dropout: DropoutWords | None,
     group: int = 1,
 ) -> tuple[Any, ...]:
     """Append mask, bias (each with ``pair_spec(shape)``), ALiBi's slopes (``group`` query heads a grid cell), the
-    segment operands (whole rows of the batch element) and the program's (its tile classes with ``pair_spec``, the
-    captured arrays whole) to a call's specs and operands; the kernel's ``has``."""
+    segment operands (whole rows of the batch element), the program's (its tile classes with ``pair_spec``, the
+    captured arrays whole) and dropout's words (whole) to a call's specs and operands; the kernel's ``has``."""
     for extra in (mask, bias):
         if extra is not None:
             in_specs.append(pair_spec(extra.shape))
@@ -555,8 +616,12 @@ def _optional_operands(
         for array in program.captured:
             in_specs.append(pl.BlockSpec(array.shape, lambda *_, n=array.ndim: (0,) * n))
             operands.append(array)
+    if dropout is not None:
+        in_specs.append(pl.BlockSpec(dropout.words.shape, lambda *_: (0,)))
+        operands.append(dropout.words)
     captured_count = None if program is None else len(program.captured)
-    return mask is not None, bias is not None, slopes is not None, segments is not None, captured_count
+    present = (mask, bias, slopes, segments)
+    return (*(operand is not None for operand in present), captured_count, dropout is not None)
 
 
 def _key_tile(
@@ -586,8 +651,9 @@ def _key_tile(
 def _fwd_tile(
     geom_ref: Any, params_ref: Any, q_ref: Any, k_ref: Any, v_ref: Any, *refs: Any, static: Static, has: tuple
 ) -> None:
-    mask_ref, bias_ref, slopes_ref, segments, program, o_ref, lse_ref = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, program, dropout_words, o_ref, lse_ref = _split(refs, has)
     hiders = _Hiders(mask_ref, segments, _program(static, program))
+    dropout = _dropout(static, dropout_words)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
     alibi = _alibi(slopes_ref, geom_ref)
@@ -610,9 +676,11 @@ def _fwd_tile(
     guard = functools.partial(_where_tiles_meet, hiders, lambda tile: (q_tile, tile))
     fold = _score_fold(params_ref, static, bias_ref is not None or alibi is not None)
     tiles = (k_ref.shape[0], block_k)
+    dropped = None if dropout is None else lambda tile: _dropout_step(dropout, 0, i0, tile * block_k, static)
     state = _softmax_over_tiles(
-        first, end, interior, scores, fold, block_q, width(v_ref.shape[-1]), tiles, guard, bias_ref is not None
-    )
+        first, end, interior, scores, fold, block_q, width(v_ref.shape[-1]), tiles, guard, bias_ref is not None,
+        dropped,
+    )  # fmt: skip
     _store_rows(o_ref, lse_ref, rows, *state)
 
 
@@ -627,15 +695,18 @@ def _softmax_over_tiles(
     tiles: tuple[int, int],
     guard: Any = None,
     may_be_empty: bool = False,
+    dropped: Any = None,
 ) -> tuple[Any, Any, Any]:
     """(row max in log₂ units, row sum, accumulator) over key tiles [first, end) of ``tiles`` = (keys, block_k),
     the ``interior`` run (or None) without masks; ``scores(tile, edge, ragged)`` gives S (−inf where hidden on an
     edge tile) and the tile's V (``ragged``: the keys' last, partial tile), ``fold`` turns S into log₂ units, and
     ``guard(visit)`` may wrap the edge tiles' bodies (segment ids and programs skip tiles).
-    ``may_be_empty``: a bias may hide a whole row of an interior tile (−inf), so its shift keeps the select."""
+    ``may_be_empty``: a bias may hide a whole row of an interior tile (−inf), so its shift keeps the select.
+    ``dropped(tile)``: dropout's x ↦ x ⊙ M / (1 − p) on the tile (``_dropout_step``), or None without dropout."""
 
     # Online softmax (FlashAttention-2) in base 2, S₂ = S·fold: m' = max(m, rowmax S₂), α = 2^(m − m'),
-    # P = 2^(S₂ − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; at the end O = acc / l, lse = (m + log₂ l)·ln 2.
+    # P = 2^(S₂ − m'), l' = α·l + rowsum P, acc' = α·acc + (P ⊙ M/(1−p))·V (M dropout's keep-mask, §18; P·V
+    # without); at the end O = acc / l, lse = (m + log₂ l)·ln 2: l and lse are those before dropout.
     # On an edge tile a row with nothing visible yet keeps m = −inf and is shifted by 0, so P stays 0, not NaN;
     # on an interior tile every m' is finite and needs no such select.
     def visit(edge: bool, ragged: bool = False) -> Any:
@@ -647,6 +718,8 @@ def _softmax_over_tiles(
             p = jnp.exp2(s * fold - shift[:, None])
             alpha = jnp.exp2(row_max - shift)
             row_sum = alpha * row_sum + jnp.sum(p, axis=1)
+            if dropped is not None:
+                p = dropped(tile)(p)
             acc = alpha[:, None] * acc + _dot(p.astype(v.dtype), v)
             return new_max, row_sum, acc
 
@@ -734,6 +807,7 @@ def forward_call(
     slopes: Any,
     segments: Segments | None,
     program: ProgramTiles | None = None,
+    dropout: DropoutWords | None = None,
 ) -> tuple[Any, Any]:
     """out (q's layout) and lse (B, Hq, Lq) float32; grid (B, Hq, query tiles[, key ranges])."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
@@ -746,7 +820,7 @@ def forward_call(
         _seq_spec(static, len_k, dim_v, lambda h: h // group),
     ]
     operands = [geom, params, q, k, v]
-    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments, program)
+    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments, program, dropout)
     kernel = functools.partial(_fwd_tile, static=static, has=has)
     return _launch_forward(static, kernel, in_specs, operands, q, dim_v, "attnkit_pallas_fwd")
 
@@ -870,8 +944,9 @@ def _bwd_dkdv(
     has: tuple,
     group: int,
 ) -> None:
-    mask_ref, bias_ref, slopes_ref, segments, program, dk_ref, dv_ref = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, program, dropout_words, dk_ref, dv_ref = _split(refs, has)
     hiders = _Hiders(mask_ref, segments, _program(static, program, group))
+    dropout = _dropout(static, dropout_words, group)
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
     alibi = _alibi(slopes_ref, geom_ref)
@@ -893,7 +968,8 @@ def _bwd_dkdv(
     fold = _score_fold(params_ref, static, bias_ref is not None or alibi is not None)
 
     # Per query tile of each of the G query heads reading this kv head, P recomputed from lse (log₂ units):
-    # P = 2^(S·fold − lse·log₂e), dV += Pᵀ·dO, dP = dO·Vᵀ, dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse,
+    # P = 2^(S·fold − lse·log₂e), dV += (P ⊙ M/(1−p))ᵀ·dO, dP = dO·Vᵀ ⊙ M/(1−p) (M dropout's keep-mask, §18, all
+    # ones and p = 0 without), dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse,
     # dS ⊙= 1 − tanh² through the softcap, dK += scale · dSᵀ·Q (cosine: dK̂ += scale · (dS/‖q‖)ᵀ·Q). Empty rows
     # carry lse = +inf: P = 0. Queries on rows, as Triton's dK/dV kernel: with block_q = 128 on 8 warps each
     # warpgroup takes 64 rows of S and dP, and dV, dK (block_k rows) are split between them.
@@ -912,8 +988,9 @@ def _bwd_dkdv(
             q_inverse = _inverse_norms(q, static)
             s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse), term)
             p = jnp.exp2(s * fold - lse[:, None])
-            dv = dv + _dot(p.astype(do.dtype), do, trans_a=True)
-            ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+            dropped = _dropout_step(dropout, g, i0, j0, static)
+            dv = dv + _dot(dropped(p).astype(do.dtype), do, trans_a=True)
+            ds = p * (dropped(_dot(do, v, trans_b=True)) - delta[:, None])
             if tanh is not None:
                 ds = ds * (1.0 - tanh * tanh)
             if q_inverse is not None:
@@ -951,8 +1028,9 @@ def _bwd_dq(
     static: Static,
     has: tuple,
 ) -> None:
-    mask_ref, bias_ref, slopes_ref, segments, program, dq_ref, *dbias = _split(refs, has)
+    mask_ref, bias_ref, slopes_ref, segments, program, dropout_words, dq_ref, *dbias = _split(refs, has)
     hiders = _Hiders(mask_ref, segments, _program(static, program))
+    dropout = _dropout(static, dropout_words)
     dbias_ref = dbias[0] if dbias else None
     block_q, block_k = static.block_q, static.block_k
     geom = _geometry(geom_ref)
@@ -969,7 +1047,8 @@ def _bwd_dq(
 
     fold = _score_fold(params_ref, static, bias_ref is not None or alibi is not None)
 
-    # Per visible key tile: P = 2^(S·fold − lse·log₂e), dS = P ⊙ (dO·Vᵀ − Δ) (this is dbias),
+    # Per visible key tile: P = 2^(S·fold − lse·log₂e), dS = P ⊙ (dO·Vᵀ ⊙ M/(1−p) − Δ) (this is dbias; M dropout's
+    # keep-mask, §18, all ones and p = 0 without),
     # dS' = dS ⊙ (1 − tanh²), dQ += scale · dS'·K (cosine: dQ̂ += scale · (dS'/‖k‖)·K).
     def visit(edge: bool, ragged: bool = False) -> Any:
         def body(tile: Any, dq: Any) -> Any:
@@ -980,7 +1059,8 @@ def _bwd_dq(
             term = _alibi_term(alibi, 0, i0, tile * block_k, block_q, block_k)
             s, tanh = _scores(q, k, params_ref, static, bias, visible, (q_inverse, k_inverse), term)
             p = jnp.exp2(s * fold - lse[:, None])
-            ds = p * (_dot(do, v, trans_b=True) - delta[:, None])
+            dropped = _dropout_step(dropout, 0, i0, tile * block_k, static)
+            ds = p * (dropped(_dot(do, v, trans_b=True)) - delta[:, None])
             if dbias_ref is not None:
                 _store(dbias_ref, (rows, keys), ds, overrun=edge)
             if tanh is not None:
@@ -1025,6 +1105,7 @@ def dkdv_call(
     slopes: Any,
     segments: Segments | None,
     program: ProgramTiles | None = None,
+    dropout: DropoutWords | None = None,
 ) -> tuple[Any, Any]:
     """dk, dv float32 in k's layout; grid (B, Hkv, key tiles), each looping over its G query heads."""
     seq_axis, head_axis = (1, 2) if static.bshd else (2, 1)
@@ -1040,7 +1121,7 @@ def dkdv_call(
     in_specs = [*_geom_specs(), grouped[0], keys, keys_v, grouped[1], rows, rows]
     operands = [geom, params, q, k, v, do, lse, delta]
     pair_spec = lambda shape: _pair_spec(shape, group)  # noqa: E731
-    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, slopes, segments, program, group)
+    has = _optional_operands(in_specs, operands, pair_spec, mask, bias, slopes, segments, program, dropout, group)
     kernel = functools.partial(_bwd_dkdv, static=static, has=has, group=group)
     return pl.pallas_call(
         kernel,
@@ -1072,6 +1153,7 @@ def dq_call(
     slopes: Any,
     segments: Segments | None,
     program: ProgramTiles | None,
+    dropout: DropoutWords | None,
     need_dbias: bool,
 ) -> tuple[Any, Any]:
     """dq float32 in q's layout and, when asked, dS as dbias (B, Hq, Lq, Lk); grid (B, Hq, query tiles)."""
@@ -1090,7 +1172,7 @@ def dq_call(
         rows,
     ]
     operands = [geom, params, q, k, v, do, lse, delta]
-    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments, program)
+    has = _optional_operands(in_specs, operands, _pair_spec, mask, bias, slopes, segments, program, dropout)
     out_specs = [_seq_spec(static, len_q, dim)]
     out_shape = [jax.ShapeDtypeStruct(q.shape, jnp.float32)]
     if need_dbias:

@@ -8,7 +8,8 @@ cannot express: shapes, dtypes, ops) and yields ``__gpu$xla.gpu.triton`` custom 
 Paged variants (``"paged": block_size``) lower the paged forward only (attend_paged has no backward); the decode
 variants with long keys lower the split-K forward (a fourth grid axis). Mask-program variants (``"program"``, a
 name of :func:`mask_programs`) lower the kernels that evaluate it on their tiles, reading its captured arrays by
-gathers.
+gathers. Dropout variants (``"dropout"``: p) lower the kernels that regenerate the keep-mask, Philox4x32-10 in
+uint32 (shifts, xor, multiplies, unsigned compares), from a traced seed and traced offsets.
 
 ``python -m attnkit.backends.pallas.lowering`` prints one JSON line per variant and pass:
 ``{"variant": ..., "pass": "forward"|"backward", "ok": bool, "targets": [...], "error": ...}``.
@@ -22,7 +23,7 @@ import re
 import sys
 from typing import Any
 
-from attnkit.backend import AttentionInputs, AttentionSpec, PagedInputs
+from attnkit.backend import AttentionInputs, AttentionSpec, Dropout, PagedInputs
 from attnkit.contract.programs import CapturedSpec, Expr, MaskProgram, const, index
 
 TRITON_TARGET = "__gpu$xla.gpu.triton"
@@ -96,6 +97,16 @@ def variants() -> dict[str, dict[str, Any]]:
             "len_q": 1,
             "len_k": 2048,
         },
+        "dropout, GQA": {"spec": causal, "dropout": 0.1},
+        "dropout, bias dbias, segment ids, bshd, head dim 128": {
+            "spec": AttentionSpec(layout="bshd"),
+            "dropout": 0.5,
+            "bias": (1, 4, 200, 300),
+            "segment_ids": True,
+            "dim": 128,
+            "dim_v": 128,
+        },
+        "dropout, decode split-K": {"spec": causal, "dropout": 0.1, "len_q": 1, "len_k": 2048},
         "paged decode split-K alibi, block 16": {
             "spec": AttentionSpec(causal=True, layout="bshd"),
             "len_q": 1,
@@ -168,10 +179,12 @@ def lower(
     alibi: tuple[int, ...] | None = None,
     paged: int | None = None,
     program: str | None = None,
+    dropout: float | None = None,
 ) -> dict[str, list[str]]:
     """Custom-call targets of the forward and backward programs lowered for CUDA, by pass; with ``paged`` (a block
     size), of attend_paged's forward over a cache of ``len_k`` keys per sequence. ``alibi``: the shape of ALiBi's
-    slopes, (B|1, Hq); ``program``: a name of :func:`mask_programs` (its captured arrays sized for these shapes)."""
+    slopes, (B|1, Hq); ``program``: a name of :func:`mask_programs` (its captured arrays sized for these shapes);
+    ``dropout``: p, with the seed's words and the offsets traced."""
     import jax
     import jax.numpy as jnp
 
@@ -200,6 +213,7 @@ def lower(
         array((batch, len_k), jnp.int32) if segment_ids else None,
         None if alibi is None else array(alibi, jnp.float32),
         None if program is None else _bound_program(program, batch, len_k),
+        None if dropout is None else Dropout(dropout, *(array(shape, jnp.uint32) for shape in ((2,), (), (), ()))),
     )
     forward, backward, config, params, band, inputs = PallasBackend(interpret=False)._call(spec, inputs)
     out = array((*q.shape[:-1], dim_v), q.dtype)

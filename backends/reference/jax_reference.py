@@ -5,7 +5,8 @@ The forward keeps a running max, running sum and rescaled accumulator per query 
 more than one (Lq, block) slab of scores. Everything is pure jax, so the backend runs under jit, under
 the frontend's custom_vjp (grad) and under vmap, with mask, bias, lengths and segment ids as tracers. A mask program
 (§17) is evaluated on each key block by broadcasting its index ranges (its captured arrays are arguments of the
-jitted passes, the program itself a static one: programs are hashable).
+jitted passes, the program itself a static one: programs are hashable). Dropout (§18) regenerates each key block's
+keep-mask from the seed in both passes (the seed and offsets are arguments, p a static part of their pytree).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from attnkit.backend import (
     AttentionSpec,
     BaseBackend,
     Capabilities,
-    Feature,
+    Dropout,
     Framework,
     Gradients,
     Layout,
@@ -38,6 +39,7 @@ try:
         Normalization,
         alibi_distance,
         band_visibility,
+        dropout_keep,
         gather_pages,
         length_visibility,
         normalize,
@@ -72,6 +74,7 @@ class _Operands(NamedTuple):
     k_normalization: Normalization | None
     alibi: Any  # minus the ALiBi slopes (§16), (B|1, Hkv, G, 1, 1) in the compute dtype, or None
     program: Any  # a BoundProgram of jnp arrays, or None
+    dropout: Dropout | None  # §18, or None
 
 
 def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs, program: Any = None) -> _Operands:
@@ -107,7 +110,9 @@ def _operands(spec: AttentionSpec, block: int, inputs: AttentionInputs, program:
     )
     q_ids = None if q_ids is None else q_ids.reshape(len(q_ids), 1, 1, len_q, 1)  # B, Lq or Lk may be 0
     alibi = None if slopes is None else -_group(slopes.astype(dtype).reshape(*slopes.shape, 1, 1), heads_kv)
-    return _Operands(q, keys, q_ids, q_limit, kv_limit, scale, q_normalization, k_normalization, alibi, program)
+    return _Operands(
+        q, keys, q_ids, q_limit, kv_limit, scale, q_normalization, k_normalization, alibi, program, inputs.dropout
+    )
 
 
 def _bhsd(spec: AttentionSpec, x: Any) -> Any:
@@ -203,6 +208,29 @@ def _program_visibility(ops: _Operands, start: Any, width: int) -> Any:
     return jnp.asarray(evaluate(ops.program.expr, array_ops(ops.q), env, ops.program.captured))
 
 
+def _dropout_step(ops: _Operands, start: Any, width: int) -> Any:
+    """The key block of ``width`` keys from ``start`` as a function x ↦ x ⊙ M / (1 − p) on (B, Hkv, G, Lq, blk)
+    tiles, M §18's keep-mask with query head h = kv head · G + g (§2), all at the call's offsets; x itself without
+    dropout. The mask is computed once per block, for the block's every use; keys past Lk get one too (their P is
+    0)."""
+    if ops.dropout is None:
+        return lambda x: x
+    dropout = ops.dropout
+    batch, heads_kv, group, len_q = ops.q.shape[:4]
+    heads = jnp.arange(heads_kv, dtype=jnp.uint32)[:, None] * group + jnp.arange(group, dtype=jnp.uint32)
+    keep = dropout_keep(
+        dropout.seed[0],
+        dropout.seed[1],
+        dropout.threshold,
+        jnp.arange(batch, dtype=jnp.uint32).reshape(-1, 1, 1, 1, 1),
+        (heads + jnp.asarray(dropout.head_start).astype(jnp.uint32)).reshape(1, heads_kv, group, 1, 1),
+        (jnp.arange(len_q, dtype=jnp.uint32) + jnp.asarray(dropout.query_start).astype(jnp.uint32)).reshape(-1, 1),
+        jnp.arange(width, dtype=jnp.uint32) + (start + jnp.asarray(dropout.key_start)).astype(jnp.uint32),
+    )
+    scale = dropout.scale(ops.q.dtype == jnp.float64)
+    return lambda x: jnp.where(keep, x * scale, 0)
+
+
 def _forward_block(spec: AttentionSpec, ops: _Operands, carry: tuple[Any, Any, Any], keys: tuple[Any, ...]) -> Any:
     row_max, row_sum, acc = carry
     s, _ = _block_scores(spec, ops, keys)
@@ -212,7 +240,8 @@ def _forward_block(spec: AttentionSpec, ops: _Operands, carry: tuple[Any, Any, A
     p = jnp.exp(s - shift[..., None])
     alpha = jnp.exp(row_max - shift)
     row_sum = alpha * row_sum + p.sum(axis=-1)
-    acc = alpha[..., None] * acc + _matmul("bhgqk,bhkv->bhgqv", p, keys[2])
+    dropped = _dropout_step(ops, keys[0], p.shape[-1])
+    acc = alpha[..., None] * acc + _matmul("bhgqk,bhkv->bhgqv", dropped(p), keys[2])
     return (new_max, row_sum, acc), None
 
 
@@ -226,7 +255,8 @@ def _online_softmax(spec: AttentionSpec, ops: _Operands) -> tuple[Any, Any]:
         lax.full_like(ops.q, 0, shape=(*rows, ops.keys[2].shape[-1])),
     )
     # Online softmax over key blocks (FlashAttention-2): m' = max(m, rowmax S), α = exp(m − m'),
-    # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + P·V; finally O = acc / l, lse = m + log l.
+    # P = exp(S − m'), l' = α·l + rowsum P, acc' = α·acc + (P ⊙ M/(1−p))·V; finally O = acc / l, lse = m + log l.
+    # M: dropout's keep-mask (§18), all ones (and p = 0) without dropout; lse is the scores' before dropout.
     (row_max, row_sum, acc), _ = lax.scan(functools.partial(_forward_block, spec, ops), init, ops.keys)
     # l = 0 only where no key is visible (out 0, lse −inf); a NaN l still propagates NaN to both.
     empty = row_sum == 0
@@ -260,7 +290,8 @@ def _backward_block(
     _, k, v, _, bias, _ = keys
     s, tanh = _block_scores(spec, ops, keys)
     p = jnp.exp(s - lse[..., None])
-    ds = p * (_matmul("bhgqv,bhkv->bhgqk", dout, v) - delta[..., None])
+    dropped = _dropout_step(ops, keys[0], k.shape[2])
+    ds = p * (dropped(_matmul("bhgqv,bhkv->bhgqk", dout, v)) - delta[..., None])
     dbias = None
     if need_dbias:
         axes = tuple(axis for axis, size in enumerate(bias.shape) if size == 1 and ds.shape[axis] != 1)
@@ -269,7 +300,7 @@ def _backward_block(
         ds = ds * (1 - tanh * tanh)
     dq = dq + _matmul("bhgqk,bhkd->bhgqd", ds, k) * ops.scale
     dk = _matmul("bhgqk,bhgqd->bhkd", ds, ops.q) * ops.scale
-    dv = _matmul("bhgqk,bhgqv->bhkv", p, dout)
+    dv = _matmul("bhgqk,bhgqv->bhkv", dropped(p), dout)
     return dq, (dk, dv, dbias)
 
 
@@ -300,8 +331,9 @@ def _backward(
         delta = delta - _group(dlse.astype(dtype), heads_kv)
     # A row with no visible key (lse −inf) gets P = exp(−inf − +inf) = 0, so every gradient is 0.
     lse = jnp.where(lse == -jnp.inf, jnp.inf, lse)
-    # Per key block, P recomputed from lse: P = exp(S − lse), dV = Pᵀ·dO, dP = dO·Vᵀ,
-    # dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse; dS is dbias. Through the softcap
+    # Per key block, P recomputed from lse: P = exp(S − lse), dV = (P ⊙ M/(1−p))ᵀ·dO, dP = dO·Vᵀ ⊙ M/(1−p),
+    # dS = P ⊙ (dP − Δ) with Δ = rowsum(dO ⊙ O) − dlse (O the dropped output); dS is dbias. M: dropout's keep-mask
+    # (§18), regenerated from the seed, all ones (and p = 0) without dropout. Through the softcap
     # dS' = dS ⊙ (1 − tanh²); then dQ += scale·dS'·K (carried), dK = scale·dS'ᵀ·Q per block.
     dq, (dk, dv, dbias) = lax.scan(
         functools.partial(_backward_block, spec, ops, need_dbias, (lse, delta, dout)), jnp.zeros_like(ops.q), ops.keys
@@ -339,7 +371,7 @@ class JaxReferenceBackend(BaseBackend):
         frameworks=frozenset({Framework.JAX}),
         dtypes=frozenset({"float16", "bfloat16", "float32", "float64"}),
         devices=frozenset({"cpu", "cuda"}),
-        features=ALL_FEATURES - {Feature.DROPOUT},
+        features=ALL_FEATURES,
         description="FlashAttention-2 in jax.numpy: key blocks under lax.scan, online softmax; jit/grad/vmap",
         notes=(
             "float64 needs jax_enable_x64",
