@@ -132,6 +132,10 @@ def test_paths_pending_hardware_are_passed_over_on_cuda(triton_on_gpu: None, mon
     assert name not in ("triton", "torch-sdpa")
     assert chosen(*CALLS["plain float16 with grad"][:2])[0] == "torch-sdpa"
     assert chosen(CAUSAL, cuda_problem(has_kv_lengths=True))[0] == "triton"  # no gradient: the verified forward
+    # Dropout in the compiled kernels waits for hardware even forward only.
+    rows = {row.name: row.reasons for row in dispatch.candidates(CAUSAL, cuda_problem(has_dropout=True))}
+    assert len(rows["triton"]) == 1 and isinstance(rows["triton"][0], PendingHardware), rows["triton"]
+    assert "dropout in the compiled kernels" in rows["triton"][0]
 
 
 def test_what_sdpa_cannot_take_on_cuda_goes_on_with_its_reason(triton_on_gpu: None) -> None:

@@ -1,9 +1,9 @@
 """Extras of the tiled kernel backends (triton, interpreted; cupy, through the emulation harness): several tiles per
 sequence agree with the oracle, strided inputs are read in place, paged caches with block sizes that cut across the
-key tile are read where they lie, split-K's partials merge to the oracle's result, and the backward runs in one pass
-(atomic dq) unless deterministic results are asked for. Agreement on everything else
-comes from the conformance suite (paged caches: tests/test_paged.py); band edges on tile boundaries, and tiles
-outside the band never loaded, from tests/test_tile_edges.py."""
+key tile are read where they lie, split-K's partials merge to the oracle's result, the backward runs in one pass
+(atomic dq) unless deterministic results are asked for, and dropout's mask holds over several tiles. Agreement on
+everything else comes from the conformance suite (paged caches: tests/test_paged.py); band edges on tile boundaries,
+and tiles outside the band never loaded, from tests/test_tile_edges.py."""
 
 from __future__ import annotations
 
@@ -24,6 +24,12 @@ BACKENDS = [
     for name in ("triton", "cupy-emulated")
 ]
 pytestmark = pytest.mark.filterwarnings("ignore:All-NaN slice:RuntimeWarning")  # Triton's interpreter, on NaN rows
+DROPOUT_SEED = 0xF00D_CAFE_1234_5678  # the high word's top bit set
+
+
+def _declares_dropout(backend: str) -> bool:
+    return Feature.DROPOUT in harness_capabilities(backend).features
+
 
 PACKED_ROWS = ((0,) * 20 + (1,) * 17 + (-1,) * 3 + (2,) * 10, (-1,) * 7 + (0,) * 43)
 
@@ -283,14 +289,9 @@ def test_alibi_over_several_tiles_in_both_backward_schemes(backend: str, determi
 
 # ---------------------------------------------------------------------------------------------- dropout (§18)
 
-DROPOUT_SEED = 0xF00D_CAFE_1234_5678
 #: Several query and key tiles (the conformance shapes stay within one query tile), GQA, causal, ragged lengths.
 DROPOUT_CASE = Case(spec=AttentionSpec(causal=True), len_q=40, len_k=37, heads_q=2, heads_kv=1, kv_lengths=(37, 20),
                     q_lengths=(40, 11), dtype="float16", dropout=(0.3, DROPOUT_SEED))  # fmt: skip
-
-
-def _declares_dropout(backend: str) -> bool:
-    return Feature.DROPOUT in harness_capabilities(backend).features
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
