@@ -308,7 +308,8 @@ def test_jax_seed_is_traced_under_jit() -> None:
         words = jnp.array([seed & 0xFFFFFFFF, seed >> 32], dtype=jnp.uint32)
         outs.append(attend(words))
         eager = attnkit.attend(spec, q, k, v, dropout_p=0.4, dropout_seed=seed, backend="jax-reference")
-        np.testing.assert_array_equal(np.asarray(outs[-1]), np.asarray(eager))
+        # XLA fuses the jitted call's sums differently: a mask apart would differ by a kept probability (≥ 0.1 here)
+        np.testing.assert_allclose(np.asarray(outs[-1]), np.asarray(eager), rtol=0, atol=1e-5)
     assert attend._cache_size() == 1
     assert not np.array_equal(np.asarray(outs[0]), np.asarray(outs[1]))
 
