@@ -195,7 +195,7 @@ def explain(
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
-    dropout_p: float = 0.0,
+    dropout_p: float = 0,
     dropout_seed: Any = None,
     dropout_key: Any = None,
 ) -> str:
