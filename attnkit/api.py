@@ -66,6 +66,8 @@ def attend(
     kept ones are scaled by 1 / (1 − p); lse is the scores' before dropout. ``dropout_seed``: an int in [0, 2**64)
     (torch: also a 0-d int64 tensor; JAX: also a uint64 scalar or (2,) uint32 words); ``None`` draws one from torch's
     generator for q's device. ``dropout_key``: a JAX PRNG key instead of a seed. The backward regenerates the mask.
+    (A call that computes part of a larger one, as attnkit.distributed's do, passes an attnkit.backend.Dropout as
+    ``dropout_seed``: the seed with the indices where its heads, queries and keys start in the larger call.)
     """
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
@@ -162,11 +164,11 @@ def attend(
     except BackendUnavailableError:
         if not _routes_elsewhere(chosen, backend):
             raise
-        # (with the seed of this call, not a new one)
+        # (with the seed and offsets of this call, not a new seed)
         return attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
                       q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, return_lse=return_lse,
                       backend=backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod, dropout_p=dropout_p,
-                      dropout_seed=None if inputs.dropout is None else inputs.dropout.seed)  # fmt: skip
+                      dropout_seed=inputs.dropout)  # fmt: skip
     # Remembered once it ran: a runner on the fast path has worked, so a backend that fails on first use (its build)
     # never sits there. By length class where the decision and the runner hold for the class, else by exact shape.
     if not was_3d:

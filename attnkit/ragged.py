@@ -16,7 +16,7 @@ from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import FLOATING, INTEGER, FrameworkOps, ops_for
 from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec, Layout
-from attnkit.validation import checked_slopes
+from attnkit.validation import checked_probability, checked_slopes
 
 
 def _packed_spec(spec: AttentionSpec) -> AttentionSpec:
@@ -86,12 +86,15 @@ def attend_varlen(
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
+    dropout_key: Any = None,
 ) -> Any:
     """Attention over packed sequences (docs/semantics.md §12): q (total_q, Hq, D), k and v (total_k, Hkv, D|Dv),
     ``cu_seqlens_q``/``cu_seqlens_k`` (n + 1,) cumulative offsets. Sequence s is attended as its own call, with
     ``sinks`` (Hq,) as attend takes them (§15) and ``alibi_slopes`` float32 (Hq,) or (n, Hq), one row per sequence
     (§16, as flash-attn's varlen call takes them). ``mask_mod`` (§17) sees ``b`` as the sequence and positions within
-    it.
+    it, and so does dropout's keep-mask (``dropout_p``, ``dropout_seed``, ``dropout_key`` as attend takes them, §18).
 
     Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) as attend's (§6). Differentiable as attend."""
     if type(spec) is not AttentionSpec:
@@ -137,6 +140,10 @@ def attend_varlen(
                 raise InvalidInputError(f"{name}={given} is less than the longest sequence's length {longest}")
         max_seqlen_q, max_seqlen_k = longest_q, longest_k
         self_packed = bool(np.array_equal(offsets_q, offsets_k))
+    # Dropout's keep-mask is indexed by (sequence, position within it): one packed row would index it by the row's
+    # positions, so a call with dropout takes the padded batch, one row per sequence.
+    dropout = {"dropout_p": checked_probability(dropout_p), "dropout_seed": dropout_seed, "dropout_key": dropout_key}
+    self_packed = self_packed and dropout["dropout_p"] == 0
     if alibi_slopes is not None:  # per sequence: (n, Hq) makes the padded batch's (B, Hq)
         alibi_slopes = checked_slopes(ops, alibi_slopes, cu_seqlens_q.shape[0] - 1, q.shape[1], ops.device(q), True)
         # One packed row has one slope per head: slopes that differ between sequences take the padded batch.
@@ -149,13 +156,13 @@ def attend_varlen(
             mask_mod = _within_sequences(mask_mod, ids[0], cu_seqlens_q)
         result = attend(packed, q[None], k[None], v[None], q_segment_ids=ids, kv_segment_ids=ids,
                         return_lse=return_lse, backend=backend, sinks=sinks, alibi_slopes=alibi_slopes,
-                        mask_mod=mask_mod)  # fmt: skip
+                        mask_mod=mask_mod, **dropout)  # fmt: skip
         if not return_lse:
             return result[0]
         return result[0][0], result[1][0]
     return _as_padded_batch(
         xp, packed, q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), return_lse, backend,
-        sinks, alibi_slopes, mask_mod,
+        sinks, alibi_slopes, mask_mod, dropout,
     )  # fmt: skip
 
 
@@ -172,9 +179,10 @@ def _within_sequences(mask_mod: Any, sequence: Any, offsets: Any) -> Any:
 
 def _as_padded_batch(
     xp: Any, spec: AttentionSpec, q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, max_q: int, max_k: int,
-    return_lse: bool, backend: str, sinks: Any, alibi_slopes: Any, mask_mod: Any = None,
+    return_lse: bool, backend: str, sinks: Any, alibi_slopes: Any, mask_mod: Any, dropout: dict[str, Any],
 ) -> Any:  # fmt: skip
-    """§12 as a batch of right-padded sequences with q_lengths and kv_lengths (§4.3)."""
+    """§12 as a batch of right-padded sequences with q_lengths and kv_lengths (§4.3); ``dropout``: attend's
+    dropout arguments."""
     count = cu_q.shape[0] - 1
     if alibi_slopes is not None and alibi_slopes.shape[0] == 1:  # checked_slopes' (1, Hq): every sequence's
         alibi_slopes = alibi_slopes[0]
@@ -183,7 +191,7 @@ def _as_padded_batch(
     v_pad, _ = xp.pad_sequences(v, cu_k, max(max_k, 1))
     out_pad, lse_pad = attend(spec, q_pad, k_pad, v_pad, q_lengths=q_lengths, kv_lengths=kv_lengths,
                               return_lse=True, backend=backend, sinks=sinks, alibi_slopes=alibi_slopes,
-                              mask_mod=mask_mod)  # fmt: skip
+                              mask_mod=mask_mod, **dropout)  # fmt: skip
     # Token t of sequence s sits at (s, t − cu_q[s]) of the padded batch.
     flat = xp.padded_position(cu_q, q.shape[0], max(max_q, 1))
     out = xp.take_rows(out_pad.reshape(count * max(max_q, 1), *out_pad.shape[2:]), flat)
@@ -353,12 +361,19 @@ def attend_paged(
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
+    dropout_p: float = 0.0,
 ) -> Any:
     """Attention of new queries against a paged KV cache (docs/semantics.md §13): exactly attend(spec, q, K_b, V_b,
     kv_lengths=kv_lengths) on the keys the block table gathers, which backends declaring ``paged`` read where the
     blocks lie, with ``sinks`` and ``alibi_slopes`` as attend takes them (§15, §16). Forward only. Returns out, or
     (out, lse), as attend does for q. ``mask_mod`` (§17) sees kv_idx as the key's logical position; a call with one
-    gathers the blocks it names (a copy of the sequences' keys, never an (Lq, Lk) mask) and runs attend on them."""
+    gathers the blocks it names (a copy of the sequences' keys, never an (Lq, Lk) mask) and runs attend on them.
+    ``dropout_p``: 0 only (a training model's dropout layer may pass its rate, 0 in evaluation)."""
+    if checked_probability(dropout_p) > 0:
+        raise InvalidInputError(
+            f"dropout_p={dropout_p}, but attend_paged is forward-only inference over a KV cache (docs/semantics.md "
+            "§13), where attention dropout does not apply: pass dropout_p=0, or call attend to train with dropout"
+        )
     if mask_mod is not None:
         return _paged_with_program(spec, q, k_cache, v_cache, block_table, kv_lengths, return_lse, backend, sinks,
                                    alibi_slopes, mask_mod)  # fmt: skip

@@ -260,8 +260,15 @@ def checked_probability(p: Any) -> float:
 
 def checked_dropout(ops: FrameworkOps, p: Any, seed: Any, key: Any, q: Any) -> Dropout | None:
     """§18: ``p`` a Python float in [0, 1) whose threshold round(p · 2³²) stays below 2³², and the seed (or JAX key)
-    in the framework's form (:meth:`FrameworkOps.dropout_seed`). None where p = 0: no dropout, and no seed drawn."""
+    in the framework's form (:meth:`FrameworkOps.dropout_seed`). None where p = 0: no dropout, and no seed drawn.
+
+    ``seed`` may be a :class:`Dropout` of the same ``p``: the call is a part of a larger one (a block or head group
+    of attnkit.distributed), its seed checked and its offsets kept."""
     p = checked_probability(p)
+    if isinstance(seed, Dropout):
+        if seed.p != p:
+            raise InvalidInputError(f"dropout_seed is a Dropout of p={seed.p}, but dropout_p={p}")
+        return seed._replace(seed=ops.dropout_seed(seed.seed, key, q)) if p else None
     if p == 0:
         if seed is not None or key is not None:  # checked all the same: a wrong seed is wrong at any p
             ops.dropout_seed(seed, key, q)

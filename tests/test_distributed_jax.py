@@ -2,9 +2,9 @@
 the single-device call on the whole arrays, out, lse and dq, dk, dv (through out and lse), against the float64
 oracle (torch-naive) under the tolerance rule at the case's dtype (float32 and bfloat16), for every
 strategy × sharding over causal (both alignments, Lq ≠ Lk), windows, GQA, softcap, cosine, lengths, segment ids,
-sinks, ALiBi slopes and 3-D inputs, fixed runs and runs drawn by attnkit.testing.strategies (as many as the hypothesis
-profile says, derandomised under ``ci``); under jax.jit, on arrays laid out by shard_jax and inside the caller's own
-shard_map. Bad input raises a typed error naming the value.
+sinks, ALiBi slopes, dropout (where a JAX backend declares it) and 3-D inputs, fixed runs and runs drawn by
+attnkit.testing.strategies (as many as the hypothesis profile says, derandomised under ``ci``); under jax.jit, on
+arrays laid out by shard_jax and inside the caller's own shard_map. Bad input raises a typed error naming the value.
 
 JAX makes its host devices when it is first imported (XLA_FLAGS), and this process imported it long ago: the
 sharded calls run in ONE child process (this file run as a script), which reads the drawn runs from its directory and
@@ -27,11 +27,13 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from attnkit import AttentionSpec
+import attnkit
+from attnkit import AttentionSpec, Feature, Framework
 from attnkit.testing import Case, make_arrays
-from attnkit.testing.agreement import compare_outputs, oracle_results, rounded
+from attnkit.testing.agreement import compare, oracle_results, rounded
 from attnkit.testing.cases import program_table
 from attnkit.testing.programs import program_function
+from attnkit.testing.runners import dropout_of
 from tests.sharded_cases import DRAWN, chunked_per_head, document_causal, examples, shardable_cases
 
 WORLD = 4
@@ -104,6 +106,13 @@ RUNS = [
                                                    program=document_causal(2, 16)), "ring", "zigzag"),
     Run("ulysses-contiguous-program-chunked-per-head",
         _case(CAUSAL, heads_q=4, heads_kv=4, program=chunked_per_head()), "ulysses", "contiguous"),
+    # Dropout (§18): each block's keep-mask at its traced global offsets (query and key chunks; Ulysses' first
+    # head), the two calls of a block split by ALiBi's sides (offsets per element) with the same one.
+    Run("ring-zigzag-dropout-gqa-lengths-alibi",
+        _case(CAUSAL, batch=2, heads_q=4, heads_kv=2, q_lengths=(16, 11), kv_lengths=(16, 6), alibi_shape=(2, 4),
+              dropout=(0.3, 2**64 - 3)), "ring", "zigzag"),
+    Run("ulysses-contiguous-dropout-gqa-inside-own-shard-map",
+        _case(CAUSAL, heads_q=8, heads_kv=4, dropout=(0.5, 12345)), "ulysses", "contiguous", inside=True),
 ]
 # fmt: on
 # Drawn runs: JAX takes no mask or bias; float16 is left out as above, float64 needs x64 (and a block's lse is float32).
@@ -128,6 +137,7 @@ BAD = {
     "mask": (dict(mask=True, strategy="ring"), ("mask is not taken",)),
     "negative-slope": (dict(alibi_slopes=(0.5, -1.0), strategy="ring"), ("alibi_slopes must be finite and >= 0",)),
     "unknown-strategy": (dict(strategy="tree"), ("strategy='tree'", "'ring'")),
+    "dropout-without-seed": (dict(dropout_p=0.1, strategy="ring"), ("needs dropout_key", "or dropout_seed")),
 }
 
 
@@ -147,7 +157,7 @@ def _run_sharded(run: Run, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarra
 
     case, mesh = run.case, Mesh(np.array(jax.devices()[:WORLD]), (AXIS,))
     seq_axis = _seq_axis(case)
-    options = dict(axis_name=AXIS, strategy=run.strategy, sharding=run.sharding, return_lse=True)
+    options = dict(axis_name=AXIS, strategy=run.strategy, sharding=run.sharding, return_lse=True, **dropout_of(case))
 
     def call(q: Any, k: Any, v: Any, optional: dict[str, Any]) -> Any:
         if not run.inside:
@@ -204,13 +214,25 @@ def _bad_call(name: str) -> None:
     slopes = jnp.asarray(changes["alibi_slopes"], jnp.float32) if "alibi_slopes" in changes else None
     mesh = Mesh(np.array(jax.devices()[:WORLD]), (AXIS,))
     attend_jax(CAUSAL, q, k, v, mesh=mesh, axis_name=AXIS, strategy=changes["strategy"], mask=mask,
-               alibi_slopes=slopes)  # fmt: skip
+               alibi_slopes=slopes, dropout_p=changes.get("dropout_p", 0.0))  # fmt: skip
+
+
+def _dropout_served() -> bool:
+    """Whether a JAX backend here declares dropout (§18), for ``auto`` to run the dropout runs' blocks on."""
+    return any(
+        Framework.JAX in backend.capabilities.frameworks
+        and Feature.DROPOUT in backend.capabilities.on("cpu").features
+        and not backend.available()
+        for backend in attnkit.registered_backends().values()
+    )
 
 
 def _child(directory: Path) -> None:
-    """Every run (the drawn ones read from ``directory``) and bad call, each result or error written there."""
+    """Every run (the drawn ones read from ``directory``; those with dropout where a backend serves them) and bad
+    call, each result or error written there."""
     outcomes: dict[str, Any] = {}
-    for run in RUNS + pickle.loads((directory / "drawn.pkl").read_bytes()):
+    runs = RUNS + pickle.loads((directory / "drawn.pkl").read_bytes())
+    for run in [run for run in runs if run.case.dropout is None or _dropout_served()]:
         try:
             np.savez(directory / f"{run.name}.npz", **_run_sharded(run, rounded(run.case, make_arrays(run.case))))
             outcomes[run.name] = None
@@ -250,12 +272,14 @@ def _disagreements(run: Run, directory: Path, outcomes: dict[str, Any]) -> list[
     with np.load(directory / f"{run.name}.npz") as loaded:
         results = dict(loaded)
     exact, baseline = oracle_results(run.case, rounded(run.case, make_arrays(run.case)))
-    comparisons = compare_outputs(run.case.dtype, results, exact, baseline)
+    comparisons = compare(run.case, results, exact, baseline)
     return [f"{run.name} {run.strategy}/{run.sharding} {run.case!r}: {c}" for c in comparisons if not c.ok]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[run.name for run in RUNS])
 def test_sharded_call_equals_single_device(run: Run, child_results: tuple[Path, dict[str, Any]]) -> None:
+    if run.case.dropout is not None and not _dropout_served():
+        pytest.skip("no JAX backend here declares dropout")
     failures = _disagreements(run, *child_results)
     assert not failures, "\n".join(failures)
 

@@ -33,10 +33,10 @@ from attnkit.distributed import torch_cp  # noqa: E402
 from attnkit.errors import AttnkitError  # noqa: E402
 from attnkit.features import Feature  # noqa: E402
 from attnkit.spec import AttentionSpec  # noqa: E402
-from attnkit.testing.agreement import compare_outputs, oracle_results, rounded  # noqa: E402
+from attnkit.testing.agreement import compare, oracle_results, rounded  # noqa: E402
 from attnkit.testing.cases import Case, make_arrays, program_table  # noqa: E402
 from attnkit.testing.programs import program_function  # noqa: E402
-from attnkit.testing.runners import FLOATING_INPUTS  # noqa: E402
+from attnkit.testing.runners import FLOATING_INPUTS, dropout_of  # noqa: E402
 from tests.sharded_cases import SHARDED_DTYPES, chunked_per_head, document_causal, examples, shardable_cases  # noqa: E402
 
 STRATEGIES = ("ring", "allgather", "ulysses")
@@ -96,6 +96,15 @@ CASES = {
         AttentionSpec(causal=True, layout="bshd"), batch=1, heads_q=4, heads_kv=4, len_q=16, len_k=16, seed=13,
         program=chunked_per_head(),
     ),
+    # Dropout (§18): each block's keep-mask at its global query, key (and under Ulysses head) offsets; the ring's
+    # backward regenerates it piece by piece. float32: a wrong kept element moves out far beyond its tolerance.
+    "dropout causal GQA": Case(AttentionSpec(causal=True), heads_q=4, heads_kv=2, len_q=16, len_k=16, seed=14,
+                               dropout=(0.3, 2**64 - 3)),
+    # Every block split in two calls by ALiBi's sides (offsets per element), both with the block's keep-mask; sinks.
+    "dropout lengths ALiBi sinks bshd": Case(AttentionSpec(causal=True, layout="bshd"), heads_q=4, heads_kv=4,
+                                             len_q=8, len_k=16, head_dim=8, head_dim_v=8, q_lengths=(8, 3),
+                                             kv_lengths=(13, 16), sinks=True, alibi_shape=(2, 4), seed=15,
+                                             dropout=(0.1, 12345)),
     # Three ranks: lengths multiples of 2P = 6, heads of P = 3 (Ulysses serves it).
     "three ranks causal GQA Lq<Lk lengths": Case(AttentionSpec(causal=True), heads_q=6, heads_kv=3, len_q=6,
                                                  len_k=12, kv_lengths=(12, 7), seed=9, alibi_shape=(6,)),
@@ -108,7 +117,8 @@ FIXED_CASES = {
     2: [name for name in CASES if not name.startswith("three ranks")],
     3: ["three ranks causal GQA Lq<Lk lengths"],
     4: ["causal bottom-right Lq<Lk", "window softcap bfloat16", "lengths bottom-right sinks", "segment ids causal",
-        "mask and bias float16", "cosine sliding window"],  # contiguous: the ring stops after one hop
+        "mask and bias float16", "cosine sliding window",  # contiguous: the ring stops after one hop
+        "dropout causal GQA"],
 }  # fmt: skip
 
 
@@ -169,7 +179,7 @@ def _run_case(case: Case, arrays: dict[str, np.ndarray], strategy: str, sharding
     out, lse = distributed.attend(
         case.spec, q, k, v, strategy=strategy, sharding=sharding, mask=local("mask"), bias=bias,
         q_segment_ids=local("q_segment_ids", 1), kv_segment_ids=local("kv_segment_ids", 1), return_lse=True,
-        sinks=sinks, alibi_slopes=slopes, **lengths, **program,
+        sinks=sinks, alibi_slopes=slopes, **lengths, **program, **dropout_of(case),
     )  # fmt: skip
     assert out.dtype == q.dtype and lse.dtype == torch.float32, (out.dtype, lse.dtype)  # §14: as attend's
     finite_lse = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
@@ -218,6 +228,8 @@ def _bad_inputs(world: int, rank: int) -> dict[str, str]:
         "mask program on one rank": lambda: distributed.attend(
             spec, *tensors(4), mask_mod=(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx) if rank == 0 else None
         ),
+        "dropout seed on one rank": lambda: distributed.attend(spec, *tensors(4), dropout_p=0.1, dropout_seed=rank),
+        "dropout_p on one rank": lambda: distributed.attend(spec, *tensors(4), dropout_p=0.1 * (rank == 0)),
     }
     raised = {}
     for name, call in calls.items():
@@ -228,6 +240,17 @@ def _bad_inputs(world: int, rank: int) -> dict[str, str]:
             raised[name] = f"{type(error).__name__}: {error}"
     distributed.attend(spec, *tensors(4))  # the group still works: no rank was left inside a collective
     return raised
+
+
+def _drawn_seed_difference(world: int) -> float:
+    """A sharded call with dropout and no seed, each rank's generator in a state of its own: its greatest difference
+    from the single-device call drawing its seed from rank 0's state (every rank uses the seed rank 0 drew)."""
+    spec = AttentionSpec(causal=True)
+    whole = [torch.randn(1, 4, 4 * world, 8, generator=torch.Generator().manual_seed(index)) for index in range(3)]
+    torch.manual_seed(100 + dist.get_rank())
+    out = distributed.unshard(distributed.attend(spec, *(distributed.shard(x) for x in whole), dropout_p=0.5))
+    torch.manual_seed(100)
+    return float((out - attnkit.attend(spec, *whole, dropout_p=0.5)).abs().max())
 
 
 # What the traffic check runs: a causal GQA call (K/V volume ∝ Hkv), the same under a sliding window of one
@@ -295,7 +318,8 @@ def _child(rank: int, world: int, directory: str, cases: dict[str, tuple[Case, d
                 step_done()
         bad = _bad_inputs(world, rank)
         step_done()
-        report = {"results": results if rank == 0 else {}, "bad": bad, "traffic": _traffic(world)}
+        report = {"results": results if rank == 0 else {}, "bad": bad, "traffic": _traffic(world),
+                  "drawn seed difference": _drawn_seed_difference(world)}  # fmt: skip
         Path(directory, f"rank{rank}.pkl").write_bytes(pickle.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -353,7 +377,7 @@ def test_sharded_call_equals_the_single_device_call(group: Any) -> None:
         for strategy, sharding in _runs(case, world):
             got = results[(name, strategy, sharding)]
             failures += [f"{name} {strategy} {sharding} {case!r}: {c}"
-                         for c in compare_outputs(case.dtype, got, exact, baseline) if not c.ok]  # fmt: skip
+                         for c in compare(case, got, exact, baseline) if not c.ok]  # fmt: skip
     assert not failures, "\n".join(failures)
 
 
@@ -369,6 +393,8 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank(group: Any) -> None:
         "strategy on one rank": "InvalidInputError: ",
         "negative slope on one rank": "InvalidInputError: ",
         "mask program on one rank": "InvalidInputError: mask_mod differs across ranks",
+        "dropout seed on one rank": "InvalidInputError: dropout_seed differs across ranks",
+        "dropout_p on one rank": "InvalidInputError: dropout_p differs across ranks",
     }
     for rank, report in enumerate(reports):
         for name, start in expected.items():
@@ -377,6 +403,14 @@ def test_a_bad_input_on_one_rank_raises_on_every_rank(group: Any) -> None:
     slope = [report["bad"]["negative slope on one rank"] for report in reports]
     assert all("alibi_slopes must be finite and >= 0" in message for message in slope), slope
     assert all(f"rank {world - 1}" in message for message in slope[:-1]), slope
+
+
+def test_a_dropout_seed_not_given_is_rank_0s_draw_on_every_rank(group: Any) -> None:
+    """§18 sharded: with no dropout_seed, every rank draws one and all use rank 0's, so that the sharded call equals
+    the single-device call drawing from rank 0's generator, whatever the other ranks' generators hold."""
+    _, _, reports = group
+    differences = [report["drawn seed difference"] for report in reports]
+    assert max(differences) < 1e-5, differences
 
 
 def test_each_rank_sends_the_analytic_volume_and_skips_blocks_of_other_documents(group: Any) -> None:

@@ -16,7 +16,7 @@ from attnkit.backend import Dropout, Feature
 from attnkit.contract import dropout as torch_dropout
 from attnkit.contract import philox
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
-from attnkit.testing import Case
+from attnkit.testing import Case, runners
 from attnkit.testing.runners import harness_capabilities, run_backend
 from tests.conftest import available_backends, backend_params
 
@@ -154,6 +154,22 @@ def test_backend_keep_mask_is_the_references(backend: str, len_k: int) -> None:
                 grad=False, dropout=(0.3, SEED))  # fmt: skip
     expected = philox.keep_mask(SEED, 0.3, 2, 4, 17, len_k)
     np.testing.assert_array_equal(_kept(backend, case), expected)
+
+
+@pytest.mark.parametrize("backend", backend_params())
+def test_backend_keep_mask_of_a_part_is_the_larger_calls(backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call that is part of a larger one (attnkit.distributed's blocks and head groups) passes a Dropout with the
+    offsets of its first query head, query and key as ``dropout_seed``: its mask is the larger call's there (the key
+    offset off a word boundary)."""
+    if Feature.DROPOUT not in harness_capabilities(backend).features:
+        pytest.skip(f"{backend} does not declare dropout")
+    heads, queries, keys = 3, 5, 6
+    part = Dropout(0.3, SEED, head_start=heads, query_start=queries, key_start=keys)
+    monkeypatch.setattr(runners, "dropout_of", lambda case: {"dropout_p": part.p, "dropout_seed": part})
+    case = Case(AttentionSpec(), batch=2, heads_q=4, heads_kv=2, len_q=7, len_k=21, head_dim=16, head_dim_v=32,
+                grad=False, dropout=(0.3, SEED))  # fmt: skip
+    larger = philox.keep_mask(SEED, 0.3, 2, heads + 4, queries + 7, keys + 21)
+    np.testing.assert_array_equal(_kept(backend, case), larger[:, heads:, queries:, keys:])
 
 
 @pytest.mark.parametrize("planted", ["query and key swapped", "word off by one"])

@@ -125,7 +125,7 @@ def test_paged_blocks_may_be_shared_between_sequences() -> None:
     table = torch.tensor([[3, 1, -1], [3, 0, 2]], dtype=torch.int32)
     q = torch.randn(2, 1, 2, 8, dtype=torch.float64)
     kv_lengths = torch.tensor([3, 6])
-    out = attnkit.attend_paged(spec, q, k_cache, v_cache, table, kv_lengths)
+    out = attnkit.attend_paged(spec, q, k_cache, v_cache, table, kv_lengths, dropout_p=0.0)  # (0: no dropout)
     for b, blocks in enumerate(([3, 1], [3, 0, 2])):
         keys, values = (torch.cat([cache[i] for i in blocks])[None] for cache in (k_cache, v_cache))
         n = int(kv_lengths[b])
@@ -161,6 +161,9 @@ def _varlen_args(**changes: Any) -> dict[str, Any]:
         ({"max_seqlen_q": 3}, InvalidInputError, r"max_seqlen_q=3 is less than the longest sequence's length 4"),
         ({"alibi_slopes": torch.ones(3, 2)}, InvalidInputError, r"alibi_slopes has shape \(3, 2\), expected"),
         ({"alibi_slopes": torch.tensor([0.5, -1.0])}, InvalidInputError, r"alibi_slopes must be finite and >= 0"),
+        ({"dropout_p": 1.0}, InvalidInputError, r"dropout_p=1.0 is outside \[0, 1\)"),
+        ({"dropout_p": "0.1"}, InvalidInputTypeError, "dropout_p must be a Python float"),
+        ({"dropout_p": 0.1, "dropout_seed": -1}, InvalidInputError, r"dropout_seed=-1 is outside"),
     ],
 )
 def test_bad_varlen_input_names_the_argument(changes: dict[str, Any], error: type, message: str) -> None:
@@ -196,6 +199,8 @@ def _paged_args(**changes: Any) -> dict[str, Any]:
             InvalidInputError,
             r"alibi_slopes must be finite and >= 0, got \[nan\]",
         ),  # fmt: skip
+        ({"dropout_p": 0.1}, InvalidInputError, r"dropout_p=0.1, but attend_paged is forward-only inference"),
+        ({"dropout_p": None}, InvalidInputTypeError, "dropout_p must be a Python float"),
     ],
 )
 def test_bad_paged_input_names_the_argument(changes: dict[str, Any], error: type, message: str) -> None:

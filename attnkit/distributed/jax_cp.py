@@ -31,6 +31,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as Spec
 
 from attnkit import api, programs
+from attnkit.backend import Dropout
 from attnkit.contract import alignment_offset, conjoin
 from attnkit.contract.jax import band_visibility, merge_partials
 from attnkit.distributed.sharding import (
@@ -44,6 +45,7 @@ from attnkit.distributed.sharding import (
     at_global_positions,
     block_plan,
     chunk_size,
+    dropout_at,
     gather_order,
     rank_chunks,
     rank_spans,
@@ -53,7 +55,7 @@ from attnkit.errors import InvalidInputError
 from attnkit.frontends import ops_for
 from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout
-from attnkit.validation import prepare
+from attnkit.validation import checked_dropout, prepare
 
 __all__ = ["attend_jax", "shard_jax", "unshard_jax"]
 
@@ -115,11 +117,16 @@ def attend_jax(
     sinks: Any = None,
     alibi_slopes: Any = None,
     mask_mod: Any = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
+    dropout_key: Any = None,
 ) -> Any:
     """``attnkit.attend`` on a sequence sharded along mesh axis ``axis_name`` (§14), equal to the single-device call
     on the whole arrays in outputs and gradients; ``sinks`` (Hq,), replicated, join each row once after its blocks
     are merged (§15); ``alibi_slopes`` (Hq,) or (B, Hq), replicated, are ALiBi's at global distances (§16);
-    ``mask_mod`` (§17) sees global positions (and under ulysses global heads), its captured arrays replicated.
+    ``mask_mod`` (§17) sees global positions (and under ulysses global heads), its captured arrays replicated;
+    dropout (§18) keeps what the single-device call keeps, its ``dropout_seed`` or ``dropout_key`` replicated (the
+    same on every device: inside a shard_map, not one drawn per device).
 
     With ``mesh``: q, k, v (and segment ids) are whole arrays laid out by :func:`shard_jax`; out and lse come back
     so laid out (:func:`unshard_jax` restores global order). Without: called inside the caller's shard_map over
@@ -132,11 +139,15 @@ def attend_jax(
             )
     if mask_mod is not None:
         programs.check_arity(mask_mod)
-    config = _Config.make(spec, strategy, sharding, axis_name, backend, mask_mod)
+    dropout = checked_dropout(ops_for(q, "q"), dropout_p, dropout_seed, dropout_key, q)
+    config = _Config.make(
+        spec, strategy, sharding, axis_name, backend, mask_mod, None if dropout is None else dropout.p
+    )
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     optional = {"q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_ids": q_segment_ids, "kv_ids": kv_segment_ids,
-                "sinks": sinks, "alibi_slopes": alibi_slopes}  # fmt: skip
+                "sinks": sinks, "alibi_slopes": alibi_slopes,
+                "dropout_seed": None if dropout is None else dropout.seed}  # fmt: skip
     if mesh is None:
         world = lax.axis_size(axis_name)
         # Local shards: metadata only (the lengths are global and traced here; attend checks each block's).
@@ -153,7 +164,8 @@ def attend_jax(
 
 @dataclass(frozen=True)
 class _Config:
-    """What every device computes with: the spec, strategy, sharding, axis, backend and mask program (§17)."""
+    """What every device computes with: the spec, strategy, sharding, axis, backend, mask program (§17) and dropout
+    probability (§18; its seed is an operand, ``optional["dropout_seed"]``)."""
 
     spec: AttentionSpec
     strategy: Strategy
@@ -161,19 +173,25 @@ class _Config:
     axis_name: str
     backend: str
     mask_mod: Any = None
+    dropout_p: float | None = None
 
     @classmethod
     def make(
-        cls, spec: AttentionSpec, strategy: str, sharding: str, axis_name: str, backend: str, mask_mod: Any = None
-    ) -> _Config:
+        cls, spec: AttentionSpec, strategy: str, sharding: str, axis_name: str, backend: str, mask_mod: Any = None,
+        dropout_p: float | None = None,
+    ) -> _Config:  # fmt: skip
         strategy_, sharding_ = _choice(Strategy, "strategy", strategy), _choice(Sharding, "sharding", sharding)
-        return cls(spec, strategy_, sharding_, axis_name, backend, mask_mod)
+        return cls(spec, strategy_, sharding_, axis_name, backend, mask_mod, dropout_p)
 
     def block_program(self, q_start: Any = None, k_start: Any = None, h_start: Any = None) -> Any:
         """The mask program of one local call: global positions from the (traced) starts on."""
         if self.mask_mod is None:
             return None
         return at_global_positions(self.mask_mod, q_start, k_start, h_start)
+
+    def block_dropout(self, seed: Any, heads: Any = 0, queries: Any = 0, keys: Any = 0) -> dict[str, Any]:
+        """attend's dropout arguments for one local call: the global call's keep-mask from the (traced) starts on."""
+        return dropout_at(None if self.dropout_p is None else Dropout(self.dropout_p, seed), heads, queries, keys)
 
     @property
     def seq_axis(self) -> int:
@@ -194,7 +212,7 @@ def _attend_on_mesh(
     present = {name: value for name, value in optional.items() if value is not None}
     sequence = _seq_spec(q.ndim, seq_axis, config.axis_name)
     specs = {"q_lengths": Spec(), "kv_lengths": Spec(), "q_ids": Spec(None, config.axis_name), "sinks": Spec(),
-             "alibi_slopes": Spec()}  # fmt: skip
+             "alibi_slopes": Spec(), "dropout_seed": Spec()}  # fmt: skip
     specs["kv_ids"] = specs["q_ids"]
     lse_spec = _seq_spec(q.ndim - 1, q.ndim - 2, config.axis_name)
 
@@ -393,6 +411,7 @@ class _Geometry:
                 kv_lengths=self._local_lengths(self.kv_lengths, k_start, k.shape[seq_axis]),
                 q_segment_ids=q_ids, kv_segment_ids=kv_ids, return_lse=True, backend=self.config.backend,
                 alibi_slopes=alibi_slopes, mask_mod=self.config.block_program(q_start, k_start),
+                **self.config.block_dropout(self.optional["dropout_seed"], queries=q_start, keys=k_start),
             )  # fmt: skip
 
         if side is None or side is AlibiSide.NATIVE:
@@ -477,6 +496,7 @@ def _ulysses(geometry: _Geometry, q: Any, k: Any, v: Any) -> tuple[Any, Any]:
         config.spec, heads_sharded(q, to_global), heads_sharded(k, kv_to_global), heads_sharded(v, kv_to_global),
         q_lengths=geometry.q_lengths, kv_lengths=geometry.kv_lengths, q_segment_ids=q_ids, kv_segment_ids=kv_ids,
         return_lse=True, backend=config.backend, alibi_slopes=slopes, mask_mod=config.block_program(h_start=first_head),
+        **config.block_dropout(geometry.optional["dropout_seed"], heads=first_head),
     )  # fmt: skip
     out = lax.all_to_all(jnp.take(out, q_order, axis=seq_axis), axis_name, seq_axis, head_axis, tiled=True)
     lse = lax.all_to_all(jnp.take(lse, q_order, axis=2), axis_name, 2, 1, tiled=True)

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from attnkit.backend import Dropout
 from attnkit.contract import TileVisibility, alignment_offset, diagonal_band, tile_visibility
 from attnkit.errors import InvalidInputError
 from attnkit.spec import AttentionSpec, CausalAlignment
@@ -176,6 +177,15 @@ def at_global_positions(
         return mask_mod(b, shifted(h, h_start), shifted(q_idx, q_start), shifted(kv_idx, k_start))
 
     return at_global
+
+
+def dropout_at(dropout: Dropout | None, heads: Any = 0, queries: Any = 0, keys: Any = 0) -> dict[str, Any]:
+    """attend's dropout arguments (§18) for one local call of a sharded one whose query heads, queries and keys start
+    at ``heads``, ``queries`` and ``keys`` of the global call (ints, or traced 0-d arrays on JAX): its keep-mask is
+    the global call's there. None: no dropout (no arguments)."""
+    if dropout is None:
+        return {}
+    return {"dropout_p": dropout.p, "dropout_seed": dropout.shifted(heads, queries, keys)}
 
 
 def ring_hops(spec: AttentionSpec, len_q: int, len_k: int, world: int, sharding: Sharding, has_lengths: bool) -> int:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from attnkit import errors, programs
 from attnkit.api import attend as local_attend
+from attnkit.backend import Dropout
 from attnkit.contract import conjoin, within_band
 from attnkit.contract.programs import EMPTY, tile_classes
 from attnkit.contract.torch import block_of, compute_dtype
@@ -38,6 +39,7 @@ from attnkit.distributed.sharding import (
     at_global_positions,
     block_plan,
     chunk_size,
+    dropout_at,
     gather_order,
     rank_spans,
     ring_hops,
@@ -46,7 +48,7 @@ from attnkit.errors import InvalidInputError, InvalidInputTypeError
 from attnkit.frontends import ops_for
 from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout
-from attnkit.validation import checked_slopes, prepare
+from attnkit.validation import checked_dropout, checked_probability, checked_slopes, prepare
 
 Group = Any  # a torch.distributed ProcessGroup, or None for the default group
 Partial = tuple[torch.Tensor, torch.Tensor]  # (out, lse) of one block
@@ -221,26 +223,31 @@ def _describe(name: str, x: Any) -> dict[str, Any]:
     return facts
 
 
-def _agree(group: Group, world: int, rank: int, describe: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+def _agree(
+    group: Group, world: int, rank: int, describe: Callable[[], tuple[dict[str, Any], Any]]
+) -> tuple[dict[str, Any], Any]:
     """Each rank's ``describe()`` (or the typed error it raised), exchanged: an error on any rank, or a fact that
-    differs between ranks, raises the same typed error on every rank, so none is left waiting in a collective."""
+    differs between ranks, raises the same typed error on every rank, so none is left waiting in a collective.
+    ``describe()`` returns (facts, offer): rank 0's offer is returned to every rank (a value each rank drew alike,
+    such as a dropout seed, which must then be one value)."""
     error: tuple[str, str] | None = None
     facts: dict[str, Any] = {}
+    offer = None
     try:
-        facts = describe()
+        facts, offer = describe()
     except Exception as raised:  # any failure here must reach the other ranks, or they wait in the exchange below
         known = isinstance(raised, errors.AttnkitError)
         error = (type(raised).__name__, str(raised) if known else f"{type(raised).__name__}: {raised}")
     everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, (error, facts), group=group)
-    for other, (reported, _) in enumerate(everyone):
+    dist.all_gather_object(everyone, (error, facts, offer), group=group)
+    for other, (reported, _, _) in enumerate(everyone):
         if reported is not None:
             kind, message = reported
             cls = getattr(errors, kind, None)
             cls = cls if isinstance(cls, type) and issubclass(cls, errors.AttnkitError) else InvalidInputError
             prefix = "" if other == rank else f"on rank {other} of {world}: "
             raise cls(f"{prefix}{message}" + ("" if other == rank else " (every rank of the group raises)"))
-    for other, (_, theirs) in enumerate(everyone):
+    for other, (_, theirs, _) in enumerate(everyone):
         for key in [*facts, *(key for key in theirs if key not in facts)]:  # q's facts first
             mine, given = facts.get(key), theirs.get(key)
             if mine != given:
@@ -249,7 +256,7 @@ def _agree(group: Group, world: int, rank: int, describe: Callable[[], dict[str,
                     f"{key} differs across ranks: rank {rank} has {mine}, rank {other} has {given}; every rank of the "
                     "group must pass shards of the same call"
                 )
-    return facts
+    return facts, everyone[0][2]
 
 
 @dataclass(frozen=True)
@@ -271,6 +278,7 @@ class _Call:
     backend: str
     alibi_slopes: torch.Tensor | None  # as given: (Hq,) or (B, Hq), float32, the same on every rank
     mask_mod: Callable[..., Any] | None = None  # §17, on global positions: the same program on every rank
+    dropout: Dropout | None = None  # §18, the global call's: one seed on every rank
 
     @property
     def chunk_q(self) -> int:
@@ -303,10 +311,15 @@ def _validated(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     mask_mod: Callable[..., Any] | None = None,
+    dropout: tuple[Any, Any, Any] = (0.0, None, None),
 ) -> _Call:
+    """The call every rank agreed on. ``dropout``: (dropout_p, dropout_seed, dropout_key) as given; a seed not given
+    is drawn on every rank (each rank's generator advancing as one call's would) and rank 0's is used."""
     world, rank = _world(group)
+    checked: Dropout | None = None
 
-    def describe() -> dict[str, Any]:
+    def describe() -> tuple[dict[str, Any], Any]:
+        nonlocal checked
         if type(spec) is not AttentionSpec:
             raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
         facts: dict[str, Any] = {"spec": spec.model_dump_json(), "strategy": _strategy(strategy).value}
@@ -324,9 +337,19 @@ def _validated(
             heads_q = q.shape[2 if spec.layout is Layout.BSHD else 1]
             checked_slopes(ops_for(q), alibi_slopes, q.shape[0], heads_q, ops_for(q).device(q), check_values=True)
         facts["mask_mod"] = None if mask_mod is None else _global_program(spec, q, k, world, mask_mod)
-        return facts
+        p, seed, key = dropout
+        checked = checked_dropout(ops_for(q), p, seed, key, q)
+        facts["dropout_p"] = checked_probability(p)
+        if checked is None:
+            return facts, None
+        if seed is None:  # drawn: rank 0's is used
+            return facts, _unsigned(checked.seed)
+        facts["dropout_seed"] = _unsigned(checked.seed)  # given: the same value on every rank
+        return facts, None
 
-    facts = _agree(group, world, rank, describe)
+    facts, drawn = _agree(group, world, rank, describe)
+    if checked is not None and drawn is not None:  # rank 0's draw, on every rank
+        checked = checked._replace(seed=ops_for(tensors["q"]).dropout_seed(drawn, None, tensors["q"]))
     # From here on every check reads agreed facts only: it raises alike on every rank, with no further exchange.
     strategy, sharding = _strategy(strategy), _sharding(sharding)
     q, k = tensors["q"], tensors["k"]
@@ -353,7 +376,13 @@ def _validated(
             tensors = {**tensors, name: x[(None,) * (4 - x.ndim)]}
     _check_global_call(spec, tensors, seq_axis, len_q, len_k, facts)
     return _Call(spec, group, world, rank, sharding, seq_axis, len_q, len_k, tensors["q_lengths"],
-                 tensors["kv_lengths"], tensors["mask"], tensors["bias"], backend, alibi_slopes, mask_mod)  # fmt: skip
+                 tensors["kv_lengths"], tensors["mask"], tensors["bias"], backend, alibi_slopes, mask_mod,
+                 checked)  # fmt: skip
+
+
+def _unsigned(seed: torch.Tensor) -> int:
+    """A torch dropout seed's 64 bits read unsigned (§18), as a Python int the ranks can compare."""
+    return int(seed) % (1 << 64)
 
 
 def _global_program(spec: AttentionSpec, q: torch.Tensor, k: torch.Tensor, world: int, mask_mod: Any) -> str:
@@ -523,6 +552,7 @@ def _block(
             plan.spec, q, k, v, mask=mask, bias=bias, q_lengths=_clipped(call.q_lengths, q_span),
             kv_lengths=_clipped(call.kv_lengths, k_span), q_segment_ids=q_ids, kv_segment_ids=kv_ids,
             return_lse=True, backend=call.backend, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+            **dropout_at(call.dropout, queries=q_span.start, keys=k_span.start),
         )  # fmt: skip
 
     if side is None or side is AlibiSide.NATIVE:
@@ -650,15 +680,17 @@ def _ulysses(call: _Call, q: Any, k: Any, v: Any, q_ids: Any, kv_ids: Any) -> Pa
     if slopes is not None:  # this rank's query heads, as the all-to-all hands them out: the r-th of P equal groups
         heads_here = slopes.shape[-1] // world
         slopes = slopes[..., call.rank * heads_here : (call.rank + 1) * heads_here]
+    # The whole sequence in global order; this rank's query heads are the r-th of P groups.
+    first_head = q.shape[heads] // world * call.rank
     mask_mod = call.mask_mod
-    if mask_mod is not None:  # the whole sequence in global order; this rank's query heads the r-th of P groups
-        first_head = torch.tensor(q.shape[heads] // world * call.rank, dtype=torch.int32, device=q.device)
-        mask_mod = at_global_positions(mask_mod, h_start=first_head)
+    if mask_mod is not None:
+        mask_mod = at_global_positions(mask_mod, h_start=torch.tensor(first_head, dtype=torch.int32, device=q.device))
     out, lse = local_attend(
         call.spec, heads_of(q), heads_of(k), heads_of(v),
         q_lengths=call.q_lengths, kv_lengths=call.kv_lengths,
         q_segment_ids=everywhere(q_ids), kv_segment_ids=everywhere(kv_ids),
         return_lse=True, backend=call.backend, alibi_slopes=slopes, mask_mod=mask_mod,
+        **dropout_at(call.dropout, heads=first_head),
     )  # fmt: skip
     order = gather_order(call.len_q, world, call.sharding)
     out = _AllToAll.apply(_reordered(out, seq, order), group, seq, heads)
@@ -882,14 +914,19 @@ def attend_torch(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     mask_mod: Callable[..., Any] | None = None,
+    dropout_p: float = 0.0,
+    dropout_seed: Any = None,
+    dropout_key: Any = None,
 ) -> Any:
     """§14 on torch tensors: this rank's shards in, this rank's shard of out (and lse) back. A collective: every rank
     of ``group`` calls it; a bad input on any rank raises a typed error on every rank. ``sinks`` join each local row
     once, after its blocks are merged (§15); ``alibi_slopes`` (§16) enter each block at its global distances;
-    ``mask_mod`` (§17) sees global positions, and blocks it hides whole are not computed."""
+    ``mask_mod`` (§17) sees global positions, and blocks it hides whole are not computed. Dropout (§18) keeps what the
+    single-device call keeps: one seed on every rank (``dropout_seed`` the same on each, or drawn by rank 0)."""
     tensors = {"q": q, "k": k, "v": v, "q_lengths": q_lengths, "kv_lengths": kv_lengths, "q_segment_ids": q_segment_ids,
                "kv_segment_ids": kv_segment_ids, "mask": mask, "bias": bias}  # fmt: skip
-    call = _validated(spec, tensors, group, strategy, sharding, backend, sinks, alibi_slopes, mask_mod)
+    call = _validated(spec, tensors, group, strategy, sharding, backend, sinks, alibi_slopes, mask_mod,
+                      (dropout_p, dropout_seed, dropout_key))  # fmt: skip
     out, lse = _STRATEGIES[_strategy(strategy)](call, q, k, v, q_segment_ids, kv_segment_ids)
     if sinks is not None:  # the local rows' global positions count q_lengths
         positions = torch.cat([torch.arange(span.start, span.stop, device=q.device) for span in call.q_spans()])

@@ -25,7 +25,8 @@ SINKS = "sinks"
 class Varlen:
     """An attend_varlen call (§12): sequence s has q_lengths[s] queries and kv_lengths[s] keys, packed. Its Case is the
     attend call attend_varlen makes: one packed bshd row with the sequence index as segment id where the two offsets
-    are equal (self-packed), else the right-padded batch with q_lengths and kv_lengths (see :func:`varlen_case`)."""
+    are equal (self-packed) and there is no dropout, else the right-padded batch with q_lengths and kv_lengths (see
+    :func:`varlen_case`)."""
 
     q_lengths: tuple[int, ...]
     kv_lengths: tuple[int, ...]
@@ -162,9 +163,10 @@ def _bshd(spec: AttentionSpec) -> AttentionSpec:
 
 def varlen_case(spec: AttentionSpec, q_lengths: tuple[int, ...], kv_lengths: tuple[int, ...], **shape: Any) -> Case:
     """An attend_varlen call over sequences of these lengths (at least one query in all), as the attend call it makes
-    (§12): one packed row with segment ids where the lengths are equal, else a right-padded batch with lengths."""
+    (§12): one packed row with segment ids where the lengths are equal, else a right-padded batch with lengths (with
+    dropout too: its keep-mask is indexed by sequence and position within it, §18)."""
     varlen = Varlen(tuple(q_lengths), tuple(kv_lengths))
-    if varlen.self_packed:
+    if varlen.self_packed and shape.get("dropout") is None:
         ids = tuple(s for s, n in enumerate(q_lengths) for _ in range(n))
         return Case(_bshd(spec), batch=1, len_q=len(ids), len_k=len(ids), q_segment_ids=(ids,),
                     kv_segment_ids=(ids,), varlen=varlen, **shape)  # fmt: skip

@@ -243,6 +243,11 @@ def ragged_edge_shapes() -> list[tuple[str, Case]]:
             "varlen self-packed, one-token and empty documents",
             varlen_case(spec(causal=True, window=(4, 0)), (7, 1, 0, 4), (7, 1, 0, 4), heads_q=4, heads_kv=2),
         ),
+        # §18: the keep-mask indexed by (sequence, position within it), not by the packed row (as the padded batch).
+        (
+            "varlen self-packed with dropout",
+            varlen_case(spec(causal=True), (5, 0, 7), (5, 0, 7), heads_q=4, heads_kv=2, dropout=(0.3, 2**63 + 5)),
+        ),
         # §16 per sequence: each its own slopes and its own bottom-right offset kv_len − q_len.
         (
             "varlen cross, per-sequence ALiBi slopes",

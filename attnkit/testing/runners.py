@@ -83,12 +83,13 @@ def _framework_of(x: Any) -> tuple[Callable[[np.ndarray], Any], Callable[..., An
 
 def _varlen(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool = True) -> Any:
     """attend_varlen on the case's arrays packed (§12), its results laid out as the case's attend call's: the
-    packed row itself (self-packed), or the padded batch with zeros in out and −inf in lse past each length."""
+    packed row itself (self-packed without dropout), or the padded batch with zeros in out and −inf in lse past each
+    length."""
     assert case.varlen is not None
     as_array, where = _framework_of(arrays["q"])
     q_lengths, kv_lengths = case.varlen.q_lengths, case.varlen.kv_lengths
     cu_q, cu_k = as_array(_offsets(q_lengths)), as_array(_offsets(kv_lengths))
-    if case.varlen.self_packed:
+    if case.varlen.self_packed and case.dropout is None:
         q, k, v = (arrays[name][0] for name in ("q", "k", "v"))
         result = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_q, return_lse=return_lse, backend=backend,
                                       sinks=arrays.get("sinks"), alibi_slopes=arrays.get("alibi_slopes"))  # fmt: skip
@@ -101,7 +102,8 @@ def _varlen(case: Case, arrays: dict[str, Any], backend: str, return_lse: bool =
 
     q, k, v = pack(arrays["q"], q_lengths), pack(arrays["k"], kv_lengths), pack(arrays["v"], kv_lengths)
     out, lse = ragged.attend_varlen(case.spec, q, k, v, cu_q, cu_k, return_lse=True, backend=backend,
-                                    sinks=arrays.get("sinks"), alibi_slopes=arrays.get("alibi_slopes"))  # fmt: skip
+                                    sinks=arrays.get("sinks"), alibi_slopes=arrays.get("alibi_slopes"),
+                                    **dropout_of(case))  # fmt: skip
     # Position (b, t) of the padded batch is packed row cu_q[b] + t, for t < q_lengths[b].
     positions = np.arange(case.len_q)[None, :]
     real = positions < np.asarray(q_lengths)[:, None]

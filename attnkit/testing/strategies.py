@@ -249,7 +249,8 @@ def varlen_cases(
     head_dims: Iterable[int] = SMALL_HEAD_DIMS,
 ) -> Case:
     """attend_varlen calls (§12): 1 to 4 sequences, empty and one-token ones included, self-packed (cu_q = cu_k) or
-    cross, over every spec feature declared; gradients where declared. Needs :func:`varlen_forms` non-empty."""
+    cross, over every spec feature declared; gradients and dropout where declared (a self-packed call with dropout
+    is the padded batch's, :func:`attnkit.testing.cases.varlen_case`). Needs :func:`varlen_forms` non-empty."""
     features, allowed_dtypes, allowed_dims = _declared(capabilities, dtypes, head_dims)
     self_packed = draw(st.sampled_from(varlen_forms(capabilities)))
     count = draw(st.integers(1, 4))
@@ -264,8 +265,9 @@ def varlen_cases(
     geometry = draw(_geometry(allowed_dtypes, allowed_dims))
     # A packed row's slopes are one per head; per-sequence slopes make attend_varlen's padded batch (§16).
     alibi_shape = draw(alibi_drawn(features, count, geometry["heads_q"], per_row=not self_packed))
-    return varlen_case(spec, q_lengths, kv_lengths, grad=Feature.GRAD in features,
-                       sinks=draw(sinks_drawn()), alibi_shape=alibi_shape, **geometry)  # fmt: skip
+    dropout = draw(dropout_drawn(features)) if _CROSS <= features else None
+    return varlen_case(spec, q_lengths, kv_lengths, grad=Feature.GRAD in features, sinks=draw(sinks_drawn()),
+                       alibi_shape=alibi_shape, dropout=dropout, **geometry)  # fmt: skip
 
 
 def _paged_sizes(capabilities: Capabilities | None, head_dims: list[int]) -> tuple[list[int], list[int]]:
