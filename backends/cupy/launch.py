@@ -179,10 +179,11 @@ SHARED_REGIONS: dict[str, tuple[tuple[str, Any, str], ...]] = {
 
 #: Where the one-pass backward runs (CudaKernels.one_pass_backward): the register-resident dK/dV with atomic dq keeps
 #: every value in registers up to this padded head dim and without these switches; at D = 128 (causal on sm_80, a
-#: window on sm_90), with a bias and dbias (sm_80) and with ALiBi beside every other switch (sm_90) ptxas spills
-#: (docs/cupy.md, "The one-pass backward"). A mask program's registers depend on the program: the two-pass backward.
+#: window on sm_90), with a bias and dbias (sm_80), with ALiBi beside every other switch (sm_90) and with dropout
+#: (both) ptxas spills (docs/cupy.md, "The one-pass backward"). A mask program's registers depend on the program: the
+#: two-pass backward.
 ONE_PASS_MAX_HEAD_DIM = 64
-ONE_PASS_EXCLUDED = ("cosine", "has_bias", "has_alibi", "has_mask_program")
+ONE_PASS_EXCLUDED = ("cosine", "has_bias", "has_alibi", "has_mask_program", "has_dropout")
 
 #: The kernels with a register-resident body (-DREGISTER_<KERNEL>); Δ has only its one-row-per-thread body.
 REGISTER_KERNELS = (Kernel.FORWARD, Kernel.DQ, Kernel.DKDV)

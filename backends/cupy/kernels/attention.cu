@@ -473,10 +473,10 @@ __device__ __forceinline__ int program_tile_class(const Program& program, int ba
 // query heads, queries and keys in the unsharded call. The seed arrives as a pointer to its int64 (read unsigned), so
 // a seed drawn on the device is never read back by the host.
 #if HAS_DROPOUT
-#define DROPOUT_PARAMETERS                                                                \
+#define DROPOUT_PARAMETERS                                                                         \
     , const long long* __restrict__ dropout_seed, unsigned dropout_threshold, float dropout_scale, \
         int dropout_head_start, int dropout_query_start, int dropout_key_start
-#define DROPOUT_ARGUMENTS                                                                              \
+#define DROPOUT_ARGUMENTS                                                                               \
     dropout_of(dropout_seed, dropout_threshold, dropout_scale, dropout_head_start, dropout_query_start, \
                dropout_key_start)
 #else
