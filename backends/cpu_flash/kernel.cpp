@@ -448,9 +448,9 @@ constexpr uint32_t kPhiloxMultiplier0 = 0xD2511F53u, kPhiloxMultiplier1 = 0xCD9E
 constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
 constexpr int kPhiloxRounds = 10;
 
-// Besides the round's operations, each PhiloxLanes stores a block's outputs key by key (four words per counter, word w
-// of counter n at 4 n + w): as words (store), or as keep factors (store_factors: `value` where the word is at least
-// the threshold, else 0), compared while they are in registers.
+// Besides the round's operations, each PhiloxLanes writes a block's outputs key by key (four words per counter, word w
+// of counter n at 4 n + w): as words (store), or applied (keep: out = in · (`value` where the word is at least the
+// threshold, else 0), a multiply, so that NaN stays NaN), compared while they are in registers.
 #if defined(__AVX512F__)
 struct PhiloxLanes {
   using V = __m512i;
@@ -472,12 +472,13 @@ struct PhiloxLanes {
     words(w0, w1, w2, w3, halves);
     _mm512_storeu_si512(out, halves[0]), _mm512_storeu_si512(out + 16, halves[1]);
   }
-  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+  static void keep(V w0, V w1, V w2, V w3, uint32_t threshold, float value, const float* in, float* out) {
     V halves[2];
     words(w0, w1, w2, w3, halves);
     for (int half = 0; half < 2; ++half) {
       const __mmask16 kept = _mm512_cmpge_epu32_mask(halves[half], _mm512_set1_epi32(static_cast<int>(threshold)));
-      _mm512_storeu_ps(out + 16 * half, _mm512_maskz_mov_ps(kept, _mm512_set1_ps(value)));
+      const __m512 factor = _mm512_maskz_mov_ps(kept, _mm512_set1_ps(value));
+      _mm512_storeu_ps(out + 16 * half, _mm512_mul_ps(_mm512_loadu_ps(in + 16 * half), factor));
     }
   }
 };
@@ -502,12 +503,13 @@ struct PhiloxLanes {
     _mm256_storeu_si256(reinterpret_cast<V*>(out), halves[0]);
     _mm256_storeu_si256(reinterpret_cast<V*>(out + 8), halves[1]);
   }
-  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+  static void keep(V w0, V w1, V w2, V w3, uint32_t threshold, float value, const float* in, float* out) {
     V halves[2];
     words(w0, w1, w2, w3, halves);
     for (int half = 0; half < 2; ++half) {  // unsigned x >= t as max(x, t) == x
       const V x = halves[half], kept = _mm256_cmpeq_epi32(_mm256_max_epu32(x, _mm256_set1_epi32(threshold)), x);
-      _mm256_storeu_ps(out + 8 * half, _mm256_and_ps(_mm256_castsi256_ps(kept), _mm256_set1_ps(value)));
+      const __m256 factor = _mm256_and_ps(_mm256_castsi256_ps(kept), _mm256_set1_ps(value));
+      _mm256_storeu_ps(out + 8 * half, _mm256_mul_ps(_mm256_loadu_ps(in + 8 * half), factor));
     }
   }
 };
@@ -524,9 +526,9 @@ struct PhiloxLanes {
     out[0] = static_cast<uint32_t>(w0), out[1] = static_cast<uint32_t>(w1);
     out[2] = static_cast<uint32_t>(w2), out[3] = static_cast<uint32_t>(w3);
   }
-  static void store_factors(V w0, V w1, V w2, V w3, uint32_t threshold, float value, float* out) {
+  static void keep(V w0, V w1, V w2, V w3, uint32_t threshold, float value, const float* in, float* out) {
     const V words[4] = {w0, w1, w2, w3};
-    for (int w = 0; w < 4; ++w) out[w] = static_cast<uint32_t>(words[w]) >= threshold ? value : 0.0f;
+    for (int w = 0; w < 4; ++w) out[w] = in[w] * (static_cast<uint32_t>(words[w]) >= threshold ? value : 0.0f);
   }
 };
 #endif
@@ -547,15 +549,16 @@ void philox_rounds(PhiloxLanes::V (&c)[4][n], uint32_t k0, uint32_t k1) {
   }
 }
 
-constexpr int kPhiloxVectors = 4;
+constexpr int kPhiloxVectors = 4;  // independent chains per block: a round's latency over its throughput, rounded up
 constexpr int64_t kPhiloxCounters = kPhiloxVectors * PhiloxLanes::kCount;  // counters per block
-using PhiloxBlock = PhiloxLanes::V[4][kPhiloxVectors];
+constexpr int64_t kVectorKeys = 4 * PhiloxLanes::kCount;  // keys per vector of counters
 
-// Philox4x32-10 of kPhiloxCounters consecutive counters (first + n, row, head, batch) into c.
+// Philox4x32-10 of n vectors of consecutive counters (first + m, row, head, batch) into c.
+template <int n>
 void philox_block(uint32_t first, uint32_t row, uint32_t head, uint32_t batch, uint32_t k0, uint32_t k1,
-                  PhiloxBlock& c) {
+                  PhiloxLanes::V (&c)[4][n]) {
   using L = PhiloxLanes;
-  for (int v = 0; v < kPhiloxVectors; ++v)
+  for (int v = 0; v < n; ++v)
     c[0][v] = L::counters(first + v * L::kCount), c[1][v] = L::broadcast(row), c[2][v] = L::broadcast(head),
     c[3][v] = L::broadcast(batch);
   philox_rounds(c, k0, k1);
@@ -567,25 +570,49 @@ struct Dropout {
   float scale = 1.0f;  // 1 / (1 - p), rounded to float32
   int64_t head_start = 0, query_start = 0, key_start = 0;
 
-  // The keep step, which every pass calls: factors[c] = `kept` where key c0 + c of row (b, h, i) (the pass's local
-  // query head and query) is kept, else 0, for c in [from, to) (the columns the row can see: one counter's words
-  // serve its four keys, and nothing is generated for hidden columns). Blocks inside the range are written in place,
-  // one the range cuts through `part`.
-  void keep(int64_t b, int64_t h, int64_t i, int64_t c0, int64_t from, int64_t to, float kept, float* factors) const {
-    using L = PhiloxLanes;
-    constexpr int64_t kKeys = 4 * kPhiloxCounters, kVectorKeys = 4 * L::kCount;
-    const int64_t first = key_start + c0 + from, last = key_start + c0 + to;  // the keys j of section 18
+  // The keep step, which every pass calls: out[c] = in[c] · (`value` where key c0 + c of row (b, h, i), the pass's
+  // local query head and query, is kept, else 0) for c in [from, to), the columns the row can see (nothing is
+  // generated for hidden ones); in and out may be one row.
+  void keep(int64_t b, int64_t h, int64_t i, int64_t c0, int64_t from, int64_t to, float value, const float* in,
+            float* out) const {
+    const int64_t origin = key_start + c0, first = origin + from, last = origin + to;  // the keys j of section 18
     const uint32_t row = static_cast<uint32_t>(query_start + i), head = static_cast<uint32_t>(head_start + h);
-    float part[kKeys];
-    PhiloxBlock c;
+    const Range keys{first, last, origin, row, head, static_cast<uint32_t>(b)};
     for (int64_t counter = first >> 2; 4 * counter < last; counter += kPhiloxCounters) {
-      philox_block(static_cast<uint32_t>(counter), row, head, static_cast<uint32_t>(b), seed_low, seed_high, c);
-      const int64_t base = 4 * counter, start = std::max(first, base), stop = std::min(last, base + kKeys);
-      const bool whole = start == base && stop == base + kKeys;
-      float* out = whole ? factors + (base - key_start - c0) : part;
-      for (int v = 0; v < kPhiloxVectors; ++v)
-        L::store_factors(c[0][v], c[1][v], c[2][v], c[3][v], threshold, kept, out + v * kVectorKeys);
-      if (!whole) std::copy(part + (start - base), part + (stop - base), factors + (start - key_start - c0));
+      switch (std::min<int64_t>(kPhiloxVectors, (last - 4 * counter + kVectorKeys - 1) / kVectorKeys)) {
+        case 1: keep_block<1>(counter, keys, value, in, out); break;  // a row's last keys: the vectors they need
+        case 2: keep_block<2>(counter, keys, value, in, out); break;
+        case 3: keep_block<3>(counter, keys, value, in, out); break;
+        default: keep_block<kPhiloxVectors>(counter, keys, value, in, out);
+      }
+    }
+  }
+
+ private:
+  struct Range {  // keys [first, last) of one row, key j at column j - origin of in and out
+    int64_t first, last, origin;
+    uint32_t row, head, batch;
+  };
+
+  // The block of n vectors of counters from `counter`, applied to its keys in the range: a vector inside it where
+  // its keys lie, one at an end of it through a vector's worth of factors.
+  template <int n>
+  void keep_block(int64_t counter, const Range& keys, float value, const float* in, float* out) const {
+    using L = PhiloxLanes;
+    static const std::vector<float> ones(kVectorKeys, 1.0f);
+    L::V c[4][n];
+    philox_block(static_cast<uint32_t>(counter), keys.row, keys.head, keys.batch, seed_low, seed_high, c);
+    for (int v = 0; v < n; ++v) {
+      const int64_t base = 4 * counter + v * kVectorKeys;
+      const int64_t start = std::max(keys.first, base), stop = std::min(keys.last, base + kVectorKeys);
+      if (start == base && stop == base + kVectorKeys) {
+        L::keep(c[0][v], c[1][v], c[2][v], c[3][v], threshold, value, in + (base - keys.origin),
+                out + (base - keys.origin));
+      } else if (start < stop) {
+        float factors[kVectorKeys];
+        L::keep(c[0][v], c[1][v], c[2][v], c[3][v], threshold, value, ones.data(), factors);
+        for (int64_t j = start; j < stop; ++j) out[j - keys.origin] = in[j - keys.origin] * factors[j - base];
+      }
     }
   }
 };
@@ -747,17 +774,12 @@ void finish_rows(float* out, float* lse, int64_t rows, int64_t dim_v, const floa
 }
 
 // Dropout's step on a forward tile: P <- P ⊙ M (M the keep-mask, section 18) on the columns each row can see (P is
-// 0 on the others); the scale 1 / (1 - p) is applied to out once, at the end. factors: block_k floats of scratch.
+// 0 on the others); the scale 1 / (1 - p) is applied to out once, at the end.
 void drop_probabilities(float* p, int64_t rows, int64_t cols, bool masked, const Band& band, const Rows& geometry,
-                        int64_t r0, int64_t c0, const UserTerms& user, float* factors) {
-  const int64_t step = Vec::size();
+                        int64_t r0, int64_t c0, const UserTerms& user) {
   for (int64_t r = 0; r < rows; ++r) {
     const auto [from, to] = band_columns(band, geometry, masked, r0 + r, c0, cols);
-    user.dropout->keep(user.b, user.h, r0 + r, c0, from, to, 1.0f, factors);
-    float* row = p + r * cols;
-    int64_t c = from;
-    for (; c + step <= to; c += step) (Vec::loadu(row + c) * Vec::loadu(factors + c)).store(row + c);
-    for (; c < to; ++c) row[c] *= factors[c];
+    user.dropout->keep(user.b, user.h, r0 + r, c0, from, to, 1.0f, p + r * cols, p + r * cols);
   }
 }
 
@@ -770,7 +792,7 @@ void drop_probabilities(float* p, int64_t rows, int64_t cols, bool masked, const
 void fwd_block(const float* q, const float* k, const float* v, float* out, float* lse, const Sizes& n, const Band& band,
                const Rows& geometry, const UserTerms& user, const Segments& segments, float softcap, int64_t r0,
                int64_t r1, std::vector<float>& s, std::vector<float>& acc, std::vector<float>& row_max,
-               std::vector<float>& row_sum, std::vector<float>& factors) {
+               std::vector<float>& row_sum) {
   const int64_t rows = r1 - r0;
   start_rows(rows, n.dim_v, row_max.data(), row_sum.data(), acc.data());
   int64_t first, last, c1;
@@ -785,7 +807,7 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
     scores(s.data(), nullptr, rows, cols, softcap, masked, band, geometry, r0, c0, user.on_tile(tile),
            tile_ids(segments, ids, r0, c0, c1));
     softmax_step(s.data(), rows, cols, n.dim_v, row_max.data(), row_sum.data(), acc.data());
-    if (user.dropout) drop_probabilities(s.data(), rows, cols, masked, band, geometry, r0, c0, user, factors.data());
+    if (user.dropout) drop_probabilities(s.data(), rows, cols, masked, band, geometry, r0, c0, user);
     gemm(false, false, rows, n.dim_v, cols, 1.0f, s.data(), cols, v + c0 * n.dim_v, n.dim_v, 1.0f, acc.data(), n.dim_v);
   }
   finish_rows(out + r0 * n.dim_v, lse + r0, rows, n.dim_v, row_max.data(), row_sum.data(), acc.data(),
@@ -796,7 +818,8 @@ void fwd_block(const float* q, const float* k, const float* v, float* out, float
 // Backward. Per kv head, per query block of every head in its group, over the key tiles it sees (the forward's
 // tiles), with F = M / (1 - p) (M dropout's keep-mask regenerated from the seed; F = 1 without dropout):
 //   P = exp(S - lse) (lse +inf on empty rows, so P = 0);  dV += (P ⊙ F)^T dO;  dP = (dO V^T) ⊙ F;
-//   dS = P (dP - Delta), Delta = rowsum(dO out) - dlse (out the dropped output);  dbias += dS;
+//   dS = P (dP - Delta), Delta = rowsum(dO out) - dlse (out the dropped output), with dropout as
+//   (P ⊙ F)(dO V^T) - P Delta (F itself is never stored);  dbias += dS;
 //   dU = dS cap (1 - tanh^2 U) when softcapped;  dq += q_scale dU K;  dK += q_scale dU^T q.
 // The task owns batch element b's kv head h_kv: its query heads' dbias planes are its alone (dbias is allocated per
 // batch element and query head), so accumulating over broadcast rows or keys needs no atomics.
@@ -821,24 +844,17 @@ void accumulate_dbias(float* dbias, int64_t col, int64_t c, const Vec& ds) {
   for (int64_t lane = 0; lane < Vec::size(); ++lane) dbias[(c + lane) * col] += lanes[lane];
 }
 
-// Dropout's step on a backward tile: factors = F = M / (1 - p) on the columns each row can see (0 on the others, and
-// on rows that see no key: P is 0 there), and kept = P ⊙ F; lse: the rows' from r0 on.
-void drop_gradient_rows(const float* p, float* kept, float* factors, int64_t rows, int64_t cols, bool masked,
-                        const Band& band, const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user,
-                        const float* lse) {
-  const int64_t step = Vec::size();
+// Dropout's step on a backward tile: kept = P ⊙ F, F = M / (1 - p), generated on the columns each row can see and 0
+// on the others (P is 0 there), and on rows that see no key; lse: the rows' from r0 on.
+void drop_gradient_rows(const float* p, float* kept, int64_t rows, int64_t cols, bool masked, const Band& band,
+                        const Rows& geometry, int64_t r0, int64_t c0, const UserTerms& user, const float* lse) {
   for (int64_t r = 0; r < rows; ++r) {
     auto [from, to] = band_columns(band, geometry, masked, r0 + r, c0, cols);
     if (lse[r0 + r] == kNegInf) from = to = 0;
-    float* f = factors + r * cols;
-    std::fill(f, f + from, 0.0f);
-    std::fill(f + to, f + cols, 0.0f);
-    user.dropout->keep(user.b, user.h, r0 + r, c0, from, to, user.dropout->scale, f);
-    const float* p_row = p + r * cols;
     float* kept_row = kept + r * cols;
-    int64_t c = 0;
-    for (; c + step <= cols; c += step) (Vec::loadu(p_row + c) * Vec::loadu(f + c)).store(kept_row + c);
-    for (; c < cols; ++c) kept_row[c] = p_row[c] * f[c];
+    std::fill(kept_row, kept_row + from, 0.0f);
+    std::fill(kept_row + to, kept_row + cols, 0.0f);
+    user.dropout->keep(user.b, user.h, r0 + r, c0, from, to, user.dropout->scale, p + r * cols, kept_row);
   }
 }
 
@@ -847,7 +863,7 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
                  const Segments& segments, float softcap, int64_t group, const BackwardTerms& terms, int64_t b,
                  int64_t first_head) {
   std::vector<float> s = scratch(n.block_q * n.block_k), t = scratch(n.block_q * n.block_k),
-                     dp = scratch(n.block_q * n.block_k), factors = scratch(terms.dropout ? n.block_q * n.block_k : 0);
+                     dp = scratch(n.block_q * n.block_k), kept = scratch(terms.dropout ? n.block_q * n.block_k : 0);
   ProgramRows program(terms.program, n.block_k);
   const int64_t q_rows = std::min(geometry.q_len, n.len_q), step = Vec::size();
   for (int64_t g = 0; g < group; ++g) {
@@ -881,12 +897,10 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
           for (; c + step <= cols; c += step) (Vec::loadu(row + c) - Vec(shift)).exp_u20().store(row + c);
           for (; c < cols; ++c) row[c] = std::exp(row[c] - shift);
         }
-        // With dropout, dp holds P ⊙ F for dV's product until dP overwrites it.
         if (terms.dropout)
-          drop_gradient_rows(s.data(), dp.data(), factors.data(), rows, cols, masked, band, geometry, r0, c0, user,
-                             lse + head_rows);
-        gemm(true, false, cols, n.dim_v, rows, 1.0f, terms.dropout ? dp.data() : s.data(), cols, dout_block, n.dim_v,
-             1.0f, dv + c0 * n.dim_v, n.dim_v);
+          drop_gradient_rows(s.data(), kept.data(), rows, cols, masked, band, geometry, r0, c0, user, lse + head_rows);
+        gemm(true, false, cols, n.dim_v, rows, 1.0f, terms.dropout ? kept.data() : s.data(), cols, dout_block,
+             n.dim_v, 1.0f, dv + c0 * n.dim_v, n.dim_v);
         gemm(false, true, rows, cols, n.dim_v, 1.0f, dout_block, n.dim_v, v + c0 * n.dim_v, n.dim_v, 0.0f, dp.data(),
              cols);
         for (int64_t r = 0; r < rows; ++r) {
@@ -894,13 +908,13 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
           float* p = s.data() + r * cols;  // becomes dU in place
           const float* dp_row = dp.data() + r * cols;
           const float* t_row = t.data() + r * cols;
-          const float* f_row = terms.dropout ? factors.data() + r * cols : nullptr;  // dP ⊙ F
+          const float* kept_row = terms.dropout ? kept.data() + r * cols : nullptr;
           // dbias takes dS before the softcap's chain rule: the bias is added after the tanh.
           float* dbias_row = dbias.base ? dbias.at(r0 + r, c0) : nullptr;
           int64_t c = 0;
           for (; c + step <= cols; c += step) {
-            const Vec dp_value = f_row ? Vec::loadu(dp_row + c) * Vec::loadu(f_row + c) : Vec::loadu(dp_row + c);
-            Vec ds = Vec::loadu(p + c) * (dp_value - Vec(row_delta));
+            Vec ds = kept_row ? Vec::loadu(kept_row + c) * Vec::loadu(dp_row + c) - Vec::loadu(p + c) * Vec(row_delta)
+                              : Vec::loadu(p + c) * (Vec::loadu(dp_row + c) - Vec(row_delta));
             if (dbias_row) accumulate_dbias(dbias_row, dbias.col, c, ds);
             if (softcap > 0) {
               Vec th = Vec::loadu(t_row + c);
@@ -909,7 +923,7 @@ void bwd_kv_head(const float* q, const float* k, const float* v, const float* do
             ds.store(p + c);
           }
           for (; c < cols; ++c) {
-            float ds = p[c] * ((f_row ? dp_row[c] * f_row[c] : dp_row[c]) - row_delta);
+            float ds = kept_row ? kept_row[c] * dp_row[c] - p[c] * row_delta : p[c] * (dp_row[c] - row_delta);
             if (dbias_row) dbias_row[c * dbias.col] += ds;
             if (softcap > 0) ds *= softcap * (1.0f - t_row[c] * t_row[c]);
             p[c] = ds;
@@ -1340,8 +1354,7 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
   float *op = out.data_ptr<float>(), *lp = lse.data_ptr<float>();
   at::parallel_for(0, n.batch * n.heads_q * blocks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s = scratch(n.block_q * n.block_k), acc = scratch(n.block_q * n.dim_v),
-                       row_max = scratch(n.block_q), row_sum = scratch(n.block_q),
-                       factors = scratch(dropout.active ? n.block_k : 0);
+                       row_max = scratch(n.block_q), row_sum = scratch(n.block_q);
     ProgramRows program_rows(program.active() ? &program : nullptr, n.block_k);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t block = task % blocks, head = (task / blocks) % n.heads_q, b = task / blocks / n.heads_q;
@@ -1355,7 +1368,7 @@ std::vector<at::Tensor> forward(at::Tensor q, at::Tensor k, at::Tensor v, at::Te
                            dropout.active ? &dropout : nullptr};
       fwd_block(qp + q_head * n.len_q * n.dim, kp + kv_head * n.len_k * n.dim, vp + kv_head * n.len_k * n.dim_v,
                 op + q_head * n.len_q * n.dim_v, lp + q_head * n.len_q, n, band, geometry, user, segments.of(b),
-                (float)softcap, r0, r1, s, acc, row_max, row_sum, factors);
+                (float)softcap, r0, r1, s, acc, row_max, row_sum);
     }
   });
   return {out, lse};
@@ -1502,7 +1515,7 @@ std::vector<at::Tensor> forward_paged(at::Tensor q, at::Tensor k_cache, at::Tens
 std::vector<int64_t> philox4x32(std::array<int64_t, 4> counter, std::array<int64_t, 2> key) {
   for (const int64_t word : {counter[0], counter[1], counter[2], counter[3], key[0], key[1]})
     TORCH_CHECK(word >= 0 && word <= 0xFFFFFFFFll, "Philox words must lie in [0, 2**32), got ", word);
-  PhiloxBlock c;
+  PhiloxLanes::V c[4][kPhiloxVectors];
   philox_block(static_cast<uint32_t>(counter[0]), static_cast<uint32_t>(counter[1]), static_cast<uint32_t>(counter[2]),
                static_cast<uint32_t>(counter[3]), static_cast<uint32_t>(key[0]), static_cast<uint32_t>(key[1]), c);
   uint32_t words[4 * kPhiloxCounters];
