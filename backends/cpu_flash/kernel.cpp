@@ -456,7 +456,9 @@ struct PhiloxLanes {
   using V = __m512i;
   static constexpr int kCount = 8;
   static V broadcast(uint32_t x) { return _mm512_set1_epi64(x); }
-  static V counters(uint32_t first) { return _mm512_add_epi64(broadcast(first), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7)); }
+  static V counters(uint32_t first) {
+    return _mm512_add_epi64(broadcast(first), _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7));
+  }
   static V product(V a, uint32_t m) { return _mm512_mul_epu32(a, broadcast(m)); }
   static V high(V product) { return _mm512_shuffle_epi32(product, _MM_PERM_DDBB); }
   static V xor3(V a, V b, V c) { return _mm512_ternarylogic_epi64(a, b, c, 0x96); }
@@ -787,8 +789,9 @@ void drop_probabilities(float* p, int64_t rows, int64_t cols, bool masked, const
 // Forward. Per query block, over its key tiles (online softmax; M dropout's keep-mask, all ones without):
 //   m' = max(m, rowmax S);  alpha = exp(m - m');  P = exp(S - m');  l' = alpha l + rowsum P
 //   acc' = alpha acc + (P ⊙ M) V
-// then out = acc / l · 1 / (1 - p) and lse = m + log l (the scores' lse: dropout leaves it). A row that has seen no key keeps m = -inf: its shift is taken as 0 so that
-// P and alpha are exp(-inf) = 0, never NaN. l = 0 at the end: no visible key, out 0 and lse -inf. NaN stays NaN.
+// then out = acc / l · 1 / (1 - p) and lse = m + log l (the scores' lse: dropout leaves it). A row that has seen no
+// key keeps m = -inf: its shift is taken as 0 so that P and alpha are exp(-inf) = 0, never NaN. l = 0 at the end: no
+// visible key, out 0 and lse -inf. NaN stays NaN.
 void fwd_block(const float* q, const float* k, const float* v, float* out, float* lse, const Sizes& n, const Band& band,
                const Rows& geometry, const UserTerms& user, const Segments& segments, float softcap, int64_t r0,
                int64_t r1, std::vector<float>& s, std::vector<float>& acc, std::vector<float>& row_max,
