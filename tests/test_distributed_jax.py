@@ -36,6 +36,10 @@ from attnkit.testing.programs import program_function
 from attnkit.testing.runners import dropout_of
 from tests.sharded_cases import DRAWN, chunked_per_head, document_causal, examples, shardable_cases
 
+# One worker runs every test here (--dist loadgroup, pyproject.toml): the child, about a minute and a half of CI's CPU,
+# then runs once per run, not once per pytest-xdist worker that is dealt one of them.
+pytestmark = pytest.mark.xdist_group("distributed_jax")
+
 WORLD = 4
 AXIS = "cp"
 REPO_ROOT = Path(__file__).resolve().parent.parent
