@@ -134,10 +134,7 @@ def attend(
     if ops.symbolic(q):  # traced by a compiler, or meta tensors: the framework's operator, dispatched where it runs
         from attnkit.frontends import torch_graph
 
-        for name, given in (
-            ("alibi_slopes", alibi_slopes),
-            ("mask_mod", mask_mod),
-        ):
+        for name, given in (("alibi_slopes", alibi_slopes), ("mask_mod", mask_mod)):
             if given is not None:
                 raise InvalidInputError(
                     f"{name} is not yet taken under torch.compile or on meta/fake tensors: call attend eagerly"
