@@ -11,7 +11,7 @@ import textwrap
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
-from attnkit import registry
+from attnkit import hardware, registry
 from attnkit.backend import ALL_FEATURES, CALL_FEATURES, SPEC_FEATURES, Backend, Capabilities, Unverified
 from attnkit.tables import fitted_table, markdown_table
 
@@ -90,6 +90,39 @@ def capability_matrix(registered: Mapping[str, Backend]) -> tuple[list[str], lis
     return ["capability", *names], rows
 
 
+HARDWARE_HEADER = ("backend", "device", "verified on hardware", "by")
+
+
+def hardware_rows(registered: Mapping[str, Backend]) -> list[list[str]]:
+    """Rows under :data:`HARDWARE_HEADER`: one per backend and device (attnkit.hardware.verifications)."""
+    return [[row.backend, row.device, row.summary(), row.by] for row in hardware.verifications(registered)]
+
+
+def _hardware_markdown(registered: Mapping[str, Backend]) -> list[str]:
+    rows = hardware.verifications(registered)
+    runs = sorted({check.run for check in hardware.HARDWARE_CHECKS}, key=lambda run: run.date, reverse=True)
+    return [
+        "## Verified on hardware",
+        "",
+        "Whether each backend's path on each device has passed on real hardware. CPU paths that run natively are",
+        "checked by the CI suite on every commit; interpreted or emulated paths (Triton's interpreter, the CUDA C",
+        "emulator, Pallas' interpret mode) check conformance, not hardware; GPU paths count from the last hand-run",
+        "GPU check ([gpu.md](gpu.md)). A path *refused* is switched off on that device until a hardware run passes",
+        "it (`ATTNKIT_ALLOW_UNVERIFIED=1` runs it anyway); a path *not yet run* is served but was added after the",
+        "last hardware run.",
+        "",
+        markdown_table(
+            [*HARDWARE_HEADER, "not verified on hardware", "what ran"],
+            ([row.backend, row.device, row.summary(), row.by, row.gaps(), row.ran] for row in rows),
+        ),
+        "",
+        "Hardware runs:",
+        "",
+        *(f"- {run.label()}: {run.versions}; commit {run.commit}" for run in runs),
+        "",
+    ]
+
+
 def capability_markdown(registered: Mapping[str, Backend] | None = None) -> str:
     """docs/backends.md: the registered backends' declared capabilities and descriptions, nothing else.
 
@@ -115,6 +148,7 @@ def capability_markdown(registered: Mapping[str, Backend] | None = None) -> str:
         "",
         *(f"- `{feature}`: {FEATURE_MEANINGS.get(feature, '')}" for feature in FEATURE_ORDER),
         "",
+        *_hardware_markdown(registered),
         "## Descriptions",
         "",
     ]
@@ -131,7 +165,7 @@ def capability_markdown(registered: Mapping[str, Backend] | None = None) -> str:
 
 
 def _unverified_text(entry: Unverified) -> str:
-    return f"refused on {entry.device} until a GPU run passes it: {entry.path} ({entry.history}; docs/gpu.md)"
+    return f"refused on {entry.device} until a GPU run passes it: {entry.path} ({entry.history}; see gpu.md)"
 
 
 def availability_lines(registered: Mapping[str, Backend], width: int | None = None) -> list[str]:
@@ -164,7 +198,13 @@ def info_report(version: str, width: int | None = None) -> str:
         lines += ["", f"plugins refused ({registry.ENTRY_POINT_GROUP} entry points that registered nothing):"]
         lines += wrapped(*(f"  {plugin.entry_point}: {plugin.reason}" for plugin in refused))
     header, rows = capability_matrix(registered)
-    lines += ["", fitted_table(header, rows, width), "", "backends:"]
+    lines += ["", fitted_table(header, rows, width)]
+    lines += [
+        "",
+        "verified on hardware (docs/gpu.md):",
+        fitted_table(list(HARDWARE_HEADER), hardware_rows(registered), width),
+    ]
+    lines += ["", "backends:"]
     origins = registry.origins()
     for name in sorted(registered):
         capabilities = registered[name].capabilities
