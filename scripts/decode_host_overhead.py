@@ -1,4 +1,4 @@
-"""A decode call's launches and host time on the GPU kernel backends, measured on CPU (issue 33).
+"""A decode call's launches and host time on the GPU kernel backends, measured on CPU.
 
 The call: B = 1, Hq = Hkv = 32, Lq = 1, Lk = 8192, D = 128, bfloat16, with contiguous keys and with a paged cache of
 16-token blocks. Each backend's launcher plans it for a GPU (triton: compiled for sm_90; cupy: its GPU tiles) with

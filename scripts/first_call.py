@@ -1,4 +1,4 @@
-"""What `auto`'s measuring adds to the first call of each bucket (issue 32), as a user meets it.
+"""What `auto`'s measuring adds to the first call of each bucket, as a user meets it.
 
 Two fresh processes on one fresh records directory run the same buckets in order (B=1, H=8, D=64, float32 and
 bfloat16, the given lengths, causal or not, forward or forward+backward; one thread): the first measures each

@@ -39,7 +39,7 @@ from typing import IO, Any, TextIO
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMA = 1
-#: The whole run, from the .sh's start (GPU_CHECK_STARTED): the brief's 6 minutes on a bare machine.
+#: The whole run, from the .sh's start (GPU_CHECK_STARTED): a 6-minute budget on a bare machine.
 BUDGET_S = 360.0
 #: Kept back at the end for writing the summary, so a slow step never eats the report.
 RESERVE_S = 10.0

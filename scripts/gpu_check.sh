@@ -3,8 +3,6 @@
 # and attnkit without a registry, then runs scripts/gpu_check.py, which checks every CUDA backend, runs the GPU
 # tests and the benches, and writes gpu_check.json and gpu_check.md to $OUT (else ./gpu_check_out). Exits non-zero
 # if any step failed. Arguments go to the driver: --dry-run prints the plan; --device cpu runs it all on a CPU.
-#
-# On the device tool: run(command="scripts/gpu_check.sh", carry=[".whl"], timeout_s=420).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 GPU_CHECK_STARTED=$(date +%s)  # the driver's 6-minute budget counts from here, the installs included

@@ -19,7 +19,7 @@ PYTHON_VERSION=${GPU_WHEELS_PYTHON:-3.12}
 PY=${PYTHON:-python3}
 
 rm -rf .whl && mkdir .whl
-# .gitignore keeps .whl/ out of git; the device tool carries it with `carry: [".whl"]`.
+# .gitignore keeps .whl/ out of git: copy it to the GPU machine beside the checkout.
 
 platforms=()
 for tag in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manylinux_2_17_x86_64 \

@@ -62,7 +62,7 @@ def _tests(backend: str, *files: str) -> tuple[str, ...]:
     return (*files, "-k", f"{backend} or test_geometry")
 
 
-# The contract's geometry in integers, read by every tiled backend since the band moved there (issue 15).
+# The contract's geometry in integers, read by every tiled backend.
 BAND = Source(
     "attnkit/contract/__init__.py",
     ("alignment_offset", "diagonal_band", "within_band", "conjoin", "tile_visibility"),

@@ -14,8 +14,8 @@ It runs in a checkout of 531af8d with triton 3.6.0 installed and reads today's m
 Backward throughput counts the FlashAttention-2 paper's flops (2.5 × the forward's) over the dQ and dK/dV
 kernels' predicted times (the Δ kernel is left out: a memory pass).
 
-Issue 33 retired the model's speed projections: its last predictions missed the H200 by 1.4–1.6× (triton forward)
-and 1.5–3× (fwd+bwd); docs/performance.md, "Issue 33: the static model against the H200".
+The model's speed projections are retired: its last predictions missed the H200 (2026-11-27) by 1.4–1.6× (triton
+forward) and 1.5–3× (fwd+bwd); docs/performance-history.md, "The static model against the H200".
 """
 
 from __future__ import annotations

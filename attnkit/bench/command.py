@@ -177,7 +177,7 @@ def _progress(message: str) -> None:
 
 def run_targets(args: argparse.Namespace, out: TextIO) -> int:
     if args.device != "cpu":
-        print("attnkit bench: --what targets measures the CPU targets of issue 6 (--device cpu)", file=sys.stderr)
+        print("attnkit bench: --what targets measures the CPU performance targets (--device cpu)", file=sys.stderr)
         return 2
     if args.plot:  # fail before a long run, not after it
         try:

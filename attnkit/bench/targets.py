@@ -1,4 +1,4 @@
-"""``attnkit bench --what targets``: the performance targets of issue 6, each against its peer in the same run.
+"""``attnkit bench --what targets``: attnkit's CPU performance targets, each against its peer in the same run.
 
 Four targets, at B=1, H=8, D=64 (docs/performance.md, "Targets"):
 
@@ -629,7 +629,7 @@ def bench_targets(
     progress: Callable[[str], None] | None = None,
     non_native_paths: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Every target of issue 6 in one run (see the module docstring); a JSON-ready dict. ``non_native_paths``: the
+    """Every CPU performance target in one run (see the module docstring); a JSON-ready dict. ``non_native_paths``: the
     backends the non-native target times besides auto (default: every torch backend that serves the call)."""
     import torch
 
@@ -732,7 +732,7 @@ def format_targets(result: dict[str, Any]) -> str:
             lines.append(
                 "auto runs: the backend, and `measured` where the cell's first call timed the contenders (records in a "
                 "fresh directory for the run), with what that first call cost over a steady one in calls of the "
-                "slowest contender (issue 32: <= 3); `predicted` where the cost table decided"
+                "slowest contender (target: <= 3); `predicted` where the cost table decided"
             )
     if "non-native" in targets:
         target = targets["non-native"]

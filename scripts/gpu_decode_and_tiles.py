@@ -1,7 +1,8 @@
-"""Issue 33's checks that need a GPU, in one short run (docs/gpu.md, "What a GPU must run next"). CUDA only.
+"""The decode call's kernels and the autotune records on a GPU, in one short run (docs/gpu.md, "Beyond
+gpu_check.sh"). CUDA only.
 
-    python scripts/gpu_issue33.py decode        # the decode call: triton's split-K + combine against SDPA, kernels
-    python scripts/gpu_issue33.py tiles DIR     # run twice with the same DIR: the second process must not autotune
+    python scripts/gpu_decode_and_tiles.py decode     # triton's split-K + combine against SDPA, its kernels
+    python scripts/gpu_decode_and_tiles.py tiles DIR  # run twice with the same DIR: the second must not autotune
 
 ``decode``: B = 1, Hq = 32, Lq = 1, Lk = 8192, D = 128, bf16, contiguous and paged (16-token blocks, shuffled table,
 ragged lengths), on triton and cupy against torch-sdpa's result (max |error| each; bf16's tolerance is about 1e-2 at
