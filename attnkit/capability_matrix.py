@@ -165,7 +165,7 @@ def capability_markdown(registered: Mapping[str, Backend] | None = None) -> str:
 
 
 def _unverified_text(entry: Unverified) -> str:
-    return f"refused on {entry.device} until a GPU run passes it: {entry.path} ({entry.history}; see gpu.md)"
+    return f"refused on {entry.device} until a GPU run passes it: {entry.path} ({entry.history}; docs/gpu.md)"
 
 
 def availability_lines(registered: Mapping[str, Backend], width: int | None = None) -> list[str]:

@@ -9,7 +9,7 @@
 * :mod:`~attnkit.bench.chunked`: ``--what chunked`` and ``--what memory``, torch-chunked against SDPA and
   torch-naive.
 * :mod:`~attnkit.bench.tflops`: ``--backend NAME``, one backend in TFLOP/s against its framework's own attention.
-* :mod:`~attnkit.bench.targets`: ``--what targets``, issue 6's performance targets.
+* :mod:`~attnkit.bench.targets`: ``--what targets``, the CPU performance targets.
 * :mod:`~attnkit.bench.calibrate`: ``--calibrate``, the cost table of attnkit/cost.py.
 * :mod:`~attnkit.bench.command`: the ``attnkit bench`` subcommand on top of them.
 
