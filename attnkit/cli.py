@@ -149,7 +149,7 @@ BENCH_WHATS = "dispatch spec chunked memory targets compiled masks packed paged 
 def _add_bench(commands: Any) -> None:
     bench = commands.add_parser(
         "bench",
-        help="the CPU performance targets against the frameworks' own attention; dispatch overhead; AttentionSpec construction; "
+        help="the CPU targets against the frameworks' own attention; dispatch overhead; AttentionSpec construction; "
         "torch-chunked against SDPA and torch-naive in time or peak memory; segment ids (packed rows, left padding); "
         "--backend NAME in TFLOP/s; a decode step over a growing cache, jitted JAX and transformers generate(); "
         "--calibrate the cost table",
