@@ -467,7 +467,14 @@ def framework_reason(framework: Framework, frameworks: frozenset[Framework]) -> 
 
 
 def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem) -> list[str]:
-    """Why a backend with these capabilities cannot serve (spec, problem); empty when it can."""
+    """Why a backend with these capabilities cannot serve (spec, problem); empty when it can. ``BaseBackend.supports``
+    answers with it; a backend's own ``supports`` may add its reasons to these.
+
+    :param caps: the backend's declared capabilities.
+    :param spec: the call's spec.
+    :param problem: the call's shapes, dtype, device and arguments.
+    :returns: one reason per unmet requirement, each naming the value and what is supported.
+    """
     if problem.framework not in caps.frameworks:  # the one reason: nothing else matters for arrays it cannot take
         return [framework_reason(problem.framework, caps.frameworks)]
     reasons = []
