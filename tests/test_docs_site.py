@@ -5,6 +5,7 @@ itself (`mkdocs build --strict`, which checks links and anchors) is a step of .c
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import re
 from collections.abc import Callable
@@ -21,15 +22,17 @@ DOCS = ROOT / "docs"
 TRANSFORMERS_MODULE = ROOT / "attnkit" / "integrations" / "transformers.py"
 
 
-def reference_directives() -> set[str]:
+@functools.cache
+def reference_directives() -> frozenset[str]:
     """The objects the reference pages render: the targets of their `::: name` lines."""
-    return {
+    return frozenset(
         match.group(1)
         for page in (DOCS / "reference").glob("*.md")
         for match in re.finditer(r"^::: (\S+)$", page.read_text(), re.M)
-    }
+    )
 
 
+@functools.cache
 def transformers_public_definitions() -> dict[str, ast.FunctionDef | ast.ClassDef]:
     """The integration's public functions and classes, read from its source (importing it needs transformers)."""
     tree = ast.parse(TRANSFORMERS_MODULE.read_text())
