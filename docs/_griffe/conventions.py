@@ -68,7 +68,7 @@ def _comment_docstring(attribute: griffe.Object) -> str | None:
     return " ".join(comment) or None
 
 
-class RstRoles(griffe.Extension):
+class SourceConventions(griffe.Extension):
     def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
         if obj.docstring is None and obj.is_attribute:
             text = _comment_docstring(obj)
