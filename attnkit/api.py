@@ -51,23 +51,51 @@ def attend(
 ) -> Any:
     """Attention as ``spec`` defines it (docs/semantics.md), on torch tensors or JAX arrays.
 
-    Returns ``out`` in q's dtype and layout, or ``(out, lse)`` with ``return_lse=True``
-    (lse: float32, float64 for float64 inputs; (B, Hq, Lq), or (B, Lq) for 3-D inputs). ``backend`` is ``"auto"`` (the
-    configured priority list) or a registered name; a named backend that cannot serve the call raises
-    :class:`attnkit.BackendUnavailableError` with its reasons, never falling back silently. ``sinks``: one learnable
-    logit per query head joining every row's softmax (§15), differentiable; lse then includes it.
-    ``alibi_slopes``: float32 (Hq,) or (B, Hq), ALiBi's bias ``−slope · |i + off − j|`` on every score (§16), computed
-    by the backend from positions; no gradient.
-    ``mask_mod``: a mask program (§17), ``fn(b, h, q_idx, kv_idx) -> bool`` as FlexAttention's mask_mod (JAX
-    operations in a JAX call), ANDed with every other clause; traced once per function, evaluated by the backend in
-    its tiles (or materialised, where ``explain`` says so), with empty tiles skipped.
-    ``dropout_p``: attention dropout (§18), 0 ≤ p < 1: each normalised probability is kept or dropped by a counter-based
-    keep-mask of (batch row, query head, query, key) and the seed, the same on every backend, device and sharding, and
-    kept ones are scaled by 1 / (1 − p); lse is the scores' before dropout. ``dropout_seed``: an int in [0, 2**64)
-    (torch: also a 0-d int64 tensor; JAX: also a uint64 scalar or (2,) uint32 words); ``None`` draws one from torch's
-    generator for q's device. ``dropout_key``: a JAX PRNG key instead of a seed. The backward regenerates the mask.
-    (A call that computes part of a larger one, as attnkit.distributed's do, passes an attnkit.backend.Dropout as
-    ``dropout_seed``: the seed with the indices where its heads, queries and keys start in the larger call.)
+    Differentiable in q, k, v, ``bias`` and ``sinks`` (torch autograd; ``jax.grad`` and ``jax.jit``), through lse too.
+    Every argument after v is a keyword.
+
+    :param spec: what the call computes: causal and its alignment, window, scale, variant, softcap, layout.
+    :param q: queries, (B, Hq, Lq, D) in layout ``"bhsd"``, (B, Lq, Hq, D) in ``"bshd"``, or (B, Lq, D) for one head
+        (§1); a floating dtype that k and v share.
+    :param k: keys, (B, Hkv, Lk, D) in ``"bhsd"``; Hq must be a multiple of Hkv (GQA, query head h reads kv head
+        ``h // (Hq // Hkv)``, §2).
+    :param v: values, (B, Hkv, Lk, Dv); Dv may differ from D.
+    :param mask: boolean, broadcastable to (B, Hq, Lq, Lk); ``True`` means the query may see the key (§4.4). A float
+        mask goes in ``bias``.
+    :param bias: floating, broadcastable to (B, Hq, Lq, Lk), added to the scores after the softcap (§3);
+        differentiable.
+    :param q_lengths: integer (B,): query rows at or past the length are padding and output 0 (§4.3).
+    :param kv_lengths: integer (B,): keys at or past the length are never seen; with bottom-right alignment each
+        row's causal diagonal ends at its own last key (§4.3).
+    :param q_segment_ids: integer (B, Lq), given with ``kv_segment_ids``: a query sees only keys of its own
+        segment; a negative id is padding (§4.5).
+    :param kv_segment_ids: integer (B, Lk), the keys' segment ids.
+    :param return_lse: also return the log-sum-exp of each row's scores.
+    :param backend: ``"auto"`` (the configured priority list) or a registered name; a named backend that cannot
+        serve the call raises :class:`attnkit.BackendUnavailableError` with its reasons, never falling back
+        silently.
+    :param sinks: (Hq,), one learnable logit per query head joining every row's softmax (§15), differentiable; lse
+        then includes it.
+    :param alibi_slopes: float32 (Hq,) or (B, Hq), ALiBi's bias ``−slope · |i + off − j|`` on every score (§16),
+        computed by the backend from positions; no gradient.
+    :param mask_mod: a mask program (§17), ``fn(b, h, q_idx, kv_idx) -> bool`` as FlexAttention's mask_mod (JAX
+        operations in a JAX call), ANDed with every other clause; traced once per function, evaluated by the backend
+        in its tiles (or materialised, where ``explain`` says so), with empty tiles skipped.
+    :param dropout_p: attention dropout (§18), 0 ≤ p < 1: each normalised probability is kept or dropped by a
+        counter-based keep-mask of (batch row, query head, query, key) and the seed, the same on every backend,
+        device and sharding, and kept ones are scaled by 1 / (1 − p); lse is the scores' before dropout. The
+        backward regenerates the mask.
+    :param dropout_seed: an int in [0, 2**64) (torch: also a 0-d int64 tensor; JAX: also a uint64 scalar or (2,)
+        uint32 words); ``None`` draws one from torch's generator for q's device. (A call that computes part of a
+        larger one, as attnkit.distributed's do, passes an attnkit.backend.Dropout: the seed with the indices where
+        its heads, queries and keys start in the larger call.)
+    :param dropout_key: a JAX PRNG key instead of a seed.
+    :returns: ``out`` in q's dtype and layout, or ``(out, lse)`` with ``return_lse=True`` (lse: float32, float64 for
+        float64 inputs; (B, Hq, Lq), or (B, Lq) for 3-D inputs). A query row that sees no key outputs 0 with lse −∞
+        (§5).
+    :raises attnkit.InvalidInputError: a shape, length value or argument combination the contract refuses (§11).
+    :raises attnkit.InvalidInputTypeError: an argument of the wrong type or dtype.
+    :raises attnkit.BackendUnavailableError: no backend (or not the named one) can serve the call.
     """
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
@@ -199,7 +227,31 @@ def explain(
     dropout_key: Any = None,
 ) -> str:
     """The dispatch table for a call, without running it: each backend, the one that would run, and why not. With
-    ``sinks``, the call that runs without them and returns lse (§15's composition runs after it)."""
+    ``sinks``, the call that runs without them and returns lse (§15's composition runs after it).
+
+    Takes :func:`attend`'s arguments (everything but ``backend``), validated as attend validates them; nothing is
+    computed or timed. docs/dispatch.md reads the table.
+
+    :param spec: the call's spec.
+    :param q: queries, as for :func:`attend`.
+    :param k: keys, as for :func:`attend`.
+    :param v: values, as for :func:`attend`.
+    :param mask: as for :func:`attend`.
+    :param bias: as for :func:`attend`.
+    :param q_lengths: as for :func:`attend`.
+    :param kv_lengths: as for :func:`attend`.
+    :param q_segment_ids: as for :func:`attend`.
+    :param kv_segment_ids: as for :func:`attend`.
+    :param return_lse: as for :func:`attend`; whether the call wants lse enters the choice.
+    :param sinks: as for :func:`attend`.
+    :param alibi_slopes: as for :func:`attend`.
+    :param mask_mod: as for :func:`attend`.
+    :param dropout_p: as for :func:`attend`.
+    :param dropout_seed: as for :func:`attend`.
+    :param dropout_key: as for :func:`attend`.
+    :returns: the spec, the problem, one row per registered backend (the selected one marked, each other with the
+        reasons it cannot serve the call, predicted times where the cost table has them) and what decided.
+    """
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     ops, problem, inputs, _ = prepare(

@@ -124,6 +124,8 @@ __all__ = [
 
 
 class Framework(str, enum.Enum):
+    """The array framework of a call: torch tensors or JAX arrays."""
+
     TORCH = "torch"
     JAX = "jax"
 
@@ -305,6 +307,9 @@ class PagedInputs(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Gradients:
+    """What ``backward`` returns: the gradients of q, k, v (each in its input's shape and dtype) and, where
+    ``need_dbias``, of the bias (its broadcast shape or the caller's; the frontend sums it down)."""
+
     dq: Any
     dk: Any
     dv: Any
@@ -467,7 +472,14 @@ def framework_reason(framework: Framework, frameworks: frozenset[Framework]) -> 
 
 
 def capability_reasons(caps: Capabilities, spec: AttentionSpec, problem: Problem) -> list[str]:
-    """Why a backend with these capabilities cannot serve (spec, problem); empty when it can."""
+    """Why a backend with these capabilities cannot serve (spec, problem); empty when it can. ``BaseBackend.supports``
+    answers with it; a backend's own ``supports`` may add its reasons to these.
+
+    :param caps: the backend's declared capabilities.
+    :param spec: the call's spec.
+    :param problem: the call's shapes, dtype, device and arguments.
+    :returns: one reason per unmet requirement, each naming the value and what is supported.
+    """
     if problem.framework not in caps.frameworks:  # the one reason: nothing else matters for arrays it cannot take
         return [framework_reason(problem.framework, caps.frameworks)]
     reasons = []
@@ -523,11 +535,21 @@ class Backend(Protocol):
         ...
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
-        """Reasons this backend cannot serve this call; empty when it can."""
+        """Reasons this backend cannot serve this call; empty when it can.
+
+        :param spec: the call's spec.
+        :param problem: the call's shapes, dtype, device and which optional inputs it has (never values).
+        :returns: one reason per unmet requirement, each naming the value and what is supported.
+        """
         ...
 
     def forward(self, spec: AttentionSpec, inputs: AttentionInputs, need_lse: bool) -> tuple[Any, Any]:
-        """Return ``(out, lse)``; ``lse`` may be None when ``need_lse`` is False and no grad is needed."""
+        """Return ``(out, lse)``; ``lse`` may be None when ``need_lse`` is False and no grad is needed.
+
+        :param spec: the call's spec; q, k, v are 4-D in its layout.
+        :param inputs: the call's validated tensors, in the backend's framework.
+        :param need_lse: whether the caller wants lse (float32 (B, Hq, Lq); float64 for float64 inputs).
+        """
         ...
 
     def backward(
@@ -542,7 +564,16 @@ class Backend(Protocol):
         need_dbias: bool,
     ) -> Gradients:
         """Gradients of (out, lse) given their cotangents; ``dlse`` None means zero. ``Gradients.dbias`` is read only
-        when ``need_dbias`` (a bias given and differentiated); otherwise it may stay None, and its work be skipped."""
+        when ``need_dbias`` (a bias given and differentiated); otherwise it may stay None, and its work be skipped.
+
+        :param spec: the call's spec.
+        :param inputs: the forward's inputs.
+        :param out: the forward's output.
+        :param lse: the forward's lse.
+        :param dout: the cotangent of out.
+        :param dlse: the cotangent of lse, or None.
+        :param need_dbias: whether the bias's gradient is wanted.
+        """
         ...
 
 
@@ -560,9 +591,11 @@ class BaseBackend:
     replaces_builtin: bool = False
 
     def available(self) -> list[str]:
+        """Nothing missing; a backend that needs a package, a device or a compiler overrides it."""
         return []
 
     def supports(self, spec: AttentionSpec, problem: Problem) -> list[str]:
+        """What the capabilities say (:func:`capability_reasons`)."""
         return capability_reasons(self.capabilities, spec, problem)
 
     def cold_start(self, spec: AttentionSpec, problem: Problem) -> str | None:
@@ -590,19 +623,30 @@ class BaseBackend:
 
     def forward_paged(self, spec: AttentionSpec, inputs: PagedInputs, need_lse: bool) -> tuple[Any, Any]:
         """(out, lse or None) of an attend_paged call; a backend declaring ``Feature.PAGED`` writes it, reading the
-        blocks where they lie. Forward only."""
+        blocks where they lie. Forward only.
+
+        :param spec: the call's spec; q is 4-D in its layout.
+        :param inputs: the cache, block table and lengths (:class:`PagedInputs`), validated.
+        :param need_lse: whether the caller wants lse.
+        """
         raise NotImplementedError(f"{type(self).__name__}.forward_paged (it declares {Feature.PAGED})")
 
     def differentiable_forward(self, spec: AttentionSpec, problem: Problem) -> Runner | None:
+        """Optional: a :data:`Runner` its framework differentiates itself, made once per (spec, problem); None (the
+        default) has the frontend wrap ``forward`` and ``backward``."""
         return None
 
     def plain_call(self, spec: AttentionSpec, problem: Problem) -> PlainCall | None:
+        """Optional: for a plain problem (``problem.is_plain()``), a :data:`PlainCall` ``(q, k, v) -> out`` that
+        ``attend`` makes with nothing around it; None (the default): none."""
         return None
 
     def interpreted(self, device: str) -> bool:
+        """Optional: whether its kernels run in an interpreter or emulator on ``device`` (default: no)."""
         return False
 
     def run_time_builds(self) -> tuple[TorchExtension, ...]:
+        """Optional: what it compiles on first use, which ``attnkit build`` builds ahead of time (default: none)."""
         return ()
 
 
@@ -633,7 +677,12 @@ def runs_interpreted(backend: Backend, device: str) -> bool:
 
 class MissingPackageBackend(BaseBackend):
     """Stands in for a built-in backend whose package is not installed, so configs naming it stay valid
-    and ``attnkit info`` says what to install."""
+    and ``attnkit info`` says what to install.
+
+    :param name: the backend's registry name.
+    :param package: the package it needs.
+    :param extra: attnkit's extra that installs it (``pip install 'attnkit[extra]'``).
+    """
 
     def __init__(self, name: str, package: str, extra: str) -> None:
         self.name = name

@@ -406,6 +406,9 @@ def _build_base(extra: str | os.PathLike[str] | Mapping[str, Any] | None = None)
 
 
 def current_config() -> Config:
+    """The config in force here: the innermost :func:`use_config` or :func:`use_backend` scope of this thread or
+    task, else the process-wide one (:func:`configure`'s, or the shipped default with ``ATTNKIT_CONFIG`` and
+    ``ATTNKIT_BACKEND`` applied, built on first use)."""
     override = _override.get()
     if override is not None:
         return override
@@ -428,7 +431,13 @@ def forced_backend() -> str | None:
 
 def configure(source: str | os.PathLike[str] | Mapping[str, Any] | None = None) -> Config:
     """Set the process-wide config: the shipped default, ``ATTNKIT_CONFIG``, ``source``, then ``ATTNKIT_BACKEND``
-    (the environment is read again)."""
+    (the environment is read again).
+
+    :param source: a TOML file's path or a mapping of the same keys (configs/default.toml lists them), merged onto
+        the shipped default; ``None``: the default and the environment alone.
+    :returns: the new process-wide config.
+    :raises attnkit.ConfigError: a file that cannot be read, an unknown key or a value out of range.
+    """
     global _base
     with _base_lock:
         config = _build_base(source)
@@ -450,7 +459,12 @@ def _scope(config: Config) -> Iterator[Config]:
 @contextlib.contextmanager
 def use_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Iterator[Config]:
     """Within the block (this thread or task only), use ``source`` on top of the config in force: the keys it gives
-    win over every outer scope's, including an outer :func:`use_backend` (``{"backend": "auto"}`` lifts it)."""
+    win over every outer scope's, including an outer :func:`use_backend` (``{"backend": "auto"}`` lifts it).
+
+    :param source: a TOML file's path or a mapping of config keys (configs/default.toml lists them).
+    :returns: a context manager that gives the config in force inside the block.
+    :raises attnkit.ConfigError: a file that cannot be read, an unknown key or a value out of range.
+    """
     with _scope(load_config(source, base=current_config(), label=_call_label("use_config", source))) as config:
         yield config
 
@@ -458,7 +472,12 @@ def use_config(source: str | os.PathLike[str] | Mapping[str, Any]) -> Iterator[C
 @contextlib.contextmanager
 def use_backend(name: str) -> Iterator[None]:
     """Within the block (this thread or task only), run every call on backend ``name`` (``"auto"``: force none).
-    The same as ``use_config({"backend": name})``, with the registry's error for an unknown name."""
+    The same as ``use_config({"backend": name})``, with the registry's error for an unknown name.
+
+    :param name: a registered backend's name, or ``"auto"``.
+    :returns: a context manager.
+    :raises attnkit.UnknownBackendError: ``name`` is not registered.
+    """
     if not isinstance(name, str):
         raise InvalidInputTypeError(
             f"use_backend(name={name!r}): expected {AUTO!r} or a registered backend's name (a str), "

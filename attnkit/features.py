@@ -11,6 +11,8 @@ import enum
 
 
 class Feature(enum.StrEnum):
+    """What a spec or a call uses, by name: a backend's ``Capabilities.features`` lists those it serves."""
+
     # Of the spec (AttentionSpec.features()).
     CAUSAL = "causal"
     TOP_LEFT = "top_left"

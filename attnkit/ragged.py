@@ -90,13 +90,33 @@ def attend_varlen(
     dropout_seed: Any = None,
     dropout_key: Any = None,
 ) -> Any:
-    """Attention over packed sequences (docs/semantics.md §12): q (total_q, Hq, D), k and v (total_k, Hkv, D|Dv),
-    ``cu_seqlens_q``/``cu_seqlens_k`` (n + 1,) cumulative offsets. Sequence s is attended as its own call, with
-    ``sinks`` (Hq,) as attend takes them (§15) and ``alibi_slopes`` float32 (Hq,) or (n, Hq), one row per sequence
-    (§16, as flash-attn's varlen call takes them). ``mask_mod`` (§17) sees ``b`` as the sequence and positions within
-    it, and so does dropout's keep-mask (``dropout_p``, ``dropout_seed``, ``dropout_key`` as attend takes them, §18).
+    """Attention over packed sequences (docs/semantics.md §12), flash-attn's varlen layout: sequence s is attended as
+    its own :func:`attend` call on its queries ``cu_seqlens_q[s] ≤ t < cu_seqlens_q[s+1]`` and keys
+    ``cu_seqlens_k[s] ≤ t < cu_seqlens_k[s+1]``, with its own causal alignment and window (the spec's ``layout`` is
+    ignored). Differentiable as attend; no mask or bias.
 
-    Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) as attend's (§6). Differentiable as attend."""
+    :param spec: the call's spec.
+    :param q: (total_q, Hq, D), floating.
+    :param k: (total_k, Hkv, D), q's dtype.
+    :param v: (total_k, Hkv, Dv), q's dtype.
+    :param cu_seqlens_q: integer (n + 1,) cumulative offsets of the n sequences' queries (int32, as flash-attn takes
+        them): starting at 0, never decreasing, ending at total_q.
+    :param cu_seqlens_k: integer (n + 1,) cumulative offsets of the keys, ending at total_k.
+    :param max_seqlen_q: an upper bound on any sequence's query count (Python int); required under ``jax.jit``, where
+        the offsets are traced and the caller answers for them.
+    :param max_seqlen_k: the same for the keys.
+    :param return_lse: also return lse.
+    :param backend: ``"auto"`` or a registered name, as for :func:`attend`.
+    :param sinks: (Hq,), as attend takes them (§15), joining every sequence's rows.
+    :param alibi_slopes: float32 (Hq,) or (n, Hq), one row per sequence (§16, as flash-attn's varlen call takes
+        them).
+    :param mask_mod: a mask program (§17); it sees ``b`` as the sequence and positions within it.
+    :param dropout_p: as for :func:`attend` (§18); the keep-mask's batch row is the sequence and its indices the
+        positions within it.
+    :param dropout_seed: as for :func:`attend`.
+    :param dropout_key: as for :func:`attend`.
+    :returns: out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q), float32 (float64 for float64 inputs, §6).
+    """
     if type(spec) is not AttentionSpec:
         raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
     ops = ops_for(q, "q")
@@ -365,10 +385,28 @@ def attend_paged(
 ) -> Any:
     """Attention of new queries against a paged KV cache (docs/semantics.md §13): exactly attend(spec, q, K_b, V_b,
     kv_lengths=kv_lengths) on the keys the block table gathers, which backends declaring ``paged`` read where the
-    blocks lie, with ``sinks`` and ``alibi_slopes`` as attend takes them (§15, §16). Forward only. Returns out, or
-    (out, lse), as attend does for q. ``mask_mod`` (§17) sees kv_idx as the key's logical position; a call with one
-    gathers the blocks it names (a copy of the sequences' keys, never an (Lq, Lk) mask) and runs attend on them.
-    ``dropout_p``: 0 only (a training model's dropout layer may pass its rate, 0 in evaluation)."""
+    blocks lie. Key j of sequence b is slot ``j mod block_size`` of block ``block_table[b, j // block_size]``; causal
+    aligns bottom-right by default, so the Lq new queries are the sequence's last Lq positions. Forward only.
+
+    :param spec: the call's spec; its ``layout`` is q's.
+    :param q: (B, Hq, Lq, D) with layout ``"bhsd"``, (B, Lq, Hq, D) with ``"bshd"``; floating.
+    :param k_cache: (num_blocks, block_size, Hkv, D), q's dtype.
+    :param v_cache: (num_blocks, block_size, Hkv, Dv), q's dtype.
+    :param block_table: int32 (B, max_blocks): the blocks of each sequence, in order; entries past a sequence's last
+        block are never read (−1 is customary), and every entry that is read lies in [0, num_blocks).
+    :param kv_lengths: integer (B,): each sequence's key count, at most ``max_blocks · block_size``.
+    :param return_lse: also return lse.
+    :param backend: ``"auto"`` or a registered name that declares ``paged``, as for :func:`attend`.
+    :param sinks: (Hq,), as attend takes them (§15).
+    :param alibi_slopes: float32 (Hq,) or (B, Hq), as attend takes them (§16), at distances between positions in the
+        sequence.
+    :param mask_mod: a mask program (§17) that sees ``kv_idx`` as the key's logical position; a call with one
+        gathers the blocks it names (a copy of the sequences' keys, never an (Lq, Lk) mask) and runs attend on them.
+    :param dropout_p: 0 only (a training model's dropout layer may pass its rate, 0 in evaluation).
+    :returns: out, or (out, lse), as attend returns them for q.
+    :raises attnkit.InvalidInputError: a block table entry outside the cache, a length past the table, or
+        ``dropout_p > 0``.
+    """
     if checked_probability(dropout_p) > 0:
         raise InvalidInputError(
             f"dropout_p={dropout_p}, but attend_paged is forward-only inference over a KV cache (docs/semantics.md "

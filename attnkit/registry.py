@@ -89,13 +89,24 @@ door.bind_loaded(_put_loaded)
 
 def register_backend(backend: Backend, *, replace: bool = False) -> None:
     """Add a backend under ``backend.name``. Re-registering a name needs ``replace=True``. Registered at run time,
-    it comes after the built-ins and plugins, which are loaded first."""
+    it comes after the built-ins and plugins, which are loaded first.
+
+    :param backend: an object implementing :class:`attnkit.Backend` (usually a :class:`attnkit.BaseBackend`).
+    :param replace: put it in place of a backend already registered under its name.
+    :raises attnkit.InvalidInputTypeError: ``backend`` does not implement the protocol.
+    :raises attnkit.InvalidInputError: the name is taken and ``replace`` is not set.
+    """
     caller = sys._getframe(1).f_globals.get("__name__", "?")  # only to say who registered it (attnkit info)
     _ensure_loaded()
     _register(backend, replace, f"registered at run time by {caller}")
 
 
 def unregister_backend(name: str) -> None:
+    """Remove the backend registered as ``name``; ``auto`` no longer considers it.
+
+    :param name: the backend's registered name.
+    :raises attnkit.UnknownBackendError: nothing is registered under ``name``.
+    """
     with _lock:
         _ensure_loaded()
         if name not in _backends:
@@ -172,7 +183,11 @@ def _ensure_loaded() -> None:
 
 
 def get_backend(name: str) -> Backend:
-    """The backend registered as ``name``; a built-in one's module is imported now if it was not."""
+    """The backend registered as ``name``; a built-in one's module is imported now if it was not.
+
+    :param name: a registered backend's name (``attnkit info`` lists them).
+    :raises attnkit.UnknownBackendError: nothing is registered under ``name``; the message lists what is.
+    """
     _ensure_loaded()
     with _lock:
         try:
@@ -192,7 +207,11 @@ def backends(load: bool = False) -> dict[str, Backend]:
     its :class:`~attnkit.backend.LazyBackend`, which answers for it (availability, the reasons for a call of another
     framework) without importing its framework, and imports it for anything else. ``load=True`` imports every one
     first (what reports on every backend want: ``attnkit info``, ``attnkit check``): each is then itself, and its
-    ``available()`` the backend's own, not the stand-in's "nothing missing" before its framework is imported."""
+    ``available()`` the backend's own, not the stand-in's "nothing missing" before its framework is imported.
+
+    :param load: import every backend's module first.
+    :returns: a new dict of name to backend; changing it changes nothing registered.
+    """
     _ensure_loaded()
     with _lock:
         found = dict(_backends)

@@ -16,16 +16,23 @@ from attnkit.features import Feature
 
 
 class CausalAlignment(str, enum.Enum):
+    """Where the causal diagonal sits when Lq != Lk (docs/semantics.md §4.1): ``bottom_right`` (the default, a KV
+    cache's: the last query sees every key) or ``top_left`` (torch SDPA's ``is_causal``: query i sees keys 0..i)."""
+
     BOTTOM_RIGHT = "bottom_right"
     TOP_LEFT = "top_left"
 
 
 class Variant(str, enum.Enum):
+    """``dot``: scores q·kᵀ; ``cosine``: q and k L2-normalised along the head dim first (default scale 16)."""
+
     DOT = "dot"
     COSINE = "cosine"
 
 
 class Layout(str, enum.Enum):
+    """The axis order of q, k, v and out: ``bhsd`` (batch, heads, seq, dim) or ``bshd`` (batch, seq, heads, dim)."""
+
     BHSD = "bhsd"
     BSHD = "bshd"
 
@@ -75,25 +82,29 @@ def _by_canonical_arguments(cls: _RememberedSpecs, window_types: tuple[type, ...
 
 
 class AttentionSpec(BaseModel, metaclass=_RememberedSpecs):
-    """What an attention call computes; see docs/semantics.md for the full contract.
+    """What an attention call computes; see docs/semantics.md for the full contract. Immutable and hashable; every
+    field is a keyword (``AttentionSpec(causal=True, window=(256, 0))``).
 
-    Fields:
-        causal: restrict each query to keys at or before its aligned position.
-        causal_alignment: where the diagonal sits when Lq != Lk. For Lq=2, Lk=5
-            (``x`` = may attend)::
+    ``causal_alignment`` places the diagonal when Lq != Lk. For Lq=2, Lk=5 (``x`` = may attend):
 
-                bottom_right (default, KV-cache)     top_left (torch SDPA is_causal)
-                     k0 k1 k2 k3 k4                      k0 k1 k2 k3 k4
-                q0 [ x  x  x  x  . ]                q0 [ x  .  .  .  . ]
-                q1 [ x  x  x  x  x ]                q1 [ x  x  .  .  . ]
+        bottom_right (default, KV-cache)     top_left (torch SDPA is_causal)
+             k0 k1 k2 k3 k4                      k0 k1 k2 k3 k4
+        q0 [ x  x  x  x  . ]                q0 [ x  .  .  .  . ]
+        q1 [ x  x  x  x  x ]                q1 [ x  x  .  .  . ]
 
-            The same alignment offset places the sliding ``window``.
-        window: ``(left, right)``, inclusive, either side ``None`` for unbounded;
-            query i sees key j iff ``i+off-left <= j <= i+off+right``.
-        scale: multiplies q·kᵀ; ``None`` means 1/sqrt(head_dim), or 16 for the cosine variant.
-        variant: ``"dot"`` or ``"cosine"`` (q and k L2-normalised along the head dim first).
-        softcap: ``c > 0`` maps scores S to ``c*tanh(S/c)`` after scaling; ``None`` disables.
-        layout: ``"bhsd"`` (batch, heads, seq, dim) or ``"bshd"`` (batch, seq, heads, dim).
+    The same alignment offset places the sliding ``window``.
+
+    :ivar causal: restrict each query to keys at or before its aligned position (default ``False``).
+    :ivar causal_alignment: where the diagonal sits when Lq != Lk: ``"bottom_right"`` (default) or ``"top_left"``,
+        a :class:`CausalAlignment`.
+    :ivar window: ``(left, right)``, inclusive, either side ``None`` for unbounded; query i sees key j iff
+        ``i+off-left <= j <= i+off+right``. ``None`` (default): no window.
+    :ivar scale: multiplies q·kᵀ; ``None`` (default) means 1/sqrt(head_dim), or 16 for the cosine variant.
+    :ivar variant: ``"dot"`` (default) or ``"cosine"`` (q and k L2-normalised along the head dim first), a
+        :class:`Variant`.
+    :ivar softcap: ``c > 0`` maps scores S to ``c*tanh(S/c)`` after scaling; ``None`` (default) disables.
+    :ivar layout: ``"bhsd"`` (batch, heads, seq, dim; default) or ``"bshd"`` (batch, seq, heads, dim), a
+        :class:`Layout`.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)

@@ -36,9 +36,38 @@ def _placement(is_jax: bool, group: Any, mesh: Any, axis_name: Any) -> None:
 
 def attend(spec: Any, q: Any, k: Any, v: Any, **options: Any) -> Any:
     """The sharded call of §14: every rank (device) passes its shards of q, k, v and gets its shard of out (and lse).
-    torch: ``group=``; JAX: ``mesh=`` and ``axis_name=``, or ``axis_name=`` alone inside a shard_map. ``sinks=``
-    (Hq,), the same on every rank, join each row once, after its blocks are merged (§15); ``alibi_slopes=`` (Hq,) or
-    (B, Hq), the same on every rank, are ALiBi's at global distances (§16)."""
+    The result and gradients are those of :func:`attnkit.attend` on the whole tensors, whichever strategy and
+    sharding run it. torch: a collective over ``group``; a bad input on any rank raises a typed error on every rank.
+    JAX: ``mesh=`` and ``axis_name=``, or ``axis_name=`` alone inside a shard_map.
+
+    Keyword arguments (``options``):
+
+    * ``group``: torch's process group (``None``: the default group);
+    * ``mesh``, ``axis_name``: JAX's mesh and the axis the sequence is sharded along; with ``mesh``, q, k, v (and
+      segment ids) are whole arrays laid out by :func:`shard`, and out and lse come back so laid out; without it,
+      inside the caller's shard_map, they are the device's local shards;
+    * ``strategy``: ``"ring"`` (K/V chunks passed around the ring, the default), ``"allgather"`` or ``"ulysses"``
+      (sequence shards to head shards; Hq and Hkv multiples of the rank count), a :class:`Strategy`;
+    * ``sharding``: ``"zigzag"`` (the default; rank r holds chunks r and 2P−1−r of 2P) or ``"contiguous"``, a
+      :class:`Sharding`; the sequence length must divide into the chunks;
+    * ``q_lengths``, ``kv_lengths``: the global lengths (B,), the same on every rank;
+    * ``q_segment_ids``, ``kv_segment_ids``: sharded like q and k;
+    * ``mask``, ``bias`` (torch): the rank's rows against every key in global order, (B|1, Hq|1, local Lq, global Lk);
+    * ``return_lse``, ``backend``: as for :func:`attnkit.attend`; lse comes back as the rank's shard, float32;
+    * ``sinks``: (Hq,), the same on every rank, joining each row once, after its blocks are merged (§15);
+    * ``alibi_slopes``: (Hq,) or (B, Hq), the same on every rank, ALiBi's at global distances (§16);
+    * ``mask_mod``: a mask program (§17) that sees global positions;
+    * ``dropout_p``, ``dropout_seed``, ``dropout_key``: dropout (§18) that keeps what the single-device call keeps,
+      with one seed on every rank (the same ``dropout_seed`` on each, or drawn by rank 0 in torch).
+
+    :param spec: the call's spec, the same on every rank.
+    :param q: this rank's shard of the queries (torch), or the laid-out array (JAX).
+    :param k: this rank's shard of the keys, sharded as q.
+    :param v: this rank's shard of the values, sharded as q.
+    :returns: this rank's shard of out, or ``(out, lse)`` with ``return_lse=True``.
+    :raises attnkit.InvalidInputError: a length that does not divide into the chunks, head counts ``"ulysses"``
+        cannot split, or inputs the ranks disagree on.
+    """
     implementation = _implementation(q, "q")
     if implementation.__name__.endswith("jax_cp"):
         return implementation.attend_jax(spec, q, k, v, **options)
@@ -49,7 +78,15 @@ def shard(
     x: Any, group: Any = None, sharding: str = "zigzag", seq_axis: int = 2, *, mesh: Any = None, axis_name: Any = None
 ) -> Any:
     """This rank's shard of the whole tensor ``x`` along ``seq_axis`` (torch); for JAX, the whole array laid out on
-    ``mesh`` so that device r of ``axis_name`` holds its chunks."""
+    ``mesh`` so that device r of ``axis_name`` holds its chunks.
+
+    :param x: the whole tensor (torch: the same on every rank) or JAX array.
+    :param group: torch's process group (``None``: the default group).
+    :param sharding: ``"zigzag"`` or ``"contiguous"``, as :func:`attend` takes it.
+    :param seq_axis: the sequence axis of ``x`` (2 for bhsd q, k, v; 1 for bshd).
+    :param mesh: JAX's mesh.
+    :param axis_name: the mesh axis the sequence is sharded along.
+    """
     implementation = _implementation(x, "x")
     is_jax = implementation.__name__.endswith("jax_cp")
     _placement(is_jax, group, mesh, axis_name)
@@ -63,7 +100,15 @@ def unshard(
     axis_name: Any = None,
 ) -> Any:  # fmt: skip
     """The whole tensor in global order: from every rank's shard (torch, a collective), or from a JAX array laid out
-    by :func:`shard` (out, lse and gradients too)."""
+    by :func:`shard` (out, lse and gradients too).
+
+    :param x_local: this rank's shard (torch) or the laid-out JAX array.
+    :param group: torch's process group (``None``: the default group).
+    :param sharding: the sharding ``x_local`` was made with.
+    :param seq_axis: the sequence axis (for lse, (B, Hq, L), it is 2 as well).
+    :param mesh: JAX's mesh.
+    :param axis_name: the mesh axis the sequence is sharded along.
+    """
     implementation = _implementation(x_local, "x_local")
     is_jax = implementation.__name__.endswith("jax_cp")
     _placement(is_jax, group, mesh, axis_name)

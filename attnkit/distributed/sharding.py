@@ -21,11 +21,19 @@ from attnkit.spec import AttentionSpec, CausalAlignment
 
 
 class Sharding(enum.StrEnum):
+    """How a sequence of L positions is cut among P ranks: ``contiguous``, P chunks, rank r holding chunk r;
+    ``zigzag``, 2P chunks, rank r holding chunks r and 2P−1−r, so that under causal attention every rank sees as many
+    visible pairs."""
+
     CONTIGUOUS = "contiguous"
     ZIGZAG = "zigzag"
 
 
 class Strategy(enum.StrEnum):
+    """What runs a sharded call (each computes the same): ``ring`` passes K/V chunks around the ring, one block per
+    step; ``allgather`` gathers K and V, then the local queries meet every key; ``ulysses`` turns sequence shards
+    into head shards with an all-to-all and makes one whole-sequence call per head group."""
+
     RING = "ring"  # K/V chunks passed around the ring, one block computed per step
     ALLGATHER = "allgather"  # K and V all-gathered, the local queries against every key
     ULYSSES = "ulysses"  # all-to-all from sequence shards to head shards, a whole-sequence call per head group

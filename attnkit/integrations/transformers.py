@@ -50,9 +50,9 @@ _backend = "auto"
 def register(backend: str | None = None) -> None:
     """Make ``attn_implementation="attnkit"`` available to transformers models. Idempotent.
 
-    ``backend`` forces one attnkit backend for every call (default: the ``ATTNKIT_TRANSFORMERS_BACKEND``
-    environment variable, else ``"auto"``, attnkit's own choice per call). An unknown name raises
-    :class:`attnkit.UnknownBackendError` here rather than at the first forward.
+    :param backend: one attnkit backend for every call (default: the ``ATTNKIT_TRANSFORMERS_BACKEND``
+        environment variable, else ``"auto"``, attnkit's own choice per call).
+    :raises attnkit.UnknownBackendError: an unknown name, here rather than at the first forward.
     """
     global _backend
     chosen = backend or os.environ.get(BACKEND_ENV) or "auto"
@@ -277,7 +277,21 @@ def make_mask(
     **kwargs: Any,
 ) -> AttnkitMask | torch.Tensor:
     """transformers' mask hook: an :class:`AttnkitMask`, or for a pattern attnkit cannot express, transformers'
-    own boolean (B, 1, Lq, Lk) mask."""
+    own boolean (B, 1, Lq, Lk) mask. transformers calls it (``AttentionMaskInterface``); a model's code does not.
+
+    :param batch_size: B.
+    :param q_length: the forward's query count Lq.
+    :param kv_length: the key count Lk (a static cache's whole length, written or not).
+    :param q_offset: the position of the first query in the sequence (a tensor for static caches).
+    :param kv_offset: the position of the first key.
+    :param mask_function: transformers' mask pattern (causal, sliding, chunked, packed, overlays), read into spec
+        fields or a mask program.
+    :param attention_mask: the 2-D (B, Lk) padding mask, or an :class:`AttnkitMask` already made for this call.
+    :param local_size: the local attention's size, passed on to transformers' own mask where one is made.
+    :param use_vmap: transformers' request to build its mask with vmap (arbitrary index functions).
+    :param device: where transformers' own mask, where one is made, lives.
+    :param kwargs: transformers' further arguments, unused.
+    """
     if isinstance(attention_mask, AttnkitMask):  # prepared by generate() for this very call
         return attention_mask
     pattern = None if _may_index_tensors(attention_mask, q_offset, kv_offset, use_vmap) else _pattern(mask_function)
@@ -460,7 +474,25 @@ def attention(
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention hook: (B, H, L, D) inputs, kv heads not repeated; returns ((B, Lq, Hq, Dv), None).
     ``dropout`` (the models pass their attention_dropout in training, 0.0 in eval) is attnkit's (§18), its seed
-    drawn from torch's generator: torch.manual_seed repeats a training step."""
+    drawn from torch's generator: torch.manual_seed repeats a training step. Every attention layer of a model loaded
+    with ``attn_implementation="attnkit"`` calls it; it runs :func:`attnkit.attend` on the backend
+    :func:`register` chose.
+
+    :param module: the attention layer (its ``is_causal`` is read when no mask was made).
+    :param query: (B, Hq, Lq, D).
+    :param key: (B, Hkv, Lk, D).
+    :param value: (B, Hkv, Lk, Dv).
+    :param attention_mask: :func:`make_mask`'s answer; a 4-D boolean mask (True = attend) or float bias given by the
+        caller; or ``None`` (the call's own ``is_causal`` and ``sliding_window``).
+    :param dropout: attention dropout's probability.
+    :param scaling: the spec's scale (``None``: 1/sqrt(D)).
+    :param softcap: the spec's softcap.
+    :param sliding_window: N keys, the query's own included: attnkit's window (N − 1, 0); used without a mask.
+    :param is_causal: whether the layer is causal, used without a mask.
+    :param kwargs: ``s_aux`` (gpt-oss's attention sinks, one logit per query head, §15); ``position_bias`` and a
+        paged ``cache`` are refused with :class:`attnkit.InvalidInputError`.
+    :returns: ``(out, None)``, out (B, Lq, Hq, Dv).
+    """
     for name, meaning in _INEXPRESSIBLE.items():
         if kwargs.get(name) is not None:
             raise InvalidInputError(f"{name} is given, but attnkit cannot express {meaning}; expected None")

@@ -249,6 +249,11 @@ def assert_backends_agree(case: Case, backends: list[str] | None = None) -> dict
 
     Raises :class:`DisagreementError` listing each output outside the tolerance rule. Returns the
     comparisons per backend that ran (backends that refuse the case with reasons are left out).
+
+    :param case: the call to check: spec, shapes, optional inputs, dtype and seed.
+    :param backends: registered backend names; ``None``: every backend available here.
+    :returns: each backend's comparisons of out, lse and the gradients with the float64 oracle.
+    :raises DisagreementError: an output or gradient outside the tolerance rule (docs/testing.md).
     """
     arrays = rounded(case, make_arrays(case))
     oracle = oracle_results(case, arrays)
