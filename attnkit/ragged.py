@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from attnkit import dispatch
+from attnkit import dispatch, spellings
 from attnkit.api import attend
 from attnkit.backend import AttentionInputs, Framework, PagedInputs, Problem
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
@@ -75,9 +75,9 @@ def attend_varlen(
     spec: AttentionSpec,
     q: Any,
     k: Any,
-    v: Any,
-    cu_seqlens_q: Any,
-    cu_seqlens_k: Any,
+    v: Any = ...,  # required, as the two below: a call without a spec (flash-attn's) says what to write instead
+    cu_seqlens_q: Any = ...,
+    cu_seqlens_k: Any = ...,
     *,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
@@ -89,6 +89,7 @@ def attend_varlen(
     dropout_p: float = 0.0,
     dropout_seed: Any = None,
     dropout_key: Any = None,
+    **peer_kwargs: Any,
 ) -> Any:
     """Attention over packed sequences (docs/semantics.md §12): q (total_q, Hq, D), k and v (total_k, Hkv, D|Dv),
     ``cu_seqlens_q``/``cu_seqlens_k`` (n + 1,) cumulative offsets. Sequence s is attended as its own call, with
@@ -96,9 +97,11 @@ def attend_varlen(
     (§16, as flash-attn's varlen call takes them). ``mask_mod`` (§17) sees ``b`` as the sequence and positions within
     it, and so does dropout's keep-mask (``dropout_p``, ``dropout_seed``, ``dropout_key`` as attend takes them, §18).
 
-    Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) as attend's (§6). Differentiable as attend."""
-    if type(spec) is not AttentionSpec:
-        raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
+    Returns out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q) as attend's (§6). Differentiable as attend.
+    Other libraries' spellings (``causal=``, ``softmax_scale=``, ...) raise UnexpectedArgumentError as attend's do."""
+    if type(spec) is not AttentionSpec or v is ... or cu_seqlens_q is ... or cu_seqlens_k is ... or peer_kwargs:
+        positional = {"v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+        raise spellings.call_error(attend_varlen, spec, positional, peer_kwargs)
     ops = ops_for(q, "q")
     _check_array(ops, "q", q, FLOATING, "a floating dtype")
     _check_like_q(ops, q, {"k": k, "v": v})
@@ -352,9 +355,9 @@ def attend_paged(
     spec: AttentionSpec,
     q: Any,
     k_cache: Any,
-    v_cache: Any,
-    block_table: Any,
-    kv_lengths: Any,
+    v_cache: Any = ...,  # required, as the two below: a call without a spec (flash-attn's) says what to write instead
+    block_table: Any = ...,
+    kv_lengths: Any = ...,
     *,
     return_lse: bool = False,
     backend: str = "auto",
@@ -362,13 +365,18 @@ def attend_paged(
     alibi_slopes: Any = None,
     mask_mod: Any = None,
     dropout_p: float = 0.0,
+    **peer_kwargs: Any,
 ) -> Any:
     """Attention of new queries against a paged KV cache (docs/semantics.md §13): exactly attend(spec, q, K_b, V_b,
     kv_lengths=kv_lengths) on the keys the block table gathers, which backends declaring ``paged`` read where the
     blocks lie, with ``sinks`` and ``alibi_slopes`` as attend takes them (§15, §16). Forward only. Returns out, or
     (out, lse), as attend does for q. ``mask_mod`` (§17) sees kv_idx as the key's logical position; a call with one
     gathers the blocks it names (a copy of the sequences' keys, never an (Lq, Lk) mask) and runs attend on them.
-    ``dropout_p``: 0 only (a training model's dropout layer may pass its rate, 0 in evaluation)."""
+    ``dropout_p``: 0 only (a training model's dropout layer may pass its rate, 0 in evaluation). Other libraries'
+    spellings (``cache_seqlens=``, ``causal=``, ...) raise UnexpectedArgumentError as attend's do."""
+    if type(spec) is not AttentionSpec or v_cache is ... or block_table is ... or kv_lengths is ... or peer_kwargs:
+        positional = {"v_cache": v_cache, "block_table": block_table, "kv_lengths": kv_lengths}
+        raise spellings.call_error(attend_paged, spec, positional, peer_kwargs)
     if checked_probability(dropout_p) > 0:
         raise InvalidInputError(
             f"dropout_p={dropout_p}, but attend_paged is forward-only inference over a KV cache (docs/semantics.md "

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 from pydantic._internal._model_construction import ModelMetaclass
 
-from attnkit.errors import InvalidSpecError
+from attnkit.errors import InvalidSpecError, UnexpectedArgumentError
 from attnkit.features import Feature
 
 
@@ -50,7 +50,11 @@ class _RememberedSpecs(ModelMetaclass):
     class, which has its own __init__); copies and unpickling do not. ``type.__call__(AttentionSpec, **fields)``
     builds one without remembering (the bench and the tests compare with it)."""
 
-    def __call__(cls, /, **fields: Any) -> Any:  # fields by keyword only, as pydantic's __init__ takes them
+    def __call__(cls, /, *positional: Any, **fields: Any) -> Any:  # fields by keyword only, as pydantic takes them
+        if positional:
+            from attnkit.spellings import positional_fields_error
+
+            raise positional_fields_error(positional, fields)
         window = fields.get("window")
         try:  # lru_cache(typed=True) keys on each argument's type; a window's elements' types are passed with them
             return _by_arguments(cls, tuple(map(type, window)) if type(window) is tuple else None, **fields)
@@ -115,6 +119,23 @@ class AttentionSpec(BaseModel, metaclass=_RememberedSpecs):
         try:
             super().__init__(**fields)
         except ValidationError as error:
+            unknown = {
+                str(item["loc"][0]): item.get("input") for item in error.errors() if item["type"] == "extra_forbidden"
+            }
+            if unknown:  # other libraries' spellings (is_causal=, dropout_p=, ...) say what attnkit writes instead
+                from attnkit.spellings import unexpected_keywords
+
+                raise UnexpectedArgumentError(
+                    "\n".join(
+                        filter(
+                            None,
+                            (
+                                unexpected_keywords("AttentionSpec", unknown, type(self).model_fields),
+                                _describe(error, skip="extra_forbidden"),
+                            ),
+                        )
+                    )
+                ) from None
             raise InvalidSpecError(_describe(error)) from None
 
     def model_post_init(self, context: Any, /) -> None:
@@ -226,10 +247,12 @@ class AttentionSpec(BaseModel, metaclass=_RememberedSpecs):
         return data
 
 
-def _describe(error: ValidationError) -> str:
-    """One line per invalid field, naming it, what was given and what is allowed."""
+def _describe(error: ValidationError, skip: str | None = None) -> str:
+    """One line per invalid field, naming it, what was given and what is allowed (but errors of type ``skip``)."""
     lines = []
     for item in error.errors():
+        if item["type"] == skip:
+            continue
         field = ".".join(str(part) for part in item["loc"]) or "spec"
         given = item.get("input")
         lines.append(f"AttentionSpec.{field}={given!r}: {item['msg']}")

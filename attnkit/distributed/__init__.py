@@ -6,12 +6,17 @@ axis, or inside the caller's own shard_map (:mod:`attnkit.distributed.jax_cp`).
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any
 
+from attnkit import spellings
 from attnkit.distributed.sharding import Sharding, Strategy
 from attnkit.errors import InvalidInputError
 from attnkit.frontends import ops_for
+from attnkit.spec import AttentionSpec
+
+_NAME = "attnkit.distributed.attend"
 
 
 def _implementation(x: Any, argument: str) -> ModuleType:
@@ -34,15 +39,23 @@ def _placement(is_jax: bool, group: Any, mesh: Any, axis_name: Any) -> None:
         raise InvalidInputError("mesh= and axis_name= are for JAX arrays; torch tensors take group=")
 
 
-def attend(spec: Any, q: Any, k: Any, v: Any, **options: Any) -> Any:
+def attend(spec: Any, q: Any, k: Any, v: Any = ..., **options: Any) -> Any:
     """The sharded call of §14: every rank (device) passes its shards of q, k, v and gets its shard of out (and lse).
     torch: ``group=``; JAX: ``mesh=`` and ``axis_name=``, or ``axis_name=`` alone inside a shard_map. ``sinks=``
     (Hq,), the same on every rank, join each row once, after its blocks are merged (§15); ``alibi_slopes=`` (Hq,) or
     (B, Hq), the same on every rank, are ALiBi's at global distances (§16)."""
     implementation = _implementation(q, "q")
-    if implementation.__name__.endswith("jax_cp"):
-        return implementation.attend_jax(spec, q, k, v, **options)
-    return implementation.attend_torch(spec, q, k, v, **options)
+    local = implementation.attend_jax if implementation.__name__.endswith("jax_cp") else implementation.attend_torch
+    if type(spec) is not AttentionSpec or v is ...:
+        raise spellings.call_error(local, spec, {"v": v}, {}, name=_NAME)
+    try:
+        with spellings.blocks_of_a_larger_call():  # a block's rows that see no key are the larger call's plan
+            return local(spec, q, k, v, **options)
+    except TypeError:
+        unknown = {key: value for key, value in options.items() if key not in inspect.signature(local).parameters}
+        if unknown:  # then Python refused the call before it ran: say what attnkit spells instead
+            raise spellings.call_error(local, spec, {"v": v}, unknown, name=_NAME) from None
+        raise
 
 
 def shard(
