@@ -235,18 +235,18 @@ def positional_fields_error(values: tuple[Any, ...], fields: Mapping[str, Any]) 
 
 _empty_rows_said = False
 _empty_rows_lock = threading.Lock()
-_inside_larger_call: ContextVar[bool] = ContextVar("attnkit_inside_larger_call", default=False)
+_empty_rows_intended: ContextVar[bool] = ContextVar("attnkit_empty_rows_intended", default=False)
 
 
 @contextlib.contextmanager
-def blocks_of_a_larger_call() -> Iterator[None]:
-    """Inside, attend's calls are blocks of a larger one (attnkit.distributed's), whose rows that see no key are
-    intended: no warning of them."""
-    token = _inside_larger_call.set(True)
+def empty_rows_intended() -> Iterator[None]:
+    """Inside, attend's calls leave rows with no key on purpose (a sharded call's blocks, the conformance suite's
+    drawn cases): no warning of them."""
+    token = _empty_rows_intended.set(True)
     try:
         yield
     finally:
-        _inside_larger_call.reset(token)
+        _empty_rows_intended.reset(token)
 
 
 def empty_rows(spec: AttentionSpec, len_q: int, len_k: int) -> int:
@@ -263,7 +263,7 @@ def say_empty_rows_once(spec: AttentionSpec, len_q: int, len_k: int) -> None:
     """Warn (EmptyRowsWarning), once per process, of the rows a call's alignment leaves with no key."""
     global _empty_rows_said
     rows = empty_rows(spec, len_q, len_k)
-    if not rows or _inside_larger_call.get():
+    if not rows or _empty_rows_intended.get():
         return
     with _empty_rows_lock:
         if _empty_rows_said:

@@ -49,7 +49,7 @@ def attend(spec: Any, q: Any, k: Any, v: Any = ..., **options: Any) -> Any:
     if type(spec) is not AttentionSpec or v is ...:
         raise spellings.call_error(local, spec, {"v": v}, {}, name=_NAME)
     try:
-        with spellings.blocks_of_a_larger_call():  # a block's rows that see no key are the larger call's plan
+        with spellings.empty_rows_intended():  # a block's rows that see no key are the larger call's plan
             return local(spec, q, k, v, **options)
     except TypeError:
         unknown = {key: value for key, value in options.items() if key not in inspect.signature(local).parameters}
