@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnkit import autotune, config, dispatch, op_calls, programs, spellings
+from attnkit import autotune, config, dispatch, empty_rows, op_calls, programs, spellings
 from attnkit.backend import AttentionInputs, Backend, Problem, own_plain_call
 from attnkit.call_cache import CACHE
 from attnkit.errors import BackendUnavailableError, InvalidInputError
@@ -75,7 +75,7 @@ def attend(
     saying what to write instead.
     """
     if type(spec) is not AttentionSpec or v is ... or peer_kwargs:
-        raise spellings.call_error(attend, spec, {"v": v}, peer_kwargs)
+        raise spellings.call_error(attend, spec, {"v": v}, peer_kwargs, AttentionSpec)
     if sinks is not None:  # §15: the call without them, then the merge with each row's sink
         check_sinks(ops_for(q, "q"), spec, q, sinks)
         out, lse = attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
@@ -156,7 +156,7 @@ def attend(
         mask_mod=mask_mod, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_key=dropout_key,
     )  # fmt: skip
     if problem.len_q > problem.len_k and not (problem.has_q_lengths or problem.has_kv_lengths):
-        spellings.say_empty_rows_once(spec, problem.len_q, problem.len_k)
+        empty_rows.say_once(spec, problem.len_q, problem.len_k)
     if mask_mod is not None:
         spec, inputs, problem = programs.band_apart(spec, inputs, problem)
     # An eager call with values: where the cost table cannot decide, auto may time the contenders on it.
@@ -210,7 +210,7 @@ def explain(
     ``sinks``, the call that runs without them and returns lse (§15's composition runs after it). Takes attend's
     arguments, and refuses other libraries' spellings as attend does."""
     if type(spec) is not AttentionSpec or v is ... or peer_kwargs:
-        raise spellings.call_error(explain, spec, {"v": v}, peer_kwargs)
+        raise spellings.call_error(explain, spec, {"v": v}, peer_kwargs, AttentionSpec)
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     ops, problem, inputs, _ = prepare(

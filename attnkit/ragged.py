@@ -101,7 +101,7 @@ def attend_varlen(
     Other libraries' spellings (``causal=``, ``softmax_scale=``, ...) raise UnexpectedArgumentError as attend's do."""
     if type(spec) is not AttentionSpec or v is ... or cu_seqlens_q is ... or cu_seqlens_k is ... or peer_kwargs:
         positional = {"v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
-        raise spellings.call_error(attend_varlen, spec, positional, peer_kwargs)
+        raise spellings.call_error(attend_varlen, spec, positional, peer_kwargs, AttentionSpec)
     ops = ops_for(q, "q")
     _check_array(ops, "q", q, FLOATING, "a floating dtype")
     _check_like_q(ops, q, {"k": k, "v": v})
@@ -376,7 +376,7 @@ def attend_paged(
     spellings (``cache_seqlens=``, ``causal=``, ...) raise UnexpectedArgumentError as attend's do."""
     if type(spec) is not AttentionSpec or v_cache is ... or block_table is ... or kv_lengths is ... or peer_kwargs:
         positional = {"v_cache": v_cache, "block_table": block_table, "kv_lengths": kv_lengths}
-        raise spellings.call_error(attend_paged, spec, positional, peer_kwargs)
+        raise spellings.call_error(attend_paged, spec, positional, peer_kwargs, AttentionSpec)
     if checked_probability(dropout_p) > 0:
         raise InvalidInputError(
             f"dropout_p={dropout_p}, but attend_paged is forward-only inference over a KV cache (docs/semantics.md "

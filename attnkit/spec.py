@@ -54,7 +54,7 @@ class _RememberedSpecs(ModelMetaclass):
         if positional:
             from attnkit.spellings import positional_fields_error
 
-            raise positional_fields_error(positional, fields)
+            raise positional_fields_error(positional, fields, cls.model_fields)  # type: ignore[attr-defined]
         window = fields.get("window")
         try:  # lru_cache(typed=True) keys on each argument's type; a window's elements' types are passed with them
             return _by_arguments(cls, tuple(map(type, window)) if type(window) is tuple else None, **fields)
@@ -125,17 +125,10 @@ class AttentionSpec(BaseModel, metaclass=_RememberedSpecs):
             if unknown:  # other libraries' spellings (is_causal=, dropout_p=, ...) say what attnkit writes instead
                 from attnkit.spellings import unexpected_keywords
 
-                raise UnexpectedArgumentError(
-                    "\n".join(
-                        filter(
-                            None,
-                            (
-                                unexpected_keywords("AttentionSpec", unknown, type(self).model_fields),
-                                _describe(error, skip="extra_forbidden"),
-                            ),
-                        )
-                    )
-                ) from None
+                fields = type(self).model_fields
+                lines = [unexpected_keywords("AttentionSpec", unknown, fields, fields)]
+                lines += [_describe(error, "extra_forbidden")]  # invalid values beside the unknown keywords
+                raise UnexpectedArgumentError("\n".join(filter(None, lines))) from None
             raise InvalidSpecError(_describe(error)) from None
 
     def model_post_init(self, context: Any, /) -> None:

@@ -1,31 +1,19 @@
-"""What to write instead: calls spelled as torch SDPA, flash-attn, FlexAttention, jax.nn.dot_product_attention and
-their neighbours spell them, and causal calls whose alignment leaves rows with no key.
+"""What to write instead of a call spelled as torch SDPA, flash-attn, FlexAttention, jax.nn.dot_product_attention
+and their neighbours spell it: the table of their keywords, and the messages of UnexpectedArgumentError.
 
-Only error paths and the first validation of a call come here: a call that fits attnkit's signature never does.
+Only error paths come here: a call that fits attnkit's signature never does. (attnkit.spec's errors come here too,
+so this module stands on attnkit.errors alone: the spec's fields are passed in.)
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import inspect
-import threading
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from contextvars import ContextVar
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from attnkit.contract import diagonal_band
-from attnkit.errors import EmptyRowsWarning, UnexpectedArgumentError
-from attnkit.spec import AttentionSpec, CausalAlignment
-
-#: The keyword-only arguments of attend, which a spec does not take (and the spec's fields, which attend does not).
-CALL_ARGUMENTS = (
-    "mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "return_lse", "backend", "sinks",
-    "alibi_slopes", "mask_mod", "dropout_p", "dropout_seed", "dropout_key",
-)  # fmt: skip
-SPEC_FIELDS = tuple(AttentionSpec.model_fields)
+from attnkit.errors import UnexpectedArgumentError
 
 
 def _flash_window(size: Any) -> Any:
@@ -51,6 +39,13 @@ class Spelling:
     field: str | None = None
     as_field: Callable[[Any], Any] = lambda value: value
 
+
+#: The keyword-only arguments of attnkit.attend: given to AttentionSpec, the message moves them to the call (attend's
+#: signature is not read here: attnkit.spec, which attnkit.api imports, comes here for its messages).
+CALL_ARGUMENTS = (
+    "mask", "bias", "q_lengths", "kv_lengths", "q_segment_ids", "kv_segment_ids", "return_lse", "backend", "sinks",
+    "alibi_slopes", "mask_mod", "dropout_p", "dropout_seed", "dropout_key",
+)  # fmt: skip
 
 _TOP_LEFT = "AttentionSpec(causal=True, causal_alignment='top_left')"
 
@@ -163,13 +158,13 @@ def _spec_text(fields: Mapping[str, Any]) -> str:
     return "attnkit.AttentionSpec(" + ", ".join(f"{name}={value!r}" for name, value in fields.items()) + ")"
 
 
-def _keyword_line(where: str, name: str, value: Any, accepted: Iterable[str]) -> str:
+def _keyword_line(where: str, name: str, value: Any, accepted: Iterable[str], spec_fields: Iterable[str]) -> str:
     """What to write instead of ``name=value`` given to ``where`` ("AttentionSpec" or a function's name)."""
     given = f"{where}({name}={_shown(value)})"
     if where == "AttentionSpec" and name in CALL_ARGUMENTS:
         call = f"attnkit.attend(spec, q, k, v, {name}={_shown(value)})"
         return f"{given}: {name} is an argument of the call, not a field of the spec: {call}"
-    if where != "AttentionSpec" and name in SPEC_FIELDS:
+    if where != "AttentionSpec" and name in spec_fields:
         return f"{given}: {name} is a field of the spec: {where}(attnkit.AttentionSpec({name}={_shown(value)}), ...)"
     spelling = PEER_SPELLINGS.get(name)
     if spelling is not None:
@@ -183,32 +178,36 @@ def _keyword_line(where: str, name: str, value: Any, accepted: Iterable[str]) ->
     return f"{given}: no such {kind}; {guess}{where} takes {', '.join(accepted)}"
 
 
-def unexpected_keywords(where: str, given: Mapping[str, Any], accepted: Iterable[str]) -> str:
-    """One line per keyword that ``where`` does not take, each saying what attnkit writes instead."""
-    accepted = tuple(accepted)
-    return "\n".join(_keyword_line(where, name, value, accepted) for name, value in given.items())
+def unexpected_keywords(
+    where: str, given: Mapping[str, Any], accepted: Iterable[str], spec_fields: Iterable[str]
+) -> str:
+    """One line per keyword that ``where`` (``"AttentionSpec"``, whose fields are ``spec_fields``, or a function's
+    name) does not take, each saying what attnkit writes instead."""
+    accepted, spec_fields = tuple(accepted), tuple(spec_fields)
+    return "\n".join(_keyword_line(where, name, value, accepted, spec_fields) for name, value in given.items())
 
 
 def call_error(
     function: Callable[..., Any], spec: Any, positional: Mapping[str, Any], unexpected: Mapping[str, Any],
-    name: str | None = None,
+    spec_type: type, name: str | None = None,
 ) -> UnexpectedArgumentError:  # fmt: skip
-    """The error for a call of ``function`` (attnkit.attend and its siblings) that does not fit it: ``spec`` not an
-    AttentionSpec, any of the ``positional`` arguments after it missing (given as ``...``), or ``unexpected``
-    keywords. Only the error path computes this."""
+    """The error for a call of ``function`` (attnkit.attend and its siblings) that does not fit it: ``spec`` not a
+    ``spec_type`` (attnkit.AttentionSpec), any of the ``positional`` arguments after it missing (given as ``...``), or
+    ``unexpected`` keywords."""
     name = name or f"attnkit.{function.__name__}"
+    spec_fields = tuple(spec_type.model_fields)  # type: ignore[attr-defined]
     parameters = inspect.signature(function).parameters
     arguments = [p.name for p in parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD and p.name != "spec"]
     keywords = [p.name for p in parameters.values() if p.kind is p.KEYWORD_ONLY]
     lines = []
-    if type(spec) is not AttentionSpec:
-        fields: dict[str, Any] = {}
+    if type(spec) is not spec_type:
+        fields: dict[str, Any] = {}  # the spec the keywords given describe, shown in the call to write
         for keyword, value in unexpected.items():
-            if keyword in SPEC_FIELDS:
+            spelling = PEER_SPELLINGS.get(keyword)
+            if keyword in spec_fields:
                 fields[keyword] = value
-            elif keyword in PEER_SPELLINGS and PEER_SPELLINGS[keyword].field is not None:
-                spelling = PEER_SPELLINGS[keyword]
-                fields[spelling.field] = spelling.as_field(value)  # type: ignore[index]
+            elif spelling is not None and spelling.field is not None:
+                fields[spelling.field] = spelling.as_field(value)
         fields = {field: value for field, value in fields.items() if value is not False and value is not None}
         lines.append(
             f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}: {name} takes the spec first, then "
@@ -219,69 +218,17 @@ def call_error(
         if missing:
             lines.append(f"{name} is missing {', '.join(missing)}: {name}(spec, {', '.join(arguments)})")
     if unexpected:
-        lines.append(unexpected_keywords(name, unexpected, keywords))
+        lines.append(unexpected_keywords(name, unexpected, keywords, spec_fields))
     return UnexpectedArgumentError("\n".join(lines))
 
 
-def positional_fields_error(values: tuple[Any, ...], fields: Mapping[str, Any]) -> UnexpectedArgumentError:
+def positional_fields_error(
+    values: tuple[Any, ...], fields: Mapping[str, Any], spec_fields: Iterable[str]
+) -> UnexpectedArgumentError:
     """The error for ``AttentionSpec(True)``: its fields are keywords, shown for the values given."""
-    named = dict(zip(SPEC_FIELDS, values))
-    named.update(fields)
+    spec_fields = tuple(spec_fields)
+    named = {**dict(zip(spec_fields, values)), **fields}
     return UnexpectedArgumentError(
         f"AttentionSpec takes its fields by keyword, got {len(values)} by position ({', '.join(map(repr, values))}): "
-        f"in field order that is {_spec_text(named)}; the fields are {', '.join(SPEC_FIELDS)}"
+        f"in field order that is {_spec_text(named)}; the fields are {', '.join(spec_fields)}"
     )
-
-
-_empty_rows_said = False
-_empty_rows_lock = threading.Lock()
-_empty_rows_intended: ContextVar[bool] = ContextVar("attnkit_empty_rows_intended", default=False)
-
-
-@contextlib.contextmanager
-def empty_rows_intended() -> Iterator[None]:
-    """Inside, attend's calls leave rows with no key on purpose (a sharded call's blocks, the conformance suite's
-    drawn cases): no warning of them."""
-    token = _empty_rows_intended.set(True)
-    try:
-        yield
-    finally:
-        _empty_rows_intended.reset(token)
-
-
-def empty_rows(spec: AttentionSpec, len_q: int, len_k: int) -> int:
-    """How many query rows the spec's alignment leaves with no key when the call's lengths are Lq and Lk (no
-    q_lengths or kv_lengths): bottom-right with Lq > Lk puts the first rows' band before key 0 (§4.1)."""
-    if spec.causal_alignment is not CausalAlignment.BOTTOM_RIGHT or len_q <= len_k or len_k == 0:
-        return 0
-    # Row i sees keys j <= i + (Lk - Lq) + upper, the band's upper side (causal: 0; a window: its right side).
-    _, upper = diagonal_band(spec)
-    return 0 if upper is None else max(0, min(len_q, len_q - len_k - upper))
-
-
-def say_empty_rows_once(spec: AttentionSpec, len_q: int, len_k: int) -> None:
-    """Warn (EmptyRowsWarning), once per process, of the rows a call's alignment leaves with no key."""
-    global _empty_rows_said
-    rows = empty_rows(spec, len_q, len_k)
-    if not rows or _empty_rows_intended.get():
-        return
-    with _empty_rows_lock:
-        if _empty_rows_said:
-            return
-        _empty_rows_said = True
-    top_left = {**spec.model_dump(mode="json", exclude_defaults=True), "causal_alignment": "top_left"}
-    warnings.warn(
-        f"with causal_alignment='bottom_right' (attnkit's default) and Lq={len_q} > Lk={len_k}, the first {rows} "
-        "query rows see no key and output 0, lse -inf (docs/semantics.md §4.1, §5): right for queries that follow "
-        "the keys. If the queries start where the keys do, as torch SDPA's is_causal=True has them, write "
-        f"causal_alignment='top_left': {_spec_text(top_left)}. (Said once per process.)",
-        EmptyRowsWarning,
-        stacklevel=3,
-    )
-
-
-def forget_empty_rows() -> None:
-    """Warn of empty rows again (for tests)."""
-    global _empty_rows_said
-    with _empty_rows_lock:
-        _empty_rows_said = False

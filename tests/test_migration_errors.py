@@ -15,8 +15,7 @@ import torch
 
 import attnkit
 import attnkit.distributed
-from attnkit import AttentionSpec, AttnkitError, EmptyRowsWarning, InvalidSpecError, UnexpectedArgumentError
-from attnkit.spellings import forget_empty_rows
+from attnkit import AttentionSpec, AttnkitError, EmptyRowsWarning, InvalidSpecError, UnexpectedArgumentError, empty_rows
 
 B, H, D = 1, 2, 8
 q = torch.randn(B, H, 3, D)
@@ -114,6 +113,12 @@ def test_a_peer_keyword_to_attention_spec_names_attnkits_spelling(fields: dict[s
         AttentionSpec(**fields)
 
 
+def test_the_call_arguments_a_spec_refuses_are_attends() -> None:
+    """attnkit.spec reads its messages from attnkit.spellings, which cannot read attend's signature (an import cycle):
+    its list of attend's keywords must stay attend's."""
+    assert set(CALL_ARGUMENTS) == CALL_KEYWORDS
+
+
 def test_a_positional_spec_field_names_the_fields_as_keywords() -> None:
     message = _message(lambda: AttentionSpec(True))  # type: ignore[call-arg]
     assert "attnkit.AttentionSpec(causal=True)" in message and "causal_alignment, window, scale" in message
@@ -123,11 +128,11 @@ def test_a_positional_spec_field_names_the_fields_as_keywords() -> None:
 
 @pytest.fixture
 def caught() -> Iterator[list[warnings.WarningMessage]]:
-    forget_empty_rows()
+    empty_rows.forget()
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")
         yield records
-    forget_empty_rows()
+    empty_rows.forget()
 
 
 def _rows_without_key(spec: AttentionSpec, len_q: int, len_k: int, **options: Any) -> int:

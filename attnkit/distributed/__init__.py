@@ -10,7 +10,7 @@ import inspect
 from types import ModuleType
 from typing import Any
 
-from attnkit import spellings
+from attnkit import empty_rows, spellings
 from attnkit.distributed.sharding import Sharding, Strategy
 from attnkit.errors import InvalidInputError
 from attnkit.frontends import ops_for
@@ -47,14 +47,14 @@ def attend(spec: Any, q: Any, k: Any, v: Any = ..., **options: Any) -> Any:
     implementation = _implementation(q, "q")
     local = implementation.attend_jax if implementation.__name__.endswith("jax_cp") else implementation.attend_torch
     if type(spec) is not AttentionSpec or v is ...:
-        raise spellings.call_error(local, spec, {"v": v}, {}, name=_NAME)
+        raise spellings.call_error(local, spec, {"v": v}, {}, AttentionSpec, _NAME)
     try:
-        with spellings.empty_rows_intended():  # a block's rows that see no key are the larger call's plan
+        with empty_rows.intended():  # a block's rows that see no key are the larger call's plan
             return local(spec, q, k, v, **options)
     except TypeError:
         unknown = {key: value for key, value in options.items() if key not in inspect.signature(local).parameters}
         if unknown:  # then Python refused the call before it ran: say what attnkit spells instead
-            raise spellings.call_error(local, spec, {"v": v}, unknown, name=_NAME) from None
+            raise spellings.call_error(local, spec, {"v": v}, unknown, AttentionSpec, _NAME) from None
         raise
 
 
