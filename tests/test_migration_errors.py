@@ -16,6 +16,7 @@ import torch
 import attnkit
 import attnkit.distributed
 from attnkit import AttentionSpec, AttnkitError, EmptyRowsWarning, InvalidSpecError, UnexpectedArgumentError, empty_rows
+from attnkit.spellings import CALL_ARGUMENTS
 
 B, H, D = 1, 2, 8
 q = torch.randn(B, H, 3, D)
