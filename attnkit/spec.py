@@ -13,6 +13,7 @@ from pydantic._internal._model_construction import ModelMetaclass
 
 from attnkit.errors import InvalidSpecError, UnexpectedArgumentError
 from attnkit.features import Feature
+from attnkit.spellings import positional_fields_error, unexpected_keywords
 
 
 class CausalAlignment(str, enum.Enum):
@@ -52,8 +53,6 @@ class _RememberedSpecs(ModelMetaclass):
 
     def __call__(cls, /, *positional: Any, **fields: Any) -> Any:  # fields by keyword only, as pydantic takes them
         if positional:
-            from attnkit.spellings import positional_fields_error
-
             raise positional_fields_error(positional, fields, cls.model_fields)  # type: ignore[attr-defined]
         window = fields.get("window")
         try:  # lru_cache(typed=True) keys on each argument's type; a window's elements' types are passed with them
@@ -123,8 +122,6 @@ class AttentionSpec(BaseModel, metaclass=_RememberedSpecs):
                 str(item["loc"][0]): item.get("input") for item in error.errors() if item["type"] == "extra_forbidden"
             }
             if unknown:  # other libraries' spellings (is_causal=, dropout_p=, ...) say what attnkit writes instead
-                from attnkit.spellings import unexpected_keywords
-
                 fields = type(self).model_fields
                 lines = [unexpected_keywords("AttentionSpec", unknown, fields, fields)]
                 lines += [_describe(error, "extra_forbidden")]  # invalid values beside the unknown keywords
