@@ -49,8 +49,10 @@ def count(spec: AttentionSpec, len_q: int, len_k: int) -> int:
 def say_once(spec: AttentionSpec, len_q: int, len_k: int) -> None:
     """Warn (EmptyRowsWarning), once per process, of the rows a call's alignment leaves with no key."""
     global _said
+    if _said or _intended.get():  # first: JAX's eager calls validate every time
+        return
     rows = count(spec, len_q, len_k)
-    if not rows or _intended.get():
+    if not rows:
         return
     with _lock:
         if _said:
