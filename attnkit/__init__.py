@@ -22,10 +22,12 @@ from attnkit.errors import (
     AttnkitError,
     BackendUnavailableError,
     ConfigError,
+    EmptyRowsWarning,
     InvalidInputError,
     InvalidInputTypeError,
     InvalidSpecError,
     MaskProgramError,
+    UnexpectedArgumentError,
     UnknownBackendError,
 )
 from attnkit.ragged import attend_paged, attend_varlen
@@ -45,6 +47,7 @@ __all__ = [
     "Capabilities",
     "CausalAlignment",
     "ConfigError",
+    "EmptyRowsWarning",
     "Delegation",
     "Feature",
     "Framework",
@@ -56,6 +59,7 @@ __all__ = [
     "MaskProgramError",
     "MissingPackageBackend",
     "Problem",
+    "UnexpectedArgumentError",
     "UnknownBackendError",
     "Variant",
     "attend",

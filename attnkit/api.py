@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from attnkit import autotune, config, dispatch, op_calls, programs
+from attnkit import autotune, config, dispatch, empty_rows, op_calls, programs, spellings
 from attnkit.backend import AttentionInputs, Backend, Problem, own_plain_call
 from attnkit.call_cache import CACHE
-from attnkit.errors import BackendUnavailableError, InvalidInputError, InvalidInputTypeError
+from attnkit.errors import BackendUnavailableError, InvalidInputError
 from attnkit.frontends import ops_by_type, ops_for
 from attnkit.sinks import check_sinks, with_sinks
 from attnkit.spec import AttentionSpec
@@ -32,7 +32,7 @@ def attend(
     spec: AttentionSpec,
     q: Any,
     k: Any,
-    v: Any,
+    v: Any = ...,  # required: a call without it, attend(q, k, v) as SDPA's, says what to write instead
     *,
     mask: Any = None,
     bias: Any = None,
@@ -48,6 +48,7 @@ def attend(
     dropout_p: float = 0,  # not 0.0: torch.compile(dynamic=True) traces a float default symbolically, then again
     dropout_seed: Any = None,
     dropout_key: Any = None,
+    **peer_kwargs: Any,
 ) -> Any:
     """Attention as ``spec`` defines it (docs/semantics.md), on torch tensors or JAX arrays.
 
@@ -96,9 +97,12 @@ def attend(
     :raises attnkit.InvalidInputError: a shape, length value or argument combination the contract refuses (§11).
     :raises attnkit.InvalidInputTypeError: an argument of the wrong type or dtype.
     :raises attnkit.BackendUnavailableError: no backend (or not the named one) can serve the call.
+    :raises attnkit.UnexpectedArgumentError: a call written as another library writes it (``attend(q, k, v)`` without a
+        spec; ``is_causal=``, ``attn_mask=``, ``softmax_scale=``), or an unknown keyword: the message says what to write
+        instead.
     """
-    if type(spec) is not AttentionSpec:
-        raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
+    if type(spec) is not AttentionSpec or v is ... or peer_kwargs:
+        raise spellings.call_error(attend, spec, {"v": v}, peer_kwargs, AttentionSpec)
     if sinks is not None:  # §15: the call without them, then the merge with each row's sink
         check_sinks(ops_for(q, "q"), spec, q, sinks)
         out, lse = attend(spec, q, k, v, mask=mask, bias=bias, q_lengths=q_lengths, kv_lengths=kv_lengths,
@@ -178,6 +182,8 @@ def attend(
         spec, q, k, v, mask, bias, q_lengths, kv_lengths, return_lse, q_segment_ids, kv_segment_ids, alibi_slopes,
         mask_mod=mask_mod, dropout_p=dropout_p, dropout_seed=dropout_seed, dropout_key=dropout_key,
     )  # fmt: skip
+    if problem.len_q > problem.len_k and not (problem.has_q_lengths or problem.has_kv_lengths):
+        empty_rows.say_once(spec, problem.len_q, problem.len_k)
     if mask_mod is not None:
         spec, inputs, problem = programs.band_apart(spec, inputs, problem)
     # An eager call with values: where the cost table cannot decide, auto may time the contenders on it.
@@ -210,7 +216,7 @@ def explain(
     spec: AttentionSpec,
     q: Any,
     k: Any,
-    v: Any,
+    v: Any = ...,  # required, as attend's
     *,
     mask: Any = None,
     bias: Any = None,
@@ -225,6 +231,7 @@ def explain(
     dropout_p: float = 0,
     dropout_seed: Any = None,
     dropout_key: Any = None,
+    **peer_kwargs: Any,
 ) -> str:
     """The dispatch table for a call, without running it: each backend, the one that would run, and why not. With
     ``sinks``, the call that runs without them and returns lse (§15's composition runs after it).
@@ -251,7 +258,12 @@ def explain(
     :param dropout_key: as for :func:`attend`.
     :returns: the spec, the problem, one row per registered backend (the selected one marked, each other with the
         reasons it cannot serve the call, predicted times where the cost table has them) and what decided.
+    
+    :raises attnkit.UnexpectedArgumentError: a call written as another library writes it (no spec; ``is_causal=``,
+        ``attn_mask=``, ``softmax_scale=``), or an unknown keyword: the message says what to write instead.
     """
+    if type(spec) is not AttentionSpec or v is ... or peer_kwargs:
+        raise spellings.call_error(explain, spec, {"v": v}, peer_kwargs, AttentionSpec)
     if sinks is not None:
         check_sinks(ops_for(q, "q"), spec, q, sinks)
     ops, problem, inputs, _ = prepare(

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from attnkit import dispatch
+from attnkit import dispatch, spellings
 from attnkit.api import attend
 from attnkit.backend import AttentionInputs, Framework, PagedInputs, Problem
 from attnkit.errors import InvalidInputError, InvalidInputTypeError
@@ -75,9 +75,9 @@ def attend_varlen(
     spec: AttentionSpec,
     q: Any,
     k: Any,
-    v: Any,
-    cu_seqlens_q: Any,
-    cu_seqlens_k: Any,
+    v: Any = ...,  # required, as the two below: a call without a spec (flash-attn's) says what to write instead
+    cu_seqlens_q: Any = ...,
+    cu_seqlens_k: Any = ...,
     *,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
@@ -89,6 +89,7 @@ def attend_varlen(
     dropout_p: float = 0.0,
     dropout_seed: Any = None,
     dropout_key: Any = None,
+    **peer_kwargs: Any,
 ) -> Any:
     """Attention over packed sequences (docs/semantics.md §12), flash-attn's varlen layout: sequence s is attended as
     its own :func:`attend` call on its queries ``cu_seqlens_q[s] ≤ t < cu_seqlens_q[s+1]`` and keys
@@ -116,9 +117,13 @@ def attend_varlen(
     :param dropout_seed: as for :func:`attend`.
     :param dropout_key: as for :func:`attend`.
     :returns: out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q), float32 (float64 for float64 inputs, §6).
+    
+    :raises attnkit.UnexpectedArgumentError: a call written as another library writes it (``causal=``,
+        ``softmax_scale=``), or an unknown keyword: the message says what to write instead.
     """
-    if type(spec) is not AttentionSpec:
-        raise InvalidInputTypeError(f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}")
+    if type(spec) is not AttentionSpec or v is ... or cu_seqlens_q is ... or cu_seqlens_k is ... or peer_kwargs:
+        positional = {"v": v, "cu_seqlens_q": cu_seqlens_q, "cu_seqlens_k": cu_seqlens_k}
+        raise spellings.call_error(attend_varlen, spec, positional, peer_kwargs, AttentionSpec)
     ops = ops_for(q, "q")
     _check_array(ops, "q", q, FLOATING, "a floating dtype")
     _check_like_q(ops, q, {"k": k, "v": v})
@@ -372,9 +377,9 @@ def attend_paged(
     spec: AttentionSpec,
     q: Any,
     k_cache: Any,
-    v_cache: Any,
-    block_table: Any,
-    kv_lengths: Any,
+    v_cache: Any = ...,  # required, as the two below: a call without a spec (flash-attn's) says what to write instead
+    block_table: Any = ...,
+    kv_lengths: Any = ...,
     *,
     return_lse: bool = False,
     backend: str = "auto",
@@ -382,6 +387,7 @@ def attend_paged(
     alibi_slopes: Any = None,
     mask_mod: Any = None,
     dropout_p: float = 0.0,
+    **peer_kwargs: Any,
 ) -> Any:
     """Attention of new queries against a paged KV cache (docs/semantics.md §13): exactly attend(spec, q, K_b, V_b,
     kv_lengths=kv_lengths) on the keys the block table gathers, which backends declaring ``paged`` read where the
@@ -406,7 +412,13 @@ def attend_paged(
     :returns: out, or (out, lse), as attend returns them for q.
     :raises attnkit.InvalidInputError: a block table entry outside the cache, a length past the table, or
         ``dropout_p > 0``.
+    
+    :raises attnkit.UnexpectedArgumentError: a call written as another library writes it (``cache_seqlens=``,
+        ``causal=``), or an unknown keyword: the message says what to write instead.
     """
+    if type(spec) is not AttentionSpec or v_cache is ... or block_table is ... or kv_lengths is ... or peer_kwargs:
+        positional = {"v_cache": v_cache, "block_table": block_table, "kv_lengths": kv_lengths}
+        raise spellings.call_error(attend_paged, spec, positional, peer_kwargs, AttentionSpec)
     if checked_probability(dropout_p) > 0:
         raise InvalidInputError(
             f"dropout_p={dropout_p}, but attend_paged is forward-only inference over a KV cache (docs/semantics.md "

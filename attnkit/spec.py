@@ -11,8 +11,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator
 from pydantic._internal._model_construction import ModelMetaclass
 
-from attnkit.errors import InvalidSpecError
+from attnkit.errors import InvalidSpecError, UnexpectedArgumentError
 from attnkit.features import Feature
+from attnkit.spellings import positional_fields_error, unexpected_keywords
 
 
 class CausalAlignment(str, enum.Enum):
@@ -57,7 +58,9 @@ class _RememberedSpecs(ModelMetaclass):
     class, which has its own __init__); copies and unpickling do not. ``type.__call__(AttentionSpec, **fields)``
     builds one without remembering (the bench and the tests compare with it)."""
 
-    def __call__(cls, /, **fields: Any) -> Any:  # fields by keyword only, as pydantic's __init__ takes them
+    def __call__(cls, /, *positional: Any, **fields: Any) -> Any:  # fields by keyword only, as pydantic takes them
+        if positional:
+            raise positional_fields_error(positional, fields, cls.model_fields)  # type: ignore[attr-defined]
         window = fields.get("window")
         try:  # lru_cache(typed=True) keys on each argument's type; a window's elements' types are passed with them
             return _by_arguments(cls, tuple(map(type, window)) if type(window) is tuple else None, **fields)
@@ -126,6 +129,14 @@ class AttentionSpec(BaseModel, metaclass=_RememberedSpecs):
         try:
             super().__init__(**fields)
         except ValidationError as error:
+            unknown = {
+                str(item["loc"][0]): item.get("input") for item in error.errors() if item["type"] == "extra_forbidden"
+            }
+            if unknown:  # other libraries' spellings (is_causal=, dropout_p=, ...) say what attnkit writes instead
+                fields = type(self).model_fields
+                lines = [unexpected_keywords("AttentionSpec", unknown, fields, fields)]
+                lines += [_describe(error, "extra_forbidden")]  # invalid values beside the unknown keywords
+                raise UnexpectedArgumentError("\n".join(filter(None, lines))) from None
             raise InvalidSpecError(_describe(error)) from None
 
     def model_post_init(self, context: Any, /) -> None:
@@ -237,10 +248,12 @@ class AttentionSpec(BaseModel, metaclass=_RememberedSpecs):
         return data
 
 
-def _describe(error: ValidationError) -> str:
-    """One line per invalid field, naming it, what was given and what is allowed."""
+def _describe(error: ValidationError, skip: str | None = None) -> str:
+    """One line per invalid field, naming it, what was given and what is allowed (but errors of type ``skip``)."""
     lines = []
     for item in error.errors():
+        if item["type"] == skip:
+            continue
         field = ".".join(str(part) for part in item["loc"]) or "spec"
         given = item.get("input")
         lines.append(f"AttentionSpec.{field}={given!r}: {item['msg']}")

@@ -6,12 +6,17 @@ axis, or inside the caller's own shard_map (:mod:`attnkit.distributed.jax_cp`).
 
 from __future__ import annotations
 
+import inspect
 from types import ModuleType
 from typing import Any
 
+from attnkit import empty_rows, spellings
 from attnkit.distributed.sharding import Sharding, Strategy
 from attnkit.errors import InvalidInputError
 from attnkit.frontends import ops_for
+from attnkit.spec import AttentionSpec
+
+_NAME = "attnkit.distributed.attend"
 
 
 def _implementation(x: Any, argument: str) -> ModuleType:
@@ -34,7 +39,7 @@ def _placement(is_jax: bool, group: Any, mesh: Any, axis_name: Any) -> None:
         raise InvalidInputError("mesh= and axis_name= are for JAX arrays; torch tensors take group=")
 
 
-def attend(spec: Any, q: Any, k: Any, v: Any, **options: Any) -> Any:
+def attend(spec: Any, q: Any, k: Any, v: Any = ..., **options: Any) -> Any:
     """The sharded call of §14: every rank (device) passes its shards of q, k, v and gets its shard of out (and lse).
     The result and gradients are those of :func:`attnkit.attend` on the whole tensors, whichever strategy and
     sharding run it. torch: a collective over ``group``; a bad input on any rank raises a typed error on every rank.
@@ -69,9 +74,17 @@ def attend(spec: Any, q: Any, k: Any, v: Any, **options: Any) -> Any:
         cannot split, or inputs the ranks disagree on.
     """
     implementation = _implementation(q, "q")
-    if implementation.__name__.endswith("jax_cp"):
-        return implementation.attend_jax(spec, q, k, v, **options)
-    return implementation.attend_torch(spec, q, k, v, **options)
+    local = implementation.attend_jax if implementation.__name__.endswith("jax_cp") else implementation.attend_torch
+    if type(spec) is not AttentionSpec or v is ...:
+        raise spellings.call_error(local, spec, {"v": v}, {}, AttentionSpec, _NAME)
+    try:
+        with empty_rows.intended():  # a block's rows that see no key are the larger call's plan
+            return local(spec, q, k, v, **options)
+    except TypeError:
+        unknown = {key: value for key, value in options.items() if key not in inspect.signature(local).parameters}
+        if unknown:  # then Python refused the call before it ran: say what attnkit spells instead
+            raise spellings.call_error(local, spec, {"v": v}, unknown, AttentionSpec, _NAME) from None
+        raise
 
 
 def shard(
