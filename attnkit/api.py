@@ -258,7 +258,6 @@ def explain(
     :param dropout_key: as for :func:`attend`.
     :returns: the spec, the problem, one row per registered backend (the selected one marked, each other with the
         reasons it cannot serve the call, predicted times where the cost table has them) and what decided.
-    
     :raises attnkit.UnexpectedArgumentError: a call written as another library writes it (no spec; ``is_causal=``,
         ``attn_mask=``, ``softmax_scale=``), or an unknown keyword: the message says what to write instead.
     """

@@ -117,7 +117,6 @@ def attend_varlen(
     :param dropout_seed: as for :func:`attend`.
     :param dropout_key: as for :func:`attend`.
     :returns: out (total_q, Hq, Dv), or (out, lse) with lse (Hq, total_q), float32 (float64 for float64 inputs, §6).
-    
     :raises attnkit.UnexpectedArgumentError: a call written as another library writes it (``causal=``,
         ``softmax_scale=``), or an unknown keyword: the message says what to write instead.
     """
@@ -412,7 +411,6 @@ def attend_paged(
     :returns: out, or (out, lse), as attend returns them for q.
     :raises attnkit.InvalidInputError: a block table entry outside the cache, a length past the table, or
         ``dropout_p > 0``.
-    
     :raises attnkit.UnexpectedArgumentError: a call written as another library writes it (``cache_seqlens=``,
         ``causal=``), or an unknown keyword: the message says what to write instead.
     """
