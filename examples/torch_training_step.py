@@ -6,7 +6,7 @@ it learns by heart: the loss falls step by step.
 
     python examples/torch_training_step.py [--steps 20] [--batch 8] [--length 256] [--dropout 0.1]
 
-Before training, the first step's loss and gradients are checked against the same model with its attention written
+Before training, one step's gradients are checked against the same model with its attention written
 out in plain torch (kv heads repeated, a causal mask, softmax, and with --dropout the keep-mask that
 attnkit.dropout_keep_mask gives for the seed: every attnkit backend drops the same probabilities).
 """
@@ -84,8 +84,8 @@ def loss_of(model: TinyLM, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def check_against_reference(model: TinyLM, tokens: torch.Tensor) -> float:
-    """The largest difference of loss and gradients between attnkit and the reference, relative to each one's
-    largest magnitude."""
+    """The largest difference of one step's gradients between attnkit and the reference, each parameter's relative
+    to its largest gradient."""
     reference = copy.deepcopy(model)
     reference.attention.attend = reference_attend
     errors = []
