@@ -1,5 +1,5 @@
-"""configs/costs_cuda.toml from the GPU figures: the H100's in docs/performance.md ("First run on a GPU") and the
-H200's of issue 33 (docs/performance.md, "Issue 33: the static model against the H200").
+"""configs/costs_cuda.toml from the GPU figures: the H100's in docs/performance-history.md ("First run on a GPU") and
+the H200's (docs/performance-history.md, "The static model against the H200").
 
     python scripts/cuda_costs_from_figures.py            # rewrites configs/costs_cuda.toml
 
@@ -11,11 +11,12 @@ stand for the torch-sdpa backend: on these plain calls it is SDPA itself. The po
 decode step was timed), so the fits' overheads are extrapolated; a run of `attnkit bench --calibrate --device cuda`
 on an H100 replaces this table.
 
-The H200 rows (H200_FIGURES) are the issue's table: cuDNN's TF/s (SDPA pinned to it) and each attnkit kernel's ratio
-to it in the same process, bf16, CUDA events, median of 10-20 runs after warm-up and autotuning. torch-sdpa's rows are
-cuDNN's (the midpoint of its range); triton's and cupy's the upper end of their ratio ranges, the most favourable to
-attnkit that was measured, so no entry makes them look faster than the H200 ran them. Triton's fwd+bwd was timed with
-a hand-patched backward (indicative only; the compiled backward is refused on CUDA until a GPU passes it).
+The H200 rows (H200_FIGURES) are the H200 table of 2026-11-27: cuDNN's TF/s (SDPA pinned to it) and each attnkit
+kernel's ratio to it in the same process, bf16, CUDA events, median of 10-20 runs after warm-up and autotuning.
+torch-sdpa's rows are cuDNN's (the midpoint of its range); triton's and cupy's the upper end of their ratio ranges,
+the most favourable to attnkit that was measured, so no entry makes them look faster than the H200 ran them.
+Triton's fwd+bwd was timed with a hand-patched backward (indicative only; the compiled backward is refused on CUDA
+until a GPU passes it).
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ from attnkit.bench.calls import attention_flops
 from attnkit.spec import AttentionSpec
 
 ROOT = Path(__file__).resolve().parent.parent
-FIGURES = ROOT / "docs" / "performance.md"
+FIGURES = ROOT / "docs" / "performance-history.md"
 OUTPUT = ROOT / "configs" / "costs_cuda.toml"
 DEVICE_NAME = "NVIDIA H100 80GB HBM3"
 H200 = "NVIDIA H200"
-#: Issue 33's H200 table: (batch, heads, len_q, len_k, head_dim, causal) -> {pass: (cuDNN TF/s, triton ratio, cupy
+#: The H200 table of 2026-11-27: (batch, heads, len_q, len_k, head_dim, causal) -> {pass: (cuDNN TF/s, triton ratio, cupy
 #: ratio)}; ratios to cuDNN, the upper end of each measured range, cuDNN the midpoint of its range.
 H200_FIGURES: dict[tuple[int, int, int, int, int, bool], dict[str, tuple[float, float, float]]] = {
     (2, 16, 8192, 8192, 128, False): {cost.FORWARD: (644.5, 0.74, 0.39), cost.FORWARD_BACKWARD: (568.0, 0.54, 0.39)},
@@ -128,15 +129,15 @@ def main() -> None:
         [
             "attnkit cost table for CUDA (attnkit/cost.py), keyed to the GPU model it was measured on: it speaks for",
             f'calls on a "{DEVICE_NAME}" only (attnkit.environment.accelerator_name).',
-            'source: the H100 figures of docs/performance.md ("First run on a GPU (H100, 2026-11-22)"), made by',
+            'source: the H100 figures of docs/performance-history.md ("First run on a GPU (H100, 2026-11-22)"), made by',
             "`attnkit bench --backend triton --device cuda --dtype bfloat16` and `... --backend cupy ...` on",
             "NVIDIA H100 80GB HBM3, torch 2.11.0+cu130, Triton 3.6.0, CuPy 14.2; torch SDPA's rows stand for",
             "torch-sdpa. regenerate: python scripts/cuda_costs_from_figures.py (or measure on the GPU:",
             "attnkit bench --calibrate --device cuda)",
             "shapes: D=64 and 128, L=512..16384 (Lq = Lk), causal and not, bfloat16; no decode step (overheads are",
             "extrapolated).",
-            f'The "{H200}" entries: issue 33\'s table (docs/performance.md, "Issue 33: the static model against the',
-            'H200"), torch 2.11.0+cu130, Triton 3.6.0, cupy-cuda13x 14.2.0, main at e782468, bf16, SDPA pinned to',
+            f'The "{H200}" entries: the H200 table of 2026-11-27 (docs/performance-history.md, "The static model',
+            'against the H200"), torch 2.11.0+cu130, Triton 3.6.0, cupy-cuda13x 14.2.0, main at e782468, bf16, SDPA pinned to',
             "cuDNN (torch-sdpa's rows), triton and cupy at the upper end of their measured ratios to it; five shapes,",
             "decode (B=1 H=32 Lq=1 Lk=8192 D=128) among them, forward, and fwd+bwd but for decode.",
         ]

@@ -1,6 +1,6 @@
 """Today's SASS model (attnkit.contract.sass) against the one GPU run: the Triton kernels the H100 timed on
 2026-11-22 (commit 531af8d, Triton 3.6.0 there), compiled here for sm_90 with that Triton at every tile their
-autotuner could pick, and their predicted throughput set beside the measured one (docs/performance.md, "First
+autotuner could pick, and their predicted throughput set beside the measured one (docs/performance-history.md, "First
 run on a GPU"). That run's autotune key had no sequence length, so which candidate ran is unknown: the
 prediction is a range over the candidates.
 
@@ -14,8 +14,8 @@ It runs in a checkout of 531af8d with triton 3.6.0 installed and reads today's m
 Backward throughput counts the FlashAttention-2 paper's flops (2.5 × the forward's) over the dQ and dK/dV
 kernels' predicted times (the Δ kernel is left out: a memory pass).
 
-Issue 33 retired the model's speed projections: its last predictions missed the H200 by 1.4–1.6× (triton forward)
-and 1.5–3× (fwd+bwd); docs/performance.md, "Issue 33: the static model against the H200".
+The H200 run of 2026-11-27 retired the model's speed projections: its last predictions missed the H200 by 1.4–1.6×
+(triton forward) and 1.5–3× (fwd+bwd); docs/performance-history.md, "The static model against the H200".
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-#: Measured TFLOP/s on the H100 (bfloat16, not causal, B·L = 16384), L = 8192 and 16384, from docs/performance.md.
+#: Measured TFLOP/s on the H100 (bfloat16, not causal, B·L = 16384), L = 8192 and 16384, from docs/performance-history.md.
 MEASURED = {
     ("fwd", 64): (331, 337),
     ("fwd", 128): (411, 408),
