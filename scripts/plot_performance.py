@@ -6,7 +6,7 @@
 
 The CPU files are `attnkit bench ... --json` output with a "recorded" block added (date, commit, command); the GPU
 files hold figures recorded on their date (device, versions, code) in the same shape, not re-measured. Drawing
-needs matplotlib (`pip install matplotlib`); --tables needs only the standard library.
+needs matplotlib (`pip install 'attnkit[bench]'`); --tables needs only the standard library.
 tests/test_performance_page.py checks the page's tables against the same JSON.
 """
 
