@@ -35,7 +35,7 @@ from attnkit.registry import backends as registered_backends
 from attnkit.registry import get_backend, register_backend, unregister_backend
 from attnkit.spec import AttentionSpec, CausalAlignment, Layout, Variant
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "AttentionInputs",
