@@ -100,6 +100,23 @@ POISONED_MODULES = frozenset(
 POISON_SWITCH_VARIABLE = "ATTNKIT_TEST_POISON"
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """--dist loadgroup (pyproject.toml) deals the tests marked xdist_group("name") to one worker by the "@name"
+    pytest-xdist appends to their node ids on each worker. Its rename sets ``item._nodeid``, which pytest 9 no longer
+    reads (the id is ``item._id``): the marks were ignored, and each worker that was dealt one of a group's tests made
+    the group's module-scoped fixture again (the distributed children, the static checks' compiles). The suffix is
+    added here where it is missing."""
+    if getattr(config.option, "loadgroup", False) is not True:  # set on xdist workers under --dist loadgroup
+        return
+    for item in items:
+        names = {str(mark.args[0] if mark.args else mark.kwargs.get("name", "default"))
+                 for mark in item.iter_markers("xdist_group")}  # fmt: skip
+        suffix = "@" + "_".join(sorted(names))
+        if names and not item.nodeid.endswith(suffix) and hasattr(item, "_id"):
+            item._id = type(item._id).parse(item.nodeid + suffix)
+
+
 @pytest.fixture(autouse=True)
 def _poisoned_allocations(request: pytest.FixtureRequest) -> Iterator[None]:
     module = request.module.__name__.rpartition(".")[2]

@@ -25,6 +25,10 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
     return code, capsys.readouterr().out
 
 
+#: The tests reading targets_run share one xdist worker (--dist loadgroup): the run is made once, not once per worker.
+SHARES_TARGETS_RUN = pytest.mark.xdist_group("bench_targets_run")
+
+
 @pytest.fixture(scope="module")
 def targets_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dict[str, Any]]:
     """One tiny run of every target (L=32, float32, one repeat, no memory children), shared by the tests below."""
@@ -37,6 +41,7 @@ def targets_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[int, str, dic
     return code, out.getvalue(), json.loads(target.read_text())
 
 
+@SHARES_TARGETS_RUN
 def test_targets_quick_writes_every_target(targets_run: tuple[int, str, dict[str, Any]]) -> None:
     code, out, result = targets_run
     assert code == 0
@@ -77,6 +82,7 @@ def test_targets_quick_writes_every_target(targets_run: tuple[int, str, dict[str
     assert "autograd recording itself" in out and "a KV cache growing one key a step" in out
 
 
+@SHARES_TARGETS_RUN
 def test_targets_plot(targets_run: tuple[int, str, dict[str, Any]], tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     target = tmp_path / "targets.png"

@@ -17,10 +17,15 @@ from attnkit.backends.cupy import inspect, launch
 
 from attnkit.contract.kernels import KernelSwitches
 
-pytestmark = pytest.mark.skipif(
-    inspect.tool("nvcc") is None or inspect.tool("cuobjdump") is None,
-    reason="nvcc and cuobjdump are needed (CUDA toolkit on PATH or $CUDA_HOME; cuobjdump also from the triton wheel)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        inspect.tool("nvcc") is None or inspect.tool("cuobjdump") is None,
+        reason="nvcc and cuobjdump are needed (CUDA toolkit on PATH or $CUDA_HOME; cuobjdump also from the triton "
+        "wheel)",
+    ),
+    # One xdist worker runs them all (--dist loadgroup): the compiled modules are read and disassembled once per run.
+    pytest.mark.xdist_group("cupy_static"),
+]
 
 
 @pytest.fixture(scope="module")

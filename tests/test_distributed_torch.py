@@ -39,6 +39,10 @@ from attnkit.testing.programs import program_function  # noqa: E402
 from attnkit.testing.runners import FLOATING_INPUTS, dropout_of  # noqa: E402
 from tests.sharded_cases import SHARDED_DTYPES, chunked_per_head, document_causal, examples, shardable_cases  # noqa: E402
 
+# One worker runs every test here (--dist loadgroup, pyproject.toml): each world's group is spawned once per run, not
+# once per pytest-xdist worker that is dealt one of its tests.
+pytestmark = pytest.mark.xdist_group("distributed_torch")
+
 STRATEGIES = ("ring", "allgather", "ulysses")
 SHARDINGS = ("contiguous", "zigzag")
 WORLDS = (2, 3, 4)

@@ -63,6 +63,8 @@ def _variant_ids() -> list[tuple[str, str]]:
     return [(name, kernel_pass) for name, variant in variants().items() for kernel_pass in passes(variant)]
 
 
+# One xdist worker takes every variant (--dist loadgroup): the lowering subprocess runs once, not once per worker.
+@pytest.mark.xdist_group("pallas_lowering")
 @pytest.mark.parametrize(("variant", "kernel_pass"), _variant_ids(), ids=[f"{v}-{p}" for v, p in _variant_ids()])
 def test_kernels_lower_for_gpu(lowered: dict, variant: str, kernel_pass: str) -> None:
     """Pallas' Triton lowering accepts every kernel variant: a __gpu$xla.gpu.triton custom call comes out."""

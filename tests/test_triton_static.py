@@ -36,6 +36,8 @@ pytestmark = [
         importlib.util.find_spec("triton") is not None and _cuobjdump() is None,
         reason="this triton wheel bundles no cuobjdump (triton/backends/nvidia/bin/cuobjdump)",
     ),
+    # One xdist worker runs them all (--dist loadgroup): the compiling subprocess runs once per run, not per worker.
+    pytest.mark.xdist_group("triton_static"),
 ]
 
 
