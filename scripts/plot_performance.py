@@ -39,7 +39,7 @@ def cpu_caption(result: dict[str, Any]) -> str:
     env, recorded = result["environment"], result["recorded"]
     load_range = f"load average {recorded['load_average'][0]}–{recorded['load_average'][1]}"
     return (
-        f"{env['cpu_model']}, {env['cpu_count']} shared CPUs, torch {env['torch']}, {env['cpu_threads']} thread\n"
+        f"{env['cpu_model']}, {env['cpu_count']} CPUs, torch {env['torch']}, {env['cpu_threads']} thread\n"
         f"{recorded['date']}, attnkit {recorded['commit']}, {load_range}"
     )
 
