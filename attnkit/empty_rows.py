@@ -14,11 +14,7 @@ from contextvars import ContextVar
 from attnkit.contract import diagonal_band
 from attnkit.errors import EmptyRowsWarning
 from attnkit.spec import AttentionSpec, CausalAlignment
-
-
-def _spec_text(fields: dict[str, object]) -> str:
-    return "attnkit.AttentionSpec(" + ", ".join(f"{name}={value!r}" for name, value in fields.items()) + ")"
-
+from attnkit.spellings import spec_text
 
 _said = False
 _lock = threading.Lock()
@@ -63,7 +59,7 @@ def say_once(spec: AttentionSpec, len_q: int, len_k: int) -> None:
         f"with causal_alignment='bottom_right' (attnkit's default) and Lq={len_q} > Lk={len_k}, the first {rows} "
         "query rows see no key and output 0, lse -inf (docs/semantics.md §4.1, §5): right for queries that follow "
         "the keys. If the queries start where the keys do, as torch SDPA's is_causal=True has them, write "
-        f"causal_alignment='top_left': {_spec_text(top_left)}. (Said once per process.)",
+        f"causal_alignment='top_left': {spec_text(top_left)}. (Said once per process.)",
         EmptyRowsWarning,
         stacklevel=3,
     )

@@ -154,7 +154,8 @@ def _shown(value: Any) -> str:
     return repr(value)
 
 
-def _spec_text(fields: Mapping[str, Any]) -> str:
+def spec_text(fields: Mapping[str, Any]) -> str:
+    """The AttentionSpec constructor call that ``fields`` describe, as a message shows it."""
     return "attnkit.AttentionSpec(" + ", ".join(f"{name}={value!r}" for name, value in fields.items()) + ")"
 
 
@@ -211,7 +212,7 @@ def call_error(
         fields = {field: value for field, value in fields.items() if value is not False and value is not None}
         lines.append(
             f"spec must be an attnkit.AttentionSpec, got {type(spec).__name__}: {name} takes the spec first, then "
-            f"{', '.join(arguments)}: {name}({_spec_text(fields)}, {', '.join(arguments)})"
+            f"{', '.join(arguments)}: {name}({spec_text(fields)}, {', '.join(arguments)})"
         )
     else:
         missing = [argument for argument, value in positional.items() if value is ...]
@@ -230,5 +231,5 @@ def positional_fields_error(
     named = {**dict(zip(spec_fields, values)), **fields}
     return UnexpectedArgumentError(
         f"AttentionSpec takes its fields by keyword, got {len(values)} by position ({', '.join(map(repr, values))}): "
-        f"in field order that is {_spec_text(named)}; the fields are {', '.join(spec_fields)}"
+        f"in field order that is {spec_text(named)}; the fields are {', '.join(spec_fields)}"
     )
